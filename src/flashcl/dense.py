@@ -1,0 +1,52 @@
+"""The dense backend: the vectorised form, which materialises the M x N matrix.
+
+The second seed's ``vectorized_supervised_simcse_loss`` generalised, and made
+stable: excluded entries are masked to ``-inf`` before a logsumexp (never
+``sum(exp) - exp(diag)``). Fast for small batches; memory O(M N).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .core import CoreSpec, compute_dtype
+
+
+def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
+    """Row losses (M,) of the core on the score matrix ``scores`` (M, N)."""
+    m, n = scores.shape
+    lse_in = scores
+    if spec.exclude_self:
+        lse_in = scores.masked_fill(spec.self_mask(m, n, scores.device), float("-inf"))
+    lse = torch.logsumexp(lse_in, dim=1)
+    if spec.index is not None:
+        pos_sum = scores.gather(1, spec.index).sum(1)
+    else:
+        assert spec.row_labels is not None and spec.col_labels is not None
+        pos = spec.row_labels.unsqueeze(1) == spec.col_labels.unsqueeze(0)
+        if spec.self_pairs:
+            pos &= ~spec.self_mask(m, n, scores.device)
+        # where(), not scores * pos: a masked -inf or NaN must not leak into
+        # rows that do not select it.
+        pos_sum = torch.where(pos, scores, torch.zeros((), dtype=scores.dtype, device=scores.device)).sum(1)
+    c, a = spec.weights(m, scores.dtype)
+    return c * lse - a * pos_sum
+
+
+def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tuple[Tensor, Optional[Tensor]]:
+    """Row losses (M,) and, for ``spec.symmetric``, column losses (N,); ``k=None`` means ``k = q``."""
+    dtype = compute_dtype(q.dtype)
+    q = q.to(dtype)
+    k = q if k is None else k.to(dtype)
+    if spec.normalize:
+        q = F.normalize(q, dim=1)
+        k = q if k is q else F.normalize(k, dim=1)
+    scores = (q @ k.T) * scale.to(dtype)
+    row_loss = scores_loss(scores, spec)
+    col_loss = None
+    if spec.symmetric:
+        col_loss = torch.logsumexp(scores, dim=0) - scores.diagonal()
+    return row_loss, col_loss

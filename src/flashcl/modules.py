@@ -1,0 +1,114 @@
+"""``nn.Module`` wrappers: each stores its configuration and calls the function.
+
+A learnable temperature or logit scale stays the caller's: pass it to the
+module's call, or pass a tensor at construction (it is kept as given).
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from torch import Tensor, nn
+
+from . import functional as F
+
+Scalar = Union[float, Tensor]
+
+
+class SupConLoss(nn.Module):
+    """Module form of :func:`flashcl.supcon_loss`; see it for the math and arguments.
+
+    Examples::
+
+        >>> loss_fn = flashcl.SupConLoss(temperature=0.1)
+        >>> loss = loss_fn(torch.randn(8, 16), torch.randint(0, 3, (8,)))
+    """
+
+    def __init__(self, temperature: Scalar = 0.1, positives: str = "mean", include_self: bool = False,
+                 normalize: bool = True, reduction: str = "mean", backend: str = "auto",
+                 block_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.temperature, self.positives, self.include_self = temperature, positives, include_self
+        self.normalize, self.reduction, self.backend, self.block_size = normalize, reduction, backend, block_size
+
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        return F.supcon_loss(embeddings, labels, temperature=self.temperature, positives=self.positives,
+                             include_self=self.include_self, normalize=self.normalize,
+                             reduction=self.reduction, backend=self.backend, block_size=self.block_size)
+
+
+class NTXentLoss(nn.Module):
+    """Module form of :func:`flashcl.nt_xent_loss`.
+
+    Examples::
+
+        >>> loss = flashcl.NTXentLoss(temperature=0.5)(torch.randn(4, 16), torch.randn(4, 16))
+    """
+
+    def __init__(self, temperature: Scalar = 0.07, normalize: bool = True, reduction: str = "mean",
+                 backend: str = "auto", block_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.temperature, self.normalize, self.reduction = temperature, normalize, reduction
+        self.backend, self.block_size = backend, block_size
+
+    def forward(self, z1: Tensor, z2: Tensor) -> Tensor:
+        return F.nt_xent_loss(z1, z2, temperature=self.temperature, normalize=self.normalize,
+                              reduction=self.reduction, backend=self.backend, block_size=self.block_size)
+
+
+class InfoNCELoss(nn.Module):
+    """Module form of :func:`flashcl.info_nce_loss`.
+
+    Examples::
+
+        >>> loss = flashcl.InfoNCELoss(temperature=0.05)(torch.randn(4, 16), torch.randn(6, 16))
+    """
+
+    def __init__(self, temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
+                 backend: str = "auto", block_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.temperature, self.normalize, self.reduction = temperature, normalize, reduction
+        self.backend, self.block_size = backend, block_size
+
+    def forward(self, query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None) -> Tensor:
+        return F.info_nce_loss(query, keys, positive_index, temperature=self.temperature,
+                               normalize=self.normalize, reduction=self.reduction, backend=self.backend,
+                               block_size=self.block_size)
+
+
+class ClipLoss(nn.Module):
+    """Module form of :func:`flashcl.clip_loss`; called as open_clip's ``ClipLoss`` is:
+    ``loss_fn(image_features, text_features, logit_scale)``.
+
+    Examples::
+
+        >>> loss = flashcl.ClipLoss()(torch.randn(4, 16), torch.randn(4, 16), 100.0)
+    """
+
+    def __init__(self, normalize: bool = True, reduction: str = "mean", backend: str = "auto",
+                 block_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.normalize, self.reduction, self.backend, self.block_size = normalize, reduction, backend, block_size
+
+    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar) -> Tensor:
+        return F.clip_loss(image_features, text_features, logit_scale, normalize=self.normalize,
+                           reduction=self.reduction, backend=self.backend, block_size=self.block_size)
+
+
+class NeighborLoss(nn.Module):
+    """Module form of :func:`flashcl.neighbor_loss`.
+
+    Examples::
+
+        >>> scores = torch.randn(10, 10)
+        >>> loss = flashcl.NeighborLoss()(scores, flashcl.sample_neighbors(10, 2))
+    """
+
+    def __init__(self, exclude_diagonal: bool = True, reduction: str = "sum", backend: str = "auto",
+                 block_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.exclude_diagonal, self.reduction, self.backend, self.block_size = (
+            exclude_diagonal, reduction, backend, block_size)
+
+    def forward(self, scores: Tensor, neighbors: Tensor) -> Tensor:
+        return F.neighbor_loss(scores, neighbors, exclude_diagonal=self.exclude_diagonal,
+                               reduction=self.reduction, backend=self.backend, block_size=self.block_size)

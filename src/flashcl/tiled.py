@@ -1,0 +1,425 @@
+"""The tiled backend: the core without ever holding the M x N matrix.
+
+The anchors are processed in blocks of ``block`` rows. Each block's scores
+``S = scale * Q_blk K^T`` (block x N) live in one buffer that is reused for
+every block: a fresh allocation per block would cost page faults that on a
+CPU take longer than the block's arithmetic. Per block:
+
+* forward: the row logsumexp over ``Den(i)`` (masked to ``-inf``, never
+  subtracted), and for CLIP a running column logsumexp merged with
+  ``logaddexp`` across blocks (as Inf-CL does);
+* backward: the block is rebuilt from ``Q``, ``K`` and the saved LSE, turned
+  into ``G = dloss/dS`` in place, and ``dQ_blk = G K``, ``dK += G^T Q_blk``.
+
+Positives never need the matrix: ``sum_j m_ij s_ij`` is bilinear in the
+embeddings, so it is computed, and differentiated, in embedding space
+(class sums of K for labels, a gather of K rows for indices) in O((M + N) D).
+
+When the loss is reduced to a scalar and a gradient will be needed, the
+gradient is formed during the forward pass (as Liger-Kernel's fused linear
+cross-entropy does): each block's softmax is at hand right after its LSE, so
+a loss over rows costs three GEMMs (S, G K, G^T Q) instead of four (the
+recomputation of S in backward). Measured on the 2-core CPU this is the
+difference between ~1.05x and ~1.35x of the GEMM bound for SupCon at
+B = 8192. Backward then only scales the stored gradients by ``grad_output``.
+CLIP needs the column LSE of the whole matrix before any column's softmax is
+known, so its fused path is two passes (four GEMMs, the floor).
+
+L2 normalisation happens inside the Function, and its backward is applied to
+the stored gradient in place, so that neither the normalised embeddings nor
+their gradient outlive the forward pass.
+
+The score-matrix variant (:class:`TiledScores`, ``neighbor_loss``) writes the
+gradient block by block into the one n x n tensor it returns, so that it
+allocates nothing else of that size.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .core import CoreSpec, compute_dtype
+
+_NORM_EPS = 1e-12  # F.normalize's default
+_BLOCK_BYTES = 16 * 2**20  # one score block; see auto_block()
+
+
+def auto_block(m: int, n: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per block: the block x N score buffer stays near 16 MB.
+
+    Under glibc's 32 MB mmap threshold a buffer is recycled rather than mapped
+    afresh, and at B = 8192 it gives 512-row blocks, large enough for the
+    ``G^T Q_blk`` GEMM (inner dimension = block rows) to run at full speed.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = _BLOCK_BYTES // max(1, n * itemsize)
+    return int(max(1, min(m, rows)))
+
+
+def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
+    """Cast (never in place) and optionally L2-normalise rows; returns (rows, norms)."""
+    x = x.detach().to(dtype)
+    if not normalize:
+        return x, None
+    norms = torch.linalg.vector_norm(x, dim=1).clamp_min(_NORM_EPS)
+    return x / norms.unsqueeze(1), norms
+
+
+def _normalize_backward_(grad: Tensor, y: Tensor, norms: Tensor, block: int) -> None:
+    """In place: d(x / max(|x|, eps))/dx applied to ``grad``, given y = x/|x|."""
+    projected = norms > _NORM_EPS
+    for r0 in range(0, grad.shape[0], block):
+        g, yb = grad[r0:r0 + block], y[r0:r0 + block]
+        dot = (g * yb).sum(1) * projected[r0:r0 + block]
+        g.sub_(yb * dot.unsqueeze(1)).div_(norms[r0:r0 + block].unsqueeze(1))
+
+
+def _mask_self_(s_blk: Tensor, r0: int, offset: int, value: float) -> None:
+    s_blk.diagonal(offset=r0 + offset).fill_(value)
+
+
+def _lse_inplace(s_blk: Tensor) -> Tuple[Tensor, Tensor]:
+    """Row logsumexp of ``s_blk``; leaves ``exp(s - rowmax)`` in it, returns (lse, rowsum)."""
+    mx = s_blk.amax(1, keepdim=True)
+    s_blk.sub_(mx).exp_()
+    total = s_blk.sum(1, keepdim=True)
+    return (mx + total.log()).squeeze(1), total
+
+
+def _class_sums(x: Tensor, ids: Tensor, num_classes: int, weight: Optional[Tensor] = None) -> Tensor:
+    out = x.new_zeros(num_classes, x.shape[1])
+    return out.index_add_(0, ids, x if weight is None else x * weight.unsqueeze(1))
+
+
+def _self_rows(r0: int, r1: int, offset: int, n: int) -> Tuple[int, int]:
+    """Rows [a, b) of the block [r0, r1) whose own column i + offset lies in [0, n)."""
+    a = min(max(r0, -offset), r1)
+    b = max(min(r1, n - offset), a)
+    return a, b
+
+
+def _positive_raw(q: Tensor, k: Tensor, spec: CoreSpec, block: int) -> Tensor:
+    """sum_j m_ij q_i . k_j per anchor (M,), without the M x N matrix."""
+    m, n = q.shape[0], k.shape[0]
+    out = q.new_empty(m)
+    sums = None
+    if spec.index is None:
+        assert spec.row_labels is not None and spec.col_labels is not None
+        sums = _class_sums(k, spec.col_labels, spec.num_classes)
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        qb = q[r0:r1]
+        if sums is None:
+            out[r0:r1] = torch.einsum("bd,bkd->b", qb, k[spec.index[r0:r1]])
+            continue
+        out[r0:r1] = (qb * sums[spec.row_labels[r0:r1]]).sum(1)
+        if spec.self_pairs:
+            a, b = _self_rows(r0, r1, spec.offset, n)
+            out[a:b] -= (q[a:b] * k[a + spec.offset:b + spec.offset]).sum(1)
+    return out
+
+
+def _positive_grad_(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, w: Tensor,
+                    dq: Tensor, dk: Tensor, block: int) -> None:
+    """Adds the gradient of ``-sum_i w_i sum_j m_ij s_ij`` to dq, dk (s = scale q.k)."""
+    m, n = q.shape[0], k.shape[0]
+    if spec.index is not None:
+        kk = spec.index.shape[1]
+        for r0 in range(0, m, block):
+            r1 = min(r0 + block, m)
+            idx = spec.index[r0:r1]
+            wb = (w[r0:r1] * -scale).unsqueeze(1)
+            dq[r0:r1].add_(k[idx].sum(1) * wb)
+            dk.index_add_(0, idx.reshape(-1), (q[r0:r1] * wb).repeat_interleave(kk, dim=0))
+        return
+    assert spec.row_labels is not None and spec.col_labels is not None
+    k_sums = _class_sums(k, spec.col_labels, spec.num_classes)
+    wq_sums = _class_sums(q, spec.row_labels, spec.num_classes, weight=w)
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        dq[r0:r1].sub_(k_sums[spec.row_labels[r0:r1]] * (w[r0:r1] * scale).unsqueeze(1))
+    for c0 in range(0, n, block):
+        c1 = min(c0 + block, n)
+        dk[c0:c1].sub_(wq_sums[spec.col_labels[c0:c1]], alpha=scale)
+    if spec.self_pairs:
+        a, b = _self_rows(0, m, spec.offset, n)
+        dq[a:b].add_(k[a + spec.offset:b + spec.offset] * (w[a:b] * scale).unsqueeze(1))
+        dk[a + spec.offset:b + spec.offset].add_(q[a:b] * (w[a:b] * scale).unsqueeze(1))
+
+
+class _Workspace:
+    """Block buffers allocated once per call and reused for every block."""
+
+    def __init__(self, block: int, n: int, d: int, like: Tensor, two: bool):
+        self.s = like.new_empty(block, n)
+        self.s2 = like.new_empty(block, n) if two else None
+        self.gk = like.new_empty(block, d)
+
+
+def _accumulate(g: Tensor, r0: int, q: Tensor, k: Tensor, scale: float, dq: Tensor, dk: Tensor,
+                ws: _Workspace) -> Tensor:
+    """dq_blk += scale G K, dk += scale G^T Q_blk; returns sum_ij G_ij q_i.k_j (for d scale)."""
+    b = g.shape[0]
+    qb = q[r0:r0 + b]
+    gk = torch.mm(g, k, out=ws.gk[:b])
+    dscale = torch.dot(gk.reshape(-1), qb.reshape(-1))
+    dq[r0:r0 + b].add_(gk, alpha=scale)
+    dk.addmm_(g.T, qb, alpha=scale)
+    return dscale
+
+
+def _grad_pass(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, row_lse: Tensor,
+               col_lse: Optional[Tensor], g_row: Tensor, g_col: Optional[Tensor],
+               dq: Tensor, dk: Tensor, block: int) -> Tensor:
+    """The LSE terms' gradient, rebuilding every block from Q, K and the saved LSE.
+
+    ``G_ij = g_row_i exp(s_ij - lse_i) [j in Den(i)] + g_col_j exp(s_ij - lse'_j)``.
+    Returns sum_ij G_ij q_i.k_j.
+    """
+    m, n, d = q.shape[0], k.shape[0], q.shape[1]
+    ws = _Workspace(min(block, m), n, d, q, two=col_lse is not None)
+    dscale = q.new_zeros(())
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        s = torch.mm(q[r0:r1] * scale, k.T, out=ws.s[:r1 - r0])
+        if col_lse is not None:
+            assert g_col is not None and ws.s2 is not None
+            colpart = torch.sub(s, col_lse.unsqueeze(0), out=ws.s2[:r1 - r0]).exp_().mul_(g_col.unsqueeze(0))
+        if spec.exclude_self:
+            _mask_self_(s, r0, spec.offset, float("-inf"))
+        s.sub_(row_lse[r0:r1].unsqueeze(1)).exp_().mul_(g_row[r0:r1].unsqueeze(1))
+        if col_lse is not None:
+            s.add_(colpart)
+        dscale += _accumulate(s, r0, q, k, scale, dq, dk, ws)
+    return dscale
+
+
+def _forward_pass(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, block: int,
+                  g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+                  ) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """Row LSE (M,), column LSE (N,) for CLIP, and, when ``g_row`` is given and
+    there is no column term, the LSE gradient accumulated into dq, dk in the same
+    pass. Returns (row_lse, col_lse, dscale)."""
+    m, n, d = q.shape[0], k.shape[0], q.shape[1]
+    ws = _Workspace(min(block, m), n, d, q, two=False)
+    row_lse = q.new_empty(m)
+    col_lse = q.new_full((n,), float("-inf")) if spec.symmetric else None
+    dscale = q.new_zeros(())
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        s = torch.mm(q[r0:r1] * scale, k.T, out=ws.s[:r1 - r0])
+        if col_lse is not None:
+            torch.logaddexp(col_lse, torch.logsumexp(s, dim=0), out=col_lse)
+        if spec.exclude_self:
+            _mask_self_(s, r0, spec.offset, float("-inf"))
+        lse, total = _lse_inplace(s)
+        row_lse[r0:r1] = lse
+        if g_row is not None:
+            assert dq is not None and dk is not None
+            s.mul_(g_row[r0:r1].unsqueeze(1) / total)
+            dscale += _accumulate(s, r0, q, k, scale, dq, dk, ws)
+    return row_lse, col_lse, dscale
+
+
+class TiledCore(torch.autograd.Function):
+    """Core losses of embeddings in blocks; see the module docstring.
+
+    ``apply(q, k, scale, spec, reduce_weights, block)``: ``k=None`` means the
+    candidates are the anchors (one gradient). ``reduce_weights=None`` returns the
+    per-row losses, with the column losses appended for CLIP: shape (M,) or
+    (M + N,). ``reduce_weights=(r, u)`` returns ``sum r * row_loss + sum u * col_loss``
+    and, when a gradient is needed, computes it during the forward pass.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor, spec: CoreSpec,
+                reduce_weights: Optional[Tuple[Tensor, Optional[Tensor]]], block: int) -> Tensor:
+        dtype = compute_dtype(q_in.dtype)
+        q, q_norms = _prepare(q_in, spec.normalize, dtype)
+        k, k_norms = (q, q_norms) if k_in is None else _prepare(k_in, spec.normalize, dtype)
+        s = float(scale)
+        m = q.shape[0]
+        c, a = spec.weights(m, dtype)
+        needs_grad = any(ctx.needs_input_grad[:3])
+        fused = reduce_weights is not None and needs_grad
+
+        dq = dk = None
+        g_row = None
+        if fused:
+            r, u = reduce_weights
+            dk = torch.zeros_like(k)
+            dq = dk if k_in is None else torch.zeros_like(q)
+            g_row = None if spec.symmetric else r * c
+        row_lse, col_lse, dscale = _forward_pass(q, k, s, spec, block, g_row, dq, dk)
+
+        raw_pos = _positive_raw(q, k, spec, block)
+        row_loss = c * row_lse - a * (s * raw_pos)
+        losses = row_loss
+        raw_diag = None
+        if spec.symmetric:
+            raw_diag = (q * k).sum(1)
+            losses = torch.cat([row_loss, col_lse - s * raw_diag])
+
+        ctx.spec, ctx.block, ctx.same = spec, block, k_in is None
+        ctx.reduce_weights = reduce_weights
+        ctx.grads = None
+        if needs_grad:
+            ctx.save_for_backward(q_in, k_in, scale, row_lse, col_lse, raw_pos, raw_diag)
+        if reduce_weights is None:
+            return losses
+        r, u = reduce_weights
+        out = (r * row_loss).sum()
+        if spec.symmetric:
+            assert u is not None and col_lse is not None and raw_diag is not None
+            out = out + (u * (col_lse - s * raw_diag)).sum()
+        if fused:
+            assert dq is not None and dk is not None
+            if spec.symmetric:
+                dscale += _grad_pass(q, k, s, spec, row_lse, col_lse, r * c, u, dq, dk, block)
+            ctx.grads = _finish_grads(q, k, q_norms, k_norms, q_in, k_in, s, spec, dq, dk, dscale,
+                                      raw_pos, raw_diag, r * a, u, block)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
+        q_in, k_in, scale, row_lse, col_lse, raw_pos, raw_diag = ctx.saved_tensors
+        spec, block = ctx.spec, ctx.block
+        if ctx.grads is not None:
+            # Stored by the fused forward; handed over (not copied) the first time.
+            dq, dk, dscale = ctx.grads
+            ctx.grads = None
+            if not bool((grad_out == 1).all()):
+                dq.mul_(grad_out)
+                if dk is not None:
+                    dk.mul_(grad_out)
+                dscale = dscale * grad_out
+        else:
+            m = q_in.shape[0]
+            dtype = compute_dtype(q_in.dtype)
+            if ctx.reduce_weights is not None:
+                r, u = ctx.reduce_weights
+                g_row = r * grad_out
+                g_col = None if u is None else u * grad_out
+            else:
+                g_row = grad_out[:m].to(dtype)
+                g_col = grad_out[m:].to(dtype) if spec.symmetric else None
+            q, q_norms = _prepare(q_in, spec.normalize, dtype)
+            k, k_norms = (q, q_norms) if ctx.same else _prepare(k_in, spec.normalize, dtype)
+            c, a = spec.weights(m, dtype)
+            s = float(scale)
+            dk = torch.zeros_like(k)
+            dq = dk if ctx.same else torch.zeros_like(q)
+            dscale = _grad_pass(q, k, s, spec, row_lse, col_lse, g_row * c, g_col, dq, dk, block)
+            dq, dk, dscale = _finish_grads(q, k, q_norms, k_norms, q_in, k_in, s, spec, dq, dk, dscale,
+                                           raw_pos, raw_diag, g_row * a, g_col, block)
+        need_q, need_k, need_s = ctx.needs_input_grad[:3]
+        return (dq if need_q else None, dk if need_k else None,
+                dscale.to(scale.dtype) if need_s else None, None, None, None)
+
+
+def _finish_grads(q: Tensor, k: Tensor, q_norms: Optional[Tensor], k_norms: Optional[Tensor],
+                  q_in: Tensor, k_in: Optional[Tensor], scale: float, spec: CoreSpec,
+                  dq: Tensor, dk: Tensor, dscale: Tensor, raw_pos: Tensor, raw_diag: Optional[Tensor],
+                  w_pos: Tensor, g_col: Optional[Tensor], block: int
+                  ) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """Adds the positive terms to the LSE gradient, applies the normalisation's
+    backward and casts back: returns (d q_in, d k_in or None when k is q, d scale)."""
+    _positive_grad_(q, k, scale, spec, w_pos, dq, dk, block)
+    dscale = dscale - (w_pos * raw_pos).sum()
+    if spec.symmetric:
+        assert g_col is not None and raw_diag is not None
+        dq.sub_(k * (g_col * scale).unsqueeze(1))
+        dk.sub_(q * (g_col * scale).unsqueeze(1))
+        dscale = dscale - (g_col * raw_diag).sum()
+    same = k_in is None
+    if q_norms is not None:
+        _normalize_backward_(dq, q, q_norms, block)
+        if not same:
+            assert k_norms is not None
+            _normalize_backward_(dk, k, k_norms, block)
+    dq_out = dq.to(q_in.dtype)
+    dk_out = None if same else dk.to(k_in.dtype)  # type: ignore[union-attr]
+    return dq_out, dk_out, dscale
+
+
+class TiledScores(torch.autograd.Function):
+    """Core losses of a given score matrix (the neighbour loss), in row blocks.
+
+    ``apply(scores, spec, reduce_weights, block)``: ``reduce_weights=None`` returns
+    the per-row losses (n,); a weight vector ``r`` returns ``sum r * row_loss`` and
+    computes the gradient during the forward pass, straight into the one n x n
+    tensor that becomes ``scores.grad``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, scores: Tensor, spec: CoreSpec, reduce_weights: Optional[Tensor],
+                block: int) -> Tensor:
+        assert spec.index is not None
+        dtype = compute_dtype(scores.dtype)
+        n, ncol = scores.shape
+        c, a = spec.weights(n, dtype)
+        pos = scores.detach().gather(1, spec.index).to(dtype).sum(1)
+        needs_grad = ctx.needs_input_grad[0]
+        fused = reduce_weights is not None and needs_grad
+        grad = torch.empty_like(scores) if fused else None
+        # The block is worked on in the gradient itself where dtypes allow: no
+        # second buffer, and each row is read from the input once.
+        direct = grad is not None and grad.dtype == dtype
+        buf = None if direct else scores.new_empty(min(block, n), ncol, dtype=dtype)
+        lse = scores.new_empty(n, dtype=dtype)
+        for r0 in range(0, n, block):
+            r1 = min(r0 + block, n)
+            blk = grad[r0:r1] if direct else buf[:r1 - r0]  # type: ignore[index]
+            blk.copy_(scores[r0:r1].detach())
+            if spec.exclude_self:
+                _mask_self_(blk, r0, spec.offset, float("-inf"))
+            lse[r0:r1], total = _lse_inplace(blk)
+            if grad is not None:
+                _scores_grad_block(blk, r0, spec, (reduce_weights[r0:r1] * c[r0:r1]).unsqueeze(1) / total,
+                                   reduce_weights[r0:r1] * a[r0:r1])
+                if not direct:
+                    grad[r0:r1].copy_(blk)
+        row_loss = c * lse - a * pos
+        ctx.spec, ctx.block, ctx.reduce_weights = spec, block, reduce_weights
+        ctx.grad = grad
+        if needs_grad:
+            ctx.save_for_backward(scores, lse)
+        if reduce_weights is None:
+            return row_loss
+        return (reduce_weights * row_loss).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
+        scores, lse = ctx.saved_tensors
+        spec, block = ctx.spec, ctx.block
+        if ctx.grad is not None:
+            grad = ctx.grad
+            ctx.grad = None
+            if not bool((grad_out == 1).all()):
+                grad.mul_(grad_out)
+            return grad, None, None, None
+        dtype = compute_dtype(scores.dtype)
+        n = scores.shape[0]
+        g = ctx.reduce_weights * grad_out if ctx.reduce_weights is not None else grad_out.to(dtype)
+        c, a = spec.weights(n, dtype)
+        grad = torch.empty_like(scores)
+        buf = scores.new_empty(min(block, n), scores.shape[1], dtype=dtype)
+        for r0 in range(0, n, block):
+            r1 = min(r0 + block, n)
+            blk = buf[:r1 - r0].copy_(scores[r0:r1])
+            if spec.exclude_self:
+                _mask_self_(blk, r0, spec.offset, float("-inf"))
+            blk.sub_(lse[r0:r1].unsqueeze(1)).exp_()
+            _scores_grad_block(blk, r0, spec, (g[r0:r1] * c[r0:r1]).unsqueeze(1), g[r0:r1] * a[r0:r1])
+            grad[r0:r1].copy_(blk)
+        return grad, None, None, None
+
+
+def _scores_grad_block(blk: Tensor, r0: int, spec: CoreSpec, lse_coef: Tensor, pos_coef: Tensor) -> None:
+    """In place: ``blk`` (the block's masked exp) becomes ``lse_coef * blk - pos_coef * m``."""
+    assert spec.index is not None
+    idx = spec.index[r0:r0 + blk.shape[0]]
+    blk.mul_(lse_coef)
+    blk.scatter_add_(1, idx, (-pos_coef).unsqueeze(1).expand_as(idx).to(blk.dtype))
