@@ -17,6 +17,7 @@ from .core import CoreSpec, compute_dtype
 
 def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
     """Row losses (M,) of the core on the score matrix ``scores`` (M, N)."""
+    scores = scores.to(compute_dtype(scores.dtype))
     m, n = scores.shape
     lse_in = scores
     if spec.exclude_self:

@@ -36,7 +36,7 @@ def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
                 count += 1
     if spec.pos_mode == "mean":
         if count == 0:
-            return sims.new_zeros(())
+            return 0.0 * lse  # undefined term: 0, but still part of the graph
         return lse - pos_sum / count
     if spec.pos_mode == "pairs":
         return count * lse - pos_sum

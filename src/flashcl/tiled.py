@@ -35,6 +35,7 @@ allocates nothing else of that size.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 import torch
@@ -223,6 +224,104 @@ def _forward_pass(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, block: int
     return row_lse, col_lse, dscale
 
 
+def _panel(buf: Tensor, rows: int, cols: int) -> Tensor:
+    """A contiguous (rows, cols) view at the start of a flat buffer."""
+    return buf[:rows * cols].view(rows, cols)
+
+
+def _uses_symmetry(k_in: Optional[Tensor], spec: CoreSpec) -> bool:
+    """Self-contrast with the self mask on the diagonal: S = s E E^T is symmetric,
+    so only the blocks on and above the diagonal need computing."""
+    return k_in is None and spec.offset == 0 and not spec.symmetric
+
+
+def _bound_shift(e: Tensor, scale: float) -> Optional[float]:
+    """A shift ``c >= max |s_ij|`` (Cauchy-Schwarz: scale * max |e_i|^2) when
+    ``exp(s - c)`` cannot underflow, i.e. ``2c`` is within the dtype's exponent
+    range; else None. With it, the row and the column sums of one ``exp(S - c)``
+    block give both directions' LSE: one exp per element instead of two
+    logsumexps (for unit-norm embeddings: temperature above ~0.025 in float32)."""
+    limit = 80.0 if e.dtype == torch.float32 else 700.0
+    c = scale * float(torch.linalg.vector_norm(e, dim=1).max()) ** 2
+    return c if math.isfinite(c) and 2.0 * c <= limit else None
+
+
+def _self_lse(e: Tensor, scale: float, spec: CoreSpec, block: int, shift: Optional[float]) -> Tensor:
+    """Row LSE of S = scale E E^T from the upper panels only: each panel
+    ``S[I, I:]`` gives its rows' partial LSE and, transposed, the columns' right
+    of the diagonal block."""
+    m = e.shape[0]
+    buf = e.new_empty(min(block, m) * m)
+    acc = e.new_zeros(m) if shift is not None else e.new_full((m,), float("-inf"))
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        b = r1 - r0
+        s = torch.mm(e[r0:r1] * scale, e[r0:].T, out=_panel(buf, b, m - r0))
+        if shift is not None:
+            # acc holds sums of exp(s - shift); masked entries are exact zeros
+            s.sub_(shift).exp_()
+            if spec.exclude_self:
+                s[:, :b].diagonal().fill_(0.0)
+            acc[r0:r1] += s.sum(1)
+            if r1 < m:
+                acc[r1:] += s[:, b:].sum(0)
+            continue
+        if spec.exclude_self:
+            s[:, :b].diagonal().fill_(float("-inf"))
+        if r1 < m:
+            torch.logaddexp(acc[r1:], torch.logsumexp(s[:, b:], dim=0), out=acc[r1:])
+        torch.logaddexp(acc[r0:r1], torch.logsumexp(s, dim=1), out=acc[r0:r1])
+    return acc.log_().add_(shift) if shift is not None else acc
+
+
+def _self_grad_pass(e: Tensor, scale: float, spec: CoreSpec, lse: Tensor, g: Tensor, de: Tensor,
+                    block: int, shift: Optional[float]) -> Tensor:
+    """The LSE terms' gradient for self-contrast from the upper panels only.
+
+    With ``G_ij = g_i exp(s_ij - lse_i)`` (masked), d loss/dE = scale (G + G^T) E.
+    ``H = G + G^T`` is symmetric and each upper panel gives both ``H[I, I:]`` and
+    ``H[I:, I]``, so the whole gradient costs one S recomputation over half the
+    matrix and two GEMMs over half of it: one GEMM of B^2 D in all, where the
+    unsymmetric path needs two. With a ``shift``,
+    ``H_ij = exp(s_ij - shift) (alpha_i + alpha_j)``, ``alpha = g exp(shift - lse)``:
+    one exp per element. Returns sum_ij G_ij e_i.e_j (for d scale).
+    """
+    m = e.shape[0]
+    bm = min(block, m)
+    buf, buf2 = e.new_empty(bm * m), e.new_empty(bm * m)
+    gk = e.new_empty(bm, e.shape[1])
+    dscale = e.new_zeros(())
+    alpha = g * torch.exp(shift - lse) if shift is not None else None
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        b = r1 - r0
+        er = e[r0:r1]
+        h = torch.mm(er * scale, e[r0:].T, out=_panel(buf, b, m - r0))
+        if alpha is not None:
+            h.sub_(shift).exp_()
+            if spec.exclude_self:
+                h[:, :b].diagonal().fill_(0.0)
+            transposed = torch.mul(h, alpha[r0:].unsqueeze(0), out=_panel(buf2, b, m - r0))
+            h.mul_(alpha[r0:r1].unsqueeze(1)).add_(transposed)
+        else:
+            if spec.exclude_self:
+                h[:, :b].diagonal().fill_(float("-inf"))
+            transposed = torch.sub(h, lse[r0:].unsqueeze(0), out=_panel(buf2, b, m - r0))
+            transposed.exp_().mul_(g[r0:].unsqueeze(0))
+            h.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(g[r0:r1].unsqueeze(1)).add_(transposed)
+        # diagonal block: H_II = G_II + G_II^T, counted once
+        part = torch.mm(h[:, :b], er, out=gk[:b])
+        dscale += 0.5 * torch.dot(part.reshape(-1), er.reshape(-1))
+        de[r0:r1].add_(part, alpha=scale)
+        if r1 < m:
+            rest = h[:, b:]
+            part = torch.mm(rest, e[r1:], out=gk[:b])
+            dscale += torch.dot(part.reshape(-1), er.reshape(-1))
+            de[r0:r1].add_(part, alpha=scale)
+            de[r1:].addmm_(rest.T, er, alpha=scale)
+    return dscale
+
+
 class TiledCore(torch.autograd.Function):
     """Core losses of embeddings in blocks; see the module docstring.
 
@@ -252,7 +351,16 @@ class TiledCore(torch.autograd.Function):
             dk = torch.zeros_like(k)
             dq = dk if k_in is None else torch.zeros_like(q)
             g_row = None if spec.symmetric else r * c
-        row_lse, col_lse, dscale = _forward_pass(q, k, s, spec, block, g_row, dq, dk)
+        symmetric_scores = _uses_symmetry(k_in, spec)
+        if symmetric_scores:
+            shift = _bound_shift(q, s)
+            row_lse, col_lse = _self_lse(q, s, spec, block, shift), None
+            dscale = q.new_zeros(())
+            if fused:
+                assert dq is not None and g_row is not None
+                dscale = _self_grad_pass(q, s, spec, row_lse, g_row, dq, block, shift)
+        else:
+            row_lse, col_lse, dscale = _forward_pass(q, k, s, spec, block, g_row, dq, dk)
 
         raw_pos = _positive_raw(q, k, spec, block)
         row_loss = c * row_lse - a * (s * raw_pos)
@@ -311,7 +419,10 @@ class TiledCore(torch.autograd.Function):
             s = float(scale)
             dk = torch.zeros_like(k)
             dq = dk if ctx.same else torch.zeros_like(q)
-            dscale = _grad_pass(q, k, s, spec, row_lse, col_lse, g_row * c, g_col, dq, dk, block)
+            if _uses_symmetry(k_in, spec):
+                dscale = _self_grad_pass(q, s, spec, row_lse, g_row * c, dq, block, _bound_shift(q, s))
+            else:
+                dscale = _grad_pass(q, k, s, spec, row_lse, col_lse, g_row * c, g_col, dq, dk, block)
             dq, dk, dscale = _finish_grads(q, k, q_norms, k_norms, q_in, k_in, s, spec, dq, dk, dscale,
                                            raw_pos, raw_diag, g_row * a, g_col, block)
         need_q, need_k, need_s = ctx.needs_input_grad[:3]

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Sets up .venv (torch 2.13.0 CPU when no torch is installed, then flashcl with
+# its extras) and runs the benchmark (`./run.sh bench [args]`) or the tests
+# (`./run.sh test [pytest args]`).
+set -euo pipefail
+cd "$(dirname "$0")"
+venv="${FLASHCL_VENV:-.venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+# A plain torch requirement with no torch present would pull a multi-GB CUDA
+# build; this machine keeps the CPU build of 2.13.0, which torch>=2.4 accepts.
+"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q torch==2.13.0
+"$py" -m pip install -q -e ".[test,bench]"
+cmd="${1:-test}"
+shift || true
+case "$cmd" in
+  test) exec "$py" -m pytest "$@" ;;
+  bench) exec "$py" -m flashcl bench "$@" ;;
+  *) echo "usage: ./run.sh test|bench [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,56 @@
+"""Runs one workload in this (fresh) process and prints one JSON line:
+time of the first call and the best of the repeats, and the peak resident
+memory of the first call above what was resident before it."""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+import torch
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from .workloads import WORKLOADS
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    step, grad_bytes = WORKLOADS[spec["workload"]](spec["params"])
+    if spec.get("mem_limit_mb"):
+        in_use = _status_kb("VmSize") * 1024
+        limit = in_use + int(spec["mem_limit_mb"]) * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current resident size
+    before = _status_kb("VmRSS")
+    try:
+        t0 = time.perf_counter()
+        loss = step()
+        first = time.perf_counter() - t0
+        peak = _status_kb("VmHWM") - before
+        times = [first]
+        for _ in range(int(spec.get("repeats", 1))):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    except (MemoryError, RuntimeError) as e:  # RuntimeError: torch's "can't allocate memory"
+        if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
+            raise
+        print(json.dumps({"status": "oom", "error": str(e)[:300]}))
+        return
+    print(json.dumps({"status": "ok", "loss": loss, "first_s": first, "time_s": min(times),
+                      "peak_mb": peak / 1024, "grad_mb": grad_bytes / 2**20}))
+
+
+if __name__ == "__main__":
+    main()
