@@ -86,6 +86,9 @@ def make_cases(seed: int = 0, scale: int = 1) -> List[Case]:
         Case("supcon_sum", flashcl.supcon_loss, [r(b, 6)], [lab_singletons],
              {"temperature": 0.2, "positives": "sum"}),
         Case("supcon_no_pos_anchors", flashcl.supcon_loss, [r(b, 6)], [lab_singletons], {"temperature": 0.2}),
+        # 2 * max|s| = 2000 > 700: the tiled self-contrast path cannot use the fixed
+        # exp shift and falls back to per-row maxima.
+        Case("supcon_tiny_temperature", flashcl.supcon_loss, [r(b, 6)], [lab], {"temperature": 0.001}),
         Case("supcon_views", flashcl.supcon_loss, [r(5 * scale, 3, 6)], [_labels(5 * scale, 2, g)],
              {"temperature": 0.5}, "temperature"),
         Case("supcon_unnormalized", flashcl.supcon_loss, [0.3 * r(b, 6)], [lab],

@@ -33,6 +33,7 @@ def _run(b: int, d: int, backend: str, limit_mb: int) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("b", [12_000])
 def test_tiled_fits_where_dense_matrix_cannot(b: int) -> None:
     # The dense B x B float32 matrix is 576 MB at B = 12000; allow 256 MB above what is in use.

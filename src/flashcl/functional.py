@@ -517,7 +517,7 @@ def _auto_scores_block(n: int) -> int:
     """Rows per block for a given score matrix: ~1 MB of float32 per block, so
     that the block's several elementwise passes stay in the L2 cache and each
     element goes to and from memory about once."""
-    return max(1, min(n, (1 << 18) // max(1, n)))
+    return max(1, min(n, (1 << 22) // max(1, n)))
 
 
 def sample_neighbors(

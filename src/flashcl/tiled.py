@@ -44,18 +44,21 @@ from torch import Tensor
 from .core import CoreSpec, compute_dtype
 
 _NORM_EPS = 1e-12  # F.normalize's default
-_BLOCK_BYTES = 16 * 2**20  # one score block; see auto_block()
+_BLOCK_BYTES = 8 * 2**20  # one score block; see auto_block()
+_MIN_BLOCK_ROWS = 128
 
 
 def auto_block(m: int, n: int, dtype: torch.dtype = torch.float32) -> int:
-    """Rows per block: the block x N score buffer stays near 16 MB.
+    """Rows per block: the block x N score buffer near 8 MB, but at least 128 rows.
 
-    Under glibc's 32 MB mmap threshold a buffer is recycled rather than mapped
-    afresh, and at B = 8192 it gives 512-row blocks, large enough for the
-    ``G^T Q_blk`` GEMM (inner dimension = block rows) to run at full speed.
+    Measured on the 2-core CPU (SupCon, B = 8192, D = 768): 256-row blocks run
+    as fast as 512 or 1024 (within the machine's noise) with half the buffer
+    memory; below ~128 rows the GEMMs of a block (inner dimension = block rows
+    for ``G^T Q_blk``) lose efficiency, so large batches keep 128 rows and
+    accept a larger buffer (32 MB per buffer at B = 65536).
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    rows = _BLOCK_BYTES // max(1, n * itemsize)
+    rows = max(_BLOCK_BYTES // max(1, n * itemsize), _MIN_BLOCK_ROWS)
     return int(max(1, min(m, rows)))
 
 
@@ -89,9 +92,15 @@ def _lse_inplace(s_blk: Tensor) -> Tuple[Tensor, Tensor]:
     return (mx + total.log()).squeeze(1), total
 
 
-def _class_sums(x: Tensor, ids: Tensor, num_classes: int, weight: Optional[Tensor] = None) -> Tensor:
+def _class_sums(x: Tensor, ids: Tensor, num_classes: int, block: int, weight: Optional[Tensor] = None) -> Tensor:
+    """sum of the rows of x (times weight) per class id: (num_classes, D), in row blocks
+    so that no temporary of x's size is made."""
     out = x.new_zeros(num_classes, x.shape[1])
-    return out.index_add_(0, ids, x if weight is None else x * weight.unsqueeze(1))
+    if weight is None:
+        return out.index_add_(0, ids, x)
+    for r0 in range(0, x.shape[0], block):
+        out.index_add_(0, ids[r0:r0 + block], x[r0:r0 + block] * weight[r0:r0 + block].unsqueeze(1))
+    return out
 
 
 def _self_rows(r0: int, r1: int, offset: int, n: int) -> Tuple[int, int]:
@@ -108,7 +117,7 @@ def _positive_raw(q: Tensor, k: Tensor, spec: CoreSpec, block: int) -> Tensor:
     sums = None
     if spec.index is None:
         assert spec.row_labels is not None and spec.col_labels is not None
-        sums = _class_sums(k, spec.col_labels, spec.num_classes)
+        sums = _class_sums(k, spec.col_labels, spec.num_classes, block)
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
         qb = q[r0:r1]
@@ -136,8 +145,8 @@ def _positive_grad_(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, w: Tenso
             dk.index_add_(0, idx.reshape(-1), (q[r0:r1] * wb).repeat_interleave(kk, dim=0))
         return
     assert spec.row_labels is not None and spec.col_labels is not None
-    k_sums = _class_sums(k, spec.col_labels, spec.num_classes)
-    wq_sums = _class_sums(q, spec.row_labels, spec.num_classes, weight=w)
+    k_sums = _class_sums(k, spec.col_labels, spec.num_classes, block)
+    wq_sums = _class_sums(q, spec.row_labels, spec.num_classes, block, weight=w)
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
         dq[r0:r1].sub_(k_sums[spec.row_labels[r0:r1]] * (w[r0:r1] * scale).unsqueeze(1))
@@ -246,12 +255,18 @@ def _bound_shift(e: Tensor, scale: float) -> Optional[float]:
     return c if math.isfinite(c) and 2.0 * c <= limit else None
 
 
-def _self_lse(e: Tensor, scale: float, spec: CoreSpec, block: int, shift: Optional[float]) -> Tensor:
+def _self_buffers(e: Tensor, block: int) -> Tuple[Tensor, Tensor]:
+    """The two flat panel buffers of the self-contrast passes, shared by both
+    passes of one call (one set of block buffers per call, not per pass)."""
+    size = min(block, e.shape[0]) * e.shape[0]
+    return e.new_empty(size), e.new_empty(size)
+
+
+def _self_lse(e: Tensor, scale: float, spec: CoreSpec, block: int, shift: Optional[float], buf: Tensor) -> Tensor:
     """Row LSE of S = scale E E^T from the upper panels only: each panel
     ``S[I, I:]`` gives its rows' partial LSE and, transposed, the columns' right
     of the diagonal block."""
     m = e.shape[0]
-    buf = e.new_empty(min(block, m) * m)
     acc = e.new_zeros(m) if shift is not None else e.new_full((m,), float("-inf"))
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
@@ -275,7 +290,7 @@ def _self_lse(e: Tensor, scale: float, spec: CoreSpec, block: int, shift: Option
 
 
 def _self_grad_pass(e: Tensor, scale: float, spec: CoreSpec, lse: Tensor, g: Tensor, de: Tensor,
-                    block: int, shift: Optional[float]) -> Tensor:
+                    block: int, shift: Optional[float], bufs: Tuple[Tensor, Tensor]) -> Tensor:
     """The LSE terms' gradient for self-contrast from the upper panels only.
 
     With ``G_ij = g_i exp(s_ij - lse_i)`` (masked), d loss/dE = scale (G + G^T) E.
@@ -287,9 +302,8 @@ def _self_grad_pass(e: Tensor, scale: float, spec: CoreSpec, lse: Tensor, g: Ten
     one exp per element. Returns sum_ij G_ij e_i.e_j (for d scale).
     """
     m = e.shape[0]
-    bm = min(block, m)
-    buf, buf2 = e.new_empty(bm * m), e.new_empty(bm * m)
-    gk = e.new_empty(bm, e.shape[1])
+    buf, buf2 = bufs
+    gk = e.new_empty(min(block, m), e.shape[1])
     dscale = e.new_zeros(())
     alpha = g * torch.exp(shift - lse) if shift is not None else None
     for r0 in range(0, m, block):
@@ -354,11 +368,13 @@ class TiledCore(torch.autograd.Function):
         symmetric_scores = _uses_symmetry(k_in, spec)
         if symmetric_scores:
             shift = _bound_shift(q, s)
-            row_lse, col_lse = _self_lse(q, s, spec, block, shift), None
+            bufs = _self_buffers(q, block)
+            row_lse, col_lse = _self_lse(q, s, spec, block, shift, bufs[0]), None
             dscale = q.new_zeros(())
             if fused:
                 assert dq is not None and g_row is not None
-                dscale = _self_grad_pass(q, s, spec, row_lse, g_row, dq, block, shift)
+                dscale = _self_grad_pass(q, s, spec, row_lse, g_row, dq, block, shift, bufs)
+            del bufs
         else:
             row_lse, col_lse, dscale = _forward_pass(q, k, s, spec, block, g_row, dq, dk)
 
@@ -420,7 +436,8 @@ class TiledCore(torch.autograd.Function):
             dk = torch.zeros_like(k)
             dq = dk if ctx.same else torch.zeros_like(q)
             if _uses_symmetry(k_in, spec):
-                dscale = _self_grad_pass(q, s, spec, row_lse, g_row * c, dq, block, _bound_shift(q, s))
+                dscale = _self_grad_pass(q, s, spec, row_lse, g_row * c, dq, block, _bound_shift(q, s),
+                                         _self_buffers(q, block))
             else:
                 dscale = _grad_pass(q, k, s, spec, row_lse, col_lse, g_row * c, g_col, dq, dk, block)
             dq, dk, dscale = _finish_grads(q, k, q_norms, k_norms, q_in, k_in, s, spec, dq, dk, dscale,

@@ -116,11 +116,13 @@ def _fmt(r: Row) -> List[str]:
         return [r["group"], r["label"], size, r.get("status", "?"), "", "", "", ""]
     ratio = f"{r['ratio']:.2f}x" if "ratio" in r else ""
     over = f"{r['peak_over_input']:.2f}x input" if "peak_over_input" in r else f"{r['extra_mb']:.0f} MB"
-    return [r["group"], r["label"], size, f"{r['time_s'] * 1e3:.1f} ms", ratio, f"{r['peak_mb']:.0f} MB", over,
+    steady = f" / {r['steady_peak_mb']:.0f}" if r.get("steady_peak_mb") is not None else ""
+    return [r["group"], r["label"], size, f"{r['time_s'] * 1e3:.1f} ms", ratio, f"{r['peak_mb']:.0f}{steady} MB", over,
             f"{r['loss']:.5g}" if r["workload"] != "gemm3" else ""]
 
 
-HEADER = ["group", "implementation", "size", "fwd+bwd", "vs bound", "peak mem", "beyond grad", "loss"]
+HEADER = ["group", "implementation", "size", "fwd+bwd", "vs bound", "peak mem (first / steady)", "beyond grad",
+          "loss"]
 
 
 def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
@@ -130,8 +132,10 @@ def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
     lines += ["| " + " | ".join(_fmt(r)) + " |" for r in rows]
     lines += ["", "vs bound: time over the group's GEMM bound (three torch.mm into preallocated outputs, "
               "same run), or over the seed's gather fix for the neighbour loss. peak mem: peak resident "
-              "memory of the first call above what was resident before it. beyond grad: peak minus the "
-              "inputs' gradient (for the neighbour loss: peak over the input's size)."]
+              "memory of the first call above what was resident before it (this includes one-time costs "
+              "such as MKL's GEMM workspace, ~15 MB), then of a later call (steady state). beyond grad: "
+              "first-call peak minus the inputs' gradient (for the neighbour loss: peak over the input's "
+              "size). fwd+bwd: best of the repeats."]
     return "\n".join(lines)
 
 

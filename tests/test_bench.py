@@ -1,0 +1,52 @@
+"""The benchmark CLI at tiny sizes: files written, losses that must agree do, caps reported."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashcl.__main__ import main
+from flashcl.bench.cli import run_cases
+from flashcl.bench.measure import measure
+
+
+def test_supcon_implementations_agree_and_files_are_written(tmp_path) -> None:
+    cases = [{"group": "supcon", "label": impl, "workload": "supcon", "repeats": 0,
+              "params": {"B": 64, "D": 8, "classes": 3, "impl": impl}}
+             for impl in ("flashcl-tiled", "flashcl-dense", "pml")]
+    cases.append({"group": "supcon", "label": "GEMM", "workload": "gemm3", "repeats": 0, "params": {"B": 64, "D": 8}})
+    rows = run_cases(cases, cap_s=120, mem_limit_mb=None)
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) == 4, rows
+    losses = [r["loss"] for r in ok if r["workload"] == "supcon"]
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+    assert all(r["ratio"] > 0 for r in ok)
+
+
+def test_neighbor_implementations_agree() -> None:
+    rows = run_cases([{"group": "nb", "label": impl, "workload": "neighbor", "repeats": 0,
+                       "params": {"n": 50, "k": 2, "impl": impl}}
+                      for impl in ("seed-program", "gather-fix", "flashcl-tiled", "flashcl-dense")],
+                     cap_s=120, mem_limit_mb=None)
+    losses = [r["loss"] for r in rows]
+    assert all(r["status"] == "ok" for r in rows), rows
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+
+
+def test_a_case_past_its_cap_is_reported_capped() -> None:
+    res = measure("neighbor", {"n": 3000, "k": 3, "impl": "seed-program"}, repeats=0, cap_s=3)
+    assert res == {"status": "capped", "cap_s": 3}
+
+
+def test_a_case_past_its_memory_limit_is_reported_oom() -> None:
+    res = measure("supcon", {"B": 20000, "D": 8, "impl": "flashcl-dense"}, repeats=0, cap_s=120,
+                  mem_limit_mb=200)
+    assert res["status"] == "oom", res
+
+
+@pytest.mark.slow
+def test_cli_quick_run_writes_json_and_markdown(tmp_path) -> None:
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["machine"]["torch"] and data["rows"]
+    assert (tmp_path / "report.md").read_text().startswith("Measured")
