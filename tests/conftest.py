@@ -101,6 +101,11 @@ def make_cases(seed: int = 0, scale: int = 1) -> List[Case]:
              [torch.randint(0, 9 * scale + 8, (9 * scale,), generator=g)], {"temperature": 0.1}),
         Case("clip", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [], {"logit_scale": 7.0},
              "logit_scale"),
+        # 2 * max|s| > 700: the tiled paths fall back from the fixed exp shift to row maxima
+        Case("clip_large_scale", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [],
+             {"logit_scale": 400.0}),
+        Case("info_nce_tiny_temperature", flashcl.info_nce_loss, [r(9 * scale, 6), r(12 * scale, 6)], [],
+             {"temperature": 0.002}),
         Case("neighbor", flashcl.neighbor_loss, [r(n, n)],
              [flashcl.sample_neighbors(n, 3, generator=g)], {}),
         Case("neighbor_diag_repeats", flashcl.neighbor_loss, [r(n, n)],

@@ -24,7 +24,7 @@ def test_tiled_block_sizes(case: Case, block_size: int, reduction: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float32(case: Case, backend: str) -> None:
-    if case.name == "supcon_tiny_temperature":
+    if case.name in ("supcon_tiny_temperature", "clip_large_scale", "info_nce_tiny_temperature"):
         pytest.skip("scores of 1e3: float32 rounding alone exceeds the float32 tolerance; float64 covers it")
     compare_to_reference(case, backend, "mean", torch.float32, *TOL[torch.float32])
 

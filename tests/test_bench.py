@@ -11,16 +11,15 @@ from flashcl.bench.measure import measure
 
 
 def test_supcon_implementations_agree_and_files_are_written(tmp_path) -> None:
-    cases = [{"group": "supcon", "label": impl, "workload": "supcon", "repeats": 0,
+    bound = {"workload": "gemm3", "params": {"B": 64, "D": 8}}
+    cases = [{"group": "supcon", "label": impl, "workload": "supcon", "repeats": 1, "bound": bound,
               "params": {"B": 64, "D": 8, "classes": 3, "impl": impl}}
              for impl in ("flashcl-tiled", "flashcl-dense", "pml")]
-    cases.append({"group": "supcon", "label": "GEMM", "workload": "gemm3", "repeats": 0, "params": {"B": 64, "D": 8}})
     rows = run_cases(cases, cap_s=120, mem_limit_mb=None)
-    ok = [r for r in rows if r["status"] == "ok"]
-    assert len(ok) == 4, rows
-    losses = [r["loss"] for r in ok if r["workload"] == "supcon"]
+    assert all(r["status"] == "ok" for r in rows), rows
+    losses = [r["loss"] for r in rows]
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
-    assert all(r["ratio"] > 0 for r in ok)
+    assert all(r["ratio"] == r["time_s"] / r["bound_s"] for r in rows)
 
 
 def test_neighbor_implementations_agree() -> None:

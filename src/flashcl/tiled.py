@@ -191,9 +191,26 @@ def _grad_pass(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, row_lse: Tens
     m, n, d = q.shape[0], k.shape[0], q.shape[1]
     ws = _Workspace(min(block, m), n, d, q, two=col_lse is not None)
     dscale = q.new_zeros(())
+    shift = _bound_shift(q, k, scale)
+    if shift is not None:
+        # G_ij = exp(s_ij - shift) (alpha_i + beta_j): one exp per element
+        alpha = g_row * torch.exp(shift - row_lse)
+        beta = g_col * torch.exp(shift - col_lse) if col_lse is not None and g_col is not None else None
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
         s = torch.mm(q[r0:r1] * scale, k.T, out=ws.s[:r1 - r0])
+        if shift is not None:
+            s.sub_(shift).exp_()
+            if beta is not None:
+                assert ws.s2 is not None
+                colpart = torch.mul(s, beta.unsqueeze(0), out=ws.s2[:r1 - r0])
+            if spec.exclude_self:
+                _mask_self_(s, r0, spec.offset, 0.0)
+            s.mul_(alpha[r0:r1].unsqueeze(1))
+            if beta is not None:
+                s.add_(colpart)
+            dscale += _accumulate(s, r0, q, k, scale, dq, dk, ws)
+            continue
         if col_lse is not None:
             assert g_col is not None and ws.s2 is not None
             colpart = torch.sub(s, col_lse.unsqueeze(0), out=ws.s2[:r1 - r0]).exp_().mul_(g_col.unsqueeze(0))
@@ -217,9 +234,17 @@ def _forward_pass(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, block: int
     row_lse = q.new_empty(m)
     col_lse = q.new_full((n,), float("-inf")) if spec.symmetric else None
     dscale = q.new_zeros(())
+    # CLIP's column sums: with a bound shift, the row and column sums of one exp
+    col_shift = _bound_shift(q, k, scale) if col_lse is not None and g_row is None else None
+    col_sum = q.new_zeros(n) if col_shift is not None else None
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
         s = torch.mm(q[r0:r1] * scale, k.T, out=ws.s[:r1 - r0])
+        if col_shift is not None and col_sum is not None and not spec.exclude_self:
+            s.sub_(col_shift).exp_()
+            col_sum += s.sum(0)
+            row_lse[r0:r1] = s.sum(1).log_().add_(col_shift)
+            continue
         if col_lse is not None:
             torch.logaddexp(col_lse, torch.logsumexp(s, dim=0), out=col_lse)
         if spec.exclude_self:
@@ -230,6 +255,8 @@ def _forward_pass(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, block: int
             assert dq is not None and dk is not None
             s.mul_(g_row[r0:r1].unsqueeze(1) / total)
             dscale += _accumulate(s, r0, q, k, scale, dq, dk, ws)
+    if col_sum is not None and col_shift is not None:
+        col_lse = col_sum.log_().add_(col_shift)
     return row_lse, col_lse, dscale
 
 
@@ -244,14 +271,18 @@ def _uses_symmetry(k_in: Optional[Tensor], spec: CoreSpec) -> bool:
     return k_in is None and spec.offset == 0 and not spec.symmetric
 
 
-def _bound_shift(e: Tensor, scale: float) -> Optional[float]:
-    """A shift ``c >= max |s_ij|`` (Cauchy-Schwarz: scale * max |e_i|^2) when
-    ``exp(s - c)`` cannot underflow, i.e. ``2c`` is within the dtype's exponent
-    range; else None. With it, the row and the column sums of one ``exp(S - c)``
-    block give both directions' LSE: one exp per element instead of two
-    logsumexps (for unit-norm embeddings: temperature above ~0.025 in float32)."""
-    limit = 80.0 if e.dtype == torch.float32 else 700.0
-    c = scale * float(torch.linalg.vector_norm(e, dim=1).max()) ** 2
+def _bound_shift(q: Tensor, k: Optional[Tensor], scale: float) -> Optional[float]:
+    """A shift ``c >= max |s_ij|`` (Cauchy-Schwarz: scale * max |q_i| * max |k_j|)
+    when ``exp(s - c)`` cannot underflow, i.e. ``2c`` is within the dtype's
+    exponent range; else None. With it, the row and the column sums of one
+    ``exp(S - c)`` block give both directions' LSE, and a gradient block is one
+    exp and two scalings: one exp per element instead of two (for unit-norm
+    embeddings: temperature above ~0.025, or a CLIP logit scale below 40, in
+    float32)."""
+    limit = 80.0 if q.dtype == torch.float32 else 700.0
+    qmax = float(torch.linalg.vector_norm(q, dim=1).max())
+    kmax = qmax if k is None or k is q else float(torch.linalg.vector_norm(k, dim=1).max())
+    c = scale * qmax * kmax
     return c if math.isfinite(c) and 2.0 * c <= limit else None
 
 
@@ -367,7 +398,7 @@ class TiledCore(torch.autograd.Function):
             g_row = None if spec.symmetric else r * c
         symmetric_scores = _uses_symmetry(k_in, spec)
         if symmetric_scores:
-            shift = _bound_shift(q, s)
+            shift = _bound_shift(q, None, s)
             bufs = _self_buffers(q, block)
             row_lse, col_lse = _self_lse(q, s, spec, block, shift, bufs[0]), None
             dscale = q.new_zeros(())
@@ -436,7 +467,7 @@ class TiledCore(torch.autograd.Function):
             dk = torch.zeros_like(k)
             dq = dk if ctx.same else torch.zeros_like(q)
             if _uses_symmetry(k_in, spec):
-                dscale = _self_grad_pass(q, s, spec, row_lse, g_row * c, dq, block, _bound_shift(q, s),
+                dscale = _self_grad_pass(q, s, spec, row_lse, g_row * c, dq, block, _bound_shift(q, None, s),
                                          _self_buffers(q, block))
             else:
                 dscale = _grad_pass(q, k, s, spec, row_lse, col_lse, g_row * c, g_col, dq, dk, block)

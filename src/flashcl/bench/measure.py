@@ -8,11 +8,14 @@ from typing import Any, Dict, Optional
 
 
 def measure(workload: str, params: Dict[str, Any], *, repeats: int = 2, cap_s: float = 600.0,
-            mem_limit_mb: Optional[int] = None, threads: Optional[int] = None) -> Dict[str, Any]:
+            mem_limit_mb: Optional[int] = None, threads: Optional[int] = None,
+            bound: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Returns the child's figures, or ``{"status": "capped"}`` past ``cap_s``,
-    ``{"status": "oom"}`` past the memory limit, ``{"status": "error"}`` otherwise."""
+    ``{"status": "oom"}`` past the memory limit, ``{"status": "error"}`` otherwise.
+    ``bound`` (``{"workload", "params"}``) is timed in the same child, alternating
+    with the case, and ``ratio`` = best case time / best bound time."""
     spec = {"workload": workload, "params": params, "repeats": repeats, "mem_limit_mb": mem_limit_mb,
-            "threads": threads}
+            "threads": threads, "bound": bound}
     try:
         proc = subprocess.run([sys.executable, "-m", "flashcl.bench.child", json.dumps(spec)],
                               capture_output=True, text=True, timeout=cap_s)
