@@ -37,6 +37,14 @@ def test_a_case_past_its_cap_is_reported_capped() -> None:
     assert res == {"status": "capped", "cap_s": 3}
 
 
+def test_a_peer_that_is_not_installed_is_reported_not_crashed(monkeypatch) -> None:
+    from flashcl.bench import peers
+
+    monkeypatch.setattr(peers, "pml_losses", lambda: (None, "pytorch-metric-learning not installed"))
+    res = measure("supcon", {"B": 16, "D": 4, "impl": "pml"}, repeats=0)
+    assert res["status"] == "not installed" and "pytorch-metric-learning" in res["error"]
+
+
 def test_a_case_past_its_memory_limit_is_reported_oom() -> None:
     res = measure("supcon", {"B": 20000, "D": 8, "impl": "flashcl-dense"}, repeats=0, cap_s=120,
                   mem_limit_mb=200)
@@ -49,3 +57,12 @@ def test_cli_quick_run_writes_json_and_markdown(tmp_path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["machine"]["torch"] and data["rows"]
     assert (tmp_path / "report.md").read_text().startswith("Measured")
+    suites = {r["suite"] for r in data["rows"]}
+    assert suites == {"seed1", "seed2", "peers", "scale"}
+    for suite in suites:
+        assert (tmp_path / f"{suite}.png").stat().st_size > 1000
+    # the loss values that must agree do: every implementation of one seed-2 size
+    for b in {r["params"]["B"] for r in data["rows"] if r["suite"] == "seed2"}:
+        vals = [r["loss"] for r in data["rows"] if r["suite"] == "seed2" and r["params"]["B"] == b
+                and r["status"] == "ok"]
+        assert len(vals) == 4 and max(vals) - min(vals) < 1e-4 * abs(vals[0]), vals

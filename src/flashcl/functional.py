@@ -161,7 +161,7 @@ def _run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, red
     if name != "tiled":
         row, col = _CORE_BACKENDS[name](q, k, scale, spec)
         return _reduce(row, col, spec, reduction)
-    block = block_size or auto_block(m, n, compute_dtype(q.dtype))
+    block = block_size or auto_block(m, n, compute_dtype(q.dtype), self_contrast=k is None)
     if reduction == "none":
         out = TiledCore.apply(q, k, scale, spec, None, block)
         return _reduce(out[:m], out[m:] if spec.symmetric else None, spec, "none")

@@ -44,21 +44,20 @@ from torch import Tensor
 from .core import CoreSpec, compute_dtype
 
 _NORM_EPS = 1e-12  # F.normalize's default
-_BLOCK_BYTES = 8 * 2**20  # one score block; see auto_block()
-_MIN_BLOCK_ROWS = 128
+def auto_block(m: int, n: int, dtype: torch.dtype = torch.float32, self_contrast: bool = False) -> int:
+    """Rows per block, from measurements on the 2-core CPU at B = 8192, D = 768.
 
-
-def auto_block(m: int, n: int, dtype: torch.dtype = torch.float32) -> int:
-    """Rows per block: the block x N score buffer near 8 MB, but at least 128 rows.
-
-    Measured on the 2-core CPU (SupCon, B = 8192, D = 768): 256-row blocks run
-    as fast as 512 or 1024 (within the machine's noise) with half the buffer
-    memory; below ~128 rows the GEMMs of a block (inner dimension = block rows
-    for ``G^T Q_blk``) lose efficiency, so large batches keep 128 rows and
-    accept a larger buffer (32 MB per buffer at B = 65536).
+    Self-contrast (SupCon, NT-Xent: the symmetric upper-panel path): buffers
+    near 8 MB, at least 128 rows. Its GEMM work is already two thirds of the
+    unsymmetric path's, 256-row panels ran as fast as 512 (0.82-0.94x of the
+    three-GEMM bound) with half the buffer memory.
+    Otherwise (CLIP, InfoNCE): buffers near 16 MB, at least 256 rows: the block
+    GEMMs (inner dimension = block rows for ``G^T Q_blk``) lose ~30% of their
+    speed at 256 rows and CLIP went from ~1.65x to ~1.4x of the bound at 512.
     """
+    budget, floor = (8 * 2**20, 128) if self_contrast else (16 * 2**20, 256)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    rows = max(_BLOCK_BYTES // max(1, n * itemsize), _MIN_BLOCK_ROWS)
+    rows = max(budget // max(1, n * itemsize), floor)
     return int(max(1, min(m, rows)))
 
 

@@ -1,16 +1,21 @@
-"""Runs one workload in this (fresh) process and prints one JSON line:
-time of the first call and the best of the repeats; the peak resident memory
-of the first call above what was resident before it (``peak_mb``: includes
-one-time costs such as MKL's GEMM workspace, ~15 MB at B = 8192), and of the
-last repeat above what was resident before it (``steady_peak_mb``: what a
-training step adds once the process is warm; memory the allocator kept from
-the earlier calls is reused and not counted again)."""
+"""Runs one workload in this (fresh) process and prints one JSON line.
+
+Figures: time of the first call, the best forward+backward time of the repeats
+and its forward part; the peak memory of the first call above what was in use
+before it (``peak_mb``: on the CPU resident memory, which includes one-time
+costs such as MKL's GEMM workspace, ~15 MB at B = 8192; on CUDA the caching
+allocator's peak), and of the last repeat above what was in use before it
+(``steady_peak_mb``: what a training step adds once the process is warm).
+With a ``bound``, the bound is timed alternately with the case in this same
+process and ``ratio`` = best case time / best bound time.
+"""
 from __future__ import annotations
 
 import json
 import resource
 import sys
 import time
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -23,30 +28,56 @@ def _status_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    from .workloads import WORKLOADS
+class _Memory:
+    """Peak memory above a baseline: resident memory on the CPU, the caching
+    allocator's peak on CUDA."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+
+    def reset(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated() / 2**20
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        return _status_kb("VmRSS") / 1024
+
+    def peak(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        return _status_kb("VmHWM") / 1024
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "memory" in str(e).lower()
+
+
+def run_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Runs the case described by ``spec`` (see :func:`flashcl.bench.measure.measure`)."""
+    from .workloads import WORKLOADS, NotInstalled
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    step, grad_bytes = WORKLOADS[spec["workload"]](spec["params"])
-    if spec.get("mem_limit_mb"):
-        in_use = _status_kb("VmSize") * 1024
-        limit = in_use + int(spec["mem_limit_mb"]) * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the current resident size
-    before = _status_kb("VmRSS")
+    params = spec["params"]
+    mem = _Memory(params.get("device", "cpu"))
     try:
+        step, grad_bytes = WORKLOADS[spec["workload"]](params)
+    except NotInstalled as e:
+        return {"status": "not installed", "error": str(e)[:300]}
+    if spec.get("mem_limit_mb") and not mem.cuda:
+        in_use = _status_kb("VmSize") * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (in_use + int(spec["mem_limit_mb"]) * 2**20, resource.RLIM_INFINITY))
+    try:
+        before = mem.reset()
         t0 = time.perf_counter()
-        loss = step()
+        loss, fwd = step()
         first = time.perf_counter() - t0
-        peak = _status_kb("VmHWM") - before
-        times = [first]
-        steady = None
-        # The bound (e.g. the GEMMs the loss cannot avoid) is timed in this same
-        # process, alternating with the case, so that both see the same machine.
-        bound_step = None
+        peak = mem.peak() - before
+        times = [(first, fwd)]
+        steady: Optional[float] = None
+        bound_step: Optional[Callable[[], Tuple[float, float]]] = None
         if spec.get("bound"):
             bound_step, _ = WORKLOADS[spec["bound"]["workload"]](spec["bound"]["params"])
             bound_step()
@@ -56,25 +87,24 @@ def main() -> None:
                 t0 = time.perf_counter()
                 bound_step()
                 bound_times.append(time.perf_counter() - t0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            before_repeat = _status_kb("VmRSS")
+            base = mem.reset()
             t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-            steady = (_status_kb("VmHWM") - before_repeat) / 1024
-    except (MemoryError, RuntimeError) as e:  # RuntimeError: torch's "can't allocate memory"
-        if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
+            _, fwd = step()
+            times.append((time.perf_counter() - t0, fwd))
+            steady = mem.peak() - base
+    except (MemoryError, RuntimeError) as e:
+        if not _is_oom(e):
             raise
-        print(json.dumps({"status": "oom", "error": str(e)[:300]}))
-        return
-    out = {"status": "ok", "loss": loss, "first_s": first, "time_s": min(times),
-           "peak_mb": peak / 1024, "steady_peak_mb": steady, "grad_mb": grad_bytes / 2**20}
+        return {"status": "oom", "error": str(e)[:300]}
+    best, best_fwd = min(times)
+    out: Dict[str, Any] = {"status": "ok", "loss": loss, "first_s": first, "time_s": best,
+                              "fwd_s": best_fwd, "bwd_s": best - best_fwd, "peak_mb": peak,
+                              "steady_peak_mb": steady, "grad_mb": grad_bytes / 2**20}
     if bound_times:
         out["bound_s"] = min(bound_times)
-        out["ratio"] = out["time_s"] / out["bound_s"]
-    print(json.dumps(out))
+        out["ratio"] = best / min(bound_times)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(run_spec(json.loads(sys.argv[1]))))

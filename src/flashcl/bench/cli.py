@@ -1,4 +1,6 @@
-"""``flashcl bench``: runs the suites, prints tables, writes JSON and Markdown."""
+"""``flashcl bench``: runs the suites (one child process per case), prints the
+tables, writes results.json (every figure and the machine's facts), report.md
+and a PNG per suite."""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +14,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .measure import measure
+from .report import markdown, plot
+from .suites import DEFAULT_SUITES, SUITES
 
 Row = Dict[str, Any]
 
 
-def _machine() -> Dict[str, Any]:
+def machine_facts(device: str) -> Dict[str, Any]:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -28,139 +32,89 @@ def _machine() -> Dict[str, Any]:
                              cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
         rev = ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    dev = device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = f"{device} ({torch.cuda.get_device_name(0)})"
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": dev,
             "torch": torch.__version__, "python": platform.python_version(), "git": rev,
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
-def _progress(total: int):
+def _progress(total: int) -> Any:
     try:
         from tqdm import tqdm
-        return tqdm(total=total, unit="case", leave=False)
     except ImportError:
         return None
+    return tqdm(total=total, unit="case", leave=False)
 
 
-def tiled_targets(quick: bool) -> List[Dict[str, Any]]:
-    """The cases of the tiled backend's targets (issue: "Tiled backend"). Each
-    case's ratio is to its bound timed alternately in the same process."""
-    b, d = (512, 64) if quick else (8192, 768)
-    big_b, big_d = (4096, 32) if quick else (65536, 256)
-    n_big = 1500 if quick else 20000
-    n_small = 200 if quick else 2000
-    gemm = {"workload": "gemm3", "params": {"B": b, "D": d}}
-    cases: List[Dict[str, Any]] = []
-    for impl in ("flashcl-tiled", "flashcl-dense", "pml"):
-        cases.append({"group": "supcon", "label": impl, "workload": "supcon", "bound": gemm,
-                      "params": {"B": b, "D": d, "classes": 5, "impl": impl}})
-    # The second seed's formula (denominator includes self, positives summed):
-    # its vectorised loss and flashcl with the options that reproduce it.
-    for impl in ("seed2-vectorized", "flashcl-tiled"):
-        cases.append({"group": "supcon", "label": f"{impl} (seed-2 formula)", "workload": "supcon", "bound": gemm,
-                      "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": True}})
-    cases.append({"group": "supcon-big", "label": "flashcl-tiled", "workload": "supcon", "repeats": 0,
-                  "params": {"B": big_b, "D": big_d, "classes": 5, "impl": "flashcl-tiled"}})
-    for impl in ("flashcl-tiled", "flashcl-dense", "torch-ce"):
-        cases.append({"group": "clip", "label": impl, "workload": "clip", "bound": gemm,
-                      "params": {"B": b, "D": d, "impl": impl}})
-    for n, group in ((n_big, "neighbor-big"), (n_small, "neighbor-small")):
-        gather = {"workload": "neighbor", "params": {"n": n, "k": 2, "impl": "gather-fix"}}
-        impls = ("log-form", "stable-logsumexp", "flashcl-tiled") if group == "neighbor-big" else (
-            "seed-program", "flashcl-tiled")
-        for impl in impls:
-            seed = impl == "seed-program"
-            cases.append({"group": group, "label": impl, "workload": "neighbor", "bound": gather,
-                          "repeats": 1 if seed else (2 if group == "neighbor-big" else 5),
-                          "params": {"n": n, "k": 2, "impl": impl}})
-    return cases
-
-
-SUITES = {"tiled": tiled_targets}
-
-
-def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[int]) -> List[Row]:
+def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[int],
+              device: str = "cpu") -> List[Row]:
+    """Measures each case in its own child process. With ``stop_after_fail``, an
+    implementation that failed (oom, capped) at one size is skipped at larger ones."""
     bar = _progress(len(cases))
+    failed: Dict[str, int] = {}
     rows = []
     for case in cases:
+        case = {**case, "params": {**case["params"], "device": device}}
         if bar is not None:
-            bar.set_description(f"{case['group']}: {case['label']}")
-        res = measure(case["workload"], case["params"], repeats=case.get("repeats", 2), cap_s=cap_s,
-                      mem_limit_mb=mem_limit_mb, bound=case.get("bound"))
+            bar.set_description(f"{case.get('suite', '')} {case['group']}: {case['label']}")
+        key = f"{case['group']}/{case['label']}"
+        size = case["params"].get("B", case["params"].get("n", 0))
+        if case.get("stop_after_fail") and key in failed and size > failed[key]:
+            res: Dict[str, Any] = {"status": "skipped"}
+        else:
+            res = measure(case["workload"], case["params"], repeats=case.get("repeats", 2),
+                          cap_s=case.get("cap_s") or cap_s,
+                          mem_limit_mb=mem_limit_mb, bound=case.get("bound"))
+            if res.get("status") in ("oom", "capped"):
+                failed[key] = min(size, failed.get(key, size))
         rows.append({**case, **res})
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    _add_ratios(rows)
     return rows
-
-
-def _add_ratios(rows: List[Row]) -> None:
-    """Memory above inputs and gradient (the ratio to the bound comes from the child)."""
-    for r in rows:
-        if r.get("status") != "ok":
-            continue
-        r["extra_mb"] = r["peak_mb"] - r.get("grad_mb", 0.0)
-        if r["workload"] == "neighbor":
-            r["peak_over_input"] = r["peak_mb"] / (r["params"]["n"] ** 2 * 4 / 2**20)
-
-
-def _fmt(r: Row) -> List[str]:
-    size = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("impl", "classes"))
-    if r.get("status") != "ok":
-        return [r["group"], r["label"], size, r.get("status", "?"), "", "", "", ""]
-    ratio = f"{r['ratio']:.2f}x ({r['bound_s'] * 1e3:.0f} ms)" if "ratio" in r else ""
-    over = f"{r['peak_over_input']:.2f}x input" if "peak_over_input" in r else f"{r['extra_mb']:.0f} MB"
-    steady = f" / {r['steady_peak_mb']:.0f}" if r.get("steady_peak_mb") is not None else ""
-    return [r["group"], r["label"], size, f"{r['time_s'] * 1e3:.1f} ms", ratio, f"{r['peak_mb']:.0f}{steady} MB", over,
-            f"{r['loss']:.5g}" if r["workload"] != "gemm3" else ""]
-
-
-HEADER = ["group", "implementation", "size", "fwd+bwd", "vs bound (bound)", "peak mem (first / steady)", "beyond grad",
-          "loss"]
-
-
-def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
-    lines = [f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), "
-             f"torch {machine['torch']}, flashcl {machine['git']}: `{command}`", "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(_fmt(r)) + " |" for r in rows]
-    lines += ["", "vs bound: best time over the best time of the bound, timed alternately in the same "
-              "process: the three GEMMs no exact loss can avoid (S = E E^T, G E, G^T E; torch.mm into "
-              "preallocated outputs), or the seed's gather fix for the neighbour loss. peak mem: peak resident "
-              "memory of the first call above what was resident before it (this includes one-time costs "
-              "such as MKL's GEMM workspace, ~15 MB), then of a later call (steady state). beyond grad: "
-              "first-call peak minus the inputs' gradient (for the neighbour loss: peak over the input's "
-              "size). fwd+bwd: best of the repeats."]
-    return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", choices=sorted(SUITES), action="append",
-                   help="suite(s) to run (default: all)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for tests")
-    p.add_argument("--out", default="bench-results", help="folder for results.json and report.md")
-    p.add_argument("--cap", type=float, default=120.0, help="seconds per case before it is reported as capped")
-    p.add_argument("--mem-limit-mb", type=int, default=16384,
-                   help="address-space allowance per case; beyond it a case is reported as oom")
+                   help=f"suite(s) to run (default: {', '.join(DEFAULT_SUITES)})")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for tests")
+    size.add_argument("--full", action="store_true", help="the larger sizes too (tens of minutes)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--out", default="bench-results", help="folder for results.json, report.md and plots")
+    p.add_argument("--cap", type=float, default=None,
+                   help="seconds per case before it is reported as capped (default 10, 120 with --full)")
+    p.add_argument("--mem-limit-mb", type=int, default=8192,
+                   help="memory allowance per case above what is in use at its start; past it the case "
+                        "is reported as out of memory (default 8192)")
 
 
 def run(args: argparse.Namespace) -> int:
-    machine = _machine()
-    suites = args.suite or sorted(SUITES)
-    all_rows: List[Row] = []
-    for name in suites:
-        rows = run_cases(SUITES[name](args.quick), args.cap, args.mem_limit_mb)
-        for r in rows:
-            r["suite"] = name
-        all_rows += rows
-    command = "flashcl bench " + " ".join(
-        (["--quick"] if args.quick else []) + [f"--suite {s}" for s in (args.suite or [])])
-    report = markdown(all_rows, machine, command.strip())
+    mode = "quick" if args.quick else "full" if args.full else "default"
+    cap = args.cap if args.cap is not None else (120.0 if args.full else 10.0)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"--device {args.device}: CUDA is not available here")
+        return 2
+    machine = machine_facts(args.device)
+    suites = args.suite or list(DEFAULT_SUITES)
+    cases = [{**case, "suite": name} for name in suites for case in SUITES[name](mode, args.device)]
+    rows = run_cases(cases, cap, args.mem_limit_mb, args.device)
+    flags = ["--quick"] if args.quick else ["--full"] if args.full else []
+    flags += [f"--suite {s}" for s in (args.suite or [])]
+    if args.device != "cpu":
+        flags.append(f"--device {args.device}")
+    command = " ".join(["flashcl bench"] + flags)
+    report = markdown(rows, machine, command)
     print(report)
     os.makedirs(args.out, exist_ok=True)
+    pngs = plot(rows, args.out)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"machine": machine, "rows": all_rows}, f, indent=1)
+        json.dump({"machine": machine, "command": command, "cap_s": cap, "mem_limit_mb": args.mem_limit_mb,
+                   "rows": rows, "plots": pngs}, f, indent=1)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(report + "\n")
+    print(f"\nwrote {args.out}/results.json, {args.out}/report.md" + "".join(f", {p}" for p in pngs))
     return 0

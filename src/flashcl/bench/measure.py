@@ -1,30 +1,59 @@
-"""Runs a workload in a child process, with a time cap and an optional memory limit."""
+"""Runs one case in a child process, with a time cap and an optional memory limit.
+
+Children are forked from this process, which has imported torch but run no
+torch compute (so no thread pool exists to break in the child): each case gets
+a fresh address space without paying torch's import again.
+"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import multiprocessing as mp
+import os
+import signal
 from typing import Any, Dict, Optional
+
+
+def _target(spec: Dict[str, Any], conn: Any) -> None:
+    from .child import run_spec
+
+    try:
+        conn.send(json.dumps(run_spec(spec)))
+    except BaseException as e:  # report, never hang the parent
+        conn.send(json.dumps({"status": "error", "error": f"{type(e).__name__}: {str(e)[:300]}"}))
+    finally:
+        conn.close()
 
 
 def measure(workload: str, params: Dict[str, Any], *, repeats: int = 2, cap_s: float = 600.0,
             mem_limit_mb: Optional[int] = None, threads: Optional[int] = None,
             bound: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Returns the child's figures, or ``{"status": "capped"}`` past ``cap_s``,
-    ``{"status": "oom"}`` past the memory limit, ``{"status": "error"}`` otherwise.
-    ``bound`` (``{"workload", "params"}``) is timed in the same child, alternating
-    with the case, and ``ratio`` = best case time / best bound time."""
+    """Figures of one case (see :mod:`flashcl.bench.child`), or ``{"status":
+    "capped"}`` past ``cap_s``, ``"oom"`` past the memory limit (or when the child
+    is killed), ``"not installed"``, ``"error"``. ``bound`` (``{"workload",
+    "params"}``) is timed alternately with the case in the same child; then
+    ``ratio`` = best case time / best bound time."""
     spec = {"workload": workload, "params": params, "repeats": repeats, "mem_limit_mb": mem_limit_mb,
             "threads": threads, "bound": bound}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "flashcl.bench.child", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=cap_s)
-    except subprocess.TimeoutExpired:
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_target, args=(spec, child), daemon=True)
+    proc.start()
+    child.close()
+    answered = parent.poll(cap_s)  # also True when the child died: recv then raises EOFError
+    result: Optional[str] = None
+    if answered:
+        try:
+            result = parent.recv()
+        except EOFError:
+            result = None
+    if proc.is_alive():
+        proc.join(5 if answered else 0)
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    if not answered:
         return {"status": "capped", "cap_s": cap_s}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-        if proc.returncode < 0 or "memory" in tail[0].lower():
-            return {"status": "oom", "error": tail[0][:300]}
-        return {"status": "error", "error": tail[0][:300]}
-    return json.loads(lines[-1])
+    if result is None:  # died without a word: the kernel's OOM killer, or a crash
+        status = "oom" if proc.exitcode == -signal.SIGKILL else "error"
+        return {"status": status, "error": f"child exited with {proc.exitcode}"}
+    return json.loads(result)

@@ -1,124 +1,243 @@
 """The measured workloads: each builds its inputs, then returns a step that runs
-forward and backward once and returns the loss value.
+forward and backward once and returns ``(loss value, forward seconds)``.
 
-A workload is ``name(params) -> (step, extra_bytes)``: ``extra_bytes`` is the
-size of what the step must allocate anyway (the inputs' gradient), reported so
-that "peak above inputs and gradient" can be read off.
+A workload is ``name(params) -> (step, grad_bytes)``: ``grad_bytes`` is the size
+of what the step must allocate anyway (the inputs' gradient), reported so that
+"peak above inputs and gradient" can be read off. An implementation that is not
+installed raises :class:`NotInstalled`.
 """
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Dict, Tuple
+import time
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 
 import flashcl
 
-Step = Callable[[], float]
+from . import peers
+
+Step = Callable[[], Tuple[float, float]]
 Workload = Callable[[Dict[str, Any]], Tuple[Step, int]]
+
+
+class NotInstalled(RuntimeError):
+    """The implementation's library is not installed (reported, never a crash)."""
 
 
 def _gen(params: Dict[str, Any]) -> torch.Generator:
     return torch.Generator().manual_seed(int(params.get("seed", 0)))
 
 
+def _device(params: Dict[str, Any]) -> torch.device:
+    return torch.device(params.get("device", "cpu"))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stepper(fn: Callable[[], torch.Tensor], leaves: List[torch.Tensor], device: torch.device) -> Step:
+    def step() -> Tuple[float, float]:
+        for leaf in leaves:
+            leaf.grad = None
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = fn()
+        _sync(device)
+        fwd = time.perf_counter() - t0
+        loss.backward()
+        _sync(device)
+        return float(loss.detach()), fwd
+    return step
+
+
+def _flashcl_backend(impl: str) -> str:
+    return impl.split("-", 1)[1]
+
+
 def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
     """The three GEMMs no exact contrastive loss over B x D embeddings can avoid:
     S = E E^T, dQ = G E, dK = G^T E (torch.mm into preallocated outputs)."""
-    b, d = p["B"], p["D"]
+    b, d, dev = p["B"], p["D"], _device(p)
     g = _gen(p)
-    e = torch.randn(b, d, generator=g)
-    s = torch.empty(b, b)
-    grad = torch.rand(b, b, generator=g)
-    o1, o2 = torch.empty(b, d), torch.empty(b, d)
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    e = torch.randn(b, d, generator=g).to(dev, dtype)
+    s = torch.empty(b, b, device=dev, dtype=dtype)
+    grad = torch.rand(b, b, generator=g).to(dev, dtype)
+    o1, o2 = torch.empty(b, d, device=dev, dtype=dtype), torch.empty(b, d, device=dev, dtype=dtype)
 
-    def step() -> float:
+    def step() -> Tuple[float, float]:
+        _sync(dev)
         torch.mm(e, e.T, out=s)
         torch.mm(grad, e, out=o1)
         torch.mm(grad.T, e, out=o2)
-        return 0.0
+        _sync(dev)
+        return 0.0, 0.0
     return step, 0
 
 
-def _seed2_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def seed2_naive(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The second seed's naive_supervised_simcse_loss (per-sample loop), as written there."""
+    batch_size = embeddings.size(0)
+    loss = 0.0
+    embeddings = F.normalize(embeddings, p=2, dim=1)
+    for i in range(batch_size):
+        pos_mask = (labels == labels[i]) & (torch.arange(batch_size, device=embeddings.device) != i)
+        sims = torch.matmul(embeddings[i].unsqueeze(0), embeddings.T).squeeze() / temperature
+        pos_sim_sum = sims[pos_mask].sum()
+        log_denominator = torch.logsumexp(sims, dim=0)
+        loss += (-pos_sim_sum + log_denominator)
+    return loss / batch_size
+
+
+def seed2_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     """The second seed's vectorized_supervised_simcse_loss, as written there."""
     batch_size = embeddings.size(0)
     embeddings = F.normalize(embeddings, p=2, dim=1)
     sim_matrix = torch.matmul(embeddings, embeddings.T) / temperature
-    pos_mask = (labels.unsqueeze(0) == labels.unsqueeze(1)) & ~torch.eye(batch_size, dtype=torch.bool)
+    pos_mask = (labels.unsqueeze(0) == labels.unsqueeze(1)) & ~torch.eye(
+        batch_size, device=embeddings.device, dtype=torch.bool)
     pos_sim_sum = (sim_matrix * pos_mask).sum(dim=1)
     log_denominator = torch.logsumexp(sim_matrix, dim=1)
     return (-pos_sim_sum + log_denominator).mean()
 
 
 def supcon(p: Dict[str, Any]) -> Tuple[Step, int]:
-    """SupCon over B x D embeddings with C classes, by implementation ``impl``."""
-    b, d, impl = p["B"], p["D"], p["impl"]
+    """SupCon over B x D embeddings with C classes. ``seed2=True``: the second
+    seed's formula (self in the denominator, positives summed, t = 0.05)."""
+    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
     g = _gen(p)
-    e = torch.randn(b, d, generator=g).requires_grad_(True)
-    labels = torch.randint(0, p.get("classes", 5), (b,), generator=g)
-    t = p.get("temperature", 0.05 if p.get("seed2") else 0.1)
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    e = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    labels = torch.randint(0, p.get("classes", 5), (b,), generator=g).to(dev)
+    seed2 = bool(p.get("seed2"))
+    t = p.get("temperature", 0.05 if seed2 else 0.1)
+    kw = dict(positives="sum", include_self=True) if seed2 else {}
     if impl.startswith("flashcl-"):
-        backend = impl.split("-", 1)[1]
-        kw = dict(positives="sum", include_self=True) if p.get("seed2") else {}
+        backend = _flashcl_backend(impl)
         fn = lambda: flashcl.supcon_loss(e, labels, temperature=t, backend=backend, **kw)  # noqa: E731
     elif impl == "seed2-vectorized":
-        fn = lambda: _seed2_vectorized(e, labels, t)  # noqa: E731
+        fn = lambda: seed2_vectorized(e, labels, t)  # noqa: E731
+    elif impl == "seed2-naive":
+        fn = lambda: seed2_naive(e, labels, t)  # noqa: E731
+    elif impl == "torch.compile(dense)":
+        compiled = torch.compile(lambda x: flashcl.supcon_loss(x, labels, temperature=t, backend="dense", **kw))
+        fn = lambda: compiled(e)  # noqa: E731
     elif impl == "pml":
-        from pytorch_metric_learning.losses import SupConLoss
-        pml = SupConLoss(temperature=t)
+        losses, why = peers.pml_losses()
+        if losses is None:
+            raise NotInstalled(why)
+        pml = losses.SupConLoss(temperature=t)
         fn = lambda: pml(e, labels)  # noqa: E731
     else:
         raise ValueError(f"unknown supcon impl {impl!r}")
+    return _stepper(fn, [e], dev), b * d * e.element_size()
 
-    def step() -> float:
-        e.grad = None
-        loss = fn()
-        loss.backward()
-        return float(loss.detach())
-    return step, b * d * 4
+
+def nt_xent(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """NT-Xent over two B x D views. pytorch-metric-learning's NTXentLoss puts each
+    positive pair in its own softmax with all negatives (a different formula: its
+    value differs whenever a row has more than one positive; here each has one,
+    so the values agree), and builds a (positive pairs x negative pairs) mask."""
+    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
+    g = _gen(p)
+    z1 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    z2 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    t = p.get("temperature", 0.1)
+    if impl.startswith("flashcl-"):
+        backend = _flashcl_backend(impl)
+        fn = lambda: flashcl.nt_xent_loss(z1, z2, temperature=t, backend=backend)  # noqa: E731
+    elif impl == "pml":
+        losses, why = peers.pml_losses()
+        if losses is None:
+            raise NotInstalled(why)
+        pml = losses.NTXentLoss(temperature=t)
+        ids = torch.arange(b, device=dev).repeat(2)
+        fn = lambda: pml(torch.cat([z1, z2]), ids)  # noqa: E731
+    else:
+        raise ValueError(f"unknown nt_xent impl {impl!r}")
+    return _stepper(fn, [z1, z2], dev), 2 * b * d * 4
 
 
 def clip(p: Dict[str, Any]) -> Tuple[Step, int]:
     """The symmetric CLIP loss over two B x D towers."""
-    b, d, impl = p["B"], p["D"], p["impl"]
+    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
     g = _gen(p)
-    img = torch.randn(b, d, generator=g).requires_grad_(True)
-    txt = torch.randn(b, d, generator=g).requires_grad_(True)
-    scale = torch.tensor(1 / 0.07)
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    img = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    txt = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    scale = torch.tensor(1 / 0.07, device=dev)
     if impl.startswith("flashcl-"):
-        backend = impl.split("-", 1)[1]
+        backend = _flashcl_backend(impl)
         fn = lambda: flashcl.clip_loss(img, txt, scale, backend=backend)  # noqa: E731
     elif impl == "torch-ce":
         def fn() -> torch.Tensor:
-            logits = scale * F.normalize(img, dim=1) @ F.normalize(txt, dim=1).T
-            labels = torch.arange(b)
+            logits = scale * F.normalize(img, dim=1).float() @ F.normalize(txt, dim=1).float().T
+            labels = torch.arange(b, device=dev)
             return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    elif impl == "open_clip":
+        module, why = peers.open_clip_loss_module()
+        if module is None:
+            raise NotInstalled(why)
+        loss_fn = module.ClipLoss()
+        fn = lambda: loss_fn(F.normalize(img, dim=1), F.normalize(txt, dim=1), scale)  # noqa: E731
     else:
         raise ValueError(f"unknown clip impl {impl!r}")
+    return _stepper(fn, [img, txt], dev), 2 * b * d * img.element_size()
 
-    def step() -> float:
-        img.grad = txt.grad = None
-        loss = fn()
-        loss.backward()
-        return float(loss.detach())
-    return step, 2 * b * d * 4
+
+def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """InfoNCE with one positive per row (the diagonal) and in-batch negatives."""
+    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
+    g = _gen(p)
+    q = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    k = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    t = p.get("temperature", 0.05)
+    target = torch.arange(b, device=dev)
+    if impl.startswith("flashcl-"):
+        backend = _flashcl_backend(impl)
+        fn = lambda: flashcl.info_nce_loss(q, k, temperature=t, backend=backend)  # noqa: E731
+    elif impl == "F.cross_entropy":
+        fn = lambda: F.cross_entropy(F.normalize(q, dim=1) @ F.normalize(k, dim=1).T / t, target)  # noqa: E731
+    elif impl == "F.linear_cross_entropy(chunked)":
+        if not hasattr(F, "linear_cross_entropy"):
+            raise NotInstalled("this torch has no F.linear_cross_entropy")
+        opts = torch.nn.LinearCrossEntropyOptions()
+        fn = lambda: F.linear_cross_entropy(F.normalize(q, dim=1) / t, F.normalize(k, dim=1), target,  # noqa: E731
+                                            options=opts)
+    elif impl == "sentence-transformers-MNRL":
+        losses, why = peers.sentence_transformers_losses()
+        if losses is None:
+            raise NotInstalled(why)
+        raise NotInstalled("MultipleNegativesRankingLoss needs a SentenceTransformer model; "
+                           "its formula is F.cross_entropy(cos_sim(q, k) * scale, arange(B)), timed above")
+    else:
+        raise ValueError(f"unknown info_nce impl {impl!r}")
+    return _stepper(fn, [q, k], dev), 2 * b * d * 4
+
+
+def _seed1_indices(n: int, k: int) -> torch.Tensor:
+    rng = random.Random(0)
+    return torch.tensor([[rng.randrange(0, n) for _ in range(k)] for _ in range(n)])
 
 
 def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
-    """The first seed's loss on an n x n score matrix, k sampled columns per row."""
-    n, k, impl = p["n"], p["k"], p["impl"]
+    """The first seed's loss on an n x n score matrix, k sampled columns per row
+    (the same columns for every implementation: the seed program's draws)."""
+    n, k, impl, dev = p["n"], p["k"], p["impl"], _device(p)
     g = _gen(p)
-    x = torch.randn(n, n, generator=g).requires_grad_(True)
-    rng = random.Random(0)
-    indices = torch.tensor([[rng.randrange(0, n) for _ in range(k)] for _ in range(n)])
+    x = torch.randn(n, n, generator=g).to(dev).requires_grad_(True)
+    indices = _seed1_indices(n, k).to(dev)
 
     if impl == "seed-program":
         def fn() -> torch.Tensor:
             r = random.Random(0)
             row_sum = torch.sum(torch.exp(x), dim=1) - torch.exp(torch.diagonal(x, 0))
-            y = torch.zeros((n, k))
+            y = torch.zeros((n, k), device=dev)
             for i in range(n):
                 for j in range(k):
                     y[i][j] = x[i][r.randrange(0, n)]
@@ -135,20 +254,15 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
             return torch.sum(-(y - torch.log(row_sum).view(-1, 1)))
     elif impl == "stable-logsumexp":
         def fn() -> torch.Tensor:
-            lse = torch.logsumexp(x.masked_fill(torch.eye(n, dtype=torch.bool), float("-inf")), 1)
+            lse = torch.logsumexp(x.masked_fill(torch.eye(n, dtype=torch.bool, device=dev), float("-inf")), 1)
             return (k * lse - x.gather(1, indices).sum(1)).sum()
     elif impl.startswith("flashcl-"):
-        backend = impl.split("-", 1)[1]
+        backend = _flashcl_backend(impl)
         fn = lambda: flashcl.neighbor_loss(x, indices, backend=backend)  # noqa: E731
     else:
         raise ValueError(f"unknown neighbor impl {impl!r}")
-
-    def step() -> float:
-        x.grad = None
-        loss = fn()
-        loss.backward()
-        return float(loss.detach())
-    return step, n * n * 4
+    return _stepper(fn, [x], dev), n * n * 4
 
 
-WORKLOADS: Dict[str, Workload] = {"gemm3": gemm3, "supcon": supcon, "clip": clip, "neighbor": neighbor}
+WORKLOADS: Dict[str, Workload] = {"gemm3": gemm3, "supcon": supcon, "nt_xent": nt_xent, "clip": clip,
+                                  "info_nce": info_nce, "neighbor": neighbor}

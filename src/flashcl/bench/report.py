@@ -1,0 +1,113 @@
+"""Tables (Markdown) and plots (PNG) of benchmark rows."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+Row = Dict[str, Any]
+
+HEADER = ["group", "implementation", "size", "forward", "backward", "fwd+bwd", "vs bound (bound)",
+          "peak mem (first / steady)", "beyond grad", "loss"]
+
+
+def size_label(r: Row) -> str:
+    return ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("impl", "classes", "device", "seed2"))
+
+
+def size_value(r: Row) -> int:
+    p = r["params"]
+    return int(p.get("B", p.get("n", 0)))
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def fmt_row(r: Row) -> List[str]:
+    head = [r["group"], r["label"], size_label(r)]
+    status = r.get("status")
+    if status != "ok":
+        why = {"capped": f"capped at {r.get('cap_s', '?')} s", "oom": "out of memory (limit)",
+               "not installed": "not installed", "skipped": "skipped (failed at a smaller size)"}.get(
+            status or "", status or "?")
+        detail = r.get("error", "")
+        return head + [why, "", "", "", "", str(detail)[:80], ""]
+    ratio = f"{r['ratio']:.2f}x ({_ms(r['bound_s'])})" if "ratio" in r else ""
+    steady = f" / {r['steady_peak_mb']:.0f}" if r.get("steady_peak_mb") is not None else ""
+    if r["workload"] == "neighbor":
+        beyond = f"{r['peak_mb'] / (r['params']['n'] ** 2 * 4 / 2**20):.2f}x input"
+    else:
+        beyond = f"{r['peak_mb'] - r.get('grad_mb', 0.0):.0f} MB"
+    loss = f"{r['loss']:.6g}" if r["workload"] != "gemm3" else ""
+    return head + [_ms(r["fwd_s"]), _ms(r["bwd_s"]), _ms(r["time_s"]), ratio, f"{r['peak_mb']:.0f}{steady} MB",
+                   beyond, loss]
+
+
+NOTES = ("forward / backward / fwd+bwd: the best of the repeats (a capped case ran once and was stopped). "
+         "vs bound: best time over the best time of the bound, timed alternately in the same process: the "
+         "three GEMMs no exact loss can avoid (S = E E^T, G E, G^T E; torch.mm into preallocated outputs), "
+         "or the seed's gather fix for the neighbour loss. peak mem: peak memory of the first call above "
+         "what was in use before it (on the CPU this includes one-time costs such as MKL's GEMM workspace, "
+         "~15 MB), then of a later call (steady state). beyond grad: first-call peak minus the inputs' "
+         "gradient; for the neighbour loss, first-call peak over the size of the score matrix.")
+
+
+def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
+    lines = [f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), device "
+             f"{machine['device']}, torch {machine['torch']}, flashcl {machine['git']}: `{command}`"]
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        lines += ["", f"### {suite}", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+        lines += ["| " + " | ".join(fmt_row(r)) + " |" for r in rows if r["suite"] == suite]
+    lines += ["", NOTES]
+    return "\n".join(lines)
+
+
+def plot(rows: List[Row], out_dir: str) -> List[str]:
+    """time and memory vs size per suite (log-log), one line per implementation,
+    the GEMM bound as a dashed line; returns the PNG paths (none without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        ok = [r for r in rows if r["suite"] == suite and r.get("status") == "ok"]
+        if not ok:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, key, ylabel in ((axes[0], "time_s", "forward + backward (s)"),
+                                (axes[1], "peak_mb", "peak memory above inputs (MB)")):
+            labels = dict.fromkeys(r["label"] for r in ok)
+            for label in labels:
+                pts = sorted((size_value(r), r[key]) for r in ok if r["label"] == label and r[key] > 0)
+                if not pts:
+                    continue
+                style = "--" if "bound" in label.lower() else "-"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
+            if key == "time_s":
+                bound = sorted({(size_value(r), r["bound_s"]) for r in ok if "bound_s" in r
+                                and r.get("bound", {}).get("workload") == "gemm3"})
+                if bound:
+                    ax.plot([b[0] for b in bound], [b[1] for b in bound], "k--", label="GEMM bound (3 GEMMs)")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size B (or n)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"flashcl bench: {suite}")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{suite}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def first_ok(rows: List[Row], **match: Any) -> Optional[Row]:
+    for r in rows:
+        if r.get("status") == "ok" and all(r.get(k) == v or r["params"].get(k) == v for k, v in match.items()):
+            return r
+    return None

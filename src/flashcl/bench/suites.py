@@ -1,0 +1,131 @@
+"""The benchmark suites: lists of cases, sized by ``quick`` / default / ``full``.
+
+A case is ``{"suite", "group", "label", "workload", "params", "repeats", "bound"}``;
+``group`` collects the cases of one table and plot line set, ``label`` names the
+implementation, ``params["impl"]`` selects it inside the workload.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+Case = Dict[str, Any]
+
+
+def _size(mode: str, quick: Any, default: Any, full: Any) -> Any:
+    return {"quick": quick, "default": default, "full": full}[mode]
+
+
+def tiled(mode: str, device: str) -> List[Case]:
+    """The tiled backend's targets: SupCon and CLIP against the GEMM bound, a
+    65536 batch, and the neighbour loss against the seed's gather fix."""
+    b, d = _size(mode, (512, 64), (8192, 768), (8192, 768))
+    big_b, big_d = _size(mode, (4096, 32), (65536, 256), (65536, 256))
+    n_big = _size(mode, 1500, 20000, 20000)
+    n_small = _size(mode, 200, 2000, 2000)
+    gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
+    cases: List[Case] = []
+    for impl in ("flashcl-tiled", "flashcl-dense", "pml"):
+        cases.append({"group": "supcon", "label": impl, "workload": "supcon", "bound": gemm,
+                      "params": {"B": b, "D": d, "classes": 5, "impl": impl}})
+    for impl in ("seed2-vectorized", "flashcl-tiled"):
+        cases.append({"group": "supcon", "label": f"{impl} (seed-2 formula)", "workload": "supcon", "bound": gemm,
+                      "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": True}})
+    cases.append({"group": "supcon-big", "label": "flashcl-tiled", "workload": "supcon", "repeats": 0,
+                  "params": {"B": big_b, "D": big_d, "classes": 5, "impl": "flashcl-tiled"}})
+    for impl in ("flashcl-tiled", "flashcl-dense", "torch-ce"):
+        cases.append({"group": "clip", "label": impl, "workload": "clip", "bound": gemm,
+                      "params": {"B": b, "D": d, "impl": impl}})
+    for n, group in ((n_big, "neighbor-big"), (n_small, "neighbor-small")):
+        gather = {"workload": "neighbor", "params": {"n": n, "k": 2, "impl": "gather-fix", "device": device}}
+        impls = ("log-form", "stable-logsumexp", "flashcl-tiled") if group == "neighbor-big" else (
+            "seed-program", "flashcl-tiled")
+        for impl in impls:
+            seed = impl == "seed-program"
+            cases.append({"group": group, "label": impl, "workload": "neighbor", "bound": gather,
+                          "repeats": 1 if seed else (2 if group == "neighbor-big" else 5),
+                          "params": {"n": n, "k": 2, "impl": impl}})
+    return cases
+
+
+def seed1(mode: str, device: str) -> List[Case]:
+    """The first seed's table: n in {1000, 2000, 3000} x neighbours in {1, 2, 3},
+    forward and backward time of the seed's program (capped), its gather fix,
+    its log form and flashcl; n = 20000 for the vectorised ones."""
+    ns = _size(mode, (100, 200), (1000, 2000, 3000), (1000, 2000, 3000))
+    ks = _size(mode, (1, 2), (1, 2, 3), (1, 2, 3))
+    big = _size(mode, 1000, 20000, 20000)
+    cases: List[Case] = []
+    for n in ns:
+        for k in ks:
+            for impl in ("seed-program", "gather-fix", "log-form", "flashcl-tiled", "flashcl-dense"):
+                cases.append({"group": f"n={n}", "label": impl, "workload": "neighbor",
+                              "repeats": 0 if impl == "seed-program" else 3,
+                              "params": {"n": n, "k": k, "impl": impl}})
+    big_impls = ("gather-fix", "log-form", "stable-logsumexp", "flashcl-tiled", "flashcl-dense") if mode == "full" \
+        else ("gather-fix", "log-form", "flashcl-tiled")
+    for impl in big_impls:
+        cases.append({"group": f"n={big}", "label": impl, "workload": "neighbor", "repeats": 1,
+                      "params": {"n": big, "k": 2, "impl": impl}})
+    return cases
+
+
+def seed2(mode: str, device: str) -> List[Case]:
+    """The second seed: naive loop vs vectorised vs flashcl (dense, tiled), with
+    the seed's formula (t = 0.05, self in the denominator, positives summed)."""
+    bs = _size(mode, (32, 256), (32, 256, 1024, 4096), (32, 256, 1024, 4096, 8192, 16384))
+    d = _size(mode, 32, 768, 768)
+    cases: List[Case] = []
+    for b in bs:
+        gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
+        for impl in ("seed2-naive", "seed2-vectorized", "flashcl-dense", "flashcl-tiled"):
+            cases.append({"group": "seed2", "label": impl, "workload": "supcon", "bound": gemm,
+                          "repeats": 0 if impl == "seed2-naive" else 2,
+                          "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": True}})
+    return cases
+
+
+def peers(mode: str, device: str) -> List[Case]:
+    """The same work through the libraries users would pick instead."""
+    b, d = _size(mode, (256, 32), (2048, 768), (8192, 768))
+    gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
+    cases: List[Case] = []
+    for impl in ("flashcl-tiled", "flashcl-dense", "pml", "torch.compile(dense)"):
+        # compiling takes tens of seconds the first time: its own cap
+        cases.append({"group": "supcon", "label": impl, "workload": "supcon", "bound": gemm,
+                      "cap_s": 180.0 if "compile" in impl else None,
+                      "params": {"B": b, "D": d, "classes": 5, "impl": impl}})
+    nb = _size(mode, 64, 1024, 1024)
+    for impl in ("flashcl-tiled", "pml"):
+        cases.append({"group": "nt_xent", "label": impl, "workload": "nt_xent", "repeats": 1,
+                      "params": {"B": nb, "D": d, "impl": impl}})
+    for impl in ("flashcl-tiled", "torch-ce", "open_clip"):
+        cases.append({"group": "clip", "label": impl, "workload": "clip", "bound": gemm,
+                      "params": {"B": b, "D": d, "impl": impl}})
+    for impl in ("flashcl-tiled", "F.cross_entropy", "F.linear_cross_entropy(chunked)",
+                 "sentence-transformers-MNRL"):
+        cases.append({"group": "info_nce", "label": impl, "workload": "info_nce", "bound": gemm,
+                      "params": {"B": b, "D": d, "impl": impl}})
+    return cases
+
+
+def scale(mode: str, device: str) -> List[Case]:
+    """Time and peak memory against batch size, SupCon with D = 256, up to the
+    largest batch each implementation runs within the memory limit."""
+    bs = _size(mode, (256, 512, 1024), (1024, 2048, 4096, 8192, 16384),
+               (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072))
+    d = _size(mode, 32, 256, 256)
+    cases: List[Case] = []
+    for b in bs:
+        cases.append({"group": "scale", "label": "GEMM bound", "workload": "gemm3", "repeats": 1,
+                      "params": {"B": b, "D": d}, "stop_after_fail": True})
+        for impl in ("flashcl-tiled", "flashcl-dense", "seed2-vectorized", "pml"):
+            # the seed's vectorised loss with its own formula (the others: SupCon L_out)
+            label = "seed2-vectorized (seed-2 formula)" if impl == "seed2-vectorized" else impl
+            cases.append({"group": "scale", "label": label, "workload": "supcon", "repeats": 1,
+                          "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": impl == "seed2-vectorized"},
+                          "stop_after_fail": True})
+    return cases
+
+
+SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale}
+DEFAULT_SUITES = ("seed1", "seed2", "peers", "scale")
