@@ -40,8 +40,11 @@ def test_a_case_past_its_cap_is_reported_capped() -> None:
 def test_a_peer_that_is_not_installed_is_reported_not_crashed(monkeypatch) -> None:
     from flashcl.bench import peers
 
+    from flashcl.bench.child import run_spec
+
     monkeypatch.setattr(peers, "pml_losses", lambda: (None, "pytorch-metric-learning not installed"))
-    res = measure("supcon", {"B": 16, "D": 4, "impl": "pml"}, repeats=0)
+    # in this process (the child's body): a forked child would not see the monkeypatch
+    res = run_spec({"workload": "supcon", "params": {"B": 16, "D": 4, "impl": "pml"}, "repeats": 0})
     assert res["status"] == "not installed" and "pytorch-metric-learning" in res["error"]
 
 

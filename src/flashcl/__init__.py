@@ -8,6 +8,7 @@ from .functional import (
     sample_neighbors,
     supcon_loss,
 )
+from .doctor import doctor
 from .modules import ClipLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SupConLoss
 
 __version__ = "0.1.0"
@@ -25,4 +26,5 @@ __all__ = [
     "ClipLoss",
     "NeighborLoss",
     "AUTO_TILED_MIN_ENTRIES",
+    "doctor",
 ]

@@ -1,9 +1,45 @@
-"""``flashcl`` / ``python -m flashcl``: the command line."""
+"""``flashcl`` / ``python -m flashcl``: the command line (``bench``, ``doctor``)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
+
+
+def _load_function(target: str) -> Callable[..., Any]:
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise SystemExit(f"flashcl doctor: expected path/to/file.py:function, got {target!r}")
+    if not os.path.exists(path):
+        raise SystemExit(f"flashcl doctor: no such file: {path}")
+    spec = importlib.util.spec_from_file_location("_flashcl_doctor_target", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise SystemExit(f"flashcl doctor: {path} has no function {name!r}")
+    return fn
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor, inputs_from_shapes
+
+    fn = _load_function(args.target)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    try:
+        inputs = inputs_from_shapes(args.shape, sizes[0], seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(f"flashcl doctor: {e}")
+    report = doctor(fn, *inputs, sizes=sizes, seed=args.seed)
+    print(report.text())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(report.to_json())
+        print(f"\nwrote {args.json}")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -12,12 +48,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .bench.cli import add_arguments
 
     add_arguments(sub.add_parser("bench", help="run the benchmarks (time and peak memory)"))
+    doc = sub.add_parser("doctor", help="diagnose why your own loss function is slow")
+    doc.add_argument("target", help="path/to/file.py:function; called as function(*inputs)")
+    doc.add_argument("--shape", action="append", required=True,
+                     help="one per input, in order: 'n,n' (float, requires grad), 'n,128', 'n:int:5' "
+                          "(int64 in [0, 5)); n is the batch size")
+    doc.add_argument("--sizes", default="250,500,1000", help="batch sizes n to run at (default 250,500,1000)")
+    doc.add_argument("--seed", type=int, default=0, help="random and torch are seeded with it before each call")
+    doc.add_argument("--json", help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
     if args.command == "bench":
         from .bench.cli import run
 
         return run(args)
-    return 2
+    return _doctor(args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Runs one case in a child process, with a time cap and an optional memory limit.
 
-Children are forked from this process, which has imported torch but run no
-torch compute (so no thread pool exists to break in the child): each case gets
-a fresh address space without paying torch's import again.
+Children come from a fork server that has imported torch and flashcl but run
+no torch compute: each case gets a fresh address space without paying torch's
+import again, and no OpenMP/MKL thread pool is forked mid-use (forking the
+caller itself hangs the child when the caller has already computed with torch,
+as a test session has).
 """
 from __future__ import annotations
 
@@ -24,6 +26,17 @@ def _target(spec: Dict[str, Any], conn: Any) -> None:
         conn.close()
 
 
+_CTX: Optional[Any] = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "flashcl", "flashcl.bench.child", "flashcl.bench.workloads"])
+    return _CTX
+
+
 def measure(workload: str, params: Dict[str, Any], *, repeats: int = 2, cap_s: float = 600.0,
             mem_limit_mb: Optional[int] = None, threads: Optional[int] = None,
             bound: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -34,7 +47,7 @@ def measure(workload: str, params: Dict[str, Any], *, repeats: int = 2, cap_s: f
     ``ratio`` = best case time / best bound time."""
     spec = {"workload": workload, "params": params, "repeats": repeats, "mem_limit_mb": mem_limit_mb,
             "threads": threads, "bound": bound}
-    ctx = mp.get_context("fork")
+    ctx = _context()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_target, args=(spec, child), daemon=True)
     proc.start()

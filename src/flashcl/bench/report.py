@@ -43,7 +43,9 @@ def fmt_row(r: Row) -> List[str]:
                    beyond, loss]
 
 
-NOTES = ("forward / backward / fwd+bwd: the best of the repeats (a capped case ran once and was stopped). "
+NOTES = ("forward / backward / fwd+bwd: the best of the repeats (a capped case ran once and was stopped); "
+         "flashcl's tiled backend forms the gradient during the forward pass when the loss is reduced to a "
+         "scalar, so its time shows as forward; for the GEMM bound, forward is S = E E^T. "
          "vs bound: best time over the best time of the bound, timed alternately in the same process: the "
          "three GEMMs no exact loss can avoid (S = E E^T, G E, G^T E; torch.mm into preallocated outputs), "
          "or the seed's gather fix for the neighbour loss. peak mem: peak memory of the first call above "

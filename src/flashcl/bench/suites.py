@@ -58,13 +58,15 @@ def seed1(mode: str, device: str) -> List[Case]:
     for n in ns:
         for k in ks:
             for impl in ("seed-program", "gather-fix", "log-form", "flashcl-tiled", "flashcl-dense"):
+                slow = impl == "seed-program"
                 cases.append({"group": f"n={n}", "label": impl, "workload": "neighbor",
-                              "repeats": 0 if impl == "seed-program" else 3,
+                              "repeats": 0 if slow else 3, "cap_s": 6.0 if slow and mode != "full" else None,
                               "params": {"n": n, "k": k, "impl": impl}})
     big_impls = ("gather-fix", "log-form", "stable-logsumexp", "flashcl-tiled", "flashcl-dense") if mode == "full" \
         else ("gather-fix", "log-form", "flashcl-tiled")
     for impl in big_impls:
-        cases.append({"group": f"n={big}", "label": impl, "workload": "neighbor", "repeats": 1,
+        cases.append({"group": f"n={big}", "label": impl, "workload": "neighbor",
+                      "repeats": 1 if mode == "full" else 0, "cap_s": 60.0,
                       "params": {"n": big, "k": 2, "impl": impl}})
     return cases
 
@@ -78,8 +80,9 @@ def seed2(mode: str, device: str) -> List[Case]:
     for b in bs:
         gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
         for impl in ("seed2-naive", "seed2-vectorized", "flashcl-dense", "flashcl-tiled"):
+            slow = impl == "seed2-naive"
             cases.append({"group": "seed2", "label": impl, "workload": "supcon", "bound": gemm,
-                          "repeats": 0 if impl == "seed2-naive" else 2,
+                          "repeats": 0 if slow else 2, "cap_s": 6.0 if slow and mode != "full" else None,
                           "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": True}})
     return cases
 
@@ -116,14 +119,15 @@ def scale(mode: str, device: str) -> List[Case]:
     d = _size(mode, 32, 256, 256)
     cases: List[Case] = []
     for b in bs:
-        cases.append({"group": "scale", "label": "GEMM bound", "workload": "gemm3", "repeats": 1,
-                      "params": {"B": b, "D": d}, "stop_after_fail": True})
+        reps = 1 if mode == "full" else 0
+        cases.append({"group": "scale", "label": "GEMM bound", "workload": "gemm3", "repeats": reps,
+                      "params": {"B": b, "D": d}, "stop_after_fail": True, "cap_s": 30.0})
         for impl in ("flashcl-tiled", "flashcl-dense", "seed2-vectorized", "pml"):
             # the seed's vectorised loss with its own formula (the others: SupCon L_out)
             label = "seed2-vectorized (seed-2 formula)" if impl == "seed2-vectorized" else impl
-            cases.append({"group": "scale", "label": label, "workload": "supcon", "repeats": 1,
+            cases.append({"group": "scale", "label": label, "workload": "supcon", "repeats": reps,
                           "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": impl == "seed2-vectorized"},
-                          "stop_after_fail": True})
+                          "stop_after_fail": True, "cap_s": 30.0 if mode != "full" else None})
     return cases
 
 

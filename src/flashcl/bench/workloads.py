@@ -72,11 +72,14 @@ def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
 
     def step() -> Tuple[float, float]:
         _sync(dev)
+        t0 = time.perf_counter()
         torch.mm(e, e.T, out=s)
+        _sync(dev)
+        fwd = time.perf_counter() - t0
         torch.mm(grad, e, out=o1)
         torch.mm(grad.T, e, out=o2)
         _sync(dev)
-        return 0.0, 0.0
+        return 0.0, fwd
     return step, 0
 
 
