@@ -101,6 +101,27 @@ def test_clip_equals_open_clip_formula(backend: str) -> None:
     assert_close(flashcl.ClipLoss(backend=backend)(img, txt, scale), expected, "ClipLoss module", 1e-10, 1e-10)
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_clip_equals_open_clip(backend: str) -> None:
+    from flashcl.bench.peers import open_clip_loss_module
+
+    module, why = open_clip_loss_module()
+    if module is None:
+        pytest.skip(why)
+    img, txt = _rand(12, 6, seed=7), _rand(12, 6, seed=8)
+    i1, t1 = img.clone().requires_grad_(True), txt.clone().requires_grad_(True)
+    s1 = torch.tensor(14.3, **F64, requires_grad=True)
+    expected = module.ClipLoss()(F.normalize(i1, dim=-1), F.normalize(t1, dim=-1), s1)
+    expected.backward()
+    i2, t2 = img.clone().requires_grad_(True), txt.clone().requires_grad_(True)
+    s2 = torch.tensor(14.3, **F64, requires_grad=True)
+    got = flashcl.ClipLoss(backend=backend)(i2, t2, s2)
+    got.backward()
+    assert_close(got, expected, "vs open_clip ClipLoss", 1e-10, 1e-10)
+    for a, e, what in ((i2.grad, i1.grad, "image"), (t2.grad, t1.grad, "text"), (s2.grad, s1.grad, "scale")):
+        assert_close(a, e, f"grad {what} vs open_clip", 1e-10, 1e-10)
+
+
 def test_modules_call_the_functions() -> None:
     emb, labels = _rand(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     z1, z2 = _rand(5, 4, seed=1), _rand(5, 4, seed=2)

@@ -17,7 +17,8 @@ def _size(mode: str, quick: Any, default: Any, full: Any) -> Any:
 
 def tiled(mode: str, device: str) -> List[Case]:
     """The tiled backend's targets: SupCon and CLIP against the GEMM bound, a
-    65536 batch, and the neighbour loss against the seed's gather fix."""
+    65536 batch, and the neighbour loss against the seed's gather fix. Each
+    case gets a cap of 300 s (the 65536 batch alone takes ~30 s here)."""
     b, d = _size(mode, (512, 64), (8192, 768), (8192, 768))
     big_b, big_d = _size(mode, (4096, 32), (65536, 256), (65536, 256))
     n_big = _size(mode, 1500, 20000, 20000)
@@ -44,6 +45,8 @@ def tiled(mode: str, device: str) -> List[Case]:
             cases.append({"group": group, "label": impl, "workload": "neighbor", "bound": gather,
                           "repeats": 1 if seed else (2 if group == "neighbor-big" else 5),
                           "params": {"n": n, "k": 2, "impl": impl}})
+    for case in cases:
+        case["cap_s"] = 300.0
     return cases
 
 
