@@ -7,7 +7,23 @@ from typing import Any, Dict, List, Optional
 Row = Dict[str, Any]
 
 HEADER = ["group", "implementation", "size", "forward", "backward", "fwd+bwd", "vs bound (bound)",
-          "peak mem (first / steady)", "beyond grad", "loss"]
+          "peak mem (first / steady)", "beyond grad", "loss", "vs flashcl"]
+
+
+def agreement(r: Row, rows: List[Row]) -> str:
+    """The loss against flashcl's on the same group, size and formula: "equal"
+    (within 1e-4 relative), "other formula" (a stated formula difference), or
+    "DIFFERS"."""
+    if r.get("status") != "ok" or r["workload"] == "gemm3" or r["label"].startswith("flashcl"):
+        return ""
+    same = [o for o in rows if o is not r and o.get("status") == "ok" and o["label"].startswith("flashcl")
+            and o["group"] == r["group"] and o["workload"] == r["workload"]
+            and {k: v for k, v in o["params"].items() if k != "impl"} ==
+            {k: v for k, v in r["params"].items() if k != "impl"}]
+    if not same:
+        return "other formula" if "formula" in r["label"] else ""
+    ref = same[0]["loss"]
+    return "equal" if abs(r["loss"] - ref) <= 1e-4 * max(1.0, abs(ref)) else "DIFFERS"
 
 
 def size_label(r: Row) -> str:
@@ -31,7 +47,7 @@ def fmt_row(r: Row) -> List[str]:
                "not installed": "not installed", "skipped": "skipped (failed at a smaller size)"}.get(
             status or "", status or "?")
         detail = r.get("error", "")
-        return head + [why, "", "", "", "", str(detail)[:80], ""]
+        return head + [why, "", "", "", "", str(detail)[:80], "", ""]
     ratio = f"{r['ratio']:.2f}x ({_ms(r['bound_s'])})" if "ratio" in r else ""
     steady = f" / {r['steady_peak_mb']:.0f}" if r.get("steady_peak_mb") is not None else ""
     if r["workload"] == "neighbor":
@@ -40,7 +56,7 @@ def fmt_row(r: Row) -> List[str]:
         beyond = f"{r['peak_mb'] - r.get('grad_mb', 0.0):.0f} MB"
     loss = f"{r['loss']:.6g}" if r["workload"] != "gemm3" else ""
     return head + [_ms(r["fwd_s"]), _ms(r["bwd_s"]), _ms(r["time_s"]), ratio, f"{r['peak_mb']:.0f}{steady} MB",
-                   beyond, loss]
+                   beyond, loss, r.get("agreement", "")]
 
 
 NOTES = ("forward / backward / fwd+bwd: the best of the repeats (a capped case ran once and was stopped); "
@@ -51,10 +67,14 @@ NOTES = ("forward / backward / fwd+bwd: the best of the repeats (a capped case r
          "or the seed's gather fix for the neighbour loss. peak mem: peak memory of the first call above "
          "what was in use before it (on the CPU this includes one-time costs such as MKL's GEMM workspace, "
          "~15 MB), then of a later call (steady state). beyond grad: first-call peak minus the inputs' "
-         "gradient; for the neighbour loss, first-call peak over the size of the score matrix.")
+         "gradient; for the neighbour loss, first-call peak over the size of the score matrix. vs flashcl: "
+         "the loss value against flashcl's on the same inputs and formula (equal within 1e-4 relative); "
+         "'other formula' where the implementation computes a different, stated loss.")
 
 
 def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
+    for r in rows:
+        r["agreement"] = agreement(r, rows)
     lines = [f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), device "
              f"{machine['device']}, torch {machine['torch']}, flashcl {machine['git']}: `{command}`"]
     for suite in dict.fromkeys(r["suite"] for r in rows):
