@@ -96,6 +96,8 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
     paths = []
     for suite in dict.fromkeys(r["suite"] for r in rows):
         ok = [r for r in rows if r["suite"] == suite and r.get("status") == "ok"]
+        # one line per implementation: of the neighbour loss, the seed's k = 2
+        ok = [r for r in ok if r["params"].get("k", 2) == 2]
         if not ok:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
