@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 POS_MODES = ("mean", "sum", "pairs")
@@ -114,3 +115,16 @@ class CoreSpec:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half and bfloat16 inputs (accumulation precision), else unchanged."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def prepare(q: Tensor, k: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Tensor]:
+    """Cast to the compute dtype and L2-normalise rows (autograd-tracked, never in
+    place); ``k=None`` means ``k = q`` (normalised once)."""
+    dtype = compute_dtype(q.dtype)
+    q = q.to(dtype)
+    same = k is None
+    k = q if k is None else k.to(dtype)
+    if normalize:
+        q = F.normalize(q, dim=1)
+        k = q if same else F.normalize(k, dim=1)
+    return q, k

@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .core import CoreSpec, compute_dtype
+from .core import CoreSpec, compute_dtype, prepare
 
 
 def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
@@ -39,13 +38,8 @@ def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
 
 def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tuple[Tensor, Optional[Tensor]]:
     """Row losses (M,) and, for ``spec.symmetric``, column losses (N,); ``k=None`` means ``k = q``."""
-    dtype = compute_dtype(q.dtype)
-    q = q.to(dtype)
-    k = q if k is None else k.to(dtype)
-    if spec.normalize:
-        q = F.normalize(q, dim=1)
-        k = q if k is q else F.normalize(k, dim=1)
-    scores = (q @ k.T) * scale.to(dtype)
+    q, k = prepare(q, k, spec.normalize)
+    scores = (q @ k.T) * scale.to(q.dtype)
     row_loss = scores_loss(scores, spec)
     col_loss = None
     if spec.symmetric:

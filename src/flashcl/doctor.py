@@ -24,6 +24,8 @@ from torch import Tensor
 
 import flashcl
 
+from ._procmem import reset_peak, status_mb
+
 LossFn = Callable[..., Tensor]
 
 # Graph node types that element-wise indexing in Python loops leaves behind.
@@ -228,30 +230,6 @@ def _graph_findings(nodes: List[Any], size: int, nodes_exponent: Optional[float]
 
 # ----------------------------------------------------------------------------- measuring
 
-def _rss_peak_mb() -> Optional[float]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> Optional[float]:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 def _call(fn: LossFn, inputs: Sequence[Any], seed: int) -> Tensor:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -262,7 +240,7 @@ def _run(fn: LossFn, inputs: Sequence[Any], seed: int = 0) -> Tuple[SizeRun, Any
     for t in inputs:
         if isinstance(t, Tensor):
             t.grad = None
-    base = _reset_peak()
+    base = reset_peak()
     t0 = time.perf_counter()
     loss = _call(fn, inputs, seed)
     fwd = time.perf_counter() - t0
@@ -273,7 +251,7 @@ def _run(fn: LossFn, inputs: Sequence[Any], seed: int = 0) -> Tuple[SizeRun, Any
     if loss.requires_grad:
         loss.backward(retain_graph=True)
     bwd = time.perf_counter() - t0
-    peak = _rss_peak_mb()
+    peak = status_mb("VmHWM")
     run = SizeRun(inputs[0].shape[0] if isinstance(inputs[0], Tensor) else 0, fwd, bwd,
                   None if base is None or peak is None else peak - base, len(nodes), float(loss.detach()))
     return run, (loss, nodes)

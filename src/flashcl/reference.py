@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .core import CoreSpec, compute_dtype
+from .core import CoreSpec, compute_dtype, prepare
 
 
 def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
@@ -45,13 +44,8 @@ def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
 
 def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tuple[Tensor, Optional[Tensor]]:
     """Row losses (M,) and, for ``spec.symmetric``, column losses (N,); ``k=None`` means ``k = q``."""
-    dtype = compute_dtype(q.dtype)
-    q = q.to(dtype)
-    k = q if k is None else k.to(dtype)
-    if spec.normalize:
-        q = F.normalize(q, dim=1)
-        k = F.normalize(k, dim=1)
-    scale = scale.to(dtype)
+    q, k = prepare(q, k, spec.normalize)
+    scale = scale.to(q.dtype)
     rows = []
     for i in range(q.shape[0]):
         sims = (k @ q[i]) * scale

@@ -19,13 +19,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
+from .._procmem import reset_peak, status_mb
 
 
 class _Memory:
@@ -40,14 +34,12 @@ class _Memory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             return torch.cuda.memory_allocated() / 2**20
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        return _status_kb("VmRSS") / 1024
+        return reset_peak() or 0.0
 
     def peak(self) -> float:
         if self.cuda:
             return torch.cuda.max_memory_allocated() / 2**20
-        return _status_kb("VmHWM") / 1024
+        return status_mb("VmHWM") or 0.0
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -67,7 +59,7 @@ def run_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
     except NotInstalled as e:
         return {"status": "not installed", "error": str(e)[:300]}
     if spec.get("mem_limit_mb") and not mem.cuda:
-        in_use = _status_kb("VmSize") * 1024
+        in_use = int((status_mb("VmSize") or 0.0) * 2**20)
         resource.setrlimit(resource.RLIMIT_AS, (in_use + int(spec["mem_limit_mb"]) * 2**20, resource.RLIM_INFINITY))
     try:
         before = mem.reset()
