@@ -108,3 +108,16 @@ def test_tiled_no_grad_mode_gives_same_loss() -> None:
             loss = case.fn(*case.tensors, *case.extra, backend="tiled", reduction="mean", **case.kwargs)
         assert_close(loss, with_grad, f"{case.name}: no_grad", 1e-12, 1e-10)
         assert not loss.requires_grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_embedding_row(backend: str) -> None:
+    """A zero row normalises to zero (F.normalize's eps): same loss and gradient
+    (of size 1/eps on that row) as the reference."""
+    g = torch.Generator().manual_seed(4)
+    emb = torch.randn(9, 4, dtype=torch.float64, generator=g)
+    emb[3] = 0.0
+    labels = torch.tensor([0, 1, 0, 1, 2, 2, 0, 1, 2])
+    case = Case("zero_row", flashcl.supcon_loss, [emb], [labels], {"temperature": 0.2})
+    compare_to_reference(case, backend, "mean", torch.float64, 1e-10, 1e-9, **(
+        {"block_size": 4} if backend == "tiled" else {}))

@@ -61,13 +61,35 @@ def auto_block(m: int, n: int, dtype: torch.dtype = torch.float32, self_contrast
     return int(max(1, min(m, rows)))
 
 
-def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype) -> Tuple[Tensor, Optional[Tensor]]:
-    """Cast (never in place) and optionally L2-normalise rows; returns (rows, norms)."""
+class _RowScaled:
+    """Rows of ``x`` times ``s``, made on demand (``rows[i:j]``, ``rows[index]``):
+    the normalised embeddings of the self-contrast path without a copy of E."""
+
+    def __init__(self, x: Tensor, s: Tensor) -> None:
+        self.x, self.s, self.shape = x, s, x.shape
+
+    def __getitem__(self, idx: Any) -> Tensor:
+        return self.x[idx] * self.s[idx].unsqueeze(-1)
+
+
+Rows = Any  # a Tensor or a _RowScaled
+
+
+def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype, lazy: bool = False) -> Tuple[Rows, Optional[Tensor]]:
+    """Cast (never in place) and optionally L2-normalise rows; returns (rows, norms).
+    ``lazy``: the normalised rows as a :class:`_RowScaled` view of x (no copy)."""
     x = x.detach().to(dtype)
     if not normalize:
         return x, None
     norms = torch.linalg.vector_norm(x, dim=1).clamp_min(_NORM_EPS)
+    if lazy:
+        return _RowScaled(x, 1.0 / norms), norms
     return x / norms.unsqueeze(1), norms
+
+
+def _raw(rows: Rows) -> Tuple[Tensor, Optional[Tensor]]:
+    """(the tensor behind rows, the row scale or None)."""
+    return (rows.x, rows.s) if isinstance(rows, _RowScaled) else (rows, None)
 
 
 def _normalize_backward_(grad: Tensor, y: Tensor, norms: Tensor, block: int) -> None:
@@ -94,11 +116,10 @@ def _lse_inplace(s_blk: Tensor) -> Tuple[Tensor, Tensor]:
 def _class_sums(x: Tensor, ids: Tensor, num_classes: int, block: int, weight: Optional[Tensor] = None) -> Tensor:
     """sum of the rows of x (times weight) per class id: (num_classes, D), in row blocks
     so that no temporary of x's size is made."""
-    out = x.new_zeros(num_classes, x.shape[1])
-    if weight is None:
-        return out.index_add_(0, ids, x)
+    out = _raw(x)[0].new_zeros(num_classes, x.shape[1])
     for r0 in range(0, x.shape[0], block):
-        out.index_add_(0, ids[r0:r0 + block], x[r0:r0 + block] * weight[r0:r0 + block].unsqueeze(1))
+        rows = x[r0:r0 + block]
+        out.index_add_(0, ids[r0:r0 + block], rows if weight is None else rows * weight[r0:r0 + block].unsqueeze(1))
     return out
 
 
@@ -112,7 +133,7 @@ def _self_rows(r0: int, r1: int, offset: int, n: int) -> Tuple[int, int]:
 def _positive_raw(q: Tensor, k: Tensor, spec: CoreSpec, block: int) -> Tensor:
     """sum_j m_ij q_i . k_j per anchor (M,), without the M x N matrix."""
     m, n = q.shape[0], k.shape[0]
-    out = q.new_empty(m)
+    out = _raw(q)[0].new_empty(m)
     sums = None
     if spec.index is None:
         assert spec.row_labels is not None and spec.col_labels is not None
@@ -153,9 +174,11 @@ def _positive_grad_(q: Tensor, k: Tensor, scale: float, spec: CoreSpec, w: Tenso
         c1 = min(c0 + block, n)
         dk[c0:c1].sub_(wq_sums[spec.col_labels[c0:c1]], alpha=scale)
     if spec.self_pairs:
-        a, b = _self_rows(0, m, spec.offset, n)
-        dq[a:b].add_(k[a + spec.offset:b + spec.offset] * (w[a:b] * scale).unsqueeze(1))
-        dk[a + spec.offset:b + spec.offset].add_(q[a:b] * (w[a:b] * scale).unsqueeze(1))
+        for r0 in range(0, m, block):
+            a, b = _self_rows(r0, min(r0 + block, m), spec.offset, n)
+            ws = (w[a:b] * scale).unsqueeze(1)
+            dq[a:b].add_(k[a + spec.offset:b + spec.offset] * ws)
+            dk[a + spec.offset:b + spec.offset].add_(q[a:b] * ws)
 
 
 class _Workspace:
@@ -270,7 +293,13 @@ def _uses_symmetry(k_in: Optional[Tensor], spec: CoreSpec) -> bool:
     return k_in is None and spec.offset == 0 and not spec.symmetric
 
 
-def _bound_shift(q: Tensor, k: Optional[Tensor], scale: float) -> Optional[float]:
+def _max_row_norm(rows: Rows) -> float:
+    raw, inv = _raw(rows)
+    norms = torch.linalg.vector_norm(raw, dim=1)
+    return float((norms if inv is None else norms * inv).max())
+
+
+def _bound_shift(q: Rows, k: Optional[Rows], scale: float) -> Optional[float]:
     """A shift ``c >= max |s_ij|`` (Cauchy-Schwarz: scale * max |q_i| * max |k_j|)
     when ``exp(s - c)`` cannot underflow, i.e. ``2c`` is within the dtype's
     exponent range; else None. With it, the row and the column sums of one
@@ -278,30 +307,42 @@ def _bound_shift(q: Tensor, k: Optional[Tensor], scale: float) -> Optional[float
     exp and two scalings: one exp per element instead of two (for unit-norm
     embeddings: temperature above ~0.025, or a CLIP logit scale below 40, in
     float32)."""
-    limit = 80.0 if q.dtype == torch.float32 else 700.0
-    qmax = float(torch.linalg.vector_norm(q, dim=1).max())
-    kmax = qmax if k is None or k is q else float(torch.linalg.vector_norm(k, dim=1).max())
+    limit = 80.0 if _raw(q)[0].dtype == torch.float32 else 700.0
+    qmax = _max_row_norm(q)
+    kmax = qmax if k is None or k is q else _max_row_norm(k)
     c = scale * qmax * kmax
     return c if math.isfinite(c) and 2.0 * c <= limit else None
 
 
-def _self_buffers(e: Tensor, block: int) -> Tuple[Tensor, Tensor]:
+def _self_buffers(e: Rows, block: int) -> Tuple[Tensor, Tensor]:
     """The two flat panel buffers of the self-contrast passes, shared by both
     passes of one call (one set of block buffers per call, not per pass)."""
     size = min(block, e.shape[0]) * e.shape[0]
-    return e.new_empty(size), e.new_empty(size)
+    raw = _raw(e)[0]
+    return raw.new_empty(size), raw.new_empty(size)
 
 
-def _self_lse(e: Tensor, scale: float, spec: CoreSpec, block: int, shift: Optional[float], buf: Tensor) -> Tensor:
+def _self_panel(raw: Tensor, inv: Optional[Tensor], scale: float, r0: int, r1: int, buf: Tensor) -> Tensor:
+    """S[r0:r1, r0:] = scale * inv_i inv_j e_i . e_j into buf (inv None: no row scale)."""
+    m = raw.shape[0]
+    left = raw[r0:r1] * (scale if inv is None else (inv[r0:r1] * scale).unsqueeze(1))
+    s = torch.mm(left, raw[r0:].T, out=_panel(buf, r1 - r0, m - r0))
+    if inv is not None:
+        s.mul_(inv[r0:].unsqueeze(0))
+    return s
+
+
+def _self_lse(e: Rows, scale: float, spec: CoreSpec, block: int, shift: Optional[float], buf: Tensor) -> Tensor:
     """Row LSE of S = scale E E^T from the upper panels only: each panel
     ``S[I, I:]`` gives its rows' partial LSE and, transposed, the columns' right
     of the diagonal block."""
     m = e.shape[0]
-    acc = e.new_zeros(m) if shift is not None else e.new_full((m,), float("-inf"))
+    raw, inv = _raw(e)
+    acc = raw.new_zeros(m) if shift is not None else raw.new_full((m,), float("-inf"))
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
         b = r1 - r0
-        s = torch.mm(e[r0:r1] * scale, e[r0:].T, out=_panel(buf, b, m - r0))
+        s = _self_panel(raw, inv, scale, r0, r1, buf)
         if shift is not None:
             # acc holds sums of exp(s - shift); masked entries are exact zeros
             s.sub_(shift).exp_()
@@ -319,7 +360,7 @@ def _self_lse(e: Tensor, scale: float, spec: CoreSpec, block: int, shift: Option
     return acc.log_().add_(shift) if shift is not None else acc
 
 
-def _self_grad_pass(e: Tensor, scale: float, spec: CoreSpec, lse: Tensor, g: Tensor, de: Tensor,
+def _self_grad_pass(e: Rows, scale: float, spec: CoreSpec, lse: Tensor, g: Tensor, de: Tensor,
                     block: int, shift: Optional[float], bufs: Tuple[Tensor, Tensor]) -> Tensor:
     """The LSE terms' gradient for self-contrast from the upper panels only.
 
@@ -330,17 +371,22 @@ def _self_grad_pass(e: Tensor, scale: float, spec: CoreSpec, lse: Tensor, g: Ten
     unsymmetric path needs two. With a ``shift``,
     ``H_ij = exp(s_ij - shift) (alpha_i + alpha_j)``, ``alpha = g exp(shift - lse)``:
     one exp per element. Returns sum_ij G_ij e_i.e_j (for d scale).
+
+    With lazily normalised rows (``e`` a :class:`_RowScaled` of raw rows x with
+    scale inv), the GEMMs use x and ``diag(inv) H diag(inv)``, and ``de``
+    receives ``diag(inv) dE``: the caller multiplies its rows by the norms.
     """
     m = e.shape[0]
+    raw, inv = _raw(e)
     buf, buf2 = bufs
-    gk = e.new_empty(min(block, m), e.shape[1])
-    dscale = e.new_zeros(())
+    gk = raw.new_empty(min(block, m), raw.shape[1])
+    dscale = raw.new_zeros(())
     alpha = g * torch.exp(shift - lse) if shift is not None else None
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
         b = r1 - r0
-        er = e[r0:r1]
-        h = torch.mm(er * scale, e[r0:].T, out=_panel(buf, b, m - r0))
+        er = raw[r0:r1]
+        h = _self_panel(raw, inv, scale, r0, r1, buf)
         if alpha is not None:
             h.sub_(shift).exp_()
             if spec.exclude_self:
@@ -353,13 +399,15 @@ def _self_grad_pass(e: Tensor, scale: float, spec: CoreSpec, lse: Tensor, g: Ten
             transposed = torch.sub(h, lse[r0:].unsqueeze(0), out=_panel(buf2, b, m - r0))
             transposed.exp_().mul_(g[r0:].unsqueeze(0))
             h.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(g[r0:r1].unsqueeze(1)).add_(transposed)
+        if inv is not None:
+            h.mul_(inv[r0:r1].unsqueeze(1)).mul_(inv[r0:].unsqueeze(0))
         # diagonal block: H_II = G_II + G_II^T, counted once
         part = torch.mm(h[:, :b], er, out=gk[:b])
         dscale += 0.5 * torch.dot(part.reshape(-1), er.reshape(-1))
         de[r0:r1].add_(part, alpha=scale)
         if r1 < m:
             rest = h[:, b:]
-            part = torch.mm(rest, e[r1:], out=gk[:b])
+            part = torch.mm(rest, raw[r1:], out=gk[:b])
             dscale += torch.dot(part.reshape(-1), er.reshape(-1))
             de[r0:r1].add_(part, alpha=scale)
             de[r1:].addmm_(rest.T, er, alpha=scale)
@@ -380,7 +428,8 @@ class TiledCore(torch.autograd.Function):
     def forward(ctx: Any, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor, spec: CoreSpec,
                 reduce_weights: Optional[Tuple[Tensor, Optional[Tensor]]], block: int) -> Tensor:
         dtype = compute_dtype(q_in.dtype)
-        q, q_norms = _prepare(q_in, spec.normalize, dtype)
+        symmetric_scores = _uses_symmetry(k_in, spec)
+        q, q_norms = _prepare(q_in, spec.normalize, dtype, lazy=symmetric_scores)
         k, k_norms = (q, q_norms) if k_in is None else _prepare(k_in, spec.normalize, dtype)
         s = float(scale)
         m = q.shape[0]
@@ -392,18 +441,18 @@ class TiledCore(torch.autograd.Function):
         g_row = None
         if fused:
             r, u = reduce_weights
-            dk = torch.zeros_like(k)
+            dk = torch.zeros_like(_raw(k)[0])
             dq = dk if k_in is None else torch.zeros_like(q)
             g_row = None if spec.symmetric else r * c
-        symmetric_scores = _uses_symmetry(k_in, spec)
         if symmetric_scores:
             shift = _bound_shift(q, None, s)
             bufs = _self_buffers(q, block)
             row_lse, col_lse = _self_lse(q, s, spec, block, shift, bufs[0]), None
-            dscale = q.new_zeros(())
+            dscale = row_lse.new_zeros(())
             if fused:
                 assert dq is not None and g_row is not None
                 dscale = _self_grad_pass(q, s, spec, row_lse, g_row, dq, block, shift, bufs)
+                _unscale_(dq, q_norms, q)
             del bufs
         else:
             row_lse, col_lse, dscale = _forward_pass(q, k, s, spec, block, g_row, dq, dk)
@@ -459,15 +508,17 @@ class TiledCore(torch.autograd.Function):
             else:
                 g_row = grad_out[:m].to(dtype)
                 g_col = grad_out[m:].to(dtype) if spec.symmetric else None
-            q, q_norms = _prepare(q_in, spec.normalize, dtype)
+            symmetric_scores = _uses_symmetry(k_in, spec)
+            q, q_norms = _prepare(q_in, spec.normalize, dtype, lazy=symmetric_scores)
             k, k_norms = (q, q_norms) if ctx.same else _prepare(k_in, spec.normalize, dtype)
             c, a = spec.weights(m, dtype)
             s = float(scale)
-            dk = torch.zeros_like(k)
+            dk = torch.zeros_like(_raw(k)[0])
             dq = dk if ctx.same else torch.zeros_like(q)
-            if _uses_symmetry(k_in, spec):
+            if symmetric_scores:
                 dscale = _self_grad_pass(q, s, spec, row_lse, g_row * c, dq, block, _bound_shift(q, None, s),
                                          _self_buffers(q, block))
+                _unscale_(dq, q_norms, q)
             else:
                 dscale = _grad_pass(q, k, s, spec, row_lse, col_lse, g_row * c, g_col, dq, dk, block)
             dq, dk, dscale = _finish_grads(q, k, q_norms, k_norms, q_in, k_in, s, spec, dq, dk, dscale,
@@ -475,6 +526,13 @@ class TiledCore(torch.autograd.Function):
         need_q, need_k, need_s = ctx.needs_input_grad[:3]
         return (dq if need_q else None, dk if need_k else None,
                 dscale.to(scale.dtype) if need_s else None, None, None, None)
+
+
+def _unscale_(d: Tensor, norms: Optional[Tensor], rows: Rows) -> None:
+    """diag(inv) dE -> dE for lazily normalised rows (see _self_grad_pass)."""
+    if isinstance(rows, _RowScaled):
+        assert norms is not None
+        d.mul_(norms.unsqueeze(1))
 
 
 def _finish_grads(q: Tensor, k: Tensor, q_norms: Optional[Tensor], k_norms: Optional[Tensor],
