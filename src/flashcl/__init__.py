@@ -8,6 +8,7 @@ from .functional import (
     sample_neighbors,
     supcon_loss,
 )
+from . import distributed
 from .doctor import doctor
 from .modules import ClipLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SupConLoss
 

@@ -1,0 +1,304 @@
+"""The same exact losses over a batch spread across processes (``torch.distributed``).
+
+Each rank passes its local batch; the loss is the loss over the global batch
+(the ranks' batches concatenated in rank order), with positives and negatives
+from every rank. Strategy ``"all_gather"``: the candidates are gathered with an
+autograd-aware collective (uneven batch sizes allowed), then the tiled core runs
+local anchor rows against the global candidate columns, so no rank ever holds
+the global score matrix, only the global embeddings.
+
+Gradient convention (``grad_scale``):
+
+* ``"ddp"`` (default): each rank returns ``world_size x`` its share of the global
+  loss (for ``reduction="mean"``: its anchors' terms over the global number of
+  anchors). The mean of the returned values over ranks is the global loss, and
+  DistributedDataParallel's gradient averaging (sum over ranks / world_size)
+  then gives exactly the single-process gradient of the global loss, for the
+  model and for a learnable temperature alike. The embeddings' gradient on each
+  rank is ``world_size x`` the single-process gradient's rows of that rank.
+* ``"sum"``: each rank returns its share; the sum over ranks is the global loss
+  and each rank's embeddings' gradient equals the single-process gradient's
+  rows of that rank. A replicated learnable temperature then needs its
+  gradient summed over ranks (``all_reduce``), not averaged.
+
+Every call first checks, with one small collective, that all ranks called the
+same loss with the same options, embedding dim and dtype; a mismatch raises a
+``ValueError`` on every rank instead of hanging in a later collective. The
+collectives use the process group's timeout (``init_process_group(timeout=...)``).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import functional as Fn
+from .core import CoreSpec, compute_dtype
+from .tiled import TiledCore, auto_block
+
+__all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss"]
+
+_GRAD_SCALES = ("ddp", "sum")
+
+
+def _world(group: Any) -> Tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flashcl.distributed needs an initialised process group (torch.distributed."
+                           "init_process_group); for one process use the flashcl.* losses")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_same_call(signature: str, device: torch.device, group: Any) -> None:
+    """All ranks must make the same call: compare a digest of its signature."""
+    digest = int(hashlib.sha256(signature.encode()).hexdigest()[:12], 16)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    _, world = _world(group)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    if any(int(t) != digest for t in everyone):
+        raise ValueError(f"flashcl.distributed: the ranks made different calls (loss, options, embedding dim "
+                         f"or dtype differ); this rank's call: {signature}")
+
+
+def _sizes(n: int, device: torch.device, group: Any) -> List[int]:
+    _, world = _world(group)
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return [int(t) for t in everyone]
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenation of every rank's rows (uneven counts); backward: the sum over
+    ranks of the gradients of this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, sizes: List[int], group: Any) -> Tensor:
+        rank, _ = _world(group)
+        width = max(sizes)
+        padded = x.new_zeros((width,) + tuple(x.shape[1:]))
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        ctx.sizes, ctx.group, ctx.rank = sizes, group, rank
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        start = sum(ctx.sizes[:ctx.rank])
+        return grad[start:start + ctx.sizes[ctx.rank]], None, None
+
+
+def all_gather_with_grad(x: Tensor, group: Any = None) -> Tuple[Tensor, int]:
+    """(rows of every rank concatenated in rank order, this rank's first row).
+
+    Differentiable: the gradient of the result flows back to every rank's ``x``.
+    """
+    rank, _ = _world(group)
+    sizes = _sizes(x.shape[0], x.device, group)
+    return _AllGather.apply(x, sizes, group), sum(sizes[:rank])
+
+
+def _all_gather_plain(x: Tensor, group: Any) -> Tensor:
+    sizes = _sizes(x.shape[0], x.device, group)
+    width = max(sizes)
+    padded = x.new_zeros((width,) + tuple(x.shape[1:]))
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+
+def _global_count(n: Tensor, group: Any) -> Tensor:
+    n = n.clone()
+    dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
+    return n
+
+
+def _run(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, grad_scale: str,
+         block_size: Optional[int], group: Any, valid_weight: Optional[Tensor] = None) -> Tensor:
+    """Local rows of the core against global columns, reduced with the global count."""
+    _, world = _world(group)
+    m, n = q.shape[0], k.shape[0]
+    dtype = compute_dtype(q.dtype)
+    block = block_size or auto_block(m, n, dtype)
+    factor = float(world) if grad_scale == "ddp" else 1.0
+    if reduction == "none":
+        return TiledCore.apply(q, k, scale, spec, None, block)
+    valid = spec.valid_rows(m).to(device=q.device, dtype=dtype)
+    if reduction == "mean":
+        total = _global_count(valid.sum().reshape(1), group).clamp_min(1)
+        r = valid * (factor / total)
+    else:
+        r = valid * factor
+    if valid_weight is not None:
+        r = r * valid_weight
+    return TiledCore.apply(q, k, scale, spec, (r, None), block)
+
+
+def _check(grad_scale: str) -> None:
+    if grad_scale not in _GRAD_SCALES:
+        raise ValueError(f"grad_scale must be one of {_GRAD_SCALES}, got {grad_scale!r}")
+
+
+def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Fn.Scalar = 0.1, positives: str = "mean",
+                include_self: bool = False, normalize: bool = True, reduction: str = "mean",
+                grad_scale: str = "ddp", group: Any = None, block_size: Optional[int] = None) -> Tensor:
+    """:func:`flashcl.supcon_loss` over the global batch (see the module docstring).
+
+    Args:
+        embeddings: (B_rank, D) this rank's samples (batch sizes may differ by rank).
+        labels: (B_rank,) their labels; positives are found on every rank.
+        grad_scale: ``"ddp"`` (default) or ``"sum"``; see the module docstring.
+        group: the process group (default: the world).
+        other arguments: as :func:`flashcl.supcon_loss`.
+
+    Shape:
+        - embeddings: (B_rank, D); labels: (B_rank,)
+        - output: scalar, or (B_rank,) with ``reduction="none"``
+
+    Examples::
+
+        >>> # in each of the processes of an initialised group:
+        >>> loss = flashcl.distributed.supcon_loss(local_emb, local_labels)
+    """
+    Fn._check_float_tensor(embeddings, "embeddings", (2,))
+    labels = Fn._check_index_tensor(labels, "labels")
+    Fn._check_choice(positives, "positives", ("mean", "sum"))
+    Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
+    _check(grad_scale)
+    if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
+        raise ValueError(f"labels must be 1-D of length {embeddings.shape[0]}, got shape {tuple(labels.shape)}")
+    scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", embeddings.device,
+                                            compute_dtype(embeddings.dtype))
+    _check_same_call(f"supcon|{embeddings.shape[1]}|{embeddings.dtype}|{positives}|{include_self}|{normalize}|"
+                     f"{reduction}|{grad_scale}|{float(scale.detach()):.12g}", embeddings.device, group)
+    return _supcon_core(embeddings, labels, scale, positives, include_self, normalize, reduction, grad_scale,
+                        block_size, group)
+
+
+def _supcon_core(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
+                 normalize: bool, reduction: str, grad_scale: str, block_size: Optional[int], group: Any) -> Tensor:
+    k, offset = all_gather_with_grad(embeddings, group)
+    all_labels = _all_gather_plain(labels.long(), group)
+    if k.shape[0] < 2 and not include_self:
+        raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
+    uniq, ids = torch.unique(all_labels, return_inverse=True)
+    ids = ids.reshape(-1)
+    spec = CoreSpec(exclude_self=not include_self, self_pairs=True, offset=offset,
+                    row_labels=ids[offset:offset + embeddings.shape[0]], col_labels=ids,
+                    num_classes=int(uniq.numel()), pos_mode=positives, normalize=normalize)
+    return _run(embeddings, k, scale, spec, reduction, grad_scale, block_size, group)
+
+
+def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Fn.Scalar = 0.07, normalize: bool = True,
+                 reduction: str = "mean", grad_scale: str = "ddp", group: Any = None,
+                 block_size: Optional[int] = None) -> Tensor:
+    """:func:`flashcl.nt_xent_loss` over the global batch: every view of every rank is
+    a negative; ``z1[i]`` and ``z2[i]`` of the same rank are a pair.
+
+    Shape:
+        - z1, z2: (N_rank, D)
+        - output: scalar, or (2 N_rank,) with ``reduction="none"`` (rows of z1, then z2)
+
+    Examples::
+
+        >>> loss = flashcl.distributed.nt_xent_loss(view1, view2, temperature=0.5)
+    """
+    Fn._check_float_tensor(z1, "z1", (2,))
+    Fn._check_float_tensor(z2, "z2", (2,))
+    if z1.shape != z2.shape:
+        raise ValueError(f"z1 and z2 must have the same shape, got {tuple(z1.shape)} and {tuple(z2.shape)}")
+    Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
+    _check(grad_scale)
+    scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
+    _check_same_call(f"nt_xent|{z1.shape[1]}|{z1.dtype}|{normalize}|{reduction}|{grad_scale}|"
+                     f"{float(scale.detach()):.12g}", z1.device, group)
+    n = z1.shape[0]
+    pair_offset = sum(_sizes(n, z1.device, group)[:_world(group)[0]])
+    ids = (torch.arange(n, device=z1.device) + pair_offset).repeat(2)
+    return _supcon_core(torch.cat([z1, z2]), ids, scale, "sum", False, normalize, reduction, grad_scale,
+                        block_size, group)
+
+
+def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None, *,
+                  temperature: Fn.Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
+                  grad_scale: str = "ddp", group: Any = None, block_size: Optional[int] = None) -> Tensor:
+    """:func:`flashcl.info_nce_loss` over the global batch: each query is scored
+    against the keys of every rank; ``positive_index`` indexes this rank's keys.
+
+    Shape:
+        - query: (B_rank, D); keys: (N_rank, D); positive_index: (B_rank,) into this rank's keys
+        - output: scalar, or (B_rank,) with ``reduction="none"``
+
+    Examples::
+
+        >>> loss = flashcl.distributed.info_nce_loss(q_local, docs_local)
+    """
+    Fn._check_float_tensor(query, "query", (2,))
+    Fn._check_float_tensor(keys, "keys", (2,))
+    if keys.shape[1] != query.shape[1]:
+        raise ValueError(f"query and keys must have the same embedding dim, got {query.shape[1]} and {keys.shape[1]}")
+    Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
+    _check(grad_scale)
+    b, n = query.shape[0], keys.shape[0]
+    if positive_index is None:
+        if n < b:
+            raise ValueError(f"keys must have at least as many rows as query when positive_index is None, "
+                             f"got {n} < {b}")
+        index = torch.arange(b, device=query.device)
+    else:
+        index = Fn._check_index_tensor(positive_index, "positive_index")
+        if index.dim() != 1 or index.shape[0] != b or bool(((index < 0) | (index >= n)).any()):
+            raise ValueError(f"positive_index must be 1-D of length {b} with values in [0, {n})")
+    scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
+    _check_same_call(f"info_nce|{query.shape[1]}|{query.dtype}|{normalize}|{reduction}|{grad_scale}|"
+                     f"{float(scale.detach()):.12g}", query.device, group)
+    k, offset = all_gather_with_grad(keys, group)
+    spec = CoreSpec(index=(index.long() + offset).unsqueeze(1), pos_mode="sum", normalize=normalize)
+    return _run(query, k, scale, spec, reduction, grad_scale, block_size, group)
+
+
+def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Fn.Scalar, *, normalize: bool = True,
+              reduction: str = "mean", grad_scale: str = "ddp", group: Any = None,
+              block_size: Optional[int] = None) -> Tensor:
+    """:func:`flashcl.clip_loss` over the global batch: both directions against
+    the image and text towers of every rank (open_clip's ``gather_with_grad=True``,
+    ``local_loss=True`` arrangement, exact).
+
+    Shape:
+        - image_embeds, text_embeds: (B_rank, D)
+        - output: scalar, or (B_rank,) with ``reduction="none"``
+
+    Examples::
+
+        >>> loss = flashcl.distributed.clip_loss(img_local, txt_local, model.logit_scale.exp())
+    """
+    Fn._check_float_tensor(image_embeds, "image_embeds", (2,))
+    Fn._check_float_tensor(text_embeds, "text_embeds", (2,))
+    if image_embeds.shape != text_embeds.shape:
+        raise ValueError(f"image_embeds and text_embeds must have the same shape, got "
+                         f"{tuple(image_embeds.shape)} and {tuple(text_embeds.shape)}")
+    Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
+    _check(grad_scale)
+    scale = Fn._check_positive_scalar(logit_scale, "logit_scale", image_embeds.device,
+                                      compute_dtype(image_embeds.dtype))
+    _check_same_call(f"clip|{image_embeds.shape[1]}|{image_embeds.dtype}|{normalize}|{reduction}|{grad_scale}|"
+                     f"{float(scale.detach()):.12g}", image_embeds.device, group)
+    all_text, offset = all_gather_with_grad(text_embeds, group)
+    all_image, _ = all_gather_with_grad(image_embeds, group)
+    b = image_embeds.shape[0]
+    index = (torch.arange(b, device=image_embeds.device) + offset).unsqueeze(1)
+    spec = CoreSpec(index=index, pos_mode="sum", normalize=normalize)
+    if reduction == "none":
+        rows = _run(image_embeds, all_text, scale, spec, "none", grad_scale, block_size, group)
+        cols = _run(text_embeds, all_image, scale, spec, "none", grad_scale, block_size, group)
+        return 0.5 * (rows + cols)
+    half = torch.full((b,), 0.5, dtype=compute_dtype(image_embeds.dtype), device=image_embeds.device)
+    return (_run(image_embeds, all_text, scale, spec, reduction, grad_scale, block_size, group, half)
+            + _run(text_embeds, all_image, scale, spec, reduction, grad_scale, block_size, group, half))

@@ -1,0 +1,128 @@
+"""flashcl.distributed with gloo on 127.0.0.1: every loss, world sizes 2 and 3, uneven
+batches, equal in float64 to one process on the concatenated batch."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashcl
+from conftest import assert_close
+
+SIZES = {2: [5, 8], 3: [4, 7, 2]}
+TOL = (1e-10, 1e-9)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data(total: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(total)
+    return {
+        "emb": torch.randn(total, 6, dtype=torch.float64, generator=g),
+        "labels": torch.randint(0, 4, (total,), generator=g),
+        "z2": torch.randn(total, 6, dtype=torch.float64, generator=g),
+        "keys": torch.randn(2 * total, 6, dtype=torch.float64, generator=g),
+    }
+
+
+def _shard(sizes: List[int], rank: int) -> slice:
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Tensor, dist_mode: bool) -> Dict[str, Any]:
+    """name -> (function of the differentiable inputs, the inputs): distributed on a
+    shard, or single-process on the whole batch."""
+    sl = _shard(sizes, rank) if dist_mode else slice(None)
+    emb, labels, z2 = d["emb"][sl], d["labels"][sl], d["z2"][sl]
+    # keys: each rank owns twice its queries' count (its positives + hard negatives)
+    if dist_mode:
+        ks = _shard([2 * s for s in sizes], rank)
+        keys = d["keys"][ks]
+        pos = torch.arange(emb.shape[0]) * 2
+    else:
+        keys = d["keys"][: 2 * sum(sizes)]
+        pos = torch.cat([torch.arange(s) * 2 + 2 * sum(sizes[:r]) for r, s in enumerate(sizes)])
+    lib = flashcl.distributed if dist_mode else flashcl
+    kw: Dict[str, Any] = {"grad_scale": "sum"} if dist_mode else {"backend": "reference"}
+    return {
+        "supcon": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
+        "supcon_seed2_sum": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, positives="sum",
+                                                           include_self=True, reduction="sum", **kw), [emb, t]),
+        "nt_xent": (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, **kw), [emb, z2, t]),
+        "info_nce_hard": (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
+        "clip": (lambda a, b, s: lib.clip_loss(a, b, s, **kw), [emb, z2, 1.0 / t]),
+    }
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    sizes = SIZES[world]
+    d = _data(sum(sizes))
+    results: Dict[str, Any] = {}
+    t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    for name, (fn, inputs) in _cases(d, sizes, rank, t, True).items():
+        inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+        loss = fn(*inputs)
+        grads = torch.autograd.grad(loss, inputs)
+        results[name] = (loss.detach(), [g.detach() for g in grads])
+    # the "ddp" convention: the returned value is world x the share
+    e = d["emb"][_shard(sizes, rank)]
+    results["ddp_value"] = flashcl.distributed.supcon_loss(e, d["labels"][_shard(sizes, rank)]).detach()
+    # mismatched options must raise on every rank, not hang
+    try:
+        flashcl.distributed.supcon_loss(e, d["labels"][_shard(sizes, rank)], temperature=0.1 + 0.1 * rank)
+        results["mismatch"] = "no error"
+    except ValueError as err:
+        results["mismatch"] = str(err)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_equals_single_process(world: int, tmp_path) -> None:
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    sizes = SIZES[world]
+    d = _data(sum(sizes))
+    t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    for name, (fn, inputs) in _cases(d, sizes, 0, t, False).items():
+        inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+        loss = fn(*inputs)
+        grads = torch.autograd.grad(loss, inputs)
+        total = sum(r[name][0] for r in ranks)
+        assert_close(total, loss, f"{name}: sum of rank losses vs one process", *TOL)
+        # embeddings: each rank's gradient is its rows of the single-process gradient
+        for r in range(world):
+            got = ranks[r][name][1]
+            assert_close(got[0], grads[0][_shard(sizes, r)], f"{name}: rank {r} first input grad", *TOL)
+            if name == "info_nce_hard":
+                ks = _shard([2 * s for s in sizes], r)
+                assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
+            elif name in ("nt_xent", "clip"):
+                assert_close(got[1], grads[1][_shard(sizes, r)], f"{name}: rank {r} second input grad", *TOL)
+        # the temperature (or logit scale, the last input) is replicated: its gradient sums over ranks
+        t_got = sum(r[name][1][-1] for r in ranks)
+        assert_close(t_got, grads[-1], f"{name}: summed temperature grad", *TOL)
+    single = flashcl.supcon_loss(d["emb"], d["labels"], backend="reference")
+    ddp_mean = sum(r["ddp_value"] for r in ranks) / world
+    assert_close(ddp_mean, single, "ddp convention: mean over ranks = global loss", *TOL)
+    for r in range(world):
+        assert "different calls" in ranks[r]["mismatch"], ranks[r]["mismatch"]
+
+
+def test_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match="process group"):
+        flashcl.distributed.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]))
