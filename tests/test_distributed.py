@@ -40,7 +40,8 @@ def _shard(sizes: List[int], rank: int) -> slice:
     return slice(start, start + sizes[rank])
 
 
-def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Tensor, dist_mode: bool) -> Dict[str, Any]:
+def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Tensor, dist_mode: bool,
+           strategy: str = "all_gather") -> Dict[str, Any]:
     """name -> (function of the differentiable inputs, the inputs): distributed on a
     shard, or single-process on the whole batch."""
     sl = _shard(sizes, rank) if dist_mode else slice(None)
@@ -54,7 +55,7 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
         keys = d["keys"][: 2 * sum(sizes)]
         pos = torch.cat([torch.arange(s) * 2 + 2 * sum(sizes[:r]) for r, s in enumerate(sizes)])
     lib = flashcl.distributed if dist_mode else flashcl
-    kw: Dict[str, Any] = {"grad_scale": "sum"} if dist_mode else {"backend": "reference"}
+    kw: Dict[str, Any] = {"grad_scale": "sum", "strategy": strategy} if dist_mode else {"backend": "reference"}
     return {
         "supcon": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
         "supcon_seed2_sum": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, positives="sum",
@@ -73,11 +74,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     d = _data(sum(sizes))
     results: Dict[str, Any] = {}
     t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    for name, (fn, inputs) in _cases(d, sizes, rank, t, True).items():
-        inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
-        loss = fn(*inputs)
-        grads = torch.autograd.grad(loss, inputs)
-        results[name] = (loss.detach(), [g.detach() for g in grads])
+    for strategy in ("all_gather", "ring"):
+        for name, (fn, inputs) in _cases(d, sizes, rank, t, True, strategy).items():
+            inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+            loss = fn(*inputs)
+            grads = torch.autograd.grad(loss, inputs)
+            results[(strategy, name)] = (loss.detach(), [g.detach() for g in grads])
     # the "ddp" convention: the returned value is world x the share
     e = d["emb"][_shard(sizes, rank)]
     results["ddp_value"] = flashcl.distributed.supcon_loss(e, d["labels"][_shard(sizes, rank)]).detach()
@@ -98,23 +100,26 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
     sizes = SIZES[world]
     d = _data(sum(sizes))
     t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    for name, (fn, inputs) in _cases(d, sizes, 0, t, False).items():
+    for (strategy, name), (fn, inputs) in [((st, nm), c) for st in ("all_gather", "ring")
+                                            for nm, c in _cases(d, sizes, 0, t, False).items()]:
         inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
         loss = fn(*inputs)
         grads = torch.autograd.grad(loss, inputs)
-        total = sum(r[name][0] for r in ranks)
+        key = (strategy, name)
+        name = f"{strategy}/{name}"
+        total = sum(r[key][0] for r in ranks)
         assert_close(total, loss, f"{name}: sum of rank losses vs one process", *TOL)
         # embeddings: each rank's gradient is its rows of the single-process gradient
         for r in range(world):
-            got = ranks[r][name][1]
+            got = ranks[r][key][1]
             assert_close(got[0], grads[0][_shard(sizes, r)], f"{name}: rank {r} first input grad", *TOL)
-            if name == "info_nce_hard":
+            if name.endswith("info_nce_hard"):
                 ks = _shard([2 * s for s in sizes], r)
                 assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
-            elif name in ("nt_xent", "clip"):
+            elif name.endswith(("nt_xent", "clip")):
                 assert_close(got[1], grads[1][_shard(sizes, r)], f"{name}: rank {r} second input grad", *TOL)
         # the temperature (or logit scale, the last input) is replicated: its gradient sums over ranks
-        t_got = sum(r[name][1][-1] for r in ranks)
+        t_got = sum(r[key][1][-1] for r in ranks)
         assert_close(t_got, grads[-1], f"{name}: summed temperature grad", *TOL)
     single = flashcl.supcon_loss(d["emb"], d["labels"], backend="reference")
     ddp_mean = sum(r["ddp_value"] for r in ranks) / world
