@@ -69,3 +69,18 @@ def test_cli_quick_run_writes_json_and_markdown(tmp_path) -> None:
         vals = [r["loss"] for r in data["rows"] if r["suite"] == "seed2" and r["params"]["B"] == b
                 and r["status"] == "ok"]
         assert len(vals) == 4 and max(vals) - min(vals) < 1e-4 * abs(vals[0]), vals
+
+
+def test_dist_suite_runs_both_strategies(tmp_path) -> None:
+    from flashcl.bench.suites import dist
+
+    rows = run_cases(dist("quick", "cpu"), cap_s=120, mem_limit_mb=None)
+    assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
+    for r in rows:
+        assert len(r["per_rank"]) == r["params"]["world"]
+    # the same global batch gives the same loss whatever the strategy
+    by_key = {}
+    for r in rows:
+        by_key.setdefault((r["group"], r["params"]["B"], r["params"]["world"]), []).append(r["loss"])
+    for vals in by_key.values():
+        assert max(vals) - min(vals) < 1e-4 * abs(vals[0]), vals

@@ -346,6 +346,8 @@ def _peer(group: Any, rank: int) -> int:
 def _ring_pass(tensors: List[Tensor], shapes: List[Tuple[int, ...]], group: Any) -> List[Tensor]:
     """Send ``tensors`` to the next rank, receive tensors of ``shapes`` from the previous."""
     rank, world = _world(group)
+    if world == 1:  # the ring is this rank alone
+        return list(tensors)
     nxt, prv = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
     incoming = [tensors[0].new_empty(shape) for shape in shapes]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]

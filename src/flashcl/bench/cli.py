@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .distbench import measure_dist
 from .measure import measure
 from .report import markdown, plot
 from .suites import DEFAULT_SUITES, SUITES
@@ -63,6 +64,8 @@ def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[
         size = case["params"].get("B", case["params"].get("n", 0))
         if case.get("stop_after_fail") and key in failed and size > failed[key]:
             res: Dict[str, Any] = {"status": "skipped"}
+        elif case["workload"] == "dist":
+            res = measure_dist(case["params"], case.get("cap_s") or max(cap_s, 120.0))
         else:
             res = measure(case["workload"], case["params"], repeats=case.get("repeats", 2),
                           cap_s=case.get("cap_s") or cap_s,

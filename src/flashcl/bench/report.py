@@ -27,12 +27,13 @@ def agreement(r: Row, rows: List[Row]) -> str:
 
 
 def size_label(r: Row) -> str:
-    return ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("impl", "classes", "device", "seed2"))
+    return ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("impl", "classes", "device", "seed2", "strategy", "repeats"))
 
 
 def size_value(r: Row) -> int:
+    """The plot's x: the case's ``x`` parameter (e.g. the world size), else B or n."""
     p = r["params"]
-    return int(p.get("B", p.get("n", 0)))
+    return int(p[r["x"]] if r.get("x") else p.get("B", p.get("n", 0)))
 
 
 def _ms(s: float) -> str:
@@ -103,13 +104,16 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for ax, key, ylabel in ((axes[0], "time_s", "forward + backward (s)"),
                                 (axes[1], "peak_mb", "peak memory above inputs (MB)")):
-            labels = dict.fromkeys(r["label"] for r in ok)
-            for label in labels:
-                pts = sorted((size_value(r), r[key]) for r in ok if r["label"] == label and r[key] > 0)
+            lines = dict.fromkeys((r["group"], r["label"]) for r in ok)
+            multi = len({g for g, _ in lines}) > 1 and any(r.get("x") for r in ok)
+            for group, label in lines:
+                pts = sorted((size_value(r), r[key]) for r in ok
+                             if r["label"] == label and r["group"] == group and r[key] > 0)
                 if not pts:
                     continue
                 style = "--" if "bound" in label.lower() else "-"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
+                name = f"{label} ({group})" if multi else label
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
             if key == "time_s":
                 bound = sorted({(size_value(r), r["bound_s"]) for r in ok if "bound_s" in r
                                 and r.get("bound", {}).get("workload") == "gemm3"})
@@ -117,7 +121,8 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                     ax.plot([b[0] for b in bound], [b[1] for b in bound], "k--", label="GEMM bound (3 GEMMs)")
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.set_xlabel("batch size B (or n)")
+            ax.set_xlabel("world size, or batch size B (or n)" if any(r.get("x") for r in ok)
+                          else "batch size B (or n)")
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
         axes[0].legend(fontsize=7)

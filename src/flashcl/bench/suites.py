@@ -136,5 +136,24 @@ def scale(mode: str, device: str) -> List[Case]:
     return cases
 
 
-SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale}
+def dist(mode: str, device: str) -> List[Case]:
+    """flashcl.distributed SupCon across processes (gloo, this machine): per-rank
+    time and peak memory against the world size at a fixed global batch, and
+    against the global batch at two processes, for all_gather and ring."""
+    b = _size(mode, 256, 4096, 16384)
+    d = _size(mode, 16, 256, 256)
+    worlds = _size(mode, (1, 2), (1, 2, 4), (1, 2, 4, 8))
+    batches = _size(mode, (128, 256), (2048, 4096, 8192), (4096, 8192, 16384, 32768))
+    cases: List[Case] = []
+    for strategy in ("all_gather", "ring"):
+        for w in worlds:
+            cases.append({"group": "world", "label": strategy, "workload": "dist", "x": "world",
+                          "params": {"B": b, "D": d, "world": w, "strategy": strategy, "repeats": 1}})
+        for bb in batches:
+            cases.append({"group": "global batch (2 ranks)", "label": strategy, "workload": "dist",
+                          "params": {"B": bb, "D": d, "world": 2, "strategy": strategy, "repeats": 1}})
+    return cases
+
+
+SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale, "dist": dist}
 DEFAULT_SUITES = ("seed1", "seed2", "peers", "scale")

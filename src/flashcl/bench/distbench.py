@@ -1,0 +1,86 @@
+"""The ``dist`` suite: flashcl.distributed across processes on this machine (gloo
+on 127.0.0.1), per-rank time and peak memory for the all_gather and ring strategies."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .._procmem import reset_peak, status_mb
+
+
+def _rank_main(rank: int, world: int, port: int, params: Dict[str, Any], out_dir: str) -> None:
+    import flashcl
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    b, d = params["B"], params["D"]
+    local = b // world + (1 if rank < b % world else 0)
+    g = torch.Generator().manual_seed(rank)
+    emb = torch.randn(local, d, generator=g).requires_grad_(True)
+    labels = torch.randint(0, 5, (local,), generator=g)
+
+    def step() -> float:
+        emb.grad = None
+        loss = flashcl.distributed.supcon_loss(emb, labels, strategy=params["strategy"])
+        loss.backward()
+        return float(loss.detach())
+
+    dist.barrier()
+    base = reset_peak()
+    t0 = time.perf_counter()
+    loss = step()
+    first = time.perf_counter() - t0
+    peak = (status_mb("VmHWM") or 0.0) - (base or 0.0)
+    times = []
+    for _ in range(int(params.get("repeats", 1))):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump({"loss": loss, "first_s": first, "time_s": min(times or [first]), "peak_mb": peak,
+                   "grad_mb": local * d * 4 / 2**20, "local": local}, f)
+    dist.destroy_process_group()
+
+
+def measure_dist(params: Dict[str, Any], cap_s: float) -> Dict[str, Any]:
+    """Runs ``params["world"]`` processes; returns the slowest rank's time, the
+    largest per-rank peak, and every rank's figures (``per_rank``)."""
+    world = int(params["world"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_rank_main, args=(world, port, params, out_dir), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + cap_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:
+                        proc.kill()
+                    return {"status": "capped", "cap_s": cap_s}
+        except mp.ProcessRaisedException as e:
+            status = "oom" if "memory" in str(e).lower() else "error"
+            return {"status": status, "error": str(e).strip().splitlines()[-1][:300]}
+        except mp.ProcessExitedException as e:
+            return {"status": "oom", "error": str(e)[:300]}
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(out_dir, f"{r}.json")) as f:
+                ranks.append(json.load(f))
+    slowest = max(ranks, key=lambda x: x["time_s"])
+    return {"status": "ok", "loss": sum(x["loss"] for x in ranks) / world, "first_s": slowest["first_s"],
+            "time_s": slowest["time_s"], "fwd_s": slowest["time_s"], "bwd_s": 0.0,
+            "peak_mb": max(x["peak_mb"] for x in ranks), "grad_mb": max(x["grad_mb"] for x in ranks),
+            "steady_peak_mb": None, "per_rank": ranks}
