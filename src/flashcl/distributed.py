@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import functional as Fn
 from .core import CoreSpec, compute_dtype
-from .tiled import TiledCore, auto_block
+from .tiled import TiledCore, _panel, auto_block
 
 __all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss"]
 
@@ -148,7 +148,8 @@ def _run(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, gr
         if spec.normalize:
             qn = torch.nn.functional.normalize(qn, dim=1)
             kn = qn if k is q else torch.nn.functional.normalize(kn, dim=1)
-        per_row = _RingCore.apply(qn, kn, scale.to(dtype), spec, ring_sizes, group, min(block, 1024))
+        ring_block = block_size or auto_block(m, max(ring_sizes), dtype, self_contrast=True)
+        per_row = _RingCore.apply(qn, kn, scale.to(dtype), spec, ring_sizes, group, ring_block)
     if reduction == "none":
         return per_row if per_row is not None else TiledCore.apply(q, k, scale, spec, None, block)
     valid = spec.valid_rows(m).to(device=q.device, dtype=dtype)
@@ -379,9 +380,10 @@ class _RingCore(torch.autograd.Function):
         lse = q.new_full((m,), float("-inf"))
         raw_pos = q.new_zeros(m)
         current = k.detach()
+        buf = q.new_empty(min(block, m) * max(sizes))  # one score buffer for every block
         for step in range(world):
             owner = (rank - step) % world
-            _ring_lse_block(q.detach(), current, s, spec, starts[owner], lse, raw_pos, block)
+            _ring_lse_block(q.detach(), current, s, spec, starts[owner], lse, raw_pos, block, buf)
             if step < world - 1:
                 nxt = (owner - 1) % world
                 (current,) = _ring_pass([current], [(sizes[nxt], k.shape[1])], group)
@@ -405,9 +407,11 @@ class _RingCore(torch.autograd.Function):
         dq = torch.zeros_like(qd)
         current, dk_travel = k.detach(), torch.zeros_like(k)
         dscale = qd.new_zeros(())
+        buf = qd.new_empty(min(block, m) * max(sizes))
         for step in range(world):
             owner = (rank - step) % world
-            dscale += _ring_grad_block(qd, current, s, spec, starts[owner], lse, g_lse, w_pos, dq, dk_travel, block)
+            dscale += _ring_grad_block(qd, current, s, spec, starts[owner], lse, g_lse, w_pos, dq, dk_travel,
+                                       block, buf)
             nxt = (owner - 1) % world
             # the block goes on; after the last step its gradient arrives home
             shape = (sizes[nxt], k.shape[1])
@@ -421,13 +425,13 @@ class _RingCore(torch.autograd.Function):
 
 
 def _ring_lse_block(q: Tensor, kb: Tensor, s: float, spec: CoreSpec, col0: int, lse: Tensor, raw_pos: Tensor,
-                    block: int) -> None:
+                    block: int, buf: Tensor) -> None:
     """Merges the partial row LSE of q against the candidate block kb (global columns
     [col0, col0 + len)) into lse, and adds index positives found in it to raw_pos."""
     n = kb.shape[0]
     for r0 in range(0, q.shape[0], block):
         r1 = min(r0 + block, q.shape[0])
-        sc = torch.mm(q[r0:r1] * s, kb.T)
+        sc = torch.mm(q[r0:r1] * s, kb.T, out=_panel(buf, r1 - r0, n))
         if spec.exclude_self:
             sc.diagonal(offset=r0 + spec.offset - col0).fill_(float("-inf"))
         torch.logaddexp(lse[r0:r1], torch.logsumexp(sc, dim=1), out=lse[r0:r1])
@@ -440,14 +444,14 @@ def _ring_lse_block(q: Tensor, kb: Tensor, s: float, spec: CoreSpec, col0: int, 
 
 
 def _ring_grad_block(q: Tensor, kb: Tensor, s: float, spec: CoreSpec, col0: int, lse: Tensor, g_lse: Tensor,
-                     w_pos: Tensor, dq: Tensor, dkb: Tensor, block: int) -> Tensor:
+                     w_pos: Tensor, dq: Tensor, dkb: Tensor, block: int, buf: Tensor) -> Tensor:
     """The block's share of the gradient: LSE terms and index positives in it.
     Returns its part of sum_ij G_ij q_i.k_j."""
     n = kb.shape[0]
     dscale = q.new_zeros(())
     for r0 in range(0, q.shape[0], block):
         r1 = min(r0 + block, q.shape[0])
-        g = torch.mm(q[r0:r1] * s, kb.T)
+        g = torch.mm(q[r0:r1] * s, kb.T, out=_panel(buf, r1 - r0, n))
         if spec.exclude_self:
             g.diagonal(offset=r0 + spec.offset - col0).fill_(float("-inf"))
         g.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(g_lse[r0:r1].unsqueeze(1))
