@@ -28,4 +28,5 @@ __all__ = [
     "NeighborLoss",
     "AUTO_TILED_MIN_ENTRIES",
     "doctor",
+    "distributed",
 ]

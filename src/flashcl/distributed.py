@@ -194,13 +194,10 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Fn.Scalar = 
         >>> # in each of the processes of an initialised group:
         >>> loss = flashcl.distributed.supcon_loss(local_emb, local_labels)
     """
-    Fn._check_float_tensor(embeddings, "embeddings", (2,))
-    labels = Fn._check_index_tensor(labels, "labels")
+    embeddings, labels = Fn._validate_supcon(embeddings, labels, (2,))
     Fn._check_choice(positives, "positives", ("mean", "sum"))
     Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
     _check(grad_scale, strategy)
-    if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
-        raise ValueError(f"labels must be 1-D of length {embeddings.shape[0]}, got shape {tuple(labels.shape)}")
     scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", embeddings.device,
                                             compute_dtype(embeddings.dtype))
     _check_same_call(f"supcon|{embeddings.shape[1]}|{embeddings.dtype}|{positives}|{include_self}|{normalize}|"
@@ -240,10 +237,7 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Fn.Scalar = 0.07, norma
 
         >>> loss = flashcl.distributed.nt_xent_loss(view1, view2, temperature=0.5)
     """
-    Fn._check_float_tensor(z1, "z1", (2,))
-    Fn._check_float_tensor(z2, "z2", (2,))
-    if z1.shape != z2.shape:
-        raise ValueError(f"z1 and z2 must have the same shape, got {tuple(z1.shape)} and {tuple(z2.shape)}")
+    z1, z2 = Fn._validate_pair(z1, z2, "z1", "z2")
     Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
     _check(grad_scale, strategy)
     scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
@@ -271,22 +265,9 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
 
         >>> loss = flashcl.distributed.info_nce_loss(q_local, docs_local)
     """
-    Fn._check_float_tensor(query, "query", (2,))
-    Fn._check_float_tensor(keys, "keys", (2,))
-    if keys.shape[1] != query.shape[1]:
-        raise ValueError(f"query and keys must have the same embedding dim, got {query.shape[1]} and {keys.shape[1]}")
+    index = Fn._validate_info_nce(query, keys, positive_index)
     Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
     _check(grad_scale, strategy)
-    b, n = query.shape[0], keys.shape[0]
-    if positive_index is None:
-        if n < b:
-            raise ValueError(f"keys must have at least as many rows as query when positive_index is None, "
-                             f"got {n} < {b}")
-        index = torch.arange(b, device=query.device)
-    else:
-        index = Fn._check_index_tensor(positive_index, "positive_index")
-        if index.dim() != 1 or index.shape[0] != b or bool(((index < 0) | (index >= n)).any()):
-            raise ValueError(f"positive_index must be 1-D of length {b} with values in [0, {n})")
     scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
     _check_same_call(f"info_nce|{query.shape[1]}|{query.dtype}|{normalize}|{reduction}|{grad_scale}|{strategy}|"
                      f"{float(scale.detach()):.12g}", query.device, group)
@@ -312,11 +293,7 @@ def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Fn.Scalar,
 
         >>> loss = flashcl.distributed.clip_loss(img_local, txt_local, model.logit_scale.exp())
     """
-    Fn._check_float_tensor(image_embeds, "image_embeds", (2,))
-    Fn._check_float_tensor(text_embeds, "text_embeds", (2,))
-    if image_embeds.shape != text_embeds.shape:
-        raise ValueError(f"image_embeds and text_embeds must have the same shape, got "
-                         f"{tuple(image_embeds.shape)} and {tuple(text_embeds.shape)}")
+    image_embeds, text_embeds = Fn._validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
     _check(grad_scale, strategy)
     scale = Fn._check_positive_scalar(logit_scale, "logit_scale", image_embeds.device,

@@ -117,6 +117,53 @@ def _same_device(x: Tensor, ref: Tensor, name: str, ref_name: str) -> None:
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
+def _validate_pair(a: object, b: object, name_a: str, name_b: str) -> Tuple[Tensor, Tensor]:
+    """Two (B, D) floating tensors of the same shape, dtype and device."""
+    a = _check_float_tensor(a, name_a, (2,))
+    b = _check_float_tensor(b, name_b, (2,))
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} and {name_b} must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
+    _same_device(b, a, name_b, name_a)
+    return a, b
+
+
+def _validate_supcon(embeddings: object, labels: object, ndims: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
+    embeddings = _check_float_tensor(embeddings, "embeddings", ndims)
+    labels = _check_index_tensor(labels, "labels")
+    b = embeddings.shape[0]
+    if labels.dim() != 1 or labels.shape[0] != b:
+        raise ValueError(f"labels must be 1-D of length {b} (the batch size of embeddings), "
+                         f"got shape {tuple(labels.shape)}")
+    _same_device(labels, embeddings, "labels", "embeddings")
+    return embeddings, labels
+
+
+def _validate_info_nce(query: object, keys: object, positive_index: Optional[Tensor]) -> Tensor:
+    """Checks query (B, D), keys (N, D) and the positives; returns the index (B,)."""
+    query = _check_float_tensor(query, "query", (2,))
+    keys = _check_float_tensor(keys, "keys", (2,))
+    b, n = query.shape[0], keys.shape[0]
+    if keys.shape[1] != query.shape[1]:
+        raise ValueError(f"query and keys must have the same embedding dim, got {query.shape[1]} and {keys.shape[1]}")
+    if keys.dtype != query.dtype:
+        raise TypeError(f"query and keys must have the same dtype, got {query.dtype} and {keys.dtype}")
+    _same_device(keys, query, "keys", "query")
+    if positive_index is None:
+        if n < b:
+            raise ValueError(f"keys must have at least as many rows as query when positive_index is None, "
+                             f"got {n} < {b}")
+        return torch.arange(b, device=query.device)
+    index = _check_index_tensor(positive_index, "positive_index")
+    if index.dim() != 1 or index.shape[0] != b:
+        raise ValueError(f"positive_index must be 1-D of length {b}, got shape {tuple(index.shape)}")
+    _same_device(index, query, "positive_index", "query")
+    if bool(((index < 0) | (index >= n)).any()):
+        raise ValueError(f"positive_index values must be in [0, {n}) (rows of keys)")
+    return index
+
+
 def _scale_dtype(x: Tensor) -> torch.dtype:
     return compute_dtype(x.dtype)
 
@@ -232,17 +279,12 @@ def supcon_loss(
         >>> loss = flashcl.supcon_loss(emb, labels, temperature=0.1)
         >>> loss.backward()
     """
-    _check_float_tensor(embeddings, "embeddings", (2, 3))
-    labels = _check_index_tensor(labels, "labels")
+    embeddings, labels = _validate_supcon(embeddings, labels, (2, 3))
     _check_choice(positives, "positives", ("mean", "sum"))
     _check_choice(reduction, "reduction", _REDUCTIONS)
     _check_choice(backend, "backend", _BACKENDS)
     _check_block(block_size)
     b = embeddings.shape[0]
-    if labels.dim() != 1 or labels.shape[0] != b:
-        raise ValueError(f"labels must be 1-D of length {b} (the batch size of embeddings), "
-                         f"got shape {tuple(labels.shape)}")
-    _same_device(labels, embeddings, "labels", "embeddings")
     scale = 1.0 / _check_positive_scalar(temperature, "temperature", embeddings.device, _scale_dtype(embeddings))
     views = 1
     flat = embeddings
@@ -300,13 +342,7 @@ def nt_xent_loss(
         >>> z1, z2 = torch.randn(4, 16), torch.randn(4, 16)
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5)
     """
-    _check_float_tensor(z1, "z1", (2,))
-    _check_float_tensor(z2, "z2", (2,))
-    if z1.shape != z2.shape:
-        raise ValueError(f"z1 and z2 must have the same shape, got {tuple(z1.shape)} and {tuple(z2.shape)}")
-    if z1.dtype != z2.dtype:
-        raise TypeError(f"z1 and z2 must have the same dtype, got {z1.dtype} and {z2.dtype}")
-    _same_device(z2, z1, "z2", "z1")
+    z1, z2 = _validate_pair(z1, z2, "z1", "z2")
     _check_choice(reduction, "reduction", _REDUCTIONS)
     _check_choice(backend, "backend", _BACKENDS)
     _check_block(block_size)
@@ -359,29 +395,10 @@ def info_nce_loss(
         >>> q, docs = torch.randn(4, 16), torch.randn(12, 16)  # 8 hard negatives
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05)
     """
-    _check_float_tensor(query, "query", (2,))
-    _check_float_tensor(keys, "keys", (2,))
-    b, n = query.shape[0], keys.shape[0]
-    if keys.shape[1] != query.shape[1]:
-        raise ValueError(f"query and keys must have the same embedding dim, got {query.shape[1]} and {keys.shape[1]}")
-    if keys.dtype != query.dtype:
-        raise TypeError(f"query and keys must have the same dtype, got {query.dtype} and {keys.dtype}")
-    _same_device(keys, query, "keys", "query")
+    index = _validate_info_nce(query, keys, positive_index)
     _check_choice(reduction, "reduction", _REDUCTIONS)
     _check_choice(backend, "backend", _BACKENDS)
     _check_block(block_size)
-    if positive_index is None:
-        if n < b:
-            raise ValueError(f"keys must have at least as many rows as query when positive_index is None, "
-                             f"got {n} < {b}")
-        index = torch.arange(b, device=query.device)
-    else:
-        index = _check_index_tensor(positive_index, "positive_index")
-        if index.dim() != 1 or index.shape[0] != b:
-            raise ValueError(f"positive_index must be 1-D of length {b}, got shape {tuple(index.shape)}")
-        _same_device(index, query, "positive_index", "query")
-        if bool(((index < 0) | (index >= n)).any()):
-            raise ValueError(f"positive_index values must be in [0, {n}) (rows of keys)")
     scale = 1.0 / _check_positive_scalar(temperature, "temperature", query.device, _scale_dtype(query))
     spec = CoreSpec(index=index.long().unsqueeze(1), pos_mode="sum", normalize=normalize)
     return _run_core(query, keys, scale, spec, reduction, backend, block_size)
@@ -425,15 +442,7 @@ def clip_loss(
         >>> img, txt = torch.randn(4, 16), torch.randn(4, 16)
         >>> loss = flashcl.clip_loss(img, txt, logit_scale=100.0)
     """
-    _check_float_tensor(image_embeds, "image_embeds", (2,))
-    _check_float_tensor(text_embeds, "text_embeds", (2,))
-    if image_embeds.shape != text_embeds.shape:
-        raise ValueError(f"image_embeds and text_embeds must have the same shape, got "
-                         f"{tuple(image_embeds.shape)} and {tuple(text_embeds.shape)}")
-    if image_embeds.dtype != text_embeds.dtype:
-        raise TypeError(f"image_embeds and text_embeds must have the same dtype, got "
-                        f"{image_embeds.dtype} and {text_embeds.dtype}")
-    _same_device(text_embeds, image_embeds, "text_embeds", "image_embeds")
+    image_embeds, text_embeds = _validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     _check_choice(reduction, "reduction", _REDUCTIONS)
     _check_choice(backend, "backend", _BACKENDS)
     _check_block(block_size)
