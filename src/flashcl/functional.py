@@ -10,7 +10,10 @@ Backends (argument ``backend``):
 * ``"reference"``: the seeds' loops, generalised. Slow; the tests' oracle.
 * ``"dense"``: vectorised, materialises the M x N score matrix.
 * ``"tiled"``: blocks of rows, O((M + N) D + block x N) memory, exact.
-* ``"auto"``: ``"tiled"`` when the score matrix has at least
+* ``"triton"``: the tiled algorithm in Triton kernels (CUDA; on a CPU only
+  under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
+* ``"auto"``: ``"triton"`` for CUDA tensors when Triton is importable; else
+  ``"tiled"`` when the score matrix has at least
   :data:`AUTO_TILED_MIN_ENTRIES` entries (M x N), ``"dense"`` below; the
   neighbour loss, whose score matrix is given, always uses ``"tiled"`` (it
   allocates nothing of the matrix's size but the gradient itself).
@@ -20,10 +23,13 @@ is returned in float32; gradients come back in the input's dtype.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+from dataclasses import replace
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import dense, reference
@@ -49,7 +55,7 @@ Scalar = Union[float, Tensor]
 AUTO_TILED_MIN_ENTRIES = 1 << 20
 
 _REDUCTIONS = ("mean", "sum", "none")
-_BACKENDS = ("auto", "reference", "dense", "tiled")
+_BACKENDS = ("auto", "reference", "dense", "tiled", "triton")
 
 _CoreFn = Callable[[Tensor, Optional[Tensor], Tensor, CoreSpec], Tuple[Tensor, Optional[Tensor]]]
 _CORE_BACKENDS: Dict[str, _CoreFn] = {"reference": reference.core_loss, "dense": dense.core_loss}
@@ -170,10 +176,29 @@ def _scale_dtype(x: Tensor) -> torch.dtype:
 
 # --------------------------------------------------------------------------- dispatch
 
-def _resolve_backend(backend: str, entries: int) -> str:
+def _resolve_backend(backend: str, entries: int, device: torch.device) -> str:
     if backend != "auto":
         return backend
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
     return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
+
+
+def _run_triton(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tuple[Tensor, Optional[Tensor]]:
+    from .triton import availability
+
+    ok, why = availability(q.device.type)
+    if not ok:
+        raise ValueError(f"backend='triton' is not usable here: {why}")
+    from .triton.core import TritonCore
+
+    def unit(x: Tensor) -> Tensor:  # normalised in float32, handed to the kernels in the input dtype
+        return F.normalize(x.float(), dim=1).to(x.dtype) if spec.normalize else x
+    qn = unit(q)
+    kn = None if k is None else unit(k)
+    out = TritonCore.apply(qn, kn, scale.float(), replace(spec, normalize=False))
+    m = q.shape[0]
+    return out[:m], (out[m:] if spec.symmetric else None)
 
 
 def _reduce_weights(spec: CoreSpec, m: int, reduction: str, dtype: torch.dtype,
@@ -204,9 +229,9 @@ def _run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, red
               backend: str, block_size: Optional[int]) -> Tensor:
     m = q.shape[0]
     n = m if k is None else k.shape[0]
-    name = _resolve_backend(backend, m * n)
+    name = _resolve_backend(backend, m * n, q.device)
     if name != "tiled":
-        row, col = _CORE_BACKENDS[name](q, k, scale, spec)
+        row, col = (_run_triton if name == "triton" else _CORE_BACKENDS[name])(q, k, scale, spec)
         return _reduce(row, col, spec, reduction)
     block = block_size or auto_block(m, n, compute_dtype(q.dtype), self_contrast=k is None)
     if reduction == "none":
@@ -512,6 +537,9 @@ def neighbor_loss(
         raise ValueError("neighbor_loss needs n >= 2 when exclude_diagonal=True: the denominator would be empty")
     spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors.long(), pos_mode="pairs", normalize=False)
     name = "tiled" if backend == "auto" else backend
+    if name == "triton":
+        raise ValueError("backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
+                         "that already exists: use backend='tiled' (its only n x n allocation is the gradient)")
     if name != "tiled":
         return _reduce(_SCORE_BACKENDS[name](scores, spec), None, spec, reduction)
     dtype = compute_dtype(scores.dtype)

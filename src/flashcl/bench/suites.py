@@ -155,5 +155,23 @@ def dist(mode: str, device: str) -> List[Case]:
     return cases
 
 
-SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale, "dist": dist}
+def gpu(mode: str, device: str) -> List[Case]:
+    """The Triton backend on a GPU (``--device cuda``), bfloat16: CLIP through
+    flashcl (triton, tiled, dense) and open_clip, the single-positive InfoNCE
+    through flashcl and Inf-CL, against the cuBLAS GEMMs of the same shapes."""
+    sizes = _size(mode, ((1024, 256),), tuple((b, d) for b in (8192, 32768, 131072) for d in (256, 768)),
+                  tuple((b, d) for b in (8192, 32768, 131072, 262144) for d in (256, 768)))
+    cases: List[Case] = []
+    for b, d in sizes:
+        gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device, "dtype": "bfloat16"}}
+        for impl in ("flashcl-triton", "flashcl-tiled", "flashcl-dense", "open_clip"):
+            cases.append({"group": f"clip D={d}", "label": impl, "workload": "clip", "bound": gemm,
+                          "stop_after_fail": True, "params": {"B": b, "D": d, "impl": impl, "dtype": "bfloat16"}})
+        for impl in ("flashcl-triton", "inf_cl"):
+            cases.append({"group": f"info_nce D={d}", "label": impl, "workload": "info_nce", "bound": gemm,
+                          "stop_after_fail": True, "params": {"B": b, "D": d, "impl": impl, "dtype": "bfloat16"}})
+    return cases
+
+
+SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale, "dist": dist, "gpu": gpu}
 DEFAULT_SUITES = ("seed1", "seed2", "peers", "scale")

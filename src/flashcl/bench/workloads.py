@@ -197,8 +197,9 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
     """InfoNCE with one positive per row (the diagonal) and in-batch negatives."""
     b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
     g = _gen(p)
-    q = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
-    k = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    q = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    k = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
     t = p.get("temperature", 0.05)
     target = torch.arange(b, device=dev)
     if impl.startswith("flashcl-"):
@@ -212,6 +213,12 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
         opts = torch.nn.LinearCrossEntropyOptions()
         fn = lambda: F.linear_cross_entropy(F.normalize(q, dim=1) / t, F.normalize(k, dim=1), target,  # noqa: E731
                                             options=opts)
+    elif impl == "inf_cl":
+        try:
+            from inf_cl import cal_flash_loss  # Inf-CL's single-positive loss (CUDA, Triton)
+        except ImportError as e:
+            raise NotInstalled(f"inf_cl not installed ({e})") from e
+        fn = lambda: cal_flash_loss(F.normalize(q, dim=1), F.normalize(k, dim=1), target, 1 / t).mean()  # noqa: E731
     elif impl == "sentence-transformers-MNRL":
         losses, why = peers.sentence_transformers_losses()
         if losses is None:
@@ -220,7 +227,7 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
                            "its formula is F.cross_entropy(cos_sim(q, k) * scale, arange(B)), timed above")
     else:
         raise ValueError(f"unknown info_nce impl {impl!r}")
-    return _stepper(fn, [q, k], dev), 2 * b * d * 4
+    return _stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
 
 
 def _seed1_indices(n: int, k: int) -> torch.Tensor:
