@@ -103,7 +103,7 @@ def peers(mode: str, device: str) -> List[Case]:
                       "cap_s": 180.0 if "compile" in impl else None,
                       "params": {"B": b, "D": d, "classes": 5, "impl": impl}})
     nb = _size(mode, 64, 1024, 1024)
-    for impl in ("flashcl-tiled", "pml"):
+    for impl in ("flashcl-tiled", "flashcl-pml-adapter", "pml"):
         cases.append({"group": "nt_xent", "label": impl, "workload": "nt_xent", "repeats": 1,
                       "params": {"B": nb, "D": d, "impl": impl}})
     for impl in ("flashcl-tiled", "torch-ce", "open_clip"):

@@ -154,11 +154,15 @@ def nt_xent(p: Dict[str, Any]) -> Tuple[Step, int]:
     if impl.startswith("flashcl-"):
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.nt_xent_loss(z1, z2, temperature=t, backend=backend)  # noqa: E731
-    elif impl == "pml":
-        losses, why = peers.pml_losses()
-        if losses is None:
-            raise NotInstalled(why)
-        pml = losses.NTXentLoss(temperature=t)
+    elif impl in ("pml", "flashcl-pml-adapter"):
+        if impl == "pml":
+            losses, why = peers.pml_losses()
+            if losses is None:
+                raise NotInstalled(why)
+            pml = losses.NTXentLoss(temperature=t)
+        else:
+            from ..integrations.pytorch_metric_learning import NTXentLoss
+            pml = NTXentLoss(temperature=t)
         ids = torch.arange(b, device=dev).repeat(2)
         fn = lambda: pml(torch.cat([z1, z2]), ids)  # noqa: E731
     else:

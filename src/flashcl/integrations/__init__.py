@@ -1,0 +1,1 @@
+"""Drop-in call conventions of the libraries people already train with."""
