@@ -151,7 +151,7 @@ def nt_xent(p: Dict[str, Any]) -> Tuple[Step, int]:
     z1 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
     z2 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
     t = p.get("temperature", 0.1)
-    if impl.startswith("flashcl-"):
+    if impl.startswith("flashcl-") and impl != "flashcl-pml-adapter":
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.nt_xent_loss(z1, z2, temperature=t, backend=backend)  # noqa: E731
     elif impl in ("pml", "flashcl-pml-adapter"):
