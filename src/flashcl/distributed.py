@@ -72,20 +72,24 @@ def _sizes(n: int, device: torch.device, group: Any) -> List[int]:
     return [int(t) for t in everyone]
 
 
+def _gather_rows(x: Tensor, sizes: List[int], group: Any) -> Tensor:
+    """Every rank's rows concatenated in rank order (uneven counts: padded to the
+    largest for the collective, then trimmed)."""
+    padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+
 class _AllGather(torch.autograd.Function):
-    """Concatenation of every rank's rows (uneven counts); backward: the sum over
-    ranks of the gradients of this rank's rows."""
+    """:func:`_gather_rows` with a gradient: backward sums over ranks the
+    gradients of this rank's rows."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, sizes: List[int], group: Any) -> Tensor:
-        rank, _ = _world(group)
-        width = max(sizes)
-        padded = x.new_zeros((width,) + tuple(x.shape[1:]))
-        padded[:x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded.contiguous(), group=group)
-        ctx.sizes, ctx.group, ctx.rank = sizes, group, rank
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+        ctx.sizes, ctx.group, ctx.rank = sizes, group, _world(group)[0]
+        return _gather_rows(x, sizes, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
@@ -95,24 +99,8 @@ class _AllGather(torch.autograd.Function):
         return grad[start:start + ctx.sizes[ctx.rank]], None, None
 
 
-def all_gather_with_grad(x: Tensor, group: Any = None) -> Tuple[Tensor, int]:
-    """(rows of every rank concatenated in rank order, this rank's first row).
-
-    Differentiable: the gradient of the result flows back to every rank's ``x``.
-    """
-    rank, _ = _world(group)
-    sizes = _sizes(x.shape[0], x.device, group)
-    return _AllGather.apply(x, sizes, group), sum(sizes[:rank])
-
-
 def _all_gather_plain(x: Tensor, group: Any) -> Tensor:
-    sizes = _sizes(x.shape[0], x.device, group)
-    width = max(sizes)
-    padded = x.new_zeros((width,) + tuple(x.shape[1:]))
-    padded[:x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+    return _gather_rows(x, _sizes(x.shape[0], x.device, group), group)
 
 
 def _global_count(n: Tensor, group: Any) -> Tensor:
