@@ -300,3 +300,14 @@ def test_every_callable_has_a_docstring_with_sections() -> None:
 def test_case_table_covers_every_loss() -> None:
     covered = {c.fn.__name__ for c in CASES.values()}
     assert covered == {"supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "neighbor_loss"}
+
+
+def test_auto_backend_rule() -> None:
+    from flashcl.functional import _resolve_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert _resolve_backend("auto", (1 << 20) - 1, cpu, torch.float32) == "dense"
+    assert _resolve_backend("auto", 1 << 20, cpu, torch.float32) == "tiled"
+    assert _resolve_backend("dense", 1 << 30, cpu, torch.float32) == "dense"
+    # float64 never goes to the kernels, whatever the device
+    assert _resolve_backend("auto", 1 << 20, cuda, torch.float64) == "tiled"
