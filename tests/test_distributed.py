@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any, Dict, List
 
 import pytest
@@ -17,12 +16,6 @@ from conftest import assert_close
 
 SIZES = {2: [5, 8], 3: [4, 7, 2]}
 TOL = (1e-10, 1e-9)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data(total: int) -> Dict[str, torch.Tensor]:
@@ -66,9 +59,10 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
     }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    # rendezvous through a file: no port to pick, so no race for one
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     sizes = SIZES[world]
     d = _data(sum(sizes))
@@ -102,7 +96,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_equals_single_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
     d = _data(sum(sizes))

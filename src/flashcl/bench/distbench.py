@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 import time
 from typing import Any, Dict
@@ -17,11 +16,12 @@ import torch.multiprocessing as mp
 from .._procmem import reset_peak, status_mb
 
 
-def _rank_main(rank: int, world: int, port: int, params: Dict[str, Any], out_dir: str) -> None:
+def _rank_main(rank: int, world: int, params: Dict[str, Any], out_dir: str) -> None:
     import flashcl
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    # rendezvous through a file: no port to pick, so no race for one
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     b, d = params["B"], params["D"]
     local = b // world + (1 if rank < b % world else 0)
@@ -57,11 +57,8 @@ def measure_dist(params: Dict[str, Any], cap_s: float) -> Dict[str, Any]:
     """Runs ``params["world"]`` processes; returns the slowest rank's time, the
     largest per-rank peak, and every rank's figures (``per_rank``)."""
     world = int(params["world"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(world, port, params, out_dir), nprocs=world, join=False,
+        ctx = mp.start_processes(_rank_main, args=(world, params, out_dir), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + cap_s
         try:
