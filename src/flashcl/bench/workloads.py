@@ -55,6 +55,16 @@ def _stepper(fn: Callable[[], torch.Tensor], leaves: List[torch.Tensor], device:
     return step
 
 
+def _two_towers(p: Dict[str, Any]) -> Tuple[int, int, str, torch.device, torch.Tensor, torch.Tensor]:
+    """(B, D, impl, device, a, b): two B x D leaf tensors in the case's dtype."""
+    b, d, dev = p["B"], p["D"], _device(p)
+    g = _gen(p)
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    x = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    y = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    return b, d, p["impl"], dev, x, y
+
+
 def _flashcl_backend(impl: str) -> str:
     return impl.split("-", 1)[1]
 
@@ -146,10 +156,7 @@ def nt_xent(p: Dict[str, Any]) -> Tuple[Step, int]:
     positive pair in its own softmax with all negatives (a different formula: its
     value differs whenever a row has more than one positive; here each has one,
     so the values agree), and builds a (positive pairs x negative pairs) mask."""
-    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
-    g = _gen(p)
-    z1 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
-    z2 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    b, d, impl, dev, z1, z2 = _two_towers(p)
     t = p.get("temperature", 0.1)
     if impl.startswith("flashcl-") and impl != "flashcl-pml-adapter":
         backend = _flashcl_backend(impl)
@@ -167,16 +174,12 @@ def nt_xent(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: pml(torch.cat([z1, z2]), ids)  # noqa: E731
     else:
         raise ValueError(f"unknown nt_xent impl {impl!r}")
-    return _stepper(fn, [z1, z2], dev), 2 * b * d * 4
+    return _stepper(fn, [z1, z2], dev), 2 * b * d * z1.element_size()
 
 
 def clip(p: Dict[str, Any]) -> Tuple[Step, int]:
     """The symmetric CLIP loss over two B x D towers."""
-    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
-    g = _gen(p)
-    dtype = getattr(torch, p.get("dtype", "float32"))
-    img = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
-    txt = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    b, d, impl, dev, img, txt = _two_towers(p)
     scale = torch.tensor(1 / 0.07, device=dev)
     if impl.startswith("flashcl-"):
         backend = _flashcl_backend(impl)
@@ -199,11 +202,7 @@ def clip(p: Dict[str, Any]) -> Tuple[Step, int]:
 
 def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
     """InfoNCE with one positive per row (the diagonal) and in-batch negatives."""
-    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
-    g = _gen(p)
-    dtype = getattr(torch, p.get("dtype", "float32"))
-    q = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
-    k = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    b, d, impl, dev, q, k = _two_towers(p)
     t = p.get("temperature", 0.05)
     target = torch.arange(b, device=dev)
     if impl.startswith("flashcl-"):

@@ -5,6 +5,9 @@
 * ``_dq_kernel``: per row block, recomputes each tile from Q, K and the saved
   LSE: ``G = g_row exp(s - lse_row) [+ g_col exp(s - lse_col)]``, ``dQ += G K``.
 * ``_dk_kernel``: per column block, the same tiles transposed: ``dK += G^T Q``.
+  It mirrors ``_dq_kernel`` (loop over rows instead of columns) rather than
+  sharing it through flags: two plain kernels, as FlashAttention's backward has,
+  each writing its own output with no atomics.
 
 Scores are accumulated in float32 (``tl.dot``'s default). ``DOT_FP32`` casts
 tiles to float32 before the dot: used for float32 inputs and under the CPU
