@@ -50,21 +50,23 @@ class Case:
     scalar_kw: str = ""
 
     def run(self, backend: str, reduction: str, dtype: torch.dtype = torch.float64,
-            grad_seed: int = 0, **more: Any) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+            grad_seed: int = 0, device: str = "cpu", **more: Any) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Loss and the gradients of (loss * w).sum() w.r.t. every float input,
-        with a fixed random w (so grad_output != 1)."""
-        inputs = [t.detach().to(dtype).requires_grad_(True) for t in self.tensors]
+        with a fixed random w (so grad_output != 1); all returned on the CPU."""
+        inputs = [t.detach().to(device=device, dtype=dtype).requires_grad_(True) for t in self.tensors]
+        extra = [x.to(device) if isinstance(x, torch.Tensor) else x for x in self.extra]
         kwargs = dict(self.kwargs, **more)
         scalar = None
         if self.scalar_kw:
-            scalar = torch.tensor(float(kwargs[self.scalar_kw]), dtype=torch.float64, requires_grad=True)
+            scalar = torch.tensor(float(kwargs[self.scalar_kw]), dtype=torch.float64, device=device,
+                                  requires_grad=True)
             kwargs[self.scalar_kw] = scalar
-        loss = self.fn(*inputs, *self.extra, reduction=reduction, backend=backend, **kwargs)
+        loss = self.fn(*inputs, *extra, reduction=reduction, backend=backend, **kwargs)
         g = torch.Generator().manual_seed(grad_seed)
-        w = torch.rand(loss.shape, generator=g, dtype=torch.float64).to(loss.dtype) + 0.5
+        w = torch.rand(loss.shape, generator=g, dtype=torch.float64).to(device=loss.device, dtype=loss.dtype) + 0.5
         wrt = inputs + ([scalar] if scalar is not None else [])
         grads = torch.autograd.grad((loss * w).sum(), wrt)
-        return loss.detach(), [gr.detach() for gr in grads]
+        return loss.detach().cpu(), [gr.detach().cpu() for gr in grads]
 
 
 def _labels(n: int, classes: int, g: torch.Generator) -> torch.Tensor:
@@ -126,9 +128,9 @@ def case(request: Any) -> Case:
 
 
 def compare_to_reference(case: Case, backend: str, reduction: str, dtype: torch.dtype,
-                         atol: float, rtol: float, **more: Any) -> None:
+                         atol: float, rtol: float, device: str = "cpu", **more: Any) -> None:
     ref_loss, ref_grads = case.run("reference", reduction, torch.float64)
-    loss, grads = case.run(backend, reduction, dtype, **more)
+    loss, grads = case.run(backend, reduction, dtype, device=device, **more)
     assert_close(loss, ref_loss, f"{case.name}/{backend}/{reduction}: loss", atol, rtol)
     for i, (a, e) in enumerate(zip(grads, ref_grads)):
         assert_close(a, e, f"{case.name}/{backend}/{reduction}: grad of input {i}", atol, rtol)

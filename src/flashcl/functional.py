@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import replace
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import dense, reference
@@ -194,11 +192,7 @@ def _run_triton(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -
         raise ValueError(f"backend='triton' is not usable here: {why}")
     from .triton.core import TritonCore
 
-    def unit(x: Tensor) -> Tensor:  # normalised in float32, handed to the kernels in the input dtype
-        return F.normalize(x.float(), dim=1).to(x.dtype) if spec.normalize else x
-    qn = unit(q)
-    kn = None if k is None else unit(k)
-    out = TritonCore.apply(qn, kn, scale.float(), replace(spec, normalize=False))
+    out = TritonCore.apply(q, k, scale.float(), spec)
     m = q.shape[0]
     return out[:m], (out[m:] if spec.symmetric else None)
 

@@ -50,9 +50,11 @@ def _progress(total: int) -> Any:
 
 
 def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[int],
-              device: str = "cpu") -> List[Row]:
+              device: str = "cpu", log: Optional[str] = None) -> List[Row]:
     """Measures each case in its own child process. With ``stop_after_fail``, an
-    implementation that failed (oom, capped) at one size is skipped at larger ones."""
+    implementation that failed (oom, capped) at one size is skipped at larger ones.
+    ``log``: a file that gets each row as a JSON line as soon as it is measured, so
+    that a run stopped part-way keeps what it measured."""
     bar = _progress(len(cases))
     failed: Dict[str, int] = {}
     rows = []
@@ -73,6 +75,9 @@ def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[
             if res.get("status") in ("oom", "capped"):
                 failed[key] = min(size, failed.get(key, size))
         rows.append({**case, **res})
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -104,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
     machine = machine_facts(args.device)
     suites = args.suite or list(DEFAULT_SUITES)
     cases = [{**case, "suite": name} for name in suites for case in SUITES[name](mode, args.device)]
-    rows = run_cases(cases, cap, args.mem_limit_mb, args.device)
+    os.makedirs(args.out, exist_ok=True)
+    log = os.path.join(args.out, "rows.jsonl")
+    open(log, "w").close()
+    rows = run_cases(cases, cap, args.mem_limit_mb, args.device, log=log)
     flags = ["--quick"] if args.quick else ["--full"] if args.full else []
     flags += [f"--suite {s}" for s in (args.suite or [])]
     if args.device != "cpu":

@@ -31,6 +31,10 @@ def _gen(params: Dict[str, Any]) -> torch.Generator:
     return torch.Generator().manual_seed(int(params.get("seed", 0)))
 
 
+def _gen_on(device: torch.device, params: Dict[str, Any]) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(params.get("seed", 0)))
+
+
 def _device(params: Dict[str, Any]) -> torch.device:
     return torch.device(params.get("device", "cpu"))
 
@@ -77,7 +81,8 @@ def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
     dtype = getattr(torch, p.get("dtype", "float32"))
     e = torch.randn(b, d, generator=g).to(dev, dtype)
     s = torch.empty(b, b, device=dev, dtype=dtype)
-    grad = torch.rand(b, b, generator=g).to(dev, dtype)
+    # drawn where it lives: at B = 131072 a float32 copy on the host would be 64 GiB
+    grad = torch.empty(b, b, device=dev, dtype=dtype).uniform_(generator=_gen_on(dev, p))
     o1, o2 = torch.empty(b, d, device=dev, dtype=dtype), torch.empty(b, d, device=dev, dtype=dtype)
 
     def step() -> Tuple[float, float]:
