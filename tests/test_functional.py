@@ -1,6 +1,7 @@
 """The public API: published formulas, equivalences, input validation, stability, no mutation."""
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any, Callable, Dict
 
@@ -311,3 +312,9 @@ def test_auto_backend_rule() -> None:
     assert _resolve_backend("dense", 1 << 30, cpu, torch.float32) == "dense"
     # float64 never goes to the kernels, whatever the device
     assert _resolve_backend("auto", 1 << 20, cuda, torch.float64) == "tiled"
+    # nor embeddings wider than the kernels' tiles take
+    if importlib.util.find_spec("triton") is not None:
+        assert _resolve_backend("auto", 1 << 20, cuda, torch.float32, 1024) == "triton"
+        assert _resolve_backend("auto", 1 << 20, cuda, torch.bfloat16, 2048) == "triton"
+    assert _resolve_backend("auto", 1 << 20, cuda, torch.float32, 1025) == "tiled"
+    assert _resolve_backend("auto", 1 << 20, cuda, torch.float16, 2049) == "tiled"

@@ -61,6 +61,13 @@ def test_triton_rejects_float64_and_the_score_matrix_loss() -> None:
         flashcl.neighbor_loss(torch.randn(4, 4), torch.zeros(4, 1, dtype=torch.long), backend="triton")
 
 
+def test_triton_refuses_embeddings_wider_than_its_tiles() -> None:
+    with pytest.raises(ValueError, match="up to 1024 wide"):
+        flashcl.supcon_loss(torch.randn(4, 1025), torch.tensor([0, 0, 1, 1]), backend="triton")
+    with pytest.raises(ValueError, match="up to 2048 wide"):
+        flashcl.clip_loss(torch.randn(4, 2049).half(), torch.randn(4, 2049).half(), 10.0, backend="triton")
+
+
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):

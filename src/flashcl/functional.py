@@ -12,8 +12,9 @@ Backends (argument ``backend``):
 * ``"tiled"``: blocks of rows, O((M + N) D + block x N) memory, exact.
 * ``"triton"``: the tiled algorithm in Triton kernels (CUDA; on a CPU only
   under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
-* ``"auto"``: ``"triton"`` for float32/float16/bfloat16 CUDA tensors when
-  Triton is importable; else
+* ``"auto"``: ``"triton"`` for CUDA tensors when Triton is importable and the
+  kernels take the dtype and width (float32 up to D = 1024, float16/bfloat16
+  up to D = 2048); else
   ``"tiled"`` when the score matrix has at least
   :data:`AUTO_TILED_MIN_ENTRIES` entries (M x N), ``"dense"`` below; the
   neighbour loss, whose score matrix is given, always uses ``"tiled"`` (it
@@ -34,6 +35,7 @@ from torch import Tensor
 from . import dense, reference
 from .core import CoreSpec, compute_dtype
 from .tiled import TiledCore, TiledScores, auto_block
+from .triton import MAX_WIDTH as _TRITON_MAX_WIDTH
 
 __all__ = [
     "supcon_loss",
@@ -175,10 +177,11 @@ def _scale_dtype(x: Tensor) -> torch.dtype:
 
 # --------------------------------------------------------------------------- dispatch
 
-def _resolve_backend(backend: str, entries: int, device: torch.device, dtype: torch.dtype) -> str:
+def _resolve_backend(backend: str, entries: int, device: torch.device, dtype: torch.dtype,
+                     width: int = 0) -> str:
     if backend != "auto":
         return backend
-    if (device.type == "cuda" and dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if (device.type == "cuda" and width <= _TRITON_MAX_WIDTH.get(dtype, -1)
             and importlib.util.find_spec("triton") is not None):
         return "triton"
     return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
@@ -225,7 +228,7 @@ def _run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, red
               backend: str, block_size: Optional[int]) -> Tensor:
     m = q.shape[0]
     n = m if k is None else k.shape[0]
-    name = _resolve_backend(backend, m * n, q.device, q.dtype)
+    name = _resolve_backend(backend, m * n, q.device, q.dtype, q.shape[-1])
     if name != "tiled":
         row, col = (_run_triton if name == "triton" else _CORE_BACKENDS[name])(q, k, scale, spec)
         return _reduce(row, col, spec, reduction)

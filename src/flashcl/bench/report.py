@@ -12,8 +12,9 @@ HEADER = ["group", "implementation", "size", "forward", "backward", "fwd+bwd", "
 
 def agreement(r: Row, rows: List[Row]) -> str:
     """The loss against flashcl's on the same group, size and formula: "equal"
-    (within 1e-4 relative), "other formula" (a stated formula difference), or
-    "DIFFERS"."""
+    (within 1e-4 relative; for half-precision inputs, within that dtype's
+    epsilon, since a peer may compute its loss in it), "other formula" (a stated
+    formula difference), or "DIFFERS"."""
     if r.get("status") != "ok" or r["workload"] == "gemm3" or r["label"].startswith("flashcl"):
         return ""
     same = [o for o in rows if o is not r and o.get("status") == "ok" and o["label"].startswith("flashcl")
@@ -23,7 +24,12 @@ def agreement(r: Row, rows: List[Row]) -> str:
     if not same:
         return "other formula" if "formula" in r["label"] else ""
     ref = same[0]["loss"]
-    return "equal" if abs(r["loss"] - ref) <= 1e-4 * max(1.0, abs(ref)) else "DIFFERS"
+    half = r["params"].get("dtype") in ("bfloat16", "float16")
+    tol = 1e-4 if not half else (2.0 ** -7 if r["params"]["dtype"] == "bfloat16" else 2.0 ** -10)
+    if abs(r["loss"] - ref) > tol * max(1.0, abs(ref)):
+        return "DIFFERS"
+    return f"equal (within {r['params']['dtype']} eps)" if half and abs(r["loss"] - ref) > 1e-4 * max(1.0, abs(ref)) \
+        else "equal"
 
 
 def size_label(r: Row) -> str:
@@ -69,7 +75,8 @@ NOTES = ("forward / backward / fwd+bwd: the best of the repeats (a capped case r
          "what was in use before it (on the CPU this includes one-time costs such as MKL's GEMM workspace, "
          "~15 MB), then of a later call (steady state). beyond grad: first-call peak minus the inputs' "
          "gradient; for the neighbour loss, first-call peak over the size of the score matrix. vs flashcl: "
-         "the loss value against flashcl's on the same inputs and formula (equal within 1e-4 relative); "
+         "the loss value against flashcl's on the same inputs and formula (equal within 1e-4 relative, or "
+         "within the input dtype's epsilon for a peer that computes in bfloat16 / float16); "
          "'other formula' where the implementation computes a different, stated loss.")
 
 

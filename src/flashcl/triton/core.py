@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..core import CoreSpec
 from ..tiled import _finish_grads, _positive_raw, _prepare
+from . import MAX_WIDTH
 from .kernels import _dk_kernel, _dq_kernel, _lse_kernel
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
@@ -33,13 +34,36 @@ class Config(NamedTuple):
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+# (block_m, block_n, num_warps, num_stages) by BLOCK_D, for 2-byte (float16 /
+# bfloat16) tiles, from scripts/triton_configs.py on an H200 (bfloat16, B = 32768):
+# at D = 256, (64, 64, 4, 2) took 4.4x the three cuBLAS GEMMs for CLIP and 3.2x for
+# InfoNCE, against 11.3x / 8.9x for the (32, 32, 4, 1) used before; at D = 768
+# (BLOCK_D = 1024), (32, 32, 8, 1) took 24x / 19x against 258x / 239x with 4 warps,
+# and 64-row tiles ran out of shared memory (232448 bytes). The 512 and 2048 rows
+# are sized to the same shared-memory budget, not timed.
+_HALF = {512: (32, 64, 4, 1), 1024: (32, 32, 8, 1), 2048: (16, 16, 4, 1)}
+
+
 def _config(d: int, dtype: torch.dtype) -> Config:
     """The whole embedding dim is one tile (BLOCK_D = next power of two >= D);
-    wider embeddings take smaller row/column tiles."""
+    wider embeddings take smaller row/column tiles so that a Q and a K tile fit
+    in shared memory. float32 tiles are cast for an "ieee" float32 dot (no TF32),
+    as are all tiles under the CPU interpreter (whose bfloat16 dot is wrong)."""
     block_d = max(16, triton.next_power_of_2(d))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    block = 64 if interpret or block_d <= 128 else 32
-    return Config(block, block, block_d, dtype == torch.float32 or interpret, 4, 1)
+    fp32 = dtype == torch.float32 or interpret
+    if d > MAX_WIDTH[dtype]:
+        raise ValueError(f"the triton backend takes embeddings up to {MAX_WIDTH[dtype]} wide in {dtype} "
+                         f"(got {d}); use backend='tiled'")
+    if interpret:
+        return Config(64, 64, block_d, True, 4, 1)
+    if block_d <= 128:
+        return Config(64, 64, block_d, fp32, 4, 1)
+    if fp32:  # twice the bytes of a half tile: the half table's tile for twice the width
+        bm, bn, warps, stages = _HALF.get(block_d * 2, (64, 64, 4, 1))
+        return Config(bm, bn, block_d, True, warps, 1)
+    bm, bn, warps, stages = _HALF.get(block_d, (64, 64, 4, 2))
+    return Config(bm, bn, block_d, False, warps, stages)
 
 
 def _lse(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_self: bool, offset: int) -> Tensor:
