@@ -39,8 +39,11 @@ class Config(NamedTuple):
 # at D = 256, (64, 64, 4, 2) took 4.4x the three cuBLAS GEMMs for CLIP and 3.2x for
 # InfoNCE, against 11.3x / 8.9x for the (32, 32, 4, 1) used before; at D = 768
 # (BLOCK_D = 1024), (32, 32, 8, 1) took 24x / 19x against 258x / 239x with 4 warps,
-# and 64-row tiles ran out of shared memory (232448 bytes). The 512 and 2048 rows
-# are sized to the same shared-memory budget, not timed.
+# and 64-row tiles ran out of shared memory (232448 bytes). The failures fit one
+# model: a kernel holds its own tile once and the other operand twice (once per
+# dot, in two layouts), so (max(bm + 2 bn, bn + 2 bm)) x BLOCK_D x element size
+# must stay under 227 KiB; the 512 and 2048 rows, and float32 (below), are sized
+# by it, not timed.
 _HALF = {512: (32, 64, 4, 1), 1024: (32, 32, 8, 1), 2048: (16, 16, 4, 1)}
 
 
