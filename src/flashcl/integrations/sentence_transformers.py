@@ -1,0 +1,233 @@
+"""sentence-transformers' losses, computed by flashcl (``pip install
+sentence-transformers``; imported only when this module is).
+
+* :class:`MultipleNegativesRankingLoss` and
+  :class:`CachedMultipleNegativesRankingLoss`: subclasses of sentence-transformers'
+  classes with the same constructor arguments (plus ``backend`` and
+  ``block_size``), usable wherever those are (``SentenceTransformerTrainer``,
+  ``model.fit``). The loss on the embeddings is flashcl's InfoNCE: the same
+  value and gradients in memory O(B D) instead of O(B^2). The cached variant
+  (GradCache) then needs no mini-batch loop over the loss, since the loss no
+  longer holds a B x (B + negatives) matrix; ``mini_batch_size`` still sets the
+  size of the embedding passes.
+* :class:`SupConLoss`: the labelled loss sentence-transformers lacks: one text
+  column and an integer label per text, :func:`flashcl.supcon_loss` on the
+  embeddings (Khosla et al. L_out, or the supervised-SimCSE ``"sum"`` form).
+
+Which MNRL configurations flashcl computes: ``similarity_fct`` ``cos_sim`` or
+``dot_score``; ``directions`` ``("query_to_doc",)`` or ``("query_to_doc",
+"doc_to_query")`` with either ``partition_mode``; no hardness weighting; no
+``gather_across_devices`` (use :mod:`flashcl.distributed`). Any other
+configuration is computed by sentence-transformers' own code, with a warning
+saying why (the same value; the B^2 memory of the original).
+
+Formulas (s = scale * similarity; q queries, d_1 the positive documents,
+d_all the positives and hard negatives)::
+
+    query_to_doc:        mean_i  LSE_j s(q_i, d_all_j) - s(q_i, d_1i)
+    + doc_to_query, per_direction: the mean of that and mean_i LSE_j s(d_1i, q_j) - s(q_i, d_1i)
+    + doc_to_query, joint: mean_i log(exp(row1_i) + exp(row2_i)), one softmax over both candidate sets
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as Fn
+
+try:
+    try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
+        from sentence_transformers.sentence_transformer import losses as _st_losses
+    except ImportError:
+        from sentence_transformers import losses as _st_losses
+    from sentence_transformers.util import cos_sim, dot_score
+except ImportError as e:  # pragma: no cover - exercised only without the package
+    raise ImportError("flashcl.integrations.sentence_transformers needs sentence-transformers "
+                      "(pip install sentence-transformers)") from e
+
+_SUPPORTED_DIRECTIONS = ({"query_to_doc"}, {"query_to_doc", "doc_to_query"})
+
+
+def _unsupported(loss: Any) -> Optional[str]:
+    """Why flashcl cannot compute this MNRL configuration, or None."""
+    if loss.similarity_fct not in (cos_sim, dot_score):
+        return f"similarity_fct={getattr(loss.similarity_fct, '__name__', loss.similarity_fct)!r}"
+    if loss.gather_across_devices:
+        return "gather_across_devices=True (flashcl.distributed.info_nce_loss gathers across processes)"
+    if set(loss.directions) not in _SUPPORTED_DIRECTIONS:
+        return f"directions={tuple(loss.directions)!r}"
+    if loss.hardness_mode is not None and loss.hardness_strength > 0:
+        return f"hardness_mode={loss.hardness_mode!r}"
+    return None
+
+
+def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_size: Optional[int]) -> Tensor:
+    """MNRL's value on embeddings, for a configuration :func:`_unsupported` accepts."""
+    kw: Dict[str, Any] = dict(temperature=1.0 / loss.scale, normalize=loss.similarity_fct is cos_sim,
+                              backend=backend, block_size=block_size)
+    docs_all = torch.cat(docs, dim=0) if len(docs) > 1 else docs[0]
+    if "doc_to_query" not in loss.directions:
+        return Fn.info_nce_loss(queries, docs_all, **kw)
+    if loss.partition_mode == "per_direction":
+        return 0.5 * (Fn.info_nce_loss(queries, docs_all, **kw) + Fn.info_nce_loss(docs[0], queries, **kw))
+    # joint: one softmax over both candidate sets; row losses share the positive score s(q_i, d_1i)
+    rows = Fn.info_nce_loss(queries, docs_all, reduction="none", **kw)
+    cols = Fn.info_nce_loss(docs[0], queries, reduction="none", **kw)
+    return torch.logaddexp(rows, cols).mean()
+
+
+class _Fallback:
+    """Warns once per instance when sentence-transformers' own code computes the loss."""
+
+    _warned = False
+
+    def _flashcl_or_none(self) -> Optional[str]:
+        why = _unsupported(self)
+        if why is not None and not self._warned:
+            warnings.warn(f"flashcl does not compute {type(self).__name__} with {why}; sentence-transformers' "
+                          "own implementation is used (same value, its B^2 memory)", stacklevel=3)
+            self._warned = True
+        return why
+
+
+def _check_embeddings(embeddings: List[Tensor]) -> None:
+    if len(embeddings) < 2:
+        raise ValueError(f"Expected at least 2 embeddings (anchor, positive[, negatives...]), got {len(embeddings)}")
+
+
+class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankingLoss):
+    """sentence-transformers' ``MultipleNegativesRankingLoss`` (InfoNCE with
+    in-batch and hard negatives), computed by flashcl.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        scale: similarity multiplier (1 / temperature). Default 20.
+        similarity_fct: ``cos_sim`` (default) or ``dot_score``.
+        gather_across_devices, directions, partition_mode, hardness_mode,
+            hardness_strength: as in sentence-transformers; see the module
+            docstring for which configurations flashcl computes.
+        backend: flashcl backend ("auto", "dense", "tiled", "triton").
+        block_size: rows per block of the tiled backend (None: automatic).
+
+    Shape:
+        Input columns (anchor, positive[, negative_1, ...]), B texts each; the
+        loss is a scalar.
+
+    Examples::
+
+        >>> from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+        >>> from flashcl.integrations.sentence_transformers import MultipleNegativesRankingLoss
+        >>> # loss = MultipleNegativesRankingLoss(model, scale=20.0)
+        >>> # SentenceTransformerTrainer(model=model, train_dataset=pairs, loss=loss).train()
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0,
+                 similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim, gather_across_devices: bool = False,
+                 directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
+                 hardness_mode: Optional[str] = None, hardness_strength: float = 0.0, *,
+                 backend: str = "auto", block_size: Optional[int] = None) -> None:
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+                         gather_across_devices=gather_across_devices, directions=directions,
+                         partition_mode=partition_mode, hardness_mode=hardness_mode,
+                         hardness_strength=hardness_strength)
+        self.backend, self.block_size = backend, block_size
+
+    def compute_loss_from_embeddings(self, embeddings: List[Tensor], labels: Optional[Tensor] = None) -> Tensor:
+        _check_embeddings(embeddings)
+        if self._flashcl_or_none() is not None:
+            return super().compute_loss_from_embeddings(embeddings, labels)
+        return _mnrl(self, embeddings[0], list(embeddings[1:]), self.backend, self.block_size)
+
+
+class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNegativesRankingLoss):
+    """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache:
+    the batch is embedded in mini-batches, the loss's gradient w.r.t. the
+    embeddings is cached, then the mini-batches are re-embedded with gradients),
+    with the loss computed by flashcl over the whole batch at once.
+
+    Args:
+        model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens,
+            gather_across_devices, directions, partition_mode, show_progress_bar,
+            hardness_mode, hardness_strength: as in sentence-transformers.
+        backend: flashcl backend. block_size: rows per block (None: automatic).
+
+    Shape:
+        As :class:`MultipleNegativesRankingLoss`.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import CachedMultipleNegativesRankingLoss
+        >>> # loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0,
+                 similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim, mini_batch_size: int = 32,
+                 mini_batch_num_tokens: Optional[int] = None, gather_across_devices: bool = False,
+                 directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
+                 show_progress_bar: bool = False, hardness_mode: Optional[str] = None,
+                 hardness_strength: float = 0.0, *, backend: str = "auto", block_size: Optional[int] = None) -> None:
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
+                         mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
+                         directions=directions, partition_mode=partition_mode, show_progress_bar=show_progress_bar,
+                         hardness_mode=hardness_mode, hardness_strength=hardness_strength)
+        self.backend, self.block_size = backend, block_size
+
+    def calculate_loss(self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *,
+                       with_backward: bool = False) -> Tensor:
+        if self._flashcl_or_none() is not None:
+            return super().calculate_loss(reps, labels, with_backward=with_backward)
+        queries = torch.cat(reps[0])
+        docs = [torch.cat(r) for r in reps[1:]]
+        _check_embeddings([queries] + docs)
+        loss = _mnrl(self, queries, docs, self.backend, self.block_size)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+
+class SupConLoss(nn.Module):
+    """Supervised contrastive loss for sentence-transformers: one text column
+    and one integer label per text; texts with the same label are positives.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        temperature: softmax temperature. Default 0.1.
+        positives: ``"mean"`` (Khosla et al. L_out, default) or ``"sum"`` (the
+            supervised-SimCSE form: one softmax over all positives).
+        include_self: keep each text's own column in its denominator.
+        backend, block_size: as in :func:`flashcl.supcon_loss`.
+
+    Shape:
+        Input: one column of B texts; labels (B,) integers. Output: scalar.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import SupConLoss
+        >>> # dataset columns: "text", "label"; loss = SupConLoss(model, temperature=0.05)
+        >>> # SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss).train()
+    """
+
+    def __init__(self, model: nn.Module, temperature: float = 0.1, positives: str = "mean",
+                 include_self: bool = False, *, backend: str = "auto", block_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature, self.positives, self.include_self = temperature, positives, include_self
+        self.backend, self.block_size = backend, block_size
+
+    def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Tensor) -> Tensor:
+        features = list(sentence_features)
+        if len(features) != 1:
+            raise ValueError(f"SupConLoss takes one text column and a label column, got {len(features)} text columns")
+        embeddings = self.model(features[0])["sentence_embedding"]
+        return self.compute_loss_from_embeddings(embeddings, labels)
+
+    def compute_loss_from_embeddings(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        return Fn.supcon_loss(embeddings, labels, temperature=self.temperature, positives=self.positives,
+                              include_self=self.include_self, backend=self.backend, block_size=self.block_size)
+
+    def get_config_dict(self) -> Dict[str, Any]:
+        return {"temperature": self.temperature, "positives": self.positives, "include_self": self.include_self}

@@ -1,0 +1,215 @@
+"""flashcl.integrations.sentence_transformers against sentence-transformers'
+own losses: equal values and gradients on random embeddings for every
+configuration flashcl computes, the fallback (with its warning) for the others,
+GradCache's cached gradients, and training through SentenceTransformerTrainer
+with a tiny BERT built here (no download)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
+    from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
+except ImportError:  # pragma: no cover
+    from sentence_transformers import losses as st_losses  # noqa: E402
+from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
+
+import flashcl  # noqa: E402
+from conftest import assert_close  # noqa: E402
+from flashcl.integrations import sentence_transformers as fst  # noqa: E402
+
+CONFIGS: List[Dict[str, Any]] = [
+    {},
+    {"scale": 7.0},
+    {"similarity_fct": dot_score, "scale": 1.0},
+    {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+    {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "joint"},
+    {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "joint", "similarity_fct": dot_score,
+     "scale": 0.5},
+]
+
+
+def _columns(b: int, d: int, negatives: int, seed: int = 0) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, d, generator=g, dtype=torch.float64) for _ in range(2 + negatives)]
+
+
+def _value_and_grads(loss_fn: Any, columns: List[torch.Tensor]) -> tuple:
+    leaves = [c.clone().requires_grad_(True) for c in columns]
+    value = loss_fn.compute_loss_from_embeddings(leaves, None)
+    grads = torch.autograd.grad(value, leaves)
+    return value.detach(), grads
+
+
+@pytest.mark.parametrize("negatives", [0, 1, 3])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}"
+                                                                    for k, v in c.items()) or "default")
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_mnrl_equals_sentence_transformers(config: Dict[str, Any], negatives: int, backend: str) -> None:
+    columns = _columns(11, 8, negatives)
+    ours = fst.MultipleNegativesRankingLoss(None, backend=backend, block_size=4, **config)
+    theirs = st_losses.MultipleNegativesRankingLoss(None, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a supported configuration must not fall back
+        v, g = _value_and_grads(ours, columns)
+    v_ref, g_ref = _value_and_grads(theirs, columns)
+    assert_close(v, v_ref, f"{config}: loss", 1e-10, 1e-10)
+    for i, (a, e) in enumerate(zip(g, g_ref)):
+        assert_close(a, e, f"{config}: grad of column {i}", 1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("config", [
+    {"hardness_mode": "in_batch_negatives", "hardness_strength": 5.0},
+    {"directions": ("query_to_doc", "query_to_query")},
+    {"similarity_fct": lambda a, b: -torch.cdist(a, b)},
+])
+def test_mnrl_unsupported_configurations_fall_back_with_a_warning(config: Dict[str, Any]) -> None:
+    columns = _columns(9, 5, 1, seed=1)
+    ours = fst.MultipleNegativesRankingLoss(None, **config)
+    with pytest.warns(UserWarning, match="sentence-transformers' own implementation"):
+        v, g = _value_and_grads(ours, columns)
+    v_ref, g_ref = _value_and_grads(st_losses.MultipleNegativesRankingLoss(None, **config), columns)
+    assert_close(v, v_ref, "fallback loss", 1e-12, 1e-12)
+    for a, e in zip(g, g_ref):
+        assert_close(a, e, "fallback grad", 1e-12, 1e-12)
+
+
+def test_mnrl_rejects_a_single_column() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        fst.MultipleNegativesRankingLoss(None).compute_loss_from_embeddings([torch.randn(4, 3)], None)
+
+
+# ---------------------------------------------------------------- a tiny model, no download
+
+WORDS = ("the a cat dog sat ran on mat park fast slow red blue car bus road stock market price fell rose "
+         "team won lost game goal rain snow cold warm sun").split()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny_bert")
+    vocab = path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=5 + len(WORDS), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)).save_pretrained(path)
+    tokens = vocab.read_text().split()
+    try:  # transformers >= 5 takes the vocabulary itself; 4.x a vocab file
+        tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(tokens)})
+    except TypeError:  # pragma: no cover
+        tokenizer = BertTokenizerFast(vocab_file=str(vocab))
+    assert tokenizer("cat dog")["input_ids"][1:3] == [tokens.index("cat"), tokens.index("dog")]
+    tokenizer.save_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no sentence-transformers model found: mean pooling"
+        return path
+
+
+def _load(path: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return st.SentenceTransformer(str(path), device="cpu")
+
+
+def _sentences(n: int, seed: int) -> List[str]:
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (5,), generator=g)) for _ in range(n)]
+
+
+def _param_grads(model: Any) -> List[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("config", [{}, {"directions": ("query_to_doc", "doc_to_query"),
+                                         "partition_mode": "per_direction"}])
+def test_cached_mnrl_equals_sentence_transformers_through_a_model(tiny_model: Any, config: Dict[str, Any]) -> None:
+    texts = [_sentences(10, s) for s in (1, 2, 3)]  # anchor, positive, negative
+    grads = []
+    values = []
+    for cls in (fst.CachedMultipleNegativesRankingLoss, st_losses.CachedMultipleNegativesRankingLoss):
+        model = _load(tiny_model)
+        features = [model.tokenize(t) for t in texts]
+        loss = cls(model, mini_batch_size=4, **config)
+        value = loss(features, None)
+        value.backward()
+        values.append(value.detach())
+        grads.append(_param_grads(model))
+    assert_close(values[0], values[1], "cached loss", 1e-5, 1e-5)
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, e in zip(*grads):
+        # float32 through a transformer's backward: error relative to the tensor's largest entry
+        assert_close(a, e, "cached: parameter gradient", 1e-4 * float(e.abs().max()) + 1e-7, 1e-4)
+
+
+def test_mnrl_and_supcon_train_with_sentence_transformer_trainer(tiny_model: Any, tmp_path: Any) -> None:
+    datasets = pytest.importorskip("datasets", reason="datasets (sentence-transformers[train]) is not installed")
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    def train(loss_of: Any, data: Dict[str, List[Any]], seed: int = 0) -> Any:
+        model = _load(tiny_model)
+        args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path / "run"), num_train_epochs=2,
+                                                    per_device_train_batch_size=8, learning_rate=1e-3, seed=seed,
+                                                    report_to=[], save_strategy="no", logging_steps=1000,
+                                                    use_cpu=True, dataloader_drop_last=True)
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(data),
+                                             loss=loss_of(model))
+        trainer.train()
+        return model
+
+    pairs = {"anchor": _sentences(32, 4), "positive": _sentences(32, 5)}
+    ours = train(lambda m: fst.MultipleNegativesRankingLoss(m), pairs)
+    theirs = train(lambda m: st_losses.MultipleNegativesRankingLoss(m), pairs)
+    for (name, a), (_, e) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert_close(a.detach(), e.detach(), f"after training: {name}", 1e-4, 1e-3)
+
+    # labelled SupCon: two topics of sentences; training pulls same-topic texts together
+    topic = [["cat", "dog", "sat", "mat", "park"], ["stock", "market", "price", "fell", "rose"]]
+    g = torch.Generator().manual_seed(7)
+    texts, labels = [], []
+    for i in range(48):
+        words = topic[i % 2] + ["the", "a", "red", "blue", "sun"]
+        texts.append(" ".join(words[int(j)] for j in torch.randint(0, len(words), (6,), generator=g)))
+        labels.append(i % 2)
+    lab = torch.tensor(labels)
+
+    def supcon_of(model: Any) -> float:
+        with torch.no_grad():
+            e = model.encode(texts, convert_to_tensor=True)
+        return float(flashcl.supcon_loss(e, lab, temperature=0.1))
+
+    before = supcon_of(_load(tiny_model))
+    trained = train(lambda m: fst.SupConLoss(m, temperature=0.1), {"text": texts, "label": labels})
+    after = supcon_of(trained)
+    assert after < before - 0.1, (before, after)
+
+
+def test_supcon_loss_module_is_flashcl_supcon_on_the_model_embeddings(tiny_model: Any) -> None:
+    model = _load(tiny_model)
+    texts = _sentences(12, 9)
+    labels = torch.tensor([0, 1, 2] * 4)
+    loss = fst.SupConLoss(model, temperature=0.2, positives="sum", include_self=True)
+    value = loss([model.tokenize(texts)], labels)
+    emb = model(model.tokenize(texts))["sentence_embedding"]
+    expected = flashcl.supcon_loss(emb, labels, temperature=0.2, positives="sum", include_self=True)
+    assert_close(value.detach(), expected.detach(), "SupConLoss module", 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="one text column"):
+        loss([model.tokenize(texts), model.tokenize(texts)], labels)
+
+
+def test_supcon_unknown_option_is_refused() -> None:
+    with pytest.raises(ValueError):
+        fst.SupConLoss(None, positives="max").compute_loss_from_embeddings(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]))
+
+
+def test_cos_sim_is_what_normalize_means() -> None:
+    # the adapter's cos_sim branch is flashcl's normalize=True: the similarity itself agrees
+    a, b = torch.randn(5, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    ours = torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
+    assert_close(cos_sim(a, b), ours, "cos_sim", 1e-12, 1e-12)
