@@ -37,6 +37,9 @@ def open_clip_loss_module() -> Tuple[Optional[Any], str]:
 
 def sentence_transformers_losses() -> Tuple[Optional[Any], str]:
     try:
-        return importlib.import_module("sentence_transformers.losses"), ""
+        try:  # sentence-transformers >= 6; the top-level ``losses`` is a deprecated alias there
+            return importlib.import_module("sentence_transformers.sentence_transformer.losses"), ""
+        except ImportError:
+            return importlib.import_module("sentence_transformers.losses"), ""
     except Exception as e:  # ImportError, or a broken optional dependency
         return None, f"sentence-transformers not importable ({type(e).__name__}: {str(e)[:80]})"

@@ -110,7 +110,7 @@ def peers(mode: str, device: str) -> List[Case]:
         cases.append({"group": "clip", "label": impl, "workload": "clip", "bound": gemm,
                       "params": {"B": b, "D": d, "impl": impl}})
     for impl in ("flashcl-tiled", "F.cross_entropy", "F.linear_cross_entropy(chunked)",
-                 "sentence-transformers-MNRL"):
+                 "sentence-transformers-MNRL", "flashcl-st-adapter"):
         cases.append({"group": "info_nce", "label": impl, "workload": "info_nce", "bound": gemm,
                       "params": {"B": b, "D": d, "impl": impl}})
     return cases

@@ -210,7 +210,7 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
     b, d, impl, dev, q, k = _two_towers(p)
     t = p.get("temperature", 0.05)
     target = torch.arange(b, device=dev)
-    if impl.startswith("flashcl-"):
+    if impl.startswith("flashcl-") and impl != "flashcl-st-adapter":
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.info_nce_loss(q, k, temperature=t, backend=backend)  # noqa: E731
     elif impl == "F.cross_entropy":
@@ -227,12 +227,20 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
         except ImportError as e:
             raise NotInstalled(f"inf_cl not installed ({e})") from e
         fn = lambda: cal_flash_loss(F.normalize(q, dim=1), F.normalize(k, dim=1), target, 1 / t).mean()  # noqa: E731
-    elif impl == "sentence-transformers-MNRL":
-        losses, why = peers.sentence_transformers_losses()
-        if losses is None:
-            raise NotInstalled(why)
-        raise NotInstalled("MultipleNegativesRankingLoss needs a SentenceTransformer model; "
-                           "its formula is F.cross_entropy(cos_sim(q, k) * scale, arange(B)), timed above")
+    elif impl in ("sentence-transformers-MNRL", "flashcl-st-adapter"):
+        # the loss on embeddings, as the trainer calls it after the model's forward pass
+        if impl == "sentence-transformers-MNRL":
+            losses, why = peers.sentence_transformers_losses()
+            if losses is None:
+                raise NotInstalled(why)
+            mnrl = losses.MultipleNegativesRankingLoss(None, scale=1 / t)
+        else:
+            try:
+                from ..integrations.sentence_transformers import MultipleNegativesRankingLoss
+            except ImportError as e:
+                raise NotInstalled(str(e)) from e
+            mnrl = MultipleNegativesRankingLoss(None, scale=1 / t)
+        fn = lambda: mnrl.compute_loss_from_embeddings([q, k], None)  # noqa: E731
     else:
         raise ValueError(f"unknown info_nce impl {impl!r}")
     return _stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
