@@ -1,11 +1,18 @@
 """Shared test helpers: one tolerance table, cases over every loss, comparison that names the worst index."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton reads this when it is first imported, and some libraries the tests use
+    # (transformers, via sentence-transformers) import it: set it before any of them.
+    # Without CUDA the kernels can only run under the interpreter (tests/test_triton.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import flashcl
 

@@ -15,8 +15,13 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install flashcl[triton]): its kernels cannot be tested here",
                 allow_module_level=True)
 
-# Read by triton when a kernel is first compiled (the kernels module is imported lazily).
-os.environ["TRITON_INTERPRET"] = "1"
+if torch.cuda.is_available():
+    pytest.skip("a CUDA device is present: the compiled kernels are tested by tests/test_cuda.py",
+                allow_module_level=True)
+# conftest sets it before anything imports triton; a run that set it to 0 is refused here
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("TRITON_INTERPRET is not 1: the interpreter tests need it set before triton is imported",
+                allow_module_level=True)
 
 EMBEDDING_CASES = sorted(name for name, c in CASES.items() if c.fn is not flashcl.neighbor_loss
                          and name not in ("supcon_tiny_temperature", "clip_large_scale", "info_nce_tiny_temperature"))
