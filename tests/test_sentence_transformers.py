@@ -205,7 +205,8 @@ def test_supcon_loss_module_is_flashcl_supcon_on_the_model_embeddings(tiny_model
 
 def test_supcon_unknown_option_is_refused() -> None:
     with pytest.raises(ValueError):
-        fst.SupConLoss(None, positives="max").compute_loss_from_embeddings(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]))
+        fst.SupConLoss(None, positives="max").compute_loss_from_embeddings(torch.randn(4, 3),
+                                                                           torch.tensor([0, 0, 1, 1]))
 
 
 def test_cos_sim_is_what_normalize_means() -> None:

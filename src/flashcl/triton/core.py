@@ -89,10 +89,9 @@ def _grads(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, spec: Cor
     dq = torch.empty(m, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(n, d, dtype=torch.float32, device=q.device)
     common = dict(EXCLUDE_SELF=spec.exclude_self, HAS_COL=has_col, **cfg.launch())
-    _dq_kernel[(triton.cdiv(m, cfg.block_m),)](q, k, iq, ik, dq, lse_r, g_r, lse_c_, g_c_, m, n, d, q.stride(0), k.stride(0),
-                                      dq.stride(0), scale, spec.offset, **common)
-    _dk_kernel[(triton.cdiv(n, cfg.block_n),)](q, k, iq, ik, dk, lse_r, g_r, lse_c_, g_c_, m, n, d, q.stride(0), k.stride(0),
-                                      dk.stride(0), scale, spec.offset, **common)
+    args = (lse_r, g_r, lse_c_, g_c_, m, n, d, q.stride(0), k.stride(0))
+    _dq_kernel[(triton.cdiv(m, cfg.block_m),)](q, k, iq, ik, dq, *args, dq.stride(0), scale, spec.offset, **common)
+    _dk_kernel[(triton.cdiv(n, cfg.block_n),)](q, k, iq, ik, dk, *args, dk.stride(0), scale, spec.offset, **common)
     return dq, dk
 
 

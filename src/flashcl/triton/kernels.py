@@ -89,7 +89,8 @@ def _grad_tile(s, rows, cols, M, N, offset, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_p
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D, stride_q, stride_k,
+def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D,
+               stride_q, stride_k,
                stride_dq, scale, offset, EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,7 +114,8 @@ def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_p
 
 
 @triton.jit
-def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D, stride_q, stride_k,
+def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D,
+               stride_q, stride_k,
                stride_dk, scale, offset, EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
