@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import tempfile
 import time
 from typing import Dict, List, Tuple
 
@@ -114,7 +115,8 @@ def main() -> Dict[str, float]:
     ap.add_argument("--temperature", type=float, default=0.1)
     ap.add_argument("--positives", choices=["mean", "sum"], default="mean",
                     help="mean: SupCon L_out; sum: the second seed's supervised-SimCSE form (with include_self)")
-    ap.add_argument("--out", default="sentence-simcse-run", help="the trainer's output folder (nothing is saved)")
+    ap.add_argument("--out", default=None, help="the trainer's output folder (default: a temporary one; "
+                    "nothing is saved in it)")
     args = ap.parse_args()
     epochs = args.epochs or 3
     torch.manual_seed(args.seed)
@@ -125,8 +127,9 @@ def main() -> Dict[str, float]:
     before = retrieval(model, xtr, ytr, xte, yte)
     print(f"before: accuracy@1 {before[0]:.3f}, 5-NN accuracy {before[1]:.3f}")
     t0 = time.time()
-    train_loss = train(model, xtr, ytr, epochs, args.batch, args.seed, args.out, args.lr, args.temperature,
-                       args.positives)
+    with tempfile.TemporaryDirectory() as tmp:
+        train_loss = train(model, xtr, ytr, epochs, args.batch, args.seed, args.out or tmp, args.lr,
+                           args.temperature, args.positives)
     after = retrieval(model, xtr, ytr, xte, yte)
     print(f"after {epochs} epoch(s) of supervised SimCSE ({time.time() - t0:.0f} s, mean training loss "
           f"{train_loss:.3f}): accuracy@1 {after[0]:.3f}, 5-NN accuracy {after[1]:.3f}")
