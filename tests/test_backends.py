@@ -121,3 +121,21 @@ def test_zero_embedding_row(backend: str) -> None:
     case = Case("zero_row", flashcl.supcon_loss, [emb], [labels], {"temperature": 0.2})
     compare_to_reference(case, backend, "mean", torch.float64, 1e-10, 1e-9, **(
         {"block_size": 4} if backend == "tiled" else {}))
+
+
+@pytest.mark.parametrize("gap", [60.0, 1000.0])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_neighbor_loss_self_score_far_above_the_row(gap: float, dtype: torch.dtype, reduction: str) -> None:
+    # The tiled neighbour loss shifts each row by its maximum *including* the
+    # excluded self score; when that score towers over the rest (by 1000: every
+    # other exp underflows), the row must be redone with its masked maximum.
+    # With a gap of 60 it need not be, and must stay exact in float32.
+    g = torch.Generator().manual_seed(4)
+    n = 23
+    scores = torch.randn(n, n, generator=g, dtype=torch.float64)
+    scores.diagonal().add_(gap)
+    scores[5, 5] = -3.0  # one ordinary row among them
+    case = Case("neighbor_big_self", flashcl.neighbor_loss, [scores],
+                [flashcl.sample_neighbors(n, 3, generator=g)], {"exclude_diagonal": True})
+    compare_to_reference(case, "tiled", reduction, dtype, *TOL[dtype], block_size=7)

@@ -593,10 +593,7 @@ class TiledScores(torch.autograd.Function):
         for r0 in range(0, n, block):
             r1 = min(r0 + block, n)
             blk = grad[r0:r1] if direct else buf[:r1 - r0]  # type: ignore[index]
-            blk.copy_(scores[r0:r1].detach())
-            if spec.exclude_self:
-                _mask_self_(blk, r0, spec.offset, float("-inf"))
-            lse[r0:r1], total = _lse_inplace(blk)
+            lse[r0:r1], total = _masked_exp_into(blk, scores[r0:r1].detach(), r0, spec)
             if grad is not None:
                 _scores_grad_block(blk, r0, spec, (reduce_weights[r0:r1] * c[r0:r1]).unsqueeze(1) / total,
                                    reduce_weights[r0:r1] * a[r0:r1])
@@ -629,13 +626,41 @@ class TiledScores(torch.autograd.Function):
         buf = scores.new_empty(min(block, n), scores.shape[1], dtype=dtype)
         for r0 in range(0, n, block):
             r1 = min(r0 + block, n)
-            blk = buf[:r1 - r0].copy_(scores[r0:r1])
+            blk = torch.sub(scores[r0:r1], lse[r0:r1].unsqueeze(1), out=buf[:r1 - r0])
             if spec.exclude_self:
                 _mask_self_(blk, r0, spec.offset, float("-inf"))
-            blk.sub_(lse[r0:r1].unsqueeze(1)).exp_()
+            blk.exp_()
             _scores_grad_block(blk, r0, spec, (g[r0:r1] * c[r0:r1]).unsqueeze(1), g[r0:r1] * a[r0:r1])
             grad[r0:r1].copy_(blk)
         return grad, None, None, None
+
+
+def _masked_exp_into(dst: Tensor, src: Tensor, r0: int, spec: CoreSpec) -> Tuple[Tensor, Tensor]:
+    """``dst <- exp(src - c)`` with the self column masked (0), and the rows'
+    (logsumexp, sum) over the unmasked columns.
+
+    The shift ``c`` is the row maximum of ``src`` including the self column, so
+    the shift and the copy out of the input are one pass. ``c`` is at least the
+    masked maximum, so nothing overflows; a row whose unmasked terms all lie far
+    below its self score (sum under ``finfo.tiny ** 0.75``, where the largest
+    term would near the subnormals) is redone with its masked maximum."""
+    mx = src.amax(1, keepdim=True).to(dst.dtype)
+    torch.sub(src, mx, out=dst)
+    if spec.exclude_self:
+        _mask_self_(dst, r0, spec.offset, float("-inf"))
+    total = dst.exp_().sum(1, keepdim=True)
+    if spec.exclude_self:
+        redo = (total.squeeze(1) < torch.finfo(dst.dtype).tiny ** 0.75).nonzero().squeeze(1)
+        if redo.numel():
+            rows = src[redo].to(dst.dtype)
+            cols = redo + (r0 + spec.offset)
+            inside = (cols >= 0) & (cols < src.shape[1])
+            rows[inside.nonzero().squeeze(1), cols[inside]] = float("-inf")
+            mx[redo] = rows.amax(1, keepdim=True)
+            rows = (rows - mx[redo]).exp_()
+            dst[redo] = rows
+            total[redo] = rows.sum(1, keepdim=True)
+    return (mx + total.log()).squeeze(1), total
 
 
 def _scores_grad_block(blk: Tensor, r0: int, spec: CoreSpec, lse_coef: Tensor, pos_coef: Tensor) -> None:
