@@ -24,12 +24,11 @@ def agreement(r: Row, rows: List[Row]) -> str:
     if not same:
         return "other formula" if "formula" in r["label"] else ""
     ref = same[0]["loss"]
-    half = r["params"].get("dtype") in ("bfloat16", "float16")
-    tol = 1e-4 if not half else (2.0 ** -7 if r["params"]["dtype"] == "bfloat16" else 2.0 ** -10)
-    if abs(r["loss"] - ref) > tol * max(1.0, abs(ref)):
-        return "DIFFERS"
-    return f"equal (within {r['params']['dtype']} eps)" if half and abs(r["loss"] - ref) > 1e-4 * max(1.0, abs(ref)) \
-        else "equal"
+    err = abs(r["loss"] - ref) / max(1.0, abs(ref))
+    if err <= 1e-4:
+        return "equal"
+    eps = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}.get(r["params"].get("dtype", ""))
+    return f"equal (within {r['params']['dtype']} eps)" if eps is not None and err <= eps else "DIFFERS"
 
 
 def size_label(r: Row) -> str:
