@@ -90,6 +90,15 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         results["mismatch"] = "no error"
     except ValueError as err:
         results["mismatch"] = str(err)
+    # second derivatives: a clear error on every rank, for both strategies, never a wrong number
+    for strategy in ("all_gather", "ring"):
+        x = d["emb"][_shard(sizes, rank)].clone().requires_grad_(True)
+        loss = flashcl.distributed.supcon_loss(x, d["labels"][_shard(sizes, rank)], strategy=strategy)
+        try:
+            torch.autograd.grad(loss, x, create_graph=True)
+            results[f"double_{strategy}"] = "no error"
+        except RuntimeError as err:
+            results[f"double_{strategy}"] = str(err)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -127,6 +136,8 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
     assert_close(ddp_mean, single, "ddp convention: mean over ranks = global loss", *TOL)
     for r in range(world):
         assert "different calls" in ranks[r]["mismatch"], ranks[r]["mismatch"]
+        for strategy in ("all_gather", "ring"):
+            assert "second derivatives" in ranks[r][f"double_{strategy}"], ranks[r][f"double_{strategy}"]
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 5).double()
     flashcl.supcon_loss(model(d["emb"]), d["labels"], temperature=0.3, backend="reference").backward()

@@ -13,6 +13,8 @@ from torch import Tensor
 
 from .core import CoreSpec, compute_dtype, prepare
 
+ReduceWeights = Optional[Tuple[Tensor, Optional[Tensor]]]
+
 
 def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
     """Row losses (M,) of the core on the score matrix ``scores`` (M, N)."""
@@ -45,3 +47,24 @@ def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> 
     if spec.symmetric:
         col_loss = torch.logsumexp(scores, dim=0) - scores.diagonal()
     return row_loss, col_loss
+
+
+def core_output(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduce_weights: ReduceWeights) -> Tensor:
+    """What the fast backends' Functions return, by the dense formula: the row
+    losses (with the column losses appended for ``spec.symmetric``), or
+    ``sum r * row + sum u * col`` for ``reduce_weights = (r, u)``."""
+    row, col = core_loss(q, k, scale, spec)
+    if reduce_weights is None:
+        return row if col is None else torch.cat([row, col])
+    r, u = reduce_weights
+    out = (r * row).sum()
+    if col is not None:
+        assert u is not None
+        out = out + (u * col).sum()
+    return out
+
+
+def scores_output(scores: Tensor, spec: CoreSpec, reduce_weights: Optional[Tensor]) -> Tensor:
+    """:func:`scores_loss`, reduced with weights ``r`` when given."""
+    row = scores_loss(scores, spec)
+    return row if reduce_weights is None else (reduce_weights * row).sum()

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import functional as Fn
-from .core import CoreSpec, compute_dtype
+from . import checks
+from .functional import Scalar
+from .core import CoreSpec, autocast_off, compute_dtype
 from .tiled import TiledCore, _panel, auto_block
 
 __all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss"]
@@ -93,10 +94,19 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        _no_double_backward()
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         start = sum(ctx.sizes[:ctx.rank])
         return grad[start:start + ctx.sizes[ctx.rank]], None, None
+
+
+def _no_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "flashcl.distributed does not compute second derivatives (backward with create_graph=True, as a "
+            "gradient penalty or a Hessian-vector product needs): its collectives' gradients have no graph. "
+            "The single-process losses (flashcl.supcon_loss, ...) compute them on every backend.")
 
 
 def _all_gather_plain(x: Tensor, group: Any) -> Tensor:
@@ -125,6 +135,13 @@ def _run(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, gr
          ring_sizes: Optional[List[int]] = None) -> Tensor:
     """Local rows of the core against global columns, reduced with the global count.
     ``ring_sizes``: k is this rank's block only and the others come round the ring."""
+    with autocast_off(q.device.type):
+        return _run_now(q, k, scale, spec, reduction, grad_scale, block_size, group, valid_weight, ring_sizes)
+
+
+def _run_now(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, grad_scale: str,
+             block_size: Optional[int], group: Any, valid_weight: Optional[Tensor],
+             ring_sizes: Optional[List[int]]) -> Tensor:
     _, world = _world(group)
     m, n = q.shape[0], k.shape[0]
     dtype = compute_dtype(q.dtype)
@@ -154,13 +171,11 @@ def _run(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, gr
 
 
 def _check(grad_scale: str, strategy: str) -> None:
-    if grad_scale not in _GRAD_SCALES:
-        raise ValueError(f"grad_scale must be one of {_GRAD_SCALES}, got {grad_scale!r}")
-    if strategy not in _STRATEGIES:
-        raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
+    checks.check_choice(grad_scale, "grad_scale", _GRAD_SCALES)
+    checks.check_choice(strategy, "strategy", _STRATEGIES)
 
 
-def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Fn.Scalar = 0.1, positives: str = "mean",
+def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1, positives: str = "mean",
                 include_self: bool = False, normalize: bool = True, reduction: str = "mean",
                 grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None, block_size: Optional[int] = None) -> Tensor:
@@ -182,11 +197,14 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Fn.Scalar = 
         >>> # in each of the processes of an initialised group:
         >>> loss = flashcl.distributed.supcon_loss(local_emb, local_labels)
     """
-    embeddings, labels = Fn._validate_supcon(embeddings, labels, (2,))
-    Fn._check_choice(positives, "positives", ("mean", "sum"))
-    Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
+    embeddings, labels = checks.validate_labelled(embeddings, labels)
+    checks.check_choice(positives, "positives", ("mean", "sum"))
+    checks.check_bool(include_self, "include_self")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_block(block_size)
     _check(grad_scale, strategy)
-    scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", embeddings.device,
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device,
                                             compute_dtype(embeddings.dtype))
     _check_same_call(f"supcon|{embeddings.shape[1]}|{embeddings.dtype}|{positives}|{include_self}|{normalize}|"
                      f"{reduction}|{grad_scale}|{strategy}|{float(scale.detach()):.12g}", embeddings.device, group)
@@ -210,7 +228,7 @@ def _supcon_core(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: s
                 ring_sizes=sizes if strategy == "ring" else None)
 
 
-def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Fn.Scalar = 0.07, normalize: bool = True,
+def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normalize: bool = True,
                  reduction: str = "mean", grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None,
                  block_size: Optional[int] = None) -> Tensor:
@@ -225,10 +243,12 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Fn.Scalar = 0.07, norma
 
         >>> loss = flashcl.distributed.nt_xent_loss(view1, view2, temperature=0.5)
     """
-    z1, z2 = Fn._validate_pair(z1, z2, "z1", "z2")
-    Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
+    z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_block(block_size)
     _check(grad_scale, strategy)
-    scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
     _check_same_call(f"nt_xent|{z1.shape[1]}|{z1.dtype}|{normalize}|{reduction}|{grad_scale}|{strategy}|"
                      f"{float(scale.detach()):.12g}", z1.device, group)
     n = z1.shape[0]
@@ -239,7 +259,7 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Fn.Scalar = 0.07, norma
 
 
 def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None, *,
-                  temperature: Fn.Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
+                  temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
                   grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None, block_size: Optional[int] = None) -> Tensor:
     """:func:`flashcl.info_nce_loss` over the global batch: each query is scored
@@ -253,10 +273,12 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
 
         >>> loss = flashcl.distributed.info_nce_loss(q_local, docs_local)
     """
-    index = Fn._validate_info_nce(query, keys, positive_index)
-    Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
+    index = checks.validate_info_nce(query, keys, positive_index)
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_block(block_size)
     _check(grad_scale, strategy)
-    scale = 1.0 / Fn._check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
     _check_same_call(f"info_nce|{query.shape[1]}|{query.dtype}|{normalize}|{reduction}|{grad_scale}|{strategy}|"
                      f"{float(scale.detach()):.12g}", query.device, group)
     k, offset, sizes = _candidates(keys, strategy, group)
@@ -265,7 +287,7 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
                 ring_sizes=sizes if strategy == "ring" else None)
 
 
-def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Fn.Scalar, *, normalize: bool = True,
+def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, *, normalize: bool = True,
               reduction: str = "mean", grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None,
               block_size: Optional[int] = None) -> Tensor:
@@ -281,10 +303,12 @@ def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Fn.Scalar,
 
         >>> loss = flashcl.distributed.clip_loss(img_local, txt_local, model.logit_scale.exp())
     """
-    image_embeds, text_embeds = Fn._validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    Fn._check_choice(reduction, "reduction", Fn._REDUCTIONS)
+    image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_block(block_size)
     _check(grad_scale, strategy)
-    scale = Fn._check_positive_scalar(logit_scale, "logit_scale", image_embeds.device,
+    scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device,
                                       compute_dtype(image_embeds.dtype))
     _check_same_call(f"clip|{image_embeds.shape[1]}|{image_embeds.dtype}|{normalize}|{reduction}|{grad_scale}|{strategy}|"
                      f"{float(scale.detach()):.12g}", image_embeds.device, group)
@@ -360,6 +384,12 @@ class _RingCore(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        _no_double_backward()
+        with autocast_off(grad.device.type):
+            return _RingCore._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
         q, k, scale, lse, raw_pos = ctx.saved_tensors
         spec, sizes, group, block = ctx.spec, ctx.sizes, ctx.group, ctx.block
         rank, world = _world(group)

@@ -15,6 +15,7 @@ import json
 import math
 import random
 import re
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -41,6 +42,10 @@ class SizeRun:
     peak_mb: Optional[float]
     graph_nodes: int
     loss: float
+    #: gradient elements the backward pass writes (the sum over the graph's edges
+    #: of each gradient's size): a measure of backward work that does not depend
+    #: on the machine's speed
+    backward_elements: int = 0
 
 
 @dataclass
@@ -52,14 +57,35 @@ class Finding:
 
 @dataclass
 class Replacement:
+    """The flashcl call that computes the same loss, and forward+backward times of
+    both, measured alternately (``user_times[i]`` beside ``flashcl_times[i]``)."""
+
     call: str
     loss: float
-    user_s: float
-    flashcl_s: float
+    user_times: List[float]
+    flashcl_times: List[float]
+
+    @property
+    def user_s(self) -> float:
+        return statistics.median(self.user_times)
+
+    @property
+    def flashcl_s(self) -> float:
+        return statistics.median(self.flashcl_times)
 
     @property
     def speedup(self) -> float:
-        return self.user_s / self.flashcl_s if self.flashcl_s > 0 else math.inf
+        """Median of the per-round ratios user / flashcl."""
+        return statistics.median(self._ratios())
+
+    @property
+    def speedup_range(self) -> Tuple[float, float]:
+        """(smallest, largest) per-round ratio: the spread of :attr:`speedup`."""
+        ratios = self._ratios()
+        return min(ratios), max(ratios)
+
+    def _ratios(self) -> List[float]:
+        return [u / f if f > 0 else math.inf for u, f in zip(self.user_times, self.flashcl_times)]
 
 
 @dataclass
@@ -70,6 +96,8 @@ class Report:
     forward_exponent: Optional[float]
     backward_exponent: Optional[float]
     nodes_exponent: Optional[float]
+    #: growth of :attr:`SizeRun.backward_elements` (deterministic)
+    backward_elements_exponent: Optional[float]
     nodes_by_type: Dict[str, int]
     largest_saved: List[Tuple[str, List[int], float]]
     findings: List[Finding] = field(default_factory=list)
@@ -78,20 +106,25 @@ class Report:
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
         if self.replacement is not None:
-            d["replacement"]["speedup"] = self.replacement.speedup
+            r = self.replacement
+            d["replacement"].update(user_s=r.user_s, flashcl_s=r.flashcl_s, speedup=r.speedup,
+                                    speedup_range=list(r.speedup_range))
         return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     def text(self) -> str:
-        lines = ["flashcl doctor", "", "size      forward     backward    peak mem    graph nodes"]
+        lines = ["flashcl doctor", "",
+                 "size      forward     backward    peak mem    graph nodes  backward grad elements"]
         for r in self.runs:
             mem = f"{r.peak_mb:8.1f} MB" if r.peak_mb is not None else "       n/a"
-            lines.append(f"{r.size:<9} {r.forward_s * 1e3:9.1f} ms {r.backward_s * 1e3:9.1f} ms {mem}  {r.graph_nodes:>10}")
+            lines.append(f"{r.size:<9} {r.forward_s * 1e3:9.1f} ms {r.backward_s * 1e3:9.1f} ms {mem}  "
+                         f"{r.graph_nodes:>10}  {r.backward_elements:>22}")
         if self.backward_exponent is not None:
             lines.append(f"growth over the last size step: forward ~ n^{self.forward_exponent:.1f}, backward ~ "
-                         f"n^{self.backward_exponent:.1f}, graph nodes ~ n^{self.nodes_exponent:.1f}")
+                         f"n^{self.backward_exponent:.1f}, graph nodes ~ n^{self.nodes_exponent:.1f}, backward "
+                         f"gradient elements ~ n^{self.backward_elements_exponent:.1f}")
         top = sorted(self.nodes_by_type.items(), key=lambda kv: -kv[1])[:8]
         lines += ["", "autograd graph at the largest size, nodes by type: " +
                   ", ".join(f"{k} x{v}" for k, v in top)]
@@ -105,9 +138,11 @@ class Report:
             lines += [f"[!] {f.pattern}", f"    seen: {f.evidence}", f"    fix:  {f.fix}"]
         if self.replacement is not None:
             r = self.replacement
+            lo, hi = r.speedup_range
             lines += ["", f"same loss as: {r.call}",
                       f"    loss {r.loss:.6g}; forward+backward {r.user_s * 1e3:.1f} ms -> {r.flashcl_s * 1e3:.1f} ms "
-                      f"({r.speedup:.0f}x faster) at the largest size"]
+                      f"at the largest size (medians of {len(r.user_times)} alternating runs): {r.speedup:.0f}x "
+                      f"faster (per-run ratios {lo:.0f}x-{hi:.0f}x)"]
         return "\n".join(lines)
 
 
@@ -150,6 +185,20 @@ def _walk(root: Any) -> List[Any]:
         nodes.append(node)
         stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
     return nodes
+
+
+def _backward_elements(nodes: List[Any]) -> int:
+    """Gradient elements a backward pass over ``nodes`` writes: for every edge, the
+    size of the gradient sent along it (the next node's input metadata). Element-wise
+    indexing shows here: each selected element sends back a gradient of its
+    source's full size."""
+    total = 0
+    for node in nodes:
+        for nxt, slot in getattr(node, "next_functions", ()):
+            meta = getattr(nxt, "_input_metadata", None) if nxt is not None else None
+            if meta and slot < len(meta):
+                total += math.prod(getattr(meta[slot], "shape", ()) or (1,))
+    return total
 
 
 def _base_name(node: Any) -> str:
@@ -253,7 +302,8 @@ def _run(fn: LossFn, inputs: Sequence[Any], seed: int = 0) -> Tuple[SizeRun, Any
     bwd = time.perf_counter() - t0
     peak = status_mb("VmHWM")
     run = SizeRun(inputs[0].shape[0] if isinstance(inputs[0], Tensor) else 0, fwd, bwd,
-                  None if base is None or peak is None else peak - base, len(nodes), float(loss.detach()))
+                  None if base is None or peak is None else peak - base, len(nodes), float(loss.detach()),
+                  _backward_elements(nodes))
     return run, (loss, nodes)
 
 
@@ -315,7 +365,8 @@ def _candidates(inputs: Sequence[Any], seed: int) -> List[Tuple[str, Callable[[]
     return out
 
 
-def _find_replacement(fn: LossFn, inputs: Sequence[Any], user_loss: float, seed: int) -> Optional[Replacement]:
+def _find_replacement(fn: LossFn, inputs: Sequence[Any], user_loss: float, seed: int,
+                      repeats: int) -> Optional[Replacement]:
     with torch.no_grad():
         for call, cand in _candidates(inputs, seed):
             try:
@@ -326,9 +377,15 @@ def _find_replacement(fn: LossFn, inputs: Sequence[Any], user_loss: float, seed:
                 break
         else:
             return None
-    user_s = _time_fwd_bwd(lambda: _call(fn, inputs, seed), inputs)
-    flashcl_s = _time_fwd_bwd(cand, inputs)
-    return Replacement(call, value, user_s, flashcl_s)
+    # alternating rounds, so that a shared machine's drift weighs on both alike;
+    # at least 3, and no new round once 20 s are spent
+    user_times: List[float] = []
+    flashcl_times: List[float] = []
+    start = time.perf_counter()
+    while len(user_times) < repeats and (len(user_times) < 3 or time.perf_counter() - start < 20.0):
+        user_times.append(_time_fwd_bwd(lambda: _call(fn, inputs, seed), inputs))
+        flashcl_times.append(_time_fwd_bwd(cand, inputs))
+    return Replacement(call, value, user_times, flashcl_times)
 
 
 def _time_fwd_bwd(make_loss: Callable[[], Tensor], inputs: Sequence[Any]) -> float:
@@ -344,7 +401,8 @@ def _time_fwd_bwd(make_loss: Callable[[], Tensor], inputs: Sequence[Any]) -> flo
 
 # ----------------------------------------------------------------------------- entry point
 
-def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = None, seed: int = 0) -> Report:
+def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = None, seed: int = 0,
+           repeats: int = 5) -> Report:
     """Diagnose a loss function: timing and growth, graph, slow patterns, replacement.
 
     Args:
@@ -353,7 +411,10 @@ def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = No
             tensor's dim 0 (the batch size) is scaled to each of ``sizes``.
         sizes: batch sizes to run at (default: the example's size, x2, x4).
         seed: ``random`` and ``torch`` are seeded with it before every call, so
-            that a loss that samples (as the first seed's does) can be matched.
+            that a loss that samples (its own neighbours, say) can be matched.
+        repeats: rounds of timing the function and its flashcl replacement,
+            alternately (at least 3; fewer than ``repeats`` once 20 s are spent).
+            The report gives the medians and the spread of the ratios.
 
     Returns:
         A :class:`Report`: ``print(report.text())`` or ``report.to_json()``.
@@ -370,6 +431,8 @@ def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = No
     """
     if not example_inputs or not any(isinstance(t, Tensor) for t in example_inputs):
         raise ValueError("doctor needs example inputs, at least one tensor")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     base = next(t for t in example_inputs if isinstance(t, Tensor)).shape[0]
     sizes = list(sizes) if sizes else [base, 2 * base, 4 * base]
     if any(not isinstance(s, int) or s < 1 for s in sizes):
@@ -393,15 +456,16 @@ def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = No
     fwd_e = _slope(ns, [r.forward_s for r in tail])
     bwd_e = _slope(ns, [r.backward_s for r in tail])
     nodes_e = _slope(ns, [float(r.graph_nodes) for r in tail])
+    elements_e = _slope(ns, [float(r.backward_elements) for r in tail])
     by_type: Dict[str, int] = {}
     for n in nodes:
         by_type[_base_name(n)] = by_type.get(_base_name(n), 0) + 1
     saved = sorted(((name, list(t.shape), t.numel() * t.element_size() / 2**20)
                     for n in nodes for name, t in _saved_tensors(n)), key=lambda x: -x[2])
     findings = _graph_findings(nodes, runs[-1].size, nodes_e)
-    replacement = _find_replacement(fn, inputs, runs[-1].loss, seed)
+    replacement = _find_replacement(fn, inputs, runs[-1].loss, seed, repeats)
     del loss
-    return Report(runs, fwd_e, bwd_e, nodes_e, by_type, saved[:6], findings, replacement)
+    return Report(runs, fwd_e, bwd_e, nodes_e, elements_e, by_type, saved[:6], findings, replacement)
 
 
 def parse_shape(spec: str) -> Tuple[List[str], str, int]:

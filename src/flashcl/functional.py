@@ -21,19 +21,30 @@ Backends (argument ``backend``):
   allocates nothing of the matrix's size but the gradient itself).
 
 Inputs in float16/bfloat16 are computed with float32 accumulation and the loss
-is returned in float32; gradients come back in the input's dtype.
+is returned in float32; gradients come back in the input's dtype. A 0-dim
+temperature (or logit scale) in a lower precision than the embeddings is
+promoted to theirs; its gradient comes back in its own dtype.
+
+Under ``torch.autocast`` the losses run with autocast disabled, in the dtype of
+the embeddings they are given (float32 accumulation for half precision), as
+torch's own losses do; call ``backward()`` after the autocast region, as torch
+recommends (flashcl's own backward passes run without autocast either way).
+
+Second derivatives (``backward(create_graph=True)``: gradient penalties,
+Hessian-vector products) are exact on every backend: the tiled and triton
+backends compute them through the dense formula, whose memory is O(M N) on that
+path only. :mod:`flashcl.distributed` raises a clear error instead.
 """
 from __future__ import annotations
 
 import importlib.util
-import math
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import dense, reference
-from .core import CoreSpec, compute_dtype
+from . import checks, dense, reference
+from .core import CoreSpec, autocast_off, compute_dtype
 from .tiled import TiledCore, TiledScores, auto_block
 from .triton import MAX_WIDTH as _TRITON_MAX_WIDTH
 
@@ -55,8 +66,8 @@ Scalar = Union[float, Tensor]
 #: took 33 ms and dense 59 ms, and above that tiled's memory stays O(B).
 AUTO_TILED_MIN_ENTRIES = 1 << 20
 
-_REDUCTIONS = ("mean", "sum", "none")
-_BACKENDS = ("auto", "reference", "dense", "tiled", "triton")
+_REDUCTIONS = checks.REDUCTIONS
+_BACKENDS = checks.BACKENDS
 
 _CoreFn = Callable[[Tensor, Optional[Tensor], Tensor, CoreSpec], Tuple[Tensor, Optional[Tensor]]]
 _CORE_BACKENDS: Dict[str, _CoreFn] = {"reference": reference.core_loss, "dense": dense.core_loss}
@@ -64,111 +75,6 @@ _SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
     "reference": reference.scores_loss,
     "dense": dense.scores_loss,
 }
-
-
-# --------------------------------------------------------------------------- validation
-
-def _check_choice(value: object, name: str, choices: Tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-def _check_float_tensor(x: object, name: str, ndims: Tuple[int, ...]) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
-    if x.dim() not in ndims:
-        shapes = " or ".join(f"{d}-D" for d in ndims)
-        raise ValueError(f"{name} must be {shapes}, got shape {tuple(x.shape)}")
-    if x.numel() == 0 or x.shape[0] == 0:
-        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
-    return x
-
-
-def _check_index_tensor(x: object, name: str) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
-        raise TypeError(f"{name} must be an integer tensor, got dtype {x.dtype}")
-    return x
-
-
-def _check_positive_scalar(value: object, name: str, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A float or a 0-dim floating tensor, finite and > 0; returned as a tensor."""
-    if isinstance(value, Tensor):
-        if value.dim() != 0 and value.numel() != 1:
-            raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape {tuple(value.shape)}")
-        if not value.is_floating_point():
-            raise TypeError(f"{name} tensor must be floating point, got dtype {value.dtype}")
-        v = float(value.detach())
-        tensor = value.reshape(())
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        v = float(value)
-        tensor = torch.tensor(v, dtype=dtype, device=device)
-    else:
-        raise TypeError(f"{name} must be a float or a 0-dim tensor, got {type(value).__name__}")
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {v}")
-    return tensor
-
-
-def _check_block(block_size: Optional[int]) -> None:
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
-
-
-def _same_device(x: Tensor, ref: Tensor, name: str, ref_name: str) -> None:
-    if x.device != ref.device:
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
-
-
-def _validate_pair(a: object, b: object, name_a: str, name_b: str) -> Tuple[Tensor, Tensor]:
-    """Two (B, D) floating tensors of the same shape, dtype and device."""
-    a = _check_float_tensor(a, name_a, (2,))
-    b = _check_float_tensor(b, name_b, (2,))
-    if a.shape != b.shape:
-        raise ValueError(f"{name_a} and {name_b} must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
-    _same_device(b, a, name_b, name_a)
-    return a, b
-
-
-def _validate_supcon(embeddings: object, labels: object, ndims: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
-    embeddings = _check_float_tensor(embeddings, "embeddings", ndims)
-    labels = _check_index_tensor(labels, "labels")
-    b = embeddings.shape[0]
-    if labels.dim() != 1 or labels.shape[0] != b:
-        raise ValueError(f"labels must be 1-D of length {b} (the batch size of embeddings), "
-                         f"got shape {tuple(labels.shape)}")
-    _same_device(labels, embeddings, "labels", "embeddings")
-    return embeddings, labels
-
-
-def _validate_info_nce(query: object, keys: object, positive_index: Optional[Tensor]) -> Tensor:
-    """Checks query (B, D), keys (N, D) and the positives; returns the index (B,)."""
-    query = _check_float_tensor(query, "query", (2,))
-    keys = _check_float_tensor(keys, "keys", (2,))
-    b, n = query.shape[0], keys.shape[0]
-    if keys.shape[1] != query.shape[1]:
-        raise ValueError(f"query and keys must have the same embedding dim, got {query.shape[1]} and {keys.shape[1]}")
-    if keys.dtype != query.dtype:
-        raise TypeError(f"query and keys must have the same dtype, got {query.dtype} and {keys.dtype}")
-    _same_device(keys, query, "keys", "query")
-    if positive_index is None:
-        if n < b:
-            raise ValueError(f"keys must have at least as many rows as query when positive_index is None, "
-                             f"got {n} < {b}")
-        return torch.arange(b, device=query.device)
-    index = _check_index_tensor(positive_index, "positive_index")
-    if index.dim() != 1 or index.shape[0] != b:
-        raise ValueError(f"positive_index must be 1-D of length {b}, got shape {tuple(index.shape)}")
-    _same_device(index, query, "positive_index", "query")
-    if bool(((index < 0) | (index >= n)).any()):
-        raise ValueError(f"positive_index values must be in [0, {n}) (rows of keys)")
-    return index
 
 
 def _scale_dtype(x: Tensor) -> torch.dtype:
@@ -224,8 +130,27 @@ def _reduce(row: Tensor, col: Optional[Tensor], spec: CoreSpec, reduction: str) 
     return out
 
 
-def _run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str,
-              backend: str, block_size: Optional[int]) -> Tensor:
+def run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str = "mean",
+             backend: str = "auto", block_size: Optional[int] = None) -> Tensor:
+    """The core of :mod:`flashcl.core` on embeddings, reduced: the entry point that
+    every loss here (and the integrations) goes through. ``k=None`` means the
+    candidates are the anchors; ``scale`` is a 0-dim tensor (1 / temperature).
+
+    Args:
+        q: (M, D) anchors. k: (N, D) candidates, or None.
+        scale: 0-dim floating tensor; a learnable one gets its gradient.
+        spec: the core's configuration.
+        reduction: ``"mean"`` (over the rows :meth:`CoreSpec.valid_rows` keeps) |
+            ``"sum"`` | ``"none"``.
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``.
+        block_size: rows per block of the tiled backend; None picks one.
+    """
+    with autocast_off(q.device.type):
+        return _run_core_now(q, k, scale, spec, reduction, backend, block_size)
+
+
+def _run_core_now(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str,
+                  backend: str, block_size: Optional[int]) -> Tensor:
     m = q.shape[0]
     n = m if k is None else k.shape[0]
     name = _resolve_backend(backend, m * n, q.device, q.dtype, q.shape[-1])
@@ -276,7 +201,10 @@ def supcon_loss(
     With ``positives="mean"``, anchors without any positive have an undefined
     term: their per-anchor loss is 0 and ``reduction="mean"`` averages over the
     other anchors only; if no anchor has a positive, the loss is 0 with a zero
-    gradient (never NaN).
+    gradient (never NaN). A batch whose samples all share one label (no
+    negative) keeps the formula's value, which is positive;
+    pytorch-metric-learning's ``SupConLoss`` returns 0 there, and so does
+    :class:`flashcl.integrations.pytorch_metric_learning.SupConLoss`.
 
     Args:
         embeddings: (B, D), or (B, V, D) for V views of each sample that share
@@ -303,13 +231,15 @@ def supcon_loss(
         >>> loss = flashcl.supcon_loss(emb, labels, temperature=0.1)
         >>> loss.backward()
     """
-    embeddings, labels = _validate_supcon(embeddings, labels, (2, 3))
-    _check_choice(positives, "positives", ("mean", "sum"))
-    _check_choice(reduction, "reduction", _REDUCTIONS)
-    _check_choice(backend, "backend", _BACKENDS)
-    _check_block(block_size)
+    embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3))
+    checks.check_choice(positives, "positives", ("mean", "sum"))
+    checks.check_bool(include_self, "include_self")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", _REDUCTIONS)
+    checks.check_choice(backend, "backend", _BACKENDS)
+    checks.check_block(block_size)
     b = embeddings.shape[0]
-    scale = 1.0 / _check_positive_scalar(temperature, "temperature", embeddings.device, _scale_dtype(embeddings))
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, _scale_dtype(embeddings))
     views = 1
     flat = embeddings
     if embeddings.dim() == 3:
@@ -324,7 +254,7 @@ def supcon_loss(
     ids = ids.repeat(views)
     spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=ids, col_labels=ids,
                     num_classes=num_classes, pos_mode=positives, normalize=normalize)
-    out = _run_core(flat, None, scale, spec, reduction, backend, block_size)
+    out = run_core(flat, None, scale, spec, reduction, backend, block_size)
     if reduction == "none" and embeddings.dim() == 3:
         out = out.reshape(views, b).T
     return out
@@ -366,16 +296,17 @@ def nt_xent_loss(
         >>> z1, z2 = torch.randn(4, 16), torch.randn(4, 16)
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5)
     """
-    z1, z2 = _validate_pair(z1, z2, "z1", "z2")
-    _check_choice(reduction, "reduction", _REDUCTIONS)
-    _check_choice(backend, "backend", _BACKENDS)
-    _check_block(block_size)
-    scale = 1.0 / _check_positive_scalar(temperature, "temperature", z1.device, _scale_dtype(z1))
+    z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", _REDUCTIONS)
+    checks.check_choice(backend, "backend", _BACKENDS)
+    checks.check_block(block_size)
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, _scale_dtype(z1))
     n = z1.shape[0]
     z = torch.cat([z1, z2])
     index = ((torch.arange(2 * n, device=z.device) + n) % (2 * n)).unsqueeze(1)
     spec = CoreSpec(exclude_self=True, self_pairs=True, index=index, pos_mode="sum", normalize=normalize)
-    return _run_core(z, None, scale, spec, reduction, backend, block_size)
+    return run_core(z, None, scale, spec, reduction, backend, block_size)
 
 
 def info_nce_loss(
@@ -419,13 +350,14 @@ def info_nce_loss(
         >>> q, docs = torch.randn(4, 16), torch.randn(12, 16)  # 8 hard negatives
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05)
     """
-    index = _validate_info_nce(query, keys, positive_index)
-    _check_choice(reduction, "reduction", _REDUCTIONS)
-    _check_choice(backend, "backend", _BACKENDS)
-    _check_block(block_size)
-    scale = 1.0 / _check_positive_scalar(temperature, "temperature", query.device, _scale_dtype(query))
+    index = checks.validate_info_nce(query, keys, positive_index)
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", _REDUCTIONS)
+    checks.check_choice(backend, "backend", _BACKENDS)
+    checks.check_block(block_size)
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, _scale_dtype(query))
     spec = CoreSpec(index=index.long().unsqueeze(1), pos_mode="sum", normalize=normalize)
-    return _run_core(query, keys, scale, spec, reduction, backend, block_size)
+    return run_core(query, keys, scale, spec, reduction, backend, block_size)
 
 
 def clip_loss(
@@ -466,15 +398,16 @@ def clip_loss(
         >>> img, txt = torch.randn(4, 16), torch.randn(4, 16)
         >>> loss = flashcl.clip_loss(img, txt, logit_scale=100.0)
     """
-    image_embeds, text_embeds = _validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    _check_choice(reduction, "reduction", _REDUCTIONS)
-    _check_choice(backend, "backend", _BACKENDS)
-    _check_block(block_size)
-    scale = _check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, _scale_dtype(image_embeds))
+    image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", _REDUCTIONS)
+    checks.check_choice(backend, "backend", _BACKENDS)
+    checks.check_block(block_size)
+    scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, _scale_dtype(image_embeds))
     b = image_embeds.shape[0]
     index = torch.arange(b, device=image_embeds.device).unsqueeze(1)
     spec = CoreSpec(index=index, pos_mode="sum", symmetric=True, normalize=normalize)
-    return _run_core(image_embeds, text_embeds, scale, spec, reduction, backend, block_size)
+    return run_core(image_embeds, text_embeds, scale, spec, reduction, backend, block_size)
 
 
 def neighbor_loss(
@@ -519,17 +452,18 @@ def neighbor_loss(
         >>> nb = flashcl.sample_neighbors(100, 2)
         >>> flashcl.neighbor_loss(scores, nb).backward()
     """
-    _check_float_tensor(scores, "scores", (2,))
-    neighbors = _check_index_tensor(neighbors, "neighbors")
-    _check_choice(reduction, "reduction", _REDUCTIONS)
-    _check_choice(backend, "backend", _BACKENDS)
-    _check_block(block_size)
+    checks.check_float_tensor(scores, "scores", (2,))
+    neighbors = checks.check_index_tensor(neighbors, "neighbors")
+    checks.check_bool(exclude_diagonal, "exclude_diagonal")
+    checks.check_choice(reduction, "reduction", _REDUCTIONS)
+    checks.check_choice(backend, "backend", _BACKENDS)
+    checks.check_block(block_size)
     n = scores.shape[0]
     if scores.shape[1] != n:
         raise ValueError(f"scores must be square (n, n), got shape {tuple(scores.shape)}")
     if neighbors.dim() != 2 or neighbors.shape[0] != n or neighbors.shape[1] < 1:
         raise ValueError(f"neighbors must be 2-D of shape ({n}, k) with k >= 1, got shape {tuple(neighbors.shape)}")
-    _same_device(neighbors, scores, "neighbors", "scores")
+    checks.same_device(neighbors, scores, "neighbors", "scores")
     if bool(((neighbors < 0) | (neighbors >= n)).any()):
         raise ValueError(f"neighbors values must be column indices in [0, {n})")
     if exclude_diagonal and n < 2:
@@ -539,6 +473,12 @@ def neighbor_loss(
     if name == "triton":
         raise ValueError("backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
                          "that already exists: use backend='tiled' (its only n x n allocation is the gradient)")
+    with autocast_off(scores.device.type):
+        return _run_scores(scores, spec, name, reduction, block_size)
+
+
+def _run_scores(scores: Tensor, spec: CoreSpec, name: str, reduction: str, block_size: Optional[int]) -> Tensor:
+    n = scores.shape[0]
     if name != "tiled":
         return _reduce(_SCORE_BACKENDS[name](scores, spec), None, spec, reduction)
     dtype = compute_dtype(scores.dtype)
@@ -586,6 +526,7 @@ def sample_neighbors(
     for value, name in ((n, "n"), (k, "k")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    checks.check_bool(exclude_self, "exclude_self")
     if exclude_self and n < 2:
         raise ValueError("sample_neighbors with exclude_self=True needs n >= 2")
     gen_device = generator.device if generator is not None else None

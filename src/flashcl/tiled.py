@@ -44,7 +44,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .core import CoreSpec, compute_dtype
+from . import dense
+from .core import CoreSpec, autocast_off, compute_dtype, differentiable_grads
 
 _NORM_EPS = 1e-12  # F.normalize's default
 
@@ -494,6 +495,24 @@ class TiledCore(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
         q_in, k_in, scale, row_lse, col_lse, raw_pos, raw_diag = ctx.saved_tensors
         spec, block = ctx.spec, ctx.block
+        need_q, need_k, need_s = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
+            ctx.grads = None
+            dq, dk, dscale = differentiable_grads(
+                lambda q, k, sc: dense.core_output(q, k, sc, spec, ctx.reduce_weights),
+                (q_in, k_in, scale), (need_q, need_k, need_s), grad_out)
+            return dq, dk, dscale, None, None, None
+        with autocast_off(q_in.device.type):
+            dq, dk, dscale = TiledCore._backward(ctx, grad_out, q_in, k_in, scale, row_lse, col_lse, raw_pos,
+                                                 raw_diag)
+        return (dq if need_q else None, dk if need_k else None,
+                dscale.to(scale.dtype) if need_s else None, None, None, None)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Tensor, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor,
+                  row_lse: Tensor, col_lse: Optional[Tensor], raw_pos: Tensor, raw_diag: Optional[Tensor]
+                  ) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+        spec, block = ctx.spec, ctx.block
         if ctx.grads is not None:
             # Stored by the fused forward; handed over (not copied) the first time.
             dq, dk, dscale = ctx.grads
@@ -528,9 +547,7 @@ class TiledCore(torch.autograd.Function):
                 dscale = _grad_pass(q, k, s, spec, row_lse, col_lse, g_row * c, g_col, dq, dk, block)
             dq, dk, dscale = _finish_grads(q, k, q_norms, k_norms, q_in, k_in, s, spec, dq, dk, dscale,
                                            raw_pos, raw_diag, g_row * a, g_col, block)
-        need_q, need_k, need_s = ctx.needs_input_grad[:3]
-        return (dq if need_q else None, dk if need_k else None,
-                dscale.to(scale.dtype) if need_s else None, None, None, None)
+        return dq, dk, dscale
 
 
 def _unscale_(d: Tensor, norms: Optional[Tensor], rows: Rows) -> None:
@@ -611,13 +628,23 @@ class TiledScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
         scores, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
+            ctx.grad = None
+            (grad,) = differentiable_grads(lambda x: dense.scores_output(x, ctx.spec, ctx.reduce_weights),
+                                           (scores,), (True,), grad_out)
+            return grad, None, None, None
+        with autocast_off(scores.device.type):
+            return TiledScores._backward(ctx, grad_out, scores, lse), None, None, None
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Tensor, scores: Tensor, lse: Tensor) -> Tensor:
         spec, block = ctx.spec, ctx.block
         if ctx.grad is not None:
             grad = ctx.grad
             ctx.grad = None
             if not bool((grad_out == 1).all()):
                 grad.mul_(grad_out)
-            return grad, None, None, None
+            return grad
         dtype = compute_dtype(scores.dtype)
         n = scores.shape[0]
         g = ctx.reduce_weights * grad_out if ctx.reduce_weights is not None else grad_out.to(dtype)
@@ -632,7 +659,7 @@ class TiledScores(torch.autograd.Function):
             blk.exp_()
             _scores_grad_block(blk, r0, spec, (g[r0:r1] * c[r0:r1]).unsqueeze(1), g[r0:r1] * a[r0:r1])
             grad[r0:r1].copy_(blk)
-        return grad, None, None, None
+        return grad
 
 
 def _masked_exp_into(dst: Tensor, src: Tensor, r0: int, spec: CoreSpec) -> Tuple[Tensor, Tensor]:
@@ -643,14 +670,17 @@ def _masked_exp_into(dst: Tensor, src: Tensor, r0: int, spec: CoreSpec) -> Tuple
     the shift and the copy out of the input are one pass. ``c`` is at least the
     masked maximum, so nothing overflows; a row whose unmasked terms all lie far
     below its self score (sum under ``finfo.tiny ** 0.75``, where the largest
-    term would near the subnormals) is redone with its masked maximum."""
+    term would near the subnormals), or whose self score is NaN or infinite, is
+    redone with its masked maximum."""
     mx = src.amax(1, keepdim=True).to(dst.dtype)
     torch.sub(src, mx, out=dst)
     if spec.exclude_self:
         _mask_self_(dst, r0, spec.offset, float("-inf"))
     total = dst.exp_().sum(1, keepdim=True)
     if spec.exclude_self:
-        redo = (total.squeeze(1) < torch.finfo(dst.dtype).tiny ** 0.75).nonzero().squeeze(1)
+        # ``not >=``: a NaN or inf in the excluded entry makes the shift (and the
+        # sum) NaN; the masked redo keeps it out of the loss and the gradient
+        redo = (~(total.squeeze(1) >= torch.finfo(dst.dtype).tiny ** 0.75)).nonzero().squeeze(1)
         if redo.numel():
             rows = src[redo].to(dst.dtype)
             cols = redo + (r0 + spec.offset)

@@ -62,11 +62,14 @@ def seed1(mode: str, device: str) -> List[Case]:
         for k in ks:
             for impl in ("seed-program", "gather-fix", "log-form", "flashcl-tiled", "flashcl-dense"):
                 slow = impl == "seed-program"
+                if slow and n > 2000 and mode == "default":
+                    continue  # past its 6 s cap at n = 3000 for every k: measured only with --full
                 cases.append({"group": f"n={n}", "label": impl, "workload": "neighbor",
                               "repeats": 0 if slow else 2, "cap_s": 6.0 if slow and mode != "full" else None,
                               "params": {"n": n, "k": k, "impl": impl}})
+    # n = 20000 (30 s of the default run's budget) with --full, and in --suite tiled
     big_impls = ("gather-fix", "log-form", "stable-logsumexp", "flashcl-tiled", "flashcl-dense") if mode == "full" \
-        else ("gather-fix", "log-form", "flashcl-tiled")
+        else ("gather-fix", "log-form", "flashcl-tiled") if mode == "quick" else ()
     for impl in big_impls:
         cases.append({"group": f"n={big}", "label": impl, "workload": "neighbor",
                       "repeats": 1 if mode == "full" else 0, "cap_s": 60.0,
@@ -77,15 +80,14 @@ def seed1(mode: str, device: str) -> List[Case]:
 def seed2(mode: str, device: str) -> List[Case]:
     """The second seed: naive loop vs vectorised vs flashcl (dense, tiled), with
     the seed's formula (t = 0.05, self in the denominator, positives summed)."""
-    bs = _size(mode, (32, 256), (32, 256, 1024, 4096, 8192), (32, 256, 1024, 4096, 8192, 16384))
+    bs = _size(mode, (32, 256), (32, 256, 1024, 4096), (32, 256, 1024, 4096, 8192, 16384))
     d = _size(mode, 32, 768, 768)
     cases: List[Case] = []
     for b in bs:
         gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
         for impl in ("seed2-naive", "seed2-vectorized", "flashcl-dense", "flashcl-tiled"):
             slow = impl == "seed2-naive"
-            # the largest default size runs once per implementation (the 3-minute budget)
-            reps = 0 if slow else (1 if b >= 8192 and mode != "full" else 2)
+            reps = 0 if slow else 2
             cases.append({"group": "seed2", "label": impl, "workload": "supcon", "bound": gemm,
                           "repeats": reps, "cap_s": 6.0 if slow and mode != "full" else None,
                           "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": True}})
@@ -97,8 +99,9 @@ def peers(mode: str, device: str) -> List[Case]:
     b, d = _size(mode, (256, 32), (2048, 768), (8192, 768))
     gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
     cases: List[Case] = []
-    for impl in ("flashcl-tiled", "flashcl-dense", "pml", "torch.compile(dense)"):
-        # compiling takes tens of seconds the first time: its own cap
+    # compiling takes ~40 s the first time: with --full only, with its own cap
+    compiled = ("torch.compile(dense)",) if mode == "full" else ()
+    for impl in ("flashcl-tiled", "flashcl-dense", "pml") + compiled:
         cases.append({"group": "supcon", "label": impl, "workload": "supcon", "bound": gemm,
                       "cap_s": 180.0 if "compile" in impl else None,
                       "params": {"B": b, "D": d, "classes": 5, "impl": impl}})
@@ -127,7 +130,10 @@ def scale(mode: str, device: str) -> List[Case]:
         reps = 1 if mode == "full" else 0
         cases.append({"group": "scale", "label": "GEMM bound", "workload": "gemm3", "repeats": reps,
                       "params": {"B": b, "D": d}, "stop_after_fail": True, "cap_s": 30.0})
-        for impl in ("flashcl-tiled", "flashcl-dense", "seed2-vectorized", "pml"):
+        # the dense losses at B = 16384 (45 s of the default run's budget) with --full only
+        impls = ("flashcl-tiled",) if b > 8192 and mode == "default" else (
+            "flashcl-tiled", "flashcl-dense", "seed2-vectorized", "pml")
+        for impl in impls:
             # the seed's vectorised loss with its own formula (the others: SupCon L_out)
             label = "seed2-vectorized (seed-2 formula)" if impl == "seed2-vectorized" else impl
             cases.append({"group": "scale", "label": label, "workload": "supcon", "repeats": reps,

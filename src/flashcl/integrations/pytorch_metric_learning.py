@@ -1,109 +1,262 @@
-"""pytorch-metric-learning's call convention: ``loss_fn(embeddings, labels)``.
+"""pytorch-metric-learning's ``SupConLoss`` and ``NTXentLoss``, computed by flashcl
+(``pip install pytorch-metric-learning``; imported only when this module is).
 
-* :class:`SupConLoss`: flashcl's SupCon, whose default is exactly PML's
-  ``SupConLoss`` (L_out, cosine similarity, anchors without positives left out).
-* :class:`NTXentLoss`: PML's ``NTXentLoss`` formula exactly. It differs from
-  :func:`flashcl.nt_xent_loss` / SupCon when a row has several positives: PML
-  puts every positive pair (a, p) in its own softmax, against the pair's
-  positive and all of a's negatives, and averages over the pairs::
+Both are subclasses of PML's classes: the same constructor (``temperature``,
+``distance``, ``reducer``, ``embedding_regularizer``, ...) plus ``backend`` /
+``block_size``, the same call ``loss(embeddings, labels, indices_tuple=None,
+ref_emb=None, ref_labels=None)``, so that PML's wrappers (``SelfSupervisedLoss``,
+``CrossBatchMemory``) take them. flashcl computes the loss whenever the
+similarity is a dot product (PML's ``CosineSimilarity`` or
+``DotProductSimilarity``, ``p=2``, ``power=1``) and no ``indices_tuple`` (miner
+output) is given; ``ref_emb`` / ``ref_labels`` are supported. Anything else is
+computed by PML's own code, with a warning that says why (the same value, PML's
+memory). Exactly as PML, the loss is 0 (with a zero gradient) when the batch
+has no positive pair or no negative pair: a batch of one sample, or one whose
+labels are all equal.
 
-      loss = mean_{(a, p): y_a = y_p, a != p} -log( e^{s_ap} / (e^{s_ap} + sum_{n: y_n != y_a} e^{s_an}) )
-           = mean softplus( LSE_{n: y_n != y_a} s_an - s_ap )
+* :class:`SupConLoss`: SupCon L_out (:func:`flashcl.supcon_loss`). With PML's
+  default reducer (``AvgNonZeroReducer``) the mean over anchors that have a
+  positive; with any other reducer, flashcl's per-anchor losses go through it.
+* :class:`NTXentLoss`: PML's formula, which differs from
+  :func:`flashcl.nt_xent_loss` when an anchor has several positives: every
+  positive pair ``(a, p)`` is its own softmax against ``a``'s negatives::
 
-  PML builds a (positive pairs x negative pairs) mask for it (654 GB at
-  B = 1024 with 5 classes); here rows are processed in blocks and memory is
-  O(B D + block x B).
+      loss = mean_{(a, p): y_a = y_p, a != p} softplus( LSE_{n: y_n != y_a} s_an - s_ap )
 
-``indices_tuple`` (PML's miners) is not supported: pass ``None``.
+  PML builds a (positive pairs x negative pairs) matrix for it (654 GB at
+  B = 1024 with 5 classes); here rows are processed in blocks, memory
+  O(B D + block x B). Other reducers than PML's default ``MeanReducer`` run PML's
+  code.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import warnings
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from .. import functional as Fn
-from ..core import compute_dtype
+from .. import checks, functional as Fn
+from ..core import CoreSpec, autocast_off, compute_dtype, differentiable_grads
 from ..tiled import auto_block
 
+try:
+    from pytorch_metric_learning import distances as _pml_distances
+    from pytorch_metric_learning import losses as _pml_losses
+    from pytorch_metric_learning import reducers as _pml_reducers
+except ImportError as e:  # pragma: no cover - exercised only without the package
+    raise ImportError("flashcl.integrations.pytorch_metric_learning needs pytorch-metric-learning "
+                      "(pip install pytorch-metric-learning)") from e
 
-class SupConLoss(nn.Module):
-    """``SupConLoss(temperature=0.1)(embeddings, labels)``, equal to PML's.
+__all__ = ["SupConLoss", "NTXentLoss"]
+
+
+def _dot_similarity(distance: Any) -> Optional[bool]:
+    """``normalize`` for a PML distance that is a (cosine) dot product; None otherwise."""
+    if type(distance) not in (_pml_distances.CosineSimilarity, _pml_distances.DotProductSimilarity):
+        return None
+    if distance.p != 2 or distance.power != 1:
+        return None
+    return bool(distance.normalize_embeddings)
+
+
+def _loss_reducer(loss: Any) -> Any:
+    """The reducer PML applies to the loss itself (an embedding regularizer makes
+    PML wrap one reducer per term in ``MultipleReducers``)."""
+    reducer = loss.reducer
+    if isinstance(reducer, _pml_reducers.MultipleReducers):
+        return reducer.reducers["loss"]
+    return reducer
+
+
+def _why_not(loss: Any, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor],
+             ref_labels: Optional[Tensor]) -> Optional[str]:
+    """Why flashcl cannot compute this call, or None."""
+    if indices_tuple is not None:
+        return "indices_tuple (a miner's pairs) is given"
+    if labels is None:
+        return "labels is None"
+    if ref_emb is not None and ref_labels is None:
+        return "ref_emb is given without ref_labels"
+    if _dot_similarity(loss.distance) is None:
+        return f"distance={type(loss.distance).__name__} (p={loss.distance.p}, power={loss.distance.power})"
+    return None
+
+
+class _Pairs:
+    """The all-pairs structure PML builds from labels, without the M x N masks:
+    class ids on both sides, whether the diagonal is removed from the positives
+    (PML does so when ``ref_labels is labels``), and the pair counts."""
+
+    def __init__(self, labels: Tensor, ref_labels: Tensor, self_pairs: bool) -> None:
+        uniq, ids = torch.unique(torch.cat([labels.reshape(-1), ref_labels.reshape(-1)]), return_inverse=True)
+        m = labels.shape[0]
+        self.row_ids, self.col_ids = ids[:m], ids[m:]
+        self.num_classes = int(uniq.numel())
+        self.self_pairs = self_pairs
+        per_class = torch.bincount(self.col_ids, minlength=self.num_classes)
+        same = int(per_class[self.row_ids].sum())
+        diag = min(m, ref_labels.shape[0]) if self_pairs else 0
+        self.positive_pairs = same - diag
+        self.negative_pairs = m * ref_labels.shape[0] - same
+
+    def pml_returns_zero(self) -> bool:
+        """PML's loss is 0 without a positive or without a negative pair (and when
+        each of its four index lists has at most one element)."""
+        if self.positive_pairs <= 1 and self.negative_pairs <= 1:
+            return True
+        return self.positive_pairs == 0 or self.negative_pairs == 0
+
+
+def _prepare_call(loss: Any, embeddings: Tensor, labels: Tensor, ref_emb: Optional[Tensor],
+                  ref_labels: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """(embeddings, labels, ref_emb, ref_labels, self_contrast) checked, as PML pairs them."""
+    embeddings, labels = checks.validate_labelled(embeddings, labels)
+    if ref_emb is None:
+        return embeddings, labels, embeddings, labels, True
+    ref_emb, ref_labels = checks.validate_labelled(ref_emb, ref_labels, names=("ref_emb", "ref_labels"))
+    if ref_emb.shape[1] != embeddings.shape[1] or ref_emb.dtype != embeddings.dtype:
+        raise ValueError(f"ref_emb must match embeddings in width and dtype, got {tuple(ref_emb.shape)} "
+                         f"{ref_emb.dtype} and {tuple(embeddings.shape)} {embeddings.dtype}")
+    return embeddings, labels, ref_emb, ref_labels, ref_labels is labels
+
+
+class SupConLoss(_pml_losses.SupConLoss):
+    """PML's ``SupConLoss``, computed by :func:`flashcl.supcon_loss`'s core in
+    O(B D) memory; see the module docstring for what falls back to PML.
+
+    Args:
+        temperature: as PML's. Default: 0.1.
+        backend: flashcl's backend (``"auto"`` | ``"reference"`` | ``"dense"`` |
+            ``"tiled"`` | ``"triton"``).
+        block_size: rows per block of the tiled backend; None picks one.
+        **kwargs: PML's (``distance``, ``reducer``, ``embedding_regularizer``, ...).
+
+    Shape:
+        - embeddings: (B, D); labels: (B,); ref_emb: (N, D); ref_labels: (N,)
+        - output: scalar
 
     Examples::
 
         >>> loss = SupConLoss(temperature=0.1)(torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
     """
 
-    def __init__(self, temperature: float = 0.1, backend: str = "auto") -> None:
-        super().__init__()
-        self.temperature, self.backend = temperature, backend
+    def __init__(self, temperature: float = 0.1, backend: str = "auto", block_size: Optional[int] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(temperature=temperature, **kwargs)
+        self.backend = checks.check_choice(backend, "backend", checks.BACKENDS)
+        checks.check_block(block_size)
+        self.block_size = block_size
 
-    def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple: Optional[Any] = None) -> Tensor:
-        _no_miner(indices_tuple)
-        return Fn.supcon_loss(embeddings, labels, temperature=self.temperature, backend=self.backend)
+    def forward(self, embeddings: Tensor, labels: Optional[Tensor] = None, indices_tuple: Any = None,
+                ref_emb: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
+        why = _why_not(self, labels, indices_tuple, ref_emb, ref_labels)
+        if why is not None:
+            warnings.warn(f"flashcl SupConLoss: {why}; computed by pytorch-metric-learning's own code "
+                          "(B x B memory)", stacklevel=2)
+            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        assert labels is not None
+        self.reset_stats()
+        emb, labels, ref, ref_labels, self_contrast = _prepare_call(self, embeddings, labels, ref_emb, ref_labels)
+        pairs = _Pairs(labels, ref_labels, self_contrast)
+        if pairs.pml_returns_zero():
+            loss_dict = self.zero_losses()
+        else:
+            default = type(_loss_reducer(self)) is _pml_reducers.AvgNonZeroReducer
+            # computed with float32 accumulation; returned in the embeddings' dtype, as PML's
+            losses = self._flashcl(emb, ref, pairs, "mean" if default else "none").to(emb.dtype)
+            loss_dict = {"loss": {"losses": losses, "indices": None, "reduction_type": "already_reduced"}
+                         if default else {"losses": losses, "indices": torch.arange(emb.shape[0], device=emb.device),
+                                          "reduction_type": "element"}}
+        self.add_embedding_regularization_to_loss_dict(loss_dict, embeddings)
+        return self.reducer(loss_dict, embeddings, labels)
 
-
-def _no_miner(indices_tuple: Optional[Any]) -> None:
-    if indices_tuple is not None:
-        raise NotImplementedError("indices_tuple (PML's miners) is not supported by the flashcl adapters; "
-                                  "pass None to use every pair of the batch")
+    def _flashcl(self, emb: Tensor, ref: Tensor, pairs: _Pairs, reduction: str) -> Tensor:
+        normalize = _dot_similarity(self.distance)
+        assert normalize is not None
+        temperature = checks.check_positive_scalar(self.temperature, "temperature", emb.device,
+                                                   compute_dtype(emb.dtype))
+        spec = CoreSpec(exclude_self=pairs.self_pairs, self_pairs=pairs.self_pairs, row_labels=pairs.row_ids,
+                        col_labels=pairs.col_ids, num_classes=pairs.num_classes, pos_mode="mean",
+                        normalize=normalize)
+        return Fn.run_core(emb, None if ref is emb else ref, 1.0 / temperature, spec, reduction, self.backend,
+                           self.block_size)
 
 
 class _PairNTXent(torch.autograd.Function):
-    """PML's NT-Xent over row blocks; the gradient is formed in the forward pass."""
+    """PML's NT-Xent over row blocks of (already normalised) q against k; the
+    gradient is formed in the forward pass and scaled in backward."""
 
     @staticmethod
-    def forward(ctx: Any, e_in: Tensor, labels: Tensor, scale: float, block: int) -> Tensor:
-        dtype = compute_dtype(e_in.dtype)
-        x = e_in.detach().to(dtype)
-        norms = torch.linalg.vector_norm(x, dim=1).clamp_min(1e-12)
-        e = x / norms.unsqueeze(1)
-        b = e.shape[0]
-        ids = torch.unique(labels, return_inverse=True)[1].reshape(-1)  # masks are made per row block
-        counts = torch.bincount(ids)
-        pairs = float((counts * (counts - 1)).sum())
-        total = e.new_zeros(())
-        de = torch.zeros_like(e)
-        w = 1.0 / max(pairs, 1.0)
-        for r0 in range(0, b, block):
-            r1 = min(r0 + block, b)
-            s = (e[r0:r1] * scale) @ e.T
-            pos = ids[r0:r1].unsqueeze(1) == ids.unsqueeze(0)
-            pos.diagonal(offset=r0).fill_(False)
-            neg = ids[r0:r1].unsqueeze(1) != ids.unsqueeze(0)
+    def forward(ctx: Any, q: Tensor, k: Tensor, scale: float, pairs: _Pairs, block: int) -> Tensor:
+        dtype = compute_dtype(q.dtype)
+        qd, kd = q.detach().to(dtype), k.detach().to(dtype)
+        total = qd.new_zeros(())
+        dq, dk = torch.zeros_like(qd), torch.zeros_like(kd)
+        w = 1.0 / max(pairs.positive_pairs, 1)
+        zero = torch.zeros((), dtype=dtype, device=q.device)
+        for r0 in range(0, qd.shape[0], block):
+            r1 = min(r0 + block, qd.shape[0])
+            s, pos, neg = _block_masks(qd, kd, scale, pairs, r0, r1)
             lse_neg = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1, keepdim=True)
-            z = torch.where(pos, lse_neg - s, torch.zeros((), dtype=dtype))  # softplus(LSE_neg - s_ap)
-            total += torch.where(pos, F.softplus(z), torch.zeros((), dtype=dtype)).sum()
-            sig = torch.where(pos, torch.sigmoid(z), torch.zeros((), dtype=dtype))
-            # d/ds_ap = -sigmoid(z); d/ds_an = sum_p sigmoid(z_ap) * softmax over negatives
+            z = torch.where(pos, lse_neg - s, zero)  # softplus(LSE_neg - s_ap) per positive pair
+            total += torch.where(pos, F.softplus(z), zero).sum()
+            sig = torch.where(pos, torch.sigmoid(z), zero)
+            # d/ds_ap = -sigmoid(z_ap); d/ds_an = sum_p sigmoid(z_ap) softmax_neg(a)_n
             finite = torch.isfinite(lse_neg)
-            soft = torch.where(neg & finite, torch.exp(s - torch.where(finite, lse_neg, 0.0)), 0.0)
-            g = (soft * sig.sum(1, keepdim=True) - sig) * w
-            gk = g @ e
-            de[r0:r1] += gk * scale
-            de += (g.T @ e[r0:r1]) * scale
-        # the normalisation's backward
-        de = (de - e * (de * e).sum(1, keepdim=True)) / norms.unsqueeze(1)
-        ctx.grad = de.to(e_in.dtype)
+            soft = torch.where(neg & finite, torch.exp(s - torch.where(finite, lse_neg, zero)), zero)
+            g = (soft * sig.sum(1, keepdim=True) - sig) * (w * scale)
+            dq[r0:r1] += g @ kd
+            dk += g.T @ qd[r0:r1]
+        ctx.save_for_backward(q, k)
+        ctx.scale, ctx.pairs = scale, pairs
+        ctx.grads = (dq.to(q.dtype), dk.to(k.dtype))
         return total * w
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        if ctx.grad is None:
-            raise RuntimeError("flashcl's PML NTXentLoss computes its gradient in forward: backward once")
-        g, ctx.grad = ctx.grad, None
-        return g * grad, None, None, None
+        q, k = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
+            dq, dk = differentiable_grads(lambda a, b: _pair_ntxent_dense(a, b, ctx.scale, ctx.pairs), (q, k),
+                                          ctx.needs_input_grad[:2], grad)
+            return dq, dk, None, None, None
+        dq, dk = ctx.grads
+        return dq * grad, dk * grad, None, None, None
 
 
-class NTXentLoss(nn.Module):
-    """``NTXentLoss(temperature=0.07)(embeddings, labels)``: PML's NTXentLoss exactly
-    (see the module docstring), in O(B D + block x B) memory.
+def _block_masks(q: Tensor, k: Tensor, scale: float, pairs: _Pairs, r0: int, r1: int
+                 ) -> Tuple[Tensor, Tensor, Tensor]:
+    """Scores of rows [r0, r1) and their positive / negative masks."""
+    s = (q[r0:r1] * scale) @ k.T
+    same = pairs.row_ids[r0:r1].unsqueeze(1) == pairs.col_ids.unsqueeze(0)
+    pos = same.clone()
+    if pairs.self_pairs:
+        pos.diagonal(offset=r0).fill_(False)
+    return s, pos, ~same
+
+
+def _pair_ntxent_dense(q: Tensor, k: Tensor, scale: float, pairs: _Pairs) -> Tensor:
+    """The same loss as :class:`_PairNTXent`, by differentiable torch ops (one block)."""
+    dtype = compute_dtype(q.dtype)
+    s, pos, neg = _block_masks(q.to(dtype), k.to(dtype), scale, pairs, 0, q.shape[0])
+    lse_neg = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1, keepdim=True)
+    zero = torch.zeros((), dtype=dtype, device=q.device)
+    z = torch.where(pos, lse_neg.expand_as(s) - s, zero)
+    return torch.where(pos, F.softplus(z), zero).sum() / max(pairs.positive_pairs, 1)
+
+
+class NTXentLoss(_pml_losses.NTXentLoss):
+    """PML's ``NTXentLoss`` exactly (see the module docstring), in O(B D + block x B)
+    memory.
+
+    Args:
+        temperature: as PML's. Default: 0.07.
+        block_size: rows per block; None picks one.
+        **kwargs: PML's (``distance``, ``reducer``, ``embedding_regularizer``, ...).
 
     Shape:
-        - embeddings: (B, D); labels: (B,)
+        - embeddings: (B, D); labels: (B,); ref_emb: (N, D); ref_labels: (N,)
         - output: scalar (the mean over positive pairs; 0 if there are none)
 
     Examples::
@@ -111,15 +264,34 @@ class NTXentLoss(nn.Module):
         >>> loss = NTXentLoss(temperature=0.1)(torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
     """
 
-    def __init__(self, temperature: float = 0.07, block_size: Optional[int] = None) -> None:
-        super().__init__()
-        self.temperature, self.block_size = temperature, block_size
+    def __init__(self, temperature: float = 0.07, block_size: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(temperature=temperature, **kwargs)
+        checks.check_block(block_size)
+        self.block_size = block_size
 
-    def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple: Optional[Any] = None) -> Tensor:
-        _no_miner(indices_tuple)
-        embeddings, labels = Fn._validate_supcon(embeddings, labels, (2,))
-        scale = 1.0 / float(Fn._check_positive_scalar(self.temperature, "temperature", embeddings.device,
-                                                      compute_dtype(embeddings.dtype)))
-        b = embeddings.shape[0]
-        block = self.block_size or auto_block(b, b, compute_dtype(embeddings.dtype))
-        return _PairNTXent.apply(embeddings, labels, scale, block)
+    def forward(self, embeddings: Tensor, labels: Optional[Tensor] = None, indices_tuple: Any = None,
+                ref_emb: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
+        why = _why_not(self, labels, indices_tuple, ref_emb, ref_labels)
+        if why is None and type(_loss_reducer(self)) is not _pml_reducers.MeanReducer:
+            why = f"reducer={type(_loss_reducer(self)).__name__} needs every pair's loss"
+        if why is not None:
+            warnings.warn(f"flashcl NTXentLoss: {why}; computed by pytorch-metric-learning's own code "
+                          "(positive pairs x negative pairs memory)", stacklevel=2)
+            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        assert labels is not None
+        self.reset_stats()
+        emb, labels, ref, ref_labels, self_contrast = _prepare_call(self, embeddings, labels, ref_emb, ref_labels)
+        pairs = _Pairs(labels, ref_labels, self_contrast)
+        if pairs.pml_returns_zero():
+            loss_dict = self.zero_losses()
+        else:
+            t = float(checks.check_positive_scalar(self.temperature, "temperature", emb.device,
+                                                   compute_dtype(emb.dtype)))
+            with autocast_off(emb.device.type):
+                q = F.normalize(emb, dim=1) if self.distance.normalize_embeddings else emb
+                k = q if ref is emb else (F.normalize(ref, dim=1) if self.distance.normalize_embeddings else ref)
+                block = self.block_size or auto_block(q.shape[0], k.shape[0], compute_dtype(q.dtype))
+                value = _PairNTXent.apply(q, k, 1.0 / t, pairs, block).to(emb.dtype)
+            loss_dict = {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
+        self.add_embedding_regularization_to_loss_dict(loss_dict, embeddings)
+        return self.reducer(loss_dict, embeddings, labels)

@@ -10,7 +10,8 @@ import torch
 import triton
 from torch import Tensor
 
-from ..core import CoreSpec
+from .. import dense
+from ..core import CoreSpec, autocast_off, differentiable_grads
 from ..tiled import _finish_grads, _positive_raw, _prepare
 from . import MAX_WIDTH
 from .kernels import _dk_kernel, _dq_kernel, _lse_kernel
@@ -138,6 +139,19 @@ class TritonCore(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
         q, k_in, scale, lse_r, lse_c, raw_pos, raw_diag = ctx.saved_tensors
         spec: CoreSpec = ctx.spec
+        need_q, need_k, need_s = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
+            dq, dk, dscale = differentiable_grads(lambda a, b, sc: dense.core_output(a, b, sc, spec, None),
+                                                  (q, k_in, scale), (need_q, need_k, need_s), grad)
+            return dq, dk, dscale, None
+        with autocast_off(q.device.type):
+            return TritonCore._backward(ctx, grad, q, k_in, scale, lse_r, lse_c, raw_pos, raw_diag)
+
+    @staticmethod
+    def _backward(ctx: Any, grad: Tensor, q: Tensor, k_in: Optional[Tensor], scale: Tensor, lse_r: Tensor,
+                  lse_c: Optional[Tensor], raw_pos: Tensor, raw_diag: Optional[Tensor]) -> Tuple[Any, ...]:
+        spec: CoreSpec = ctx.spec
+        need_q, need_k, need_s = ctx.needs_input_grad[:3]
         qc, q32, q_norms, iq = _rows(q, spec.normalize)
         kc, k32, k_norms, ik = (qc, q32, q_norms, iq) if k_in is None else _rows(k_in, spec.normalize)
         m = qc.shape[0]
@@ -159,6 +173,5 @@ class TritonCore(torch.autograd.Function):
         else:
             dq_out, dk_out, dscale = _finish_grads(q32, k32, q_norms, k_norms, q, k_in, s, spec, dq, dk, dscale,
                                                    raw_pos, raw_diag, g_row * a, g_col, 4096)
-        need_q, need_k, need_s = ctx.needs_input_grad[:3]
         return (dq_out if need_q else None, dk_out if need_k else None,
                 dscale.to(scale.dtype) if need_s else None, None)

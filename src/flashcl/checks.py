@@ -1,0 +1,173 @@
+"""Input checks shared by every public entry point (functional, distributed, the
+integrations): each raises a ``TypeError`` or ``ValueError`` that names the
+argument, before any compute.
+
+Examples::
+
+    >>> from flashcl import checks
+    >>> checks.check_bool(True, "normalize")
+    True
+    >>> checks.check_choice("mean", "reduction", checks.REDUCTIONS)
+    'mean'
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "REDUCTIONS",
+    "BACKENDS",
+    "check_bool",
+    "check_choice",
+    "check_float_tensor",
+    "check_index_tensor",
+    "check_positive_scalar",
+    "check_real_scalar",
+    "check_block",
+    "same_device",
+    "validate_pair",
+    "validate_labelled",
+    "validate_info_nce",
+]
+
+#: The reductions every loss takes.
+REDUCTIONS = ("mean", "sum", "none")
+#: The backends every embedding loss takes (``"auto"`` picks one; see :mod:`flashcl.functional`).
+BACKENDS = ("auto", "reference", "dense", "tiled", "triton")
+
+
+def check_bool(value: object, name: str) -> bool:
+    """``value`` if it is a ``bool``; a ``TypeError`` otherwise (``"False"`` is not False)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``; a ``ValueError`` otherwise."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_float_tensor(x: object, name: str, ndims: Tuple[int, ...]) -> Tensor:
+    """A non-empty floating-point tensor with one of the dimensionalities ``ndims``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+    if x.dim() not in ndims:
+        shapes = " or ".join(f"{d}-D" for d in ndims)
+        raise ValueError(f"{name} must be {shapes}, got shape {tuple(x.shape)}")
+    if x.numel() == 0 or x.shape[0] == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_index_tensor(x: object, name: str) -> Tensor:
+    """An integer tensor (not bool, not floating point)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got dtype {x.dtype}")
+    return x
+
+
+def _scalar(value: object, name: str, device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, float]:
+    """(a 0-dim tensor in at least ``dtype``'s precision, its value)."""
+    if isinstance(value, Tensor):
+        if value.dim() != 0 and value.numel() != 1:
+            raise ValueError(f"{name} must be a float or a 0-dim tensor, got shape {tuple(value.shape)}")
+        if not value.is_floating_point():
+            raise TypeError(f"{name} tensor must be floating point, got dtype {value.dtype}")
+        # A float16 temperature with float32 embeddings is inverted in float32, not
+        # float16; autograd casts its gradient back to the tensor's own dtype.
+        tensor = value.reshape(()).to(torch.promote_types(value.dtype, dtype))
+        return tensor, float(value.detach())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=dtype, device=device), float(value)
+    raise TypeError(f"{name} must be a float or a 0-dim tensor, got {type(value).__name__}")
+
+
+def check_positive_scalar(value: object, name: str, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A float or a 0-dim floating tensor, finite and > 0; returned as a 0-dim tensor
+    in at least ``dtype``'s precision (a tensor keeps its autograd history)."""
+    tensor, v = _scalar(value, name, device, dtype)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {v}")
+    return tensor
+
+
+def check_real_scalar(value: object, name: str, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A float or a 0-dim floating tensor, finite; returned as :func:`check_positive_scalar` does."""
+    tensor, v = _scalar(value, name, device, dtype)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return tensor
+
+
+def check_block(block_size: Optional[int], name: str = "block_size") -> None:
+    """None or a positive int."""
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                   or block_size < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {block_size!r}")
+
+
+def same_device(x: Tensor, ref: Tensor, name: str, ref_name: str) -> None:
+    """A ``ValueError`` when ``x`` and ``ref`` live on different devices."""
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
+
+
+def validate_pair(a: object, b: object, name_a: str, name_b: str) -> Tuple[Tensor, Tensor]:
+    """Two (B, D) floating tensors of the same shape, dtype and device."""
+    a = check_float_tensor(a, name_a, (2,))
+    b = check_float_tensor(b, name_b, (2,))
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} and {name_b} must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}")
+    same_device(b, a, name_b, name_a)
+    return a, b
+
+
+def validate_labelled(embeddings: object, labels: object, ndims: Tuple[int, ...] = (2,),
+                      names: Tuple[str, str] = ("embeddings", "labels")) -> Tuple[Tensor, Tensor]:
+    """Floating embeddings (B, ...) and integer labels (B,) on the same device."""
+    emb_name, lab_name = names
+    embeddings = check_float_tensor(embeddings, emb_name, ndims)
+    labels = check_index_tensor(labels, lab_name)
+    b = embeddings.shape[0]
+    if labels.dim() != 1 or labels.shape[0] != b:
+        raise ValueError(f"{lab_name} must be 1-D of length {b} (the batch size of {emb_name}), "
+                         f"got shape {tuple(labels.shape)}")
+    same_device(labels, embeddings, lab_name, emb_name)
+    return embeddings, labels
+
+
+def validate_info_nce(query: object, keys: object, positive_index: Optional[Tensor]) -> Tensor:
+    """Checks query (B, D), keys (N, D) and the positives; returns the index (B,)."""
+    query = check_float_tensor(query, "query", (2,))
+    keys = check_float_tensor(keys, "keys", (2,))
+    b, n = query.shape[0], keys.shape[0]
+    if keys.shape[1] != query.shape[1]:
+        raise ValueError(f"query and keys must have the same embedding dim, got {query.shape[1]} and {keys.shape[1]}")
+    if keys.dtype != query.dtype:
+        raise TypeError(f"query and keys must have the same dtype, got {query.dtype} and {keys.dtype}")
+    same_device(keys, query, "keys", "query")
+    if positive_index is None:
+        if n < b:
+            raise ValueError(f"keys must have at least as many rows as query when positive_index is None, "
+                             f"got {n} < {b}")
+        return torch.arange(b, device=query.device)
+    index = check_index_tensor(positive_index, "positive_index")
+    if index.dim() != 1 or index.shape[0] != b:
+        raise ValueError(f"positive_index must be 1-D of length {b}, got shape {tuple(index.shape)}")
+    same_device(index, query, "positive_index", "query")
+    if bool(((index < 0) | (index >= n)).any()):
+        raise ValueError(f"positive_index values must be in [0, {n}) (rows of keys)")
+    return index
