@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv (torch 2.13.0 CPU when no torch is installed, then flashcl with
-# its extras) and runs the benchmark (`./run.sh bench [args]`) or the tests
-# (`./run.sh test [pytest args]`).
+# its extras) and runs the benchmark (`./run.sh bench [args]`) or the linter and
+# the tests (`./run.sh test [pytest args]`).
 set -euo pipefail
 cd "$(dirname "$0")"
 venv="${FLASHCL_VENV:-.venv}"
@@ -10,7 +10,7 @@ py="$venv/bin/python"
 # A plain torch requirement with no torch present would pull a multi-GB CUDA
 # build; this machine keeps the CPU build of 2.13.0, which torch>=2.4 accepts.
 "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q torch==2.13.0
-"$py" -m pip install -q -e ".[test,bench]"
+"$py" -m pip install -q -e ".[test,integrations,bench,triton]"
 # open_clip's loss module is a peer in the benchmark and an oracle in the tests;
 # its package depends on torchvision, which does not import beside the CPU torch
 # here, so it is installed without dependencies (optional: skipped if unavailable).
@@ -19,7 +19,7 @@ py="$venv/bin/python"
 cmd="${1:-test}"
 shift || true
 case "$cmd" in
-  test) exec "$py" -m pytest "$@" ;;
+  test) "$py" -m ruff check src tests examples scripts conftest.py && exec "$py" -m pytest "$@" ;;
   bench) exec "$py" -m flashcl bench "$@" ;;
   *) echo "usage: ./run.sh test|bench [args]" >&2; exit 2 ;;
 esac

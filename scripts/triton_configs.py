@@ -80,8 +80,8 @@ def main() -> None:
         bound = gemm3(b, d)
         ref = {"clip": float(flashcl.clip_loss(x.detach(), y.detach(), scale, backend="tiled")),
                "info_nce": float(flashcl.info_nce_loss(x.detach(), y.detach(), temperature=0.07, backend="tiled"))}
-        losses = {"clip": lambda: flashcl.clip_loss(x, y, scale, backend="triton"),
-                  "info_nce": lambda: flashcl.info_nce_loss(x, y, temperature=0.07, backend="triton")}
+        losses = {"clip": lambda x=x, y=y, scale=scale: flashcl.clip_loss(x, y, scale, backend="triton"),
+                  "info_nce": lambda x=x, y=y: flashcl.info_nce_loss(x, y, temperature=0.07, backend="triton")}
         print(f"B={b} D={d}: 3 GEMMs {bound * 1e3:.2f} ms; tiled losses {ref}", flush=True)
         for cand in [None] + CANDIDATES[bd]:
             if time.time() - t_start > args.budget:
@@ -101,7 +101,7 @@ def main() -> None:
                     t0 = time.time()
                     value = float(fn())
                     row[f"{loss_name}_compile_s"] = time.time() - t0
-                    t = cuda_time(lambda: fn().backward())
+                    t = cuda_time(lambda fn=fn: fn().backward())
                     row[f"{loss_name}_s"] = t
                     row[f"{loss_name}_x_gemm3"] = t / bound
                     row[f"{loss_name}_rel_err_vs_tiled"] = abs(value - ref[loss_name]) / abs(ref[loss_name])

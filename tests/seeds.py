@@ -63,7 +63,8 @@ def vectorized_supervised_simcse_loss(embeddings, labels, temperature=0.05):
     batch_size = embeddings.size(0)
     embeddings = F.normalize(embeddings, p=2, dim=1)
     sim_matrix = torch.matmul(embeddings, embeddings.T) / temperature
-    pos_mask = (labels.unsqueeze(0) == labels.unsqueeze(1)) & ~torch.eye(batch_size, device=embeddings.device, dtype=torch.bool)
+    pos_mask = (labels.unsqueeze(0) == labels.unsqueeze(1)) & ~torch.eye(batch_size, device=embeddings.device,
+                                                                        dtype=torch.bool)
     pos_sim_sum = (sim_matrix * pos_mask).sum(dim=1)
     log_denominator = torch.logsumexp(sim_matrix, dim=1)
     loss = (-pos_sim_sum + log_denominator).mean()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashcl
-from conftest import BACKENDS, CASES, REDUCTIONS, TOL, Case, assert_close, compare_to_reference, make_cases
+from helpers import BACKENDS, CASES, REDUCTIONS, TOL, Case, assert_close, compare_to_reference, make_cases
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -75,14 +75,14 @@ def test_gradcheck(backend: str) -> None:
     gradcheck = functools.partial(torch.autograd.gradcheck, nondet_tol=1e-10)
     for red in ("mean", "none"):
         assert gradcheck(
-            lambda x, tt: flashcl.supcon_loss(x, labels, temperature=tt, reduction=red, **kw), (e, t))
+            lambda x, tt, red=red: flashcl.supcon_loss(x, labels, temperature=tt, reduction=red, **kw), (e, t))
         assert gradcheck(
-            lambda a, b_, tt: flashcl.clip_loss(a, b_, tt, reduction=red, **kw), (e, z2, t))
+            lambda a, b_, tt, red=red: flashcl.clip_loss(a, b_, tt, reduction=red, **kw), (e, z2, t))
         assert gradcheck(
-            lambda a, b_, tt: flashcl.info_nce_loss(a, b_, temperature=tt, reduction=red, **kw), (e, z2, t))
+            lambda a, b_, tt, red=red: flashcl.info_nce_loss(a, b_, temperature=tt, reduction=red, **kw), (e, z2, t))
         assert gradcheck(
-            lambda a, b_: flashcl.nt_xent_loss(a, b_, reduction=red, **kw), (e, z2))
-        assert gradcheck(lambda x: flashcl.neighbor_loss(x, nb, reduction=red, **kw), (s,))
+            lambda a, b_, red=red: flashcl.nt_xent_loss(a, b_, reduction=red, **kw), (e, z2))
+        assert gradcheck(lambda x, red=red: flashcl.neighbor_loss(x, nb, reduction=red, **kw), (s,))
 
 
 def test_tiled_second_backward_recomputes() -> None:

@@ -39,7 +39,6 @@ def test_a_case_past_its_cap_is_reported_capped() -> None:
 
 def test_a_peer_that_is_not_installed_is_reported_not_crashed(monkeypatch) -> None:
     from flashcl.bench import peers
-
     from flashcl.bench.child import run_spec
 
     monkeypatch.setattr(peers, "pml_losses", lambda: (None, "pytorch-metric-learning not installed"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashcl
-from conftest import CASES, TOL, Case, compare_to_reference, make_cases
+from helpers import CASES, TOL, Case, compare_to_reference, make_cases
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -126,7 +126,7 @@ def test_triton_large_batch_bfloat16_matches_float64() -> None:
 
 @needs_triton
 def test_auto_picks_triton_on_cuda_for_half_and_float32() -> None:
-    from flashcl.functional import _resolve_backend
+    from flashcl.backends import resolve as _resolve_backend
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert _resolve_backend("auto", 10 ** 8, torch.device("cuda"), dtype) == "triton"
     assert _resolve_backend("auto", 10 ** 8, torch.device("cuda"), torch.float64) == "tiled"

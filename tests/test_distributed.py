@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashcl
-from conftest import assert_close
+from helpers import assert_close
 
 SIZES = {2: [5, 8], 3: [4, 7, 2]}
 TOL = (1e-10, 1e-9)

@@ -8,11 +8,11 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from seeds import naive_supervised_simcse_loss, vectorized_supervised_simcse_loss
 
 import flashcl
 from flashcl.__main__ import main
 from flashcl.doctor import scale_inputs
-from seeds import naive_supervised_simcse_loss, vectorized_supervised_simcse_loss
 
 
 def seed1_as_function(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import flashcl
-from conftest import CASES, Case, assert_close
+from helpers import CASES, Case, assert_close
 
 ALL_BACKENDS = ("reference", "dense", "tiled", "auto")
 F64 = dict(dtype=torch.float64)
@@ -290,7 +290,8 @@ def test_sample_neighbors() -> None:
 
 
 def test_every_callable_has_a_docstring_with_sections() -> None:
-    fns: Dict[str, Callable[..., Any]] = {n: getattr(flashcl, n) for n in flashcl.__all__ if callable(getattr(flashcl, n))}
+    fns: Dict[str, Callable[..., Any]] = {n: getattr(flashcl, n) for n in flashcl.__all__
+                                          if callable(getattr(flashcl, n))}
     for name, fn in fns.items():
         doc = fn.__doc__ or ""
         assert "Examples::" in doc, f"{name} has no Examples"
@@ -304,7 +305,7 @@ def test_case_table_covers_every_loss() -> None:
 
 
 def test_auto_backend_rule() -> None:
-    from flashcl.functional import _resolve_backend
+    from flashcl.backends import resolve as _resolve_backend
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert _resolve_backend("auto", (1 << 20) - 1, cpu, torch.float32) == "dense"

@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close
 
 pml_losses = pytest.importorskip("pytorch_metric_learning.losses", reason="pytorch-metric-learning not installed")
 from pytorch_metric_learning import distances, miners, reducers, regularizers  # noqa: E402

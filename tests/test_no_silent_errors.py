@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable, List
+from typing import List
 
 import pytest
 import torch
 
 import flashcl
-from conftest import CASES, Case, assert_close
+from helpers import CASES, Case, assert_close
 
 F64 = torch.float64
 TRITON = importlib.util.find_spec("triton") is not None and (

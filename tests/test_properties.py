@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashcl
-from conftest import TOL, assert_close
+from helpers import TOL, assert_close
 
 ATOL, RTOL = TOL[torch.float64]
 
@@ -22,7 +22,7 @@ def _grads(fn, tensors, **kw):
 def _check(fn_of_backend, tensors, label):
     ref = _grads(lambda ts: fn_of_backend(ts, "reference"), tensors)
     for backend in ("dense", "tiled"):
-        got = _grads(lambda ts: fn_of_backend(ts, backend), tensors)
+        got = _grads(lambda ts, backend=backend: fn_of_backend(ts, backend), tensors)
         assert_close(got[0], ref[0], f"{label}/{backend}: loss", ATOL, RTOL)
         for i, (a, e) in enumerate(zip(got[1], ref[1])):
             assert_close(a, e, f"{label}/{backend}: grad {i}", ATOL, RTOL)

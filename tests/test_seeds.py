@@ -5,11 +5,17 @@ import random
 
 import pytest
 import torch
+from seeds import (
+    naive_supervised_simcse_loss,
+    seed1_gather_fix,
+    seed1_indices,
+    seed1_log_form,
+    seed1_program,
+    vectorized_supervised_simcse_loss,
+)
 
 import flashcl
-from conftest import assert_close
-from seeds import (naive_supervised_simcse_loss, seed1_gather_fix, seed1_indices, seed1_log_form,
-                   seed1_program, vectorized_supervised_simcse_loss)
+from helpers import assert_close
 
 ALL_BACKENDS = ("reference", "dense", "tiled", "auto")
 

@@ -19,8 +19,8 @@ except ImportError:  # pragma: no cover
 from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 import flashcl  # noqa: E402
-from conftest import assert_close  # noqa: E402
 from flashcl.integrations import sentence_transformers as fst  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
 CONFIGS: List[Dict[str, Any]] = [
     {},

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashcl
-from conftest import CASES, TOL, Case, compare_to_reference, make_cases
+from helpers import CASES, TOL, Case, compare_to_reference, make_cases
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install flashcl[triton]): its kernels cannot be tested here",

@@ -1,4 +1,6 @@
 """flashcl: exact, numerically stable, O(batch)-memory contrastive losses for PyTorch."""
+from . import distributed
+from .doctor import doctor
 from .functional import (
     AUTO_TILED_MIN_ENTRIES,
     clip_loss,
@@ -8,8 +10,6 @@ from .functional import (
     sample_neighbors,
     supcon_loss,
 )
-from . import distributed
-from .doctor import doctor
 from .modules import ClipLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SupConLoss
 
 __version__ = "0.1.0"

@@ -32,7 +32,7 @@ def _doctor(args: argparse.Namespace) -> int:
     try:
         inputs = inputs_from_shapes(args.shape, sizes[0], seed=args.seed)
     except ValueError as e:
-        raise SystemExit(f"flashcl doctor: {e}")
+        raise SystemExit(f"flashcl doctor: {e}") from e
     report = doctor(fn, *inputs, sizes=sizes, seed=args.seed)
     print(report.text())
     if args.json:

@@ -16,26 +16,31 @@ every anchor row ``i``::
   pos_mode      c_i        a_i          used by
   ============  =========  ===========  ==========================================
   ``"mean"``    1          1/|Pos(i)|   SupCon L_out (anchors with no positive: 0)
-  ``"sum"``     1          1            the second seed's supervised SimCSE
-  ``"pairs"``   |Pos(i)|   1            one cross-entropy per positive pair (seed 1)
+  ``"sum"``     1          1            supervised SimCSE (positives summed)
+  ``"pairs"``   |Pos(i)|   1            one cross-entropy per positive pair
+                                        (the sampled-neighbours loss)
   ============  =========  ===========  ==========================================
 
 ``symmetric`` adds the column direction of CLIP: for every column ``j``,
 ``col_loss_j = LSE_i s_ij - s_jj`` (diagonal positives, M == N).
 
-Every backend (reference, dense, tiled) returns ``(row_loss (M,), col_loss (N,)
-or None)`` for the same :class:`CoreSpec`, so that the losses in
-:mod:`flashcl.functional` differ only in how they build the spec and reduce.
+:meth:`CoreSpec.problem` turns the configuration into the engine's form
+(:mod:`flashcl.engine`): a softmax head and a positive (linear) term; the
+reference backend (:mod:`flashcl.reference`) reads the spec directly.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .engine import Problem
+from .heads import SoftmaxHead
+from .linear import Linear, Positives
+from .utils import compute_dtype
 
 POS_MODES = ("mean", "sum", "pairs")
 
@@ -76,17 +81,8 @@ class CoreSpec:
 
     def positive_counts(self, m: int) -> Tensor:
         """|Pos(i)| with multiplicity, shape (m,), int64; computed in O(M + N)."""
-        if self.index is not None:
-            return torch.full((m,), self.index.shape[1], dtype=torch.int64, device=self.index.device)
-        assert self.row_labels is not None and self.col_labels is not None
-        per_class = torch.bincount(self.col_labels, minlength=self.num_classes)
-        counts = per_class[self.row_labels]
-        if self.self_pairs:
-            n = self.col_labels.shape[0]
-            cols = torch.arange(m, device=counts.device) + self.offset
-            inside = (cols >= 0) & (cols < n)
-            counts = counts - inside.to(counts.dtype)
-        return counts
+        n = self.col_labels.shape[0] if self.col_labels is not None else 0
+        return self.positives().counts(m, n)
 
     def weights(self, m: int, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
         """The per-row weights ``(c, a)`` of the LSE term and of the positive sum."""
@@ -112,10 +108,21 @@ class CoreSpec:
                 return t.device
         return torch.device("cpu")
 
+    def positives(self) -> Positives:
+        return Positives(index=self.index, row_labels=self.row_labels, col_labels=self.col_labels,
+                         num_classes=self.num_classes, self_pairs=self.self_pairs, offset=self.offset)
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half and bfloat16 inputs (accumulation precision), else unchanged."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    def problem(self, m: int, n: int, dtype: torch.dtype) -> Problem:
+        """The engine's form: a :class:`~flashcl.heads.SoftmaxHead` with the LSE weights
+        ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``symmetric``, also
+        ``-s_jj`` in every column's loss)."""
+        c, a = self.weights(m, dtype)
+        head = SoftmaxHead(c, exclude_self=self.exclude_self, offset=self.offset, columns=self.symmetric)
+        pos = self.positives()
+        linears = [Linear(pos, a)]
+        if self.symmetric:
+            linears.append(Linear(pos, torch.ones(n, dtype=dtype, device=a.device), target="col"))
+        return Problem(head, tuple(linears), self.normalize, self.offset)
 
 
 def prepare(q: Tensor, k: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Tensor]:
@@ -131,41 +138,3 @@ def prepare(q: Tensor, k: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Te
     return q, k
 
 
-@contextlib.contextmanager
-def autocast_off(device_type: str) -> Iterator[None]:
-    """Autocast disabled for ``device_type``: every backend computes in the
-    inputs' own dtype (float32 accumulation for half inputs), as torch's own
-    losses do under autocast, so that the backends agree with each other and
-    with the float64 reference whatever the caller's autocast state."""
-    if torch.amp.is_autocast_available(device_type):
-        with torch.autocast(device_type, enabled=False):
-            yield
-    else:
-        yield
-
-
-def differentiable_grads(fn: Callable[..., Tensor], inputs: Sequence[Optional[Tensor]], needs: Sequence[bool],
-                         grad_out: Tensor) -> List[Optional[Tensor]]:
-    """For the backward of a custom Function run with ``create_graph=True``:
-    ``grad_out``-weighted gradients of ``fn(*inputs)`` with respect to the inputs
-    that ``needs`` marks, built with a graph so that they can be differentiated
-    again (second derivatives, gradient penalties, Hessian-vector products).
-
-    The fast backwards form their gradients without a graph; rather than return
-    a gradient whose own derivative would be silently wrong, they hand this path
-    a differentiable formula of the same loss (the dense backend's: memory
-    O(M N) on this path only)."""
-    with torch.enable_grad():
-        # one view per slot: when a tensor fills two slots (k is q), each slot's
-        # gradient is its own part, as the Function's backward returns it
-        inputs = [x.view_as(x) if x is not None else None for x in inputs]
-        wrt = [x for x, need in zip(inputs, needs) if need and x is not None]
-        out = fn(*inputs)
-        grads = list(torch.autograd.grad(out, wrt, grad_out, create_graph=True, allow_unused=True)) if wrt else []
-    result: List[Optional[Tensor]] = []
-    for x, need in zip(inputs, needs):
-        g = grads.pop(0) if need and x is not None else None
-        if g is None and need and x is not None:
-            g = torch.zeros_like(x)
-        result.append(g)
-    return result

@@ -1,19 +1,24 @@
 """The dense backend: the vectorised form, which materialises the M x N matrix.
 
-The second seed's ``vectorized_supervised_simcse_loss`` generalised, and made
-stable: excluded entries are masked to ``-inf`` before a logsumexp (never
-``sum(exp) - exp(diag)``). Fast for small batches; memory O(M N).
+For losses of embeddings it is :func:`flashcl.engine.dense_values`: the whole
+score matrix as one tile, the head's differentiable formula
+(:meth:`flashcl.heads.Head.dense`) and the positives gathered from it,
+differentiated by autograd. Fast for small batches; memory O(M N). Excluded
+entries are masked to ``-inf`` before a logsumexp (never ``sum(exp) - exp(diag)``).
+
+This module holds its form for a given score matrix (the sampled-neighbours loss).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .core import CoreSpec, compute_dtype, prepare
+from .core import CoreSpec
+from .utils import compute_dtype
 
-ReduceWeights = Optional[Tuple[Tensor, Optional[Tensor]]]
+__all__ = ["scores_loss", "scores_output"]
 
 
 def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
@@ -36,32 +41,6 @@ def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
         pos_sum = torch.where(pos, scores, torch.zeros((), dtype=scores.dtype, device=scores.device)).sum(1)
     c, a = spec.weights(m, scores.dtype)
     return c * lse - a * pos_sum
-
-
-def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tuple[Tensor, Optional[Tensor]]:
-    """Row losses (M,) and, for ``spec.symmetric``, column losses (N,); ``k=None`` means ``k = q``."""
-    q, k = prepare(q, k, spec.normalize)
-    scores = (q @ k.T) * scale.to(q.dtype)
-    row_loss = scores_loss(scores, spec)
-    col_loss = None
-    if spec.symmetric:
-        col_loss = torch.logsumexp(scores, dim=0) - scores.diagonal()
-    return row_loss, col_loss
-
-
-def core_output(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduce_weights: ReduceWeights) -> Tensor:
-    """What the fast backends' Functions return, by the dense formula: the row
-    losses (with the column losses appended for ``spec.symmetric``), or
-    ``sum r * row + sum u * col`` for ``reduce_weights = (r, u)``."""
-    row, col = core_loss(q, k, scale, spec)
-    if reduce_weights is None:
-        return row if col is None else torch.cat([row, col])
-    r, u = reduce_weights
-    out = (r * row).sum()
-    if col is not None:
-        assert u is not None
-        out = out + (u * col).sum()
-    return out
 
 
 def scores_output(scores: Tensor, spec: CoreSpec, reduce_weights: Optional[Tensor]) -> Tensor:

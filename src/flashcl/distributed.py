@@ -35,10 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import checks
+from . import backends, checks, engine
+from .core import CoreSpec
+from .engine import Driver, Operands, Problem
 from .functional import Scalar
-from .core import CoreSpec, autocast_off, compute_dtype
-from .tiled import TiledCore, _panel, auto_block
+from .heads import Head, Tile
+from .linear import Linear, Positives, Rows, class_sums, raw_rows
+from .tiled import auto_block
+from .utils import compute_dtype
 
 __all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss"]
 
@@ -134,40 +138,30 @@ def _run(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, gr
          block_size: Optional[int], group: Any, valid_weight: Optional[Tensor] = None,
          ring_sizes: Optional[List[int]] = None) -> Tensor:
     """Local rows of the core against global columns, reduced with the global count.
-    ``ring_sizes``: k is this rank's block only and the others come round the ring."""
-    with autocast_off(q.device.type):
-        return _run_now(q, k, scale, spec, reduction, grad_scale, block_size, group, valid_weight, ring_sizes)
-
-
-def _run_now(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, grad_scale: str,
-             block_size: Optional[int], group: Any, valid_weight: Optional[Tensor],
-             ring_sizes: Optional[List[int]]) -> Tensor:
+    ``ring_sizes``: k is this rank's block only and the others come round the ring;
+    else k holds every rank's candidates (gathered)."""
     _, world = _world(group)
-    m, n = q.shape[0], k.shape[0]
+    m = q.shape[0]
     dtype = compute_dtype(q.dtype)
-    block = block_size or auto_block(m, n, dtype)
     factor = float(world) if grad_scale == "ddp" else 1.0
-    per_row = None
-    if ring_sizes is not None:
-        qn, kn = q.to(dtype), k.to(dtype)
-        if spec.normalize:
-            qn = torch.nn.functional.normalize(qn, dim=1)
-            kn = qn if k is q else torch.nn.functional.normalize(kn, dim=1)
-        ring_block = block_size or auto_block(m, max(ring_sizes), dtype, self_contrast=True)
-        per_row = _RingCore.apply(qn, kn, scale.to(dtype), spec, ring_sizes, group, ring_block)
-    if reduction == "none":
-        return per_row if per_row is not None else TiledCore.apply(q, k, scale, spec, None, block)
-    valid = spec.valid_rows(m).to(device=q.device, dtype=dtype)
-    if reduction == "mean":
-        total = _global_count(valid.sum().reshape(1), group).clamp_min(1)
-        r = valid * (factor / total)
-    else:
-        r = valid * factor
-    if valid_weight is not None:
-        r = r * valid_weight
-    if per_row is not None:
-        return (r * per_row).sum()
-    return TiledCore.apply(q, k, scale, spec, (r, None), block)
+    weights = None
+    if reduction != "none":
+        valid = spec.valid_rows(m).to(device=q.device, dtype=dtype)
+        if reduction == "mean":
+            total = _global_count(valid.sum().reshape(1), group).clamp_min(1)
+            r = valid * (factor / total)
+        else:
+            r = valid * factor
+        if valid_weight is not None:
+            r = r * valid_weight
+        weights = (r, None)
+    n_all = k.shape[0] if ring_sizes is None else sum(ring_sizes)
+    problem = spec.problem(m, n_all, dtype)
+    if ring_sizes is None:
+        return backends.run(q, k, scale, problem, "tiled", weights, block_size)
+    ring = RingDriver(ring_sizes, group)
+    block = block_size or auto_block(m, max(ring_sizes), dtype, self_contrast=True)
+    return engine.run(q, k, scale, ring.local_problem(problem, spec), ring, weights, block)
 
 
 def _check(grad_scale: str, strategy: str) -> None:
@@ -194,8 +188,8 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1
 
     Examples::
 
-        >>> # in each of the processes of an initialised group:
-        >>> loss = flashcl.distributed.supcon_loss(local_emb, local_labels)
+        >>> # in each of the processes of an initialised group (not run here):
+        >>> loss = flashcl.distributed.supcon_loss(local_emb, local_labels)  # doctest: +SKIP
     """
     embeddings, labels = checks.validate_labelled(embeddings, labels)
     checks.check_choice(positives, "positives", ("mean", "sum"))
@@ -241,7 +235,7 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normaliz
 
     Examples::
 
-        >>> loss = flashcl.distributed.nt_xent_loss(view1, view2, temperature=0.5)
+        >>> loss = flashcl.distributed.nt_xent_loss(view1, view2, temperature=0.5)  # doctest: +SKIP
     """
     z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
     checks.check_bool(normalize, "normalize")
@@ -271,7 +265,7 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
 
     Examples::
 
-        >>> loss = flashcl.distributed.info_nce_loss(q_local, docs_local)
+        >>> loss = flashcl.distributed.info_nce_loss(q_local, docs_local)  # doctest: +SKIP
     """
     index = checks.validate_info_nce(query, keys, positive_index)
     checks.check_bool(normalize, "normalize")
@@ -301,7 +295,7 @@ def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, *,
 
     Examples::
 
-        >>> loss = flashcl.distributed.clip_loss(img_local, txt_local, model.logit_scale.exp())
+        >>> loss = flashcl.distributed.clip_loss(img_local, txt_local, model.logit_scale.exp())  # doctest: +SKIP
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     checks.check_bool(normalize, "normalize")
@@ -347,156 +341,97 @@ def _ring_pass(tensors: List[Tensor], shapes: List[Tuple[int, ...]], group: Any)
     return incoming
 
 
-class _RingCore(torch.autograd.Function):
-    """Row losses of local anchors against the candidates of every rank, with the
-    candidate blocks passed around the ring (as Inf-CL does): no rank holds more
-    than its own rows and one visiting block. Backward passes each block again,
-    with its gradient accumulator travelling along and arriving back at its owner.
+class RingDriver(Driver):
+    """The engine's driver with the candidates spread over the ranks: this rank's
+    anchors against every rank's candidate block, the blocks passed around the
+    ring (as Inf-CL does), so that no rank holds more than its own rows and one
+    visiting block. Backward passes each block again, with its gradient
+    accumulator travelling along and arriving back at its owner. The positive
+    terms use class sums added over the ranks, and index positives of this
+    rank's own block."""
 
-    ``apply(q, k, scale, spec, sizes, group, block)``: q (M, D) and k (n_rank, D)
-    already normalised; ``spec`` is the core's spec in global column indices
-    (offset = this rank's first column; labels: local row ids, global column ids).
-    Returns the per-row losses (M,).
-    """
+    no_second_derivatives = (
+        "flashcl.distributed does not compute second derivatives (backward with create_graph=True, as a "
+        "gradient penalty or a Hessian-vector product needs): its collectives' gradients have no graph. "
+        "The single-process losses (flashcl.supcon_loss, ...) compute them on every backend.")
 
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, sizes: List[int],
-                group: Any, block: int) -> Tensor:
-        rank, world = _world(group)
-        s = float(scale)
-        m = q.shape[0]
-        starts = [sum(sizes[:i]) for i in range(world)]
-        lse = q.new_full((m,), float("-inf"))
-        raw_pos = q.new_zeros(m)
-        current = k.detach()
-        buf = q.new_empty(min(block, m) * max(sizes))  # one score buffer for every block
-        for step in range(world):
-            owner = (rank - step) % world
-            _ring_lse_block(q.detach(), current, s, spec, starts[owner], lse, raw_pos, block, buf)
-            if step < world - 1:
-                nxt = (owner - 1) % world
-                (current,) = _ring_pass([current], [(sizes[nxt], k.shape[1])], group)
-        raw_pos += _label_positive_raw(q.detach(), k.detach(), spec, group)
-        c, a = spec.weights(m, q.dtype)
-        ctx.save_for_backward(q, k, scale, lse, raw_pos)
-        ctx.spec, ctx.sizes, ctx.group, ctx.block = spec, sizes, group, block
-        return c * lse - a * (s * raw_pos)
+    def __init__(self, sizes: List[int], group: Any) -> None:
+        self.sizes, self.group = sizes, group
+        self.rank, self.world = _world(group)
+        self.starts = [sum(sizes[:i]) for i in range(self.world)]
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        _no_double_backward()
-        with autocast_off(grad.device.type):
-            return _RingCore._backward(ctx, grad)
+    def local_problem(self, problem: Problem, spec: CoreSpec) -> Problem:
+        """The problem's positive terms in this rank's own columns (the head keeps
+        the global ones: its tiles carry global column indices)."""
+        offset = self.starts[self.rank]
+        n_local = self.sizes[self.rank]
+        pos = spec.positives()
+        if pos.index is not None:
+            local = Positives(index=pos.index - offset)
+        else:
+            assert pos.col_labels is not None
+            local = Positives(row_labels=pos.row_labels, col_labels=pos.col_labels[offset:offset + n_local],
+                              num_classes=pos.num_classes, self_pairs=pos.self_pairs, offset=0)
+        linears = tuple(Linear(local, lin.weight, lin.target) for lin in problem.linears)
+        return Problem(problem.head, linears, problem.normalize, problem.offset)
 
-    @staticmethod
-    def _backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
-        q, k, scale, lse, raw_pos = ctx.saved_tensors
-        spec, sizes, group, block = ctx.spec, ctx.sizes, ctx.group, ctx.block
-        rank, world = _world(group)
-        s = float(scale)
-        m = q.shape[0]
-        starts = [sum(sizes[:i]) for i in range(world)]
-        c, a = spec.weights(m, q.dtype)
-        g_lse, w_pos = grad * c, grad * a
-        qd = q.detach()
-        dq = torch.zeros_like(qd)
-        current, dk_travel = k.detach(), torch.zeros_like(k)
-        dscale = qd.new_zeros(())
-        buf = qd.new_empty(min(block, m) * max(sizes))
-        for step in range(world):
-            owner = (rank - step) % world
-            dscale += _ring_grad_block(qd, current, s, spec, starts[owner], lse, g_lse, w_pos, dq, dk_travel,
-                                       block, buf)
-            nxt = (owner - 1) % world
+    def class_sums(self, x: Rows, ids: Tensor, num_classes: int, block: int,  # type: ignore[override]
+                   weight: Optional[Tensor] = None) -> Tensor:
+        out = class_sums(x, ids, num_classes, block, weight)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def num_columns(self, ops: Operands) -> int:
+        return sum(self.sizes)
+
+    def bound(self, ops: Operands) -> Optional[float]:
+        # every rank's candidates visit: the largest bound over the ranks
+        b = torch.tensor([ops.bound], dtype=torch.float64, device=raw_rows(ops.q)[0].device)
+        dist.all_reduce(b, op=dist.ReduceOp.MAX, group=self.group)
+        return float(b)
+
+    def _blocks(self, ops: Operands, step: int) -> Tuple[int, int]:
+        owner = (self.rank - step) % self.world
+        return self.starts[owner], self.sizes[(owner - 1) % self.world]
+
+    def _scores(self, ops: Operands, kb: Tensor, r0: int, r1: int, buf: Tensor) -> Tensor:
+        return torch.mm(ops.q[r0:r1] * ops.scale, kb.T, out=buf[:(r1 - r0) * kb.shape[0]].view(r1 - r0, -1))
+
+    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
+                dk: Optional[Tensor]) -> Optional[Tensor]:
+        m, d = ops.q.shape
+        buf = ops.q.new_empty(min(ops.block, m) * max(self.sizes))  # one score buffer for every block
+        for p in range(head.passes):
+            current = ops.k
+            for step in range(self.world):
+                col0, next_size = self._blocks(ops, step)
+                for r0 in range(0, m, ops.block):
+                    r1 = min(r0 + ops.block, m)
+                    head.reduce(self._scores(ops, current, r0, r1, buf),
+                                Tile(r0, r1, col0, col0 + current.shape[0], ops.offset), st, p)
+                if step < self.world - 1:
+                    (current,) = _ring_pass([current], [(next_size, d)], self.group)
+            head.finish(st, p)
+        return None
+
+    def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
+        m, d = ops.q.shape
+        buf = ops.q.new_empty(min(ops.block, m) * max(self.sizes))
+        buf2 = ops.q.new_empty(min(ops.block, m) * max(self.sizes))
+        current, dk_travel = ops.k, torch.zeros_like(ops.k)
+        dscale = ops.q.new_zeros(())
+        for step in range(self.world):
+            col0, next_size = self._blocks(ops, step)
+            for r0 in range(0, m, ops.block):
+                r1 = min(r0 + ops.block, m)
+                tile = Tile(r0, r1, col0, col0 + current.shape[0], ops.offset)
+                g = head.grad(self._scores(ops, current, r0, r1, buf), tile, st, buf2)
+                gk = g @ current
+                dscale += (gk * ops.q[r0:r1]).sum()
+                dq[r0:r1].add_(gk, alpha=ops.scale)
+                dk_travel.addmm_(g.T, ops.q[r0:r1], alpha=ops.scale)
             # the block goes on; after the last step its gradient arrives home
-            shape = (sizes[nxt], k.shape[1])
-            current, dk_travel = _ring_pass([current, dk_travel], [shape, shape], group)
-        dk = dk_travel
-        dscale += _label_positive_grad_(qd, k.detach(), s, spec, w_pos, dq, dk, group)
-        dscale = dscale - (w_pos * raw_pos).sum()
-        need_q, need_k, need_s = ctx.needs_input_grad[:3]
-        return (dq if need_q else None, dk if need_k else None, dscale.to(scale.dtype) if need_s else None,
-                None, None, None, None)
-
-
-def _ring_lse_block(q: Tensor, kb: Tensor, s: float, spec: CoreSpec, col0: int, lse: Tensor, raw_pos: Tensor,
-                    block: int, buf: Tensor) -> None:
-    """Merges the partial row LSE of q against the candidate block kb (global columns
-    [col0, col0 + len)) into lse, and adds index positives found in it to raw_pos."""
-    n = kb.shape[0]
-    for r0 in range(0, q.shape[0], block):
-        r1 = min(r0 + block, q.shape[0])
-        sc = torch.mm(q[r0:r1] * s, kb.T, out=_panel(buf, r1 - r0, n))
-        if spec.exclude_self:
-            sc.diagonal(offset=r0 + spec.offset - col0).fill_(float("-inf"))
-        torch.logaddexp(lse[r0:r1], torch.logsumexp(sc, dim=1), out=lse[r0:r1])
-    if spec.index is not None:
-        local = spec.index - col0
-        inside = (local >= 0) & (local < n)
-        rows, t = inside.nonzero(as_tuple=True)
-        if rows.numel():
-            raw_pos.index_add_(0, rows, (q[rows] * kb[local[rows, t]]).sum(1))
-
-
-def _ring_grad_block(q: Tensor, kb: Tensor, s: float, spec: CoreSpec, col0: int, lse: Tensor, g_lse: Tensor,
-                     w_pos: Tensor, dq: Tensor, dkb: Tensor, block: int, buf: Tensor) -> Tensor:
-    """The block's share of the gradient: LSE terms and index positives in it.
-    Returns its part of sum_ij G_ij q_i.k_j."""
-    n = kb.shape[0]
-    dscale = q.new_zeros(())
-    for r0 in range(0, q.shape[0], block):
-        r1 = min(r0 + block, q.shape[0])
-        g = torch.mm(q[r0:r1] * s, kb.T, out=_panel(buf, r1 - r0, n))
-        if spec.exclude_self:
-            g.diagonal(offset=r0 + spec.offset - col0).fill_(float("-inf"))
-        g.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(g_lse[r0:r1].unsqueeze(1))
-        gk = g @ kb
-        dscale += (gk * q[r0:r1]).sum()
-        dq[r0:r1].add_(gk, alpha=s)
-        dkb.addmm_(g.T, q[r0:r1], alpha=s)
-    if spec.index is not None:
-        local = spec.index - col0
-        inside = (local >= 0) & (local < n)
-        rows, t = inside.nonzero(as_tuple=True)
-        if rows.numel():
-            w = (w_pos[rows] * s).unsqueeze(1)
-            dq.index_add_(0, rows, -w * kb[local[rows, t]])
-            dkb.index_add_(0, local[rows, t], -w * q[rows])
-    return dscale
-
-
-def _global_class_sums(x: Tensor, ids: Tensor, num_classes: int, group: Any, weight: Optional[Tensor] = None) -> Tensor:
-    out = x.new_zeros(num_classes, x.shape[1])
-    out.index_add_(0, ids, x if weight is None else x * weight.unsqueeze(1))
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
-
-
-def _label_positive_raw(q: Tensor, k: Tensor, spec: CoreSpec, group: Any) -> Tensor:
-    """sum over same-label candidates of every rank, from all-reduced class sums
-    (this rank's candidates are its anchors: self pairs are local)."""
-    if spec.index is not None:
-        return q.new_zeros(q.shape[0])
-    assert spec.row_labels is not None and spec.col_labels is not None
-    mine = spec.col_labels[spec.offset:spec.offset + k.shape[0]]
-    sums = _global_class_sums(k, mine, spec.num_classes, group)
-    out = (q * sums[spec.row_labels]).sum(1)
-    if spec.self_pairs:
-        out = out - (q * k).sum(1)
-    return out
-
-
-def _label_positive_grad_(q: Tensor, k: Tensor, s: float, spec: CoreSpec, w: Tensor, dq: Tensor, dk: Tensor,
-                          group: Any) -> Tensor:
-    if spec.index is not None:
-        return q.new_zeros(())
-    assert spec.row_labels is not None and spec.col_labels is not None
-    mine = spec.col_labels[spec.offset:spec.offset + k.shape[0]]
-    k_sums = _global_class_sums(k, mine, spec.num_classes, group)
-    wq_sums = _global_class_sums(q, spec.row_labels, spec.num_classes, group, weight=w)
-    dq.sub_(k_sums[spec.row_labels] * (w * s).unsqueeze(1))
-    dk.sub_(wq_sums[mine], alpha=s)
-    if spec.self_pairs:
-        dq.add_(k * (w * s).unsqueeze(1))
-        dk.add_(q * (w * s).unsqueeze(1))
-    return q.new_zeros(())
+            shape = (next_size, d)
+            current, dk_travel = _ring_pass([current, dk_travel], [shape, shape], self.group)
+        dk.add_(dk_travel)
+        return dscale

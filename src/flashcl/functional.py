@@ -37,16 +37,16 @@ path only. :mod:`flashcl.distributed` raises a clear error instead.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import checks, dense, reference
-from .core import CoreSpec, autocast_off, compute_dtype
-from .tiled import TiledCore, TiledScores, auto_block
-from .triton import MAX_WIDTH as _TRITON_MAX_WIDTH
+from . import backends, checks, dense, reference
+from .backends import AUTO_TILED_MIN_ENTRIES
+from .core import CoreSpec
+from .scores import TiledScores, auto_scores_block
+from .utils import autocast_off, compute_dtype
 
 __all__ = [
     "supcon_loss",
@@ -55,22 +55,15 @@ __all__ = [
     "clip_loss",
     "neighbor_loss",
     "sample_neighbors",
+    "run_core",
     "AUTO_TILED_MIN_ENTRIES",
 ]
 
 Scalar = Union[float, Tensor]
 
-#: ``backend="auto"`` switches from dense to tiled at this many score-matrix
-#: entries (M x N). Measured on the 2-core CPU (``flashcl bench --suite seed2``,
-#: D = 768): at B = 256 both took 4.7-4.8 ms; at B = 1024 (2^20 entries) tiled
-#: took 33 ms and dense 59 ms, and above that tiled's memory stays O(B).
-AUTO_TILED_MIN_ENTRIES = 1 << 20
-
 _REDUCTIONS = checks.REDUCTIONS
 _BACKENDS = checks.BACKENDS
 
-_CoreFn = Callable[[Tensor, Optional[Tensor], Tensor, CoreSpec], Tuple[Tensor, Optional[Tensor]]]
-_CORE_BACKENDS: Dict[str, _CoreFn] = {"reference": reference.core_loss, "dense": dense.core_loss}
 _SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
     "reference": reference.scores_loss,
     "dense": dense.scores_loss,
@@ -82,29 +75,6 @@ def _scale_dtype(x: Tensor) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------- dispatch
-
-def _resolve_backend(backend: str, entries: int, device: torch.device, dtype: torch.dtype,
-                     width: int = 0) -> str:
-    if backend != "auto":
-        return backend
-    if (device.type == "cuda" and width <= _TRITON_MAX_WIDTH.get(dtype, -1)
-            and importlib.util.find_spec("triton") is not None):
-        return "triton"
-    return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
-
-
-def _run_triton(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tuple[Tensor, Optional[Tensor]]:
-    from .triton import availability
-
-    ok, why = availability(q.device.type)
-    if not ok:
-        raise ValueError(f"backend='triton' is not usable here: {why}")
-    from .triton.core import TritonCore
-
-    out = TritonCore.apply(q, k, scale.float(), spec)
-    m = q.shape[0]
-    return out[:m], (out[m:] if spec.symmetric else None)
-
 
 def _reduce_weights(spec: CoreSpec, m: int, reduction: str, dtype: torch.dtype,
                     device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
@@ -132,37 +102,36 @@ def _reduce(row: Tensor, col: Optional[Tensor], spec: CoreSpec, reduction: str) 
 
 def run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str = "mean",
              backend: str = "auto", block_size: Optional[int] = None) -> Tensor:
-    """The core of :mod:`flashcl.core` on embeddings, reduced: the entry point that
-    every loss here (and the integrations) goes through. ``k=None`` means the
-    candidates are the anchors; ``scale`` is a 0-dim tensor (1 / temperature).
+    """The masked-softmax core (:class:`flashcl.core.CoreSpec`) on embeddings,
+    reduced: the entry point that every loss here (and the integrations) goes
+    through. ``k=None`` means the candidates are the anchors; ``scale`` is a
+    0-dim tensor (1 / temperature).
 
     Args:
         q: (M, D) anchors. k: (N, D) candidates, or None.
         scale: 0-dim floating tensor; a learnable one gets its gradient.
         spec: the core's configuration.
         reduction: ``"mean"`` (over the rows :meth:`CoreSpec.valid_rows` keeps) |
-            ``"sum"`` | ``"none"``.
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``.
+            ``"sum"`` | ``"none"`` (per-row losses; for ``spec.symmetric`` the mean
+            of each row's and its column's).
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
+            (see :mod:`flashcl.backends`).
         block_size: rows per block of the tiled backend; None picks one.
     """
-    with autocast_off(q.device.type):
-        return _run_core_now(q, k, scale, spec, reduction, backend, block_size)
-
-
-def _run_core_now(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str,
-                  backend: str, block_size: Optional[int]) -> Tensor:
     m = q.shape[0]
     n = m if k is None else k.shape[0]
-    name = _resolve_backend(backend, m * n, q.device, q.dtype, q.shape[-1])
-    if name != "tiled":
-        row, col = (_run_triton if name == "triton" else _CORE_BACKENDS[name])(q, k, scale, spec)
+    dtype = compute_dtype(q.dtype)
+    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1])
+    if name == "reference":
+        with autocast_off(q.device.type):
+            row, col = reference.core_loss(q, k, scale, spec)
         return _reduce(row, col, spec, reduction)
-    block = block_size or auto_block(m, n, compute_dtype(q.dtype), self_contrast=k is None)
+    problem = spec.problem(m, n, dtype)
+    weights = None if reduction == "none" else _reduce_weights(spec, m, reduction, dtype, q.device)
+    out = backends.run(q, k, scale, problem, name, weights, block_size)
     if reduction == "none":
-        out = TiledCore.apply(q, k, scale, spec, None, block)
         return _reduce(out[:m], out[m:] if spec.symmetric else None, spec, "none")
-    weights = _reduce_weights(spec, m, reduction, compute_dtype(q.dtype), q.device)
-    return TiledCore.apply(q, k, scale, spec, weights, block)
+    return out
 
 
 def _dense_ids(labels: Tensor) -> Tuple[Tensor, int]:
@@ -195,8 +164,9 @@ def supcon_loss(
     where ``Den(i)`` is every sample but ``i`` (``include_self=False``) or every
     sample (``include_self=True``). The defaults are SupCon's ``L_out`` (Khosla
     et al., 2020). ``positives="sum", include_self=True, temperature=0.05`` is
-    exactly the supervised SimCSE loss of the second seed
-    (``vectorized_supervised_simcse_loss``), every anchor counted.
+    the supervised SimCSE loss as it is commonly written (every same-label
+    sample's score subtracted from a logsumexp over the whole batch, self
+    included), every anchor counted.
 
     With ``positives="mean"``, anchors without any positive have an undefined
     term: their per-anchor loss is 0 and ``reduction="mean"`` averages over the
@@ -216,7 +186,10 @@ def supcon_loss(
         include_self: keep ``j = i`` in the denominator. Default: False.
         normalize: L2-normalise the embeddings first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-anchor losses).
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``.
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors when Triton is
+            installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
+            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
 
     Shape:
@@ -284,7 +257,10 @@ def nt_xent_loss(
         temperature: float or 0-dim tensor. Default: 0.07.
         normalize: L2-normalise first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``.
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors when Triton is
+            installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
+            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
 
     Shape:
@@ -338,7 +314,10 @@ def info_nce_loss(
         temperature: float or 0-dim tensor. Default: 0.05.
         normalize: L2-normalise first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``.
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors when Triton is
+            installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
+            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
 
     Shape:
@@ -386,7 +365,10 @@ def clip_loss(
         normalize: L2-normalise first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per pair: the mean of its
             row and column terms).
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``.
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors when Triton is
+            installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
+            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
 
     Shape:
@@ -419,7 +401,7 @@ def neighbor_loss(
     backend: str = "auto",
     block_size: Optional[int] = None,
 ) -> Tensor:
-    r"""The first seed's "sampled neighbours" loss on a given n x n score matrix.
+    r"""The "sampled neighbours" contrastive loss on a given n x n score matrix.
 
     Every row ``i`` has k positive columns ``neighbors[i]`` (repeats and the
     diagonal allowed), each its own cross-entropy term against the row's
@@ -428,17 +410,20 @@ def neighbor_loss(
         loss_i = sum_t ( LSE_{c != i} scores[i, c] - scores[i, neighbors[i, t]] )
 
     computed as a masked logsumexp, so scores up to 1e4 in magnitude stay
-    finite (the seed's ``sum(exp(x)) - exp(diag)`` overflows past ~88). With
-    the seed's sampled indices the sum equals the seed program's loss; the
-    seed's Python loops took 37 s in backward at n = 2000.
+    finite (``log(exp(x) / (sum(exp(x)) - exp(diag)))`` overflows past ~88 in
+    float32). It is the loss of ``-log(exp(y) / row_sum)`` over neighbours copied
+    element by element in Python loops, whose backward takes tens of seconds at
+    n = 2000; here it takes milliseconds, with the same value and gradient for the
+    same sampled indices.
 
     Args:
         scores: (n, n) floating score matrix.
         neighbors: (n, k) integer column indices, ``0 <= neighbors < n``.
         exclude_diagonal: drop column ``i`` from row ``i``'s denominator. Default: True.
-        reduction: ``"sum"`` (default, the seed's), ``"mean"`` (over the n rows) or
+        reduction: ``"sum"`` (default), ``"mean"`` (over the n rows) or
             ``"none"`` (per-row sums over the row's k neighbours).
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``;
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (no
+            ``"triton"``: the matrix is given, there are no embeddings to tile);
             ``"auto"`` is tiled, whose only n x n allocation is the gradient.
         block_size: rows per block of the tiled backend; None picks one.
 
@@ -482,19 +467,11 @@ def _run_scores(scores: Tensor, spec: CoreSpec, name: str, reduction: str, block
     if name != "tiled":
         return _reduce(_SCORE_BACKENDS[name](scores, spec), None, spec, reduction)
     dtype = compute_dtype(scores.dtype)
-    block = block_size or _auto_scores_block(n)
+    block = block_size or auto_scores_block(n)
     if reduction == "none":
         return TiledScores.apply(scores, spec, None, block)
     r, _ = _reduce_weights(spec, n, reduction, dtype, scores.device)
     return TiledScores.apply(scores, spec, r, block)
-
-
-def _auto_scores_block(n: int) -> int:
-    """Rows per block for a given score matrix: about 4M entries (16 MB of
-    float32). Few large elementwise ops measured faster here than L2-sized
-    blocks, whose per-op overhead dominates (n = 2000: one 2000-row block
-    5.1 ms, 131-row blocks 7.1 ms)."""
-    return max(1, min(n, (1 << 22) // max(1, n)))
 
 
 def sample_neighbors(
@@ -505,14 +482,14 @@ def sample_neighbors(
     device: Optional[Union[str, torch.device]] = None,
     exclude_self: bool = False,
 ) -> Tensor:
-    """k uniformly sampled columns per row, vectorised (the first seed's sampling).
+    """k uniformly sampled columns per row, vectorised (``random.randrange`` in a loop, at once).
 
     Args:
         n: number of rows (and of columns to sample from).
-        k: samples per row, with replacement (repeats possible, as in the seed).
+        k: samples per row, with replacement (repeats possible).
         generator: optional ``torch.Generator`` for reproducible draws.
         device: where the result lives. Default: CPU.
-        exclude_self: never draw column ``i`` for row ``i``. Default: False (the seed's).
+        exclude_self: never draw column ``i`` for row ``i``. Default: False.
 
     Shape:
         - output: (n, k) int64

@@ -1,4 +1,4 @@
-"""The reference backend: the seeds' per-anchor loops, generalised.
+"""The reference backend: per-anchor loops, as a loss is first written by hand.
 
 Slow (a Python loop over anchors and over their positives) and obviously
 correct: it is the oracle that every other backend is tested against, and the
@@ -12,7 +12,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .core import CoreSpec, compute_dtype, prepare
+from .core import CoreSpec, prepare
+from .utils import compute_dtype
 
 
 def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
@@ -62,6 +63,6 @@ def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> 
 
 
 def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
-    """Row losses (n,) of the core on a given score matrix (the first seed's loop)."""
+    """Row losses (n,) of the core on a given score matrix, one row at a time."""
     scores = scores.to(compute_dtype(scores.dtype))
     return torch.stack([_row_loss(scores[i], i, spec) for i in range(scores.shape[0])])

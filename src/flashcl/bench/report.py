@@ -32,7 +32,8 @@ def agreement(r: Row, rows: List[Row]) -> str:
 
 
 def size_label(r: Row) -> str:
-    return ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in ("impl", "classes", "device", "seed2", "strategy", "repeats"))
+    hidden = ("impl", "classes", "device", "seed2", "strategy", "repeats")
+    return ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in hidden)
 
 
 def size_value(r: Row) -> int:

@@ -37,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import checks, functional as Fn
-from ..core import CoreSpec, autocast_off, compute_dtype, differentiable_grads
+from .. import checks
+from .. import functional as Fn
+from ..core import CoreSpec
 from ..tiled import auto_block
+from ..utils import autocast_off, compute_dtype, differentiable_grads
 
 try:
     from pytorch_metric_learning import distances as _pml_distances

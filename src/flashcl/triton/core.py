@@ -1,6 +1,6 @@
-"""``TritonCore``: the core's row (and CLIP column) logsumexp and its gradient in
-Triton kernels; the positive terms, bilinear in the embeddings, are computed in
-embedding space with torch ops exactly as the tiled backend does."""
+"""The triton backend's driver: the softmax head's row (and CLIP column)
+logsumexp and its gradient in Triton kernels (:mod:`flashcl.triton.kernels`);
+the engine (:mod:`flashcl.engine`) does the rest, as for every backend."""
 from __future__ import annotations
 
 import os
@@ -10,9 +10,9 @@ import torch
 import triton
 from torch import Tensor
 
-from .. import dense
-from ..core import CoreSpec, autocast_off, differentiable_grads
-from ..tiled import _finish_grads, _positive_raw, _prepare
+from ..engine import Driver, Operands
+from ..heads import Head, SoftmaxHead
+from ..linear import raw_rows
 from . import MAX_WIDTH
 from .kernels import _dk_kernel, _dq_kernel, _lse_kernel
 
@@ -79,8 +79,8 @@ def _lse(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_sel
     return out
 
 
-def _grads(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, spec: CoreSpec, lse_r: Tensor, g_r: Tensor,
-           lse_c: Optional[Tensor], g_c: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def _grads(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_self: bool, offset: int,
+           lse_r: Tensor, g_r: Tensor, lse_c: Optional[Tensor], g_c: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     m, d = q.shape
     n = k.shape[0]
     cfg = _config(d, q.dtype)
@@ -89,89 +89,65 @@ def _grads(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, spec: Cor
     g_c_ = g_c if g_c is not None else g_r
     dq = torch.empty(m, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(n, d, dtype=torch.float32, device=q.device)
-    common = dict(EXCLUDE_SELF=spec.exclude_self, HAS_COL=has_col, **cfg.launch())
+    common = dict(EXCLUDE_SELF=exclude_self, HAS_COL=has_col, **cfg.launch())
     args = (lse_r, g_r, lse_c_, g_c_, m, n, d, q.stride(0), k.stride(0))
-    _dq_kernel[(triton.cdiv(m, cfg.block_m),)](q, k, iq, ik, dq, *args, dq.stride(0), scale, spec.offset, **common)
-    _dk_kernel[(triton.cdiv(n, cfg.block_n),)](q, k, iq, ik, dk, *args, dk.stride(0), scale, spec.offset, **common)
+    _dq_kernel[(triton.cdiv(m, cfg.block_m),)](q, k, iq, ik, dq, *args, dq.stride(0), scale, offset, **common)
+    _dk_kernel[(triton.cdiv(n, cfg.block_n),)](q, k, iq, ik, dk, *args, dk.stride(0), scale, offset, **common)
     return dq, dk
 
 
-def _rows(x: Tensor, normalize: bool) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
-    """(x contiguous in its dtype, its rows normalised in float32, their norms or
-    None, the float32 row scale the kernels apply: 1/norm, or 1)."""
-    xc = x.detach().contiguous()
-    x32, norms = _prepare(xc, normalize, torch.float32)
-    inv = (1.0 / norms) if norms is not None else torch.ones(xc.shape[0], dtype=torch.float32, device=xc.device)
-    return xc, x32, norms, inv
+class TritonDriver(Driver):
+    """The engine's driver on Triton kernels, for the heads they implement
+    (:attr:`~flashcl.heads.Head.kernel` ``"softmax"``): the row (and column)
+    logsumexp in one kernel, the gradients ``dQ^ = G K^`` and ``dK^ = G^T Q^``
+    in two, every tile rebuilt on chip from the embeddings and the saved LSE.
+    The embeddings reach the kernels in their own dtype (float32, float16 or
+    bfloat16) with float32 row scales (1/|row| when normalising), so that half
+    inputs are rounded once, as given; the positive terms and the
+    normalisation's backward run in float32 (the engine's)."""
 
+    lazy = True
 
-class TritonCore(torch.autograd.Function):
-    """``apply(q, k, scale, spec)``: per-row losses (M,), with the column losses
-    appended for CLIP (M + N,). ``k=None`` means k = q. float32/float16/bfloat16
-    embeddings reach the kernels as given; with ``spec.normalize`` the kernels
-    scale each score by the rows' float32 inverse norms, and the normalisation's
-    backward runs in float32, so half-precision inputs are rounded once (as
-    given), not again after normalising."""
-
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k_in: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tensor:
-        if q.dtype not in _SUPPORTED:
-            raise TypeError(f"the triton backend takes float32, float16 or bfloat16 embeddings, got {q.dtype}")
-        qc, q32, _, iq = _rows(q, spec.normalize)
-        kc, k32, _, ik = (qc, q32, None, iq) if k_in is None else _rows(k_in, spec.normalize)
-        s = float(scale)
-        m = qc.shape[0]
-        lse_r = _lse(qc, kc, iq, ik, s, spec.exclude_self, spec.offset)
-        lse_c = _lse(kc, qc, ik, iq, s, False, 0) if spec.symmetric else None
-        raw_pos = _positive_raw(q32, k32, spec, 4096)
-        c, a = spec.weights(m, torch.float32)
-        out = c * lse_r - a * (s * raw_pos)
-        raw_diag = None
-        if spec.symmetric:
-            assert lse_c is not None
-            raw_diag = (q32 * k32).sum(1)
-            out = torch.cat([out, lse_c - s * raw_diag])
-        ctx.save_for_backward(q, k_in, scale, lse_r, lse_c, raw_pos, raw_diag)
-        ctx.spec = spec
-        return out
+    def __init__(self, head: Head) -> None:
+        if head.kernel != "softmax":
+            raise ValueError(f"the triton backend has kernels for the softmax head only, not for "
+                             f"{type(head).__name__}: use backend='tiled'")
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        q, k_in, scale, lse_r, lse_c, raw_pos, raw_diag = ctx.saved_tensors
-        spec: CoreSpec = ctx.spec
-        need_q, need_k, need_s = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
-            dq, dk, dscale = differentiable_grads(lambda a, b, sc: dense.core_output(a, b, sc, spec, None),
-                                                  (q, k_in, scale), (need_q, need_k, need_s), grad)
-            return dq, dk, dscale, None
-        with autocast_off(q.device.type):
-            return TritonCore._backward(ctx, grad, q, k_in, scale, lse_r, lse_c, raw_pos, raw_diag)
+    def _inputs(ops: Operands) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        assert ops.q_in is not None
+        qc = ops.q_in.contiguous()
+        if qc.dtype not in _SUPPORTED:
+            raise TypeError(f"the triton backend takes float32, float16 or bfloat16 embeddings, got {qc.dtype}")
+        kc = qc if ops.same else ops.k_in.contiguous()  # type: ignore[union-attr]
+        ones = torch.ones(qc.shape[0], dtype=torch.float32, device=qc.device)
+        iq = ones if ops.q_norms is None else (1.0 / ops.q_norms).float()
+        ik = iq if ops.same else (torch.ones(kc.shape[0], dtype=torch.float32, device=kc.device)
+                                  if ops.k_norms is None else (1.0 / ops.k_norms).float())
+        return qc, kc, iq, ik
 
-    @staticmethod
-    def _backward(ctx: Any, grad: Tensor, q: Tensor, k_in: Optional[Tensor], scale: Tensor, lse_r: Tensor,
-                  lse_c: Optional[Tensor], raw_pos: Tensor, raw_diag: Optional[Tensor]) -> Tuple[Any, ...]:
-        spec: CoreSpec = ctx.spec
-        need_q, need_k, need_s = ctx.needs_input_grad[:3]
-        qc, q32, q_norms, iq = _rows(q, spec.normalize)
-        kc, k32, k_norms, ik = (qc, q32, q_norms, iq) if k_in is None else _rows(k_in, spec.normalize)
-        m = qc.shape[0]
-        s = float(scale)
-        c, a = spec.weights(m, torch.float32)
-        g = grad.float()
-        g_row = g[:m]
-        g_col = g[m:] if spec.symmetric else None
-        # gradients w.r.t. the normalised rows (float32)
-        dq, dk = _grads(qc, kc, iq, ik, s, spec, lse_r, (g_row * c).contiguous(), lse_c,
-                        None if g_col is None else g_col.contiguous())
-        # d loss / d scale of the LSE terms: sum_ij G_ij q^_i.k^_j = sum(q^ * G K^), and dq = scale G K^
-        dscale = (dq * q32).sum() / s
-        if k_in is None:
-            de = dq.add_(dk)
-            dq_out, _, dscale = _finish_grads(q32, q32, q_norms, None, q, None, s, spec, de, de, dscale,
-                                              raw_pos, raw_diag, g_row * a, g_col, 4096)
-            dk_out = None
-        else:
-            dq_out, dk_out, dscale = _finish_grads(q32, k32, q_norms, k_norms, q, k_in, s, spec, dq, dk, dscale,
-                                                   raw_pos, raw_diag, g_row * a, g_col, 4096)
-        return (dq_out if need_q else None, dk_out if need_k else None,
-                dscale.to(scale.dtype) if need_s else None, None)
+    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
+                dk: Optional[Tensor]) -> Optional[Tensor]:
+        assert isinstance(head, SoftmaxHead)
+        qc, kc, iq, ik = self._inputs(ops)
+        lse_r = _lse(qc, kc, iq, ik, ops.scale, head.exclude_self, head.offset)
+        lse_c = _lse(kc, qc, ik, iq, ops.scale, False, 0) if head.has_columns else None
+        head.kernel_state(st, lse_r.to(raw_rows(ops.q)[0].dtype),
+                          None if lse_c is None else lse_c.to(raw_rows(ops.q)[0].dtype))
+        return None
+
+    def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
+        assert isinstance(head, SoftmaxHead)
+        qc, kc, iq, ik = self._inputs(ops)
+        g_row, g_col = head.kernel_weights(st)
+        lse_c = st.col
+        gq, gk = _grads(qc, kc, iq, ik, ops.scale, head.exclude_self, head.offset, st.row.float(),
+                        g_row.float().contiguous(), None if lse_c is None else lse_c.float(),
+                        None if g_col is None else g_col.float().contiguous())
+        # sum_ij G_ij q^_i.k^_j = sum(q^ * G K^), and gq = scale G K^
+        m = gq.shape[0]
+        dscale = sum((gq[r0:r0 + ops.block] * ops.q[r0:r0 + ops.block]).sum()
+                     for r0 in range(0, m, ops.block)) / ops.scale
+        dq.add_(gq.to(dq.dtype))
+        dk.add_(gk.to(dk.dtype))
+        return dscale

@@ -1,0 +1,81 @@
+"""Backend names, the ``auto`` rule, and the driver each name runs a problem with.
+
+* ``"dense"``: the whole score matrix, differentiated by autograd
+  (:func:`flashcl.engine.dense_values`); memory O(M N).
+* ``"tiled"``: blocks of rows (:class:`flashcl.tiled.RowBlocks`), or for
+  self-contrast the upper panels only (:class:`flashcl.symmetric.SymmetricPanels`);
+  memory O((M + N) D + block x N).
+* ``"triton"``: Triton kernels (:class:`flashcl.triton.core.TritonDriver`), CUDA
+  (on a CPU only under Triton's interpreter, for tests).
+* ``"reference"``: the per-anchor loops of :mod:`flashcl.reference` (not a driver:
+  the losses in :mod:`flashcl.functional` call it directly); the tests' oracle.
+* ``"auto"``: see :func:`resolve`.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import engine
+from .engine import Driver, Problem, ReduceWeights
+from .symmetric import SymmetricPanels
+from .tiled import RowBlocks, auto_block
+from .triton import MAX_WIDTH as TRITON_MAX_WIDTH
+from .utils import compute_dtype
+
+__all__ = ["AUTO_TILED_MIN_ENTRIES", "resolve", "driver", "run"]
+
+#: ``backend="auto"`` switches from dense to tiled at this many score-matrix
+#: entries (M x N). Measured on the 2-core CPU (``flashcl bench --suite seed2``,
+#: D = 768): at B = 256 both took 4.7-4.8 ms; at B = 1024 (2^20 entries) tiled
+#: took 33 ms and dense 59 ms, and above that tiled's memory stays O(B).
+AUTO_TILED_MIN_ENTRIES = 1 << 20
+
+
+def resolve(backend: str, entries: int, device: torch.device, dtype: torch.dtype, width: int = 0,
+            kernel: Optional[str] = "softmax") -> str:
+    """The backend ``"auto"`` stands for: ``"triton"`` for CUDA tensors when Triton is
+    importable, the head has kernels (``kernel``) and they take the dtype and width;
+    else ``"tiled"`` from :data:`AUTO_TILED_MIN_ENTRIES` score entries, ``"dense"`` below.
+    Any other name is returned as is."""
+    if backend != "auto":
+        return backend
+    if (device.type == "cuda" and kernel is not None and width <= TRITON_MAX_WIDTH.get(dtype, -1)
+            and importlib.util.find_spec("triton") is not None):
+        return "triton"
+    return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
+
+
+def _self_contrast(k: Optional[Tensor], problem: Problem) -> bool:
+    return k is None and problem.offset == 0 and problem.head.symmetric
+
+
+def driver(name: str, problem: Problem, k: Optional[Tensor], device_type: str) -> Optional[Driver]:
+    """The driver for backend ``name`` (None: the dense formula)."""
+    if name == "dense":
+        return None
+    if name == "tiled":
+        return SymmetricPanels() if _self_contrast(k, problem) else RowBlocks()
+    if name == "triton":
+        from .triton import availability
+
+        ok, why = availability(device_type)
+        if not ok:
+            raise ValueError(f"backend='triton' is not usable here: {why}")
+        from .triton.core import TritonDriver
+
+        return TritonDriver(problem.head)
+    raise ValueError(f"backend {name!r} does not run engine problems")
+
+
+def run(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, name: str, reduce_weights: ReduceWeights,
+        block_size: Optional[int]) -> Tensor:
+    """:func:`flashcl.engine.run` with backend ``name``'s driver; ``block_size=None``
+    picks the rows per block (:func:`flashcl.tiled.auto_block`)."""
+    m = q.shape[0]
+    n = m if k is None else k.shape[0]
+    block = block_size or auto_block(m, n, compute_dtype(q.dtype), self_contrast=_self_contrast(k, problem))
+    return engine.run(q, k, scale, problem, driver(name, problem, k, q.device.type), reduce_weights, block)

@@ -1,0 +1,350 @@
+"""The tile engine: one autograd Function for every loss and every backend.
+
+A loss is a :class:`Problem`: a :class:`~flashcl.heads.Head` (its nonlinear part
+over score tiles) and :class:`~flashcl.linear.Linear` terms (its positives, in
+embedding space). A *driver* visits the tiles of ``s_ij = scale * q^_i . k^_j``
+(:mod:`flashcl.tiled`'s row blocks, :mod:`flashcl.symmetric`'s upper panels,
+the Triton kernels, the distributed ring) and hands each one to the head. This
+module does what is common to all of them, once:
+
+* casting (float32 accumulation for half precision) and the L2 normalisation,
+  with its backward;
+* the linear terms and their gradients;
+* the reduction (``reduce_weights``): with a scalar loss and a gradient to come,
+  the gradient is formed during the forward pass when the driver can (rows that
+  are complete in one tile: three GEMMs instead of four) and only scaled in
+  backward;
+* the second derivatives (``create_graph=True``), through the head's dense
+  formula (:func:`dense_values`), and autocast kept out of the computation.
+
+``dense_values`` is also the dense backend: the whole score matrix as one tile,
+differentiated by autograd.
+
+Driver protocol (see :class:`Driver`): ``forward`` runs the head's reduction
+passes over every tile (calling ``head.finish`` after each) and, when asked and
+able, accumulates the gradient in the same visit; ``backward`` recomputes each
+tile, turns it into ``dL/ds`` with ``head.grad`` and accumulates
+``dq^ += scale G k^``, ``dk^ += scale G^T q^``. Both return
+``sum_ij G_ij q^_i . k^_j`` (the scale's gradient).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .heads import Head, Tile
+from .linear import Linear, Rows, RowScaled, class_sums, raw_rows
+from .utils import autocast_off, compute_dtype, differentiable_grads
+
+__all__ = ["Problem", "Operands", "Driver", "EngineFunction", "dense_values", "run", "NORM_EPS"]
+
+NORM_EPS = 1e-12  # F.normalize's default
+
+ReduceWeights = Optional[Tuple[Tensor, Optional[Tensor]]]
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """One loss on one pair of embedding sets.
+
+    Attributes:
+        head: the nonlinear part.
+        linears: the linear terms (positives).
+        normalize: L2-normalise the rows of q and k first.
+        offset: column of anchor 0 (self-contrast on a slice of the candidates).
+    """
+
+    head: Head
+    linears: Tuple[Linear, ...] = field(default_factory=tuple)
+    normalize: bool = True
+    offset: int = 0
+
+
+@dataclass
+class Operands:
+    """The prepared inputs of one call: rows normalised (``q``, ``k``; lazily, as
+    :class:`~flashcl.linear.RowScaled`, when the driver asks) in the compute dtype,
+    their norms, ``same`` (k is q), the scale, ``bound >= max |s_ij|``, the rows
+    per block."""
+
+    q: Rows
+    k: Rows
+    q_norms: Optional[Tensor]
+    k_norms: Optional[Tensor]
+    same: bool
+    scale: float
+    bound: float
+    block: int
+    offset: int = 0
+    #: the inputs as given (detached, their own dtype): for drivers that compute
+    #: in it (the Triton kernels take half precision as is)
+    q_in: Optional[Tensor] = None
+    k_in: Optional[Tensor] = None
+
+
+class Driver:
+    """Visits the tiles of a problem; see the module docstring.
+
+    Attributes:
+        lazy: takes the normalised rows as :class:`~flashcl.linear.RowScaled` views.
+        no_second_derivatives: see below.
+        class_sums: the per-class row sums the linear terms use (the distributed
+            ring adds every rank's).
+    """
+
+    lazy = False
+    class_sums = staticmethod(class_sums)
+    #: why this driver's losses have no second derivatives (None: they have, through
+    #: the dense formula); raised as a RuntimeError on ``create_graph=True``
+    no_second_derivatives: Optional[str] = None
+
+    def num_columns(self, ops: Operands) -> int:
+        """Columns of the whole score matrix (more than ``k``'s rows when the other
+        columns live elsewhere, as on the distributed ring)."""
+        return ops.k.shape[0]
+
+    def bound(self, ops: Operands) -> Optional[float]:
+        """A value ``>= max |s_ij|`` over every tile this driver visits, or None."""
+        return ops.bound
+
+    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
+                dk: Optional[Tensor]) -> Optional[Tensor]:
+        """Every reduction pass; with ``g_row`` (and dq, dk), also the gradient when the
+        driver can form it in the same visit: then returns d scale (else None)."""
+        raise NotImplementedError
+
+    def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
+        """The head's gradient (``head.begin_grad`` was called), accumulated into dq, dk
+        as gradients with respect to the normalised rows; returns
+        ``sum_ij G_ij q^_i . k^_j``."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drops the buffers kept between the passes of one call (forward and a
+        fused gradient share them); called when the forward pass ends."""
+
+
+def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype, lazy: bool) -> Tuple[Rows, Optional[Tensor]]:
+    """Cast (never in place) and optionally L2-normalise rows: (rows, norms)."""
+    x = x.detach().to(dtype)
+    if not normalize:
+        return x, None
+    norms = torch.linalg.vector_norm(x, dim=1).clamp_min(NORM_EPS)
+    if lazy:
+        return RowScaled(x, 1.0 / norms), norms
+    return x / norms.unsqueeze(1), norms
+
+
+def _max_row_norm(rows: Rows) -> float:
+    raw, inv = raw_rows(rows)
+    norms = torch.linalg.vector_norm(raw, dim=1)
+    return float((norms if inv is None else norms * inv).max())
+
+
+def operands(q_in: Tensor, k_in: Optional[Tensor], scale: float, normalize: bool, lazy: bool, block: int,
+             offset: int = 0) -> Operands:
+    """Casts and normalises the inputs (``k_in=None``: k is q) for a driver."""
+    dtype = compute_dtype(q_in.dtype)
+    q, q_norms = _prepare(q_in, normalize, dtype, lazy)
+    k, k_norms = (q, q_norms) if k_in is None else _prepare(k_in, normalize, dtype, lazy)
+    # Cauchy-Schwarz: |s_ij| <= scale * max |q^_i| * max |k^_j|
+    qmax = 1.0 if normalize else _max_row_norm(q)
+    kmax = qmax if k_in is None or normalize else _max_row_norm(k)
+    return Operands(q, k, q_norms, k_norms, k_in is None, scale, scale * qmax * kmax, block, offset,
+                    q_in.detach(), None if k_in is None else k_in.detach())
+
+
+def normalize_backward_(grad: Tensor, y: Rows, norms: Tensor, block: int) -> None:
+    """In place: d(x / max(|x|, eps))/dx applied to ``grad``, given y = x/|x|."""
+    projected = norms > NORM_EPS
+    for r0 in range(0, grad.shape[0], block):
+        g, yb = grad[r0:r0 + block], y[r0:r0 + block]
+        dot = (g * yb).sum(1) * projected[r0:r0 + block]
+        g.sub_(yb * dot.unsqueeze(1)).div_(norms[r0:r0 + block].unsqueeze(1))
+
+
+def _add_linear(rows: Tensor, cols: Optional[Tensor], lin: Linear, value: Tensor, scale: Any
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+    if lin.target == "row":
+        return rows - scale * lin.weight * value, cols
+    assert cols is not None, "a column linear term needs a head with columns"
+    return rows, cols - scale * lin.weight * value
+
+
+def dense_values(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-row (and per-column) losses by differentiable torch ops on the whole
+    score matrix: the dense backend, and the second derivatives of the others."""
+    dtype = compute_dtype(q.dtype)
+    q = q.to(dtype)
+    same = k is None
+    k = q if k is None else k.to(dtype)
+    if problem.normalize:
+        q = F.normalize(q, dim=1)
+        k = q if same else F.normalize(k, dim=1)
+    s = (q @ k.T) * scale.to(dtype)
+    rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset))
+    for lin in problem.linears:
+        rows, cols = _add_linear(rows, cols, lin, lin.dense(s), 1.0)
+    return rows, cols
+
+
+def _output(rows: Tensor, cols: Optional[Tensor], reduce_weights: ReduceWeights) -> Tensor:
+    if reduce_weights is None:
+        return rows if cols is None else torch.cat([rows, cols])
+    r, u = reduce_weights
+    out = (r * rows).sum()
+    if cols is not None:
+        assert u is not None
+        out = out + (u * cols).sum()
+    return out
+
+
+def dense_output(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem,
+                 reduce_weights: ReduceWeights) -> Tensor:
+    """What :class:`EngineFunction` returns, by :func:`dense_values`."""
+    rows, cols = dense_values(q, k, scale, problem)
+    return _output(rows, cols, reduce_weights)
+
+
+def _linear_grads(ops: Operands, problem: Problem, driver: Driver, raws: List[Tensor], g_row: Tensor,
+                  g_col: Optional[Tensor], dq: Tensor, dk: Tensor) -> Tensor:
+    """Adds the linear terms' gradients; returns their part of d scale."""
+    dscale = dq.new_zeros(())
+    for lin, raw in zip(problem.linears, raws):
+        g = g_row if lin.target == "row" else g_col
+        assert g is not None
+        w = g * lin.weight
+        lin.grad_(ops.q, ops.k, ops.scale, w, dq, dk, ops.block, driver.class_sums)
+        dscale = dscale - (w * raw).sum()
+    return dscale
+
+
+def _input_grads(ops: Operands, dq: Tensor, dk: Tensor, q_in: Tensor, k_in: Optional[Tensor]
+                 ) -> Tuple[Tensor, Optional[Tensor]]:
+    """The normalisation's backward and the cast back to the inputs' dtypes."""
+    if ops.q_norms is not None:
+        normalize_backward_(dq, ops.q, ops.q_norms, ops.block)
+        if not ops.same:
+            assert ops.k_norms is not None
+            normalize_backward_(dk, ops.k, ops.k_norms, ops.block)
+    return dq.to(q_in.dtype), None if ops.same else dk.to(k_in.dtype)  # type: ignore[union-attr]
+
+
+def _new_grads(ops: Operands) -> Tuple[Tensor, Tensor]:
+    dk = torch.zeros_like(raw_rows(ops.k)[0])
+    dq = dk if ops.same else torch.zeros_like(raw_rows(ops.q)[0])
+    return dq, dk
+
+
+class EngineFunction(torch.autograd.Function):
+    """``apply(q, k, scale, problem, driver, reduce_weights, block)``.
+
+    ``k=None`` means the candidates are the anchors (one gradient). Returns the
+    per-row losses (M,), with the per-column losses appended for a head with
+    columns (M + N,), or, for ``reduce_weights=(r, u)``, the scalar
+    ``sum r * rows + sum u * cols``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor, problem: Problem, driver: Driver,
+                reduce_weights: ReduceWeights, block: int) -> Tensor:
+        head = problem.head
+        s = float(scale)
+        ops = operands(q_in, k_in, s, problem.normalize, driver.lazy, block, problem.offset)
+        m, n = ops.q.shape[0], driver.num_columns(ops)
+        needs_grad = any(ctx.needs_input_grad[:3])
+        fused = reduce_weights is not None and needs_grad
+        st = head.state(m, n, raw_rows(ops.q)[0], driver.bound(ops))
+        dq = dk = dscale = None
+        if fused:
+            assert reduce_weights is not None
+            r, u = reduce_weights
+            dq, dk = _new_grads(ops)
+            dscale = driver.forward(ops, head, st, r if not head.has_columns else None, dq, dk)
+            if dscale is None:  # the driver could not form it in the same visit: a second pass now
+                head.begin_grad(st, r, u)
+                dscale = driver.backward(ops, head, st, dq, dk)
+        else:
+            driver.forward(ops, head, st, None, None, None)
+        driver.release()  # before the linear terms: their temporaries need not stack on the tile buffers
+        rows, cols = head.values(st)
+        raws = [lin.raw(ops.q, ops.k, block, driver.class_sums) for lin in problem.linears]
+        for lin, raw in zip(problem.linears, raws):
+            rows, cols = _add_linear(rows, cols, lin, raw, s)
+
+        ctx.problem, ctx.driver, ctx.block, ctx.reduce_weights = problem, driver, block, reduce_weights
+        ctx.st, ctx.raws, ctx.grads = st, raws, None
+        if needs_grad:
+            ctx.save_for_backward(q_in, k_in, scale)
+        if fused:
+            assert reduce_weights is not None and dq is not None and dk is not None and dscale is not None
+            r, u = reduce_weights
+            dscale = dscale + _linear_grads(ops, problem, driver, raws, r, u, dq, dk)
+            dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
+            ctx.grads = (dq_in, dk_in, dscale)
+        return _output(rows, cols, reduce_weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
+        q_in, k_in, scale = ctx.saved_tensors
+        problem, reduce_weights = ctx.problem, ctx.reduce_weights
+        need_q, need_k, need_s = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
+            if ctx.driver.no_second_derivatives is not None:
+                raise RuntimeError(ctx.driver.no_second_derivatives)
+            ctx.grads = None
+            dq, dk, dscale = differentiable_grads(
+                lambda q, k, sc: dense_output(q, k, sc, problem, reduce_weights),
+                (q_in, k_in, scale), (need_q, need_k, need_s), grad_out)
+        else:
+            with autocast_off(q_in.device.type):
+                dq, dk, dscale = EngineFunction._backward(ctx, grad_out, q_in, k_in, scale)
+            dscale = dscale.to(scale.dtype)
+        nones = (None,) * 4
+        return (dq if need_q else None, dk if need_k else None, dscale if need_s else None) + nones
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Tensor, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor
+                  ) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+        if ctx.grads is not None:
+            # formed by the fused forward; handed over (not copied) the first time
+            dq, dk, dscale = ctx.grads
+            ctx.grads = None
+            if not bool((grad_out == 1).all()):
+                dq.mul_(grad_out)
+                if dk is not None:
+                    dk.mul_(grad_out)
+                dscale = dscale * grad_out
+            return dq, dk, dscale
+        problem, driver, block = ctx.problem, ctx.driver, ctx.block
+        head, st = problem.head, ctx.st
+        ops = operands(q_in, k_in, float(scale), problem.normalize, driver.lazy, block, problem.offset)
+        m = ops.q.shape[0]
+        dtype = compute_dtype(q_in.dtype)
+        if ctx.reduce_weights is not None:
+            r, u = ctx.reduce_weights
+            g_row, g_col = r * grad_out, (None if u is None else u * grad_out)
+        else:
+            g = grad_out.to(dtype)
+            g_row, g_col = g[:m], (g[m:] if head.has_columns else None)
+        dq, dk = _new_grads(ops)
+        head.begin_grad(st, g_row, g_col)
+        dscale = driver.backward(ops, head, st, dq, dk)
+        driver.release()
+        dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk)
+        dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
+        return dq_in, dk_in, dscale
+
+
+def run(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, driver: Optional[Driver],
+        reduce_weights: ReduceWeights, block: int) -> Tensor:
+    """The problem's losses: through ``driver`` (an :class:`EngineFunction`), or by
+    the dense formula when ``driver`` is None; autocast off either way."""
+    with autocast_off(q.device.type):
+        if driver is None:
+            return dense_output(q, k, scale, problem, reduce_weights)
+        return EngineFunction.apply(q, k, scale, problem, driver, reduce_weights, block)

@@ -1,0 +1,353 @@
+"""Loss heads: what a loss computes from tiles of scores ``s_ij = scale * q^_i . k^_j``.
+
+Every loss in flashcl is a *head* (the part that is not linear in the scores:
+a logsumexp, a sigmoid, ...) plus *linear terms* (``sum_j m_ij s_ij``: the
+positives, computed in embedding space by :mod:`flashcl.linear`). The backends
+(:mod:`flashcl.tiled`, :mod:`flashcl.symmetric`, :mod:`flashcl.distributed`'s
+ring, :mod:`flashcl.triton`) visit tiles of the score matrix and hand each one
+to the head; they never know which head they serve. :mod:`flashcl.dense` and the
+second-derivative path use the head's differentiable :meth:`Head.dense` formula
+on the whole matrix.
+
+A head answers, for a tile ``s`` (rows ``tile.r0:tile.r1``, columns
+``tile.c0:tile.c1`` of the problem):
+
+* :meth:`Head.reduce`: merge the tile into its per-row / per-column
+  accumulators (pass ``p`` of :attr:`Head.passes`; a head whose gradient needs
+  one reduction before another, as an LSE before a softplus of it, has two);
+* :meth:`Head.values`: once every tile was reduced, the per-row and per-column
+  losses (the nonlinear part);
+* :meth:`Head.grad`: ``dL/ds`` of the tile, weighted by the upstream gradient of
+  each row's (and column's) loss;
+* optionally :meth:`Head.rows_fused`: a tile of complete rows reduced *and*
+  turned into its gradient in one visit (the fused forward of scalar losses:
+  three GEMMs instead of four), and the symmetric-panel methods that the
+  self-contrast driver calls (defaults are built from the two above).
+
+Tiles may be overwritten in place by every method (the drivers recompute
+scores when they need them again), so that no second buffer of a tile's size
+is needed on the common paths.
+
+Adding a loss whose nonlinear part is new = one :class:`Head` subclass
+(see CONTRIBUTING.md); the backends need no change, except the Triton kernels,
+which implement the heads named by :attr:`Head.kernel`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Tile", "Head", "SoftmaxHead", "lse_inplace", "mask_self_", "scratch"]
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Rows ``r0:r1`` and columns ``c0:c1`` of the problem's score matrix.
+
+    ``offset``: column of anchor 0 (the self column of row ``i`` is ``i + offset``).
+    """
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    offset: int = 0
+
+    @property
+    def self_diagonal(self) -> int:
+        """The diagonal of the tile (``tensor.diagonal(offset=...)``) that holds
+        the self entries ``(i, i + offset)``; it is empty when none is in the tile."""
+        return self.r0 + self.offset - self.c0
+
+    def transposed(self) -> Tile:
+        """The same entries seen from the columns: for self-contrast (rows and
+        columns are the same samples, offset 0), tile ``(c, r)`` of the transposed
+        scores is tile ``(c, r)`` of the problem, since ``s_ji = s_ij``."""
+        return Tile(self.c0, self.c1, self.r0, self.r1, -self.offset)
+
+
+def mask_self_(s: Tensor, tile: Tile, value: float) -> None:
+    """In place: the self entries of the tile take ``value``."""
+    s.diagonal(offset=tile.self_diagonal).fill_(value)
+
+
+def scratch(buf: Tensor, like: Tensor) -> Tensor:
+    """A contiguous view of a free buffer (any shape, at least as many elements)
+    with the shape of ``like``."""
+    return buf.view(-1)[:like.numel()].view(like.shape)
+
+
+def lse_inplace(s: Tensor) -> Tuple[Tensor, Tensor]:
+    """Row logsumexp of ``s``; leaves ``exp(s - rowmax)`` in it; returns (lse, row sums)."""
+    mx = s.amax(1, keepdim=True)
+    # a row whose entries are all -inf (empty denominator): shift by 0, not by -inf
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    s.sub_(mx).exp_()
+    total = s.sum(1, keepdim=True)
+    return (mx + total.log()).squeeze(1), total
+
+
+class Head:
+    """The interface every backend drives; see the module docstring.
+
+    Attributes:
+        passes: reduction passes before :meth:`grad` can run.
+        fuses_rows: :meth:`rows_fused` is implemented.
+        has_columns: the head also returns per-column losses (CLIP's column direction).
+        symmetric: for self-contrast (``k is q``, no offset) its tile values and
+            gradients depend on ``(i, j)`` symmetrically, so that the self-contrast
+            driver may visit only the panels on and above the diagonal.
+        kernel: the name of the Triton tile function that implements it, or None.
+    """
+
+    passes: int = 1
+    fuses_rows: bool = False
+    has_columns: bool = False
+    symmetric: bool = False
+    kernel: Optional[str] = None
+
+    # ------------------------------------------------------------------ state
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
+        """Fresh accumulators for an (m, n) problem; ``bound``: a value ``>= max |s_ij|``
+        (from the rows' norms), or None when unknown."""
+        raise NotImplementedError
+
+    def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
+        """Merges tile ``s`` into the accumulators of pass ``p``; may overwrite ``s``."""
+        raise NotImplementedError
+
+    def finish(self, st: Any, p: int = 0) -> None:
+        """Called after pass ``p`` has visited every tile."""
+
+    def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
+        """The nonlinear part of the per-row losses (m,) and of the per-column losses (n,) or None."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- gradient
+    def begin_grad(self, st: Any, g_row: Tensor, g_col: Optional[Tensor]) -> None:
+        """Called once before the tiles' gradients, with the upstream gradient of each
+        row's (and column's) loss."""
+        st.g_row, st.g_col = g_row, g_col
+
+    def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
+        """``dL/ds`` of the tile (weighted by the upstream gradients); may be ``s`` itself.
+        ``buf``: a free buffer of at least the tile's size, when the driver has one."""
+        raise NotImplementedError
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: Any, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        """A tile of *complete* rows: every reduction pass for them at once and, when
+        ``g_row`` is given, their gradient (returned). Only called when
+        :attr:`fuses_rows` is True; otherwise the drivers run :meth:`reduce` per
+        pass, then :meth:`grad`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------ symmetric panels
+    def reduce_panel(self, s: Tensor, tile: Tile, st: Any, p: int, buf: Tensor) -> None:
+        """Self-contrast panel ``S[r0:r1, r0:]``: its rows' contributions and, through
+        ``s_ji = s_ij``, those of the rows right of the diagonal block. ``buf``: a free
+        buffer of the panel's size."""
+        b = tile.r1 - tile.r0
+        rest = None
+        if tile.c1 > tile.r1:
+            rest = scratch(buf, s)[:, b:]
+            rest.copy_(s[:, b:])
+        self.reduce(s, tile, st, p)
+        if rest is not None:
+            self.reduce(rest.T, Tile(tile.r1, tile.c1, tile.r0, tile.r1, -tile.offset), st, p)
+
+    def grad_panel(self, s: Tensor, tile: Tile, st: Any, buf: Tensor) -> Tensor:
+        """``H = G + G^T`` on the panel (the gradient of its rows plus, transposed, that
+        of the rows it stands for below the diagonal), in ``s``."""
+        other = scratch(buf, s)
+        other.copy_(s)
+        g = self.grad(s, tile, st)
+        gt = self.grad(other.T, tile.transposed(), st)
+        return g.add_(gt.T)
+
+    # ------------------------------------------------------------ dense form
+    def dense(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Optional[Tensor]]:
+        """The per-row (and per-column) losses from the whole score matrix ``s``, by
+        differentiable torch ops: the dense backend, and second derivatives."""
+        raise NotImplementedError
+
+
+class _SoftmaxState:
+    """Row (and column) logsumexp accumulators: exact running logsumexps, or, with
+    a fixed shift ``c >= max |s|`` (``summing``), plain sums of ``exp(s - c)``: one
+    exp per entry serves a row and a column sum. The shift is kept after
+    :meth:`SoftmaxHead.finish` for the gradient (one exp per entry there too)."""
+
+    def __init__(self, m: int, n: int, like: Tensor, shift: Optional[float], columns: bool) -> None:
+        self.shift = shift
+        self.summing = shift is not None
+        self.row = like.new_zeros(m) if self.summing else like.new_full((m,), float("-inf"))
+        self.col = None
+        if columns:
+            self.col = like.new_zeros(n) if self.summing else like.new_full((n,), float("-inf"))
+        self.alpha: Optional[Tensor] = None
+        self.beta: Optional[Tensor] = None
+        self.g_row: Optional[Tensor] = None
+        self.g_col: Optional[Tensor] = None
+
+
+class SoftmaxHead(Head):
+    """The masked softmax: per row ``c_i * LSE_{j in Den(i)} s_ij`` and, with
+    ``columns``, per column ``LSE_i s_ij`` (CLIP's column direction).
+
+    Args:
+        row_weight: ``c`` (m,), the weight of each row's logsumexp.
+        exclude_self: drop the self entry ``(i, i + offset)`` from row ``i``'s denominator.
+        offset: column of anchor 0.
+        columns: add the column direction (every row in each column's denominator).
+    """
+
+    kernel = "softmax"
+
+    def __init__(self, row_weight: Tensor, exclude_self: bool = False, offset: int = 0,
+                 columns: bool = False) -> None:
+        if columns and exclude_self:
+            raise ValueError("the column direction takes every row: exclude_self is for the rows only")
+        self.c = row_weight
+        self.exclude_self = exclude_self
+        self.offset = offset
+        self.has_columns = columns
+        self.symmetric = not columns
+        self.fuses_rows = not columns  # the column direction needs every row's scores first
+
+    @staticmethod
+    def usable_shift(bound: Optional[float], dtype: torch.dtype) -> Optional[float]:
+        """The fixed shift: ``bound`` when ``exp(s - bound)`` cannot underflow, i.e.
+        ``2 * bound`` within the exponent range (for unit-norm embeddings: temperature
+        above ~0.025, or a CLIP logit scale below 40, in float32); else None."""
+        if bound is None or bound != bound:
+            return None
+        limit = 80.0 if dtype == torch.float32 else 700.0
+        return bound if 2.0 * bound <= limit else None
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _SoftmaxState:
+        return _SoftmaxState(m, n, like, self.usable_shift(bound, like.dtype), self.has_columns)
+
+    def reduce(self, s: Tensor, tile: Tile, st: _SoftmaxState, p: int = 0) -> None:
+        rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
+        if st.summing:
+            s.sub_(st.shift).exp_()
+            if st.col is not None:
+                st.col[cols] += s.sum(0)
+            if self.exclude_self:
+                mask_self_(s, tile, 0.0)
+            st.row[rows] += s.sum(1)
+            return
+        if st.col is not None:
+            torch.logaddexp(st.col[cols], torch.logsumexp(s, dim=0), out=st.col[cols])
+        if self.exclude_self:
+            mask_self_(s, tile, float("-inf"))
+        torch.logaddexp(st.row[rows], torch.logsumexp(s, dim=1), out=st.row[rows])
+
+    def finish(self, st: _SoftmaxState, p: int = 0) -> None:
+        if st.summing:
+            st.row = st.row.log_().add_(st.shift)
+            if st.col is not None:
+                st.col = st.col.log_().add_(st.shift)
+            st.summing = False
+
+    def values(self, st: _SoftmaxState) -> Tuple[Tensor, Optional[Tensor]]:
+        return self.c * st.row, st.col
+
+    def begin_grad(self, st: _SoftmaxState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
+        st.g_row, st.g_col = g_row * self.c, g_col
+        st.alpha = st.beta = None
+        if st.shift is not None:
+            # G_ij = exp(s_ij - shift) (alpha_i + beta_j): one exp per entry
+            st.alpha = st.g_row * torch.exp(st.shift - st.row)
+            if st.col is not None and g_col is not None:
+                st.beta = g_col * torch.exp(st.shift - st.col)
+
+    def grad(self, s: Tensor, tile: Tile, st: _SoftmaxState, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.g_row is not None
+        rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
+        out = None if buf is None else scratch(buf, s)
+        colpart = None
+        if st.alpha is not None:
+            s.sub_(st.shift).exp_()
+            if st.beta is not None:
+                colpart = torch.mul(s, st.beta[cols].unsqueeze(0), out=out)
+            if self.exclude_self:
+                mask_self_(s, tile, 0.0)
+            s.mul_(st.alpha[rows].unsqueeze(1))
+        else:
+            if st.col is not None and st.g_col is not None:
+                colpart = torch.sub(s, st.col[cols].unsqueeze(0), out=out).exp_().mul_(st.g_col[cols].unsqueeze(0))
+            if self.exclude_self:
+                mask_self_(s, tile, float("-inf"))
+            s.sub_(st.row[rows].unsqueeze(1)).exp_().mul_(st.g_row[rows].unsqueeze(1))
+        if colpart is not None:
+            s.add_(colpart)
+        return s
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _SoftmaxState, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        if self.exclude_self:
+            mask_self_(s, tile, float("-inf"))
+        lse, total = lse_inplace(s)
+        st.row[tile.r0:tile.r1] = lse
+        st.summing = False
+        if g_row is None:
+            return None
+        return s.mul_((g_row * self.c)[tile.r0:tile.r1].unsqueeze(1) / total)
+
+    # ------------------------------------------------------ symmetric panels
+    def reduce_panel(self, s: Tensor, tile: Tile, st: _SoftmaxState, p: int, buf: Tensor) -> None:
+        b = tile.r1 - tile.r0
+        right = tile.c1 > tile.r1
+        if st.summing:
+            # the accumulators hold sums of exp(s - shift); masked entries are exact zeros
+            s.sub_(st.shift).exp_()
+            if self.exclude_self:
+                s[:, :b].diagonal().fill_(0.0)
+            st.row[tile.r0:tile.r1] += s.sum(1)
+            if right:
+                st.row[tile.r1:tile.c1] += s[:, b:].sum(0)
+            return
+        if self.exclude_self:
+            s[:, :b].diagonal().fill_(float("-inf"))
+        if right:
+            torch.logaddexp(st.row[tile.r1:tile.c1], torch.logsumexp(s[:, b:], dim=0), out=st.row[tile.r1:tile.c1])
+        torch.logaddexp(st.row[tile.r0:tile.r1], torch.logsumexp(s, dim=1), out=st.row[tile.r0:tile.r1])
+
+    def grad_panel(self, s: Tensor, tile: Tile, st: _SoftmaxState, buf: Tensor) -> Tensor:
+        assert st.g_row is not None
+        b, r0, c1 = tile.r1 - tile.r0, tile.r0, tile.c1
+        other = scratch(buf, s)
+        if st.alpha is not None:
+            s.sub_(st.shift).exp_()
+            if self.exclude_self:
+                s[:, :b].diagonal().fill_(0.0)
+            transposed = torch.mul(s, st.alpha[r0:c1].unsqueeze(0), out=other)
+            return s.mul_(st.alpha[r0:tile.r1].unsqueeze(1)).add_(transposed)
+        if self.exclude_self:
+            s[:, :b].diagonal().fill_(float("-inf"))
+        transposed = torch.sub(s, st.row[r0:c1].unsqueeze(0), out=other).exp_().mul_(st.g_row[r0:c1].unsqueeze(0))
+        return s.sub_(st.row[r0:tile.r1].unsqueeze(1)).exp_().mul_(st.g_row[r0:tile.r1].unsqueeze(1)).add_(transposed)
+
+    # -------------------------------------------------------- kernel helpers
+    def kernel_state(self, st: _SoftmaxState, row_lse: Tensor, col_lse: Optional[Tensor]) -> None:
+        """The reductions as the Triton kernels computed them."""
+        st.row, st.col, st.summing = row_lse, col_lse, False
+
+    def kernel_weights(self, st: _SoftmaxState) -> Tuple[Tensor, Optional[Tensor]]:
+        """(weight of each row's softmax, of each column's) for the gradient kernels."""
+        assert st.g_row is not None
+        return st.g_row, st.g_col
+
+    # ------------------------------------------------------------ dense form
+    def dense(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Optional[Tensor]]:
+        lse_in = s
+        if self.exclude_self:
+            mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
+            mask.diagonal(offset=tile.self_diagonal).fill_(True)
+            lse_in = s.masked_fill(mask, float("-inf"))
+        rows = self.c[tile.r0:tile.r1] * torch.logsumexp(lse_in, dim=1)
+        cols = torch.logsumexp(s, dim=0) if self.has_columns else None
+        return rows, cols

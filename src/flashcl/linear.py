@@ -1,0 +1,180 @@
+"""Linear terms of a loss: ``sum_j m_ij s_ij``, computed in embedding space.
+
+A positive term is bilinear in the embeddings: for labels it is
+``q^_i . (sum of the k^_j of i's class)``, for explicit column indices a gather
+of ``k^`` rows, so that neither it nor its gradient needs the M x N matrix:
+O((M + N) D) work and memory.
+
+:class:`Positives` says which pairs ``(i, j)`` are positive, with multiplicity
+``m_ij``: same class id (``labels``; never the anchor itself when
+``self_pairs``), or the columns ``index[i]`` (repeats count). A
+:class:`Linear` term adds ``-weight_i * sum_j m_ij s_ij`` to row ``i``'s loss
+(or, ``target="col"``, to column ``i``'s, for a diagonal: CLIP's column
+direction).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["RowScaled", "Positives", "Linear", "class_sums"]
+
+Rows = Any  # a Tensor or a RowScaled
+
+
+class RowScaled:
+    """Rows of ``x`` times ``s``, made on demand (``rows[i:j]``, ``rows[index]``):
+    normalised embeddings without a copy of the raw ones."""
+
+    def __init__(self, x: Tensor, s: Tensor) -> None:
+        self.x, self.s, self.shape = x, s, x.shape
+
+    def __getitem__(self, idx: Any) -> Tensor:
+        return self.x[idx] * self.s[idx].unsqueeze(-1)
+
+
+def raw_rows(rows: Rows) -> Tuple[Tensor, Optional[Tensor]]:
+    """(the tensor behind rows, the row scale or None)."""
+    return (rows.x, rows.s) if isinstance(rows, RowScaled) else (rows, None)
+
+
+#: ``class_sums(x, ids, num_classes, block, weight)``: sum of the rows of x (times
+#: weight) per class id, (num_classes, D). The distributed ring swaps in a version
+#: that adds every rank's rows.
+ClassSums = Callable[[Rows, Tensor, int, int, Optional[Tensor]], Tensor]
+
+
+def class_sums(x: Rows, ids: Tensor, num_classes: int, block: int, weight: Optional[Tensor] = None) -> Tensor:
+    """Sum of the rows of x (times weight) per class id: (num_classes, D), in row
+    blocks so that no temporary of x's size is made."""
+    out = raw_rows(x)[0].new_zeros(num_classes, x.shape[1])
+    for r0 in range(0, x.shape[0], block):
+        rows = x[r0:r0 + block]
+        out.index_add_(0, ids[r0:r0 + block], rows if weight is None else rows * weight[r0:r0 + block].unsqueeze(1))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Positives:
+    """Which pairs are positive; tensors in it are constants.
+
+    Attributes:
+        index: (M, k) int64 positive columns (repeats count), or None.
+        row_labels, col_labels: class ids in ``[0, num_classes)``, (M,) and (N,).
+        num_classes: number of class ids.
+        self_pairs: column ``i + offset`` is anchor ``i`` itself, never its positive.
+        offset: column of anchor 0.
+    """
+
+    index: Optional[Tensor] = None
+    row_labels: Optional[Tensor] = None
+    col_labels: Optional[Tensor] = None
+    num_classes: int = 0
+    self_pairs: bool = False
+    offset: int = 0
+
+    def counts(self, m: int, n: int) -> Tensor:
+        """|Pos(i)| with multiplicity, (m,) int64, in O(M + N)."""
+        if self.index is not None:
+            return torch.full((m,), self.index.shape[1], dtype=torch.int64, device=self.index.device)
+        assert self.row_labels is not None and self.col_labels is not None
+        counts = torch.bincount(self.col_labels, minlength=self.num_classes)[self.row_labels]
+        if self.self_pairs:
+            cols = torch.arange(m, device=counts.device) + self.offset
+            counts = counts - ((cols >= 0) & (cols < n)).to(counts.dtype)
+        return counts
+
+    def self_rows(self, r0: int, r1: int, n: int) -> Tuple[int, int]:
+        """Rows [a, b) of the block [r0, r1) whose own column i + offset lies in [0, n)."""
+        a = min(max(r0, -self.offset), r1)
+        b = max(min(r1, n - self.offset), a)
+        return a, b
+
+    def mask(self, r0: int, r1: int, c0: int, c1: int, device: torch.device) -> Tensor:
+        """(r1 - r0, c1 - c0) multiplicities ``m_ij`` of a tile (for dense forms and tests)."""
+        if self.index is not None:
+            out = torch.zeros(r1 - r0, c1 - c0, device=device)
+            idx = self.index[r0:r1] - c0
+            inside = (idx >= 0) & (idx < c1 - c0)
+            out.scatter_add_(1, idx.clamp(0, max(c1 - c0 - 1, 0)), inside.to(out.dtype))
+            return out
+        assert self.row_labels is not None and self.col_labels is not None
+        pos = self.row_labels[r0:r1].unsqueeze(1) == self.col_labels[c0:c1].unsqueeze(0)
+        if self.self_pairs:
+            pos.diagonal(offset=r0 + self.offset - c0).fill_(False)
+        return pos.to(torch.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Linear:
+    """``-weight_i * sum_j m_ij s_ij`` added to row ``i``'s loss (``target="row"``) or
+    to column ``i``'s (``target="col"``; the positives must then be the diagonal)."""
+
+    positives: Positives
+    weight: Tensor
+    target: str = "row"
+
+    def raw(self, q: Rows, k: Rows, block: int, sums: ClassSums = class_sums) -> Tensor:
+        """``sum_j m_ij q^_i . k^_j`` per anchor (M,), without the M x N matrix."""
+        pos = self.positives
+        m, n = q.shape[0], k.shape[0]
+        out = raw_rows(q)[0].new_empty(m)
+        k_sums = None
+        if pos.index is None:
+            assert pos.row_labels is not None and pos.col_labels is not None
+            k_sums = sums(k, pos.col_labels, pos.num_classes, block, None)
+        for r0 in range(0, m, block):
+            r1 = min(r0 + block, m)
+            qb = q[r0:r1]
+            if k_sums is None:
+                out[r0:r1] = torch.einsum("bd,bkd->b", qb, k[pos.index[r0:r1]])
+                continue
+            out[r0:r1] = (qb * k_sums[pos.row_labels[r0:r1]]).sum(1)
+            if pos.self_pairs:
+                a, b = pos.self_rows(r0, r1, n)
+                out[a:b] -= (q[a:b] * k[a + pos.offset:b + pos.offset]).sum(1)
+        return out
+
+    def grad_(self, q: Rows, k: Rows, scale: float, w: Tensor, dq: Tensor, dk: Tensor, block: int,
+              sums: ClassSums = class_sums) -> None:
+        """Adds the gradient of ``-sum_i w_i sum_j m_ij s_ij`` (``s = scale q^.k^``) to
+        dq, dk (gradients with respect to the normalised rows; dk may be dq)."""
+        pos = self.positives
+        m, n = q.shape[0], k.shape[0]
+        if pos.index is not None:
+            kk = pos.index.shape[1]
+            for r0 in range(0, m, block):
+                r1 = min(r0 + block, m)
+                idx = pos.index[r0:r1]
+                wb = (w[r0:r1] * -scale).unsqueeze(1)
+                dq[r0:r1].add_(k[idx].sum(1) * wb)
+                dk.index_add_(0, idx.reshape(-1), (q[r0:r1] * wb).repeat_interleave(kk, dim=0))
+            return
+        assert pos.row_labels is not None and pos.col_labels is not None
+        k_sums = sums(k, pos.col_labels, pos.num_classes, block, None)
+        wq_sums = sums(q, pos.row_labels, pos.num_classes, block, w)
+        for r0 in range(0, m, block):
+            r1 = min(r0 + block, m)
+            dq[r0:r1].sub_(k_sums[pos.row_labels[r0:r1]] * (w[r0:r1] * scale).unsqueeze(1))
+        for c0 in range(0, n, block):
+            c1 = min(c0 + block, n)
+            dk[c0:c1].sub_(wq_sums[pos.col_labels[c0:c1]], alpha=scale)
+        if pos.self_pairs:
+            for r0 in range(0, m, block):
+                a, b = pos.self_rows(r0, min(r0 + block, m), n)
+                ws = (w[a:b] * scale).unsqueeze(1)
+                dq[a:b].add_(k[a + pos.offset:b + pos.offset] * ws)
+                dk[a + pos.offset:b + pos.offset].add_(q[a:b] * ws)
+
+    def dense(self, s: Tensor) -> Tensor:
+        """``sum_j m_ij s_ij`` per row from the whole score matrix, by differentiable ops."""
+        pos = self.positives
+        if pos.index is not None:
+            return s.gather(1, pos.index).sum(1)
+        m, n = s.shape
+        mask = pos.mask(0, m, 0, n, s.device) > 0
+        # where(), not s * mask: a masked -inf or NaN must not leak into rows that do not select it
+        return torch.where(mask, s, torch.zeros((), dtype=s.dtype, device=s.device)).sum(1)

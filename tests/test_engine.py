@@ -1,0 +1,186 @@
+"""The tile engine with a head written here, in this file only: a sigmoid over
+pairs (SigLIP's form with a fixed bias). Every backend drives it without a
+change, and its loss and gradients equal a dense formula written independently
+with plain torch ops."""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor
+
+from flashcl import backends, engine
+from flashcl.engine import Problem
+from flashcl.heads import Head, Tile
+from helpers import assert_close
+
+F64 = torch.float64
+
+
+class _State:
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.row = like.new_zeros(m)
+        self.g_row: Optional[Tensor] = None
+        self.g_col: Optional[Tensor] = None
+
+
+class SigmoidPairsHead(Head):
+    """Row i's loss: ``sum_j -log sigmoid(z_ij (s_ij + bias))``, ``z_ij = +1`` when
+    ``labels_i == col_labels_j``, else -1. One pass, no logsumexp."""
+
+    def __init__(self, labels: Tensor, col_labels: Tensor, bias: float, symmetric: bool) -> None:
+        self.labels, self.col_labels, self.bias = labels, col_labels, bias
+        self.symmetric = symmetric  # the same labels on both sides: z_ij = z_ji
+        self.fuses_rows = True
+
+    def _z(self, tile: Tile, like: Tensor) -> Tensor:
+        same = self.labels[tile.r0:tile.r1].unsqueeze(1) == self.col_labels[tile.c0:tile.c1].unsqueeze(0)
+        return same.to(like.dtype) * 2 - 1
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _State:
+        return _State(m, like)
+
+    def reduce(self, s: Tensor, tile: Tile, st: _State, p: int = 0) -> None:
+        st.row[tile.r0:tile.r1] += -F.logsigmoid(self._z(tile, s) * (s + self.bias)).sum(1)
+
+    def values(self, st: _State) -> Tuple[Tensor, Optional[Tensor]]:
+        return st.row, None
+
+    def grad(self, s: Tensor, tile: Tile, st: _State, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.g_row is not None
+        z = self._z(tile, s)
+        return -z * torch.sigmoid(-z * (s + self.bias)) * st.g_row[tile.r0:tile.r1].unsqueeze(1)
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _State, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        z = self._z(tile, s)
+        st.row[tile.r0:tile.r1] = -F.logsigmoid(z * (s + self.bias)).sum(1)
+        if g_row is None:
+            return None
+        return -z * torch.sigmoid(-z * (s + self.bias)) * g_row[tile.r0:tile.r1].unsqueeze(1)
+
+    def dense(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Optional[Tensor]]:
+        return -F.logsigmoid(self._z(tile, s) * (s + self.bias)).sum(1), None
+
+
+def formula(q: Tensor, k: Tensor, labels: Tensor, col_labels: Tensor, scale: Tensor, bias: float) -> Tensor:
+    """The same loss written out: pairs of normalised rows, one sigmoid each."""
+    qn, kn = F.normalize(q, dim=1), F.normalize(k, dim=1)
+    total = q.new_zeros(q.shape[0])
+    for i in range(q.shape[0]):
+        s = scale * (kn @ qn[i]) + bias
+        z = torch.where(col_labels == labels[i], 1.0, -1.0).to(q.dtype)
+        total = total + F.one_hot(torch.tensor(i), q.shape[0]).to(q.dtype) * torch.log1p(torch.exp(-z * s)).sum()
+    return total
+
+
+def _data(m: int = 13, n: int = 11, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, 6, generator=g, dtype=F64), torch.randn(n, 6, generator=g, dtype=F64),
+            torch.randint(0, 3, (m,), generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def _check(backend: str, self_contrast: bool, reduce: bool, block: int) -> None:
+    q, k, lq, lk = _data()
+    if self_contrast:
+        k, lk = q, lq
+    scale0, bias = 3.0, -1.5
+    w = torch.linspace(0.5, 1.5, q.shape[0], dtype=F64)
+    results = []
+    for impl in ("flashcl", "formula"):
+        qq = q.clone().requires_grad_(True)
+        kk = qq if self_contrast else k.clone().requires_grad_(True)
+        sc = torch.tensor(scale0, dtype=F64, requires_grad=True)
+        if impl == "formula":
+            rows = formula(qq, kk, lq, lk, sc, bias)
+            out = (w * rows).sum() if reduce else rows
+        else:
+            problem = Problem(SigmoidPairsHead(lq, lk, bias, symmetric=self_contrast))
+            out = backends.run(qq, None if self_contrast else kk, sc, problem, backend, (w, None) if reduce else None,
+                               block)
+        loss = out if reduce else (out * w).sum()
+        grads = torch.autograd.grad(loss * 1.3, [qq, sc] if self_contrast else [qq, kk, sc])
+        results.append((out.detach(), grads))
+    (got, got_g), (exp, exp_g) = results
+    what = f"{backend}/self={self_contrast}/reduce={reduce}/block={block}"
+    assert_close(got, exp, f"{what}: loss", 1e-10, 1e-10)
+    for i, (a, e) in enumerate(zip(got_g, exp_g)):
+        assert_close(a, e, f"{what}: grad {i}", 1e-10, 1e-10)
+
+
+@pytest.mark.parametrize("block", [1, 4, 100])
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("self_contrast", [False, True])
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_test_only_head_on_every_backend(backend: str, self_contrast: bool, reduce: bool, block: int) -> None:
+    """tiled takes the row-block driver for two sets and the upper-panel driver for
+    self-contrast (built from the head's reduce and grad alone)."""
+    _check(backend, self_contrast, reduce, block)
+
+
+def test_drivers_chosen() -> None:
+    q, k, lq, lk = _data()
+    head = SigmoidPairsHead(lq, lq, 0.0, symmetric=True)
+    assert type(backends.driver("tiled", Problem(head), None, "cpu")).__name__ == "SymmetricPanels"
+    assert type(backends.driver("tiled", Problem(head), k, "cpu")).__name__ == "RowBlocks"
+    assert backends.driver("dense", Problem(head), k, "cpu") is None
+
+
+def test_second_derivatives_of_the_head() -> None:
+    q, k, lq, lk = _data()
+    out = []
+    for backend in ("dense", "tiled"):
+        qq = q.clone().requires_grad_(True)
+        loss = backends.run(qq, k, torch.tensor(2.0, dtype=F64), Problem(SigmoidPairsHead(lq, lk, 0.5, False)),
+                            backend, (torch.ones(13, dtype=F64), None), 4)
+        (g,) = torch.autograd.grad(loss, qq, create_graph=True)
+        out.append(torch.autograd.grad((g ** 2).sum(), qq)[0])
+    assert_close(out[1], out[0], "second derivative", 1e-10, 1e-10)
+
+
+def test_a_head_without_kernels_is_refused_by_triton() -> None:
+    pytest.importorskip("triton")
+    q, k, lq, lk = _data()
+    with pytest.raises(ValueError, match="softmax head only"):
+        backends.run(q.float(), k.float(), torch.tensor(2.0), Problem(SigmoidPairsHead(lq, lk, 0.5, False)),
+                     "triton", None, 4)
+
+
+def _ring_worker(rank: int, world: int, out_dir: str) -> None:
+    from flashcl.distributed import RingDriver
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    q, k, lq, lk = _data()
+    rows_at, cols_at = [0, 6, 13], [0, 5, 11]  # uneven shards of the anchors and of the candidates
+    q_local = q[rows_at[rank]:rows_at[rank + 1]].clone().requires_grad_(True)
+    k_local = k[cols_at[rank]:cols_at[rank + 1]].clone().requires_grad_(True)
+    sc = torch.tensor(3.0, dtype=F64, requires_grad=True)
+    ring = RingDriver([5, 6], None)
+    head = SigmoidPairsHead(lq[rows_at[rank]:rows_at[rank + 1]], lk, -1.5, False)
+    rows = engine.run(q_local, k_local, sc, Problem(head), ring, None, 4)
+    grads = torch.autograd.grad(rows.sum(), [q_local, k_local, sc])
+    torch.save((rows.detach(), [g.detach() for g in grads]), os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_test_only_head_on_the_distributed_ring(tmp_path: Any) -> None:
+    """Two ranks, each with a shard of the anchors and of the candidates: each rank's
+    rows equal the formula's, the candidates' gradients come home to their rank."""
+    mp.spawn(_ring_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    q, k, lq, lk = _data()
+    qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+    sc = torch.tensor(3.0, dtype=F64, requires_grad=True)
+    rows = formula(qq, kk, lq, lk, sc, -1.5)
+    gq, gk, gs = torch.autograd.grad(rows.sum(), [qq, kk, sc])
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert_close(torch.cat([p[0] for p in parts]), rows.detach(), "rows, by rank", 1e-10, 1e-10)
+    for i, (name, expected) in enumerate((("q", gq), ("k", gk))):
+        assert_close(torch.cat([p[1][i] for p in parts]), expected, f"grad of {name}, by rank", 1e-10, 1e-10)
+    assert_close(parts[0][1][2] + parts[1][1][2], gs, "grad of the scale, summed over ranks", 1e-10, 1e-10)
