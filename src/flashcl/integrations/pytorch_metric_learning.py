@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import checks
+from .. import backends, checks
 from .. import functional as Fn
 from ..core import CoreSpec
-from ..tiled import auto_block
-from ..utils import autocast_off, compute_dtype, differentiable_grads
+from ..engine import Problem
+from ..heads import Head, Tile
+from ..utils import compute_dtype
 
 try:
     from pytorch_metric_learning import distances as _pml_distances
@@ -186,66 +187,87 @@ class SupConLoss(_pml_losses.SupConLoss):
                            self.block_size)
 
 
-class _PairNTXent(torch.autograd.Function):
-    """PML's NT-Xent over row blocks of (already normalised) q against k; the
-    gradient is formed in the forward pass and scaled in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, scale: float, pairs: _Pairs, block: int) -> Tensor:
-        dtype = compute_dtype(q.dtype)
-        qd, kd = q.detach().to(dtype), k.detach().to(dtype)
-        total = qd.new_zeros(())
-        dq, dk = torch.zeros_like(qd), torch.zeros_like(kd)
-        w = 1.0 / max(pairs.positive_pairs, 1)
-        zero = torch.zeros((), dtype=dtype, device=q.device)
-        for r0 in range(0, qd.shape[0], block):
-            r1 = min(r0 + block, qd.shape[0])
-            s, pos, neg = _block_masks(qd, kd, scale, pairs, r0, r1)
-            lse_neg = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1, keepdim=True)
-            z = torch.where(pos, lse_neg - s, zero)  # softplus(LSE_neg - s_ap) per positive pair
-            total += torch.where(pos, F.softplus(z), zero).sum()
-            sig = torch.where(pos, torch.sigmoid(z), zero)
-            # d/ds_ap = -sigmoid(z_ap); d/ds_an = sum_p sigmoid(z_ap) softmax_neg(a)_n
-            finite = torch.isfinite(lse_neg)
-            soft = torch.where(neg & finite, torch.exp(s - torch.where(finite, lse_neg, zero)), zero)
-            g = (soft * sig.sum(1, keepdim=True) - sig) * (w * scale)
-            dq[r0:r1] += g @ kd
-            dk += g.T @ qd[r0:r1]
-        ctx.save_for_backward(q, k)
-        ctx.scale, ctx.pairs = scale, pairs
-        ctx.grads = (dq.to(q.dtype), dk.to(k.dtype))
-        return total * w
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        q, k = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
-            dq, dk = differentiable_grads(lambda a, b: _pair_ntxent_dense(a, b, ctx.scale, ctx.pairs), (q, k),
-                                          ctx.needs_input_grad[:2], grad)
-            return dq, dk, None, None, None
-        dq, dk = ctx.grads
-        return dq * grad, dk * grad, None, None, None
+class _PairState:
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.lse_neg = like.new_full((m,), float("-inf"))  # pass 0: LSE over each anchor's negatives
+        self.loss = like.new_zeros(m)                       # pass 1: sum_p softplus(L_a - s_ap)
+        self.sig = like.new_zeros(m)                        # pass 1: sum_p sigmoid(L_a - s_ap)
+        self.g_row: Optional[Tensor] = None
+        self.g_col: Optional[Tensor] = None
 
 
-def _block_masks(q: Tensor, k: Tensor, scale: float, pairs: _Pairs, r0: int, r1: int
-                 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Scores of rows [r0, r1) and their positive / negative masks."""
-    s = (q[r0:r1] * scale) @ k.T
-    same = pairs.row_ids[r0:r1].unsqueeze(1) == pairs.col_ids.unsqueeze(0)
-    pos = same.clone()
-    if pairs.self_pairs:
-        pos.diagonal(offset=r0).fill_(False)
-    return s, pos, ~same
+class PairNTXentHead(Head):
+    """PML's NT-Xent as a head of the tile engine: per anchor ``a``,
+    ``sum_{p in Pos(a)} softplus(L_a - s_ap)`` with ``L_a = LSE_{n: y_n != y_a} s_an``.
 
+    Two reduction passes (``L_a``, then the softplus and sigmoid sums), or one
+    visit of a tile of complete rows. ``dL/ds_ap = -sigmoid(L_a - s_ap)`` on the
+    positives and ``sigma_a * softmax_neg(a)_n`` on the negatives, ``sigma_a`` the
+    sum of the positives' sigmoids."""
 
-def _pair_ntxent_dense(q: Tensor, k: Tensor, scale: float, pairs: _Pairs) -> Tensor:
-    """The same loss as :class:`_PairNTXent`, by differentiable torch ops (one block)."""
-    dtype = compute_dtype(q.dtype)
-    s, pos, neg = _block_masks(q.to(dtype), k.to(dtype), scale, pairs, 0, q.shape[0])
-    lse_neg = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1, keepdim=True)
-    zero = torch.zeros((), dtype=dtype, device=q.device)
-    z = torch.where(pos, lse_neg.expand_as(s) - s, zero)
-    return torch.where(pos, F.softplus(z), zero).sum() / max(pairs.positive_pairs, 1)
+    passes = 2
+    fuses_rows = True
+
+    def __init__(self, pairs: _Pairs) -> None:
+        self.pairs = pairs
+        self.symmetric = pairs.self_pairs  # labels on both sides, pairs symmetric in (a, p)
+
+    def _masks(self, tile: Tile) -> Tuple[Tensor, Tensor]:
+        same = self.pairs.row_ids[tile.r0:tile.r1].unsqueeze(1) == self.pairs.col_ids[tile.c0:tile.c1].unsqueeze(0)
+        pos = same.clone()
+        if self.pairs.self_pairs:
+            pos.diagonal(offset=tile.self_diagonal).fill_(False)
+        return pos, ~same
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _PairState:
+        return _PairState(m, like)
+
+    def _pass1(self, s: Tensor, pos: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """(softplus sum, sigmoid sum, z) over the tile's positives, given its rows' L_a."""
+        zero = torch.zeros((), dtype=s.dtype, device=s.device)
+        z = torch.where(pos, lse.unsqueeze(1) - s, zero)
+        return torch.where(pos, F.softplus(z), zero).sum(1), torch.where(pos, torch.sigmoid(z), zero).sum(1), z
+
+    def reduce(self, s: Tensor, tile: Tile, st: _PairState, p: int = 0) -> None:
+        pos, neg = self._masks(tile)
+        rows = slice(tile.r0, tile.r1)
+        if p == 0:
+            part = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1)
+            torch.logaddexp(st.lse_neg[rows], part, out=st.lse_neg[rows])
+            return
+        loss, sig, _ = self._pass1(s, pos, st.lse_neg[rows])
+        st.loss[rows] += loss
+        st.sig[rows] += sig
+
+    def values(self, st: _PairState) -> Tuple[Tensor, Optional[Tensor]]:
+        return st.loss, None
+
+    def _grad(self, s: Tensor, pos: Tensor, neg: Tensor, lse: Tensor, sig: Tensor, g: Tensor) -> Tensor:
+        zero = torch.zeros((), dtype=s.dtype, device=s.device)
+        z = torch.where(pos, lse.unsqueeze(1) - s, zero)
+        finite = torch.isfinite(lse).unsqueeze(1)  # an anchor without negatives: no softmax over them
+        soft = torch.where(neg & finite, torch.exp(s - torch.where(finite, lse.unsqueeze(1), zero)), zero)
+        return (soft * sig.unsqueeze(1) - torch.where(pos, torch.sigmoid(z), zero)) * g.unsqueeze(1)
+
+    def grad(self, s: Tensor, tile: Tile, st: _PairState, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.g_row is not None
+        pos, neg = self._masks(tile)
+        rows = slice(tile.r0, tile.r1)
+        return self._grad(s, pos, neg, st.lse_neg[rows], st.sig[rows], st.g_row[rows])
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _PairState, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        pos, neg = self._masks(tile)
+        rows = slice(tile.r0, tile.r1)
+        st.lse_neg[rows] = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1)
+        st.loss[rows], st.sig[rows], _ = self._pass1(s, pos, st.lse_neg[rows])
+        if g_row is None:
+            return None
+        return self._grad(s, pos, neg, st.lse_neg[rows], st.sig[rows], g_row[rows])
+
+    def dense(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Optional[Tensor]]:
+        pos, neg = self._masks(tile)
+        lse = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1)
+        return self._pass1(s, pos, lse)[0], None
 
 
 class NTXentLoss(_pml_losses.NTXentLoss):
@@ -287,13 +309,14 @@ class NTXentLoss(_pml_losses.NTXentLoss):
         if pairs.pml_returns_zero():
             loss_dict = self.zero_losses()
         else:
-            t = float(checks.check_positive_scalar(self.temperature, "temperature", emb.device,
-                                                   compute_dtype(emb.dtype)))
-            with autocast_off(emb.device.type):
-                q = F.normalize(emb, dim=1) if self.distance.normalize_embeddings else emb
-                k = q if ref is emb else (F.normalize(ref, dim=1) if self.distance.normalize_embeddings else ref)
-                block = self.block_size or auto_block(q.shape[0], k.shape[0], compute_dtype(q.dtype))
-                value = _PairNTXent.apply(q, k, 1.0 / t, pairs, block).to(emb.dtype)
+            temperature = checks.check_positive_scalar(self.temperature, "temperature", emb.device,
+                                                       compute_dtype(emb.dtype))
+            problem = Problem(PairNTXentHead(pairs), normalize=bool(self.distance.normalize_embeddings))
+            # the mean over the positive pairs
+            weights = torch.full((emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype),
+                                 device=emb.device)
+            value = backends.run(emb, None if ref is emb else ref, 1.0 / temperature, problem, "tiled",
+                                 (weights, None), self.block_size).to(emb.dtype)
             loss_dict = {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
         self.add_embedding_regularization_to_loss_dict(loss_dict, embeddings)
         return self.reducer(loss_dict, embeddings, labels)
