@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,8 @@ def knn_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
 
 def train(rank: int, world: int, args: argparse.Namespace) -> None:
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
+        # rendezvous through a file: no free port to pick, so no race for one
+        dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)  # the same initial weights on every rank
     torch.set_num_threads(1)
@@ -81,10 +82,9 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
         train(dist.get_rank(), dist.get_world_size(), args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        args.port = s.getsockname()[1]
-    mp.spawn(train, args=(args.world, args), nprocs=args.world, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.rendezvous = os.path.join(tmp, "rendezvous")
+        mp.spawn(train, args=(args.world, args), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

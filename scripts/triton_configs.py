@@ -1,6 +1,6 @@
 """Times the Triton backend's launch configurations on a CUDA GPU (bfloat16 CLIP
 and InfoNCE, forward + backward) against the three cuBLAS GEMMs of the same
-shape, to choose ``flashcl.triton.core._config``. Each configuration's loss is
+shape, to choose ``flashcl.triton.core.default_config``. Each configuration's loss is
 checked against the tiled backend's (float32 accumulation both), so a fast but
 wrong configuration shows. A development tool, not part of the package.
 
@@ -20,11 +20,12 @@ import flashcl
 import flashcl.triton.core as tcore
 
 DEV = "cuda"
-CANDIDATES: Dict[int, List[Tuple[int, int, int, int]]] = {
-    # block_d: (block_m, block_n, num_warps, num_stages)
-    256: [(64, 64, 4, 1), (64, 64, 8, 1), (128, 64, 8, 1), (64, 128, 8, 1), (128, 128, 8, 1), (64, 64, 4, 2),
-          (128, 64, 8, 2), (32, 64, 4, 2)],
-    1024: [(32, 32, 4, 1), (32, 32, 8, 1), (64, 32, 8, 1), (32, 64, 8, 1), (64, 64, 8, 1), (16, 64, 4, 1)],
+# by D: (block_m, block_n, block_k, block_do, num_warps, num_stages); every kernel
+# loops over D in block_k chunks and writes gradients in block_do chunks
+CANDIDATES: Dict[int, List[Tuple[int, int, int, int, int, int]]] = {
+    256: [(64, 64, 64, 256, 4, 2), (128, 64, 64, 256, 8, 2), (64, 128, 64, 256, 8, 2), (128, 128, 64, 128, 8, 3),
+          (64, 64, 32, 256, 4, 3), (128, 64, 32, 128, 8, 3)],
+    768: [(64, 64, 64, 256, 4, 2), (128, 64, 64, 256, 8, 3), (128, 128, 64, 128, 8, 3), (64, 64, 64, 128, 4, 3)],
 }
 
 
@@ -69,10 +70,10 @@ def main() -> None:
     global DEV
     DEV = args.device
     t_start = time.time()
-    default_config = tcore._config
+    default_config = tcore.default_config
     rows: List[Dict[str, Any]] = []
     b = args.batch
-    for d, bd in ((256, 256), (768, 1024)):
+    for d in (256, 768):
         gen = torch.Generator(device=DEV).manual_seed(0)
         x = torch.randn(b, d, device=DEV, generator=gen).bfloat16().requires_grad_(True)
         y = torch.randn(b, d, device=DEV, generator=gen).bfloat16().requires_grad_(True)
@@ -83,18 +84,17 @@ def main() -> None:
         losses = {"clip": lambda x=x, y=y, scale=scale: flashcl.clip_loss(x, y, scale, backend="triton"),
                   "info_nce": lambda x=x, y=y: flashcl.info_nce_loss(x, y, temperature=0.07, backend="triton")}
         print(f"B={b} D={d}: 3 GEMMs {bound * 1e3:.2f} ms; tiled losses {ref}", flush=True)
-        for cand in [None] + CANDIDATES[bd]:
+        for cand in [None] + CANDIDATES[d]:
             if time.time() - t_start > args.budget:
                 print("budget spent", flush=True)
                 break
             if cand is None:
-                tcore._config = default_config
+                tcore.default_config = default_config
                 name = "default " + str(tuple(default_config(d, torch.bfloat16)))
             else:
-                bm, bn, warps, stages = cand
-                cfg = tcore.Config(bm, bn, bd, DEV == "cpu", warps, stages)
-                tcore._config = lambda _d, _dt, c=cfg: c  # noqa: E731
-                name = str((bm, bn, bd, warps, stages))
+                cfg = tcore.Config(*cand)
+                tcore.default_config = lambda _d, _dt, c=cfg: c  # noqa: E731
+                name = str(cand)
             row: Dict[str, Any] = {"B": b, "D": d, "config": name, "gemm3_s": bound}
             for loss_name, fn in losses.items():
                 try:
@@ -110,7 +110,7 @@ def main() -> None:
                 x.grad = y.grad = None
             print(json.dumps(row), flush=True)
             rows.append(row)
-        tcore._config = default_config
+        tcore.default_config = default_config
     with open(args.json, "w") as f:
         gpu = torch.cuda.get_device_name(0) if DEV != "cpu" else "cpu"
         json.dump({"gpu": gpu, "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -83,3 +83,18 @@ def test_dist_suite_runs_both_strategies(tmp_path) -> None:
         by_key.setdefault((r["group"], r["params"]["B"], r["params"]["world"]), []).append(r["loss"])
     for vals in by_key.values():
         assert max(vals) - min(vals) < 1e-4 * abs(vals[0]), vals
+
+
+def test_gpu_suite_plots_one_panel_per_loss_and_width(tmp_path) -> None:
+    """The GPU suite's plot, from rows shaped as the suite makes them (no GPU needed):
+    one panel per (loss, D), each implementation once in the legend."""
+    from flashcl.bench.report import plot
+    from flashcl.bench.suites import gpu
+
+    cases = gpu("default", "cuda")
+    groups = {c["group"] for c in cases}
+    assert {"info_nce D=768", "supcon D=4096", "clip D=256", "info_nce D=768 float32"} <= groups
+    rows = [{**c, "suite": "gpu", "status": "ok", "time_s": 0.01 * (i + 1), "bound_s": 0.005, "peak_mb": 1.0}
+            for i, c in enumerate(cases)]
+    paths = plot(rows, str(tmp_path))
+    assert paths == [str(tmp_path / "gpu.png")] and (tmp_path / "gpu.png").stat().st_size > 10_000

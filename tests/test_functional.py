@@ -313,9 +313,10 @@ def test_auto_backend_rule() -> None:
     assert _resolve_backend("dense", 1 << 30, cpu, torch.float32) == "dense"
     # float64 never goes to the kernels, whatever the device
     assert _resolve_backend("auto", 1 << 20, cuda, torch.float64) == "tiled"
-    # nor embeddings wider than the kernels' tiles take
+    # the kernels up to AUTO_TRITON_MAX_WIDTH on CUDA, the tiled backend's stripes above
+    from flashcl.backends import AUTO_TRITON_MAX_WIDTH as w
     if importlib.util.find_spec("triton") is not None:
-        assert _resolve_backend("auto", 1 << 20, cuda, torch.float32, 1024) == "triton"
-        assert _resolve_backend("auto", 1 << 20, cuda, torch.bfloat16, 2048) == "triton"
-    assert _resolve_backend("auto", 1 << 20, cuda, torch.float32, 1025) == "tiled"
-    assert _resolve_backend("auto", 1 << 20, cuda, torch.float16, 2049) == "tiled"
+        assert _resolve_backend("auto", 1 << 20, cuda, torch.float32, w) == "triton"
+        assert _resolve_backend("auto", 1 << 20, cuda, torch.bfloat16, w) == "triton"
+    assert _resolve_backend("auto", 1 << 20, cuda, torch.float32, w + 1) == "tiled"
+    assert _resolve_backend("auto", 1 << 20, cuda, torch.float16, 4096) == "tiled"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import flashcl
-from helpers import CASES, TOL, Case, compare_to_reference, make_cases
+from flashcl.triton.core import Config
+from helpers import CASES, TOL, Case, assert_close, compare_to_reference, make_cases
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install flashcl[triton]): its kernels cannot be tested here",
@@ -66,11 +67,75 @@ def test_triton_rejects_float64_and_the_score_matrix_loss() -> None:
         flashcl.neighbor_loss(torch.randn(4, 4), torch.zeros(4, 1, dtype=torch.long), backend="triton")
 
 
-def test_triton_refuses_embeddings_wider_than_its_tiles() -> None:
-    with pytest.raises(ValueError, match="up to 1024 wide"):
-        flashcl.supcon_loss(torch.randn(4, 1025), torch.tensor([0, 0, 1, 1]), backend="triton")
-    with pytest.raises(ValueError, match="up to 2048 wide"):
-        flashcl.clip_loss(torch.randn(4, 2049).half(), torch.randn(4, 2049).half(), 10.0, backend="triton")
+def _ragged_cases(d: int, seed: int) -> list:
+    """Every embedding loss at sizes that are multiples of no tile. At D = 1 the rows
+    are not normalised (normalised, every row is +-1 and the loss is flat)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    labels = torch.randint(0, 4, (37,), generator=g)
+    cases = [
+        Case("supcon", flashcl.supcon_loss, [r(37, d)], [labels], {"temperature": 0.3}, "temperature"),
+        Case("supcon_sum_self", flashcl.supcon_loss, [r(37, d)], [labels],
+             {"temperature": 0.2, "positives": "sum", "include_self": True}),
+        Case("nt_xent", flashcl.nt_xent_loss, [r(19, d), r(19, d)], [], {"temperature": 0.4}, "temperature"),
+        Case("info_nce_hard_neg", flashcl.info_nce_loss, [r(23, d), r(41, d)],
+             [torch.randint(0, 41, (23,), generator=g)], {"temperature": 0.2}, "temperature"),
+        Case("clip", flashcl.clip_loss, [r(29, d), r(29, d)], [], {"logit_scale": 5.0}, "logit_scale"),
+        Case("clip_unnormalized", flashcl.clip_loss, [0.3 * r(29, d), 0.3 * r(29, d)], [],
+             {"logit_scale": 2.0, "normalize": False}),
+    ]
+    if d == 1:
+        for case in cases:
+            case.kwargs["normalize"] = False
+    return cases
+
+
+# tiles of 16 x 32 rows, the embedding in chunks of 16 (64 at D = 300), gradients in
+# chunks of 16 dims (128): several of each, the last ones partial
+SMALL = Config(block_m=16, block_n=32, block_k=16, block_do=16, num_warps=4, num_stages=1)
+WIDE = Config(block_m=16, block_n=32, block_k=64, block_do=128, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("d,config", [(1, SMALL), (33, SMALL), (300, WIDE)])
+def test_injected_small_tiles_at_ragged_sizes(d: int, config: Config) -> None:
+    """Against the float64 reference, within the float32 tolerance or 8x the
+    dense backend's own float32 error, whichever is larger (at D = 1 normalised rows
+    are +-1, the loss is flat, and the normalisation's backward cancels in float32)."""
+    for case in _ragged_cases(d, seed=d):
+        for reduction in ("mean", "none"):
+            ref_loss, ref_grads = case.run("reference", reduction, torch.float64)
+            dense_loss, dense_grads = case.run("dense", reduction, torch.float32)
+            loss, grads = _run_with_config(case, reduction, torch.float32, config)
+            for i, (a, e, de) in enumerate(zip([loss] + grads, [ref_loss] + ref_grads, [dense_loss] + dense_grads)):
+                atol = max(TOL[torch.float32][0], 8 * float((de.double() - e).abs().max()))
+                assert_close(a, e, f"{case.name}/D={d}/{reduction}: output {i}", atol, TOL[torch.float32][1])
+
+
+def _run_with_config(case: Case, reduction: str, dtype: torch.dtype, config: Config):
+    """The case through the triton driver with an injected launch configuration."""
+    from flashcl.triton import core as tcore
+
+    original = tcore.default_config
+    tcore.default_config = lambda d, dt: config
+    try:
+        return case.run("triton", reduction, dtype)
+    finally:
+        tcore.default_config = original
+
+
+def test_deterministic() -> None:
+    """The same inputs give bitwise the same loss and gradients (no atomics)."""
+    for case in _ragged_cases(33, seed=3)[:5]:
+        first = _run_with_config(case, "mean", torch.float32, SMALL)
+        again = _run_with_config(case, "mean", torch.float32, SMALL)
+        assert torch.equal(first[0], again[0]), case.name
+        assert all(torch.equal(a, b) for a, b in zip(first[1], again[1])), case.name
+
+
+def test_any_width() -> None:
+    """No width limit: D = 1030 runs (the gradient kernels take it in output chunks)."""
+    for case in _ragged_cases(1030, seed=1)[:4]:
+        compare_to_reference(case, "triton", "mean", torch.float32, *TOL[torch.float32])
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch) -> None:

@@ -4,7 +4,9 @@
   (:func:`flashcl.engine.dense_values`); memory O(M N).
 * ``"tiled"``: blocks of rows (:class:`flashcl.tiled.RowBlocks`), or for
   self-contrast the upper panels only (:class:`flashcl.symmetric.SymmetricPanels`);
-  memory O((M + N) D + block x N).
+  for float16/bfloat16 on CUDA, stripes of rows through tensor-core GEMMs
+  (:class:`flashcl.stripes.Stripes`); memory O((M + N) D + block x N).
+  float32 GEMMs follow torch's TF32 switch (IEEE by default).
 * ``"triton"``: Triton kernels (:class:`flashcl.triton.core.TritonDriver`), CUDA
   (on a CPU only under Triton's interpreter, for tests).
 * ``"reference"``: the per-anchor loops of :mod:`flashcl.reference` (not a driver:
@@ -21,12 +23,13 @@ from torch import Tensor
 
 from . import engine
 from .engine import Driver, Problem, ReduceWeights
+from .stripes import Stripes
 from .symmetric import SymmetricPanels
 from .tiled import RowBlocks, auto_block
-from .triton import MAX_WIDTH as TRITON_MAX_WIDTH
+from .triton import DTYPES as TRITON_DTYPES
 from .utils import compute_dtype
 
-__all__ = ["AUTO_TILED_MIN_ENTRIES", "resolve", "driver", "run"]
+__all__ = ["AUTO_TILED_MIN_ENTRIES", "AUTO_TRITON_MAX_WIDTH", "resolve", "driver", "run"]
 
 #: ``backend="auto"`` switches from dense to tiled at this many score-matrix
 #: entries (M x N). Measured on the 2-core CPU (``flashcl bench --suite seed2``,
@@ -35,16 +38,26 @@ __all__ = ["AUTO_TILED_MIN_ENTRIES", "resolve", "driver", "run"]
 AUTO_TILED_MIN_ENTRIES = 1 << 20
 
 
+#: On CUDA, ``auto`` takes the Triton kernels up to this embedding width and the
+#: tiled backend's stripes of cuBLAS GEMMs above it. Provisional, from the H200 run
+#: of the previous kernels (whole-width tiles; docs/bench/gpu-report.md): 2.7-4.4x
+#: the three cuBLAS GEMMs at D = 256 but 17-23x at D = 768, where GEMMs on row
+#: stripes cost about 1.5x by the estimate in the GPU notes. The crossover of the
+#: present kernels (a loop over D) and the stripes has not been measured on a GPU.
+AUTO_TRITON_MAX_WIDTH = 256
+
+
 def resolve(backend: str, entries: int, device: torch.device, dtype: torch.dtype, width: int = 0,
             kernel: Optional[str] = "softmax") -> str:
     """The backend ``"auto"`` stands for: ``"triton"`` for CUDA tensors when Triton is
-    importable, the head has kernels (``kernel``) and they take the dtype and width;
-    else ``"tiled"`` from :data:`AUTO_TILED_MIN_ENTRIES` score entries, ``"dense"`` below.
-    Any other name is returned as is."""
+    importable, the head has kernels (``kernel``), the dtype is one they take and the
+    embedding at most :data:`AUTO_TRITON_MAX_WIDTH` wide; else ``"tiled"`` from
+    :data:`AUTO_TILED_MIN_ENTRIES` score entries, ``"dense"`` below. Any other name
+    is returned as is."""
     if backend != "auto":
         return backend
-    if (device.type == "cuda" and kernel is not None and width <= TRITON_MAX_WIDTH.get(dtype, -1)
-            and importlib.util.find_spec("triton") is not None):
+    if (device.type == "cuda" and kernel is not None and dtype in TRITON_DTYPES
+            and width <= AUTO_TRITON_MAX_WIDTH and importlib.util.find_spec("triton") is not None):
         return "triton"
     return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
 
@@ -53,11 +66,19 @@ def _self_contrast(k: Optional[Tensor], problem: Problem) -> bool:
     return k is None and problem.offset == 0 and problem.head.symmetric
 
 
-def driver(name: str, problem: Problem, k: Optional[Tensor], device_type: str) -> Optional[Driver]:
+def _stripes(device_type: str, dtype: torch.dtype) -> bool:
+    """Half precision on CUDA: the tiled backend's tensor-core stripes."""
+    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
+def driver(name: str, problem: Problem, k: Optional[Tensor], device_type: str,
+           dtype: torch.dtype = torch.float32) -> Optional[Driver]:
     """The driver for backend ``name`` (None: the dense formula)."""
     if name == "dense":
         return None
     if name == "tiled":
+        if _stripes(device_type, dtype):
+            return Stripes()
         return SymmetricPanels() if _self_contrast(k, problem) else RowBlocks()
     if name == "triton":
         from .triton import availability
@@ -77,5 +98,7 @@ def run(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, name: s
     picks the rows per block (:func:`flashcl.tiled.auto_block`)."""
     m = q.shape[0]
     n = m if k is None else k.shape[0]
-    block = block_size or auto_block(m, n, compute_dtype(q.dtype), self_contrast=_self_contrast(k, problem))
-    return engine.run(q, k, scale, problem, driver(name, problem, k, q.device.type), reduce_weights, block)
+    chosen = driver(name, problem, k, q.device.type, q.dtype)
+    block = block_size or auto_block(m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, SymmetricPanels),
+                                     device_type=q.device.type)
+    return engine.run(q, k, scale, problem, chosen, reduce_weights, block)

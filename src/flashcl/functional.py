@@ -12,13 +12,14 @@ Backends (argument ``backend``):
 * ``"tiled"``: blocks of rows, O((M + N) D + block x N) memory, exact.
 * ``"triton"``: the tiled algorithm in Triton kernels (CUDA; on a CPU only
   under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
-* ``"auto"``: ``"triton"`` for CUDA tensors when Triton is importable and the
-  kernels take the dtype and width (float32 up to D = 1024, float16/bfloat16
-  up to D = 2048); else
-  ``"tiled"`` when the score matrix has at least
-  :data:`AUTO_TILED_MIN_ENTRIES` entries (M x N), ``"dense"`` below; the
-  neighbour loss, whose score matrix is given, always uses ``"tiled"`` (it
-  allocates nothing of the matrix's size but the gradient itself).
+* ``"auto"``: ``"triton"`` for CUDA tensors when Triton is importable, the
+  dtype is float32/float16/bfloat16 and the embedding at most
+  :data:`flashcl.backends.AUTO_TRITON_MAX_WIDTH` (256) wide; else ``"tiled"``
+  (on CUDA in half precision: stripes of tensor-core GEMMs) when the score
+  matrix has at least :data:`AUTO_TILED_MIN_ENTRIES` entries (M x N),
+  ``"dense"`` below; the neighbour loss, whose score matrix is given, always
+  uses ``"tiled"`` (it allocates nothing of the matrix's size but the gradient
+  itself).
 
 Inputs in float16/bfloat16 are computed with float32 accumulation and the loss
 is returned in float32; gradients come back in the input's dtype. A 0-dim
@@ -186,8 +187,8 @@ def supcon_loss(
         include_self: keep ``j = i`` in the denominator. Default: False.
         normalize: L2-normalise the embeddings first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-anchor losses).
-        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors when Triton is
-            installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
+            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
             ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
@@ -257,8 +258,8 @@ def nt_xent_loss(
         temperature: float or 0-dim tensor. Default: 0.07.
         normalize: L2-normalise first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
-        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors when Triton is
-            installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
+            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
             ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
@@ -314,8 +315,8 @@ def info_nce_loss(
         temperature: float or 0-dim tensor. Default: 0.05.
         normalize: L2-normalise first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
-        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors when Triton is
-            installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
+            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
             ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
@@ -365,8 +366,8 @@ def clip_loss(
         normalize: L2-normalise first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per pair: the mean of its
             row and column terms).
-        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors when Triton is
-            installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
+            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
             ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.

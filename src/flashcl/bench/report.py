@@ -103,6 +103,11 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
         return []
     paths = []
     for suite in dict.fromkeys(r["suite"] for r in rows):
+        if suite == "gpu":
+            path = plot_panels([r for r in rows if r["suite"] == suite], out_dir, suite)
+            if path is not None:
+                paths.append(path)
+            continue
         ok = [r for r in rows if r["suite"] == suite and r.get("status") == "ok"]
         # one line per implementation: of the neighbour loss, the seed's k = 2
         ok = [r for r in ok if r["params"].get("k", 2) == 2]
@@ -140,6 +145,55 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_panels(rows: List[Row], out_dir: str, suite: str) -> Optional[str]:
+    """One panel per group (a loss at one embedding width): time against the batch
+    size, one line per implementation and the GEMM bound dashed; every
+    implementation has one colour and one legend entry across the panels."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ok = [r for r in rows if r.get("status") == "ok"]
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    if not ok or not groups:
+        return None
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    cols = min(4, len(groups))
+    nrows = (len(groups) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
+    handles: Dict[str, Any] = {}
+    for ax, group in zip(axes.flat, groups):
+        mine = [r for r in ok if r["group"] == group]
+        for label in labels:
+            pts = sorted((size_value(r), r["time_s"]) for r in mine if r["label"] == label)
+            if pts:
+                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=colours[label])
+                handles.setdefault(label, line)
+        bound = sorted({(size_value(r), r["bound_s"]) for r in mine if "bound_s" in r})
+        if bound:
+            (line,) = ax.plot([b[0] for b in bound], [b[1] for b in bound], "k--", marker="x")
+            handles.setdefault("three GEMMs (cuBLAS)", line)
+        ax.set_title(group, fontsize=9)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel("forward + backward (s)")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=min(6, len(handles)),
+               fontsize=8)
+    fig.suptitle(f"flashcl bench: {suite}")
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    path = os.path.join(out_dir, f"{suite}.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def first_ok(rows: List[Row], **match: Any) -> Optional[Row]:

@@ -162,20 +162,34 @@ def dist(mode: str, device: str) -> List[Case]:
 
 
 def gpu(mode: str, device: str) -> List[Case]:
-    """The Triton backend on a GPU (``--device cuda``), bfloat16: CLIP through
-    flashcl (triton, tiled, dense) and open_clip, the single-positive InfoNCE
-    through flashcl and Inf-CL, against the cuBLAS GEMMs of the same shapes."""
-    sizes = _size(mode, ((1024, 256),), tuple((b, d) for b in (8192, 32768, 131072) for d in (256, 768)),
-                  tuple((b, d) for b in (8192, 32768, 131072, 262144) for d in (256, 768)))
+    """GPU figures (``--device cuda``): InfoNCE, SupCon and CLIP through flashcl's
+    Triton kernels and its tiled backend (tensor-core stripes for half precision),
+    beside Inf-CL (InfoNCE) and open_clip (CLIP), bfloat16, against the three
+    cuBLAS GEMMs of the same shape; and InfoNCE in float32 (IEEE) at D = 768
+    against float32 GEMMs. Each (loss, D) is one panel of the plot."""
+    # in the order of priority (a device run may be cut short): the widths users
+    # train with first, then the other widths, then the largest batches
+    sizes = _size(mode, ((1024, 256),),
+                  ((32768, 768), (32768, 4096), (32768, 256), (32768, 1024), (131072, 768), (131072, 4096)),
+                  tuple((b, d) for b in (32768, 131072) for d in (768, 4096, 256, 1024)) + ((262144, 768),))
+    impls = {"info_nce": ("flashcl-triton", "flashcl-tiled", "inf_cl"),
+             "supcon": ("flashcl-triton", "flashcl-tiled"),
+             "clip": ("flashcl-triton", "flashcl-tiled", "open_clip")}
     cases: List[Case] = []
     for b, d in sizes:
         gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device, "dtype": "bfloat16"}}
-        for impl in ("flashcl-triton", "flashcl-tiled", "flashcl-dense", "open_clip"):
-            cases.append({"group": f"clip D={d}", "label": impl, "workload": "clip", "bound": gemm,
-                          "stop_after_fail": True, "params": {"B": b, "D": d, "impl": impl, "dtype": "bfloat16"}})
-        for impl in ("flashcl-triton", "inf_cl"):
-            cases.append({"group": f"info_nce D={d}", "label": impl, "workload": "info_nce", "bound": gemm,
-                          "stop_after_fail": True, "params": {"B": b, "D": d, "impl": impl, "dtype": "bfloat16"}})
+        for loss, names in impls.items():
+            for impl in names:
+                params: Dict[str, Any] = {"B": b, "D": d, "impl": impl, "dtype": "bfloat16"}
+                if loss == "supcon":
+                    params["classes"] = 1000
+                cases.append({"group": f"{loss} D={d}", "label": impl, "workload": loss, "bound": gemm,
+                              "stop_after_fail": True, "params": params})
+    b32 = _size(mode, 1024, 32768, 32768)
+    gemm32 = {"workload": "gemm3", "params": {"B": b32, "D": 768, "device": device, "dtype": "float32"}}
+    for impl in ("flashcl-triton", "flashcl-tiled"):
+        cases.append({"group": "info_nce D=768 float32", "label": impl, "workload": "info_nce", "bound": gemm32,
+                      "params": {"B": b32, "D": 768, "impl": impl, "dtype": "float32"}})
     return cases
 
 

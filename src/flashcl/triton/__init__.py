@@ -12,9 +12,8 @@ from typing import Tuple
 
 import torch
 
-# The widest embedding the kernels take (a Q and a K tile of the whole width must
-# fit in an H100/H200's 227 KiB of shared memory): float32 tiles take twice the bytes.
-MAX_WIDTH = {torch.float32: 1024, torch.float16: 2048, torch.bfloat16: 2048}
+#: The dtypes the kernels take.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def availability(device_type: str) -> Tuple[bool, str]:

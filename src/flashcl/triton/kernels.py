@@ -5,21 +5,29 @@ row scales (1/|row| when the loss normalises, else 1), so a tile of scores is
 ``s_ij = scale * iq_i * ik_j * (q_i . k_j)``: the normalised rows are never
 rounded to the input dtype.
 
-* ``_lse_kernel``: per row block, an online logsumexp over column blocks, with
-  the self column (``col == row + offset``) masked to -inf when asked.
-* ``_dq_kernel``: per row block, recomputes each tile from Q, K and the saved
-  LSE: ``G = g_row exp(s - lse_row) [+ g_col exp(s - lse_col)]``, and
-  ``dQ^ += scale (G diag(ik)) K``: the gradient w.r.t. the normalised rows.
-* ``_dk_kernel``: per column block, the same tiles transposed:
-  ``dK^ += scale (diag(iq) G)^T Q``.
-  It mirrors ``_dq_kernel`` (loop over rows instead of columns) rather than
-  sharing it through flags: two plain kernels, as FlashAttention's backward has,
-  each writing its own output with no atomics.
+Every kernel computes its score tiles with one routine, :func:`_scores`: a loop
+over the embedding dim in chunks of ``BLOCK_K`` (any D, masked at the ragged
+end, no padding to a power of two), like a GEMM. The three kernels use the same
+routine and the same tile sizes, so the scores the backward recomputes are the
+forward's, bit for bit.
 
-Scores are accumulated in float32 (``tl.dot``'s default). ``DOT_FP32`` casts
-tiles to float32 before the dot: used for float32 inputs and under the CPU
-interpreter, whose bfloat16 dot is wrong. The tile each program owns (Q's rows,
-or K's for ``_dk_kernel``) is loaded once, before its loop.
+* ``_lse_kernel``: per row tile, an online logsumexp over column tiles, with
+  the self column (``col == row + offset``) masked to -inf when asked.
+* ``_dq_kernel``: per (row tile, chunk of ``BLOCK_DO`` output dims), recomputes
+  each tile from Q, K and the saved LSE: ``G = g_row exp(s - lse_row)
+  [+ g_col exp(s - lse_col)]``, and ``dQ^[:, chunk] += scale (G diag(ik)) K[:, chunk]``.
+* ``_dk_kernel``: per (column tile, output chunk), the same tiles transposed:
+  ``dK^[:, chunk] += scale (diag(iq) G)^T Q[:, chunk]``.
+
+Each program writes its own output block: no atomics, deterministic. With D
+wider than ``BLOCK_DO`` the gradient kernels recompute the scores once per output
+chunk: at wide D the stripe path of the tiled backend (cuBLAS GEMMs) is the
+faster one, and ``auto`` picks it (see :mod:`flashcl.backends`).
+
+``PRECISION``: 0 = float32 ("ieee" dot, no TF32), 1 = TF32 (float32 inputs, when
+torch's ``float32_matmul_precision`` allows it), 2 = the inputs' own half
+precision with float32 accumulation. Under the CPU interpreter, whose bfloat16
+dot is wrong, tiles are cast to float32 (precision 0).
 """
 from __future__ import annotations
 
@@ -28,37 +36,44 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_tile(ptr, idx, n, D, stride, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Rows ``idx`` of an (n, D) matrix, zero-padded to BLOCK_D columns."""
-    dd = tl.arange(0, BLOCK_D)
-    t = tl.load(ptr + idx[:, None] * stride + dd[None, :], mask=(idx[:, None] < n) & (dd[None, :] < D), other=0.0)
-    if DOT_FP32:
-        t = t.to(tl.float32)
-    return t
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b, accumulated in float32."""
+    if PRECISION == 0:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif PRECISION == 1:
+        return tl.dot(a, b, acc, input_precision="tf32")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _dot_t(a, b, DOT_FP32: tl.constexpr):
-    """a @ b^T accumulated in float32 ("ieee" for float32: no TF32 rounding)."""
-    if DOT_FP32:
-        return tl.dot(a, tl.trans(b), input_precision="ieee")
-    return tl.dot(a, tl.trans(b))
+def _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, row_scale, col_scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) tile ``row_scale_i * col_scale_j * q_i . k_j``, over D in chunks."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for d0 in range(0, D, BLOCK_K):
+        dd = d0 + tl.arange(0, BLOCK_K)
+        a = tl.load(q_ptr + rows[:, None] * stride_q + dd[None, :], mask=(rows[:, None] < M) & (dd[None, :] < D),
+                    other=0.0)
+        b = tl.load(k_ptr + cols[:, None] * stride_k + dd[None, :], mask=(cols[:, None] < N) & (dd[None, :] < D),
+                    other=0.0)
+        acc = _dot(a, tl.trans(b), acc, PRECISION)
+    return acc * row_scale[:, None] * col_scale[None, :]
 
 
 @triton.jit
 def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, M, N, D, stride_q, stride_k, scale, offset,
-                EXCLUDE_SELF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+                EXCLUDE_SELF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_tile(q_ptr, rows, M, D, stride_q, BLOCK_D, DOT_FP32)
     iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0) * scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_ptr, cols, N, D, stride_k, BLOCK_D, DOT_FP32)
         ik = tl.load(ik_ptr + cols, mask=cols < N, other=0.0)
-        s = _dot_t(q, k, DOT_FP32) * iq[:, None] * ik[None, :]
+        s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq, ik, BLOCK_M, BLOCK_N, BLOCK_K,
+                    PRECISION)
         keep = cols[None, :] < N
         if EXCLUDE_SELF:
             keep = keep & (cols[None, :] != rows[:, None] + offset)
@@ -90,49 +105,47 @@ def _grad_tile(s, rows, cols, M, N, offset, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_p
 
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D,
-               stride_q, stride_k,
-               stride_dq, scale, offset, EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+               stride_q, stride_k, stride_dq, scale, offset, EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr,
+               PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_tile(q_ptr, rows, M, D, stride_q, BLOCK_D, DOT_FP32)
+    dd = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0) * scale
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DO], tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_ptr, cols, N, D, stride_k, BLOCK_D, DOT_FP32)
         ik = tl.load(ik_ptr + cols, mask=cols < N, other=0.0)
-        s = _dot_t(q, k, DOT_FP32) * iq[:, None] * ik[None, :]
+        s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq, ik, BLOCK_M, BLOCK_N, BLOCK_K,
+                    PRECISION)
         g = _grad_tile(s, rows, cols, M, N, offset, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, EXCLUDE_SELF, HAS_COL)
         g = g * ik[None, :]
-        if DOT_FP32:
-            acc += tl.dot(g, k, input_precision="ieee")
-        else:
-            acc += tl.dot(g.to(k.dtype), k)
-    dd = tl.arange(0, BLOCK_D)
+        kt = tl.load(k_ptr + cols[:, None] * stride_k + dd[None, :], mask=(cols[:, None] < N) & (dd[None, :] < D),
+                     other=0.0)
+        acc = _dot(g.to(kt.dtype), kt, acc, PRECISION)
     tl.store(dq_ptr + rows[:, None] * stride_dq + dd[None, :], acc * scale,
              mask=(rows[:, None] < M) & (dd[None, :] < D))
 
 
 @triton.jit
 def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D,
-               stride_q, stride_k,
-               stride_dk, scale, offset, EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+               stride_q, stride_k, stride_dk, scale, offset, EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr,
+               PRECISION: tl.constexpr):
+    # the same (BLOCK_M x BLOCK_N) tiles as the other kernels, in the same
+    # orientation (rows of Q, columns of K), so that the scores are the same numbers
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = _load_tile(k_ptr, cols, N, D, stride_k, BLOCK_D, DOT_FP32)
+    dd = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     ik = tl.load(ik_ptr + cols, mask=cols < N, other=0.0)
-    acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_DO], tl.float32)
     for start in range(0, M, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_ptr, rows, M, D, stride_q, BLOCK_D, DOT_FP32)
         iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0)
-        s = _dot_t(q, k, DOT_FP32) * (iq * scale)[:, None] * ik[None, :]
+        s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq * scale, ik, BLOCK_M, BLOCK_N,
+                    BLOCK_K, PRECISION)
         g = _grad_tile(s, rows, cols, M, N, offset, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, EXCLUDE_SELF, HAS_COL)
         g = g * iq[:, None]
-        if DOT_FP32:
-            acc += tl.dot(tl.trans(g), q, input_precision="ieee")
-        else:
-            acc += tl.dot(tl.trans(g.to(q.dtype)), q)
-    dd = tl.arange(0, BLOCK_D)
+        qt = tl.load(q_ptr + rows[:, None] * stride_q + dd[None, :], mask=(rows[:, None] < M) & (dd[None, :] < D),
+                     other=0.0)
+        acc = _dot(tl.trans(g.to(qt.dtype)), qt, acc, PRECISION)
     tl.store(dk_ptr + cols[:, None] * stride_dk + dd[None, :], acc * scale,
              mask=(cols[:, None] < N) & (dd[None, :] < D))
