@@ -27,7 +27,7 @@ def main() -> None:
             q = torch.randn(b, d, device="cuda", dtype=dtype)
             iq = torch.ones(b, device="cuda")
             cfg = tcore.default_config(d, dtype)
-            lse, lse_kernel = tcore.row_lse(q, q, iq, iq, 10.0, True, 0, cfg)
+            lse, _, lse_kernel = tcore.row_lse(q, q, iq, iq, 10.0, True, 0, cfg)
             g = torch.full((b,), 1.0 / b, device="cuda")
             _, _, compiled = tcore.gradients(q, q, iq, iq, 10.0, True, 0, lse, g, None, None, cfg)
             compiled["lse"] = lse_kernel

@@ -64,7 +64,7 @@ class SigmoidPairsHead(Head):
             return None
         return -z * torch.sigmoid(-z * (s + self.bias)) * g_row[tile.r0:tile.r1].unsqueeze(1)
 
-    def dense(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         return -F.logsigmoid(self._z(tile, s) * (s + self.bias)).sum(1), None
 
 
@@ -146,7 +146,7 @@ def test_second_derivatives_of_the_head() -> None:
 def test_a_head_without_kernels_is_refused_by_triton() -> None:
     pytest.importorskip("triton")
     q, k, lq, lk = _data()
-    with pytest.raises(ValueError, match="softmax head only"):
+    with pytest.raises(ValueError, match="softmax and softplus heads only"):
         backends.run(q.float(), k.float(), torch.tensor(2.0), Problem(SigmoidPairsHead(lq, lk, 0.5, False)),
                      "triton", None, 4)
 

@@ -301,7 +301,7 @@ def test_every_callable_has_a_docstring_with_sections() -> None:
 
 def test_case_table_covers_every_loss() -> None:
     covered = {c.fn.__name__ for c in CASES.values()}
-    assert covered == {"supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "neighbor_loss"}
+    assert covered == {"supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss", "neighbor_loss"}
 
 
 def test_auto_backend_rule() -> None:

@@ -20,8 +20,8 @@ def _run(case: Case, dtype: torch.dtype, reduction: str, block: int) -> Tuple[to
     """The case with the stripe driver in place of the tiled backend's usual one."""
     original = engine.run
 
-    def with_stripes(q, k, scale, problem, driver, reduce_weights, blk):  # noqa: ANN001
-        return original(q, k, scale, problem, Stripes(), reduce_weights, block)
+    def with_stripes(q, k, scale, problem, driver, reduce_weights, blk, param=None):  # noqa: ANN001
+        return original(q, k, scale, problem, Stripes(), reduce_weights, block, param)
 
     engine.run = with_stripes
     try:
@@ -87,7 +87,7 @@ def test_stripes_never_modify_the_inputs(name: str, dtype: torch.dtype) -> None:
     inputs = [t.to(dtype).requires_grad_(True) for t in case.tensors]
     before = [t.detach().clone() for t in inputs]
     original = engine.run
-    engine.run = lambda q, k, s, p, d, w, blk: original(q, k, s, p, Stripes(), w, 3)
+    engine.run = lambda q, k, s, p, d, w, blk, param=None: original(q, k, s, p, Stripes(), w, 3, param)
     try:
         for reduction in ("mean", "none"):
             case.fn(*inputs, *case.extra, backend="tiled", reduction=reduction, **case.kwargs).sum().backward()

@@ -8,23 +8,26 @@ from .functional import (
     neighbor_loss,
     nt_xent_loss,
     sample_neighbors,
+    siglip_loss,
     supcon_loss,
 )
-from .modules import ClipLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SupConLoss
+from .modules import ClipLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SigLipLoss, SupConLoss
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "supcon_loss",
     "nt_xent_loss",
     "info_nce_loss",
     "clip_loss",
+    "siglip_loss",
     "neighbor_loss",
     "sample_neighbors",
     "SupConLoss",
     "NTXentLoss",
     "InfoNCELoss",
     "ClipLoss",
+    "SigLipLoss",
     "NeighborLoss",
     "AUTO_TILED_MIN_ENTRIES",
     "doctor",

@@ -93,12 +93,13 @@ def driver(name: str, problem: Problem, k: Optional[Tensor], device_type: str,
 
 
 def run(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, name: str, reduce_weights: ReduceWeights,
-        block_size: Optional[int]) -> Tensor:
+        block_size: Optional[int], param: Optional[Tensor] = None) -> Tensor:
     """:func:`flashcl.engine.run` with backend ``name``'s driver; ``block_size=None``
-    picks the rows per block (:func:`flashcl.tiled.auto_block`)."""
+    picks the rows per block (:func:`flashcl.tiled.auto_block`); ``param``: the
+    head's learnable scalar, if it has one."""
     m = q.shape[0]
     n = m if k is None else k.shape[0]
     chosen = driver(name, problem, k, q.device.type, q.dtype)
     block = block_size or auto_block(m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, SymmetricPanels),
                                      device_type=q.device.type)
-    return engine.run(q, k, scale, problem, chosen, reduce_weights, block)
+    return engine.run(q, k, scale, problem, chosen, reduce_weights, block, param)

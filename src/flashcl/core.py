@@ -22,7 +22,9 @@ every anchor row ``i``::
   ============  =========  ===========  ==========================================
 
 ``symmetric`` adds the column direction of CLIP: for every column ``j``,
-``col_loss_j = LSE_i s_ij - s_jj`` (diagonal positives, M == N).
+``col_loss_j = LSE_i s_ij - a'_j sum_{i in Pos'(j)} s_ij`` (M == N), with the
+positives seen from the columns (:meth:`CoreSpec.column_spec`): the diagonal, or
+with labels every row of the same label (``pos_mode="mean"``: their mean).
 
 :meth:`CoreSpec.problem` turns the configuration into the engine's form
 (:mod:`flashcl.engine`): a softmax head and a positive (linear) term; the
@@ -59,7 +61,8 @@ class CoreSpec:
         num_classes: number of distinct ids when labels are given.
         index: (M, k) int64 positive columns, or None.
         pos_mode: ``"mean"``, ``"sum"`` or ``"pairs"`` (see the module docstring).
-        symmetric: add the column direction (CLIP); requires ``index`` to be the diagonal.
+        symmetric: add the column direction (CLIP): positives the diagonal ``index``,
+            or labels.
         normalize: L2-normalise the rows of Q and K first.
     """
 
@@ -112,16 +115,23 @@ class CoreSpec:
         return Positives(index=self.index, row_labels=self.row_labels, col_labels=self.col_labels,
                          num_classes=self.num_classes, self_pairs=self.self_pairs, offset=self.offset)
 
+    def column_spec(self) -> CoreSpec:
+        """The column direction of ``symmetric`` seen from the columns: the same
+        positives with rows and columns swapped (the diagonal stays the diagonal)."""
+        return CoreSpec(row_labels=self.col_labels, col_labels=self.row_labels, num_classes=self.num_classes,
+                        index=self.index, pos_mode=self.pos_mode, normalize=self.normalize)
+
     def problem(self, m: int, n: int, dtype: torch.dtype) -> Problem:
         """The engine's form: a :class:`~flashcl.heads.SoftmaxHead` with the LSE weights
-        ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``symmetric``, also
-        ``-s_jj`` in every column's loss)."""
+        ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``symmetric``, the
+        column direction's positive term too: ``-s_jj``, or with labels the mean of
+        column ``j``'s same-label scores)."""
         c, a = self.weights(m, dtype)
         head = SoftmaxHead(c, exclude_self=self.exclude_self, offset=self.offset, columns=self.symmetric)
-        pos = self.positives()
-        linears = [Linear(pos, a)]
+        linears = [Linear(self.positives(), a)]
         if self.symmetric:
-            linears.append(Linear(pos, torch.ones(n, dtype=dtype, device=a.device), target="col"))
+            cols = self.column_spec()
+            linears.append(Linear(cols.positives(), cols.weights(n, dtype)[1], target="col"))
         return Problem(head, tuple(linears), self.normalize, self.offset)
 
 

@@ -38,13 +38,13 @@ from torch import Tensor
 from . import backends, checks, engine
 from .core import CoreSpec
 from .engine import Driver, Operands, Problem
-from .functional import Scalar
+from .functional import Scalar, siglip_problem
 from .heads import Head, Tile
 from .linear import Linear, Positives, Rows, class_sums, raw_rows
 from .tiled import auto_block
 from .utils import compute_dtype
 
-__all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss"]
+__all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss"]
 
 _GRAD_SCALES = ("ddp", "sum")
 _STRATEGIES = ("all_gather", "ring")
@@ -161,7 +161,7 @@ def _run(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, gr
         return backends.run(q, k, scale, problem, "tiled", weights, block_size)
     ring = RingDriver(ring_sizes, group)
     block = block_size or auto_block(m, max(ring_sizes), dtype, self_contrast=True)
-    return engine.run(q, k, scale, ring.local_problem(problem, spec), ring, weights, block)
+    return engine.run(q, k, scale, ring.local_problem(problem), ring, weights, block)
 
 
 def _check(grad_scale: str, strategy: str) -> None:
@@ -321,6 +321,71 @@ def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, *,
             + _run(text_embeds, all_image, scale, spec, reduction, grad_scale, block_size, group, half, ring))
 
 
+def siglip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, logit_bias: Scalar, *,
+                labels: Optional[Tensor] = None, normalize: bool = False, reduction: str = "mean",
+                normalize_by: str = "global", grad_scale: str = "ddp", strategy: str = "ring", group: Any = None,
+                block_size: Optional[int] = None) -> Tensor:
+    """:func:`flashcl.siglip_loss` over the global batch: each rank's images against
+    the texts of every rank; image ``i`` and text ``i`` of the same rank are the
+    matching pair (or, with ``labels``, every pair of the same label on any rank).
+
+    The texts of the other ranks come round the ring (``strategy="ring"``, the
+    default: per-rank memory flat in the world size, as open_clip's neighbour
+    exchange) or are gathered (``"all_gather"``).
+
+    Args:
+        normalize_by: ``"global"`` (default): the mean over the global batch, SigLIP's
+            loss; ``"local"``: each rank's sum over its own images divided by its own
+            batch size, as open_clip's ``SigLipLoss`` computes it on each rank. With
+            equal batches the two agree; with ``grad_scale="ddp"`` and equal batches,
+            or ``normalize_by="local", grad_scale="sum"`` for any batches, each rank's
+            value and gradients equal open_clip's ``SigLipLoss(rank=..., world_size=...)``.
+        grad_scale, group, block_size: as the other distributed losses (module docstring).
+        other arguments: as :func:`flashcl.siglip_loss`.
+
+    Shape:
+        - image_embeds, text_embeds: (B_rank, D); labels: (B_rank,)
+        - output: scalar, or (B_rank,) with ``reduction="none"``
+
+    Examples::
+
+        >>> loss = flashcl.distributed.siglip_loss(img_local, txt_local, scale, bias)  # doctest: +SKIP
+    """
+    image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_choice(normalize_by, "normalize_by", ("global", "local"))
+    checks.check_block(block_size)
+    _check(grad_scale, strategy)
+    dtype = compute_dtype(image_embeds.dtype)
+    scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
+    bias = checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device, dtype)
+    if labels is not None:
+        _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
+        labels = labels.long()
+    _check_same_call(f"siglip|{image_embeds.shape[1]}|{image_embeds.dtype}|{normalize}|{reduction}|{normalize_by}|"
+                     f"{grad_scale}|{strategy}|{labels is not None}|{float(scale.detach()):.12g}|"
+                     f"{float(bias.detach()):.12g}", image_embeds.device, group)
+    rank, world = _world(group)
+    texts, offset, sizes = _candidates(text_embeds, strategy, group)
+    b = image_embeds.shape[0]
+    all_labels = None if labels is None else _all_gather_plain(labels, group)
+    problem = siglip_problem(b, sum(sizes), labels, image_embeds.device, dtype, float(bias.detach()), normalize,
+                             offset=offset, col_labels=all_labels)
+    weights = None
+    if reduction != "none":
+        factor = float(world) if grad_scale == "ddp" else 1.0
+        count = 1.0
+        if reduction == "mean":
+            count = float(sum(sizes)) if normalize_by == "global" else float(b)
+        weights = (torch.full((b,), factor / count, dtype=dtype, device=image_embeds.device), None)
+    if strategy == "all_gather":
+        return backends.run(image_embeds, texts, scale, problem, "tiled", weights, block_size, param=bias)
+    ring = RingDriver(sizes, group)
+    block = block_size or auto_block(b, max(sizes), dtype, self_contrast=True)
+    return engine.run(image_embeds, texts, scale, ring.local_problem(problem), ring, weights, block, param=bias)
+
+
 # ----------------------------------------------------------------------------- ring
 
 def _peer(group: Any, rank: int) -> int:
@@ -360,20 +425,23 @@ class RingDriver(Driver):
         self.rank, self.world = _world(group)
         self.starts = [sum(sizes[:i]) for i in range(self.world)]
 
-    def local_problem(self, problem: Problem, spec: CoreSpec) -> Problem:
+    def local_problem(self, problem: Problem) -> Problem:
         """The problem's positive terms in this rank's own columns (the head keeps
-        the global ones: its tiles carry global column indices)."""
+        the global ones: its tiles carry global column indices). Index positives
+        must lie in this rank's block, as every distributed loss makes them."""
         offset = self.starts[self.rank]
         n_local = self.sizes[self.rank]
-        pos = spec.positives()
-        if pos.index is not None:
-            local = Positives(index=pos.index - offset)
-        else:
-            assert pos.col_labels is not None
-            local = Positives(row_labels=pos.row_labels, col_labels=pos.col_labels[offset:offset + n_local],
-                              num_classes=pos.num_classes, self_pairs=pos.self_pairs, offset=0)
-        linears = tuple(Linear(local, lin.weight, lin.target) for lin in problem.linears)
-        return Problem(problem.head, linears, problem.normalize, problem.offset)
+        linears = []
+        for lin in problem.linears:
+            pos = lin.positives
+            if pos.index is not None:
+                local = Positives(index=pos.index - offset)
+            else:
+                assert pos.col_labels is not None
+                local = Positives(row_labels=pos.row_labels, col_labels=pos.col_labels[offset:offset + n_local],
+                                  num_classes=pos.num_classes, self_pairs=pos.self_pairs, offset=0)
+            linears.append(Linear(local, lin.weight, lin.target))
+        return Problem(problem.head, tuple(linears), problem.normalize, problem.offset)
 
     def class_sums(self, x: Rows, ids: Tensor, num_classes: int, block: int,  # type: ignore[override]
                    weight: Optional[Tensor] = None) -> Tensor:

@@ -175,9 +175,11 @@ def _add_linear(rows: Tensor, cols: Optional[Tensor], lin: Linear, value: Tensor
     return rows, cols - scale * lin.weight * value
 
 
-def dense_values(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem) -> Tuple[Tensor, Optional[Tensor]]:
+def dense_values(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem,
+                 param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-row (and per-column) losses by differentiable torch ops on the whole
-    score matrix: the dense backend, and the second derivatives of the others."""
+    score matrix: the dense backend, and the second derivatives of the others.
+    ``param``: the head's learnable scalar, if it has one (SigLIP's bias)."""
     dtype = compute_dtype(q.dtype)
     q = q.to(dtype)
     same = k is None
@@ -186,9 +188,9 @@ def dense_values(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem
         q = F.normalize(q, dim=1)
         k = q if same else F.normalize(k, dim=1)
     s = (q @ k.T) * scale.to(dtype)
-    rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset))
+    rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset), param)
     for lin in problem.linears:
-        rows, cols = _add_linear(rows, cols, lin, lin.dense(s), 1.0)
+        rows, cols = _add_linear(rows, cols, lin, lin.dense(s if lin.target == "row" else s.T), 1.0)
     return rows, cols
 
 
@@ -204,9 +206,9 @@ def _output(rows: Tensor, cols: Optional[Tensor], reduce_weights: ReduceWeights)
 
 
 def dense_output(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem,
-                 reduce_weights: ReduceWeights) -> Tensor:
+                 reduce_weights: ReduceWeights, param: Optional[Tensor] = None) -> Tensor:
     """What :class:`EngineFunction` returns, by :func:`dense_values`."""
-    rows, cols = dense_values(q, k, scale, problem)
+    rows, cols = dense_values(q, k, scale, problem, param)
     return _output(rows, cols, reduce_weights)
 
 
@@ -218,7 +220,10 @@ def _linear_grads(ops: Operands, problem: Problem, driver: Driver, raws: List[Te
         g = g_row if lin.target == "row" else g_col
         assert g is not None
         w = g * lin.weight
-        lin.grad_(ops.q, ops.k, ops.scale, w, dq, dk, ops.block, driver.class_sums)
+        if lin.target == "row":
+            lin.grad_(ops.q, ops.k, ops.scale, w, dq, dk, ops.block, driver.class_sums)
+        else:  # a column term: the same computation with the two sides swapped
+            lin.grad_(ops.k, ops.q, ops.scale, w, dk, dq, ops.block, driver.class_sums)
         dscale = dscale - (w * raw).sum()
     return dscale
 
@@ -241,22 +246,23 @@ def _new_grads(ops: Operands) -> Tuple[Tensor, Tensor]:
 
 
 class EngineFunction(torch.autograd.Function):
-    """``apply(q, k, scale, problem, driver, reduce_weights, block)``.
+    """``apply(q, k, scale, param, problem, driver, reduce_weights, block)``.
 
-    ``k=None`` means the candidates are the anchors (one gradient). Returns the
+    ``k=None`` means the candidates are the anchors (one gradient); ``param`` is the
+    head's learnable scalar (SigLIP's bias) or None. Returns the
     per-row losses (M,), with the per-column losses appended for a head with
     columns (M + N,), or, for ``reduce_weights=(r, u)``, the scalar
     ``sum r * rows + sum u * cols``.
     """
 
     @staticmethod
-    def forward(ctx: Any, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor, problem: Problem, driver: Driver,
-                reduce_weights: ReduceWeights, block: int) -> Tensor:
+    def forward(ctx: Any, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor, param: Optional[Tensor],
+                problem: Problem, driver: Driver, reduce_weights: ReduceWeights, block: int) -> Tensor:
         head = problem.head
         s = float(scale)
         ops = operands(q_in, k_in, s, problem.normalize, driver.lazy, block, problem.offset)
         m, n = ops.q.shape[0], driver.num_columns(ops)
-        needs_grad = any(ctx.needs_input_grad[:3])
+        needs_grad = any(ctx.needs_input_grad[:4])
         fused = reduce_weights is not None and needs_grad
         st = head.state(m, n, raw_rows(ops.q)[0], driver.bound(ops))
         dq = dk = dscale = None
@@ -272,54 +278,59 @@ class EngineFunction(torch.autograd.Function):
             driver.forward(ops, head, st, None, None, None)
         driver.release()  # before the linear terms: their temporaries need not stack on the tile buffers
         rows, cols = head.values(st)
-        raws = [lin.raw(ops.q, ops.k, block, driver.class_sums) for lin in problem.linears]
+        raws = [lin.raw(ops.q, ops.k, block, driver.class_sums) if lin.target == "row"
+                else lin.raw(ops.k, ops.q, block, driver.class_sums) for lin in problem.linears]
         for lin, raw in zip(problem.linears, raws):
             rows, cols = _add_linear(rows, cols, lin, raw, s)
 
         ctx.problem, ctx.driver, ctx.block, ctx.reduce_weights = problem, driver, block, reduce_weights
         ctx.st, ctx.raws, ctx.grads = st, raws, None
         if needs_grad:
-            ctx.save_for_backward(q_in, k_in, scale)
+            ctx.save_for_backward(q_in, k_in, scale, param)
         if fused:
             assert reduce_weights is not None and dq is not None and dk is not None and dscale is not None
             r, u = reduce_weights
             dscale = dscale + _linear_grads(ops, problem, driver, raws, r, u, dq, dk)
             dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
-            ctx.grads = (dq_in, dk_in, dscale)
+            ctx.grads = (dq_in, dk_in, dscale, head.param_grad(st))
         return _output(rows, cols, reduce_weights)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
-        q_in, k_in, scale = ctx.saved_tensors
+        q_in, k_in, scale, param = ctx.saved_tensors
         problem, reduce_weights = ctx.problem, ctx.reduce_weights
-        need_q, need_k, need_s = ctx.needs_input_grad[:3]
+        need_q, need_k, need_s, need_p = ctx.needs_input_grad[:4]
         if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
             if ctx.driver.no_second_derivatives is not None:
                 raise RuntimeError(ctx.driver.no_second_derivatives)
             ctx.grads = None
-            dq, dk, dscale = differentiable_grads(
-                lambda q, k, sc: dense_output(q, k, sc, problem, reduce_weights),
-                (q_in, k_in, scale), (need_q, need_k, need_s), grad_out)
+            dq, dk, dscale, dparam = differentiable_grads(
+                lambda q, k, sc, pa: dense_output(q, k, sc, problem, reduce_weights, pa),
+                (q_in, k_in, scale, param), (need_q, need_k, need_s, need_p), grad_out)
         else:
             with autocast_off(q_in.device.type):
-                dq, dk, dscale = EngineFunction._backward(ctx, grad_out, q_in, k_in, scale)
+                dq, dk, dscale, dparam = EngineFunction._backward(ctx, grad_out, q_in, k_in, scale)
             dscale = dscale.to(scale.dtype)
+            if dparam is not None and param is not None:
+                dparam = dparam.to(param.dtype)
         nones = (None,) * 4
-        return (dq if need_q else None, dk if need_k else None, dscale if need_s else None) + nones
+        return (dq if need_q else None, dk if need_k else None, dscale if need_s else None,
+                dparam if need_p else None) + nones
 
     @staticmethod
     def _backward(ctx: Any, grad_out: Tensor, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor
-                  ) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+                  ) -> Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]:
         if ctx.grads is not None:
             # formed by the fused forward; handed over (not copied) the first time
-            dq, dk, dscale = ctx.grads
+            dq, dk, dscale, dparam = ctx.grads
             ctx.grads = None
             if not bool((grad_out == 1).all()):
                 dq.mul_(grad_out)
                 if dk is not None:
                     dk.mul_(grad_out)
                 dscale = dscale * grad_out
-            return dq, dk, dscale
+                dparam = None if dparam is None else dparam * grad_out
+            return dq, dk, dscale, dparam
         problem, driver, block = ctx.problem, ctx.driver, ctx.block
         head, st = problem.head, ctx.st
         ops = operands(q_in, k_in, float(scale), problem.normalize, driver.lazy, block, problem.offset)
@@ -337,14 +348,15 @@ class EngineFunction(torch.autograd.Function):
         driver.release()
         dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk)
         dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
-        return dq_in, dk_in, dscale
+        return dq_in, dk_in, dscale, head.param_grad(st)
 
 
 def run(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, driver: Optional[Driver],
-        reduce_weights: ReduceWeights, block: int) -> Tensor:
+        reduce_weights: ReduceWeights, block: int, param: Optional[Tensor] = None) -> Tensor:
     """The problem's losses: through ``driver`` (an :class:`EngineFunction`), or by
-    the dense formula when ``driver`` is None; autocast off either way."""
+    the dense formula when ``driver`` is None; autocast off either way. ``param``:
+    the head's learnable scalar, if it has one."""
     with autocast_off(q.device.type):
         if driver is None:
-            return dense_output(q, k, scale, problem, reduce_weights)
-        return EngineFunction.apply(q, k, scale, problem, driver, reduce_weights, block)
+            return dense_output(q, k, scale, problem, reduce_weights, param)
+        return EngineFunction.apply(q, k, scale, param, problem, driver, reduce_weights, block)

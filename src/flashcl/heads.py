@@ -40,7 +40,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Tile", "Head", "SoftmaxHead", "lse_inplace", "mask_self_", "scratch"]
+__all__ = ["Tile", "Head", "SoftmaxHead", "SoftplusHead", "lse_inplace", "mask_self_", "scratch", "softplus_rows_"]
 
 
 @dataclass(frozen=True)
@@ -168,10 +168,16 @@ class Head:
         return g.add_(gt.T)
 
     # ------------------------------------------------------------ dense form
-    def dense(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """The per-row (and per-column) losses from the whole score matrix ``s``, by
-        differentiable torch ops: the dense backend, and second derivatives."""
+        differentiable torch ops: the dense backend, and second derivatives.
+        ``param``: the head's learnable scalar as a tensor (None for heads without one)."""
         raise NotImplementedError
+
+    def param_grad(self, st: Any) -> Optional[Tensor]:
+        """d loss / d (the head's learnable scalar), accumulated by :meth:`grad` /
+        :meth:`rows_fused`; None for heads without one."""
+        return None
 
 
 class _SoftmaxState:
@@ -342,7 +348,7 @@ class SoftmaxHead(Head):
         return st.g_row, st.g_col
 
     # ------------------------------------------------------------ dense form
-    def dense(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         lse_in = s
         if self.exclude_self:
             mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
@@ -351,3 +357,98 @@ class SoftmaxHead(Head):
         rows = self.c[tile.r0:tile.r1] * torch.logsumexp(lse_in, dim=1)
         cols = torch.logsumexp(s, dim=0) if self.has_columns else None
         return rows, cols
+
+
+def softplus_rows_(t: Tensor, work: Tensor) -> Tuple[Tensor, Tensor]:
+    """Row sums of ``softplus(t)`` and ``sigmoid(t)``; leaves ``sigmoid(t)`` in ``t``.
+    ``softplus(t) = max(t, 0) + log1p(exp(-|t|))``: no overflow, and no cut-off
+    (``F.softplus`` returns ``t`` past 20, an error of ``exp(-20)``). ``work``: a
+    free buffer of ``t``'s shape; nothing else of that size is allocated."""
+    sp = torch.clamp(t, min=0, out=work).sum(1)
+    sp += torch.abs(t, out=work).neg_().exp_().log1p_().sum(1)
+    t.sigmoid_()
+    return sp, t.sum(1)
+
+
+class _SoftplusState:
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.row = like.new_zeros(m)   # sum_j softplus(s_ij + b)
+        self.sig = like.new_zeros(m)   # sum_j sigmoid(s_ij + b): the bias's gradient
+        self.work: Optional[Tensor] = None
+        self.g_row: Optional[Tensor] = None
+        self.g_col: Optional[Tensor] = None
+
+    def scratch(self, like: Tensor) -> Tensor:
+        """A work buffer of ``like``'s shape, made once per call."""
+        if self.work is None or self.work.numel() < like.numel():
+            self.work = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return scratch(self.work, like)
+
+
+class SoftplusHead(Head):
+    """SigLIP's sigmoid loss over pairs: per row ``sum_j softplus(s_ij + b) - b |Pos(i)|``.
+
+    With the positive term ``-sum_{j in Pos(i)} s_ij`` (a :class:`~flashcl.linear.Linear`
+    of the same positives), row ``i``'s loss is ``sum_j -log sigmoid(z_ij (s_ij + b))``,
+    ``z_ij = +1`` on the positive pairs and -1 elsewhere, since
+    ``softplus(t) - softplus(-t) = t``: the head itself needs no mask, only the bias
+    ``b`` and the positive counts. One pass; ``dL/ds_ij = sigmoid(s_ij + b)``
+    (weighted) and ``dL/db = sum_ij sigmoid(s_ij + b) - sum_i |Pos(i)|``.
+
+    Args:
+        bias: ``b`` (SigLIP's learnable logit bias, as a float).
+        counts: ``|Pos(i)|`` (m,).
+    """
+
+    kernel = "softplus"
+    fuses_rows = True
+    symmetric = True  # no mask: for self-contrast the tile values are symmetric
+
+    def __init__(self, bias: float, counts: Tensor) -> None:
+        self.bias = bias
+        self.counts = counts
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _SoftplusState:
+        return _SoftplusState(m, like)
+
+    def reduce(self, s: Tensor, tile: Tile, st: _SoftplusState, p: int = 0) -> None:
+        sp, sig = softplus_rows_(s.add_(self.bias), st.scratch(s))
+        st.row[tile.r0:tile.r1] += sp
+        st.sig[tile.r0:tile.r1] += sig
+
+    def values(self, st: _SoftplusState) -> Tuple[Tensor, Optional[Tensor]]:
+        return st.row - self.bias * self.counts.to(st.row.dtype), None
+
+    def begin_grad(self, st: _SoftplusState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
+        st.g_row, st.g_col = g_row, g_col
+
+    def grad(self, s: Tensor, tile: Tile, st: _SoftplusState, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.g_row is not None
+        return torch.sigmoid(s.add_(self.bias), out=s).mul_(st.g_row[tile.r0:tile.r1].unsqueeze(1))
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _SoftplusState, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        st.row[tile.r0:tile.r1], st.sig[tile.r0:tile.r1] = softplus_rows_(s.add_(self.bias), st.scratch(s))
+        if g_row is None:
+            return None
+        st.g_row = g_row  # for param_grad
+        return s.mul_(g_row[tile.r0:tile.r1].unsqueeze(1))  # s now holds sigmoid(s + b)
+
+    def param_grad(self, st: _SoftplusState) -> Optional[Tensor]:
+        if st.g_row is None:
+            return None
+        return (st.g_row * (st.sig - self.counts.to(st.sig.dtype))).sum()
+
+    def kernel_state(self, st: _SoftplusState, row: Tensor, sig: Optional[Tensor]) -> None:
+        """The row sums as the Triton kernels computed them."""
+        assert sig is not None
+        st.row, st.sig = row, sig
+
+    def kernel_weights(self, st: _SoftplusState) -> Tuple[Tensor, Optional[Tensor]]:
+        assert st.g_row is not None
+        return st.g_row, None
+
+    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        b = param.to(s.dtype) if param is not None else torch.tensor(self.bias, dtype=s.dtype, device=s.device)
+        t = s + b
+        sp = t.clamp_min(0) + torch.log1p(torch.exp(-t.abs()))
+        return sp.sum(1) - b * self.counts[tile.r0:tile.r1].to(s.dtype), None

@@ -9,8 +9,8 @@ O((M + N) D) work and memory.
 ``m_ij``: same class id (``labels``; never the anchor itself when
 ``self_pairs``), or the columns ``index[i]`` (repeats count). A
 :class:`Linear` term adds ``-weight_i * sum_j m_ij s_ij`` to row ``i``'s loss
-(or, ``target="col"``, to column ``i``'s, for a diagonal: CLIP's column
-direction).
+(or, ``target="col"``, ``-weight_j * sum_i m_ji s_ij`` to column ``j``'s, with the
+positives given from the columns' side: CLIP's column direction).
 """
 from __future__ import annotations
 
@@ -110,8 +110,10 @@ class Positives:
 
 @dataclass(frozen=True, eq=False)
 class Linear:
-    """``-weight_i * sum_j m_ij s_ij`` added to row ``i``'s loss (``target="row"``) or
-    to column ``i``'s (``target="col"``; the positives must then be the diagonal)."""
+    """``-weight_i * sum_j m_ij s_ij`` added to row ``i``'s loss (``target="row"``), or
+    ``-weight_j * sum_i m_ji s_ij`` to column ``j``'s (``target="col"``: the positives
+    and the weights are given from the columns' side, and the engine computes the
+    term with the two sides swapped)."""
 
     positives: Positives
     weight: Tensor

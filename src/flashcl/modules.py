@@ -5,7 +5,7 @@ module's call, or pass a tensor at construction (it is kept as given).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 from torch import Tensor, nn
 
@@ -77,7 +77,8 @@ class InfoNCELoss(nn.Module):
 
 class ClipLoss(nn.Module):
     """Module form of :func:`flashcl.clip_loss`; called as open_clip's ``ClipLoss`` is:
-    ``loss_fn(image_features, text_features, logit_scale)``.
+    ``loss_fn(image_features, text_features, logit_scale, logit_bias=None, output_dict=False)``
+    (plus ``labels=`` for several positives per image).
 
     Examples::
 
@@ -89,9 +90,37 @@ class ClipLoss(nn.Module):
         super().__init__()
         self.normalize, self.reduction, self.backend, self.block_size = normalize, reduction, backend, block_size
 
-    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar) -> Tensor:
-        return F.clip_loss(image_features, text_features, logit_scale, normalize=self.normalize,
-                           reduction=self.reduction, backend=self.backend, block_size=self.block_size)
+    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar,
+                logit_bias: Optional[Scalar] = None, output_dict: bool = False,
+                labels: Optional[Tensor] = None) -> Union[Tensor, Dict[str, Tensor]]:
+        loss = F.clip_loss(image_features, text_features, logit_scale, logit_bias, labels=labels,
+                           normalize=self.normalize, reduction=self.reduction, backend=self.backend,
+                           block_size=self.block_size)
+        return {"contrastive_loss": loss} if output_dict else loss
+
+
+class SigLipLoss(nn.Module):
+    """Module form of :func:`flashcl.siglip_loss`; called as open_clip's ``SigLipLoss``
+    is: ``loss_fn(image_features, text_features, logit_scale, logit_bias)``
+    (``output_dict=True`` returns ``{"contrastive_loss": loss}``, as open_clip).
+    Across processes: :func:`flashcl.distributed.siglip_loss`.
+
+    Examples::
+
+        >>> loss = flashcl.SigLipLoss()(torch.randn(4, 16), torch.randn(4, 16), 10.0, -10.0)
+    """
+
+    def __init__(self, normalize: bool = False, reduction: str = "mean", backend: str = "auto",
+                 block_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.normalize, self.reduction, self.backend, self.block_size = normalize, reduction, backend, block_size
+
+    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar, logit_bias: Scalar,
+                labels: Optional[Tensor] = None, output_dict: bool = False) -> Union[Tensor, Dict[str, Tensor]]:
+        loss = F.siglip_loss(image_features, text_features, logit_scale, logit_bias, labels=labels,
+                             normalize=self.normalize, reduction=self.reduction, backend=self.backend,
+                             block_size=self.block_size)
+        return {"contrastive_loss": loss} if output_dict else loss
 
 
 class NeighborLoss(nn.Module):

@@ -54,11 +54,8 @@ def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> 
     row_loss = torch.stack(rows)
     col_loss = None
     if spec.symmetric:
-        cols = []
-        for j in range(k.shape[0]):
-            sims = (q @ k[j]) * scale
-            cols.append(torch.logsumexp(sims, dim=0) - sims[j])
-        col_loss = torch.stack(cols)
+        col_spec = spec.column_spec()
+        col_loss = torch.stack([_row_loss((q @ k[j]) * scale, j, col_spec) for j in range(k.shape[0])])
     return row_loss, col_loss
 
 
@@ -66,3 +63,21 @@ def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
     """Row losses (n,) of the core on a given score matrix, one row at a time."""
     scores = scores.to(compute_dtype(scores.dtype))
     return torch.stack([_row_loss(scores[i], i, spec) for i in range(scores.shape[0])])
+
+
+def siglip_loss(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, labels: Optional[Tensor],
+                normalize: bool) -> Tensor:
+    """Per-image SigLIP losses (B,), one image at a time: ``sum_j -log sigmoid(z_ij
+    (scale q_i . k_j + bias))`` with ``z_ij = +1`` for the matching pairs (the
+    diagonal, or the same label), -1 elsewhere."""
+    q, k = prepare(q, k, normalize)
+    rows = []
+    for i in range(q.shape[0]):
+        logits = (k @ q[i]) * scale.to(q.dtype) + bias.to(q.dtype)
+        if labels is None:
+            z = -torch.ones_like(logits)
+            z[i] = 1.0
+        else:
+            z = torch.where(labels == labels[i], 1.0, -1.0).to(q.dtype)
+        rows.append(-torch.nn.functional.logsigmoid(z * logits).sum())
+    return torch.stack(rows)

@@ -16,9 +16,9 @@ def _size(mode: str, quick: Any, default: Any, full: Any) -> Any:
 
 
 def tiled(mode: str, device: str) -> List[Case]:
-    """The tiled backend's targets: SupCon and CLIP against the GEMM bound, a
-    65536 batch, and the neighbour loss against the seed's gather fix. Each
-    case gets a cap of 300 s (the 65536 batch alone takes ~30 s here)."""
+    """The tiled backend's targets: SupCon and CLIP against the GEMM bound, SupCon
+    and SigLIP at a batch of 65536, and the neighbour loss against its gather fix.
+    Each case gets a cap of 300 s (a 65536 batch alone takes ~30 s on 2 cores)."""
     b, d = _size(mode, (512, 64), (8192, 768), (8192, 768))
     big_b, big_d = _size(mode, (4096, 32), (65536, 256), (65536, 256))
     n_big = _size(mode, 1500, 20000, 20000)
@@ -33,6 +33,8 @@ def tiled(mode: str, device: str) -> List[Case]:
                       "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": True}})
     cases.append({"group": "supcon-big", "label": "flashcl-tiled", "workload": "supcon", "repeats": 0,
                   "params": {"B": big_b, "D": big_d, "classes": 5, "impl": "flashcl-tiled"}})
+    cases.append({"group": "siglip-big", "label": "flashcl-tiled", "workload": "siglip", "repeats": 0,
+                  "params": {"B": big_b, "D": big_d, "impl": "flashcl-tiled"}})
     for impl in ("flashcl-tiled", "flashcl-dense", "torch-ce"):
         cases.append({"group": "clip", "label": impl, "workload": "clip", "bound": gemm,
                       "params": {"B": b, "D": d, "impl": impl}})
@@ -112,6 +114,12 @@ def peers(mode: str, device: str) -> List[Case]:
     for impl in ("flashcl-tiled", "torch-ce", "open_clip"):
         cases.append({"group": "clip", "label": impl, "workload": "clip", "bound": gemm,
                       "params": {"B": b, "D": d, "impl": impl}})
+    # SigLIP at B = 8192 in every mode but quick: open_clip's B x B logits beside flashcl
+    bs = _size(mode, 256, 8192, 8192)
+    gemm_s = {"workload": "gemm3", "params": {"B": bs, "D": d, "device": device}}
+    for impl in ("flashcl-tiled", "open_clip"):
+        cases.append({"group": "siglip", "label": impl, "workload": "siglip", "bound": gemm_s, "repeats": 1,
+                      "params": {"B": bs, "D": d, "impl": impl}})
     for impl in ("flashcl-tiled", "F.cross_entropy", "F.linear_cross_entropy(chunked)",
                  "sentence-transformers-MNRL", "flashcl-st-adapter"):
         cases.append({"group": "info_nce", "label": impl, "workload": "info_nce", "bound": gemm,
@@ -162,9 +170,9 @@ def dist(mode: str, device: str) -> List[Case]:
 
 
 def gpu(mode: str, device: str) -> List[Case]:
-    """GPU figures (``--device cuda``): InfoNCE, SupCon and CLIP through flashcl's
-    Triton kernels and its tiled backend (tensor-core stripes for half precision),
-    beside Inf-CL (InfoNCE) and open_clip (CLIP), bfloat16, against the three
+    """GPU figures (``--device cuda``): InfoNCE, SupCon, CLIP and SigLIP through
+    flashcl's Triton kernels and its tiled backend (tensor-core stripes for half
+    precision), beside Inf-CL (InfoNCE) and open_clip (CLIP, SigLIP), bfloat16, against the three
     cuBLAS GEMMs of the same shape; and InfoNCE in float32 (IEEE) at D = 768
     against float32 GEMMs. Each (loss, D) is one panel of the plot."""
     # in the order of priority (a device run may be cut short): the widths users
@@ -174,7 +182,8 @@ def gpu(mode: str, device: str) -> List[Case]:
                   tuple((b, d) for b in (32768, 131072) for d in (768, 4096, 256, 1024)) + ((262144, 768),))
     impls = {"info_nce": ("flashcl-triton", "flashcl-tiled", "inf_cl"),
              "supcon": ("flashcl-triton", "flashcl-tiled"),
-             "clip": ("flashcl-triton", "flashcl-tiled", "open_clip")}
+             "clip": ("flashcl-triton", "flashcl-tiled", "open_clip"),
+             "siglip": ("flashcl-triton", "flashcl-tiled", "open_clip")}
     cases: List[Case] = []
     for b, d in sizes:
         gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device, "dtype": "bfloat16"}}

@@ -205,6 +205,30 @@ def clip(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, [img, txt], dev), 2 * b * d * img.element_size()
 
 
+def siglip(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """SigLIP's sigmoid loss over two B x D towers of unit rows, as open_clip takes
+    them (normalised by the model: here drawn so), scale 10 and bias -10
+    (SigLIP's initial values); flashcl with its default ``normalize=False``."""
+    b, d, impl, dev, img, txt = _two_towers(p)
+    with torch.no_grad():
+        img.copy_(F.normalize(img, dim=1))
+        txt.copy_(F.normalize(txt, dim=1))
+    scale = torch.tensor(10.0, device=dev)
+    bias = torch.tensor(-10.0, device=dev)
+    if impl.startswith("flashcl-"):
+        backend = _flashcl_backend(impl)
+        fn = lambda: flashcl.siglip_loss(img, txt, scale, bias, backend=backend)  # noqa: E731
+    elif impl == "open_clip":
+        module, why = peers.open_clip_loss_module()
+        if module is None:
+            raise NotInstalled(why)
+        loss_fn = module.SigLipLoss()
+        fn = lambda: loss_fn(img, txt, scale, bias)  # noqa: E731
+    else:
+        raise ValueError(f"unknown siglip impl {impl!r}")
+    return _stepper(fn, [img, txt], dev), 2 * b * d * img.element_size()
+
+
 def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
     """InfoNCE with one positive per row (the diagonal) and in-batch negatives."""
     b, d, impl, dev, q, k = _two_towers(p)
@@ -290,5 +314,5 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, [x], dev), n * n * 4
 
 
-WORKLOADS: Dict[str, Workload] = {"gemm3": gemm3, "supcon": supcon, "nt_xent": nt_xent, "clip": clip,
+WORKLOADS: Dict[str, Workload] = {"gemm3": gemm3, "supcon": supcon, "nt_xent": nt_xent, "clip": clip, "siglip": siglip,
                                   "info_nce": info_nce, "neighbor": neighbor}

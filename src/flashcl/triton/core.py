@@ -11,11 +11,11 @@ import triton
 from torch import Tensor
 
 from ..engine import Driver, Operands
-from ..heads import Head, SoftmaxHead
+from ..heads import Head, SoftmaxHead, SoftplusHead
 from ..linear import raw_rows
 from .kernels import _dk_kernel, _dq_kernel, _lse_kernel
 
-__all__ = ["Config", "default_config", "precision", "row_lse", "gradients", "TritonDriver"]
+__all__ = ["Config", "HEADS", "default_config", "precision", "row_lse", "gradients", "TritonDriver"]
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -68,21 +68,28 @@ def default_config(d: int, dtype: torch.dtype) -> Config:
     return Config(64, 64, block_k, block_do, 4, 2)
 
 
+#: the heads the kernels implement (``Head.kernel``), as the kernels' ``HEAD``
+HEADS = {"softmax": 0, "softplus": 1}
+
+
 def row_lse(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_self: bool, offset: int,
-            cfg: Config) -> Tuple[Tensor, Any]:
-    """Each row's logsumexp of ``scale * iq_i ik_j q_i . k_j`` (self column masked when
-    asked): (float32 (M,), the compiled kernel or None under the interpreter)."""
+            cfg: Config, head: str = "softmax", bias: float = 0.0) -> Tuple[Tensor, Optional[Tensor], Any]:
+    """The rows' reductions of ``s = scale * iq_i ik_j q_i . k_j`` (self column masked
+    when asked): the softmax head's logsumexp, or the softplus head's sums of
+    ``softplus(s + bias)`` and ``sigmoid(s + bias)``. Returns (float32 (M,), the
+    second (M,) or None, the compiled kernel or None under the interpreter)."""
     m, d = q.shape
     out = torch.empty(m, dtype=torch.float32, device=q.device)
+    second = torch.empty(m, dtype=torch.float32, device=q.device) if head == "softplus" else out
     compiled = _lse_kernel[(triton.cdiv(m, cfg.block_m),)](
-        q, k, iq, ik, out, m, k.shape[0], d, q.stride(0), k.stride(0), scale, offset, EXCLUDE_SELF=exclude_self,
-        PRECISION=precision(q.dtype), **cfg.launch())
-    return out, compiled
+        q, k, iq, ik, out, second, m, k.shape[0], d, q.stride(0), k.stride(0), scale, offset, bias,
+        EXCLUDE_SELF=exclude_self, HEAD=HEADS[head], PRECISION=precision(q.dtype), **cfg.launch())
+    return out, (second if head == "softplus" else None), compiled
 
 
 def gradients(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_self: bool, offset: int,
-              lse_r: Tensor, g_r: Tensor, lse_c: Optional[Tensor], g_c: Optional[Tensor], cfg: Config
-              ) -> Tuple[Tensor, Tensor, Dict[str, Any]]:
+              lse_r: Tensor, g_r: Tensor, lse_c: Optional[Tensor], g_c: Optional[Tensor], cfg: Config,
+              head: str = "softmax", bias: float = 0.0) -> Tuple[Tensor, Tensor, Dict[str, Any]]:
     """``dQ^`` and ``dK^`` (float32) of the softmax head's tiles, and the compiled
     kernels by name."""
     m, d = q.shape
@@ -92,22 +99,23 @@ def gradients(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclud
     g_c_ = g_c if g_c is not None else g_r
     dq = torch.empty(m, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(n, d, dtype=torch.float32, device=q.device)
-    common = dict(EXCLUDE_SELF=exclude_self, HAS_COL=has_col, BLOCK_DO=cfg.block_do, PRECISION=precision(q.dtype),
-                  **cfg.launch())
+    common = dict(EXCLUDE_SELF=exclude_self, HAS_COL=has_col, HEAD=HEADS[head], BLOCK_DO=cfg.block_do,
+                  PRECISION=precision(q.dtype), **cfg.launch())
     args = (lse_r, g_r, lse_c_, g_c_, m, n, d, q.stride(0), k.stride(0))
     chunks = triton.cdiv(d, cfg.block_do)
     kq = _dq_kernel[(triton.cdiv(m, cfg.block_m), chunks)](q, k, iq, ik, dq, *args, dq.stride(0), scale, offset,
-                                                            **common)
+                                                            bias, **common)
     kk = _dk_kernel[(triton.cdiv(n, cfg.block_n), chunks)](q, k, iq, ik, dk, *args, dk.stride(0), scale, offset,
-                                                            **common)
+                                                            bias, **common)
     return dq, dk, {"dq": kq, "dk": kk}
 
 
 class TritonDriver(Driver):
     """The engine's driver on Triton kernels, for the heads they implement
-    (:attr:`~flashcl.heads.Head.kernel` ``"softmax"``): the row (and column)
-    logsumexp in one kernel, the gradients ``dQ^ = G K^`` and ``dK^ = G^T Q^``
-    in two, every tile rebuilt on chip from the embeddings and the saved LSE.
+    (:attr:`~flashcl.heads.Head.kernel` in :data:`HEADS`: the softmax and SigLIP's
+    softplus): the rows' (and CLIP's columns') reductions in one kernel, the
+    gradients ``dQ^ = G K^`` and ``dK^ = G^T Q^`` in two, every tile rebuilt on
+    chip from the embeddings and the saved reductions.
     The embeddings reach the kernels in their own dtype (float32, float16 or
     bfloat16) with float32 row scales (1/|row| when normalising), so that half
     inputs are rounded once, as given; the positive terms and the
@@ -121,8 +129,8 @@ class TritonDriver(Driver):
     lazy = True
 
     def __init__(self, head: Head, config: Optional[Config] = None) -> None:
-        if head.kernel != "softmax":
-            raise ValueError(f"the triton backend has kernels for the softmax head only, not for "
+        if head.kernel not in HEADS:
+            raise ValueError(f"the triton backend has kernels for the softmax and softplus heads only, not for "
                              f"{type(head).__name__}: use backend='tiled'")
         self.config = config
 
@@ -142,28 +150,37 @@ class TritonDriver(Driver):
                                   if ops.k_norms is None else (1.0 / ops.k_norms).float())
         return qc, kc, iq, ik
 
+    @staticmethod
+    def _head_args(head: Head) -> Tuple[bool, int, float]:
+        """(exclude_self, offset, bias) of a kernel head."""
+        if isinstance(head, SoftmaxHead):
+            return head.exclude_self, head.offset, 0.0
+        assert isinstance(head, SoftplusHead)
+        return False, 0, head.bias
+
     def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
                 dk: Optional[Tensor]) -> Optional[Tensor]:
-        assert isinstance(head, SoftmaxHead)
         qc, kc, iq, ik = self._inputs(ops)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         like = raw_rows(ops.q)[0]
-        lse_r = row_lse(qc, kc, iq, ik, ops.scale, head.exclude_self, head.offset, cfg)[0].to(like.dtype)
-        lse_c = None
+        exclude_self, offset, bias = self._head_args(head)
+        assert head.kernel is not None
+        first, second, _ = row_lse(qc, kc, iq, ik, ops.scale, exclude_self, offset, cfg, head.kernel, bias)
         if head.has_columns:
-            lse_c = row_lse(kc, qc, ik, iq, ops.scale, False, 0, cfg)[0].to(like.dtype)
-        head.kernel_state(st, lse_r, lse_c)
+            second = row_lse(kc, qc, ik, iq, ops.scale, False, 0, cfg)[0]
+        head.kernel_state(st, first.to(like.dtype), None if second is None else second.to(like.dtype))
         return None
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
-        assert isinstance(head, SoftmaxHead)
         qc, kc, iq, ik = self._inputs(ops)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         g_row, g_col = head.kernel_weights(st)
-        lse_c = st.col
-        gq, gk, _ = gradients(qc, kc, iq, ik, ops.scale, head.exclude_self, head.offset, st.row.float(),
+        exclude_self, offset, bias = self._head_args(head)
+        lse_c = st.col if isinstance(head, SoftmaxHead) else None
+        assert head.kernel is not None
+        gq, gk, _ = gradients(qc, kc, iq, ik, ops.scale, exclude_self, offset, st.row.float(),
                               g_row.float().contiguous(), None if lse_c is None else lse_c.float(),
-                              None if g_col is None else g_col.float().contiguous(), cfg)
+                              None if g_col is None else g_col.float().contiguous(), cfg, head.kernel, bias)
         # sum_ij G_ij q^_i.k^_j = sum(q^ * G K^), and gq = scale G K^
         m = gq.shape[0]
         dscale = sum((gq[r0:r0 + ops.block] * ops.q[r0:r0 + ops.block]).sum()

@@ -12,7 +12,9 @@ routine and the same tile sizes, so the scores the backward recomputes are the
 forward's, bit for bit.
 
 * ``_lse_kernel``: per row tile, an online logsumexp over column tiles, with
-  the self column (``col == row + offset``) masked to -inf when asked.
+  the self column (``col == row + offset``) masked to -inf when asked
+  (``HEAD=0``, the softmax head); or (``HEAD=1``, SigLIP's softplus head) the
+  row sums of ``softplus(s + bias)`` and of ``sigmoid(s + bias)``.
 * ``_dq_kernel``: per (row tile, chunk of ``BLOCK_DO`` output dims), recomputes
   each tile from Q, K and the saved LSE: ``G = g_row exp(s - lse_row)
   [+ g_col exp(s - lse_col)]``, and ``dQ^[:, chunk] += scale (G diag(ik)) K[:, chunk]``.
@@ -62,13 +64,14 @@ def _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, row_scale, co
 
 
 @triton.jit
-def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, M, N, D, stride_q, stride_k, scale, offset,
-                EXCLUDE_SELF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr):
+def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, M, N, D, stride_q, stride_k, scale, offset, bias,
+                EXCLUDE_SELF: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0) * scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    sig_i = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ik = tl.load(ik_ptr + cols, mask=cols < N, other=0.0)
@@ -77,24 +80,37 @@ def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, M, N, D, stride_q, stride
         keep = cols[None, :] < N
         if EXCLUDE_SELF:
             keep = keep & (cols[None, :] != rows[:, None] + offset)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
-        m_i = m_new
-    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=rows < M)
+        if HEAD == 0:
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+            m_i = m_new
+        else:
+            t = s + bias
+            softplus = tl.maximum(t, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(t)))
+            l_i += tl.sum(tl.where(keep, softplus, 0.0), 1)
+            sig_i += tl.sum(tl.where(keep, tl.sigmoid(t), 0.0), 1)
+    if HEAD == 0:
+        tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=rows < M)
+    else:
+        tl.store(lse_ptr + rows, l_i, mask=rows < M)
+        tl.store(sig_ptr + rows, sig_i, mask=rows < M)
 
 
 @triton.jit
-def _grad_tile(s, rows, cols, M, N, offset, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr,
-               EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr):
-    """dloss/ds of a tile: the row term (masked) and, for CLIP, the column term."""
+def _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr,
+               EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr):
+    """dloss/ds of a tile: the row term (masked) and, for CLIP, the column term;
+    for the softplus head (HEAD=1), ``g_row sigmoid(s + bias)``."""
     keep = (rows[:, None] < M) & (cols[None, :] < N)
     keep_row = keep
     if EXCLUDE_SELF:
         keep_row = keep_row & (cols[None, :] != rows[:, None] + offset)
-    lse_r = tl.load(lse_r_ptr + rows, mask=rows < M, other=0.0)
     g_r = tl.load(g_r_ptr + rows, mask=rows < M, other=0.0)
+    if HEAD == 1:
+        return tl.where(keep_row, tl.sigmoid(s + bias) * g_r[:, None], 0.0)
+    lse_r = tl.load(lse_r_ptr + rows, mask=rows < M, other=0.0)
     g = tl.where(keep_row, tl.exp(s - lse_r[:, None]) * g_r[:, None], 0.0)
     if HAS_COL:
         lse_c = tl.load(lse_c_ptr + cols, mask=cols < N, other=0.0)
@@ -105,9 +121,9 @@ def _grad_tile(s, rows, cols, M, N, offset, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_p
 
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D,
-               stride_q, stride_k, stride_dq, scale, offset, EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr,
-               PRECISION: tl.constexpr):
+               stride_q, stride_k, stride_dq, scale, offset, bias, EXCLUDE_SELF: tl.constexpr,
+               HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dd = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0) * scale
@@ -117,7 +133,8 @@ def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_p
         ik = tl.load(ik_ptr + cols, mask=cols < N, other=0.0)
         s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq, ik, BLOCK_M, BLOCK_N, BLOCK_K,
                     PRECISION)
-        g = _grad_tile(s, rows, cols, M, N, offset, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, EXCLUDE_SELF, HAS_COL)
+        g = _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, EXCLUDE_SELF,
+                       HAS_COL, HEAD)
         g = g * ik[None, :]
         kt = tl.load(k_ptr + cols[:, None] * stride_k + dd[None, :], mask=(cols[:, None] < N) & (dd[None, :] < D),
                      other=0.0)
@@ -128,9 +145,9 @@ def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_p
 
 @triton.jit
 def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D,
-               stride_q, stride_k, stride_dk, scale, offset, EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr,
-               PRECISION: tl.constexpr):
+               stride_q, stride_k, stride_dk, scale, offset, bias, EXCLUDE_SELF: tl.constexpr,
+               HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
     # the same (BLOCK_M x BLOCK_N) tiles as the other kernels, in the same
     # orientation (rows of Q, columns of K), so that the scores are the same numbers
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,7 +159,8 @@ def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_p
         iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0)
         s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq * scale, ik, BLOCK_M, BLOCK_N,
                     BLOCK_K, PRECISION)
-        g = _grad_tile(s, rows, cols, M, N, offset, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, EXCLUDE_SELF, HAS_COL)
+        g = _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, EXCLUDE_SELF,
+                       HAS_COL, HEAD)
         g = g * iq[:, None]
         qt = tl.load(q_ptr + rows[:, None] * stride_q + dd[None, :], mask=(rows[:, None] < M) & (dd[None, :] < D),
                      other=0.0)
