@@ -11,6 +11,7 @@ from .functional import (
     siglip_loss,
     supcon_loss,
 )
+from .memory import MemoryBank
 from .modules import ClipLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SigLipLoss, SupConLoss
 
 __version__ = "0.2.0.dev0"
@@ -29,6 +30,7 @@ __all__ = [
     "ClipLoss",
     "SigLipLoss",
     "NeighborLoss",
+    "MemoryBank",
     "AUTO_TILED_MIN_ENTRIES",
     "doctor",
     "distributed",

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .engine import Problem
-from .heads import SoftmaxHead
+from .heads import Exclusions, SoftmaxHead
 from .linear import Linear, Positives
 from .utils import compute_dtype
 
@@ -64,6 +64,13 @@ class CoreSpec:
         symmetric: add the column direction (CLIP): positives the diagonal ``index``,
             or labels.
         normalize: L2-normalise the rows of Q and K first.
+        self_index: (M,) the column of each anchor itself when it is not
+            ``i + offset`` (a queue's slot of the anchor), -1 for none; it is left out
+            of the denominator (``exclude_self``) and of the positives (``self_pairs``).
+        exclude: further entries out of the denominators
+            (:class:`~flashcl.heads.Exclusions`: per-row columns, or a mask function).
+        positive_weight: (M,) a factor on each row's positive term (decoupled DCLW's
+            weights), or None.
     """
 
     exclude_self: bool = False
@@ -76,11 +83,18 @@ class CoreSpec:
     pos_mode: str = "sum"
     symmetric: bool = False
     normalize: bool = True
+    self_index: Optional[Tensor] = None
+    exclude: Optional[Exclusions] = None
+    positive_weight: Optional[Tensor] = None
+
+    def self_column(self, i: int) -> int:
+        """The column of anchor ``i`` itself (may lie outside the candidates)."""
+        return int(self.self_index[i]) if self.self_index is not None else i + self.offset
 
     def self_mask(self, m: int, n: int, device: torch.device) -> Tensor:
-        """(m, n) bool: True at column ``i + offset`` of row ``i``."""
-        rows = torch.arange(m, device=device).unsqueeze(1) + self.offset
-        return rows == torch.arange(n, device=device).unsqueeze(0)
+        """(m, n) bool: True at the column of each anchor itself."""
+        cols = self.self_index if self.self_index is not None else torch.arange(m, device=device) + self.offset
+        return cols.to(device).unsqueeze(1) == torch.arange(n, device=device).unsqueeze(0)
 
     def positive_counts(self, m: int) -> Tensor:
         """|Pos(i)| with multiplicity, shape (m,), int64; computed in O(M + N)."""
@@ -113,7 +127,8 @@ class CoreSpec:
 
     def positives(self) -> Positives:
         return Positives(index=self.index, row_labels=self.row_labels, col_labels=self.col_labels,
-                         num_classes=self.num_classes, self_pairs=self.self_pairs, offset=self.offset)
+                         num_classes=self.num_classes, self_pairs=self.self_pairs, offset=self.offset,
+                         self_index=self.self_index)
 
     def column_spec(self) -> CoreSpec:
         """The column direction of ``symmetric`` seen from the columns: the same
@@ -127,7 +142,10 @@ class CoreSpec:
         column direction's positive term too: ``-s_jj``, or with labels the mean of
         column ``j``'s same-label scores)."""
         c, a = self.weights(m, dtype)
-        head = SoftmaxHead(c, exclude_self=self.exclude_self, offset=self.offset, columns=self.symmetric)
+        if self.positive_weight is not None:
+            a = a * self.positive_weight
+        head = SoftmaxHead(c, exclude_self=self.exclude_self, offset=self.offset, columns=self.symmetric,
+                           self_index=self.self_index, exclude=self.exclude)
         linears = [Linear(self.positives(), a)]
         if self.symmetric:
             cols = self.column_spec()

@@ -38,7 +38,7 @@ path only. :mod:`flashcl.distributed` raises a clear error instead.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -47,7 +47,7 @@ from . import backends, checks, dense, reference
 from .backends import AUTO_TILED_MIN_ENTRIES
 from .core import CoreSpec
 from .engine import Problem
-from .heads import SoftplusHead
+from .heads import DebiasedHead, Exclusions, SoftmaxHead, SoftplusHead, Tile
 from .linear import Linear, Positives
 from .scores import TiledScores, auto_scores_block
 from .utils import autocast_off, compute_dtype
@@ -146,6 +146,97 @@ def _dense_ids(labels: Tensor) -> Tuple[Tensor, int]:
 
 # --------------------------------------------------------------------------- losses
 
+def _ids(*label_sets: Tensor) -> Tuple[List[Tensor], int]:
+    """Dense class ids over several label tensors at once (one id space)."""
+    uniq, ids = torch.unique(torch.cat([x.reshape(-1) for x in label_sets]), return_inverse=True)
+    out, start = [], 0
+    for x in label_sets:
+        out.append(ids[start:start + x.numel()])
+        start += x.numel()
+    return out, int(uniq.numel())
+
+
+def _row_lse(q: Tensor, k: Optional[Tensor], scale: Tensor, head: SoftmaxHead, normalize: bool, name: str,
+             block_size: Optional[int]) -> Tensor:
+    """Each row's logsumexp over its denominator (the head's exclusions), (M,),
+    differentiable: one part of a loss composed of several candidate sets."""
+    return backends.run(q, k, scale, Problem(head, (), normalize), name, None, block_size)
+
+
+def _unit(x: Tensor, normalize: bool) -> Tensor:
+    x = x.to(compute_dtype(x.dtype))
+    return torch.nn.functional.normalize(x, dim=1) if normalize else x
+
+
+def _reduce_rows(rows: Tensor, valid: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return (rows * valid).sum() / valid.sum().clamp_min(1)
+
+
+def _check_keys(keys: object, name: str, like: Tensor) -> Tensor:
+    keys = checks.check_float_tensor(keys, name, (2,))
+    if keys.shape[1] != like.shape[-1]:
+        raise ValueError(f"{name} must be {like.shape[-1]} wide (the embeddings' width), got {keys.shape[1]}")
+    if keys.dtype != like.dtype:
+        raise TypeError(f"{name} must have the embeddings' dtype {like.dtype}, got {keys.dtype}")
+    checks.same_device(keys, like, name, "embeddings")
+    return keys
+
+
+def _supcon_with_ref(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
+                     normalize: bool, reduction: str, backend: str, block_size: Optional[int],
+                     ref: Optional[Tensor], ref_labels: Optional[Tensor], ref_self: Optional[Tensor]) -> Tensor:
+    """:func:`supcon_loss` with keys without gradient (see its ``ref`` arguments)."""
+    if embeddings.dim() != 2:
+        raise ValueError(f"ref takes 2-D embeddings (B, D), got shape {tuple(embeddings.shape)}")
+    if ref is None:
+        raise ValueError("ref_labels / ref_self need ref (the keys)")
+    ref = _check_keys(ref, "ref", embeddings).detach()
+    if ref_labels is None:
+        raise ValueError("ref_labels is None: the keys of ref need their labels")
+    ref, ref_labels = checks.validate_labelled(ref, ref_labels, names=("ref", "ref_labels"))
+    b, n = embeddings.shape[0], ref.shape[0]
+    (row_ids, col_ids), num_classes = _ids(labels, ref_labels)
+    dtype = compute_dtype(embeddings.dtype)
+    if ref_self is not None:
+        ref_self = checks.check_index_tensor(ref_self, "ref_self")
+        if ref_self.shape != (b,):
+            raise ValueError(f"ref_self must have shape ({b},), got {tuple(ref_self.shape)}")
+        checks.same_device(ref_self, embeddings, "ref_self", "embeddings")
+        if bool(((ref_self < -1) | (ref_self >= n)).any()):
+            raise ValueError(f"ref_self values must be rows of ref in [0, {n}), or -1")
+        spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=row_ids, col_labels=col_ids,
+                        num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self.long())
+        return run_core(embeddings, ref, scale, spec, reduction, backend, block_size)
+    name = backends.resolve(backend, b * (b + n), embeddings.device, embeddings.dtype, embeddings.shape[1])
+    if name == "reference":
+        with autocast_off(embeddings.device.type):
+            rows, valid = reference.supcon_with_keys(embeddings, labels, ref, ref_labels, scale, positives,
+                                                     include_self, normalize)
+        return _reduce_rows(rows, valid, reduction)
+    with autocast_off(embeddings.device.type):
+        own = Positives(row_labels=row_ids, col_labels=row_ids, num_classes=num_classes, self_pairs=True)
+        keys = Positives(row_labels=row_ids, col_labels=col_ids, num_classes=num_classes)
+        ones = torch.ones(b, dtype=dtype, device=embeddings.device)
+        lse = torch.logaddexp(
+            _row_lse(embeddings, None, scale, SoftmaxHead(ones, exclude_self=not include_self), normalize, name,
+                     block_size),
+            _row_lse(embeddings, ref, scale, SoftmaxHead(ones), normalize, name, block_size))
+        q, r = _unit(embeddings, normalize), _unit(ref, normalize)
+        pos = own.sums(q, q) + keys.sums(q, r)
+        counts = (own.counts(b, b) + keys.counts(b, n)).to(dtype)
+        if positives == "mean":
+            valid = counts > 0
+            rows = torch.where(valid, lse - scale.to(dtype) * pos / counts.clamp_min(1), torch.zeros_like(lse))
+        else:
+            valid = torch.ones_like(counts, dtype=torch.bool)
+            rows = lse - scale.to(dtype) * pos
+        return _reduce_rows(rows, valid.to(dtype), reduction)
+
+
 def supcon_loss(
     embeddings: Tensor,
     labels: Tensor,
@@ -157,6 +248,9 @@ def supcon_loss(
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
+    ref: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+    ref_self: Optional[Tensor] = None,
 ) -> Tensor:
     r"""Supervised contrastive loss: samples with the same label are positives.
 
@@ -197,9 +291,19 @@ def supcon_loss(
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
 
+        ref: (N, D) keys without gradient (a queue, :class:`flashcl.MemoryBank`):
+            each anchor is contrasted with the batch itself and with these keys
+            (same label: positive). Requires ``ref_labels``; 2-D embeddings.
+        ref_labels: (N,) the keys' labels.
+        ref_self: (B,) the row of ``ref`` that holds each anchor itself, for a queue
+            that already holds the current batch (:meth:`flashcl.MemoryBank.push`
+            returns them): then the anchors are contrasted with ``ref`` only, each
+            anchor's own entry left out (pytorch-metric-learning's
+            ``CrossBatchMemory``); -1 for an anchor not in it.
+
     Shape:
         - embeddings: (B, D) or (B, V, D)
-        - labels: (B,)
+        - labels: (B,); ref: (N, D); ref_labels: (N,); ref_self: (B,)
         - output: scalar, or (B,) / (B, V) with ``reduction="none"``
 
     Examples::
@@ -218,6 +322,9 @@ def supcon_loss(
     checks.check_block(block_size)
     b = embeddings.shape[0]
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, _scale_dtype(embeddings))
+    if ref is not None or ref_labels is not None or ref_self is not None:
+        return _supcon_with_ref(embeddings, labels, scale, positives, include_self, normalize, reduction, backend,
+                                block_size, ref, ref_labels, ref_self)
     views = 1
     flat = embeddings
     if embeddings.dim() == 3:
@@ -247,6 +354,12 @@ def nt_xent_loss(
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
+    estimator: str = "standard",
+    tau_plus: float = 0.1,
+    beta: float = 1.0,
+    decoupled: bool = False,
+    weighting: Optional[str] = None,
+    sigma: float = 0.5,
 ) -> Tensor:
     r"""NT-Xent (SimCLR; unsupervised SimCSE): two views, each other's positive.
 
@@ -255,7 +368,22 @@ def nt_xent_loss(
 
         loss_i = LSE_{j != i} s_ij - s_{i p(i)},   s_ij = z_i . z_j / temperature
 
-    Equal to :func:`supcon_loss` with the pair ids as labels.
+    Equal to :func:`supcon_loss` with the pair ids as labels. Variants for the
+    negatives that are not (false negatives, too easy negatives):
+
+    * ``estimator="debiased"`` (Chuang et al., 2020) and ``"hard"`` (Robinson et
+      al., 2021, importance weights ``e^{beta s}`` on the negatives): with the ``N =
+      2N_pairs - 2`` negatives ``n`` of anchor ``i`` and ``R_i = N sum_n e^{(beta+1) s_in}
+      / sum_n e^{beta s_in}`` (``beta = 0`` for "debiased")::
+
+          Ng_i   = max((R_i - tau_plus N e^{s_ip}) / (1 - tau_plus), N e^{-1/temperature})  # bound: a constant
+          loss_i = -log(e^{s_ip} / (e^{s_ip} + Ng_i))
+
+      computed as logsumexps, finite where the formula in exp space overflows.
+    * ``decoupled=True`` (Yeh et al., 2022, DCL): the positive leaves the
+      denominator: ``loss_i = LSE_{j != i, p(i)} s_ij - w_i s_{i p(i)}``, with
+      ``weighting="vmf"`` (DCLW) ``w_i = 2 - N_pairs softmax_pairs(z1_k . z2_k / sigma)``
+      (without gradient), else ``w_i = 1``.
 
     Args:
         z1, z2: (N, D) the two views; ``z1[i]`` and ``z2[i]`` are a pair.
@@ -265,8 +393,15 @@ def nt_xent_loss(
         backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
             Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
             ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
-            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
+            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels; not
+            for the debiased and hard estimators).
         block_size: rows per block of the tiled backend; None picks one.
+        estimator: ``"standard"`` | ``"debiased"`` | ``"hard"``.
+        tau_plus: the class prior of a false negative, in [0, 1). Default: 0.1.
+        beta: the hardness of ``"hard"``, >= 0. Default: 1.0.
+        decoupled: the positive out of the denominator. Default: False.
+        weighting: ``None`` | ``"vmf"`` (decoupled only).
+        sigma: the vMF weighting's scale. Default: 0.5.
 
     Shape:
         - z1, z2: (N, D)
@@ -276,18 +411,101 @@ def nt_xent_loss(
 
         >>> z1, z2 = torch.randn(4, 16), torch.randn(4, 16)
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5)
+        >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, estimator="hard", tau_plus=0.1, beta=1.0)
+        >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, decoupled=True, weighting="vmf")
     """
     z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
     checks.check_bool(normalize, "normalize")
     checks.check_choice(reduction, "reduction", _REDUCTIONS)
     checks.check_choice(backend, "backend", _BACKENDS)
     checks.check_block(block_size)
+    checks.check_choice(estimator, "estimator", ("standard", "debiased", "hard"))
+    checks.check_bool(decoupled, "decoupled")
+    if weighting is not None:
+        checks.check_choice(weighting, "weighting", ("vmf",))
+        if not decoupled:
+            raise ValueError("weighting='vmf' weighs the positive of the decoupled loss: pass decoupled=True")
+    for value, name, low, high in ((tau_plus, "tau_plus", 0.0, 1.0), (beta, "beta", 0.0, float("inf")),
+                                   (sigma, "sigma", 0.0, float("inf"))):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value < high):
+            raise ValueError(f"{name} must be a float in [{low}, {high}), got {value!r}")
+    if sigma <= 0:
+        raise ValueError(f"sigma must be > 0, got {sigma!r}")
+    if estimator != "standard" and decoupled:
+        raise ValueError("the debiased and hard estimators reweigh the negatives of the standard denominator: "
+                         "use them with decoupled=False")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, _scale_dtype(z1))
     n = z1.shape[0]
+    if estimator != "standard" and n < 2:
+        raise ValueError("the debiased and hard estimators need at least 2 pairs (2 negatives per anchor)")
     z = torch.cat([z1, z2])
-    index = ((torch.arange(2 * n, device=z.device) + n) % (2 * n)).unsqueeze(1)
-    spec = CoreSpec(exclude_self=True, self_pairs=True, index=index, pos_mode="sum", normalize=normalize)
-    return run_core(z, None, scale, spec, reduction, backend, block_size)
+    partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n)
+    index = partner.unsqueeze(1)
+    if estimator == "standard" and not decoupled:
+        spec = CoreSpec(exclude_self=True, self_pairs=True, index=index, pos_mode="sum", normalize=normalize)
+        return run_core(z, None, scale, spec, reduction, backend, block_size)
+    dtype = compute_dtype(z.dtype)
+    if decoupled:
+        weight = None
+        if weighting == "vmf":
+            with torch.no_grad():
+                sim = (_unit(z1.detach(), True) * _unit(z2.detach(), True)).sum(1) / sigma
+                w = 2.0 - n * torch.softmax(sim, dim=0)
+            weight = torch.cat([w, w]).to(dtype)
+        spec = CoreSpec(exclude_self=True, self_pairs=True, index=index, pos_mode="sum", normalize=normalize,
+                        exclude=Exclusions(index=index), positive_weight=weight)
+        return run_core(z, None, scale, spec, reduction, backend, block_size)
+    beta_ = 0.0 if estimator == "debiased" else float(beta)
+    name = backends.resolve(backend, 4 * n * n, z.device, z.dtype, z.shape[1], kernel=None)
+    if name == "reference":
+        with autocast_off(z.device.type):
+            rows = reference.nt_xent_estimator(z, partner, scale, float(tau_plus), beta_, normalize)
+        return _reduce_rows(rows, torch.ones_like(rows), reduction)
+    head = DebiasedHead(partner, float(tau_plus), beta_, 2 * n - 2, float(scale.detach()))
+    weights = None
+    if reduction != "none":
+        weights = (torch.full((2 * n,), 1.0 / (2 * n) if reduction == "mean" else 1.0, dtype=dtype,
+                              device=z.device), None)
+    # the rows against every view: the candidates as a second tensor, not the symmetric path
+    return backends.run(z, z, scale, Problem(head, (), normalize), name, weights, block_size)
+
+
+def _same_label_mask(q_ids: Tensor, k_ids: Tensor, index: Tensor) -> Callable[[Tile], Tensor]:
+    """The tile mask of keys that share the query's label, the positive excepted."""
+    def mask(tile: Tile) -> Tensor:
+        same = q_ids[tile.r0:tile.r1].unsqueeze(1) == k_ids[tile.c0:tile.c1].unsqueeze(0)
+        cols = torch.arange(tile.c0, tile.c1, device=same.device).unsqueeze(0)
+        return same & (cols != index[tile.r0:tile.r1].unsqueeze(1))
+    return mask
+
+
+def _info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, scale: Tensor, spec: CoreSpec,
+                             in_batch: bool, reduction: str, backend: str, block_size: Optional[int]) -> Tensor:
+    """InfoNCE whose denominators also hold ``negatives`` (no gradient): the keys' part
+    and the negatives' part, each a logsumexp over tiles, merged per row."""
+    b, n, k = query.shape[0], keys.shape[0], negatives.shape[0]
+    name = backends.resolve(backend, b * (n + k), query.device, query.dtype, query.shape[1])
+    dtype = compute_dtype(query.dtype)
+    if name == "reference":
+        with autocast_off(query.device.type):
+            rows, valid = reference.info_nce_with_negatives(query, keys, negatives, scale, spec, in_batch)
+        return _reduce_rows(rows, valid, reduction)
+    with autocast_off(query.device.type):
+        q, kk = _unit(query, spec.normalize), _unit(keys, spec.normalize)
+        pos_spec = spec.positives()
+        pos = pos_spec.sums(q, kk)
+        counts = pos_spec.counts(b, n).to(dtype)
+        ones = torch.ones(b, dtype=dtype, device=query.device)
+        lse_neg = _row_lse(query, negatives, scale, SoftmaxHead(ones), spec.normalize, name, block_size)
+        if in_batch:
+            lse_keys = _row_lse(query, keys, scale, SoftmaxHead(ones, exclude=spec.exclude), spec.normalize, name,
+                                block_size)
+        else:  # MoCo: the keys' part is each query's positive alone
+            lse_keys = scale.to(dtype) * pos
+        lse = torch.logaddexp(lse_keys, lse_neg)
+        a = 1.0 / counts.clamp_min(1) if spec.pos_mode == "mean" else torch.ones_like(counts)
+        rows = lse - scale.to(dtype) * a * pos
+        return _reduce_rows(rows, (counts > 0).to(dtype), reduction)
 
 
 def info_nce_loss(
@@ -300,6 +518,11 @@ def info_nce_loss(
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
+    negatives: Optional[Tensor] = None,
+    in_batch_negatives: bool = True,
+    query_labels: Optional[Tensor] = None,
+    key_labels: Optional[Tensor] = None,
+    duplicates: str = "mask",
 ) -> Tensor:
     r"""InfoNCE with in-batch negatives and optional extra hard negatives.
 
@@ -325,8 +548,21 @@ def info_nce_loss(
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
 
+        negatives: (K, D) more negatives without gradient (a queue,
+            :class:`flashcl.MemoryBank`: MoCo's), in every row's denominator.
+        in_batch_negatives: the rows of ``keys`` other than a query's positive are
+            its negatives. Default: True. False (with ``negatives``) is MoCo's loss:
+            each query against its own key and the queue only.
+        query_labels, key_labels: (B,) and (N,) labels, both or neither: keys that
+            share a query's label are not its negatives (a duplicate, a same-class
+            text). The positive must share its query's label.
+        duplicates: what becomes of those keys: ``"mask"`` (default): left out of
+            the denominator; ``"positive"``: positives, the loss subtracting the mean
+            of the positives' scores (as SupCon).
+
     Shape:
-        - query: (B, D); keys: (N, D); positive_index: (B,)
+        - query: (B, D); keys: (N, D); positive_index: (B,); negatives: (K, D);
+          query_labels: (B,); key_labels: (N,)
         - output: scalar, or (B,) with ``reduction="none"``
 
     Examples::
@@ -340,8 +576,34 @@ def info_nce_loss(
     checks.check_choice(backend, "backend", _BACKENDS)
     checks.check_block(block_size)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, _scale_dtype(query))
-    spec = CoreSpec(index=index.long().unsqueeze(1), pos_mode="sum", normalize=normalize)
-    return run_core(query, keys, scale, spec, reduction, backend, block_size)
+    checks.check_bool(in_batch_negatives, "in_batch_negatives")
+    checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
+    index = index.long()
+    spec = CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize)
+    if (query_labels is None) != (key_labels is None):
+        raise ValueError("query_labels and key_labels go together: pass both or neither")
+    if query_labels is not None:
+        _, query_labels = checks.validate_labelled(query, query_labels, names=("query", "query_labels"))
+        _, key_labels = checks.validate_labelled(keys, key_labels, names=("keys", "key_labels"))
+        (q_ids, k_ids), num_classes = _ids(query_labels, key_labels)
+        if bool((k_ids[index] != q_ids).any()):
+            raise ValueError("each query's positive key must share its label (key_labels[positive_index] == "
+                             "query_labels)")
+        if duplicates == "positive":
+            spec = CoreSpec(row_labels=q_ids, col_labels=k_ids, num_classes=num_classes, pos_mode="mean",
+                            normalize=normalize)
+        else:
+            spec = CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize,
+                            exclude=Exclusions(fn=_same_label_mask(q_ids, k_ids, index)))
+    if not in_batch_negatives and negatives is None:
+        raise ValueError("in_batch_negatives=False leaves each query its positive alone: pass negatives")
+    if not in_batch_negatives and query_labels is not None:
+        raise ValueError("in_batch_negatives=False takes no labels (each query's keys are its positive only)")
+    if negatives is None:
+        return run_core(query, keys, scale, spec, reduction, backend, block_size)
+    negatives = _check_keys(negatives, "negatives", query).detach()
+    return _info_nce_with_negatives(query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend,
+                                    block_size)
 
 
 def clip_loss(

@@ -34,13 +34,15 @@ which implement the heads named by :attr:`Head.kernel`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Tile", "Head", "SoftmaxHead", "SoftplusHead", "lse_inplace", "mask_self_", "scratch", "softplus_rows_"]
+__all__ = ["Tile", "Head", "SoftmaxHead", "SoftplusHead", "Exclusions", "lse_inplace", "mask_self_", "mask_columns_",
+           "scratch", "softplus_rows_"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,40 @@ class Tile:
 def mask_self_(s: Tensor, tile: Tile, value: float) -> None:
     """In place: the self entries of the tile take ``value``."""
     s.diagonal(offset=tile.self_diagonal).fill_(value)
+
+
+def mask_columns_(s: Tensor, tile: Tile, index: Tensor, value: float) -> None:
+    """In place: entry ``(i, index[i, t])`` of every row ``i`` of the tile takes ``value``
+    (columns in problem coordinates, (M,) or (M, k); those outside the tile, or
+    negative, are skipped)."""
+    idx = index[tile.r0:tile.r1]
+    if idx.dim() == 1:
+        idx = idx.unsqueeze(1)
+    local = idx - tile.c0
+    inside = (idx >= 0) & (local >= 0) & (local < tile.c1 - tile.c0)
+    rows = torch.arange(idx.shape[0], device=s.device).unsqueeze(1).expand_as(idx)
+    s[rows[inside], local[inside]] = value
+
+
+class Exclusions:
+    """Entries left out of each row's denominator, beyond the self entry: per-row
+    columns ``index`` (M, k) (a key that is the anchor itself in a queue, a positive
+    kept out of the denominator), and/or ``fn(tile) -> bool mask`` of the tile's
+    entries to leave out (same-label keys, a guide model's false negatives).
+
+    Args:
+        index: (M, k) or (M,) int64 columns, -1 for none; or None.
+        fn: a function of a :class:`Tile` returning a (rows, cols) boolean mask; or None.
+    """
+
+    def __init__(self, index: Optional[Tensor] = None, fn: Optional[Any] = None) -> None:
+        self.index, self.fn = index, fn
+
+    def apply_(self, s: Tensor, tile: Tile, value: float) -> None:
+        if self.index is not None:
+            mask_columns_(s, tile, self.index, value)
+        if self.fn is not None:
+            s.masked_fill_(self.fn(tile), value)
 
 
 def scratch(buf: Tensor, like: Tensor) -> Tensor:
@@ -205,23 +241,47 @@ class SoftmaxHead(Head):
 
     Args:
         row_weight: ``c`` (m,), the weight of each row's logsumexp.
-        exclude_self: drop the self entry ``(i, i + offset)`` from row ``i``'s denominator.
+        exclude_self: drop the self entry from row ``i``'s denominator: column
+            ``i + offset``, or ``self_index[i]`` when given.
         offset: column of anchor 0.
         columns: add the column direction (every row in each column's denominator).
+        self_index: (m,) the column of each anchor itself (a queue's slot of the
+            anchor), instead of ``i + offset``; -1 for none.
+        exclude: further entries out of the denominator (:class:`Exclusions`).
     """
 
     kernel = "softmax"
 
     def __init__(self, row_weight: Tensor, exclude_self: bool = False, offset: int = 0,
-                 columns: bool = False) -> None:
-        if columns and exclude_self:
-            raise ValueError("the column direction takes every row: exclude_self is for the rows only")
+                 columns: bool = False, self_index: Optional[Tensor] = None,
+                 exclude: Optional[Exclusions] = None) -> None:
+        if columns and (exclude_self or exclude is not None):
+            raise ValueError("the column direction takes every row: exclusions are for the rows only")
         self.c = row_weight
         self.exclude_self = exclude_self
         self.offset = offset
+        self.self_index = self_index
+        self.exclude = exclude
         self.has_columns = columns
-        self.symmetric = not columns
+        # the upper-panel driver needs the masks symmetric: the self entry on the diagonal
+        self.symmetric = not columns and self_index is None and exclude is None
         self.fuses_rows = not columns  # the column direction needs every row's scores first
+        if exclude is not None and exclude.fn is not None:
+            self.kernel = None  # masks computed by a function: no Triton kernel for them
+
+    def _mask_(self, s: Tensor, tile: Tile, value: float) -> None:
+        """The entries out of the rows' denominators take ``value``."""
+        if self.exclude_self:
+            if self.self_index is None:
+                mask_self_(s, tile, value)
+            else:
+                mask_columns_(s, tile, self.self_index, value)
+        if self.exclude is not None:
+            self.exclude.apply_(s, tile, value)
+
+    @property
+    def masks(self) -> bool:
+        return self.exclude_self or self.exclude is not None
 
     @staticmethod
     def usable_shift(bound: Optional[float], dtype: torch.dtype) -> Optional[float]:
@@ -242,14 +302,14 @@ class SoftmaxHead(Head):
             s.sub_(st.shift).exp_()
             if st.col is not None:
                 st.col[cols] += s.sum(0)
-            if self.exclude_self:
-                mask_self_(s, tile, 0.0)
+            if self.masks:
+                self._mask_(s, tile, 0.0)
             st.row[rows] += s.sum(1)
             return
         if st.col is not None:
             torch.logaddexp(st.col[cols], torch.logsumexp(s, dim=0), out=st.col[cols])
-        if self.exclude_self:
-            mask_self_(s, tile, float("-inf"))
+        if self.masks:
+            self._mask_(s, tile, float("-inf"))
         torch.logaddexp(st.row[rows], torch.logsumexp(s, dim=1), out=st.row[rows])
 
     def finish(self, st: _SoftmaxState, p: int = 0) -> None:
@@ -280,22 +340,22 @@ class SoftmaxHead(Head):
             s.sub_(st.shift).exp_()
             if st.beta is not None:
                 colpart = torch.mul(s, st.beta[cols].unsqueeze(0), out=out)
-            if self.exclude_self:
-                mask_self_(s, tile, 0.0)
+            if self.masks:
+                self._mask_(s, tile, 0.0)
             s.mul_(st.alpha[rows].unsqueeze(1))
         else:
             if st.col is not None and st.g_col is not None:
                 colpart = torch.sub(s, st.col[cols].unsqueeze(0), out=out).exp_().mul_(st.g_col[cols].unsqueeze(0))
-            if self.exclude_self:
-                mask_self_(s, tile, float("-inf"))
+            if self.masks:
+                self._mask_(s, tile, float("-inf"))
             s.sub_(st.row[rows].unsqueeze(1)).exp_().mul_(st.g_row[rows].unsqueeze(1))
         if colpart is not None:
             s.add_(colpart)
         return s
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _SoftmaxState, g_row: Optional[Tensor]) -> Optional[Tensor]:
-        if self.exclude_self:
-            mask_self_(s, tile, float("-inf"))
+        if self.masks:
+            self._mask_(s, tile, float("-inf"))
         lse, total = lse_inplace(s)
         st.row[tile.r0:tile.r1] = lse
         st.summing = False
@@ -350,9 +410,9 @@ class SoftmaxHead(Head):
     # ------------------------------------------------------------ dense form
     def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         lse_in = s
-        if self.exclude_self:
+        if self.masks:
             mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
-            mask.diagonal(offset=tile.self_diagonal).fill_(True)
+            self._mask_(mask, tile, True)
             lse_in = s.masked_fill(mask, float("-inf"))
         rows = self.c[tile.r0:tile.r1] * torch.logsumexp(lse_in, dim=1)
         cols = torch.logsumexp(s, dim=0) if self.has_columns else None
@@ -452,3 +512,147 @@ class SoftplusHead(Head):
         t = s + b
         sp = t.clamp_min(0) + torch.log1p(torch.exp(-t.abs()))
         return sp.sum(1) - b * self.counts[tile.r0:tile.r1].to(s.dtype), None
+
+
+class _DebiasedState:
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.l1 = like.new_full((m,), float("-inf"))  # LSE_n (beta + 1) s_in over the negatives
+        self.l0 = like.new_full((m,), float("-inf"))  # LSE_n beta s_in
+        self.pos = like.new_zeros(m)                   # s_ip
+        self.coef_neg: Optional[Tensor] = None
+        self.coef_pos: Optional[Tensor] = None
+        self.g_row: Optional[Tensor] = None
+        self.g_col: Optional[Tensor] = None
+
+
+class DebiasedHead(Head):
+    """The debiased (Chuang et al., 2020) and hard-negative (Robinson et al., 2021)
+    estimators of the contrastive loss, in log space. Row ``i``'s negatives are every
+    column but itself (``i + offset``) and its positive ``p(i)``, ``N`` of them::
+
+        log R_i  = LSE_n((beta + 1) s_in) - LSE_n(beta s_in) + log N      # the reweighted sum
+        log Ng_i = max(log(R_i - tau_plus N e^{s_ip}) - log(1 - tau_plus), log N - floor)
+        loss_i   = softplus(log Ng_i - s_ip)        # = -log(e^{s_ip} / (e^{s_ip} + Ng_i))
+
+    ``beta = 0`` is the debiased estimator, ``tau_plus = 0, beta = 0`` the standard
+    loss. Finite where the same formula in exp space overflows.
+
+    Args:
+        positive: (M,) each row's positive column.
+        tau_plus: the class prior of a false negative, in [0, 1).
+        beta: the hardness (importance weights ``e^{beta s}``), >= 0.
+        n_neg: ``N``.
+        floor: ``Ng >= N e^{-floor}`` (the scale: a cosine of -1). A constant: no
+            gradient reaches a learnable temperature through the bound, as in the
+            published code, whose temperature is fixed.
+        offset: column of anchor 0.
+    """
+
+    passes = 1
+    fuses_rows = True
+
+    def __init__(self, positive: Tensor, tau_plus: float, beta: float, n_neg: int, floor: float,
+                 offset: int = 0) -> None:
+        self.positive, self.tau_plus, self.beta = positive, tau_plus, beta
+        self.log_n = math.log(n_neg)
+        self.floor = floor
+        self.offset = offset
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _DebiasedState:
+        return _DebiasedState(m, like)
+
+    def _take_positive(self, s: Tensor, tile: Tile, st: _DebiasedState) -> None:
+        idx = self.positive[tile.r0:tile.r1] - tile.c0
+        inside = (idx >= 0) & (idx < tile.c1 - tile.c0)
+        rows = torch.arange(idx.shape[0], device=s.device)[inside]
+        st.pos[tile.r0 + rows] = s[rows, idx[inside]]
+
+    def _mask_(self, s: Tensor, tile: Tile, value: float) -> None:
+        mask_self_(s, tile, value)
+        mask_columns_(s, tile, self.positive, value)
+
+    def reduce(self, s: Tensor, tile: Tile, st: _DebiasedState, p: int = 0) -> None:
+        self._take_positive(s, tile, st)
+        self._mask_(s, tile, float("-inf"))
+        rows = slice(tile.r0, tile.r1)
+        torch.logaddexp(st.l1[rows], torch.logsumexp(s * (self.beta + 1.0), dim=1), out=st.l1[rows])
+        if self.beta != 0.0:  # beta = 0: LSE_n 0 = log N, set in finish
+            torch.logaddexp(st.l0[rows], torch.logsumexp(s * self.beta, dim=1), out=st.l0[rows])
+
+    def finish(self, st: _DebiasedState, p: int = 0) -> None:
+        if self.beta == 0.0:
+            st.l0 = torch.full_like(st.l0, self.log_n)
+
+    def _log_ng(self, st: _DebiasedState) -> Tuple[Tensor, Tensor, Tensor]:
+        """(log Ng, whether the floor is taken, exp(B - A)) per row."""
+        a = st.l1 - st.l0 + self.log_n
+        b = math.log(self.tau_plus * math.exp(self.log_n)) + st.pos if self.tau_plus > 0 else None
+        floor = torch.full_like(a, self.log_n - self.floor)
+        if b is None:
+            r = torch.zeros_like(a)
+            value = a - math.log1p(-self.tau_plus)
+        else:
+            r = torch.exp(b - a)
+            value = a + torch.log(-torch.expm1((b - a).clamp_max(0.0))) - math.log1p(-self.tau_plus)
+            value = torch.where(r < 1, value, torch.full_like(value, float("-inf")))
+        clamped = value <= floor
+        return torch.where(clamped, floor, value), clamped, r
+
+    def values(self, st: _DebiasedState) -> Tuple[Tensor, Optional[Tensor]]:
+        log_ng, _, _ = self._log_ng(st)
+        u = log_ng - st.pos
+        return u.clamp_min(0) + torch.log1p(torch.exp(-u.abs())), None
+
+    def begin_grad(self, st: _DebiasedState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
+        st.g_row, st.g_col = g_row, g_col
+        log_ng, clamped, r = self._log_ng(st)
+        sig = torch.sigmoid(log_ng - st.pos) * g_row
+        d_a = torch.where(clamped, torch.zeros_like(r), 1.0 / (1.0 - r))
+        d_b = torch.where(clamped, torch.zeros_like(r), -r / (1.0 - r))
+        st.coef_neg = sig * d_a
+        st.coef_pos = sig * (d_b - 1.0)
+
+    def grad(self, s: Tensor, tile: Tile, st: _DebiasedState, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.coef_neg is not None and st.coef_pos is not None
+        rows = slice(tile.r0, tile.r1)
+        self._mask_(s, tile, float("-inf"))
+        if self.beta != 0.0:
+            low = torch.sub(s * self.beta, st.l0[rows].unsqueeze(1)).exp_().mul_(self.beta)
+            g = s.mul_(self.beta + 1.0).sub_(st.l1[rows].unsqueeze(1)).exp_().mul_(self.beta + 1.0).sub_(low)
+        else:
+            g = s.sub_(st.l1[rows].unsqueeze(1)).exp_()
+        g.mul_(st.coef_neg[rows].unsqueeze(1))
+        idx = self.positive[rows] - tile.c0
+        inside = (idx >= 0) & (idx < tile.c1 - tile.c0)
+        local = torch.arange(idx.shape[0], device=s.device)[inside]
+        g[local, idx[inside]] = st.coef_pos[rows][inside]
+        return g
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _DebiasedState, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        work = s.clone() if g_row is not None else s  # the gradient needs the scores again
+        self.reduce(work, tile, st)
+        rows = slice(tile.r0, tile.r1)
+        if self.beta == 0.0:  # what finish does, for rows complete in this tile
+            st.l0[rows] = self.log_n
+        if g_row is None:
+            return None
+        sub = _DebiasedState(0, s)
+        sub.l1, sub.l0, sub.pos = st.l1[rows], st.l0[rows], st.pos[rows]
+        self.begin_grad(sub, g_row[rows], None)
+        if st.coef_neg is None:
+            st.coef_neg, st.coef_pos = torch.zeros_like(st.pos), torch.zeros_like(st.pos)
+        assert st.coef_pos is not None and sub.coef_neg is not None and sub.coef_pos is not None
+        st.coef_neg[rows], st.coef_pos[rows] = sub.coef_neg, sub.coef_pos
+        return self.grad(s, tile, st)
+
+    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        rows = torch.arange(s.shape[0], device=s.device)
+        pos = s[rows, self.positive[tile.r0:tile.r1] - tile.c0]
+        mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
+        self._mask_(mask, tile, True)
+        masked = s.masked_fill(mask, float("-inf"))
+        l1 = torch.logsumexp(masked * (self.beta + 1.0), dim=1)
+        l0 = torch.logsumexp(masked * self.beta, dim=1) if self.beta != 0.0 else torch.full_like(l1, self.log_n)
+        st = _DebiasedState(0, s)
+        st.l1, st.l0, st.pos = l1, l0, pos
+        return self.values(st)

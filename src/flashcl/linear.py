@@ -65,8 +65,11 @@ class Positives:
         index: (M, k) int64 positive columns (repeats count), or None.
         row_labels, col_labels: class ids in ``[0, num_classes)``, (M,) and (N,).
         num_classes: number of class ids.
-        self_pairs: column ``i + offset`` is anchor ``i`` itself, never its positive.
+        self_pairs: column ``i + offset`` (or ``self_index[i]``) is anchor ``i`` itself,
+            never its positive.
         offset: column of anchor 0.
+        self_index: (M,) the column of each anchor itself, when not ``i + offset``
+            (a queue's slot of the anchor); -1 for none.
     """
 
     index: Optional[Tensor] = None
@@ -75,6 +78,14 @@ class Positives:
     num_classes: int = 0
     self_pairs: bool = False
     offset: int = 0
+    self_index: Optional[Tensor] = None
+
+    def self_hits(self) -> Tensor:
+        """(M,) bool: rows whose own column (``self_index``) is a same-label column."""
+        assert self.self_index is not None and self.row_labels is not None and self.col_labels is not None
+        valid = self.self_index >= 0
+        own = self.col_labels[self.self_index.clamp_min(0)]
+        return valid & (own == self.row_labels)
 
     def counts(self, m: int, n: int) -> Tensor:
         """|Pos(i)| with multiplicity, (m,) int64, in O(M + N)."""
@@ -82,6 +93,8 @@ class Positives:
             return torch.full((m,), self.index.shape[1], dtype=torch.int64, device=self.index.device)
         assert self.row_labels is not None and self.col_labels is not None
         counts = torch.bincount(self.col_labels, minlength=self.num_classes)[self.row_labels]
+        if self.self_pairs and self.self_index is not None:
+            return counts - self.self_hits().to(counts.dtype)
         if self.self_pairs:
             cols = torch.arange(m, device=counts.device) + self.offset
             counts = counts - ((cols >= 0) & (cols < n)).to(counts.dtype)
@@ -93,6 +106,24 @@ class Positives:
         b = max(min(r1, n - self.offset), a)
         return a, b
 
+    def sums(self, q: Tensor, k: Tensor) -> Tensor:
+        """``sum_j m_ij q_i . k_j`` per row (M,) by differentiable torch ops in
+        embedding space (class sums of ``k`` for labels, a gather for indices): the
+        positive term of losses composed of several parts."""
+        if self.index is not None:
+            return (q.unsqueeze(1) * k[self.index]).sum(-1).sum(1)
+        assert self.row_labels is not None and self.col_labels is not None
+        sums = torch.zeros(self.num_classes, k.shape[1], dtype=k.dtype, device=k.device).index_add(
+            0, self.col_labels, k)
+        out = (q * sums[self.row_labels]).sum(1)
+        if self.self_pairs:
+            own = self.self_index if self.self_index is not None else (
+                torch.arange(q.shape[0], device=q.device) + self.offset)
+            valid = (own >= 0) & (own < k.shape[0])
+            valid = valid & (self.col_labels[own.clamp(0, k.shape[0] - 1)] == self.row_labels)
+            out = out - torch.where(valid, (q * k[own.clamp(0, k.shape[0] - 1)]).sum(1), torch.zeros_like(out))
+        return out
+
     def mask(self, r0: int, r1: int, c0: int, c1: int, device: torch.device) -> Tensor:
         """(r1 - r0, c1 - c0) multiplicities ``m_ij`` of a tile (for dense forms and tests)."""
         if self.index is not None:
@@ -103,7 +134,12 @@ class Positives:
             return out
         assert self.row_labels is not None and self.col_labels is not None
         pos = self.row_labels[r0:r1].unsqueeze(1) == self.col_labels[c0:c1].unsqueeze(0)
-        if self.self_pairs:
+        if self.self_pairs and self.self_index is not None:
+            rows = torch.arange(r0, r1, device=device)
+            cols = self.self_index[r0:r1] - c0
+            inside = (self.self_index[r0:r1] >= 0) & (cols >= 0) & (cols < c1 - c0)
+            pos[(rows - r0)[inside], cols[inside]] = False
+        elif self.self_pairs:
             pos.diagonal(offset=r0 + self.offset - c0).fill_(False)
         return pos.to(torch.float32)
 
@@ -135,9 +171,13 @@ class Linear:
                 out[r0:r1] = torch.einsum("bd,bkd->b", qb, k[pos.index[r0:r1]])
                 continue
             out[r0:r1] = (qb * k_sums[pos.row_labels[r0:r1]]).sum(1)
-            if pos.self_pairs:
+            if pos.self_pairs and pos.self_index is None:
                 a, b = pos.self_rows(r0, r1, n)
                 out[a:b] -= (q[a:b] * k[a + pos.offset:b + pos.offset]).sum(1)
+        if pos.self_pairs and pos.self_index is not None:
+            rows = pos.self_hits().nonzero().squeeze(1)
+            if rows.numel():
+                out[rows] -= (q[rows] * k[pos.self_index[rows]]).sum(1)
         return out
 
     def grad_(self, q: Rows, k: Rows, scale: float, w: Tensor, dq: Tensor, dk: Tensor, block: int,
@@ -164,7 +204,13 @@ class Linear:
         for c0 in range(0, n, block):
             c1 = min(c0 + block, n)
             dk[c0:c1].sub_(wq_sums[pos.col_labels[c0:c1]], alpha=scale)
-        if pos.self_pairs:
+        if pos.self_pairs and pos.self_index is not None:
+            rows = pos.self_hits().nonzero().squeeze(1)
+            if rows.numel():
+                ws = (w[rows] * scale).unsqueeze(1)
+                dq.index_add_(0, rows, k[pos.self_index[rows]] * ws)
+                dk.index_add_(0, pos.self_index[rows], q[rows] * ws)
+        elif pos.self_pairs:
             for r0 in range(0, m, block):
                 a, b = pos.self_rows(r0, min(r0 + block, m), n)
                 ws = (w[a:b] * scale).unsqueeze(1)

@@ -13,13 +13,25 @@ import torch
 from torch import Tensor
 
 from .core import CoreSpec, prepare
+from .heads import Tile
 from .utils import compute_dtype
+
+
+def _excluded(spec: CoreSpec, i: int, n: int, device: torch.device) -> List[bool]:
+    """Row ``i``'s entries that ``spec.exclude`` leaves out (all False without it)."""
+    if spec.exclude is None:
+        return [False] * n
+    row = torch.zeros(1, n, dtype=torch.bool, device=device)
+    spec.exclude.apply_(row, Tile(i, i + 1, 0, n, spec.offset), True)
+    return row[0].tolist()
 
 
 def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
     """Loss of anchor ``i`` from its row of scores ``sims`` (N,)."""
     n = sims.shape[0]
-    den: List[int] = [j for j in range(n) if not (spec.exclude_self and j == i + spec.offset)]
+    own = spec.self_column(i)
+    out = _excluded(spec, i, n, sims.device)
+    den: List[int] = [j for j in range(n) if not (spec.exclude_self and j == own) and not out[j]]
     lse = torch.logsumexp(sims[den], dim=0)
     pos_sum = sims.new_zeros(())
     count = 0
@@ -31,9 +43,11 @@ def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
         assert spec.row_labels is not None and spec.col_labels is not None
         yi = int(spec.row_labels[i])
         for j in range(n):
-            if int(spec.col_labels[j]) == yi and not (spec.self_pairs and j == i + spec.offset):
+            if int(spec.col_labels[j]) == yi and not (spec.self_pairs and j == own):
                 pos_sum = pos_sum + sims[j]
                 count += 1
+    if spec.positive_weight is not None:
+        pos_sum = pos_sum * spec.positive_weight[i]
     if spec.pos_mode == "mean":
         if count == 0:
             return 0.0 * lse  # undefined term: 0, but still part of the graph
@@ -80,4 +94,89 @@ def siglip_loss(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, labels: Optio
         else:
             z = torch.where(labels == labels[i], 1.0, -1.0).to(q.dtype)
         rows.append(-torch.nn.functional.logsigmoid(z * logits).sum())
+    return torch.stack(rows)
+
+
+def supcon_with_keys(embeddings: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, scale: Tensor,
+                     positives: str, include_self: bool, normalize: bool) -> Tuple[Tensor, Tensor]:
+    """SupCon of each anchor against the batch (itself left out unless
+    ``include_self``) and the keys ``ref``, one anchor at a time: (per-anchor
+    losses (B,), whether each anchor has a positive)."""
+    q, r = prepare(embeddings, ref.detach(), normalize)
+    scale = scale.to(q.dtype)
+    rows, valid = [], []
+    for i in range(q.shape[0]):
+        den, pos = [], []
+        for j in range(q.shape[0]):
+            s = (q[i] @ q[j]) * scale
+            if j != i or include_self:
+                den.append(s)
+            if j != i and int(labels[j]) == int(labels[i]):
+                pos.append(s)
+        for j in range(r.shape[0]):
+            s = (q[i] @ r[j]) * scale
+            den.append(s)
+            if int(ref_labels[j]) == int(labels[i]):
+                pos.append(s)
+        lse = torch.logsumexp(torch.stack(den), dim=0)
+        if positives == "sum":
+            rows.append(lse - (torch.stack(pos).sum() if pos else 0.0 * lse))
+            valid.append(True)
+        elif pos:
+            rows.append(lse - torch.stack(pos).mean())
+            valid.append(True)
+        else:
+            rows.append(0.0 * lse)
+            valid.append(False)
+    return torch.stack(rows), torch.tensor(valid, dtype=q.dtype, device=q.device)
+
+
+def info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, scale: Tensor, spec: CoreSpec,
+                            in_batch: bool) -> Tuple[Tensor, Tensor]:
+    """InfoNCE whose denominators also hold ``negatives``, one query at a time:
+    (per-query losses, whether each has a positive). ``spec``: the keys' part (its
+    positives and exclusions); without ``in_batch`` the keys' part is the positive."""
+    q, k = prepare(query, keys, spec.normalize)
+    _, neg = prepare(query, negatives.detach(), spec.normalize)
+    scale = scale.to(q.dtype)
+    rows, valid = [], []
+    for i in range(q.shape[0]):
+        sims = (k @ q[i]) * scale
+        out = _excluded(spec, i, k.shape[0], sims.device)
+        if spec.index is not None:
+            pos = [sims[int(j)] for j in spec.index[i]]
+        else:
+            assert spec.row_labels is not None and spec.col_labels is not None
+            pos = [sims[j] for j in range(k.shape[0]) if int(spec.col_labels[j]) == int(spec.row_labels[i])]
+        den = [sims[j] for j in range(k.shape[0]) if not out[j]] if in_batch else list(pos)
+        den += [(neg[j] @ q[i]) * scale for j in range(neg.shape[0])]
+        lse = torch.logsumexp(torch.stack(den), dim=0)
+        if not pos:
+            rows.append(0.0 * lse)
+            valid.append(False)
+            continue
+        total = torch.stack(pos).sum()
+        rows.append(lse - (total / len(pos) if spec.pos_mode == "mean" else total))
+        valid.append(True)
+    return torch.stack(rows), torch.tensor(valid, dtype=q.dtype, device=q.device)
+
+
+def nt_xent_estimator(z: Tensor, partner: Tensor, scale: Tensor, tau_plus: float, beta: float,
+                      normalize: bool) -> Tensor:
+    """The debiased / hard-negative NT-Xent of each anchor, one anchor at a time, in
+    exp space as published (Robinson et al.'s criterion with its clamp)."""
+    zz, _ = prepare(z, None, normalize)
+    scale = scale.to(zz.dtype)
+    n_neg = zz.shape[0] - 2
+    rows = []
+    for i in range(zz.shape[0]):
+        sims = (zz @ zz[i]) * scale
+        p = int(partner[i])
+        neg = torch.exp(torch.stack([sims[j] for j in range(zz.shape[0]) if j != i and j != p]))
+        pos = torch.exp(sims[p])
+        imp = neg ** beta
+        reweight = (imp * neg).sum() / imp.mean()
+        ng = (-tau_plus * n_neg * pos + reweight) / (1 - tau_plus)
+        ng = torch.clamp(ng, min=n_neg * float(torch.exp(-scale.detach())))  # the bound: a constant
+        rows.append(-torch.log(pos / (pos + ng)))
     return torch.stack(rows)

@@ -41,7 +41,8 @@ from .. import backends, checks
 from .. import functional as Fn
 from ..core import CoreSpec
 from ..engine import Problem
-from ..heads import Head, Tile
+from ..heads import Head, Tile, mask_columns_
+from ..linear import Positives
 from ..utils import compute_dtype
 
 try:
@@ -52,7 +53,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the packag
     raise ImportError("flashcl.integrations.pytorch_metric_learning needs pytorch-metric-learning "
                       "(pip install pytorch-metric-learning)") from e
 
-__all__ = ["SupConLoss", "NTXentLoss"]
+__all__ = ["SupConLoss", "NTXentLoss", "CrossBatchMemory"]
 
 
 def _dot_similarity(distance: Any) -> Optional[bool]:
@@ -92,17 +93,27 @@ class _Pairs:
     class ids on both sides, whether the diagonal is removed from the positives
     (PML does so when ``ref_labels is labels``), and the pair counts."""
 
-    def __init__(self, labels: Tensor, ref_labels: Tensor, self_pairs: bool) -> None:
+    def __init__(self, labels: Tensor, ref_labels: Tensor, self_pairs: bool,
+                 self_index: Optional[Tensor] = None) -> None:
         uniq, ids = torch.unique(torch.cat([labels.reshape(-1), ref_labels.reshape(-1)]), return_inverse=True)
         m = labels.shape[0]
         self.row_ids, self.col_ids = ids[:m], ids[m:]
         self.num_classes = int(uniq.numel())
-        self.self_pairs = self_pairs
+        self.self_pairs = self_pairs or self_index is not None
+        self.self_index = self_index  # each anchor's own slot in a queue (CrossBatchMemory), not the diagonal
         per_class = torch.bincount(self.col_ids, minlength=self.num_classes)
         same = int(per_class[self.row_ids].sum())
-        diag = min(m, ref_labels.shape[0]) if self_pairs else 0
-        self.positive_pairs = same - diag
+        if self_index is not None:
+            own = self.positives().self_hits()
+            removed = int(own.sum())
+        else:
+            removed = min(m, ref_labels.shape[0]) if self_pairs else 0
+        self.positive_pairs = same - removed
         self.negative_pairs = m * ref_labels.shape[0] - same
+
+    def positives(self) -> Positives:
+        return Positives(row_labels=self.row_ids, col_labels=self.col_ids, num_classes=self.num_classes,
+                         self_pairs=self.self_pairs, self_index=self.self_index)
 
     def pml_returns_zero(self) -> bool:
         """PML's loss is 0 without a positive or without a negative pair (and when
@@ -162,7 +173,11 @@ class SupConLoss(_pml_losses.SupConLoss):
         assert labels is not None
         self.reset_stats()
         emb, labels, ref, ref_labels, self_contrast = _prepare_call(self, embeddings, labels, ref_emb, ref_labels)
-        pairs = _Pairs(labels, ref_labels, self_contrast)
+        return self.compute(emb, labels, ref, ref_labels, _Pairs(labels, ref_labels, self_contrast))
+
+    def compute(self, emb: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, pairs: _Pairs) -> Tensor:
+        """PML's loss for checked inputs and their pair structure (the queue's, for
+        :class:`CrossBatchMemory`), with PML's reducer and regularizers."""
         if pairs.pml_returns_zero():
             loss_dict = self.zero_losses()
         else:
@@ -172,8 +187,8 @@ class SupConLoss(_pml_losses.SupConLoss):
             loss_dict = {"loss": {"losses": losses, "indices": None, "reduction_type": "already_reduced"}
                          if default else {"losses": losses, "indices": torch.arange(emb.shape[0], device=emb.device),
                                           "reduction_type": "element"}}
-        self.add_embedding_regularization_to_loss_dict(loss_dict, embeddings)
-        return self.reducer(loss_dict, embeddings, labels)
+        self.add_embedding_regularization_to_loss_dict(loss_dict, emb)
+        return self.reducer(loss_dict, emb, labels)
 
     def _flashcl(self, emb: Tensor, ref: Tensor, pairs: _Pairs, reduction: str) -> Tensor:
         normalize = _dot_similarity(self.distance)
@@ -182,7 +197,7 @@ class SupConLoss(_pml_losses.SupConLoss):
                                                    compute_dtype(emb.dtype))
         spec = CoreSpec(exclude_self=pairs.self_pairs, self_pairs=pairs.self_pairs, row_labels=pairs.row_ids,
                         col_labels=pairs.col_ids, num_classes=pairs.num_classes, pos_mode="mean",
-                        normalize=normalize)
+                        normalize=normalize, self_index=pairs.self_index)
         return Fn.run_core(emb, None if ref is emb else ref, 1.0 / temperature, spec, reduction, self.backend,
                            self.block_size)
 
@@ -210,12 +225,15 @@ class PairNTXentHead(Head):
 
     def __init__(self, pairs: _Pairs) -> None:
         self.pairs = pairs
-        self.symmetric = pairs.self_pairs  # labels on both sides, pairs symmetric in (a, p)
+        # labels on both sides, pairs symmetric in (a, p): the self-contrast driver may take it
+        self.symmetric = pairs.self_pairs and pairs.self_index is None
 
     def _masks(self, tile: Tile) -> Tuple[Tensor, Tensor]:
         same = self.pairs.row_ids[tile.r0:tile.r1].unsqueeze(1) == self.pairs.col_ids[tile.c0:tile.c1].unsqueeze(0)
         pos = same.clone()
-        if self.pairs.self_pairs:
+        if self.pairs.self_index is not None:
+            mask_columns_(pos, tile, self.pairs.self_index, False)
+        elif self.pairs.self_pairs:
             pos.diagonal(offset=tile.self_diagonal).fill_(False)
         return pos, ~same
 
@@ -305,7 +323,11 @@ class NTXentLoss(_pml_losses.NTXentLoss):
         assert labels is not None
         self.reset_stats()
         emb, labels, ref, ref_labels, self_contrast = _prepare_call(self, embeddings, labels, ref_emb, ref_labels)
-        pairs = _Pairs(labels, ref_labels, self_contrast)
+        return self.compute(emb, labels, ref, ref_labels, _Pairs(labels, ref_labels, self_contrast))
+
+    def compute(self, emb: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, pairs: _Pairs) -> Tensor:
+        """PML's loss for checked inputs and their pair structure (the queue's, for
+        :class:`CrossBatchMemory`), with PML's reducer and regularizers."""
         if pairs.pml_returns_zero():
             loss_dict = self.zero_losses()
         else:
@@ -318,5 +340,47 @@ class NTXentLoss(_pml_losses.NTXentLoss):
             value = backends.run(emb, None if ref is emb else ref, 1.0 / temperature, problem, "tiled",
                                  (weights, None), self.block_size).to(emb.dtype)
             loss_dict = {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
-        self.add_embedding_regularization_to_loss_dict(loss_dict, embeddings)
-        return self.reducer(loss_dict, embeddings, labels)
+        self.add_embedding_regularization_to_loss_dict(loss_dict, emb)
+        return self.reducer(loss_dict, emb, labels)
+
+
+class CrossBatchMemory(_pml_losses.CrossBatchMemory):
+    """PML's ``CrossBatchMemory`` (a queue of past embeddings as extra keys), the
+    same constructor and call. Around flashcl's :class:`SupConLoss` or
+    :class:`NTXentLoss`, with no miner, ``indices_tuple`` or ``enqueue_mask``, the
+    loss over the queue is computed by flashcl: each anchor against every queue
+    entry but its own, in O(B D) memory beyond the queue, where PML builds index
+    lists of every (anchor, entry) pair and B x memory_size masks. Otherwise PML's
+    own code runs (with a warning if a flashcl adapter then falls back).
+
+    Shape:
+        - embeddings: (B, embedding_size); labels: (B,)
+        - output: scalar
+
+    Examples::
+
+        >>> loss_fn = CrossBatchMemory(SupConLoss(temperature=0.1), embedding_size=4, memory_size=16)
+        >>> loss = loss_fn(torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+    """
+
+    def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple: Any = None,
+                enqueue_mask: Optional[Tensor] = None) -> Tensor:
+        ours = isinstance(self.loss, (SupConLoss, NTXentLoss))
+        if not ours or self.miner is not None or indices_tuple is not None or enqueue_mask is not None:
+            return super().forward(embeddings, labels, indices_tuple, enqueue_mask)
+        embeddings, labels = checks.validate_labelled(embeddings, labels)
+        if embeddings.shape[0] > len(self.embedding_memory):
+            raise ValueError(f"a batch of {embeddings.shape[0]} rows does not fit memory_size "
+                             f"{len(self.embedding_memory)}")
+        self.reset_stats()
+        device = embeddings.device
+        self.embedding_memory = self.embedding_memory.to(device=device, dtype=embeddings.dtype)
+        self.label_memory = self.label_memory.to(device=device, dtype=labels.dtype)
+        self.add_to_memory(embeddings, labels, embeddings.shape[0])
+        n = self.memory_size if self.has_been_filled else self.queue_idx
+        keys, key_labels = self.embedding_memory[:n], self.label_memory[:n]
+        # PML drops the pairs of each anchor with its own entry (curr_batch_idx)
+        pairs = _Pairs(labels, key_labels, False, self_index=self.curr_batch_idx.to(device))
+        # a snapshot of the queue (as PML's normalised copy of it): the next step writes into the buffer
+        # before this step's backward may run
+        return self.loss.compute(embeddings, labels, keys.detach().clone(), key_labels.clone(), pairs)

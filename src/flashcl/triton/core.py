@@ -73,7 +73,8 @@ HEADS = {"softmax": 0, "softplus": 1}
 
 
 def row_lse(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_self: bool, offset: int,
-            cfg: Config, head: str = "softmax", bias: float = 0.0) -> Tuple[Tensor, Optional[Tensor], Any]:
+            cfg: Config, head: str = "softmax", bias: float = 0.0, excl: Optional[Tensor] = None
+            ) -> Tuple[Tensor, Optional[Tensor], Any]:
     """The rows' reductions of ``s = scale * iq_i ik_j q_i . k_j`` (self column masked
     when asked): the softmax head's logsumexp, or the softplus head's sums of
     ``softplus(s + bias)`` and ``sigmoid(s + bias)``. Returns (float32 (M,), the
@@ -82,14 +83,16 @@ def row_lse(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_
     out = torch.empty(m, dtype=torch.float32, device=q.device)
     second = torch.empty(m, dtype=torch.float32, device=q.device) if head == "softplus" else out
     compiled = _lse_kernel[(triton.cdiv(m, cfg.block_m),)](
-        q, k, iq, ik, out, second, m, k.shape[0], d, q.stride(0), k.stride(0), scale, offset, bias,
-        EXCLUDE_SELF=exclude_self, HEAD=HEADS[head], PRECISION=precision(q.dtype), **cfg.launch())
+        q, k, iq, ik, out, second, out if excl is None else excl, m, k.shape[0], d, q.stride(0), k.stride(0), scale,
+        offset, bias, EXCLUDE_SELF=exclude_self, HAS_EXCL=excl is not None, HEAD=HEADS[head],
+        PRECISION=precision(q.dtype), **cfg.launch())
     return out, (second if head == "softplus" else None), compiled
 
 
 def gradients(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_self: bool, offset: int,
               lse_r: Tensor, g_r: Tensor, lse_c: Optional[Tensor], g_c: Optional[Tensor], cfg: Config,
-              head: str = "softmax", bias: float = 0.0) -> Tuple[Tensor, Tensor, Dict[str, Any]]:
+              head: str = "softmax", bias: float = 0.0, excl: Optional[Tensor] = None
+              ) -> Tuple[Tensor, Tensor, Dict[str, Any]]:
     """``dQ^`` and ``dK^`` (float32) of the softmax head's tiles, and the compiled
     kernels by name."""
     m, d = q.shape
@@ -99,9 +102,9 @@ def gradients(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclud
     g_c_ = g_c if g_c is not None else g_r
     dq = torch.empty(m, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(n, d, dtype=torch.float32, device=q.device)
-    common = dict(EXCLUDE_SELF=exclude_self, HAS_COL=has_col, HEAD=HEADS[head], BLOCK_DO=cfg.block_do,
-                  PRECISION=precision(q.dtype), **cfg.launch())
-    args = (lse_r, g_r, lse_c_, g_c_, m, n, d, q.stride(0), k.stride(0))
+    common = dict(EXCLUDE_SELF=exclude_self, HAS_EXCL=excl is not None, HAS_COL=has_col, HEAD=HEADS[head],
+                  BLOCK_DO=cfg.block_do, PRECISION=precision(q.dtype), **cfg.launch())
+    args = (lse_r, g_r, lse_c_, g_c_, lse_r if excl is None else excl, m, n, d, q.stride(0), k.stride(0))
     chunks = triton.cdiv(d, cfg.block_do)
     kq = _dq_kernel[(triton.cdiv(m, cfg.block_m), chunks)](q, k, iq, ik, dq, *args, dq.stride(0), scale, offset,
                                                             bias, **common)
@@ -151,21 +154,32 @@ class TritonDriver(Driver):
         return qc, kc, iq, ik
 
     @staticmethod
-    def _head_args(head: Head) -> Tuple[bool, int, float]:
-        """(exclude_self, offset, bias) of a kernel head."""
-        if isinstance(head, SoftmaxHead):
-            return head.exclude_self, head.offset, 0.0
-        assert isinstance(head, SoftplusHead)
-        return False, 0, head.bias
+    def _head_args(head: Head) -> Tuple[bool, int, float, Optional[Tensor]]:
+        """(exclude_self on the diagonal, offset, bias, one excluded column per row or None)
+        of a kernel head."""
+        if isinstance(head, SoftplusHead):
+            return False, 0, head.bias, None
+        assert isinstance(head, SoftmaxHead)
+        index = head.exclude.index if head.exclude is not None else None
+        if index is not None and index.dim() == 2:
+            if index.shape[1] != 1:
+                raise ValueError("the triton kernels leave out at most one column per row besides the anchor "
+                                 "itself: use backend='tiled'")
+            index = index[:, 0]
+        if head.exclude_self and head.self_index is not None:
+            if index is not None:
+                raise ValueError("the triton kernels leave out one indexed column per row: use backend='tiled'")
+            return False, head.offset, 0.0, head.self_index.contiguous()
+        return head.exclude_self, head.offset, 0.0, None if index is None else index.contiguous()
 
     def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
                 dk: Optional[Tensor]) -> Optional[Tensor]:
         qc, kc, iq, ik = self._inputs(ops)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         like = raw_rows(ops.q)[0]
-        exclude_self, offset, bias = self._head_args(head)
+        exclude_self, offset, bias, excl = self._head_args(head)
         assert head.kernel is not None
-        first, second, _ = row_lse(qc, kc, iq, ik, ops.scale, exclude_self, offset, cfg, head.kernel, bias)
+        first, second, _ = row_lse(qc, kc, iq, ik, ops.scale, exclude_self, offset, cfg, head.kernel, bias, excl)
         if head.has_columns:
             second = row_lse(kc, qc, ik, iq, ops.scale, False, 0, cfg)[0]
         head.kernel_state(st, first.to(like.dtype), None if second is None else second.to(like.dtype))
@@ -175,12 +189,12 @@ class TritonDriver(Driver):
         qc, kc, iq, ik = self._inputs(ops)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         g_row, g_col = head.kernel_weights(st)
-        exclude_self, offset, bias = self._head_args(head)
+        exclude_self, offset, bias, excl = self._head_args(head)
         lse_c = st.col if isinstance(head, SoftmaxHead) else None
         assert head.kernel is not None
         gq, gk, _ = gradients(qc, kc, iq, ik, ops.scale, exclude_self, offset, st.row.float(),
                               g_row.float().contiguous(), None if lse_c is None else lse_c.float(),
-                              None if g_col is None else g_col.float().contiguous(), cfg, head.kernel, bias)
+                              None if g_col is None else g_col.float().contiguous(), cfg, head.kernel, bias, excl)
         # sum_ij G_ij q^_i.k^_j = sum(q^ * G K^), and gq = scale G K^
         m = gq.shape[0]
         dscale = sum((gq[r0:r0 + ops.block] * ops.q[r0:r0 + ops.block]).sum()

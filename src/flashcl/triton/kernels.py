@@ -12,7 +12,9 @@ routine and the same tile sizes, so the scores the backward recomputes are the
 forward's, bit for bit.
 
 * ``_lse_kernel``: per row tile, an online logsumexp over column tiles, with
-  the self column (``col == row + offset``) masked to -inf when asked
+  the self column (``col == row + offset``) and one more column per row
+  (``excl[row]``: a queue's slot of the anchor, a positive kept out) masked to
+  -inf when asked
   (``HEAD=0``, the softmax head); or (``HEAD=1``, SigLIP's softplus head) the
   row sums of ``softplus(s + bias)`` and of ``sigmoid(s + bias)``.
 * ``_dq_kernel``: per (row tile, chunk of ``BLOCK_DO`` output dims), recomputes
@@ -64,9 +66,9 @@ def _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, row_scale, co
 
 
 @triton.jit
-def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, M, N, D, stride_q, stride_k, scale, offset, bias,
-                EXCLUDE_SELF: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, excl_ptr, M, N, D, stride_q, stride_k, scale, offset,
+                bias, EXCLUDE_SELF: tl.constexpr, HAS_EXCL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0) * scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -80,6 +82,8 @@ def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, M, N, D, stride_
         keep = cols[None, :] < N
         if EXCLUDE_SELF:
             keep = keep & (cols[None, :] != rows[:, None] + offset)
+        if HAS_EXCL:
+            keep = keep & (cols[None, :] != tl.load(excl_ptr + rows, mask=rows < M, other=-1)[:, None])
         if HEAD == 0:
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -99,14 +103,16 @@ def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, M, N, D, stride_
 
 
 @triton.jit
-def _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr,
-               EXCLUDE_SELF: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr):
+def _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr,
+               EXCLUDE_SELF: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr):
     """dloss/ds of a tile: the row term (masked) and, for CLIP, the column term;
     for the softplus head (HEAD=1), ``g_row sigmoid(s + bias)``."""
     keep = (rows[:, None] < M) & (cols[None, :] < N)
     keep_row = keep
     if EXCLUDE_SELF:
         keep_row = keep_row & (cols[None, :] != rows[:, None] + offset)
+    if HAS_EXCL:
+        keep_row = keep_row & (cols[None, :] != tl.load(excl_ptr + rows, mask=rows < M, other=-1)[:, None])
     g_r = tl.load(g_r_ptr + rows, mask=rows < M, other=0.0)
     if HEAD == 1:
         return tl.where(keep_row, tl.sigmoid(s + bias) * g_r[:, None], 0.0)
@@ -120,10 +126,10 @@ def _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr,
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D,
+def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr, M, N, D,
                stride_q, stride_k, stride_dq, scale, offset, bias, EXCLUDE_SELF: tl.constexpr,
-               HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
+               HAS_EXCL: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dd = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0) * scale
@@ -133,8 +139,8 @@ def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_p
         ik = tl.load(ik_ptr + cols, mask=cols < N, other=0.0)
         s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq, ik, BLOCK_M, BLOCK_N, BLOCK_K,
                     PRECISION)
-        g = _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, EXCLUDE_SELF,
-                       HAS_COL, HEAD)
+        g = _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr,
+                       EXCLUDE_SELF, HAS_EXCL, HAS_COL, HEAD)
         g = g * ik[None, :]
         kt = tl.load(k_ptr + cols[:, None] * stride_k + dd[None, :], mask=(cols[:, None] < N) & (dd[None, :] < D),
                      other=0.0)
@@ -144,10 +150,10 @@ def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_p
 
 
 @triton.jit
-def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, M, N, D,
+def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr, M, N, D,
                stride_q, stride_k, stride_dk, scale, offset, bias, EXCLUDE_SELF: tl.constexpr,
-               HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
+               HAS_EXCL: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
     # the same (BLOCK_M x BLOCK_N) tiles as the other kernels, in the same
     # orientation (rows of Q, columns of K), so that the scores are the same numbers
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,8 +165,8 @@ def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_p
         iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0)
         s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq * scale, ik, BLOCK_M, BLOCK_N,
                     BLOCK_K, PRECISION)
-        g = _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, EXCLUDE_SELF,
-                       HAS_COL, HEAD)
+        g = _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr,
+                       EXCLUDE_SELF, HAS_EXCL, HAS_COL, HEAD)
         g = g * iq[:, None]
         qt = tl.load(q_ptr + rows[:, None] * stride_q + dd[None, :], mask=(rows[:, None] < M) & (dd[None, :] < D),
                      other=0.0)

@@ -1,0 +1,114 @@
+"""``MemoryBank``: a fixed-size FIFO queue of embeddings (and labels) without gradient,
+the keys of queue-based losses (MoCo's negatives, cross-batch memory).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import checks
+
+__all__ = ["MemoryBank"]
+
+
+class MemoryBank(nn.Module):
+    """A FIFO of the last ``size`` embeddings pushed (and their labels), detached.
+
+    Entries are overwritten oldest first, in the order pushed, as pytorch-metric-
+    learning's ``CrossBatchMemory`` does; the losses treat the keys as a set, so
+    their order in the buffer does not matter. In an initialised process group,
+    :meth:`push` enqueues the global batch (every rank's rows, in rank order,
+    uneven batches allowed), so that every rank holds the same queue.
+
+    Args:
+        size: the number of entries kept.
+        dim: the embedding width.
+        labels: keep a label per entry. Default: True.
+        dtype, device: of the buffers (default float32, CPU; ``.to()`` moves them).
+        group: the process group whose batches are enqueued (default: the world,
+            when one is initialised; else this process alone).
+
+    Shape:
+        - push: embeddings (B, dim), labels (B,); returns (B,) int64 slots of this
+          process's rows
+        - keys(): (min(pushed, size), dim) embeddings and (min(pushed, size),) labels
+
+    Examples::
+
+        >>> bank = flashcl.MemoryBank(size=8, dim=4)
+        >>> emb, labels = torch.randn(3, 4, requires_grad=True), torch.tensor([0, 1, 0])
+        >>> slots = bank.push(emb, labels)   # the queue now holds this batch too
+        >>> keys, key_labels = bank.keys()
+        >>> loss = flashcl.supcon_loss(emb, labels, ref=keys, ref_labels=key_labels, ref_self=slots)
+        >>> loss.backward()
+    """
+
+    def __init__(self, size: int, dim: int, labels: bool = True, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None, group: Any = None) -> None:
+        super().__init__()
+        for value, name in ((size, "size"), (dim, "dim")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        checks.check_bool(labels, "labels")
+        self.size, self.dim, self.group = size, dim, group
+        self.register_buffer("embeddings", torch.zeros(size, dim, dtype=dtype, device=device))
+        self.register_buffer("labels", torch.zeros(size, dtype=torch.int64, device=device) if labels else None)
+        self.position = 0  # the next slot to write
+        self.count = 0     # entries filled so far (<= size)
+
+    def _global(self, embeddings: Tensor, labels: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor], int]:
+        """(every rank's rows in rank order, their labels, this rank's first row)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return embeddings, labels, 0
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        n = torch.tensor([embeddings.shape[0]], device=embeddings.device)
+        sizes = [torch.zeros_like(n) for _ in range(world)]
+        dist.all_gather(sizes, n, group=self.group)
+        counts = [int(s) for s in sizes]
+
+        def gather(x: Tensor) -> Tensor:
+            padded = x.new_zeros((max(counts),) + tuple(x.shape[1:]))
+            padded[:x.shape[0]] = x
+            parts = [torch.empty_like(padded) for _ in counts]
+            dist.all_gather(parts, padded, group=self.group)
+            return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+        return gather(embeddings), None if labels is None else gather(labels), sum(counts[:rank])
+
+    @torch.no_grad()
+    def push(self, embeddings: Tensor, labels: Optional[Tensor] = None) -> Tensor:
+        """Enqueues the batch (detached; in a process group, the global batch) over the
+        oldest entries; returns the slots of this process's rows."""
+        embeddings = checks.check_float_tensor(embeddings, "embeddings", (2,))
+        if embeddings.shape[1] != self.dim:
+            raise ValueError(f"embeddings must be {self.dim} wide (the bank's dim), got {embeddings.shape[1]}")
+        if self.labels is not None:
+            if labels is None:
+                raise ValueError("labels is None, but the bank keeps a label per entry (labels=True)")
+            _, labels = checks.validate_labelled(embeddings, labels)
+        elif labels is not None:
+            raise ValueError("the bank keeps no labels (labels=False): pass labels=None")
+        rows, row_labels, first = self._global(embeddings.detach(), labels)
+        b = rows.shape[0]
+        if b > self.size:
+            raise ValueError(f"a batch of {b} rows does not fit a bank of size {self.size}")
+        slots = (torch.arange(b, device=self.embeddings.device) + self.position) % self.size
+        self.embeddings[slots] = rows.to(self.embeddings)
+        if self.labels is not None:
+            assert row_labels is not None
+            self.labels[slots] = row_labels.to(self.labels)
+        self.position = (self.position + b) % self.size
+        self.count = min(self.size, self.count + b)
+        return slots[first:first + embeddings.shape[0]]
+
+    def keys(self) -> Tuple[Tensor, Optional[Tensor]]:
+        """The filled entries (no copy: views of the buffers) and their labels."""
+        n = self.count
+        return self.embeddings[:n], None if self.labels is None else self.labels[:n]
+
+    def reset(self) -> None:
+        """Empties the bank."""
+        self.position = self.count = 0
