@@ -49,6 +49,8 @@ class Case:
     kwargs: Dict[str, Any] = field(default_factory=dict)
     # name of the keyword holding a learnable scalar, if any
     scalar_kw: str = ""
+    # the Triton kernels compute it (False: masks computed from the data, no kernel)
+    kernels: bool = True
 
     def run(self, backend: str, reduction: str, dtype: torch.dtype = torch.float64,
             grad_seed: int = 0, device: str = "cpu", **more: Any) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -56,7 +58,7 @@ class Case:
         with a fixed random w (so grad_output != 1); all returned on the CPU."""
         inputs = [t.detach().to(device=device, dtype=dtype).requires_grad_(True) for t in self.tensors]
         extra = [x.to(device) if isinstance(x, torch.Tensor) else x for x in self.extra]
-        kwargs = dict(self.kwargs, **more)
+        kwargs = {k: moved(v, device, dtype) for k, v in dict(self.kwargs, **more).items()}
         scalar = None
         if self.scalar_kw:
             scalar = torch.tensor(float(kwargs[self.scalar_kw]), dtype=torch.float64, device=device,
@@ -68,6 +70,16 @@ class Case:
         wrt = inputs + ([scalar] if scalar is not None else [])
         grads = torch.autograd.grad((loss * w).sum(), wrt)
         return loss.detach().cpu(), [gr.detach().cpu() for gr in grads]
+
+
+def moved(value: Any, device: str, dtype: torch.dtype) -> Any:
+    """A keyword argument on the run's device: floating tensors (keys without
+    gradient) in the run's dtype, tuples (a guide model's embeddings) moved only."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+    if isinstance(value, tuple):
+        return tuple(v.to(device) for v in value)
+    return value
 
 
 def _labels(n: int, classes: int, g: torch.Generator) -> torch.Tensor:
@@ -123,7 +135,53 @@ def make_cases(seed: int = 0, scale: int = 1) -> List[Case]:
         Case("neighbor_with_diag", flashcl.neighbor_loss, [r(n, n)],
              [flashcl.sample_neighbors(n, 2, generator=g)], {"exclude_diagonal": False}),
     ]
+    cases += _beyond_the_batch_cases(g, scale)
     return cases
+
+
+def _beyond_the_batch_cases(g: torch.Generator, scale: int) -> List[Case]:
+    """Keys without gradient, labels across the two sides, the NT-Xent estimators
+    and the guide model's false negatives."""
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    b, n_ref = 13 * scale, 22 * scale
+    lab = _labels(b, 4, g)
+    ref_labels = _labels(n_ref, 4, g)
+    ref_self = torch.randperm(n_ref, generator=g)[:b]
+    ref_labels[ref_self] = lab  # the queue holds the batch: its labels at the anchors' slots
+    ref_self[3] = -1  # and one anchor that is not in it
+    q, k = 9 * scale, 12 * scale
+    key_labels = _labels(k, 3, g)
+    index = torch.randint(0, k, (q,), generator=g)
+    labelled = {"temperature": 0.2, "query_labels": key_labels[index], "key_labels": key_labels}
+    p = 10 * scale
+    guide = (r(p, 4), r(p, 4))
+    return [
+        Case("supcon_ref", flashcl.supcon_loss, [r(b, 6)], [lab],
+             {"temperature": 0.3, "ref": r(17 * scale, 6), "ref_labels": _labels(17 * scale, 4, g)}, "temperature"),
+        Case("supcon_ref_self", flashcl.supcon_loss, [r(b, 6)], [lab],
+             {"temperature": 0.3, "ref": r(n_ref, 6), "ref_labels": ref_labels, "ref_self": ref_self}),
+        Case("info_nce_negatives", flashcl.info_nce_loss, [r(q, 6), r(q, 6)], [],
+             {"temperature": 0.1, "negatives": r(14 * scale, 6)}, "temperature"),
+        Case("info_nce_moco", flashcl.info_nce_loss, [r(q, 6), r(q, 6)], [],
+             {"temperature": 0.2, "negatives": r(14 * scale, 6), "in_batch_negatives": False}),
+        Case("info_nce_duplicates_mask", flashcl.info_nce_loss, [r(q, 6), r(k, 6)], [index], labelled,
+             kernels=False),
+        Case("info_nce_duplicates_positive", flashcl.info_nce_loss, [r(q, 6), r(k, 6)], [index],
+             dict(labelled, duplicates="positive")),
+        Case("nt_xent_debiased", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [],
+             {"temperature": 0.5, "estimator": "debiased", "tau_plus": 0.1}, "temperature", kernels=False),
+        Case("nt_xent_hard", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [],
+             {"temperature": 0.5, "estimator": "hard", "tau_plus": 0.1, "beta": 1.0}, "temperature", kernels=False),
+        Case("nt_xent_decoupled", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [],
+             {"temperature": 0.3, "decoupled": True}, "temperature"),
+        Case("nt_xent_dclw", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [],
+             {"temperature": 0.3, "decoupled": True, "weighting": "vmf", "sigma": 0.5}),
+        Case("gist", flashcl.gist_loss, [r(p, 6), r(p, 6)], [], {"temperature": 0.1, "guide": guide},
+             "temperature", kernels=False),
+        Case("gist_negative_relative", flashcl.gist_loss, [r(p, 6), r(p, 6), r(8 * scale, 6)], [],
+             {"temperature": 0.05, "guide": guide + (r(8 * scale, 4),), "margin": 0.1,
+              "margin_strategy": "relative", "contrast_positives": False}, kernels=False),
+    ]
 
 
 CASES = {c.name: c for c in make_cases()}

@@ -207,11 +207,13 @@ def test_nan_input_propagates(backend: str) -> None:
 def test_inputs_are_never_modified(case: Case, backend: str) -> None:
     inputs = [t.clone().requires_grad_(True) for t in case.tensors]
     extra = [e.clone() for e in case.extra]
-    snapshot = [t.detach().clone() for t in inputs] + [e.clone() for e in extra]
+    kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.kwargs.items()}
+    keys = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]  # keys without gradient, labels
+    snapshot = [t.detach().clone() for t in inputs] + [e.clone() for e in extra + keys]
     for red in ("mean", "none"):
-        loss = case.fn(*inputs, *extra, backend=backend, reduction=red, **case.kwargs)
+        loss = case.fn(*inputs, *extra, backend=backend, reduction=red, **kwargs)
         loss.sum().backward()
-    for before, after in zip(snapshot, [t.detach() for t in inputs] + extra):
+    for before, after in zip(snapshot, [t.detach() for t in inputs] + extra + keys):
         assert torch.equal(before, after), f"{case.name}: an input was modified"
 
 
@@ -301,7 +303,8 @@ def test_every_callable_has_a_docstring_with_sections() -> None:
 
 def test_case_table_covers_every_loss() -> None:
     covered = {c.fn.__name__ for c in CASES.values()}
-    assert covered == {"supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss", "neighbor_loss"}
+    assert covered == {"supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss", "gist_loss",
+                       "neighbor_loss"}
 
 
 def test_auto_backend_rule() -> None:

@@ -11,7 +11,7 @@ import torch
 import flashcl
 from flashcl import engine
 from flashcl.stripes import Stripes
-from helpers import CASES, TOL, Case, assert_close
+from helpers import CASES, TOL, Case, assert_close, moved
 
 EMBEDDING = sorted(n for n, c in CASES.items() if c.fn is not flashcl.neighbor_loss)
 
@@ -85,12 +85,14 @@ def test_tiled_on_cuda_half_takes_stripes() -> None:
 def test_stripes_never_modify_the_inputs(name: str, dtype: torch.dtype) -> None:
     case = CASES[name]
     inputs = [t.to(dtype).requires_grad_(True) for t in case.tensors]
-    before = [t.detach().clone() for t in inputs]
+    kwargs = {k: moved(v, "cpu", dtype) for k, v in case.kwargs.items()}
+    keys = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    before = [t.detach().clone() for t in inputs + keys]
     original = engine.run
     engine.run = lambda q, k, s, p, d, w, blk, param=None: original(q, k, s, p, Stripes(), w, 3, param)
     try:
         for reduction in ("mean", "none"):
-            case.fn(*inputs, *case.extra, backend="tiled", reduction=reduction, **case.kwargs).sum().backward()
+            case.fn(*inputs, *case.extra, backend="tiled", reduction=reduction, **kwargs).sum().backward()
     finally:
         engine.run = original
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before, inputs)), name
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, inputs + keys)), name

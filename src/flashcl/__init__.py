@@ -4,6 +4,7 @@ from .doctor import doctor
 from .functional import (
     AUTO_TILED_MIN_ENTRIES,
     clip_loss,
+    gist_loss,
     info_nce_loss,
     neighbor_loss,
     nt_xent_loss,
@@ -22,6 +23,7 @@ __all__ = [
     "info_nce_loss",
     "clip_loss",
     "siglip_loss",
+    "gist_loss",
     "neighbor_loss",
     "sample_neighbors",
     "SupConLoss",

@@ -324,6 +324,12 @@ class SoftmaxHead(Head):
 
     def begin_grad(self, st: _SoftmaxState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
         st.g_row, st.g_col = g_row * self.c, g_col
+        empty = st.row == float("-inf")
+        if bool(empty.any()):
+            # a row with an empty denominator (every entry masked) has no gradient: its
+            # logsumexp taken as 0 keeps exp(-inf - lse) = 0 instead of NaN
+            st.row = st.row.masked_fill(empty, 0.0)
+            st.g_row = st.g_row.masked_fill(empty, 0.0)
         st.alpha = st.beta = None
         if st.shift is not None:
             # G_ij = exp(s_ij - shift) (alpha_i + beta_j): one exp per entry

@@ -180,3 +180,35 @@ def nt_xent_estimator(z: Tensor, partner: Tensor, scale: Tensor, tau_plus: float
         ng = torch.clamp(ng, min=n_neg * float(torch.exp(-scale.detach())))  # the bound: a constant
         rows.append(-torch.log(pos / (pos + ng)))
     return torch.stack(rows)
+
+
+def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guides: List[Tensor], scale: Tensor,
+              margin: float, relative: bool, contrast_anchors: bool, contrast_positives: bool) -> Tensor:
+    """GIST's per-anchor losses, one anchor at a time: each candidate set (anchor to
+    positives, anchors, negatives; positive to positives) loses the candidates whose
+    guide similarity exceeds the anchor's guided positive similarity minus the margin
+    (the positive itself kept); cosine similarities."""
+    a, p = prepare(anchor, positive, True)
+    n = None if negative is None else prepare(anchor, negative, True)[1]
+    ga, gp = prepare(guides[0], guides[1], True)
+    gn = None if negative is None else prepare(guides[0], guides[2], True)[1]
+    scale = scale.to(a.dtype)
+    sets = [(a, p, ga, gp, True)]
+    if contrast_anchors:
+        sets.append((a, a, ga, ga, False))
+    if contrast_positives:
+        sets.append((p, p, gp, gp, False))
+    if n is not None and gn is not None:
+        sets.append((a, n, ga, gn, False))
+    rows = []
+    for i in range(a.shape[0]):
+        g_pos = ga[i] @ gp[i]
+        threshold = g_pos - (g_pos.abs() * margin if relative else margin)
+        den = []
+        for q, k, gq, gk, keep_positive in sets:
+            for j in range(k.shape[0]):
+                if (gq[i] @ gk[j]) > threshold and not (keep_positive and j == i):
+                    continue
+                den.append((q[i] @ k[j]) * scale)
+        rows.append(torch.logsumexp(torch.stack(den), dim=0) - (a[i] @ p[i]) * scale)
+    return torch.stack(rows)

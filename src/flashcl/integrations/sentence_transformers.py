@@ -44,6 +44,10 @@ try:
     except ImportError:
         from sentence_transformers import losses as _st_losses
     from sentence_transformers.util import cos_sim, dot_score
+    try:  # sentence-transformers >= 6: one forward pass over the columns
+        from sentence_transformers.base.losses.merged_forward import embed_columns as _embed_columns
+    except ImportError:
+        _embed_columns = None
 except ImportError as e:  # pragma: no cover - exercised only without the package
     raise ImportError("flashcl.integrations.sentence_transformers needs sentence-transformers "
                       "(pip install sentence-transformers)") from e
@@ -183,6 +187,153 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
         docs = [torch.cat(r) for r in reps[1:]]
         _check_embeddings([queries] + docs)
         loss = _mnrl(self, queries, docs, self.backend, self.block_size)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+
+def _gist(loss: Any, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
+    """GIST's value on embeddings (anchor, positive, negatives...) and the guide's."""
+    negative = torch.cat(embeddings[2:]) if len(embeddings) > 2 else None
+    guide = tuple(guides[:2]) + ((torch.cat(guides[2:]),) if len(guides) > 2 else ())
+    return Fn.gist_loss(embeddings[0], embeddings[1], negative, guide=guide, temperature=loss.temperature,
+                        margin=loss.margin, margin_strategy=loss.margin_strategy,
+                        contrast_anchors=loss.contrast_anchors, contrast_positives=loss.contrast_positives,
+                        backend=loss.backend, block_size=loss.block_size)
+
+
+class _GistFallback(_Fallback):
+    """GIST configurations flashcl computes: all but ``gather_across_devices``."""
+
+    def _flashcl_or_none(self) -> Optional[str]:
+        why = "gather_across_devices=True" if getattr(self, "gather_across_devices", False) else None
+        if why is not None and not self._warned:
+            warnings.warn(f"flashcl does not compute {type(self).__name__} with {why}; sentence-transformers' "
+                          "own implementation is used (same value, its B^2 memory)", stacklevel=3)
+            self._warned = True
+        return why
+
+
+def _embed(model: Any, features: List[Dict[str, Tensor]]) -> List[Tensor]:
+    """Each column's sentence embeddings, as sentence-transformers' losses compute them."""
+    if _embed_columns is not None:
+        return list(_embed_columns(model, features))
+    return [model(f)["sentence_embedding"] for f in features]
+
+
+class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
+    """sentence-transformers' ``GISTEmbedLoss`` (a guide model removes in-batch
+    false negatives), computed by flashcl (:func:`flashcl.gist_loss`): the same
+    value and gradients without the B x B x D broadcast and the B x B matrices.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        guide: the SentenceTransformer that scores the candidates.
+        temperature, margin_strategy, margin, contrast_anchors, contrast_positives,
+            gather_across_devices: as in sentence-transformers
+            (``gather_across_devices=True`` runs sentence-transformers' code, with a
+            warning).
+        backend: flashcl backend ("auto", "dense", "tiled").
+        block_size: rows per block of the tiled backend (None: automatic).
+
+    Shape:
+        Input columns (anchor, positive[, negative]), B texts each; the loss is a scalar.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import GISTEmbedLoss
+        >>> # loss = GISTEmbedLoss(model, guide, temperature=0.01)
+        >>> # SentenceTransformerTrainer(model=model, train_dataset=pairs, loss=loss).train()
+    """
+
+    def __init__(self, model: nn.Module, guide: nn.Module, temperature: float = 0.01,
+                 margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
+                 contrast_positives: bool = True, gather_across_devices: bool = False, *, backend: str = "auto",
+                 block_size: Optional[int] = None) -> None:
+        super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
+                         contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
+                         gather_across_devices=gather_across_devices)
+        self.backend, self.block_size = backend, block_size
+
+    def _guide_features(self, features: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
+        """The guide's inputs: the same tokens, or the texts re-tokenised for it."""
+        if not self.must_retokenize:
+            return [dict(f) for f in features]
+        out = []
+        for f in features:
+            ids = f["input_ids"]
+            if "cu_seq_lens_q" in f:  # packed sequences
+                flat, cuts = ids[0].tolist(), f["cu_seq_lens_q"].tolist()
+                ids = [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            prepare = getattr(self.guide, "preprocess", None) or self.guide.tokenize
+            out.append({k: v.to(self.guide.device) if isinstance(v, Tensor) else v
+                        for k, v in prepare(texts).items()})
+        return out
+
+    def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Optional[Tensor]) -> Tensor:
+        if self._flashcl_or_none() is not None:
+            return super().forward(sentence_features, labels)
+        features = list(sentence_features)
+        guide_features = self._guide_features(features)
+        embeddings = _embed(self.model, features)
+        with torch.no_grad():
+            guides = _embed(self.guide, guide_features)
+        return self.compute_loss_from_embeddings(embeddings, guides)
+
+    def compute_loss_from_embeddings(self, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
+        """The loss on the model's embeddings (anchor, positive[, negative]) and the guide's."""
+        if len(embeddings) not in (2, 3) or len(guides) != len(embeddings):
+            raise ValueError(f"Expected 2 or 3 embeddings, and as many guide embeddings, got {len(embeddings)} "
+                             f"and {len(guides)}")
+        return _gist(self, embeddings, guides)
+
+
+class CachedGISTEmbedLoss(_GistFallback, _st_losses.CachedGISTEmbedLoss):
+    """sentence-transformers' ``CachedGISTEmbedLoss`` (GISTEmbed with GradCache),
+    with the loss computed by flashcl over the whole batch at once
+    (:func:`flashcl.gist_loss`, O(B D) memory), so no mini-batch loop over the
+    loss; ``mini_batch_size`` sets the size of the embedding passes.
+
+    Args:
+        model, guide, temperature, mini_batch_size, mini_batch_num_tokens,
+            show_progress_bar, margin_strategy, margin, contrast_anchors,
+            contrast_positives, gather_across_devices: as in sentence-transformers.
+        backend: flashcl backend. block_size: rows per block (None: automatic).
+
+    Shape:
+        Input columns (anchor, positive[, negative_1, ...]), B texts each; the loss is a scalar.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import CachedGISTEmbedLoss
+        >>> # loss = CachedGISTEmbedLoss(model, guide, mini_batch_size=64)
+    """
+
+    def __init__(self, model: nn.Module, guide: nn.Module, temperature: float = 0.01, mini_batch_size: int = 32,
+                 mini_batch_num_tokens: Optional[int] = None, show_progress_bar: bool = False,
+                 margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
+                 contrast_positives: bool = True, gather_across_devices: bool = False, *, backend: str = "auto",
+                 block_size: Optional[int] = None) -> None:
+        kw: Dict[str, Any] = dict(temperature=temperature, mini_batch_size=mini_batch_size,
+                                  show_progress_bar=show_progress_bar, margin_strategy=margin_strategy,
+                                  margin=margin, contrast_anchors=contrast_anchors,
+                                  contrast_positives=contrast_positives, gather_across_devices=gather_across_devices)
+        if mini_batch_num_tokens is not None:
+            kw["mini_batch_num_tokens"] = mini_batch_num_tokens
+        super().__init__(model, guide, **kw)
+        self.backend, self.block_size = backend, block_size
+
+    def calculate_loss(self, reps: List[List[Tensor]], reps_guided: List[List[Tensor]], *,
+                       with_backward: bool = False) -> Tensor:
+        if self._flashcl_or_none() is not None:
+            return super().calculate_loss(reps, reps_guided, with_backward=with_backward)
+        if len(reps) != len(reps_guided):
+            raise ValueError("reps and reps_guided must have the same number of columns")
+        embeddings = [torch.cat(r) for r in reps]
+        _check_embeddings(embeddings)
+        loss = _gist(self, embeddings, [torch.cat(r) for r in reps_guided])
         if with_backward:
             loss.backward()
             loss = loss.detach()

@@ -132,6 +132,9 @@ class TritonDriver(Driver):
     lazy = True
 
     def __init__(self, head: Head, config: Optional[Config] = None) -> None:
+        if isinstance(head, SoftmaxHead) and head.exclude is not None and head.exclude.fn is not None:
+            raise ValueError("the triton kernels take no masks computed from the data (same-label keys, a guide "
+                             "model's false negatives): use backend='tiled'")
         if head.kernel not in HEADS:
             raise ValueError(f"the triton backend has kernels for the softmax and softplus heads only, not for "
                              f"{type(head).__name__}: use backend='tiled'")
