@@ -214,3 +214,57 @@ def test_cos_sim_is_what_normalize_means() -> None:
     a, b = torch.randn(5, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     ours = torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
     assert_close(cos_sim(a, b), ours, "cos_sim", 1e-12, 1e-12)
+
+
+# ---------------------------------------------------------------- GISTEmbed with a guide model
+
+def _guide(path: Any, seed: int, max_seq_length: Any = None) -> Any:
+    guide = _load(path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # another model than the one trained, same tokenizer
+        for p in guide.parameters():
+            p.add_(0.5 * p.std().nan_to_num() * torch.randn(p.shape, generator=g))
+    if max_seq_length is not None:
+        guide.max_seq_length = max_seq_length  # shorter: sentence-transformers re-tokenises for the guide
+    return guide
+
+
+@pytest.mark.parametrize("columns", [2, 3])
+@pytest.mark.parametrize("config", [{}, {"margin": 0.05, "margin_strategy": "relative", "contrast_anchors": False},
+                                    {"retokenize": True, "temperature": 0.05}])
+@pytest.mark.parametrize("cached", [False, True])
+def test_gist_losses_equal_sentence_transformers_through_a_model(tiny_model: Any, config: Dict[str, Any],
+                                                                 columns: int, cached: bool) -> None:
+    config = dict(config)
+    short = 16 if config.pop("retokenize", False) else None
+    texts = [_sentences(10, s) for s in (11, 12, 13)][:columns]
+    ours_cls = fst.CachedGISTEmbedLoss if cached else fst.GISTEmbedLoss
+    theirs_cls = st_losses.CachedGISTEmbedLoss if cached else st_losses.GISTEmbedLoss
+    extra = {"mini_batch_size": 4} if cached else {}
+    values, grads = [], []
+    for cls in (ours_cls, theirs_cls):
+        # float64: a random tiny BERT's embeddings are all alike (cosines near 1), and in
+        # float32 the guide's comparisons with the threshold would be decided by rounding
+        model = _load(tiny_model).double()
+        loss = cls(model, _guide(tiny_model, 3, short).double(), **config, **extra)
+        assert loss.must_retokenize == (short is not None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error" if cls is ours_cls else "ignore")  # flashcl must not fall back
+            value = loss([model.tokenize(t) for t in texts], None)
+        value.backward()
+        values.append(value.detach())
+        grads.append(_param_grads(model))
+    assert_close(values[0], values[1], "GIST loss", 1e-10, 1e-10)
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, e in zip(*grads):
+        assert_close(a, e, "GIST: parameter gradient", 1e-9 * float(e.abs().max()) + 1e-12, 1e-8)
+
+
+def test_gist_gather_across_devices_falls_back_with_a_warning(tiny_model: Any) -> None:
+    model = _load(tiny_model)
+    loss = fst.GISTEmbedLoss(model, _guide(tiny_model, 3), gather_across_devices=True)
+    texts = [_sentences(6, s) for s in (1, 2)]
+    with pytest.warns(UserWarning, match="sentence-transformers' own implementation"):
+        value = loss([model.tokenize(t) for t in texts], None)
+    expected = st_losses.GISTEmbedLoss(model, loss.guide)([model.tokenize(t) for t in texts], None)
+    assert_close(value, expected, "fallback GIST", 1e-6, 1e-6)

@@ -78,7 +78,8 @@ def _why_not(loss: Any, labels: Optional[Tensor], indices_tuple: Any, ref_emb: O
              ref_labels: Optional[Tensor]) -> Optional[str]:
     """Why flashcl cannot compute this call, or None."""
     if indices_tuple is not None:
-        return "indices_tuple (a miner's pairs) is given"
+        return ("indices_tuple (a miner's pairs, or PML's CrossBatchMemory's; flashcl's CrossBatchMemory "
+                "computes the queue without them) is given")
     if labels is None:
         return "labels is None"
     if ref_emb is not None and ref_labels is None:
