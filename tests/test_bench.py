@@ -32,6 +32,20 @@ def test_neighbor_implementations_agree() -> None:
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
 
 
+@pytest.mark.parametrize("workload,impls,params", [
+    ("queue", ("flashcl-tiled", "flashcl-pml-adapter", "pml"), {"B": 16, "D": 8, "Q": 64, "classes": 4}),
+    ("gist", ("flashcl-tiled", "flashcl-dense", "sentence-transformers"), {"B": 24, "D": 8, "G": 6}),
+])
+def test_beyond_the_batch_workloads_agree(workload: str, impls: tuple, params: dict) -> None:
+    rows = run_cases([{"group": workload, "label": impl, "workload": workload, "repeats": 1,
+                       "params": dict(params, impl=impl)} for impl in impls], cap_s=120, mem_limit_mb=None)
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert all(r["status"] in ("ok", "not installed") for r in rows), rows
+    assert len(ok) >= 2, rows
+    losses = [r["loss"] for r in ok]
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+
+
 def test_a_case_past_its_cap_is_reported_capped() -> None:
     res = measure("neighbor", {"n": 3000, "k": 3, "impl": "seed-program"}, repeats=0, cap_s=3)
     assert res == {"status": "capped", "cap_s": 3}

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashcl
+from flashcl.bench.peers import sentence_transformers_gist
 from helpers import assert_close
 
 F64 = torch.float64
@@ -285,32 +286,12 @@ def test_labels_across_the_two_sides(duplicates: str, backend: str) -> None:
 # ----------------------------------------------------------------------------- GIST
 
 def _st_gist(embeddings: List[torch.Tensor], guides: List[torch.Tensor], **config: Any) -> torch.Tensor:
-    """sentence-transformers' GISTEmbedLoss.forward on given embeddings: its model
-    passes replaced by the tensors (the loss's own masking and cross-entropy run)."""
-    pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
-    try:
-        from sentence_transformers.sentence_transformer.losses import gist_embed as module
-    except ImportError:  # pragma: no cover - sentence-transformers < 6
-        pytest.skip("the comparison drives sentence-transformers >= 6's GISTEmbedLoss.forward")
-    loss = module.GISTEmbedLoss.__new__(module.GISTEmbedLoss)
-    torch.nn.Module.__init__(loss)
-    loss.model = loss.guide = None
-    loss.temperature = config.get("temperature", 0.01)
-    loss.similarity_fct = torch.nn.CosineSimilarity(dim=-1)
-    loss.margin_strategy = config.get("margin_strategy", "absolute")
-    loss.margin = config.get("margin", 0.0)
-    loss.contrast_anchors = config.get("contrast_anchors", True)
-    loss.contrast_positives = config.get("contrast_positives", True)
-    loss.gather_across_devices = False
-    loss.must_retokenize = False
-    loss.cross_entropy_loss = torch.nn.CrossEntropyLoss()
-    passes = iter([embeddings, guides])
-    original = module.embed_columns
-    module.embed_columns = lambda model, features: next(passes)
-    try:
-        return loss.forward([{} for _ in embeddings], None)
-    finally:
-        module.embed_columns = original
+    """sentence-transformers' GISTEmbedLoss.forward on given embeddings (its model
+    passes replaced by the tensors; the loss's own masking and cross-entropy run)."""
+    fn, why = sentence_transformers_gist(**config)
+    if fn is None:
+        pytest.skip(why)
+    return fn(embeddings, guides)
 
 
 GIST_CONFIGS: List[Dict[str, Any]] = [

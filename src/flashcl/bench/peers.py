@@ -43,3 +43,38 @@ def sentence_transformers_losses() -> Tuple[Optional[Any], str]:
             return importlib.import_module("sentence_transformers.losses"), ""
     except Exception as e:  # ImportError, or a broken optional dependency
         return None, f"sentence-transformers not importable ({type(e).__name__}: {str(e)[:80]})"
+
+
+def sentence_transformers_gist(**config: Any) -> Tuple[Optional[Any], str]:
+    """sentence-transformers' ``GISTEmbedLoss`` as a function of embeddings,
+    ``fn(embeddings, guide_embeddings) -> loss``: its own ``forward`` (masks,
+    cross-entropy) with the model and guide passes replaced by the given tensors.
+    ``config``: temperature, margin, margin_strategy, contrast_anchors, contrast_positives."""
+    try:
+        module = importlib.import_module("sentence_transformers.sentence_transformer.losses.gist_embed")
+    except Exception as e:  # ImportError, a broken optional dependency, sentence-transformers < 6
+        return None, f"sentence-transformers >= 6 not importable ({type(e).__name__}: {str(e)[:80]})"
+    import torch
+
+    def fn(embeddings: Any, guides: Any) -> Any:
+        loss = module.GISTEmbedLoss.__new__(module.GISTEmbedLoss)
+        torch.nn.Module.__init__(loss)
+        loss.model = loss.guide = None
+        loss.temperature = config.get("temperature", 0.01)
+        loss.similarity_fct = torch.nn.CosineSimilarity(dim=-1)
+        loss.margin_strategy = config.get("margin_strategy", "absolute")
+        loss.margin = config.get("margin", 0.0)
+        loss.contrast_anchors = config.get("contrast_anchors", True)
+        loss.contrast_positives = config.get("contrast_positives", True)
+        loss.gather_across_devices = False
+        loss.must_retokenize = False
+        loss.cross_entropy_loss = torch.nn.CrossEntropyLoss()
+        passes = iter([list(embeddings), list(guides)])
+        original = module.embed_columns
+        module.embed_columns = lambda model, features: next(passes)
+        try:
+            return loss.forward([{} for _ in embeddings], None)
+        finally:
+            module.embed_columns = original
+
+    return fn, ""

@@ -202,5 +202,25 @@ def gpu(mode: str, device: str) -> List[Case]:
     return cases
 
 
-SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale, "dist": dist, "gpu": gpu}
+def beyond(mode: str, device: str) -> List[Case]:
+    """Beyond the batch: SupCon against a full 65536-entry queue (B = 1024, D = 256)
+    beside pytorch-metric-learning's CrossBatchMemory, and GISTEmbed (B = 256 to
+    4096, D = 768, a 384-wide guide) beside sentence-transformers'."""
+    b, d, q = _size(mode, (128, 32, 4096), (1024, 256, 65536), (1024, 256, 65536))
+    cases: List[Case] = []
+    for impl in ("flashcl-tiled", "flashcl-pml-adapter", "pml"):
+        cases.append({"group": "queue", "label": impl, "workload": "queue", "repeats": 1, "cap_s": 300.0,
+                      "params": {"B": b, "D": d, "Q": q, "impl": impl}})
+    gist_d = _size(mode, 64, 768, 768)
+    # sentence-transformers' B x B x D broadcasts outgrow the memory limit near B = 1024:
+    # the smaller batches give its figures
+    for gb in _size(mode, (128, 256), (256, 512, 1024, 4096), (256, 512, 1024, 4096, 16384)):
+        for impl in ("flashcl-tiled", "flashcl-dense", "sentence-transformers"):
+            cases.append({"group": "gist", "label": impl, "workload": "gist", "repeats": 1, "cap_s": 300.0,
+                          "stop_after_fail": True, "params": {"B": gb, "D": gist_d, "G": 384, "impl": impl}})
+    return cases
+
+
+SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale, "dist": dist, "gpu": gpu,
+          "beyond": beyond}
 DEFAULT_SUITES = ("seed1", "seed2", "peers", "scale")

@@ -270,6 +270,72 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
 
 
+def _prefilled_memory(cbm: Any, history: torch.Tensor, labels: torch.Tensor) -> None:
+    """A full CrossBatchMemory: its buffers hold ``history`` (as after many steps)."""
+    cbm.embedding_memory = history.clone()
+    cbm.label_memory = labels.clone()
+    cbm.queue_idx = 0
+    cbm.has_been_filled = True
+
+
+def queue(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """SupCon of a batch against a full queue of ``Q`` past embeddings (cross-batch
+    memory; MoCo's queue size): each step enqueues the batch over the oldest
+    entries, then contrasts each anchor with every queue entry but its own."""
+    b, d, q, impl, dev = p["B"], p["D"], p["Q"], p["impl"], _device(p)
+    g = _gen(p)
+    classes = p.get("classes", 100)
+    e = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    labels = torch.randint(0, classes, (b,), generator=g).to(dev)
+    history = torch.randn(q, d, generator=g).to(dev)
+    history_labels = torch.randint(0, classes, (q,), generator=g).to(dev)
+    t = p.get("temperature", 0.1)
+    if impl == "flashcl-tiled":
+        bank = flashcl.MemoryBank(size=q, dim=d, device=dev)
+        for start in range(0, q, b):
+            bank.push(history[start:start + b], history_labels[start:start + b])
+
+        def fn() -> torch.Tensor:
+            slots = bank.push(e, labels)
+            keys, key_labels = bank.keys()
+            return flashcl.supcon_loss(e, labels, temperature=t, ref=keys, ref_labels=key_labels, ref_self=slots,
+                                       backend="tiled")
+    elif impl in ("pml", "flashcl-pml-adapter"):
+        if impl == "pml":
+            losses, why = peers.pml_losses()
+            if losses is None:
+                raise NotInstalled(why)
+        else:
+            from ..integrations import pytorch_metric_learning as losses
+        cbm = losses.CrossBatchMemory(losses.SupConLoss(temperature=t), embedding_size=d, memory_size=q)
+        _prefilled_memory(cbm, history, history_labels)
+        fn = lambda: cbm(e, labels)  # noqa: E731
+    else:
+        raise ValueError(f"unknown queue impl {impl!r}")
+    return _stepper(fn, [e], dev), b * d * e.element_size()
+
+
+def gist(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """GISTEmbed over (anchor, positive) pairs: B x D embeddings of the model, B x G
+    of the guide (no gradient), temperature 0.01, anchors and positives contrasted."""
+    b, d, impl, dev, a, pos = _two_towers(p)
+    g = _gen(dict(p, seed=int(p.get("seed", 0)) + 1))
+    width = p.get("G", 384)
+    ga = torch.randn(b, width, generator=g).to(dev)
+    gp = (ga + torch.randn(b, width, generator=g).to(dev))
+    if impl.startswith("flashcl-"):
+        backend = _flashcl_backend(impl)
+        fn = lambda: flashcl.gist_loss(a, pos, guide=(ga, gp), temperature=0.01, backend=backend)  # noqa: E731
+    elif impl == "sentence-transformers":
+        st_gist, why = peers.sentence_transformers_gist(temperature=0.01)
+        if st_gist is None:
+            raise NotInstalled(why)
+        fn = lambda: st_gist([a, pos], [ga, gp])  # noqa: E731
+    else:
+        raise ValueError(f"unknown gist impl {impl!r}")
+    return _stepper(fn, [a, pos], dev), 2 * b * d * a.element_size()
+
+
 def _seed1_indices(n: int, k: int) -> torch.Tensor:
     rng = random.Random(0)
     return torch.tensor([[rng.randrange(0, n) for _ in range(k)] for _ in range(n)])
@@ -315,4 +381,4 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
 
 
 WORKLOADS: Dict[str, Workload] = {"gemm3": gemm3, "supcon": supcon, "nt_xent": nt_xent, "clip": clip, "siglip": siglip,
-                                  "info_nce": info_nce, "neighbor": neighbor}
+                                  "info_nce": info_nce, "neighbor": neighbor, "queue": queue, "gist": gist}
