@@ -452,3 +452,34 @@ def test_bad_input_names_the_argument(name: str) -> None:
     call, exc, words = BAD[name]
     with pytest.raises(exc, match=words):
         call()
+
+
+def test_auto_never_picks_the_kernels_for_masks_computed_from_the_data(monkeypatch: Any) -> None:
+    # on CUDA "auto" would pick the Triton kernels, which take no such masks: the
+    # losses must tell resolve that their head has no kernel
+    from flashcl import backends
+
+    seen: List[Optional[str]] = []
+    original = backends.resolve
+
+    def spy(backend: str, entries: int, device: torch.device, dtype: torch.dtype, width: int = 0,
+            kernel: Optional[str] = "softmax") -> str:
+        seen.append(kernel)
+        return original(backend, entries, device, dtype, width, kernel)
+
+    monkeypatch.setattr(backends, "resolve", spy)
+    q, k = _randn(6, 4, seed=50), _randn(6, 4, seed=51)
+    labels = torch.tensor([0, 1, 0, 2, 1, 2])
+    calls = [
+        lambda: flashcl.info_nce_loss(q, k, query_labels=labels, key_labels=labels),
+        lambda: flashcl.info_nce_loss(q, k, query_labels=labels, key_labels=labels, negatives=_randn(5, 4, seed=52)),
+        lambda: flashcl.gist_loss(q, k, guide=(q, k)),
+        lambda: flashcl.nt_xent_loss(q, k, estimator="hard"),
+    ]
+    for call in calls:
+        seen.clear()
+        call()
+        assert seen and all(kernel is None for kernel in seen), seen
+    seen.clear()
+    flashcl.info_nce_loss(q, k, query_labels=labels, key_labels=labels, duplicates="positive")
+    assert seen == ["softmax"]

@@ -127,12 +127,12 @@ def run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, redu
     m = q.shape[0]
     n = m if k is None else k.shape[0]
     dtype = compute_dtype(q.dtype)
-    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1])
+    problem = spec.problem(m, n, dtype)
+    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=problem.head.kernel)
     if name == "reference":
         with autocast_off(q.device.type):
             row, col = reference.core_loss(q, k, scale, spec)
         return _reduce(row, col, spec, reduction)
-    problem = spec.problem(m, n, dtype)
     weights = None if reduction == "none" else _reduce_weights(spec, m, reduction, dtype, q.device)
     out = backends.run(q, k, scale, problem, name, weights, block_size)
     if reduction == "none":
@@ -485,7 +485,9 @@ def _info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, sca
     """InfoNCE whose denominators also hold ``negatives`` (no gradient): the keys' part
     and the negatives' part, each a logsumexp over tiles, merged per row."""
     b, n, k = query.shape[0], keys.shape[0], negatives.shape[0]
-    name = backends.resolve(backend, b * (n + k), query.device, query.dtype, query.shape[1])
+    masks_from_data = spec.exclude is not None and spec.exclude.fn is not None
+    name = backends.resolve(backend, b * (n + k), query.device, query.dtype, query.shape[1],
+                            kernel=None if masks_from_data else "softmax")
     dtype = compute_dtype(query.dtype)
     if name == "reference":
         with autocast_off(query.device.type):
