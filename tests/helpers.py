@@ -136,7 +136,25 @@ def make_cases(seed: int = 0, scale: int = 1) -> List[Case]:
              [flashcl.sample_neighbors(n, 2, generator=g)], {"exclude_diagonal": False}),
     ]
     cases += _beyond_the_batch_cases(g, scale)
+    cases += _matryoshka_cases(g, scale)
     return cases
+
+
+def _matryoshka_cases(g: torch.Generator, scale: int) -> List[Case]:
+    """Every prefix width in one pass (the reference: one call per width)."""
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    b = 11 * scale
+    return [
+        Case("supcon_matryoshka", flashcl.supcon_loss, [r(b, 6)], [_labels(b, 3, g)],
+             {"temperature": 0.3, "matryoshka_dims": [6, 2, 4]}, "temperature", kernels=False),
+        Case("info_nce_matryoshka", flashcl.info_nce_loss, [r(9 * scale, 6), r(14 * scale, 6)],
+             [torch.randint(0, 14 * scale, (9 * scale,), generator=g)],
+             {"temperature": 0.1, "matryoshka_dims": [1, 3, 6], "matryoshka_weights": [0.5, 1.0, 2.0]},
+             kernels=False),
+        Case("clip_matryoshka", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [],
+             {"logit_scale": 7.0, "matryoshka_dims": [4, 5], "labels": _labels(10 * scale, 4, g)}, "logit_scale",
+             kernels=False),
+    ]
 
 
 def _beyond_the_batch_cases(g: torch.Generator, scale: int) -> List[Case]:

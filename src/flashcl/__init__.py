@@ -1,5 +1,6 @@
 """flashcl: exact, numerically stable, O(batch)-memory contrastive losses for PyTorch."""
 from . import distributed
+from .cached import cached_step
 from .doctor import doctor
 from .functional import (
     AUTO_TILED_MIN_ENTRIES,
@@ -33,6 +34,7 @@ __all__ = [
     "SigLipLoss",
     "NeighborLoss",
     "MemoryBank",
+    "cached_step",
     "AUTO_TILED_MIN_ENTRIES",
     "doctor",
     "distributed",

@@ -38,12 +38,12 @@ path only. :mod:`flashcl.distributed` raises a clear error instead.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import backends, checks, dense, reference
+from . import backends, checks, dense, matryoshka, reference
 from .backends import AUTO_TILED_MIN_ENTRIES
 from .core import CoreSpec
 from .engine import Problem
@@ -137,6 +137,62 @@ def run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, redu
     out = backends.run(q, k, scale, problem, name, weights, block_size)
     if reduction == "none":
         return _reduce(out[:m], out[m:] if spec.symmetric else None, spec, "none")
+    return out
+
+
+def _core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str, backend: str,
+          block_size: Optional[int], dims: object, weights: object) -> Tensor:
+    """:func:`run_core`, or :func:`matryoshka_core` with ``matryoshka_dims``."""
+    if dims is None:
+        if weights is not None:
+            raise ValueError("matryoshka_weights needs matryoshka_dims")
+        return run_core(q, k, scale, spec, reduction, backend, block_size)
+    return matryoshka_core(q, k, scale, spec, dims, weights, reduction, backend, block_size)
+
+
+def _no_matryoshka(dims: object, weights: object, what: str) -> None:
+    if dims is not None or weights is not None:
+        raise ValueError(f"matryoshka_dims does not combine with {what}")
+
+
+def matryoshka_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, dims: object, weights: object,
+                    reduction: str = "mean", backend: str = "auto", block_size: Optional[int] = None) -> Tensor:
+    """``sum_m w_m run_core(q[:, :d_m], k[:, :d_m], ...)``: the core at every prefix
+    width ``d_m`` of the embeddings (Matryoshka), each width normalised on its own.
+    The tiled backend computes every width in one pass over per-segment partial
+    scores (:mod:`flashcl.matryoshka`); ``"reference"`` and ``"dense"`` make one
+    call per width."""
+    ds, ws = matryoshka.check_dims(dims, weights, q.shape[-1])
+    m = q.shape[0]
+    n = m if k is None else k.shape[0]
+    problem = spec.problem(m, n, compute_dtype(q.dtype))
+    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
+    if name == "triton":
+        raise ValueError("matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) "
+                         "or 'auto'")
+    if name in ("reference", "dense"):
+        total: Optional[Tensor] = None
+        for d, w in zip(ds, ws):
+            part = w * run_core(q[:, :d], None if k is None else k[:, :d], scale, spec, reduction, name, block_size)
+            total = part if total is None else total + part
+        assert total is not None
+        return total
+    dtype = compute_dtype(q.dtype)
+    with autocast_off(q.device.type):
+        qc = q.to(dtype)
+        kc = None if k is None else k.to(dtype)
+        aq = matryoshka.prefix_scales(qc, ds, spec.normalize)
+        ak = aq if kc is None else matryoshka.prefix_scales(kc, ds, spec.normalize)
+        values = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size)
+        sc = scale.to(dtype)
+        out: Optional[Tensor] = None
+        for i, (d, w) in enumerate(zip(ds, ws)):
+            rows = values[i, :m]
+            cols = values[i, m:] if problem.head.has_columns else None
+            rows, cols = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, rows, cols)
+            part = w * _reduce(rows, cols, spec, reduction)
+            out = part if out is None else out + part
+    assert out is not None
     return out
 
 
@@ -252,6 +308,8 @@ def supcon_loss(
     ref: Optional[Tensor] = None,
     ref_labels: Optional[Tensor] = None,
     ref_self: Optional[Tensor] = None,
+    matryoshka_dims: Optional[Sequence[int]] = None,
+    matryoshka_weights: Optional[Sequence[float]] = None,
 ) -> Tensor:
     r"""Supervised contrastive loss: samples with the same label are positives.
 
@@ -301,6 +359,11 @@ def supcon_loss(
             returns them): then the anchors are contrasted with ``ref`` only, each
             anchor's own entry left out (pytorch-metric-learning's
             ``CrossBatchMemory``); -1 for an anchor not in it.
+        matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
+            representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
+            each width normalised on its own, all widths in one pass on the tiled
+            backend. Default: None (the full width only).
+        matryoshka_weights: the weights ``w_m`` (default 1 each).
 
     Shape:
         - embeddings: (B, D) or (B, V, D)
@@ -324,6 +387,7 @@ def supcon_loss(
     b = embeddings.shape[0]
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, _scale_dtype(embeddings))
     if ref is not None or ref_labels is not None or ref_self is not None:
+        _no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
         return _supcon_with_ref(embeddings, labels, scale, positives, include_self, normalize, reduction, backend,
                                 block_size, ref, ref_labels, ref_self)
     views = 1
@@ -340,7 +404,7 @@ def supcon_loss(
     ids = ids.repeat(views)
     spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=ids, col_labels=ids,
                     num_classes=num_classes, pos_mode=positives, normalize=normalize)
-    out = run_core(flat, None, scale, spec, reduction, backend, block_size)
+    out = _core(flat, None, scale, spec, reduction, backend, block_size, matryoshka_dims, matryoshka_weights)
     if reduction == "none" and embeddings.dim() == 3:
         out = out.reshape(views, b).T
     return out
@@ -526,6 +590,8 @@ def info_nce_loss(
     query_labels: Optional[Tensor] = None,
     key_labels: Optional[Tensor] = None,
     duplicates: str = "mask",
+    matryoshka_dims: Optional[Sequence[int]] = None,
+    matryoshka_weights: Optional[Sequence[float]] = None,
 ) -> Tensor:
     r"""InfoNCE with in-batch negatives and optional extra hard negatives.
 
@@ -562,6 +628,11 @@ def info_nce_loss(
         duplicates: what becomes of those keys: ``"mask"`` (default): left out of
             the denominator; ``"positive"``: positives, the loss subtracting the mean
             of the positives' scores (as SupCon).
+        matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
+            representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
+            each width normalised on its own, all widths in one pass on the tiled
+            backend. Default: None (the full width only).
+        matryoshka_weights: the weights ``w_m`` (default 1 each).
 
     Shape:
         - query: (B, D); keys: (N, D); positive_index: (B,); negatives: (K, D);
@@ -572,6 +643,7 @@ def info_nce_loss(
 
         >>> q, docs = torch.randn(4, 16), torch.randn(12, 16)  # 8 hard negatives
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05)
+        >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05, matryoshka_dims=[16, 8, 4])
     """
     index = checks.validate_info_nce(query, keys, positive_index)
     checks.check_bool(normalize, "normalize")
@@ -603,7 +675,8 @@ def info_nce_loss(
     if not in_batch_negatives and query_labels is not None:
         raise ValueError("in_batch_negatives=False takes no labels (each query's keys are its positive only)")
     if negatives is None:
-        return run_core(query, keys, scale, spec, reduction, backend, block_size)
+        return _core(query, keys, scale, spec, reduction, backend, block_size, matryoshka_dims, matryoshka_weights)
+    _no_matryoshka(matryoshka_dims, matryoshka_weights, "negatives (keys without gradient)")
     negatives = _check_keys(negatives, "negatives", query).detach()
     return _info_nce_with_negatives(query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend,
                                     block_size)
@@ -749,6 +822,8 @@ def clip_loss(
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
+    matryoshka_dims: Optional[Sequence[int]] = None,
+    matryoshka_weights: Optional[Sequence[float]] = None,
 ) -> Tensor:
     r"""The symmetric CLIP loss (open_clip's ``ClipLoss`` on one process).
 
@@ -784,6 +859,11 @@ def clip_loss(
             ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
+        matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
+            representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
+            each width normalised on its own, all widths in one pass on the tiled
+            backend. Default: None (the full width only).
+        matryoshka_weights: the weights ``w_m`` (default 1 each).
 
     Shape:
         - image_embeds, text_embeds: (B, D); labels: (B,)
@@ -813,7 +893,8 @@ def clip_loss(
         ids, num_classes = _dense_ids(labels)
         spec = CoreSpec(row_labels=ids, col_labels=ids, num_classes=num_classes, pos_mode="mean", symmetric=True,
                         normalize=normalize)
-    loss = run_core(image_embeds, text_embeds, scale, spec, reduction, backend, block_size)
+    loss = _core(image_embeds, text_embeds, scale, spec, reduction, backend, block_size, matryoshka_dims,
+                 matryoshka_weights)
     if bias is not None and bias.requires_grad:
         loss = loss + 0.0 * bias  # the bias's gradient: exactly 0, as the formula's
     return loss

@@ -5,7 +5,7 @@ module's call, or pass a tensor at construction (it is kept as given).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
@@ -25,15 +25,20 @@ class SupConLoss(nn.Module):
 
     def __init__(self, temperature: Scalar = 0.1, positives: str = "mean", include_self: bool = False,
                  normalize: bool = True, reduction: str = "mean", backend: str = "auto",
-                 block_size: Optional[int] = None) -> None:
+                 block_size: Optional[int] = None, matryoshka_dims: Optional[Sequence[int]] = None,
+                 matryoshka_weights: Optional[Sequence[float]] = None) -> None:
         super().__init__()
         self.temperature, self.positives, self.include_self = temperature, positives, include_self
         self.normalize, self.reduction, self.backend, self.block_size = normalize, reduction, backend, block_size
+        self.matryoshka_dims, self.matryoshka_weights = matryoshka_dims, matryoshka_weights
 
-    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+    def forward(self, embeddings: Tensor, labels: Tensor, ref: Optional[Tensor] = None,
+                ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None) -> Tensor:
         return F.supcon_loss(embeddings, labels, temperature=self.temperature, positives=self.positives,
                              include_self=self.include_self, normalize=self.normalize,
-                             reduction=self.reduction, backend=self.backend, block_size=self.block_size)
+                             reduction=self.reduction, backend=self.backend, block_size=self.block_size,
+                             ref=ref, ref_labels=ref_labels, ref_self=ref_self,
+                             matryoshka_dims=self.matryoshka_dims, matryoshka_weights=self.matryoshka_weights)
 
 
 class NTXentLoss(nn.Module):
@@ -45,14 +50,20 @@ class NTXentLoss(nn.Module):
     """
 
     def __init__(self, temperature: Scalar = 0.07, normalize: bool = True, reduction: str = "mean",
-                 backend: str = "auto", block_size: Optional[int] = None) -> None:
+                 backend: str = "auto", block_size: Optional[int] = None, estimator: str = "standard",
+                 tau_plus: float = 0.1, beta: float = 1.0, decoupled: bool = False, weighting: Optional[str] = None,
+                 sigma: float = 0.5) -> None:
         super().__init__()
         self.temperature, self.normalize, self.reduction = temperature, normalize, reduction
         self.backend, self.block_size = backend, block_size
+        self.estimator, self.tau_plus, self.beta = estimator, tau_plus, beta
+        self.decoupled, self.weighting, self.sigma = decoupled, weighting, sigma
 
     def forward(self, z1: Tensor, z2: Tensor) -> Tensor:
         return F.nt_xent_loss(z1, z2, temperature=self.temperature, normalize=self.normalize,
-                              reduction=self.reduction, backend=self.backend, block_size=self.block_size)
+                              reduction=self.reduction, backend=self.backend, block_size=self.block_size,
+                              estimator=self.estimator, tau_plus=self.tau_plus, beta=self.beta,
+                              decoupled=self.decoupled, weighting=self.weighting, sigma=self.sigma)
 
 
 class InfoNCELoss(nn.Module):
@@ -64,15 +75,24 @@ class InfoNCELoss(nn.Module):
     """
 
     def __init__(self, temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
-                 backend: str = "auto", block_size: Optional[int] = None) -> None:
+                 backend: str = "auto", block_size: Optional[int] = None, in_batch_negatives: bool = True,
+                 duplicates: str = "mask", matryoshka_dims: Optional[Sequence[int]] = None,
+                 matryoshka_weights: Optional[Sequence[float]] = None) -> None:
         super().__init__()
         self.temperature, self.normalize, self.reduction = temperature, normalize, reduction
         self.backend, self.block_size = backend, block_size
+        self.in_batch_negatives, self.duplicates = in_batch_negatives, duplicates
+        self.matryoshka_dims, self.matryoshka_weights = matryoshka_dims, matryoshka_weights
 
-    def forward(self, query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None) -> Tensor:
+    def forward(self, query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None,
+                negatives: Optional[Tensor] = None, query_labels: Optional[Tensor] = None,
+                key_labels: Optional[Tensor] = None) -> Tensor:
         return F.info_nce_loss(query, keys, positive_index, temperature=self.temperature,
                                normalize=self.normalize, reduction=self.reduction, backend=self.backend,
-                               block_size=self.block_size)
+                               block_size=self.block_size, negatives=negatives,
+                               in_batch_negatives=self.in_batch_negatives, query_labels=query_labels,
+                               key_labels=key_labels, duplicates=self.duplicates,
+                               matryoshka_dims=self.matryoshka_dims, matryoshka_weights=self.matryoshka_weights)
 
 
 class ClipLoss(nn.Module):
@@ -86,16 +106,19 @@ class ClipLoss(nn.Module):
     """
 
     def __init__(self, normalize: bool = True, reduction: str = "mean", backend: str = "auto",
-                 block_size: Optional[int] = None) -> None:
+                 block_size: Optional[int] = None, matryoshka_dims: Optional[Sequence[int]] = None,
+                 matryoshka_weights: Optional[Sequence[float]] = None) -> None:
         super().__init__()
         self.normalize, self.reduction, self.backend, self.block_size = normalize, reduction, backend, block_size
+        self.matryoshka_dims, self.matryoshka_weights = matryoshka_dims, matryoshka_weights
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar,
                 logit_bias: Optional[Scalar] = None, output_dict: bool = False,
                 labels: Optional[Tensor] = None) -> Union[Tensor, Dict[str, Tensor]]:
         loss = F.clip_loss(image_features, text_features, logit_scale, logit_bias, labels=labels,
                            normalize=self.normalize, reduction=self.reduction, backend=self.backend,
-                           block_size=self.block_size)
+                           block_size=self.block_size, matryoshka_dims=self.matryoshka_dims,
+                           matryoshka_weights=self.matryoshka_weights)
         return {"contrastive_loss": loss} if output_dict else loss
 
 

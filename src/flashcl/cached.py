@@ -1,0 +1,232 @@
+"""Cached-embedding training steps (GradCache): a batch far larger than the
+encoder's activations allow, with the gradient of a full-batch step.
+
+Once the loss needs O(B) memory, the encoder's activations are what limit the
+batch: B inputs through a transformer keep B sets of activations for the
+backward pass. :func:`cached_step` takes the step in three stages (Gao et al.,
+2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"):
+
+1. embed every chunk of ``chunk_size`` inputs without a graph (the random state
+   of each chunk is recorded: dropout);
+2. compute the loss on the whole batch of embeddings, and its gradient with
+   respect to them (a flashcl loss: O(B D) memory);
+3. embed each chunk again, with its graph and the same random state, and
+   backpropagate its slice of that gradient into the encoder.
+
+Memory: the activations of one chunk, plus the B x D embeddings and their
+gradient; time: one more forward pass of the encoder (about 1.3x a step that
+fits). Parameter gradients equal those of one step over the whole batch whose
+encoder runs chunk by chunk (the same dropout draws).
+
+Under :class:`~torch.nn.parallel.DistributedDataParallel`, every chunk's backward
+but the encoder's last runs under ``no_sync()``, so the gradients are reduced
+once; the loss is then a :mod:`flashcl.distributed` loss, which sees every
+rank's embeddings.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import UserDict
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+__all__ = ["cached_step", "split_batch"]
+
+Encoder = Callable[[Any], Tensor]
+
+
+def _tensors(x: Any) -> List[Tensor]:
+    """Every tensor in a (nested) batch."""
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    if isinstance(x, (Mapping, UserDict)):
+        return [t for item in x.values() for t in _tensors(item)]
+    return []
+
+
+def _batch_size(x: Any) -> int:
+    tensors = [t for t in _tensors(x) if t.dim() > 0]
+    if not tensors:
+        raise TypeError(f"cannot find the batch in an input of type {type(x).__name__}: pass tensors, lists, "
+                        "tuples or dicts of tensors (batch first), or split_fn=")
+    return int(tensors[0].shape[0])
+
+
+def split_batch(x: Any, chunk_size: int, batch_size: Optional[int] = None) -> List[Any]:
+    """Splits a batch along its first dimension into chunks of ``chunk_size`` rows:
+    a tensor, or lists, tuples and dicts (``BatchEncoding`` too) of them, nested;
+    entries that are not batch-first tensors (a non-tensor option, a 0-dim tensor,
+    a tensor of another length) are repeated in every chunk.
+
+    Args:
+        x: the batch.
+        chunk_size: rows per chunk (the last one may be smaller).
+        batch_size: the batch's length (default: the first tensor's).
+
+    Shape:
+        - x: tensors of (B, ...)
+        - output: ceil(B / chunk_size) batches of the same structure
+
+    Examples::
+
+        >>> chunks = split_batch({"input_ids": torch.zeros(5, 3), "mask": torch.ones(5, 3)}, 2)
+        >>> [c["input_ids"].shape[0] for c in chunks]
+        [2, 2, 1]
+    """
+    b = _batch_size(x) if batch_size is None else batch_size
+    starts = list(range(0, b, chunk_size))
+
+    def take(item: Any, start: int) -> Any:
+        if isinstance(item, Tensor):
+            return item[start:start + chunk_size] if item.dim() > 0 and item.shape[0] == b else item
+        if isinstance(item, tuple) and hasattr(item, "_fields"):  # a namedtuple
+            return type(item)(*(take(v, start) for v in item))
+        if isinstance(item, (list, tuple)):
+            return type(item)(take(v, start) for v in item)
+        if isinstance(item, UserDict):
+            out = item.__class__.__new__(item.__class__)
+            out.__dict__.update(item.__dict__)
+            out.data = {k: take(v, start) for k, v in item.data.items()}
+            return out
+        if isinstance(item, Mapping):
+            return {k: take(v, start) for k, v in item.items()}
+        return item
+
+    return [take(x, s) for s in starts]
+
+
+class _RandomState:
+    """The CPU and CUDA random states at a chunk's first pass, to replay them."""
+
+    def __init__(self, inputs: Any) -> None:
+        self.cpu = torch.get_rng_state()
+        self.devices, self.states = get_device_states(*_tensors(inputs))
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu)
+            set_device_states(self.devices, self.states)
+            yield
+
+
+def _call(encode: Encoder, x: Any, output: Optional[Callable[[Any], Tensor]]) -> Tensor:
+    out = encode(x)
+    if output is not None:
+        out = output(out)
+    if not isinstance(out, Tensor) or out.dim() < 1:
+        raise TypeError(f"the encoder must return the embeddings, a (chunk, D) tensor (or pass output= to take them "
+                        f"from its output), got {type(out).__name__}")
+    return out
+
+
+def cached_step(
+    encoder: Union[Encoder, Sequence[Encoder]],
+    inputs: Sequence[Any],
+    loss_fn: Callable[..., Tensor],
+    chunk_size: Union[int, Sequence[int]],
+    *,
+    output: Optional[Callable[[Any], Tensor]] = None,
+    split_fn: Optional[Callable[[Any, int], List[Any]]] = None,
+    scaler: Optional[Any] = None,
+    **loss_kwargs: Any,
+) -> Tensor:
+    """One training step's backward pass over a batch embedded chunk by chunk
+    (GradCache): the encoder's parameters receive the gradient of
+    ``loss_fn(*embeddings, **loss_kwargs)`` over the whole batch, while only one
+    chunk's activations are held at a time.
+
+    Call it where ``loss.backward()`` would be, then step the optimizer.
+
+    Args:
+        encoder: a callable (an ``nn.Module``) from one chunk of an input to its
+            embeddings, or one per input (the two towers of CLIP).
+        inputs: one batch per tower (queries, documents, ...): tensors, or lists,
+            tuples and dicts of them with the batch first (see :func:`split_batch`).
+        loss_fn: the loss on the whole batch's embeddings, one tensor per input, in
+            order: any flashcl loss (or ``flashcl.distributed`` loss under DDP),
+            e.g. ``lambda q, d: flashcl.info_nce_loss(q, d, temperature=0.05)``.
+        chunk_size: rows per encoder pass (one per input, or one for all).
+        output: takes the embeddings from the encoder's output (e.g.
+            ``lambda out: out["sentence_embedding"]``); default: the output itself.
+        split_fn: ``split_fn(batch, chunk_size) -> list of chunks``, for inputs
+            :func:`split_batch` does not handle.
+        scaler: a ``torch.amp.GradScaler`` for mixed precision: the loss is scaled
+            before its gradient is taken (unscale and step as usual afterwards).
+        **loss_kwargs: passed to ``loss_fn`` (labels, extra tensors).
+
+    Returns:
+        The loss (detached).
+
+    Shape:
+        - inputs: B rows each (towers may differ in B)
+        - the embeddings given to ``loss_fn``: (B, D) per input
+        - output: the loss's shape (a scalar)
+
+    Examples::
+
+        >>> encoder = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 8))
+        >>> queries, docs = torch.randn(64, 16), torch.randn(64, 16)
+        >>> loss = flashcl.cached_step(encoder, [queries, docs],
+        ...                            lambda q, d: flashcl.info_nce_loss(q, d, temperature=0.05), chunk_size=16)
+        >>> all(p.grad is not None for p in encoder.parameters())
+        True
+    """
+    if isinstance(inputs, (Tensor, Mapping)) or not isinstance(inputs, Sequence) or len(inputs) == 0:
+        raise TypeError("inputs must be a list with one batch per tower, e.g. [queries] or [queries, documents]")
+    k = len(inputs)
+    encoders = list(encoder) if isinstance(encoder, (list, tuple)) else [encoder] * k
+    if len(encoders) != k:
+        raise ValueError(f"got {len(encoders)} encoders for {k} inputs: pass one, or one per input")
+    sizes = [chunk_size] * k if isinstance(chunk_size, int) else list(chunk_size)
+    if len(sizes) != k or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in sizes):
+        raise ValueError(f"chunk_size must be a positive int, or one per input, got {chunk_size!r}")
+    split = split_fn or (lambda x, c: split_batch(x, c))
+    chunks = [split(x, c) for x, c in zip(inputs, sizes)]
+
+    # 1. every chunk without a graph, its random state recorded
+    states: List[List[_RandomState]] = []
+    offsets: List[List[int]] = []  # each chunk's first row in its input's embeddings
+    embeddings: List[Tensor] = []
+    with torch.no_grad():
+        for enc, parts in zip(encoders, chunks):
+            states.append([])
+            offsets.append([])
+            outs: List[Tensor] = []
+            for part in parts:
+                states[-1].append(_RandomState(part))
+                offsets[-1].append(sum(o.shape[0] for o in outs))
+                outs.append(_call(enc, part, output))
+            embeddings.append(torch.cat(outs))
+
+    # 2. the loss on the whole batch, and its gradient w.r.t. the embeddings
+    leaves = [e.detach().requires_grad_(True) for e in embeddings]
+    with torch.enable_grad():
+        loss = loss_fn(*leaves, **loss_kwargs)
+        if not isinstance(loss, Tensor) or not loss.requires_grad:
+            raise ValueError("loss_fn must return a tensor that depends on the embeddings it is given")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    # 3. every chunk again with its graph and random state, backpropagating its slice;
+    # a DistributedDataParallel encoder reduces its gradients on its last chunk only
+    jobs: List[Tuple[int, int]] = [(t, c) for t in range(k) for c in range(len(chunks[t]))
+                                   if leaves[t].grad is not None]
+    last: Dict[int, int] = {}
+    for j, (t, _) in enumerate(jobs):
+        last[id(encoders[t])] = j
+    for j, (t, c) in enumerate(jobs):
+        enc = encoders[t]
+        sync = isinstance(enc, nn.parallel.DistributedDataParallel) and last[id(enc)] != j
+        grad = leaves[t].grad
+        assert grad is not None
+        with enc.no_sync() if sync else contextlib.nullcontext():  # type: ignore[union-attr]
+            with states[t][c].replay():
+                out = _call(enc, chunks[t][c], output)
+            start = offsets[t][c]
+            out.backward(grad[start:start + out.shape[0]])
+    return loss.detach()

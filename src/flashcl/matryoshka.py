@@ -1,0 +1,230 @@
+"""Matryoshka losses in one pass: the loss at every prefix width of the embeddings.
+
+Matryoshka representation learning (Kusupati et al., 2022) trains embeddings whose
+first ``d`` coordinates are a good embedding on their own, for several ``d``:
+``sum_m w_m loss(q[:, :d_m], k[:, :d_m])``, each term with its own normalisation
+of the prefix. Computed as separate calls, that is one loss per width: the three
+score GEMMs once per width (``sum_m d_m / D`` times the work at full width:
+2.25x for 768, 512, 256, 128, 64).
+
+Here the widths share one pass. The score of prefix ``m`` is a running sum of
+per-segment partial products, rescaled by the prefix norms:
+
+    R^m = sum_{segments <= m} Q[:, seg] K[:, seg]^T,   s^m_ij = scale * R^m_ij * a^m_i * b^m_j
+
+with ``a^m_i = 1 / |q_i[:d_m]|`` (``b`` for ``k``; 1 without normalisation). A row
+block's partial products are accumulated segment by segment (one GEMM of the full
+width in all) and each width's head reduces its own tile. In backward the widths
+are visited from the widest down: the gradient of segment ``t`` is
+``H_t = sum_{m >= t} scale * G^m * a^m b^m``, one GEMM pair per segment (again the
+full width in all), and the prefix norms get theirs from ``sum_j G^m_ij s^m_ij``.
+The positives (linear terms) are computed in embedding space per width.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .engine import NORM_EPS, Problem
+from .heads import Tile
+from .utils import autocast_off, differentiable_grads
+
+__all__ = ["check_dims", "prefix_scales", "head_values", "linear_terms"]
+
+
+def check_dims(dims: object, weights: object, width: int) -> Tuple[List[int], List[float]]:
+    """The prefix widths, ascending, and their weights (default 1 each), checked."""
+    if isinstance(dims, (int, Tensor)) or not isinstance(dims, Sequence) or len(dims) == 0:
+        raise ValueError(f"matryoshka_dims must be a non-empty list of widths, got {dims!r}")
+    ds = list(dims)
+    for d in ds:
+        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= width:
+            raise ValueError(f"matryoshka_dims must be ints in [1, {width}] (the embedding width), got {dims!r}")
+    if len(set(ds)) != len(ds):
+        raise ValueError(f"matryoshka_dims must not repeat a width, got {dims!r}")
+    if weights is None:
+        ws = [1.0] * len(ds)
+    else:
+        if isinstance(weights, (int, float, Tensor)) or not isinstance(weights, Sequence) or len(weights) != len(ds):
+            raise ValueError(f"matryoshka_weights must be a list with one weight per width ({len(ds)}), got "
+                             f"{weights!r}")
+        ws = []
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w:
+                raise ValueError(f"matryoshka_weights must be numbers, got {weights!r}")
+            ws.append(float(w))
+    order = sorted(range(len(ds)), key=lambda i: ds[i])
+    return [ds[i] for i in order], [ws[i] for i in order]
+
+
+def prefix_scales(x: Tensor, dims: List[int], normalize: bool) -> Tensor:
+    """(M, rows): ``1 / max(|x[:, :d]|, eps)`` per width (differentiable), or ones."""
+    if not normalize:
+        return torch.ones(len(dims), x.shape[0], dtype=x.dtype, device=x.device)
+    return torch.stack([1.0 / torch.linalg.vector_norm(x[:, :d], dim=1).clamp_min(NORM_EPS) for d in dims])
+
+
+def _block(m: int, n: int, itemsize: int, device_type: str) -> int:
+    """Rows per block: four (rows x n) buffers within ~128 MB (CPU) or 512 MB."""
+    budget = (512 if device_type == "cuda" else 128) * 2 ** 20
+    return max(1, min(m, budget // max(1, 4 * n * itemsize)))
+
+
+def _bound(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, dims: List[int], scale: float) -> float:
+    """``>= max |s^m_ij|`` over every width (Cauchy-Schwarz per prefix)."""
+    best = 0.0
+    for i, d in enumerate(dims):
+        qn = float((torch.linalg.vector_norm(q[:, :d], dim=1) * aq[i]).max())
+        kn = float((torch.linalg.vector_norm(k[:, :d], dim=1) * ak[i]).max())
+        best = max(best, qn * kn)
+    return abs(scale) * best
+
+
+class _HeadValues(torch.autograd.Function):
+    """``apply(q, k, aq, ak, scale, problem, dims, block)`` -> (M, m [+ n]): each
+    width's head values (rows, then the columns of a head with columns). ``k=None``:
+    the candidates are the anchors."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor,
+                problem: Problem, dims: List[int], block: int) -> Tensor:
+        head = problem.head
+        qd, kd = q.detach(), (q if k is None else k).detach()
+        aqd, akd = aq.detach(), ak.detach()
+        s = float(scale)
+        m, n = qd.shape[0], kd.shape[0]
+        states = [head.state(m, n, qd, _bound(qd, kd, aqd, akd, dims, s)) for _ in dims]
+        for p in range(head.passes):
+            _visit(qd, kd, aqd, akd, s, problem, dims, block, states, p)
+            for st in states:
+                head.finish(st, p)
+        out = []
+        for st in states:
+            rows, cols = head.values(st)
+            out.append(rows if cols is None else torch.cat([rows, cols]))
+        ctx.problem, ctx.dims, ctx.block, ctx.states, ctx.same = problem, dims, block, states, k is None
+        ctx.save_for_backward(q, k, aq, ak, scale)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
+        q, k, aq, ak, scale = ctx.saved_tensors
+        problem, dims = ctx.problem, ctx.dims
+        needs = ctx.needs_input_grad[:5]
+        if torch.is_grad_enabled():  # create_graph=True: through the dense formula
+            grads = differentiable_grads(lambda q_, k_, aq_, ak_, sc: _dense(q_, k_, aq_, ak_, sc, problem, dims),
+                                         (q, k, aq, ak, scale), needs, grad_out)
+        else:
+            with autocast_off(q.device.type):
+                grads = _backward(ctx, grad_out, q, k, aq, ak, scale)
+        return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 3
+
+
+def _tile_scores(r: Tensor, a: Tensor, b: Tensor, scale: float, out: Tensor) -> Tensor:
+    """``scale * r * a_i * b_j`` into ``out``."""
+    torch.mul(r, a.unsqueeze(1), out=out)
+    return out.mul_((b * scale).unsqueeze(0))
+
+
+def _visit(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
+           block: int, states: List[Any], p: int) -> None:
+    """One reduction pass of every width's head over every row block."""
+    head = problem.head
+    m, n = q.shape[0], k.shape[0]
+    r_buf = q.new_empty(min(block, m), n)
+    s_buf = torch.empty_like(r_buf)
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        r, s = r_buf[:r1 - r0], s_buf[:r1 - r0]
+        r.zero_()
+        lo = 0
+        for i, d in enumerate(dims):
+            r.addmm_(q[r0:r1, lo:d], k[:, lo:d].T)
+            lo = d
+            head.reduce(_tile_scores(r, aq[i, r0:r1], ak[i], scale, s), Tile(r0, r1, 0, n, problem.offset),
+                        states[i], p)
+
+
+def _backward(ctx: Any, grad_out: Tensor, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor,
+              scale: Tensor) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
+    problem, dims, block, states, same = ctx.problem, ctx.dims, ctx.block, ctx.states, ctx.same
+    head = problem.head
+    qd = q.detach()
+    kd = qd if same else k.detach()  # type: ignore[union-attr]
+    aqd, akd = aq.detach(), ak.detach()
+    s = float(scale)
+    m, n = qd.shape[0], kd.shape[0]
+    g = grad_out.to(qd.dtype)
+    for i, st in enumerate(states):
+        head.begin_grad(st, g[i, :m], g[i, m:] if head.has_columns else None)
+    dq = torch.zeros_like(qd)
+    dk = dq if same else torch.zeros_like(kd)
+    daq, dak = torch.zeros_like(aqd), torch.zeros_like(akd)
+    dscale = qd.new_zeros(())
+    bs = min(block, m)
+    r_buf, s_buf, h_buf, x_buf = (qd.new_empty(bs, n) for _ in range(4))
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        r, sb, h, x = r_buf[:r1 - r0], s_buf[:r1 - r0], h_buf[:r1 - r0], x_buf[:r1 - r0]
+        top = dims[-1]
+        torch.mm(qd[r0:r1, :top], kd[:, :top].T, out=r)
+        h.zero_()
+        tile = Tile(r0, r1, 0, n, problem.offset)
+        for i in range(len(dims) - 1, -1, -1):
+            a, b = aqd[i, r0:r1], akd[i]
+            grad = head.grad(_tile_scores(r, a, b, s, sb), tile, states[i], x)  # dL/ds^m, in sb
+            # ds^m/dR = scale a_i b_j; ds^m/da_i = s^m_ij / a_i, and likewise for b and the scale
+            grad.mul_(a.unsqueeze(1)).mul_(b.unsqueeze(0))  # G a b
+            torch.mul(grad, r, out=x)  # G a b R = G s / scale
+            dscale += x.sum()
+            daq[i, r0:r1] += x.sum(1) * (s / a)
+            dak[i] += x.sum(0) * (s / b)
+            h.add_(grad, alpha=s)
+            lo = dims[i - 1] if i > 0 else 0
+            d = dims[i]
+            # segment (lo, d]: its gradient is H = sum over the widths that contain it
+            dq[r0:r1, lo:d].addmm_(h, kd[:, lo:d])
+            dk[:, lo:d].addmm_(h.T, qd[r0:r1, lo:d])
+            if i > 0:
+                r.addmm_(qd[r0:r1, lo:d], kd[:, lo:d].T, alpha=-1.0)  # R of the next narrower width
+    return dq, (None if same else dk), daq, dak, dscale
+
+
+def _dense(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
+           dims: List[int]) -> Tensor:
+    """The head values by differentiable torch ops on each width's whole score matrix."""
+    kk = q if k is None else k
+    out = []
+    for i, d in enumerate(dims):
+        s = (q[:, :d] @ kk[:, :d].T) * aq[i].unsqueeze(1) * ak[i].unsqueeze(0) * scale
+        rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset))
+        out.append(rows if cols is None else torch.cat([rows, cols]))
+    return torch.stack(out)
+
+
+def head_values(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
+                dims: List[int], block: Optional[int]) -> Tensor:
+    """(M, m [+ n]) every width's head values, in one pass over row blocks
+    (``block`` rows; None picks them). q, k, aq, ak in the compute dtype."""
+    m = q.shape[0]
+    n = m if k is None else k.shape[0]
+    blk = block or _block(m, n, q.element_size(), q.device.type)
+    with autocast_off(q.device.type):
+        return _HeadValues.apply(q, k, aq, ak, scale, problem, dims, blk)
+
+
+def linear_terms(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
+                 i: int, d: int, rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Width ``d``'s rows (and columns) with its positive terms, by differentiable ops
+    in embedding space (the prefixes scaled by ``aq[i]``, ``ak[i]``)."""
+    qh = q[:, :d] * aq[i].unsqueeze(1)
+    kh = qh if k is None else k[:, :d] * ak[i].unsqueeze(1)
+    for lin in problem.linears:
+        if lin.target == "row":
+            rows = rows - scale * lin.weight * lin.positives.sums(qh, kh)
+        else:
+            assert cols is not None
+            cols = cols - scale * lin.weight * lin.positives.sums(kh, qh)
+    return rows, cols
