@@ -22,6 +22,7 @@ import flashcl  # noqa: E402
 from flashcl.integrations import sentence_transformers as fst  # noqa: E402
 from helpers import assert_close  # noqa: E402
 
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CONFIGS: List[Dict[str, Any]] = [
     {},
     {"scale": 7.0},
@@ -30,6 +31,14 @@ CONFIGS: List[Dict[str, Any]] = [
     {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "joint"},
     {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "joint", "similarity_fct": dot_score,
      "scale": 0.5},
+    {"directions": ("query_to_doc", "query_to_query")},
+    {"directions": ("query_to_doc", "doc_to_doc")},
+    {"directions": ALL_DIRECTIONS, "partition_mode": "joint"},
+    {"directions": ALL_DIRECTIONS, "scale": 5.0, "similarity_fct": dot_score},
+    {"hardness_mode": "in_batch_negatives", "hardness_strength": 9.0},
+    {"hardness_mode": "hard_negatives", "hardness_strength": 5.0},
+    {"hardness_mode": "all_negatives", "hardness_strength": 3.0, "similarity_fct": dot_score, "scale": 2.0},
+    {"hardness_mode": "in_batch_negatives", "hardness_strength": 9.0, "directions": ALL_DIRECTIONS},
 ]
 
 
@@ -63,8 +72,6 @@ def test_mnrl_equals_sentence_transformers(config: Dict[str, Any], negatives: in
 
 
 @pytest.mark.parametrize("config", [
-    {"hardness_mode": "in_batch_negatives", "hardness_strength": 5.0},
-    {"directions": ("query_to_doc", "query_to_query")},
     {"similarity_fct": lambda a, b: -torch.cdist(a, b)},
 ])
 def test_mnrl_unsupported_configurations_fall_back_with_a_warning(config: Dict[str, Any]) -> None:
@@ -268,3 +275,51 @@ def test_gist_gather_across_devices_falls_back_with_a_warning(tiny_model: Any) -
         value = loss([model.tokenize(t) for t in texts], None)
     expected = st_losses.GISTEmbedLoss(model, loss.guide)([model.tokenize(t) for t in texts], None)
     assert_close(value, expected, "fallback GIST", 1e-6, 1e-6)
+
+
+# ---------------------------------------------------------------- gather_across_devices on 2 processes
+
+def _gather_worker(rank: int, world: int, out_dir: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    results = {}
+    columns = _columns(2 * 7, 6, 1, seed=21)
+    local = [c[7 * rank:7 * rank + 7] for c in columns]
+    for i, config in enumerate(GATHER_CONFIGS):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # flashcl computes it: no fallback
+            ours = _value_and_grads(fst.MultipleNegativesRankingLoss(None, gather_across_devices=True,
+                                                                     backend="tiled", block_size=3, **config), local)
+        theirs = _value_and_grads(st_losses.MultipleNegativesRankingLoss(None, gather_across_devices=True, **config),
+                                  local)
+        results[i] = (ours, theirs)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+GATHER_CONFIGS: List[Dict[str, Any]] = [
+    {},
+    {"directions": ALL_DIRECTIONS},
+    {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+    {"hardness_mode": "hard_negatives", "hardness_strength": 5.0},
+    {"hardness_mode": "in_batch_negatives", "hardness_strength": 9.0, "similarity_fct": dot_score, "scale": 1.0},
+]
+
+
+def test_mnrl_gather_across_devices_equals_sentence_transformers(tmp_path: Any) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gather_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for i, ((v, g), (v_ref, g_ref)) in results.items():
+            what = f"rank {rank}, {GATHER_CONFIGS[i]}"
+            assert_close(v, v_ref, f"{what}: loss", 1e-10, 1e-10)
+            for j, (a, e) in enumerate(zip(g, g_ref)):
+                assert_close(a, e, f"{what}: grad of column {j}", 1e-10, 1e-10)

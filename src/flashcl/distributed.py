@@ -44,7 +44,7 @@ from .linear import Linear, Positives, Rows, class_sums, raw_rows
 from .tiled import auto_block
 from .utils import compute_dtype
 
-__all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss"]
+__all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss", "all_gather_with_grad"]
 
 _GRAD_SCALES = ("ddp", "sum")
 _STRATEGIES = ("all_gather", "ring")
@@ -103,6 +103,33 @@ class _AllGather(torch.autograd.Function):
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         start = sum(ctx.sizes[:ctx.rank])
         return grad[start:start + ctx.sizes[ctx.rank]], None, None
+
+
+def all_gather_with_grad(x: Tensor, group: Any = None) -> Tuple[Tensor, int]:
+    """Every rank's rows of ``x`` concatenated in rank order (uneven row counts
+    allowed), differentiable: backward hands each rank the sum over ranks of the
+    gradients of its rows. For losses composed by hand from flashcl's
+    single-process functions (local rows against the gathered candidates).
+
+    Args:
+        x: (n_rank, ...) this rank's rows.
+        group: the process group (default: the world).
+
+    Returns:
+        (the gathered rows, (sum of n_rank, ...); this rank's first row in them).
+
+    Shape:
+        - x: (n_rank, D); output: (sum over ranks of n_rank, D)
+
+    Examples::
+
+        >>> # inside an initialised process group:
+        >>> # docs_all, offset = flashcl.distributed.all_gather_with_grad(docs)
+        >>> # loss = flashcl.info_nce_loss(queries, docs_all, offset + torch.arange(len(queries)))
+    """
+    rank, _ = _world(group)
+    sizes = _sizes(x.shape[0], x.device, group)
+    return _AllGather.apply(x, sizes, group), sum(sizes[:rank])
 
 
 def _no_double_backward() -> None:

@@ -63,6 +63,12 @@ class Problem:
     normalize: bool = True
     offset: int = 0
 
+    def __post_init__(self) -> None:
+        head_offset = getattr(self.head, "offset", self.offset)
+        if head_offset != self.offset:
+            raise ValueError(f"the head's offset ({head_offset}) and the problem's ({self.offset}) differ: the "
+                             "tiles would mask other columns than the head's kernels")
+
 
 @dataclass
 class Operands:

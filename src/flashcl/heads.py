@@ -248,15 +248,19 @@ class SoftmaxHead(Head):
         self_index: (m,) the column of each anchor itself (a queue's slot of the
             anchor), instead of ``i + offset``; -1 for none.
         exclude: further entries out of the denominator (:class:`Exclusions`).
+        boost: ``(f, fn)``: the entries of ``fn(tile)`` (a boolean mask) count as
+            ``s + f * stop_grad(s)`` in the logsumexp (a hardness weighting of
+            negatives: their logit grows with their score, their gradient does not).
     """
 
     kernel = "softmax"
 
     def __init__(self, row_weight: Tensor, exclude_self: bool = False, offset: int = 0,
                  columns: bool = False, self_index: Optional[Tensor] = None,
-                 exclude: Optional[Exclusions] = None) -> None:
-        if columns and (exclude_self or exclude is not None):
+                 exclude: Optional[Exclusions] = None, boost: Optional[Tuple[float, Any]] = None) -> None:
+        if columns and (exclude_self or exclude is not None or boost is not None):
             raise ValueError("the column direction takes every row: exclusions are for the rows only")
+        self.boost = boost
         self.c = row_weight
         self.exclude_self = exclude_self
         self.offset = offset
@@ -264,10 +268,16 @@ class SoftmaxHead(Head):
         self.exclude = exclude
         self.has_columns = columns
         # the upper-panel driver needs the masks symmetric: the self entry on the diagonal
-        self.symmetric = not columns and self_index is None and exclude is None
+        self.symmetric = not columns and self_index is None and exclude is None and boost is None
         self.fuses_rows = not columns  # the column direction needs every row's scores first
-        if exclude is not None and exclude.fn is not None:
+        if (exclude is not None and exclude.fn is not None) or boost is not None:
             self.kernel = None  # masks computed by a function: no Triton kernel for them
+
+    def _boost_(self, s: Tensor, tile: Tile) -> None:
+        """In place: the boosted entries' logits ``s (1 + f)``."""
+        if self.boost is not None:
+            f, fn = self.boost
+            s.mul_(fn(tile).to(s.dtype).mul_(f).add_(1.0))
 
     def _mask_(self, s: Tensor, tile: Tile, value: float) -> None:
         """The entries out of the rows' denominators take ``value``."""
@@ -294,10 +304,13 @@ class SoftmaxHead(Head):
         return bound if 2.0 * bound <= limit else None
 
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _SoftmaxState:
+        if bound is not None and self.boost is not None:
+            bound = bound * (1.0 + abs(self.boost[0]))
         return _SoftmaxState(m, n, like, self.usable_shift(bound, like.dtype), self.has_columns)
 
     def reduce(self, s: Tensor, tile: Tile, st: _SoftmaxState, p: int = 0) -> None:
         rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
+        self._boost_(s, tile)
         if st.summing:
             s.sub_(st.shift).exp_()
             if st.col is not None:
@@ -340,6 +353,7 @@ class SoftmaxHead(Head):
     def grad(self, s: Tensor, tile: Tile, st: _SoftmaxState, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
         rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
+        self._boost_(s, tile)  # the softmax of the boosted logits; d logit / d s = 1 (stop-grad)
         out = None if buf is None else scratch(buf, s)
         colpart = None
         if st.alpha is not None:
@@ -360,6 +374,7 @@ class SoftmaxHead(Head):
         return s
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _SoftmaxState, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        self._boost_(s, tile)
         if self.masks:
             self._mask_(s, tile, float("-inf"))
         lse, total = lse_inplace(s)
@@ -416,10 +431,13 @@ class SoftmaxHead(Head):
     # ------------------------------------------------------------ dense form
     def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         lse_in = s
+        if self.boost is not None:
+            f, fn = self.boost
+            lse_in = s + f * torch.where(fn(tile), s.detach(), torch.zeros((), dtype=s.dtype, device=s.device))
         if self.masks:
             mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
             self._mask_(mask, tile, True)
-            lse_in = s.masked_fill(mask, float("-inf"))
+            lse_in = lse_in.masked_fill(mask, float("-inf"))
         rows = self.c[tile.r0:tile.r1] * torch.logsumexp(lse_in, dim=1)
         cols = torch.logsumexp(s, dim=0) if self.has_columns else None
         return rows, cols

@@ -34,9 +34,14 @@ import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import backends, distributed
 from .. import functional as Fn
+from ..engine import Problem
+from ..heads import Exclusions, SoftmaxHead, Tile
+from ..utils import compute_dtype
 
 try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -52,35 +57,78 @@ except ImportError as e:  # pragma: no cover - exercised only without the packag
     raise ImportError("flashcl.integrations.sentence_transformers needs sentence-transformers "
                       "(pip install sentence-transformers)") from e
 
-_SUPPORTED_DIRECTIONS = ({"query_to_doc"}, {"query_to_doc", "doc_to_query"})
+_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
 def _unsupported(loss: Any) -> Optional[str]:
     """Why flashcl cannot compute this MNRL configuration, or None."""
     if loss.similarity_fct not in (cos_sim, dot_score):
         return f"similarity_fct={getattr(loss.similarity_fct, '__name__', loss.similarity_fct)!r}"
-    if loss.gather_across_devices:
-        return "gather_across_devices=True (flashcl.distributed.info_nce_loss gathers across processes)"
-    if set(loss.directions) not in _SUPPORTED_DIRECTIONS:
+    if "query_to_doc" not in loss.directions or not set(loss.directions) <= set(_DIRECTIONS):
         return f"directions={tuple(loss.directions)!r}"
-    if loss.hardness_mode is not None and loss.hardness_strength > 0:
-        return f"hardness_mode={loss.hardness_mode!r}"
     return None
 
 
+def _hardness_mask(mode: str, offset: int, world_batch: int, device: torch.device) -> Callable[[Tile], Tensor]:
+    """The query-to-document logits that get the hardness penalty: in-batch negatives
+    (every document of another query), the query's own hard negatives, or all
+    negatives (every document but the query's own positive)."""
+    def mask(tile: Tile) -> Tensor:
+        rows = torch.arange(tile.r0, tile.r1, device=device).unsqueeze(1) + offset
+        cols = torch.arange(tile.c0, tile.c1, device=device).unsqueeze(0)
+        own = (cols % world_batch) == rows
+        if mode == "in_batch_negatives":
+            return ~own
+        if mode == "hard_negatives":
+            return own & (cols >= world_batch)
+        return cols != rows  # all_negatives
+    return mask
+
+
 def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_size: Optional[int]) -> Tensor:
-    """MNRL's value on embeddings, for a configuration :func:`_unsupported` accepts."""
-    kw: Dict[str, Any] = dict(temperature=1.0 / loss.scale, normalize=loss.similarity_fct is cos_sim,
-                              backend=backend, block_size=block_size)
-    docs_all = torch.cat(docs, dim=0) if len(docs) > 1 else docs[0]
-    if "doc_to_query" not in loss.directions:
-        return Fn.info_nce_loss(queries, docs_all, **kw)
-    if loss.partition_mode == "per_direction":
-        return 0.5 * (Fn.info_nce_loss(queries, docs_all, **kw) + Fn.info_nce_loss(docs[0], queries, **kw))
-    # joint: one softmax over both candidate sets; row losses share the positive score s(q_i, d_1i)
-    rows = Fn.info_nce_loss(queries, docs_all, reduction="none", **kw)
-    cols = Fn.info_nce_loss(docs[0], queries, reduction="none", **kw)
-    return torch.logaddexp(rows, cols).mean()
+    """MNRL's value on embeddings, for a configuration :func:`_unsupported` accepts:
+    each selected direction's row logsumexp (query to documents, with the hardness
+    penalty; query to the other queries; document to queries; document to the
+    documents of other queries), combined jointly or averaged, minus the positive."""
+    normalize = loss.similarity_fct is cos_sim
+    b = queries.shape[0]
+    q_all, docs_all_list, offset = queries, list(docs), 0
+    if loss.gather_across_devices and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        q_all, offset = distributed.all_gather_with_grad(queries)
+        docs_all_list = [distributed.all_gather_with_grad(d)[0] for d in docs]
+    world_batch = q_all.shape[0]
+    d_all = torch.cat(docs_all_list) if len(docs_all_list) > 1 else docs_all_list[0]
+    local_docs = docs[0]
+    scale = torch.tensor(float(loss.scale), dtype=torch.float64 if queries.dtype == torch.float64 else torch.float32,
+                         device=queries.device)
+    dtype = compute_dtype(queries.dtype)
+    ones = torch.ones(b, dtype=dtype, device=queries.device)
+    name = backends.resolve(backend, b * d_all.shape[0], queries.device, queries.dtype, queries.shape[1],
+                            kernel=None)
+
+    def lse(q: Tensor, k: Tensor, head: SoftmaxHead, offset: int = 0) -> Tensor:
+        return backends.run(q, k, scale, Problem(head, (), normalize, offset), name, None, block_size)
+
+    boost = None
+    if loss.hardness_mode is not None and loss.hardness_strength > 0:
+        fn = _hardness_mask(loss.hardness_mode, offset, world_batch, queries.device)
+        boost = (float(loss.hardness_strength) / float(loss.scale), fn)
+    parts = [lse(queries, d_all, SoftmaxHead(ones, boost=boost))]
+    if "query_to_query" in loss.directions:
+        parts.append(lse(queries, q_all, SoftmaxHead(ones, exclude_self=True, offset=offset), offset))
+    if "doc_to_query" in loss.directions:
+        parts.append(lse(local_docs, q_all, SoftmaxHead(ones)))
+    if "doc_to_doc" in loss.directions:
+        own = offset + torch.arange(b, device=queries.device).unsqueeze(1) + world_batch * torch.arange(
+            len(docs_all_list), device=queries.device).unsqueeze(0)
+        parts.append(lse(local_docs, d_all, SoftmaxHead(ones, exclude=Exclusions(index=own))))
+    stacked = torch.stack(parts)
+    log_z = torch.logsumexp(stacked, 0) if loss.partition_mode == "joint" else stacked.mean(0)
+    q_hat, d_hat = queries.to(dtype), local_docs.to(dtype)
+    if normalize:
+        q_hat, d_hat = torch.nn.functional.normalize(q_hat, dim=1), torch.nn.functional.normalize(d_hat, dim=1)
+    positive = float(loss.scale) * (q_hat * d_hat).sum(1)
+    return (log_z - positive).mean()
 
 
 class _Fallback:
