@@ -299,6 +299,16 @@ def _gather_worker(rank: int, world: int, out_dir: str) -> None:
         theirs = _value_and_grads(st_losses.MultipleNegativesRankingLoss(None, gather_across_devices=True, **config),
                                   local)
         results[i] = (ours, theirs)
+        # the cached variants' loss over the mini-batches' embeddings
+        cached = []
+        for cls in (fst.CachedMultipleNegativesRankingLoss, st_losses.CachedMultipleNegativesRankingLoss):
+            leaves = [c.clone().requires_grad_(True) for c in local]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error" if cls is fst.CachedMultipleNegativesRankingLoss else "ignore")
+                loss_fn = cls(None, gather_across_devices=True, mini_batch_size=3, **config)
+                value = loss_fn.calculate_loss([list(x.split(3)) for x in leaves])
+            cached.append((value.detach(), list(torch.autograd.grad(value, leaves))))
+        results[f"cached-{i}"] = tuple(cached)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -319,7 +329,7 @@ def test_mnrl_gather_across_devices_equals_sentence_transformers(tmp_path: Any) 
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for i, ((v, g), (v_ref, g_ref)) in results.items():
-            what = f"rank {rank}, {GATHER_CONFIGS[i]}"
+            what = f"rank {rank}, {i}: {GATHER_CONFIGS[int(str(i).split('-')[-1])]}"
             assert_close(v, v_ref, f"{what}: loss", 1e-10, 1e-10)
             for j, (a, e) in enumerate(zip(g, g_ref)):
                 assert_close(a, e, f"{what}: grad of column {j}", 1e-10, 1e-10)

@@ -115,8 +115,22 @@ class _RandomState:
             yield
 
 
+def _fresh(x: Any) -> Any:
+    """A shallow copy of a dict-like chunk: encoders that write their outputs into
+    their input dict (sentence-transformers' modules do) must not leave them,
+    graph and all, in the chunks kept for the second pass."""
+    if isinstance(x, UserDict):
+        out = x.__class__.__new__(x.__class__)
+        out.__dict__.update(x.__dict__)
+        out.data = dict(x.data)
+        return out
+    if isinstance(x, dict):
+        return type(x)(x) if type(x) is not dict else dict(x)
+    return x
+
+
 def _call(encode: Encoder, x: Any, output: Optional[Callable[[Any], Tensor]]) -> Tensor:
-    out = encode(x)
+    out = encode(_fresh(x))
     if output is not None:
         out = output(out)
     if not isinstance(out, Tensor) or out.dim() < 1:
