@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from torch import nn
 
 st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
 try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -305,7 +306,7 @@ def _gather_worker(rank: int, world: int, out_dir: str) -> None:
             leaves = [c.clone().requires_grad_(True) for c in local]
             with warnings.catch_warnings():
                 warnings.simplefilter("error" if cls is fst.CachedMultipleNegativesRankingLoss else "ignore")
-                loss_fn = cls(None, gather_across_devices=True, mini_batch_size=3, **config)
+                loss_fn = cls(nn.Sequential(nn.Identity()), gather_across_devices=True, mini_batch_size=3, **config)
                 value = loss_fn.calculate_loss([list(x.split(3)) for x in leaves])
             cached.append((value.detach(), list(torch.autograd.grad(value, leaves))))
         results[f"cached-{i}"] = tuple(cached)
