@@ -48,6 +48,7 @@ def _hvp(case: Case, backend: str, dtype: torch.dtype = F64) -> List[torch.Tenso
 
 
 SECOND_ORDER_CASES = ["supcon", "supcon_sum_self", "supcon_views", "nt_xent", "info_nce_hard_neg", "clip",
+                      "supcon_matryoshka", "info_nce_matryoshka", "clip_matryoshka",
                       "neighbor", "neighbor_with_diag"]
 
 

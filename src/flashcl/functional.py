@@ -183,9 +183,20 @@ def matryoshka_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpe
         kc = None if k is None else k.to(dtype)
         aq = matryoshka.prefix_scales(qc, ds, spec.normalize)
         ak = aq if kc is None else matryoshka.prefix_scales(kc, ds, spec.normalize)
-        values = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size)
         sc = scale.to(dtype)
         out: Optional[Tensor] = None
+        if reduction != "none" and not problem.head.has_columns:
+            # a scalar: the heads' weighted rows in one call (its gradient formed in the
+            # same pass), then each width's positive terms
+            r, _ = _reduce_weights(spec, m, reduction, dtype, q.device)
+            weights_t = torch.tensor(ws, dtype=dtype, device=q.device).unsqueeze(1) * r.unsqueeze(0)
+            out = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size, weights_t)
+            zeros = torch.zeros(m, dtype=dtype, device=q.device)
+            for i, d in enumerate(ds):
+                rows, _ = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, zeros, None)
+                out = out + (weights_t[i] * rows).sum()
+            return out
+        values = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size)
         for i, (d, w) in enumerate(zip(ds, ws)):
             rows = values[i, :m]
             cols = values[i, m:] if problem.head.has_columns else None

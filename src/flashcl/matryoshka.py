@@ -83,43 +83,68 @@ def _bound(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, dims: List[int], scale:
 
 
 class _HeadValues(torch.autograd.Function):
-    """``apply(q, k, aq, ak, scale, problem, dims, block)`` -> (M, m [+ n]): each
-    width's head values (rows, then the columns of a head with columns). ``k=None``:
-    the candidates are the anchors."""
+    """``apply(q, k, aq, ak, scale, problem, dims, block, weights)``: each width's head
+    values, (M, m [+ n]) (rows, then the columns of a head with columns); with
+    ``weights`` (M, m), the scalar ``sum weights * rows``, whose gradient is then
+    formed in the same visit as the values when the head's rows are complete in
+    one tile. ``k=None``: the candidates are the anchors."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor,
-                problem: Problem, dims: List[int], block: int) -> Tensor:
+                problem: Problem, dims: List[int], block: int, weights: Optional[Tensor]) -> Tensor:
         head = problem.head
         qd, kd = q.detach(), (q if k is None else k).detach()
         aqd, akd = aq.detach(), ak.detach()
         s = float(scale)
         m, n = qd.shape[0], kd.shape[0]
         states = [head.state(m, n, qd, _bound(qd, kd, aqd, akd, dims, s)) for _ in dims]
-        for p in range(head.passes):
-            _visit(qd, kd, aqd, akd, s, problem, dims, block, states, p)
-            for st in states:
-                head.finish(st, p)
+        ctx.problem, ctx.dims, ctx.block, ctx.states, ctx.same = problem, dims, block, states, k is None
+        ctx.weights, ctx.grads = weights, None
+        fused = (weights is not None and any(ctx.needs_input_grad[:5]) and head.fuses_rows
+                 and not head.has_columns and head.passes == 1)
+        if fused:
+            assert weights is not None
+            ctx.grads = _fused(qd, kd, aqd, akd, s, problem, dims, block, states, weights, k is None)
+        else:
+            for p in range(head.passes):
+                _visit(qd, kd, aqd, akd, s, problem, dims, block, states, p)
+                for st in states:
+                    head.finish(st, p)
         out = []
         for st in states:
             rows, cols = head.values(st)
             out.append(rows if cols is None else torch.cat([rows, cols]))
-        ctx.problem, ctx.dims, ctx.block, ctx.states, ctx.same = problem, dims, block, states, k is None
         ctx.save_for_backward(q, k, aq, ak, scale)
-        return torch.stack(out)
+        values = torch.stack(out)
+        if weights is None:
+            return values
+        return (weights * values[:, :m]).sum()
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
         q, k, aq, ak, scale = ctx.saved_tensors
-        problem, dims = ctx.problem, ctx.dims
+        problem, dims, weights = ctx.problem, ctx.dims, ctx.weights
         needs = ctx.needs_input_grad[:5]
         if torch.is_grad_enabled():  # create_graph=True: through the dense formula
-            grads = differentiable_grads(lambda q_, k_, aq_, ak_, sc: _dense(q_, k_, aq_, ak_, sc, problem, dims),
-                                         (q, k, aq, ak, scale), needs, grad_out)
+            def dense(q_: Tensor, k_: Optional[Tensor], aq_: Tensor, ak_: Tensor, sc: Tensor) -> Tensor:
+                values = _dense(q_, k_, aq_, ak_, sc, problem, dims)
+                return values if weights is None else (weights * values[:, :q_.shape[0]]).sum()
+
+            ctx.grads = None
+            grads = differentiable_grads(dense, (q, k, aq, ak, scale), needs, grad_out)
+        elif ctx.grads is not None:  # formed in the forward pass
+            grads = tuple(None if g is None else g * grad_out for g in ctx.grads)
+            ctx.grads = None
         else:
             with autocast_off(q.device.type):
+                if weights is not None:  # the scalar's gradient as the values' (no column terms in it)
+                    m = q.shape[0]
+                    n_cols = (m if k is None else k.shape[0]) if problem.head.has_columns else 0
+                    full = weights.new_zeros(len(dims), m + n_cols)
+                    full[:, :m] = weights * grad_out
+                    grad_out = full
                 grads = _backward(ctx, grad_out, q, k, aq, ak, scale)
-        return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 3
+        return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 4
 
 
 def _tile_scores(r: Tensor, a: Tensor, b: Tensor, scale: float, out: Tensor) -> Tensor:
@@ -145,6 +170,50 @@ def _visit(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: 
             lo = d
             head.reduce(_tile_scores(r, aq[i, r0:r1], ak[i], scale, s), Tile(r0, r1, 0, n, problem.offset),
                         states[i], p)
+
+
+def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
+           block: int, states: List[Any], weights: Tensor, same: bool
+           ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
+    """Every width's rows and the gradient of ``sum weights * rows`` in one visit of
+    complete row blocks: the widest width's products first (one GEMM), then the
+    widths from the widest down, each one's ``R`` the previous one's minus its last
+    segment; segment ``t``'s gradient ``scale H_t K_t`` as soon as ``H_t`` (the sum
+    of ``X^m = G^m a^m b^m`` over the widths that contain it) is complete."""
+    head = problem.head
+    m, n = q.shape[0], k.shape[0]
+    dq = torch.zeros_like(q)
+    dk = dq if same else torch.zeros_like(k)
+    daq, dak = torch.zeros_like(aq), torch.zeros_like(ak)
+    dscale = q.new_zeros(())
+    bs = min(block, m)
+    r_buf, s_buf, h_buf, x_buf = (q.new_empty(bs, n) for _ in range(4))
+    top = dims[-1]
+    weights_a = weights * aq  # the row factor a of X = G a b, folded into the head's row weights
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        r, sb, h, x = r_buf[:r1 - r0], s_buf[:r1 - r0], h_buf[:r1 - r0], x_buf[:r1 - r0]
+        torch.mm(q[r0:r1, :top], k[:, :top].T, out=r)
+        h.zero_()
+        tile = Tile(r0, r1, 0, n, problem.offset)
+        for i in range(len(dims) - 1, -1, -1):
+            a, b = aq[i, r0:r1], ak[i]
+            grad = head.rows_fused(_tile_scores(r, a, b, scale, sb), tile, states[i], weights_a[i])
+            assert grad is not None
+            grad.mul_(b.unsqueeze(0))  # X = G a b
+            torch.mul(grad, r, out=x)  # X R = G s / scale
+            rows = x.sum(1)
+            dscale += rows.sum()
+            daq[i, r0:r1] += rows * (scale / a)
+            dak[i] += x.sum(0) * (scale / b)
+            h.add_(grad)
+            lo, d = (dims[i - 1] if i > 0 else 0), dims[i]
+            qs, ks = q[r0:r1, lo:d], k[:, lo:d]
+            dq[r0:r1, lo:d].addmm_(h, ks, alpha=scale)
+            dk[:, lo:d].addmm_(h.T, qs, alpha=scale)
+            if i > 0:
+                r.addmm_(qs, ks.T, alpha=-1.0)  # R of the next narrower width
+    return dq, (None if same else dk), daq, dak, dscale
 
 
 def _backward(ctx: Any, grad_out: Tensor, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor,
@@ -205,14 +274,16 @@ def _dense(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor
 
 
 def head_values(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
-                dims: List[int], block: Optional[int]) -> Tensor:
+                dims: List[int], block: Optional[int], weights: Optional[Tensor] = None) -> Tensor:
     """(M, m [+ n]) every width's head values, in one pass over row blocks
-    (``block`` rows; None picks them). q, k, aq, ak in the compute dtype."""
+    (``block`` rows; None picks them); with ``weights`` (M, m), the scalar
+    ``sum weights * rows`` (its gradient formed in the same pass when the head
+    allows). q, k, aq, ak in the compute dtype."""
     m = q.shape[0]
     n = m if k is None else k.shape[0]
     blk = block or _block(m, n, q.element_size(), q.device.type)
     with autocast_off(q.device.type):
-        return _HeadValues.apply(q, k, aq, ak, scale, problem, dims, blk)
+        return _HeadValues.apply(q, k, aq, ak, scale, problem, dims, blk, weights)
 
 
 def linear_terms(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
