@@ -8,7 +8,7 @@ venv="${FLASHCL_VENV:-.venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
 # A plain torch requirement with no torch present would pull a multi-GB CUDA
-# build; this machine keeps the CPU build of 2.13.0, which torch>=2.4 accepts.
+# build; `pip install torch==2.13.0` takes the CPU build where the index provides one, and torch>=2.4 accepts it.
 "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q torch==2.13.0
 "$py" -m pip install -q -e ".[test,integrations,bench,triton]"
 # open_clip's loss module is a peer in the benchmark and an oracle in the tests;

@@ -33,20 +33,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from sentence_simcse import load_corpus, load_model, retrieval  # noqa: E402
 
 import flashcl  # noqa: E402
 
-from sentence_simcse import load_corpus, load_model, retrieval  # noqa: E402
 
-
-def step(model: Any, features: Dict[str, Any], labels: torch.Tensor, chunk: int, cached: bool,
+def step(model: Any, texts: List[str], labels: torch.Tensor, chunk: int, cached: bool,
          temperature: float) -> torch.Tensor:
-    """One step's gradient over the whole batch (cached or plain)."""
+    """One step's gradient over the whole batch (cached or plain). The cached step
+    tokenises each chunk on its own (padded to its own longest text)."""
     loss_fn = lambda e: flashcl.supcon_loss(e, labels, temperature=temperature)  # noqa: E731
+    encode = lambda part: model(model.preprocess(part))["sentence_embedding"]  # noqa: E731
     if cached:
-        return flashcl.cached_step(model, [features], loss_fn, chunk_size=chunk,
-                                   output=lambda out: out["sentence_embedding"])
-    loss = loss_fn(model(features)["sentence_embedding"])
+        return flashcl.cached_step(encode, [texts], loss_fn, chunk_size=chunk,
+                                   split_fn=lambda x, c: [x[i:i + c] for i in range(0, len(x), c)])
+    loss = loss_fn(encode(texts))
     loss.backward()
     return loss.detach()
 
@@ -54,9 +55,8 @@ def step(model: Any, features: Dict[str, Any], labels: torch.Tensor, chunk: int,
 def _peak_child(texts: List[str], labels: List[int], chunk: int, cached: bool, queue: Any) -> None:
     torch.set_num_threads(2)
     model = load_model()
-    features = model.preprocess(texts)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step(model, features, torch.tensor(labels), chunk, cached, 0.1)
+    step(model, texts, torch.tensor(labels), chunk, cached, 0.1)
     queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 
 
@@ -95,14 +95,13 @@ def main() -> Dict[str, float]:
     model = load_model()
     before = retrieval(model, xtr, ytr, xte, yte)
     print(f"before: accuracy@1 {before[0]:.3f}, 5-NN accuracy {before[1]:.3f}")
-    features = model.preprocess(xtr)
     labels = torch.tensor(ytr)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model.train()
     t0 = time.time()
     for i in range(steps):
         optimizer.zero_grad()
-        loss = step(model, features, labels, args.chunk, True, args.temperature)
+        loss = step(model, xtr, labels, args.chunk, True, args.temperature)
         optimizer.step()
         print(f"step {i + 1}/{steps}: loss {float(loss):.4f}")
     model.eval()

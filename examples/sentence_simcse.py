@@ -14,7 +14,7 @@ halves per topic.
 
 Training: sentence-transformers' ``SentenceTransformerTrainer`` with
 :class:`flashcl.integrations.sentence_transformers.SupConLoss` in the supervised
-SimCSE form of the second seed (``positives="sum", include_self=True``,
+SimCSE form (``positives="sum", include_self=True``,
 temperature 0.05): the other same-topic texts of the batch are the positives.
 Evaluation: each held-out utterance retrieves the most similar training
 utterance (cosine); accuracy@1 is the share whose retrieved utterance has the same
@@ -114,7 +114,7 @@ def main() -> Dict[str, float]:
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--temperature", type=float, default=0.1)
     ap.add_argument("--positives", choices=["mean", "sum"], default="mean",
-                    help="mean: SupCon L_out; sum: the second seed's supervised-SimCSE form (with include_self)")
+                    help="mean: SupCon L_out; sum: the supervised-SimCSE form (with include_self)")
     ap.add_argument("--out", default=None, help="the trainer's output folder (default: a temporary one; "
                     "nothing is saved in it)")
     args = ap.parse_args()

@@ -7,7 +7,7 @@ Every loss here is one configuration of the masked-softmax core of
 
 Backends (argument ``backend``):
 
-* ``"reference"``: the seeds' loops, generalised. Slow; the tests' oracle.
+* ``"reference"``: per-anchor loops, as a loss is first written by hand. Slow; the tests' oracle.
 * ``"dense"``: vectorised, materialises the M x N score matrix.
 * ``"tiled"``: blocks of rows, O((M + N) D + block x N) memory, exact.
 * ``"triton"``: the tiled algorithm in Triton kernels (CUDA; on a CPU only

@@ -1,4 +1,4 @@
-"""The ``dist`` suite: flashcl.distributed across processes on this machine (gloo
+"""The ``dist`` suite: flashcl.distributed across processes on one machine (gloo
 on 127.0.0.1), per-rank time and peak memory for the all_gather and ring strategies."""
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ NOTES = ("forward / backward / fwd+bwd: the best of the repeats (a capped case r
          "scalar, so its time shows as forward; for the GEMM bound, forward is S = E E^T. "
          "vs bound: best time over the best time of the bound, timed alternately in the same process: the "
          "three GEMMs no exact loss can avoid (S = E E^T, G E, G^T E; torch.mm into preallocated outputs), "
-         "or the seed's gather fix for the neighbour loss. peak mem: peak memory of the first call above "
+         "or, for the neighbour loss, its gather fix (one gather instead of Python loops). peak mem: peak "
+         "memory of the first call above "
          "what was in use before it (on the CPU this includes one-time costs such as MKL's GEMM workspace, "
          "~15 MB), then of a later call (steady state). beyond grad: first-call peak minus the inputs' "
          "gradient; for the neighbour loss, first-call peak over the size of the score matrix. vs flashcl: "
@@ -109,7 +110,7 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                 paths.append(path)
             continue
         ok = [r for r in rows if r["suite"] == suite and r.get("status") == "ok"]
-        # one line per implementation: of the neighbour loss, the seed's k = 2
+        # one line per implementation: of the neighbour loss, k = 2
         ok = [r for r in ok if r["params"].get("k", 2) == 2]
         if not ok:
             continue

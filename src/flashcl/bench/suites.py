@@ -53,8 +53,8 @@ def tiled(mode: str, device: str) -> List[Case]:
 
 
 def seed1(mode: str, device: str) -> List[Case]:
-    """The first seed's table: n in {1000, 2000, 3000} x neighbours in {1, 2, 3},
-    forward and backward time of the seed's program (capped), its gather fix,
+    """The sampled-neighbours loss: n in {1000, 2000, 3000} x neighbours in {1, 2, 3},
+    forward and backward time of the program with Python loops (capped), its gather fix,
     its log form and flashcl; n = 20000 for the vectorised ones."""
     ns = _size(mode, (100, 200), (1000, 2000, 3000), (1000, 2000, 3000))
     ks = _size(mode, (1, 2), (1, 2, 3), (1, 2, 3))
@@ -80,8 +80,8 @@ def seed1(mode: str, device: str) -> List[Case]:
 
 
 def seed2(mode: str, device: str) -> List[Case]:
-    """The second seed: naive loop vs vectorised vs flashcl (dense, tiled), with
-    the seed's formula (t = 0.05, self in the denominator, positives summed)."""
+    """Supervised SimCSE: per-sample loop vs vectorised vs flashcl (dense, tiled), with
+    its formula (t = 0.05, self in the denominator, positives summed)."""
     bs = _size(mode, (32, 256), (32, 256, 1024, 4096), (32, 256, 1024, 4096, 8192, 16384))
     d = _size(mode, 32, 768, 768)
     cases: List[Case] = []
@@ -142,7 +142,7 @@ def scale(mode: str, device: str) -> List[Case]:
         impls = ("flashcl-tiled",) if b > 8192 and mode == "default" else (
             "flashcl-tiled", "flashcl-dense", "seed2-vectorized", "pml")
         for impl in impls:
-            # the seed's vectorised loss with its own formula (the others: SupCon L_out)
+            # the vectorised supervised SimCSE loss with its own formula (the others: SupCon L_out)
             label = "seed2-vectorized (seed-2 formula)" if impl == "seed2-vectorized" else impl
             cases.append({"group": "scale", "label": label, "workload": "supcon", "repeats": reps,
                           "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": impl == "seed2-vectorized"},
@@ -151,7 +151,7 @@ def scale(mode: str, device: str) -> List[Case]:
 
 
 def dist(mode: str, device: str) -> List[Case]:
-    """flashcl.distributed SupCon across processes (gloo, this machine): per-rank
+    """flashcl.distributed SupCon across processes (gloo, one machine): per-rank
     time and peak memory against the world size at a fixed global batch, and
     against the global batch at two processes, for all_gather and ring."""
     b = _size(mode, 256, 4096, 16384)

@@ -99,7 +99,7 @@ def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
 
 
 def seed2_naive(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The second seed's naive_supervised_simcse_loss (per-sample loop), as written there."""
+    """``naive_supervised_simcse_loss``: supervised SimCSE as a per-sample loop, as first written."""
     batch_size = embeddings.size(0)
     loss = 0.0
     embeddings = F.normalize(embeddings, p=2, dim=1)
@@ -113,7 +113,7 @@ def seed2_naive(embeddings: torch.Tensor, labels: torch.Tensor, temperature: flo
 
 
 def seed2_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The second seed's vectorized_supervised_simcse_loss, as written there."""
+    """``vectorized_supervised_simcse_loss``: supervised SimCSE over the B x B similarity matrix."""
     batch_size = embeddings.size(0)
     embeddings = F.normalize(embeddings, p=2, dim=1)
     sim_matrix = torch.matmul(embeddings, embeddings.T) / temperature
@@ -126,7 +126,7 @@ def seed2_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperature
 
 def supcon(p: Dict[str, Any]) -> Tuple[Step, int]:
     """SupCon over B x D embeddings with C classes. ``seed2=True``: the second
-    seed's formula (self in the denominator, positives summed, t = 0.05)."""
+    supervised SimCSE formula (self in the denominator, positives summed, t = 0.05)."""
     b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
     g = _gen(p)
     dtype = getattr(torch, p.get("dtype", "float32"))
@@ -435,8 +435,8 @@ def _seed1_indices(n: int, k: int) -> torch.Tensor:
 
 
 def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
-    """The first seed's loss on an n x n score matrix, k sampled columns per row
-    (the same columns for every implementation: the seed program's draws)."""
+    """The sampled-neighbours loss on an n x n score matrix, k sampled columns per row
+    (the same columns for every implementation: the Python-loop program's draws)."""
     n, k, impl, dev = p["n"], p["k"], p["impl"], _device(p)
     g = _gen(p)
     x = torch.randn(n, n, generator=g).to(dev).requires_grad_(True)
