@@ -1,7 +1,7 @@
 """Fine-tune a sentence encoder with the whole training set as one batch, offline.
 
     pip install "flashcl[examples]"
-    python examples/cached_training.py            # ~2 min on a 2-core CPU
+    python examples/cached_training.py            # ~5 min on a 2-core CPU
     python examples/cached_training.py --fast     # 40 utterances per topic (the test suite's run)
 
 A contrastive loss sees more negatives in a larger batch, but the encoder's

@@ -25,7 +25,7 @@ def test_supcon_implementations_agree_and_files_are_written(tmp_path) -> None:
 def test_neighbor_implementations_agree() -> None:
     rows = run_cases([{"group": "nb", "label": impl, "workload": "neighbor", "repeats": 0,
                        "params": {"n": 50, "k": 2, "impl": impl}}
-                      for impl in ("seed-program", "gather-fix", "flashcl-tiled", "flashcl-dense")],
+                      for impl in ("python-loops", "gather-fix", "flashcl-tiled", "flashcl-dense")],
                      cap_s=120, mem_limit_mb=None)
     losses = [r["loss"] for r in rows]
     assert all(r["status"] == "ok" for r in rows), rows
@@ -47,7 +47,7 @@ def test_beyond_the_batch_workloads_agree(workload: str, impls: tuple, params: d
 
 
 def test_a_case_past_its_cap_is_reported_capped() -> None:
-    res = measure("neighbor", {"n": 3000, "k": 3, "impl": "seed-program"}, repeats=0, cap_s=3)
+    res = measure("neighbor", {"n": 3000, "k": 3, "impl": "python-loops"}, repeats=0, cap_s=3)
     assert res == {"status": "capped", "cap_s": 3}
 
 
@@ -74,12 +74,12 @@ def test_cli_quick_run_writes_json_and_markdown(tmp_path) -> None:
     assert data["machine"]["torch"] and data["rows"]
     assert (tmp_path / "report.md").read_text().startswith("Measured")
     suites = {r["suite"] for r in data["rows"]}
-    assert suites == {"seed1", "seed2", "peers", "scale"}
+    assert suites == {"neighbors", "simcse", "peers", "scale"}
     for suite in suites:
         assert (tmp_path / f"{suite}.png").stat().st_size > 1000
-    # the loss values that must agree do: every implementation of one seed-2 size
-    for b in {r["params"]["B"] for r in data["rows"] if r["suite"] == "seed2"}:
-        vals = [r["loss"] for r in data["rows"] if r["suite"] == "seed2" and r["params"]["B"] == b
+    # the loss values that must agree do: every implementation of one SimCSE size
+    for b in {r["params"]["B"] for r in data["rows"] if r["suite"] == "simcse"}:
+        vals = [r["loss"] for r in data["rows"] if r["suite"] == "simcse" and r["params"]["B"] == b
                 and r["status"] == "ok"]
         assert len(vals) == 4 and max(vals) - min(vals) < 1e-4 * abs(vals[0]), vals
 

@@ -32,7 +32,7 @@ from .utils import compute_dtype
 __all__ = ["AUTO_TILED_MIN_ENTRIES", "AUTO_TRITON_MAX_WIDTH", "resolve", "driver", "run"]
 
 #: ``backend="auto"`` switches from dense to tiled at this many score-matrix
-#: entries (M x N). Measured on the 2-core CPU (``flashcl bench --suite seed2``,
+#: entries (M x N). Measured on the 2-core CPU (``flashcl bench --suite simcse``,
 #: D = 768): at B = 256 both took 4.7-4.8 ms; at B = 1024 (2^20 entries) tiled
 #: took 33 ms and dense 59 ms, and above that tiled's memory stays O(B).
 AUTO_TILED_MIN_ENTRIES = 1 << 20

@@ -172,6 +172,14 @@ def _visit(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: 
                         states[i], p)
 
 
+def _grad_buffers(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, same: bool, rows: int) -> Tuple[Any, ...]:
+    """Zeroed gradients of ``q, k, aq, ak`` and the scale, and four ``rows x N`` work buffers."""
+    dq = torch.zeros_like(q)
+    dk = dq if same else torch.zeros_like(k)
+    bufs = tuple(q.new_empty(rows, k.shape[0]) for _ in range(4))
+    return dq, dk, torch.zeros_like(aq), torch.zeros_like(ak), q.new_zeros(()), bufs
+
+
 def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
            block: int, states: List[Any], weights: Tensor, same: bool
            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
@@ -182,12 +190,7 @@ def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: 
     of ``X^m = G^m a^m b^m`` over the widths that contain it) is complete."""
     head = problem.head
     m, n = q.shape[0], k.shape[0]
-    dq = torch.zeros_like(q)
-    dk = dq if same else torch.zeros_like(k)
-    daq, dak = torch.zeros_like(aq), torch.zeros_like(ak)
-    dscale = q.new_zeros(())
-    bs = min(block, m)
-    r_buf, s_buf, h_buf, x_buf = (q.new_empty(bs, n) for _ in range(4))
+    dq, dk, daq, dak, dscale, (r_buf, s_buf, h_buf, x_buf) = _grad_buffers(q, k, aq, ak, same, min(block, m))
     top = dims[-1]
     weights_a = weights * aq  # the row factor a of X = G a b, folded into the head's row weights
     for r0 in range(0, m, block):
@@ -228,12 +231,7 @@ def _backward(ctx: Any, grad_out: Tensor, q: Tensor, k: Optional[Tensor], aq: Te
     g = grad_out.to(qd.dtype)
     for i, st in enumerate(states):
         head.begin_grad(st, g[i, :m], g[i, m:] if head.has_columns else None)
-    dq = torch.zeros_like(qd)
-    dk = dq if same else torch.zeros_like(kd)
-    daq, dak = torch.zeros_like(aqd), torch.zeros_like(akd)
-    dscale = qd.new_zeros(())
-    bs = min(block, m)
-    r_buf, s_buf, h_buf, x_buf = (qd.new_empty(bs, n) for _ in range(4))
+    dq, dk, daq, dak, dscale, (r_buf, s_buf, h_buf, x_buf) = _grad_buffers(qd, kd, aqd, akd, same, min(block, m))
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
         r, sb, h, x = r_buf[:r1 - r0], s_buf[:r1 - r0], h_buf[:r1 - r0], x_buf[:r1 - r0]

@@ -32,7 +32,7 @@ def agreement(r: Row, rows: List[Row]) -> str:
 
 
 def size_label(r: Row) -> str:
-    hidden = ("impl", "classes", "device", "seed2", "strategy", "repeats")
+    hidden = ("impl", "classes", "device", "simcse", "strategy", "repeats")
     return ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in hidden)
 
 

@@ -28,9 +28,9 @@ def tiled(mode: str, device: str) -> List[Case]:
     for impl in ("flashcl-tiled", "flashcl-dense", "pml"):
         cases.append({"group": "supcon", "label": impl, "workload": "supcon", "bound": gemm,
                       "params": {"B": b, "D": d, "classes": 5, "impl": impl}})
-    for impl in ("seed2-vectorized", "flashcl-tiled"):
-        cases.append({"group": "supcon", "label": f"{impl} (seed-2 formula)", "workload": "supcon", "bound": gemm,
-                      "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": True}})
+    for impl in ("simcse-vectorized", "flashcl-tiled"):
+        cases.append({"group": "supcon", "label": f"{impl} (SimCSE formula)", "workload": "supcon", "bound": gemm,
+                      "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": True}})
     cases.append({"group": "supcon-big", "label": "flashcl-tiled", "workload": "supcon", "repeats": 0,
                   "params": {"B": big_b, "D": big_d, "classes": 5, "impl": "flashcl-tiled"}})
     cases.append({"group": "siglip-big", "label": "flashcl-tiled", "workload": "siglip", "repeats": 0,
@@ -41,18 +41,18 @@ def tiled(mode: str, device: str) -> List[Case]:
     for n, group in ((n_big, "neighbor-big"), (n_small, "neighbor-small")):
         gather = {"workload": "neighbor", "params": {"n": n, "k": 2, "impl": "gather-fix", "device": device}}
         impls = ("log-form", "stable-logsumexp", "flashcl-tiled") if group == "neighbor-big" else (
-            "seed-program", "flashcl-tiled")
+            "python-loops", "flashcl-tiled")
         for impl in impls:
-            seed = impl == "seed-program"
+            loops = impl == "python-loops"
             cases.append({"group": group, "label": impl, "workload": "neighbor", "bound": gather,
-                          "repeats": 1 if seed else (2 if group == "neighbor-big" else 5),
+                          "repeats": 1 if loops else (2 if group == "neighbor-big" else 5),
                           "params": {"n": n, "k": 2, "impl": impl}})
     for case in cases:
         case["cap_s"] = 300.0
     return cases
 
 
-def seed1(mode: str, device: str) -> List[Case]:
+def neighbors(mode: str, device: str) -> List[Case]:
     """The sampled-neighbours loss: n in {1000, 2000, 3000} x neighbours in {1, 2, 3},
     forward and backward time of the program with Python loops (capped), its gather fix,
     its log form and flashcl; n = 20000 for the vectorised ones."""
@@ -62,8 +62,8 @@ def seed1(mode: str, device: str) -> List[Case]:
     cases: List[Case] = []
     for n in ns:
         for k in ks:
-            for impl in ("seed-program", "gather-fix", "log-form", "flashcl-tiled", "flashcl-dense"):
-                slow = impl == "seed-program"
+            for impl in ("python-loops", "gather-fix", "log-form", "flashcl-tiled", "flashcl-dense"):
+                slow = impl == "python-loops"
                 if slow and n > 2000 and mode == "default":
                     continue  # past its 6 s cap at n = 3000 for every k: measured only with --full
                 cases.append({"group": f"n={n}", "label": impl, "workload": "neighbor",
@@ -79,7 +79,7 @@ def seed1(mode: str, device: str) -> List[Case]:
     return cases
 
 
-def seed2(mode: str, device: str) -> List[Case]:
+def simcse(mode: str, device: str) -> List[Case]:
     """Supervised SimCSE: per-sample loop vs vectorised vs flashcl (dense, tiled), with
     its formula (t = 0.05, self in the denominator, positives summed)."""
     bs = _size(mode, (32, 256), (32, 256, 1024, 4096), (32, 256, 1024, 4096, 8192, 16384))
@@ -87,12 +87,12 @@ def seed2(mode: str, device: str) -> List[Case]:
     cases: List[Case] = []
     for b in bs:
         gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
-        for impl in ("seed2-naive", "seed2-vectorized", "flashcl-dense", "flashcl-tiled"):
-            slow = impl == "seed2-naive"
+        for impl in ("simcse-per-sample", "simcse-vectorized", "flashcl-dense", "flashcl-tiled"):
+            slow = impl == "simcse-per-sample"
             reps = 0 if slow else 2
-            cases.append({"group": "seed2", "label": impl, "workload": "supcon", "bound": gemm,
+            cases.append({"group": "simcse", "label": impl, "workload": "supcon", "bound": gemm,
                           "repeats": reps, "cap_s": 6.0 if slow and mode != "full" else None,
-                          "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": True}})
+                          "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": True}})
     return cases
 
 
@@ -140,12 +140,12 @@ def scale(mode: str, device: str) -> List[Case]:
                       "params": {"B": b, "D": d}, "stop_after_fail": True, "cap_s": 30.0})
         # the dense losses at B = 16384 (45 s of the default run's budget) with --full only
         impls = ("flashcl-tiled",) if b > 8192 and mode == "default" else (
-            "flashcl-tiled", "flashcl-dense", "seed2-vectorized", "pml")
+            "flashcl-tiled", "flashcl-dense", "simcse-vectorized", "pml")
         for impl in impls:
             # the vectorised supervised SimCSE loss with its own formula (the others: SupCon L_out)
-            label = "seed2-vectorized (seed-2 formula)" if impl == "seed2-vectorized" else impl
+            label = "simcse-vectorized (SimCSE formula)" if impl == "simcse-vectorized" else impl
             cases.append({"group": "scale", "label": label, "workload": "supcon", "repeats": reps,
-                          "params": {"B": b, "D": d, "classes": 5, "impl": impl, "seed2": impl == "seed2-vectorized"},
+                          "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": impl == "simcse-vectorized"},
                           "stop_after_fail": True, "cap_s": 30.0 if mode != "full" else None})
     return cases
 
@@ -242,6 +242,6 @@ def train(mode: str, device: str) -> List[Case]:
     return cases
 
 
-SUITES = {"tiled": tiled, "seed1": seed1, "seed2": seed2, "peers": peers, "scale": scale, "dist": dist, "gpu": gpu,
-          "beyond": beyond, "train": train}
-DEFAULT_SUITES = ("seed1", "seed2", "peers", "scale")
+SUITES = {"tiled": tiled, "neighbors": neighbors, "simcse": simcse, "peers": peers, "scale": scale, "dist": dist,
+          "gpu": gpu, "beyond": beyond, "train": train}
+DEFAULT_SUITES = ("neighbors", "simcse", "peers", "scale")

@@ -98,7 +98,7 @@ def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
     return step, 0
 
 
-def seed2_naive(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def simcse_per_sample(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     """``naive_supervised_simcse_loss``: supervised SimCSE as a per-sample loop, as first written."""
     batch_size = embeddings.size(0)
     loss = 0.0
@@ -112,7 +112,7 @@ def seed2_naive(embeddings: torch.Tensor, labels: torch.Tensor, temperature: flo
     return loss / batch_size
 
 
-def seed2_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def simcse_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     """``vectorized_supervised_simcse_loss``: supervised SimCSE over the B x B similarity matrix."""
     batch_size = embeddings.size(0)
     embeddings = F.normalize(embeddings, p=2, dim=1)
@@ -125,23 +125,23 @@ def seed2_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperature
 
 
 def supcon(p: Dict[str, Any]) -> Tuple[Step, int]:
-    """SupCon over B x D embeddings with C classes. ``seed2=True``: the second
+    """SupCon over B x D embeddings with C classes. ``simcse=True``: the
     supervised SimCSE formula (self in the denominator, positives summed, t = 0.05)."""
     b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
     g = _gen(p)
     dtype = getattr(torch, p.get("dtype", "float32"))
     e = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
     labels = torch.randint(0, p.get("classes", 5), (b,), generator=g).to(dev)
-    seed2 = bool(p.get("seed2"))
-    t = p.get("temperature", 0.05 if seed2 else 0.1)
-    kw = dict(positives="sum", include_self=True) if seed2 else {}
+    simcse = bool(p.get("simcse"))
+    t = p.get("temperature", 0.05 if simcse else 0.1)
+    kw = dict(positives="sum", include_self=True) if simcse else {}
     if impl.startswith("flashcl-"):
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.supcon_loss(e, labels, temperature=t, backend=backend, **kw)  # noqa: E731
-    elif impl == "seed2-vectorized":
-        fn = lambda: seed2_vectorized(e, labels, t)  # noqa: E731
-    elif impl == "seed2-naive":
-        fn = lambda: seed2_naive(e, labels, t)  # noqa: E731
+    elif impl == "simcse-vectorized":
+        fn = lambda: simcse_vectorized(e, labels, t)  # noqa: E731
+    elif impl == "simcse-per-sample":
+        fn = lambda: simcse_per_sample(e, labels, t)  # noqa: E731
     elif impl == "torch.compile(dense)":
         compiled = torch.compile(lambda x: flashcl.supcon_loss(x, labels, temperature=t, backend="dense", **kw))
         fn = lambda: compiled(e)  # noqa: E731
@@ -429,7 +429,7 @@ def matryoshka_widths(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
 
 
-def _seed1_indices(n: int, k: int) -> torch.Tensor:
+def _neighbor_indices(n: int, k: int) -> torch.Tensor:
     rng = random.Random(0)
     return torch.tensor([[rng.randrange(0, n) for _ in range(k)] for _ in range(n)])
 
@@ -440,9 +440,9 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
     n, k, impl, dev = p["n"], p["k"], p["impl"], _device(p)
     g = _gen(p)
     x = torch.randn(n, n, generator=g).to(dev).requires_grad_(True)
-    indices = _seed1_indices(n, k).to(dev)
+    indices = _neighbor_indices(n, k).to(dev)
 
-    if impl == "seed-program":
+    if impl == "python-loops":
         def fn() -> torch.Tensor:
             r = random.Random(0)
             row_sum = torch.sum(torch.exp(x), dim=1) - torch.exp(torch.diagonal(x, 0))

@@ -137,6 +137,20 @@ def _prepare_call(loss: Any, embeddings: Tensor, labels: Tensor, ref_emb: Option
     return embeddings, labels, ref_emb, ref_labels, ref_labels is labels
 
 
+def _warn_fallback(name: str, why: str, memory: str) -> None:
+    warnings.warn(f"flashcl {name}: {why}; computed by pytorch-metric-learning's own code ({memory})",
+                  stacklevel=3)
+
+
+def _flashcl_forward(loss: Any, embeddings: Tensor, labels: Optional[Tensor], ref_emb: Optional[Tensor],
+                     ref_labels: Optional[Tensor]) -> Tensor:
+    """An adapter's forward when flashcl computes the call: checks, PML's stats, ``compute``."""
+    assert labels is not None
+    loss.reset_stats()
+    emb, labels, ref, ref_labels, self_contrast = _prepare_call(loss, embeddings, labels, ref_emb, ref_labels)
+    return loss.compute(emb, labels, ref, ref_labels, _Pairs(labels, ref_labels, self_contrast))
+
+
 class SupConLoss(_pml_losses.SupConLoss):
     """PML's ``SupConLoss``, computed by :func:`flashcl.supcon_loss`'s core in
     O(B D) memory; see the module docstring for what falls back to PML.
@@ -168,13 +182,9 @@ class SupConLoss(_pml_losses.SupConLoss):
                 ref_emb: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
         why = _why_not(self, labels, indices_tuple, ref_emb, ref_labels)
         if why is not None:
-            warnings.warn(f"flashcl SupConLoss: {why}; computed by pytorch-metric-learning's own code "
-                          "(B x B memory)", stacklevel=2)
+            _warn_fallback("SupConLoss", why, "B x B memory")
             return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        assert labels is not None
-        self.reset_stats()
-        emb, labels, ref, ref_labels, self_contrast = _prepare_call(self, embeddings, labels, ref_emb, ref_labels)
-        return self.compute(emb, labels, ref, ref_labels, _Pairs(labels, ref_labels, self_contrast))
+        return _flashcl_forward(self, embeddings, labels, ref_emb, ref_labels)
 
     def compute(self, emb: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, pairs: _Pairs) -> Tensor:
         """PML's loss for checked inputs and their pair structure (the queue's, for
@@ -318,13 +328,9 @@ class NTXentLoss(_pml_losses.NTXentLoss):
         if why is None and type(_loss_reducer(self)) is not _pml_reducers.MeanReducer:
             why = f"reducer={type(_loss_reducer(self)).__name__} needs every pair's loss"
         if why is not None:
-            warnings.warn(f"flashcl NTXentLoss: {why}; computed by pytorch-metric-learning's own code "
-                          "(positive pairs x negative pairs memory)", stacklevel=2)
+            _warn_fallback("NTXentLoss", why, "positive pairs x negative pairs memory")
             return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        assert labels is not None
-        self.reset_stats()
-        emb, labels, ref, ref_labels, self_contrast = _prepare_call(self, embeddings, labels, ref_emb, ref_labels)
-        return self.compute(emb, labels, ref, ref_labels, _Pairs(labels, ref_labels, self_contrast))
+        return _flashcl_forward(self, embeddings, labels, ref_emb, ref_labels)
 
     def compute(self, emb: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, pairs: _Pairs) -> Tensor:
         """PML's loss for checked inputs and their pair structure (the queue's, for
