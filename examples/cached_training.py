@@ -73,7 +73,7 @@ def peak_mb(texts: List[str], labels: List[int], chunk: int, cached: bool) -> fl
 
 def main() -> Dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fast", action="store_true", help="40 texts per topic, 3 steps (the test suite's run)")
+    ap.add_argument("--fast", action="store_true", help="40 texts per topic, 8 steps (the test suite's run)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (each one the whole training set)")
     ap.add_argument("--chunk", type=int, default=32, help="texts per encoder pass")
     ap.add_argument("--lr", type=float, default=5e-5)
@@ -81,7 +81,7 @@ def main() -> Dict[str, float]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-memory", action="store_true", help="skip measuring the two steps' memory")
     args = ap.parse_args()
-    steps = args.steps or (3 if args.fast else 12)
+    steps = args.steps or (8 if args.fast else 12)
     torch.manual_seed(args.seed)
     xtr, ytr, xte, yte, topics = load_corpus(40 if args.fast else 120, args.seed)
     print(f"chatterbot-corpus: {len(topics)} topics, {len(xtr)} training / {len(xte)} held-out utterances; "

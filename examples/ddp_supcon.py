@@ -68,6 +68,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
             raw = knn_accuracy(tx, ty, qx, qy)
             learned = knn_accuracy(model(tx), ty, model(qx), qy)
         print(f"k-NN accuracy on held-out points: raw inputs {raw:.3f}, learned embedding {learned:.3f}", flush=True)
+    dist.barrier()  # tear the group down together: a rank leaving while others still run can abort in gloo
     dist.destroy_process_group()
 
 

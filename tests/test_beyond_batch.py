@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import flashcl
 from flashcl.bench.peers import sentence_transformers_gist
-from helpers import assert_close
+from helpers import assert_close, close_group
 
 F64 = torch.float64
 TOL = (1e-10, 1e-9)
@@ -385,7 +385,7 @@ def _bank_worker(rank: int, world: int, out_dir: str, sizes: List[int]) -> None:
         rows[:, 1] = torch.arange(sizes[rank], dtype=F64)
         slots_by_step.append(bank.push(rows, torch.full((sizes[rank],), rank)))
     torch.save({"keys": bank.keys(), "slots": slots_by_step}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 @pytest.mark.parametrize("sizes", [[3, 5], [2, 4, 1]])

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import flashcl
-from helpers import assert_close
+from helpers import assert_close, close_group
 
 F64 = torch.float64
 VOCAB, LENGTH = 40, 7
@@ -203,7 +203,7 @@ def _ddp_worker(rank: int, world: int, out_dir: str) -> None:
                 _full_batch_step([enc, enc], [q, d], loss_fn, 4)
             results[f"{dropout}-{cached}"] = _grads(enc)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 def test_ddp_two_processes(tmp_path: Any) -> None:

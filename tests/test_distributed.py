@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashcl
-from helpers import assert_close
+from helpers import assert_close, close_group
 
 SIZES = {2: [5, 8], 3: [4, 7, 2]}
 TOL = (1e-10, 1e-9)
@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         except RuntimeError as err:
             results[f"double_{strategy}"] = str(err)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])

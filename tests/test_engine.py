@@ -18,7 +18,7 @@ from torch import Tensor
 from flashcl import backends, engine
 from flashcl.engine import Problem
 from flashcl.heads import Head, Tile
-from helpers import assert_close
+from helpers import assert_close, close_group
 
 F64 = torch.float64
 
@@ -167,7 +167,7 @@ def _ring_worker(rank: int, world: int, out_dir: str) -> None:
     rows = engine.run(q_local, k_local, sc, Problem(head), ring, None, 4)
     grads = torch.autograd.grad(rows.sum(), [q_local, k_local, sc])
     torch.save((rows.detach(), [g.detach() for g in grads]), os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 def test_test_only_head_on_the_distributed_ring(tmp_path: Any) -> None:

@@ -21,7 +21,7 @@ from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 import flashcl  # noqa: E402
 from flashcl.integrations import sentence_transformers as fst  # noqa: E402
-from helpers import assert_close  # noqa: E402
+from helpers import assert_close, close_group  # noqa: E402
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CONFIGS: List[Dict[str, Any]] = [
@@ -311,7 +311,7 @@ def _gather_worker(rank: int, world: int, out_dir: str) -> None:
             cached.append((value.detach(), list(torch.autograd.grad(value, leaves))))
         results[f"cached-{i}"] = tuple(cached)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 GATHER_CONFIGS: List[Dict[str, Any]] = [

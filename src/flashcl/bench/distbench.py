@@ -50,6 +50,7 @@ def _rank_main(rank: int, world: int, params: Dict[str, Any], out_dir: str) -> N
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump({"loss": loss, "first_s": first, "time_s": min(times or [first]), "peak_mb": peak,
                    "grad_mb": local * d * 4 / 2**20, "local": local}, f)
+    dist.barrier()  # every rank leaves the group together (a gloo rank leaving early can abort at exit)
     dist.destroy_process_group()
 
 
