@@ -12,8 +12,8 @@ py="$venv/bin/python"
 "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q torch==2.13.0
 "$py" -m pip install -q -e ".[test,integrations,bench,triton]"
 # open_clip's loss module is a peer in the benchmark and an oracle in the tests;
-# its package depends on torchvision, which does not import beside the CPU torch
-# here, so it is installed without dependencies (optional: skipped if unavailable).
+# its package depends on torchvision, which does not import beside a CPU-only torch
+# build, so it is installed without dependencies (optional: skipped if unavailable).
 "$py" -c "import open_clip" 2>/dev/null || "$py" -m pip install -q --no-deps open_clip_torch \
   || echo "open_clip_torch not installed: its benchmark and test cases will say so"
 cmd="${1:-test}"
