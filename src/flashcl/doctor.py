@@ -29,7 +29,7 @@ from torch import Tensor
 
 import flashcl
 
-from ._procmem import reset_peak, status_mb
+from .procmem import reset_peak, status_mb
 
 LossFn = Callable[..., Tensor]
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from .._procmem import reset_peak, status_mb
+from ..procmem import reset_peak, status_mb
 
 
 class _Memory:

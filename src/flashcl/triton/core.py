@@ -13,7 +13,7 @@ from torch import Tensor
 from ..engine import Driver, Operands
 from ..heads import Head, SoftmaxHead, SoftplusHead
 from ..linear import raw_rows
-from .kernels import _dk_kernel, _dq_kernel, _lse_kernel
+from .kernels import dk_kernel, dq_kernel, lse_kernel
 
 __all__ = ["Config", "HEADS", "default_config", "precision", "row_lse", "gradients", "TritonDriver"]
 
@@ -82,7 +82,7 @@ def row_lse(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_
     m, d = q.shape
     out = torch.empty(m, dtype=torch.float32, device=q.device)
     second = torch.empty(m, dtype=torch.float32, device=q.device) if head == "softplus" else out
-    compiled = _lse_kernel[(triton.cdiv(m, cfg.block_m),)](
+    compiled = lse_kernel[(triton.cdiv(m, cfg.block_m),)](
         q, k, iq, ik, out, second, out if excl is None else excl, m, k.shape[0], d, q.stride(0), k.stride(0), scale,
         offset, bias, EXCLUDE_SELF=exclude_self, HAS_EXCL=excl is not None, HEAD=HEADS[head],
         PRECISION=precision(q.dtype), **cfg.launch())
@@ -106,9 +106,9 @@ def gradients(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclud
                   BLOCK_DO=cfg.block_do, PRECISION=precision(q.dtype), **cfg.launch())
     args = (lse_r, g_r, lse_c_, g_c_, lse_r if excl is None else excl, m, n, d, q.stride(0), k.stride(0))
     chunks = triton.cdiv(d, cfg.block_do)
-    kq = _dq_kernel[(triton.cdiv(m, cfg.block_m), chunks)](q, k, iq, ik, dq, *args, dq.stride(0), scale, offset,
+    kq = dq_kernel[(triton.cdiv(m, cfg.block_m), chunks)](q, k, iq, ik, dq, *args, dq.stride(0), scale, offset,
                                                             bias, **common)
-    kk = _dk_kernel[(triton.cdiv(n, cfg.block_n), chunks)](q, k, iq, ik, dk, *args, dk.stride(0), scale, offset,
+    kk = dk_kernel[(triton.cdiv(n, cfg.block_n), chunks)](q, k, iq, ik, dk, *args, dk.stride(0), scale, offset,
                                                             bias, **common)
     return dq, dk, {"dq": kq, "dk": kk}
 

@@ -11,16 +11,16 @@ end, no padding to a power of two), like a GEMM. The three kernels use the same
 routine and the same tile sizes, so the scores the backward recomputes are the
 forward's, bit for bit.
 
-* ``_lse_kernel``: per row tile, an online logsumexp over column tiles, with
+* ``lse_kernel``: per row tile, an online logsumexp over column tiles, with
   the self column (``col == row + offset``) and one more column per row
   (``excl[row]``: a queue's slot of the anchor, a positive kept out) masked to
   -inf when asked
   (``HEAD=0``, the softmax head); or (``HEAD=1``, SigLIP's softplus head) the
   row sums of ``softplus(s + bias)`` and of ``sigmoid(s + bias)``.
-* ``_dq_kernel``: per (row tile, chunk of ``BLOCK_DO`` output dims), recomputes
+* ``dq_kernel``: per (row tile, chunk of ``BLOCK_DO`` output dims), recomputes
   each tile from Q, K and the saved LSE: ``G = g_row exp(s - lse_row)
   [+ g_col exp(s - lse_col)]``, and ``dQ^[:, chunk] += scale (G diag(ik)) K[:, chunk]``.
-* ``_dk_kernel``: per (column tile, output chunk), the same tiles transposed:
+* ``dk_kernel``: per (column tile, output chunk), the same tiles transposed:
   ``dK^[:, chunk] += scale (diag(iq) G)^T Q[:, chunk]``.
 
 Each program writes its own output block: no atomics, deterministic. With D
@@ -66,7 +66,7 @@ def _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, row_scale, co
 
 
 @triton.jit
-def _lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, excl_ptr, M, N, D, stride_q, stride_k, scale, offset,
+def lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, excl_ptr, M, N, D, stride_q, stride_k, scale, offset,
                 bias, EXCLUDE_SELF: tl.constexpr, HAS_EXCL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -126,7 +126,7 @@ def _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr,
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr, M, N, D,
+def dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr, M, N, D,
                stride_q, stride_k, stride_dq, scale, offset, bias, EXCLUDE_SELF: tl.constexpr,
                HAS_EXCL: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
@@ -150,7 +150,7 @@ def _dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_p
 
 
 @triton.jit
-def _dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr, M, N, D,
+def dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr, M, N, D,
                stride_q, stride_k, stride_dk, scale, offset, bias, EXCLUDE_SELF: tl.constexpr,
                HAS_EXCL: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
