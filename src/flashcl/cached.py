@@ -14,9 +14,9 @@ backward pass. :func:`cached_step` takes the step in three stages (Gao et al.,
    backpropagate its slice of that gradient into the encoder.
 
 Memory: the activations of one chunk, plus the B x D embeddings and their
-gradient; time: one more forward pass of the encoder (about 1.3x a step that
-fits). Parameter gradients equal those of one step over the whole batch whose
-encoder runs chunk by chunk (the same dropout draws).
+gradient; time: one more forward pass of the encoder. Parameter gradients
+equal those of one step over the whole batch whose encoder runs chunk by chunk
+(the same dropout draws).
 
 Under :class:`~torch.nn.parallel.DistributedDataParallel`, every chunk's backward
 but the encoder's last runs under ``no_sync()``, so the gradients are reduced
@@ -26,6 +26,7 @@ rank's embeddings.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import UserDict
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -88,9 +89,8 @@ def split_batch(x: Any, chunk_size: int, batch_size: Optional[int] = None) -> Li
             return type(item)(*(take(v, start) for v in item))
         if isinstance(item, (list, tuple)):
             return type(item)(take(v, start) for v in item)
-        if isinstance(item, UserDict):
-            out = item.__class__.__new__(item.__class__)
-            out.__dict__.update(item.__dict__)
+        if isinstance(item, UserDict):  # BatchEncoding: keep its class and attributes
+            out = copy.copy(item)
             out.data = {k: take(v, start) for k, v in item.data.items()}
             return out
         if isinstance(item, Mapping):
@@ -119,14 +119,7 @@ def _fresh(x: Any) -> Any:
     """A shallow copy of a dict-like chunk: encoders that write their outputs into
     their input dict (sentence-transformers' modules do) must not leave them,
     graph and all, in the chunks kept for the second pass."""
-    if isinstance(x, UserDict):
-        out = x.__class__.__new__(x.__class__)
-        out.__dict__.update(x.__dict__)
-        out.data = dict(x.data)
-        return out
-    if isinstance(x, dict):
-        return type(x)(x) if type(x) is not dict else dict(x)
-    return x
+    return copy.copy(x) if isinstance(x, (dict, UserDict)) else x
 
 
 def _call(encode: Encoder, x: Any, output: Optional[Callable[[Any], Tensor]]) -> Tensor:

@@ -22,7 +22,7 @@ The positives (linear terms) are computed in embedding space per width.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -172,27 +172,22 @@ def _visit(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: 
                         states[i], p)
 
 
-def _grad_buffers(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, same: bool, rows: int) -> Tuple[Any, ...]:
-    """Zeroed gradients of ``q, k, aq, ak`` and the scale, and four ``rows x N`` work buffers."""
+def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
+               block: int, same: bool, tile_grad: Callable[..., Tensor]
+               ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
+    """The gradients of q, k, aq, ak and the scale from one visit of row blocks:
+    the widest width's products first (one GEMM), then the widths from the widest
+    down, each one's ``R`` the previous one's minus its last segment; segment
+    ``t``'s gradient ``scale H_t K_t`` as soon as ``H_t`` (the sum of
+    ``X^m = G^m a^m b^m`` over the widths that contain it) is complete.
+    ``tile_grad(i, s, tile, a, b, buf)`` returns width ``i``'s ``X`` for the tile's
+    scores ``s`` (``buf``: a free (rows x N) buffer)."""
+    m, n = q.shape[0], k.shape[0]
     dq = torch.zeros_like(q)
     dk = dq if same else torch.zeros_like(k)
-    bufs = tuple(q.new_empty(rows, k.shape[0]) for _ in range(4))
-    return dq, dk, torch.zeros_like(aq), torch.zeros_like(ak), q.new_zeros(()), bufs
-
-
-def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
-           block: int, states: List[Any], weights: Tensor, same: bool
-           ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
-    """Every width's rows and the gradient of ``sum weights * rows`` in one visit of
-    complete row blocks: the widest width's products first (one GEMM), then the
-    widths from the widest down, each one's ``R`` the previous one's minus its last
-    segment; segment ``t``'s gradient ``scale H_t K_t`` as soon as ``H_t`` (the sum
-    of ``X^m = G^m a^m b^m`` over the widths that contain it) is complete."""
-    head = problem.head
-    m, n = q.shape[0], k.shape[0]
-    dq, dk, daq, dak, dscale, (r_buf, s_buf, h_buf, x_buf) = _grad_buffers(q, k, aq, ak, same, min(block, m))
+    daq, dak, dscale = torch.zeros_like(aq), torch.zeros_like(ak), q.new_zeros(())
+    r_buf, s_buf, h_buf, x_buf = (q.new_empty(min(block, m), n) for _ in range(4))
     top = dims[-1]
-    weights_a = weights * aq  # the row factor a of X = G a b, folded into the head's row weights
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
         r, sb, h, x = r_buf[:r1 - r0], s_buf[:r1 - r0], h_buf[:r1 - r0], x_buf[:r1 - r0]
@@ -201,9 +196,8 @@ def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: 
         tile = Tile(r0, r1, 0, n, problem.offset)
         for i in range(len(dims) - 1, -1, -1):
             a, b = aq[i, r0:r1], ak[i]
-            grad = head.rows_fused(_tile_scores(r, a, b, scale, sb), tile, states[i], weights_a[i])
-            assert grad is not None
-            grad.mul_(b.unsqueeze(0))  # X = G a b
+            grad = tile_grad(i, _tile_scores(r, a, b, scale, sb), tile, a, b, x)
+            # ds^m/dR = scale a_i b_j; ds^m/da_i = s^m_ij / a_i, and likewise for b and the scale
             torch.mul(grad, r, out=x)  # X R = G s / scale
             rows = x.sum(1)
             dscale += rows.sum()
@@ -219,44 +213,38 @@ def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: 
     return dq, (None if same else dk), daq, dak, dscale
 
 
+def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
+           block: int, states: List[Any], weights: Tensor, same: bool
+           ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
+    """Every width's rows and the gradient of ``sum weights * rows`` in one visit of
+    complete row blocks (:func:`_grad_pass`, the head's rows reduced as it goes)."""
+    head = problem.head
+    weights_a = weights * aq  # the row factor a of X = G a b, folded into the head's row weights
+
+    def tile_grad(i: int, s: Tensor, tile: Tile, a: Tensor, b: Tensor, buf: Tensor) -> Tensor:
+        grad = head.rows_fused(s, tile, states[i], weights_a[i])
+        assert grad is not None
+        return grad.mul_(b.unsqueeze(0))  # X = G a b
+
+    return _grad_pass(q, k, aq, ak, scale, problem, dims, block, same, tile_grad)
+
+
 def _backward(ctx: Any, grad_out: Tensor, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor,
               scale: Tensor) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
     problem, dims, block, states, same = ctx.problem, ctx.dims, ctx.block, ctx.states, ctx.same
     head = problem.head
     qd = q.detach()
     kd = qd if same else k.detach()  # type: ignore[union-attr]
-    aqd, akd = aq.detach(), ak.detach()
-    s = float(scale)
-    m, n = qd.shape[0], kd.shape[0]
+    m = qd.shape[0]
     g = grad_out.to(qd.dtype)
     for i, st in enumerate(states):
         head.begin_grad(st, g[i, :m], g[i, m:] if head.has_columns else None)
-    dq, dk, daq, dak, dscale, (r_buf, s_buf, h_buf, x_buf) = _grad_buffers(qd, kd, aqd, akd, same, min(block, m))
-    for r0 in range(0, m, block):
-        r1 = min(r0 + block, m)
-        r, sb, h, x = r_buf[:r1 - r0], s_buf[:r1 - r0], h_buf[:r1 - r0], x_buf[:r1 - r0]
-        top = dims[-1]
-        torch.mm(qd[r0:r1, :top], kd[:, :top].T, out=r)
-        h.zero_()
-        tile = Tile(r0, r1, 0, n, problem.offset)
-        for i in range(len(dims) - 1, -1, -1):
-            a, b = aqd[i, r0:r1], akd[i]
-            grad = head.grad(_tile_scores(r, a, b, s, sb), tile, states[i], x)  # dL/ds^m, in sb
-            # ds^m/dR = scale a_i b_j; ds^m/da_i = s^m_ij / a_i, and likewise for b and the scale
-            grad.mul_(a.unsqueeze(1)).mul_(b.unsqueeze(0))  # G a b
-            torch.mul(grad, r, out=x)  # G a b R = G s / scale
-            dscale += x.sum()
-            daq[i, r0:r1] += x.sum(1) * (s / a)
-            dak[i] += x.sum(0) * (s / b)
-            h.add_(grad, alpha=s)
-            lo = dims[i - 1] if i > 0 else 0
-            d = dims[i]
-            # segment (lo, d]: its gradient is H = sum over the widths that contain it
-            dq[r0:r1, lo:d].addmm_(h, kd[:, lo:d])
-            dk[:, lo:d].addmm_(h.T, qd[r0:r1, lo:d])
-            if i > 0:
-                r.addmm_(qd[r0:r1, lo:d], kd[:, lo:d].T, alpha=-1.0)  # R of the next narrower width
-    return dq, (None if same else dk), daq, dak, dscale
+
+    def tile_grad(i: int, s: Tensor, tile: Tile, a: Tensor, b: Tensor, buf: Tensor) -> Tensor:
+        grad = head.grad(s, tile, states[i], buf)  # dL/ds^m
+        return grad.mul_(a.unsqueeze(1)).mul_(b.unsqueeze(0))  # X = G a b
+
+    return _grad_pass(qd, kd, aq.detach(), ak.detach(), float(scale), problem, dims, block, same, tile_grad)
 
 
 def _dense(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
