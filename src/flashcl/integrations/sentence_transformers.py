@@ -179,6 +179,18 @@ def _check_embeddings(embeddings: List[Tensor]) -> None:
         raise ValueError(f"Expected at least 2 embeddings (anchor, positive[, negatives...]), got {len(embeddings)}")
 
 
+def _cached_loss(loss_fn: Callable[[List[Tensor]], Tensor], reps: List[List[Tensor]], with_backward: bool) -> Tensor:
+    """A cached loss's ``calculate_loss``: the mini-batches' embeddings joined per
+    column, the loss on them, and (``with_backward``) its gradient into them."""
+    embeddings = [torch.cat(r) for r in reps]
+    _check_embeddings(embeddings)
+    loss = loss_fn(embeddings)
+    if with_backward:
+        loss.backward()
+        loss = loss.detach()
+    return loss
+
+
 class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankingLoss):
     """sentence-transformers' ``MultipleNegativesRankingLoss`` (InfoNCE with
     in-batch and hard negatives), computed by flashcl.
@@ -260,14 +272,7 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
                        with_backward: bool = False) -> Tensor:
         if self._flashcl_or_none() is not None:
             return super().calculate_loss(reps, labels, with_backward=with_backward)
-        queries = torch.cat(reps[0])
-        docs = [torch.cat(r) for r in reps[1:]]
-        _check_embeddings([queries] + docs)
-        loss = _mnrl(self, queries, docs, self.backend, self.block_size)
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        return _cached_loss(lambda e: _mnrl(self, e[0], e[1:], self.backend, self.block_size), reps, with_backward)
 
 
 class _OnePassCached:
@@ -279,14 +284,9 @@ class _OnePassCached:
     def __call__(self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *,
                  with_backward: bool = False) -> Tensor:
         dims, weights = self.owner.widths_this_step()
-        embeddings = [torch.cat(r) for r in reps]
-        _check_embeddings(embeddings)
-        loss = _mnrl(self.inner, embeddings[0], embeddings[1:], self.inner.backend, self.inner.block_size, dims,
-                     weights)
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        inner = self.inner
+        return _cached_loss(lambda e: _mnrl(inner, e[0], e[1:], inner.backend, inner.block_size, dims, weights),
+                            reps, with_backward)
 
 
 class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
@@ -474,13 +474,8 @@ class CachedGISTEmbedLoss(_GistFallback, _st_losses.CachedGISTEmbedLoss):
             return super().calculate_loss(reps, reps_guided, with_backward=with_backward)
         if len(reps) != len(reps_guided):
             raise ValueError("reps and reps_guided must have the same number of columns")
-        embeddings = [torch.cat(r) for r in reps]
-        _check_embeddings(embeddings)
-        loss = _gist(self, embeddings, [torch.cat(r) for r in reps_guided])
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        guides = [torch.cat(r) for r in reps_guided]
+        return _cached_loss(lambda e: _gist(self, e, guides), reps, with_backward)
 
 
 class SupConLoss(nn.Module):
