@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import tempfile
 
@@ -68,7 +69,12 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
             raw = knn_accuracy(tx, ty, qx, qy)
             learned = knn_accuracy(model(tx), ty, model(qx), qy)
         print(f"k-NN accuracy on held-out points: raw inputs {raw:.3f}, learned embedding {learned:.3f}", flush=True)
-    dist.barrier()  # tear the group down together: a rank leaving while others still run can abort in gloo
+    # The DDP module holds the process group: free it before tearing the group down, on
+    # every rank together. A gloo group whose last reference goes during interpreter
+    # shutdown can abort the process ("terminate called without an active exception").
+    del model, opt
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

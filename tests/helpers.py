@@ -21,9 +21,13 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def close_group() -> None:
-    """Ends a test's process group on every rank together: a rank that destroys its
-    gloo group while a peer still runs can abort at exit (seen about 1 run in 15)."""
+    """Ends a test's process group on every rank together, after freeing what no
+    longer refers to it: a gloo group freed during interpreter shutdown, or while a
+    peer still runs, can abort the process."""
+    import gc
+
     import torch.distributed as dist
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

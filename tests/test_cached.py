@@ -203,6 +203,7 @@ def _ddp_worker(rank: int, world: int, out_dir: str) -> None:
                 _full_batch_step([enc, enc], [q, d], loss_fn, 4)
             results[f"{dropout}-{cached}"] = _grads(enc)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    del enc  # the DDP module holds the process group
     close_group()
 
 

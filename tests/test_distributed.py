@@ -100,6 +100,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         except RuntimeError as err:
             results[f"double_{strategy}"] = str(err)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    del model  # the DDP module holds the process group
     close_group()
 
 
