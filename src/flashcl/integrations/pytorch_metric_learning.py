@@ -31,7 +31,7 @@ labels are all equal.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -137,21 +137,45 @@ def _prepare_call(loss: Any, embeddings: Tensor, labels: Tensor, ref_emb: Option
     return embeddings, labels, ref_emb, ref_labels, ref_labels is labels
 
 
-def _warn_fallback(name: str, why: str, memory: str) -> None:
-    warnings.warn(f"flashcl {name}: {why}; computed by pytorch-metric-learning's own code ({memory})",
-                  stacklevel=3)
+class _Adapter:
+    """The call shared by the adapters: PML's own code (with a warning) where flashcl
+    does not compute the call, else the checks, PML's stats and :meth:`compute`.
+    A subclass gives ``_memory`` (what PML's code holds), ``_loss_dict`` and, where
+    it computes fewer settings, ``_why_not``."""
+
+    _memory = ""
+
+    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor],
+                 ref_labels: Optional[Tensor]) -> Optional[str]:
+        return _why_not(self, labels, indices_tuple, ref_emb, ref_labels)
+
+    def forward(self, embeddings: Tensor, labels: Optional[Tensor] = None, indices_tuple: Any = None,
+                ref_emb: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
+        why = self._why_not(labels, indices_tuple, ref_emb, ref_labels)
+        if why is not None:
+            warnings.warn(f"flashcl {type(self).__name__}: {why}; computed by pytorch-metric-learning's own code "
+                          f"({self._memory})", stacklevel=2)
+            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)  # type: ignore[misc]
+        assert labels is not None
+        self.reset_stats()  # type: ignore[attr-defined]
+        emb, labels, ref, ref_labels, self_contrast = _prepare_call(self, embeddings, labels, ref_emb, ref_labels)
+        return self.compute(emb, labels, ref, ref_labels, _Pairs(labels, ref_labels, self_contrast))
+
+    def compute(self, emb: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, pairs: _Pairs) -> Tensor:
+        """PML's loss for checked inputs and their pair structure (the queue's, for
+        :class:`CrossBatchMemory`), with PML's reducer and regularizers."""
+        if pairs.pml_returns_zero():
+            loss_dict = self.zero_losses()  # type: ignore[attr-defined]
+        else:
+            loss_dict = self._loss_dict(emb, ref, pairs)
+        self.add_embedding_regularization_to_loss_dict(loss_dict, emb)  # type: ignore[attr-defined]
+        return self.reducer(loss_dict, emb, labels)  # type: ignore[attr-defined]
+
+    def _loss_dict(self, emb: Tensor, ref: Tensor, pairs: _Pairs) -> Dict[str, Any]:
+        raise NotImplementedError
 
 
-def _flashcl_forward(loss: Any, embeddings: Tensor, labels: Optional[Tensor], ref_emb: Optional[Tensor],
-                     ref_labels: Optional[Tensor]) -> Tensor:
-    """An adapter's forward when flashcl computes the call: checks, PML's stats, ``compute``."""
-    assert labels is not None
-    loss.reset_stats()
-    emb, labels, ref, ref_labels, self_contrast = _prepare_call(loss, embeddings, labels, ref_emb, ref_labels)
-    return loss.compute(emb, labels, ref, ref_labels, _Pairs(labels, ref_labels, self_contrast))
-
-
-class SupConLoss(_pml_losses.SupConLoss):
+class SupConLoss(_Adapter, _pml_losses.SupConLoss):
     """PML's ``SupConLoss``, computed by :func:`flashcl.supcon_loss`'s core in
     O(B D) memory; see the module docstring for what falls back to PML.
 
@@ -178,28 +202,16 @@ class SupConLoss(_pml_losses.SupConLoss):
         checks.check_block(block_size)
         self.block_size = block_size
 
-    def forward(self, embeddings: Tensor, labels: Optional[Tensor] = None, indices_tuple: Any = None,
-                ref_emb: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
-        why = _why_not(self, labels, indices_tuple, ref_emb, ref_labels)
-        if why is not None:
-            _warn_fallback("SupConLoss", why, "B x B memory")
-            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        return _flashcl_forward(self, embeddings, labels, ref_emb, ref_labels)
+    _memory = "B x B memory"
 
-    def compute(self, emb: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, pairs: _Pairs) -> Tensor:
-        """PML's loss for checked inputs and their pair structure (the queue's, for
-        :class:`CrossBatchMemory`), with PML's reducer and regularizers."""
-        if pairs.pml_returns_zero():
-            loss_dict = self.zero_losses()
-        else:
-            default = type(_loss_reducer(self)) is _pml_reducers.AvgNonZeroReducer
-            # computed with float32 accumulation; returned in the embeddings' dtype, as PML's
-            losses = self._flashcl(emb, ref, pairs, "mean" if default else "none").to(emb.dtype)
-            loss_dict = {"loss": {"losses": losses, "indices": None, "reduction_type": "already_reduced"}
-                         if default else {"losses": losses, "indices": torch.arange(emb.shape[0], device=emb.device),
-                                          "reduction_type": "element"}}
-        self.add_embedding_regularization_to_loss_dict(loss_dict, emb)
-        return self.reducer(loss_dict, emb, labels)
+    def _loss_dict(self, emb: Tensor, ref: Tensor, pairs: _Pairs) -> Dict[str, Any]:
+        default = type(_loss_reducer(self)) is _pml_reducers.AvgNonZeroReducer
+        # computed with float32 accumulation; returned in the embeddings' dtype, as PML's
+        losses = self._flashcl(emb, ref, pairs, "mean" if default else "none").to(emb.dtype)
+        if default:
+            return {"loss": {"losses": losses, "indices": None, "reduction_type": "already_reduced"}}
+        return {"loss": {"losses": losses, "indices": torch.arange(emb.shape[0], device=emb.device),
+                         "reduction_type": "element"}}
 
     def _flashcl(self, emb: Tensor, ref: Tensor, pairs: _Pairs, reduction: str) -> Tensor:
         normalize = _dot_similarity(self.distance)
@@ -299,7 +311,7 @@ class PairNTXentHead(Head):
         return self._pass1(s, pos, lse)[0], None
 
 
-class NTXentLoss(_pml_losses.NTXentLoss):
+class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
     """PML's ``NTXentLoss`` exactly (see the module docstring), in O(B D + block x B)
     memory.
 
@@ -322,33 +334,25 @@ class NTXentLoss(_pml_losses.NTXentLoss):
         checks.check_block(block_size)
         self.block_size = block_size
 
-    def forward(self, embeddings: Tensor, labels: Optional[Tensor] = None, indices_tuple: Any = None,
-                ref_emb: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
+    _memory = "positive pairs x negative pairs memory"
+
+    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor],
+                 ref_labels: Optional[Tensor]) -> Optional[str]:
         why = _why_not(self, labels, indices_tuple, ref_emb, ref_labels)
         if why is None and type(_loss_reducer(self)) is not _pml_reducers.MeanReducer:
             why = f"reducer={type(_loss_reducer(self)).__name__} needs every pair's loss"
-        if why is not None:
-            _warn_fallback("NTXentLoss", why, "positive pairs x negative pairs memory")
-            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        return _flashcl_forward(self, embeddings, labels, ref_emb, ref_labels)
+        return why
 
-    def compute(self, emb: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, pairs: _Pairs) -> Tensor:
-        """PML's loss for checked inputs and their pair structure (the queue's, for
-        :class:`CrossBatchMemory`), with PML's reducer and regularizers."""
-        if pairs.pml_returns_zero():
-            loss_dict = self.zero_losses()
-        else:
-            temperature = checks.check_positive_scalar(self.temperature, "temperature", emb.device,
-                                                       compute_dtype(emb.dtype))
-            problem = Problem(PairNTXentHead(pairs), normalize=bool(self.distance.normalize_embeddings))
-            # the mean over the positive pairs
-            weights = torch.full((emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype),
-                                 device=emb.device)
-            value = backends.run(emb, None if ref is emb else ref, 1.0 / temperature, problem, "tiled",
-                                 (weights, None), self.block_size).to(emb.dtype)
-            loss_dict = {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
-        self.add_embedding_regularization_to_loss_dict(loss_dict, emb)
-        return self.reducer(loss_dict, emb, labels)
+    def _loss_dict(self, emb: Tensor, ref: Tensor, pairs: _Pairs) -> Dict[str, Any]:
+        temperature = checks.check_positive_scalar(self.temperature, "temperature", emb.device,
+                                                   compute_dtype(emb.dtype))
+        problem = Problem(PairNTXentHead(pairs), normalize=bool(self.distance.normalize_embeddings))
+        # the mean over the positive pairs
+        weights = torch.full((emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype),
+                             device=emb.device)
+        value = backends.run(emb, None if ref is emb else ref, 1.0 / temperature, problem, "tiled",
+                             (weights, None), self.block_size).to(emb.dtype)
+        return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
 
 
 class CrossBatchMemory(_pml_losses.CrossBatchMemory):
