@@ -29,9 +29,14 @@ from torch import Tensor
 
 from .engine import NORM_EPS, Problem
 from .heads import Tile
-from .utils import autocast_off, differentiable_grads
+from .utils import autocast_off, differentiable_grads, normalize_rows
 
 __all__ = ["check_dims", "prefix_scales", "head_values", "linear_terms"]
+
+
+#: Normalised widths up to this many coordinates are differentiated apart (see
+#: :func:`_grad_pass`).
+NARROW = 16
 
 
 def check_dims(dims: object, weights: object, width: int) -> Tuple[List[int], List[float]]:
@@ -66,10 +71,11 @@ def prefix_scales(x: Tensor, dims: List[int], normalize: bool) -> Tensor:
     return torch.stack([1.0 / torch.linalg.vector_norm(x[:, :d], dim=1).clamp_min(NORM_EPS) for d in dims])
 
 
-def _block(m: int, n: int, itemsize: int, device_type: str) -> int:
-    """Rows per block: four (rows x n) buffers within ~128 MB (CPU) or 512 MB."""
+def _block(m: int, n: int, itemsize: int, device_type: str, widths: int) -> int:
+    """Rows per block: the gradient pass's ``widths + 3`` (rows x n) buffers within
+    ~128 MB (CPU) or 512 MB."""
     budget = (512 if device_type == "cuda" else 128) * 2 ** 20
-    return max(1, min(m, budget // max(1, 4 * n * itemsize)))
+    return max(1, min(m, budget // max(1, (widths + 3) * n * itemsize)))
 
 
 def _bound(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, dims: List[int], scale: float) -> float:
@@ -176,41 +182,85 @@ def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, probl
                block: int, same: bool, tile_grad: Callable[..., Tensor]
                ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
     """The gradients of q, k, aq, ak and the scale from one visit of row blocks:
-    the widest width's products first (one GEMM), then the widths from the widest
-    down, each one's ``R`` the previous one's minus its last segment; segment
+    every width's products (one GEMM of the full width in all), then the widths
+    from the widest down; segment
     ``t``'s gradient ``scale H_t K_t`` as soon as ``H_t`` (the sum of
     ``X^m = G^m a^m b^m`` over the widths that contain it) is complete.
     ``tile_grad(i, s, tile, a, b, buf)`` returns width ``i``'s ``X`` for the tile's
-    scores ``s`` (``buf``: a free (rows x N) buffer)."""
+    scores ``s`` (``buf``: a free (rows x N) buffer).
+
+    Each width's ``R`` is a prefix sum formed from the narrowest width up, as in the
+    forward pass, and kept: obtaining a narrow width's ``R`` by subtracting the
+    other segments from the full product would leave float32 cancellation of the
+    order of ``eps |q| |k|``, which the prefix norms then divide by ``|q[:d]| |k[:d]|``
+    (noise in the gradient at a width of 1 or 2).
+
+    A normalised prefix of width 1 is the sign of its coordinate, which has no
+    gradient: that width then gives the scale its gradient and nothing else. Left
+    to the general formula, its gradient would be two terms of size ``|g| / |x_0|``
+    that cancel only up to float32 rounding (noise where ``x_0`` is small).
+
+    Narrow normalised widths (up to :data:`NARROW` coordinates) are differentiated
+    apart: ``Y = X K[:, :d]`` by its own small GEMM and projected, ``Y - a^2 (q . Y) q``,
+    so that the two terms that cancel are formed from the same rounded numbers.
+    Through ``H`` and the prefix norm they
+    would be two sums rounded apart, their difference multiplied by ``a^2 |q|``,
+    large where a narrow prefix is short. Their GEMMs are at most ``NARROW``
+    columns wide, a small part of the full width's."""
     m, n = q.shape[0], k.shape[0]
+    signs = (dims[0] == 1 and problem.normalize and bool((q[:, 0].abs() > NORM_EPS).all())
+             and bool((k[:, 0].abs() > NORM_EPS).all()))
+    apart = [problem.normalize and d <= NARROW for d in dims]
     dq = torch.zeros_like(q)
     dk = dq if same else torch.zeros_like(k)
     daq, dak, dscale = torch.zeros_like(aq), torch.zeros_like(ak), q.new_zeros(())
-    r_buf, s_buf, h_buf, x_buf = (q.new_empty(min(block, m), n) for _ in range(4))
-    top = dims[-1]
+    r_bufs = [q.new_empty(min(block, m), n) for _ in dims]
+    s_buf, h_buf, x_buf = (q.new_empty(min(block, m), n) for _ in range(3))
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
-        r, sb, h, x = r_buf[:r1 - r0], s_buf[:r1 - r0], h_buf[:r1 - r0], x_buf[:r1 - r0]
-        torch.mm(q[r0:r1, :top], k[:, :top].T, out=r)
+        rs = [buf[:r1 - r0] for buf in r_bufs]
+        sb, h, x = s_buf[:r1 - r0], h_buf[:r1 - r0], x_buf[:r1 - r0]
+        lo = 0
+        for i, d in enumerate(dims):  # R of each width, the narrowest first (as the forward pass)
+            if i == 0:
+                torch.mm(q[r0:r1, :d], k[:, :d].T, out=rs[0])
+            else:
+                torch.addmm(rs[i - 1], q[r0:r1, lo:d], k[:, lo:d].T, out=rs[i])
+            lo = d
         h.zero_()
         tile = Tile(r0, r1, 0, n, problem.offset)
         for i in range(len(dims) - 1, -1, -1):
-            a, b = aq[i, r0:r1], ak[i]
+            r, a, b = rs[i], aq[i, r0:r1], ak[i]
             grad = tile_grad(i, _tile_scores(r, a, b, scale, sb), tile, a, b, x)
             # ds^m/dR = scale a_i b_j; ds^m/da_i = s^m_ij / a_i, and likewise for b and the scale
             torch.mul(grad, r, out=x)  # X R = G s / scale
             rows = x.sum(1)
             dscale += rows.sum()
-            daq[i, r0:r1] += rows * (scale / a)
-            dak[i] += x.sum(0) * (scale / b)
-            h.add_(grad)
+            if apart[i] and not (i == 0 and signs):
+                _add_projected(grad, q[r0:r1, :dims[i]], k[:, :dims[i]], a, b, scale, dq[r0:r1], dk)
+            elif not apart[i]:
+                daq[i, r0:r1] += rows * (scale / a)
+                dak[i] += x.sum(0) * (scale / b)
+                h.add_(grad)
             lo, d = (dims[i - 1] if i > 0 else 0), dims[i]
             qs, ks = q[r0:r1, lo:d], k[:, lo:d]
             dq[r0:r1, lo:d].addmm_(h, ks, alpha=scale)
             dk[:, lo:d].addmm_(h.T, qs, alpha=scale)
-            if i > 0:
-                r.addmm_(qs, ks.T, alpha=-1.0)  # R of the next narrower width
     return dq, (None if same else dk), daq, dak, dscale
+
+
+def _add_projected(x: Tensor, qb: Tensor, k: Tensor, a: Tensor, b: Tensor, scale: float, dq: Tensor,
+                   dk: Tensor) -> None:
+    """A narrow width's gradient through its normalised prefixes, added to the first
+    ``d`` columns of dq (the block's rows) and dk: ``scale (Y - a^2 (q . Y) q)`` with
+    ``Y = X K``, and the same for k with ``X^T Q``."""
+    d = qb.shape[1]
+    y = x @ k
+    y.sub_(qb * ((qb * y).sum(1) * a * a).unsqueeze(1))
+    dq[:, :d].add_(y, alpha=scale)
+    z = x.T @ qb
+    z.sub_(k * ((k * z).sum(1) * b * b).unsqueeze(1))
+    dk[:, :d].add_(z, alpha=scale)
 
 
 def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
@@ -267,7 +317,7 @@ def head_values(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: T
     allows). q, k, aq, ak in the compute dtype."""
     m = q.shape[0]
     n = m if k is None else k.shape[0]
-    blk = block or _block(m, n, q.element_size(), q.device.type)
+    blk = block or _block(m, n, q.element_size(), q.device.type, len(dims))
     with autocast_off(q.device.type):
         return _HeadValues.apply(q, k, aq, ak, scale, problem, dims, blk, weights)
 
@@ -276,8 +326,11 @@ def linear_terms(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: 
                  i: int, d: int, rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """Width ``d``'s rows (and columns) with its positive terms, by differentiable ops
     in embedding space (the prefixes scaled by ``aq[i]``, ``ak[i]``)."""
-    qh = q[:, :d] * aq[i].unsqueeze(1)
-    kh = qh if k is None else k[:, :d] * ak[i].unsqueeze(1)
+    if problem.normalize:
+        qh = normalize_rows(q[:, :d], NORM_EPS)
+        kh = qh if k is None else normalize_rows(k[:, :d], NORM_EPS)
+    else:
+        qh, kh = q[:, :d], (q if k is None else k)[:, :d]
     for lin in problem.linears:
         if lin.target == "row":
             rows = rows - scale * lin.weight * lin.positives.sums(qh, kh)

@@ -8,7 +8,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["compute_dtype", "autocast_off", "differentiable_grads"]
+__all__ = ["compute_dtype", "autocast_off", "differentiable_grads", "normalize_rows"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,3 +54,29 @@ def differentiable_grads(fn: Callable[..., Tensor], inputs: Sequence[Optional[Te
             g = torch.zeros_like(x)
         result.append(g)
     return result
+
+
+class _NormalizeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.eps = eps
+        return x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(eps)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        # differentiable ops on x: create_graph=True gives exact second derivatives
+        norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+        clamped = norms.clamp_min(ctx.eps)
+        y = x / clamped
+        dot = (grad * y).sum(1, keepdim=True) * (norms > ctx.eps)
+        return (grad - y * dot) / clamped, None
+
+
+def normalize_rows(x: Tensor, eps: float = 1e-12) -> Tensor:
+    """``F.normalize(x, dim=1, eps=eps)`` whose backward projects before it divides,
+    ``(g - (g . y) y) / |x|`` with ``y = x / |x|``: autograd of ``F.normalize`` forms
+    ``g / |x| - x (g . x) / |x|^3``, two terms that cancel only up to rounding, an
+    error of ``eps |g| / |x|`` that is large for short rows (a narrow prefix)."""
+    return _NormalizeRows.apply(x, eps)
