@@ -45,3 +45,54 @@ def test_matryoshka_narrow_width_gradient_float32(name: str, fn: Callable[..., t
     for backend in ("tiled", "auto"):
         err = float((grads(torch.float32, backend) - exact).abs().max())
         assert err <= err_dense + 1e-6 * float(exact.abs().max()), (backend, err, err_dense)
+
+
+@pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
+def test_gist_relative_margin_with_negative_guide_similarity(backend: str) -> None:
+    """``margin_strategy="relative"`` keeps candidates whose guide similarity is at most
+    ``g - |g| margin``, sentence-transformers' rule, also where the guide's positive
+    similarity ``g`` is negative (there ``g (1 - margin)`` would be another set)."""
+    from flashcl.bench.peers import sentence_transformers_gist
+
+    fn, why = sentence_transformers_gist(temperature=0.05, margin=0.3, margin_strategy="relative")
+    if fn is None:
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(5)
+    b = 16
+    a, p = torch.randn(b, 12, generator=g, dtype=torch.float64), torch.randn(b, 12, generator=g, dtype=torch.float64)
+    ga = torch.randn(b, 6, generator=g, dtype=torch.float64)
+    gp = -ga + 0.7 * torch.randn(b, 6, generator=g, dtype=torch.float64)  # negative positive similarities
+    g_pos = torch.nn.functional.cosine_similarity(ga, gp)
+    assert bool((g_pos < 0).all())
+    # candidates between g - |g| margin and g (1 - margin) exist: the two rules differ here
+    sims = torch.nn.functional.normalize(ga, dim=1) @ torch.nn.functional.normalize(gp, dim=1).T
+    lo, hi = (g_pos - g_pos.abs() * 0.3).unsqueeze(1), (g_pos * 0.7).unsqueeze(1)
+    assert bool(((sims > lo) & (sims <= hi)).any())
+
+    def grads(fn_: Callable[..., torch.Tensor]) -> List[torch.Tensor]:
+        xs = [a.clone().requires_grad_(True), p.clone().requires_grad_(True)]
+        loss = fn_(*xs)
+        loss.backward()
+        return [loss.detach()] + [x.grad for x in xs]
+
+    ours = grads(lambda x, y: flashcl.gist_loss(x, y, guide=(ga, gp), temperature=0.05, margin=0.3,
+                                                margin_strategy="relative", backend=backend))
+    peer = grads(lambda x, y: fn([x, y], [ga, gp]))
+    for got, want in zip(ours, peer):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_decoupled_with_one_pair_is_an_error() -> None:
+    z1, z2 = torch.randn(1, 8), torch.randn(1, 8)
+    with pytest.raises(ValueError, match="decoupled=True needs at least 2 pairs"):
+        flashcl.nt_xent_loss(z1, z2, decoupled=True)
+    with pytest.raises(ValueError, match="decoupled=True needs at least 2 pairs"):
+        flashcl.NTXentLoss(decoupled=True)(z1, z2)
+    assert torch.isfinite(flashcl.nt_xent_loss(torch.randn(2, 8), torch.randn(2, 8), decoupled=True))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_matryoshka_weights_must_be_finite(bad: float) -> None:
+    e, y = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 2, 2])
+    with pytest.raises(ValueError, match="matryoshka_weights must be finite"):
+        flashcl.supcon_loss(e, y, matryoshka_dims=[4, 8], matryoshka_weights=[1.0, bad])

@@ -514,6 +514,9 @@ def nt_xent_loss(
     n = z1.shape[0]
     if estimator != "standard" and n < 2:
         raise ValueError("the debiased and hard estimators need at least 2 pairs (2 negatives per anchor)")
+    if decoupled and n < 2:
+        raise ValueError("decoupled=True needs at least 2 pairs: with one pair the denominator without the "
+                         "positive is empty (the loss would be -inf)")
     z = torch.cat([z1, z2])
     partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n)
     index = partner.unsqueeze(1)
@@ -734,7 +737,7 @@ def gist_loss(
     the candidates being ``p_j`` (``p_i`` always kept), ``a_j`` (``contrast_anchors``),
     ``n_j`` (``negative``), and from the positive's side ``s(p_i, p_j)``
     (``contrast_positives``), each kept when its guide similarity is ``<= t_i``.
-    This is sentence-transformers' ``GISTEmbedLoss`` on embeddings, without the
+    This is sentence-transformers' ``GISTEmbedLoss`` (6.x) on embeddings, without the
     B x B x D broadcast and B x B matrices: the guide's similarities are computed
     tile by tile with the scores.
 

@@ -22,6 +22,7 @@ The positives (linear terms) are computed in embedding space per width.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -57,8 +58,8 @@ def check_dims(dims: object, weights: object, width: int) -> Tuple[List[int], Li
                              f"{weights!r}")
         ws = []
         for w in weights:
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w:
-                raise ValueError(f"matryoshka_weights must be numbers, got {weights!r}")
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ValueError(f"matryoshka_weights must be finite numbers, got {weights!r}")
             ws.append(float(w))
     order = sorted(range(len(ds)), key=lambda i: ds[i])
     return [ds[i] for i in order], [ws[i] for i in order]
