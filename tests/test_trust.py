@@ -96,3 +96,42 @@ def test_matryoshka_weights_must_be_finite(bad: float) -> None:
     e, y = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 2, 2])
     with pytest.raises(ValueError, match="matryoshka_weights must be finite"):
         flashcl.supcon_loss(e, y, matryoshka_dims=[4, 8], matryoshka_weights=[1.0, bad])
+
+
+def test_memory_bank_state_dict_round_trip() -> None:
+    g = torch.Generator().manual_seed(0)
+    bank = flashcl.MemoryBank(size=7, dim=4)
+    for _ in range(3):  # wraps around: position 5, full
+        bank.push(torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g))
+    restored = flashcl.MemoryBank(size=7, dim=4)
+    restored.load_state_dict(bank.state_dict())
+    for got, want in zip(restored.keys(), bank.keys()):
+        assert torch.equal(got, want)
+    batch, labels = torch.randn(3, 4, generator=g), torch.tensor([0, 1, 2])
+    assert torch.equal(restored.push(batch, labels), bank.push(batch, labels))
+    for got, want in zip(restored.keys(), bank.keys()):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="does not fit a bank of size 2"):
+        flashcl.MemoryBank(size=2, dim=4).load_state_dict(bank.state_dict(), strict=False)
+
+
+def test_memory_bank_moco_order_loss_push_backward() -> None:
+    """The documented order (loss, push, backward) gives the gradient of the loss
+    against the keys the loss saw; the views handed out are not overwritten."""
+    g = torch.Generator().manual_seed(1)
+    bank = flashcl.MemoryBank(size=6, dim=5, labels=False)
+    bank.push(torch.randn(6, 5, generator=g))
+    q, k = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    queue_before = bank.keys()[0].clone()
+
+    def loss_of(x: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+        return flashcl.info_nce_loss(x, k, negatives=negatives, temperature=0.2)
+
+    expected_q = q.clone().requires_grad_(True)
+    loss_of(expected_q, queue_before).backward()
+    for backend_q in (q.clone().requires_grad_(True),):
+        loss = loss_of(backend_q, bank.keys()[0])
+        bank.push(torch.randn(3, 5, generator=g))  # overwrites half the queue
+        loss.backward()
+        torch.testing.assert_close(backend_q.grad, expected_q.grad)
+    assert not torch.equal(bank.keys()[0], queue_before)

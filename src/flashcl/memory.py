@@ -3,7 +3,7 @@ the keys of queue-based losses (MoCo's negatives, cross-batch memory).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,9 @@ class MemoryBank(nn.Module):
     """A FIFO of the last ``size`` embeddings pushed (and their labels), detached.
 
     Entries are overwritten oldest first, in the order pushed, as pytorch-metric-
-    learning's ``CrossBatchMemory`` does; the losses treat the keys as a set, so
+    learning's ``CrossBatchMemory`` does; ``state_dict`` holds the entries, their
+    labels and the queue's position, so that a bank restored from a checkpoint
+    holds the same keys in the same order; the losses treat the keys as a set, so
     their order in the buffer does not matter. In an initialised process group,
     :meth:`push` enqueues the global batch (every rank's rows, in rank order,
     uneven batches allowed), so that every rank holds the same queue.
@@ -58,6 +60,19 @@ class MemoryBank(nn.Module):
         self.register_buffer("labels", torch.zeros(size, dtype=torch.int64, device=device) if labels else None)
         self.position = 0  # the next slot to write
         self.count = 0     # entries filled so far (<= size)
+        self._lent = False  # keys() handed out views of the buffers since the last push
+
+    def get_extra_state(self) -> Dict[str, int]:
+        """The queue's position and fill count, saved in ``state_dict`` with the buffers."""
+        return {"position": self.position, "count": self.count}
+
+    def set_extra_state(self, state: Dict[str, int]) -> None:
+        position, count = int(state["position"]), int(state["count"])
+        if not (0 <= position < self.size and 0 <= count <= self.size):
+            raise ValueError(f"a MemoryBank state with position {position} and count {count} does not fit a bank "
+                             f"of size {self.size}")
+        self.position, self.count = position, count
+        self._lent = False
 
     def _global(self, embeddings: Tensor, labels: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor], int]:
         """(every rank's rows in rank order, their labels, this rank's first row)."""
@@ -96,6 +111,14 @@ class MemoryBank(nn.Module):
         if b > self.size:
             raise ValueError(f"a batch of {b} rows does not fit a bank of size {self.size}")
         slots = (torch.arange(b, device=self.embeddings.device) + self.position) % self.size
+        if self._lent:
+            # keys() handed out views that a loss may have saved for its backward
+            # (MoCo's order: loss, push, backward): write into fresh buffers and
+            # leave those views as they were
+            self.embeddings = self.embeddings.clone()
+            if self.labels is not None:
+                self.labels = self.labels.clone()
+            self._lent = False
         self.embeddings[slots] = rows.to(self.embeddings)
         if self.labels is not None:
             assert row_labels is not None
@@ -105,8 +128,11 @@ class MemoryBank(nn.Module):
         return slots[first:first + embeddings.shape[0]]
 
     def keys(self) -> Tuple[Tensor, Optional[Tensor]]:
-        """The filled entries (no copy: views of the buffers) and their labels."""
+        """The filled entries and their labels: views of the buffers, which a later
+        :meth:`push` leaves unchanged (it then writes into a copy), so that a loss
+        computed from them can be backpropagated after the push."""
         n = self.count
+        self._lent = True
         return self.embeddings[:n], None if self.labels is None else self.labels[:n]
 
     def reset(self) -> None:
