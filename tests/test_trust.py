@@ -115,23 +115,27 @@ def test_memory_bank_state_dict_round_trip() -> None:
         flashcl.MemoryBank(size=2, dim=4).load_state_dict(bank.state_dict(), strict=False)
 
 
-def test_memory_bank_moco_order_loss_push_backward() -> None:
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+@pytest.mark.parametrize("loss_name", ["info_nce", "supcon"])
+def test_memory_bank_moco_order_loss_push_backward(loss_name: str, backend: str) -> None:
     """The documented order (loss, push, backward) gives the gradient of the loss
     against the keys the loss saw; the views handed out are not overwritten."""
     g = torch.Generator().manual_seed(1)
-    bank = flashcl.MemoryBank(size=6, dim=5, labels=False)
-    bank.push(torch.randn(6, 5, generator=g))
-    q, k = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
-    queue_before = bank.keys()[0].clone()
+    bank = flashcl.MemoryBank(size=6, dim=5)
+    bank.push(torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g))
+    q, k, y = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g), torch.tensor([0, 1, 2])
+    queue_before = [t.clone() for t in bank.keys()]
 
-    def loss_of(x: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
-        return flashcl.info_nce_loss(x, k, negatives=negatives, temperature=0.2)
+    def loss_of(x: torch.Tensor, keys: torch.Tensor, key_labels: torch.Tensor) -> torch.Tensor:
+        if loss_name == "info_nce":
+            return flashcl.info_nce_loss(x, k, negatives=keys, temperature=0.2, backend=backend)
+        return flashcl.supcon_loss(x, y, ref=keys, ref_labels=key_labels, backend=backend)
 
     expected_q = q.clone().requires_grad_(True)
-    loss_of(expected_q, queue_before).backward()
-    for backend_q in (q.clone().requires_grad_(True),):
-        loss = loss_of(backend_q, bank.keys()[0])
-        bank.push(torch.randn(3, 5, generator=g))  # overwrites half the queue
-        loss.backward()
-        torch.testing.assert_close(backend_q.grad, expected_q.grad)
-    assert not torch.equal(bank.keys()[0], queue_before)
+    loss_of(expected_q, *queue_before).backward()
+    got_q = q.clone().requires_grad_(True)
+    loss = loss_of(got_q, *bank.keys())
+    bank.push(torch.randn(3, 5, generator=g), y)  # overwrites half the queue
+    loss.backward()
+    torch.testing.assert_close(got_q.grad, expected_q.grad)
+    assert not torch.equal(bank.keys()[0], queue_before[0])
