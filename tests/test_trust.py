@@ -139,3 +139,55 @@ def test_memory_bank_moco_order_loss_push_backward(loss_name: str, backend: str)
     loss.backward()
     torch.testing.assert_close(got_q.grad, expected_q.grad)
     assert not torch.equal(bank.keys()[0], queue_before[0])
+
+
+def _bn_encoder() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+
+
+def test_cached_step_updates_batch_norm_once_per_chunk() -> None:
+    """Running statistics as a forward pass over the same chunks leaves them."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(12, 6, generator=g), torch.randn(12, 6, generator=g)
+    cached, plain = _bn_encoder(), _bn_encoder()
+    flashcl.cached_step(cached, [x, y], lambda q, d: flashcl.info_nce_loss(q, d), chunk_size=4)
+    with torch.no_grad():
+        for part in list(x.split(4)) + list(y.split(4)):
+            plain(part)
+    bn, want = cached[1], plain[1]
+    assert int(bn.num_batches_tracked) == 6 == int(want.num_batches_tracked)
+    torch.testing.assert_close(bn.running_mean, want.running_mean)
+    torch.testing.assert_close(bn.running_var, want.running_var)
+
+
+def test_cached_step_trains_one_tower_with_the_other_frozen() -> None:
+    """LiT: a locked image tower, a trained text tower; the text tower's gradient
+    equals a full-batch step's."""
+    g = torch.Generator().manual_seed(3)
+    images, texts = torch.randn(10, 6, generator=g, dtype=torch.float64), torch.randn(10, 5, generator=g,
+                                                                                       dtype=torch.float64)
+    torch.manual_seed(1)
+    image_tower = torch.nn.Linear(6, 4).double().requires_grad_(False)
+    text_tower = torch.nn.Linear(5, 4).double()
+
+    def loss_fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return flashcl.clip_loss(a, b, logit_scale=10.0)
+
+    flashcl.cached_step([image_tower, text_tower], [images, texts], loss_fn, chunk_size=3)
+    got = [p.grad.clone() for p in text_tower.parameters()]
+    text_tower.zero_grad()
+    loss_fn(image_tower(images), text_tower(texts)).backward()
+    for a, b in zip(got, text_tower.parameters()):
+        torch.testing.assert_close(a, b.grad)
+    assert all(p.grad is None for p in image_tower.parameters())
+
+
+def test_cached_step_bad_arguments_name_them() -> None:
+    enc = torch.nn.Linear(4, 3)
+    x = torch.randn(6, 4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        flashcl.cached_step(enc, [x], lambda e: flashcl.supcon_loss(e, torch.arange(6) % 2), chunk_size=2.5)
+    with pytest.raises(ValueError, match="loss_fn must return a scalar"):
+        flashcl.cached_step(enc, [x], lambda e: flashcl.supcon_loss(e, torch.arange(6) % 2, reduction="none"),
+                            chunk_size=2)

@@ -18,6 +18,13 @@ gradient; time: one more forward pass of the encoder. Parameter gradients
 equal those of one step over the whole batch whose encoder runs chunk by chunk
 (the same dropout draws).
 
+Batch normalisation sees one chunk at a time (its batch statistics are the
+chunk's, as in any chunked forward pass); its running statistics are updated
+once per chunk, by the first pass, as a forward pass over the chunks would
+update them: the second pass leaves them as the first left them. A tower whose
+parameters are all frozen (LiT's locked image tower) is embedded once and not
+backpropagated.
+
 Under :class:`~torch.nn.parallel.DistributedDataParallel`, every chunk's backward
 but the encoder's last runs under ``no_sync()``, so the gradients are reduced
 once; the loss is then a :mod:`flashcl.distributed` loss, which sees every
@@ -190,7 +197,10 @@ def cached_step(
     encoders = list(encoder) if isinstance(encoder, (list, tuple)) else [encoder] * k
     if len(encoders) != k:
         raise ValueError(f"got {len(encoders)} encoders for {k} inputs: pass one, or one per input")
-    sizes = [chunk_size] * k if isinstance(chunk_size, int) else list(chunk_size)
+    if isinstance(chunk_size, (int, float, Tensor)) or not isinstance(chunk_size, Sequence):
+        sizes = [chunk_size] * k
+    else:
+        sizes = list(chunk_size)
     if len(sizes) != k or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in sizes):
         raise ValueError(f"chunk_size must be a positive int, or one per input, got {chunk_size!r}")
     split = split_fn or (lambda x, c: split_batch(x, c))
@@ -217,23 +227,56 @@ def cached_step(
         loss = loss_fn(*leaves, **loss_kwargs)
         if not isinstance(loss, Tensor) or not loss.requires_grad:
             raise ValueError("loss_fn must return a tensor that depends on the embeddings it is given")
+        if loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)} (reduce it, e.g. "
+                             "reduction='mean')")
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
     # 3. every chunk again with its graph and random state, backpropagating its slice;
     # a DistributedDataParallel encoder reduces its gradients on its last chunk only
+    # (a frozen tower, LiT's, has nothing to backpropagate into)
     jobs: List[Tuple[int, int]] = [(t, c) for t in range(k) for c in range(len(chunks[t]))
-                                   if leaves[t].grad is not None]
+                                   if leaves[t].grad is not None and _trainable(encoders[t])]
     last: Dict[int, int] = {}
     for j, (t, _) in enumerate(jobs):
         last[id(encoders[t])] = j
-    for j, (t, c) in enumerate(jobs):
-        enc = encoders[t]
-        sync = isinstance(enc, nn.parallel.DistributedDataParallel) and last[id(enc)] != j
-        grad = leaves[t].grad
-        assert grad is not None
-        with enc.no_sync() if sync else contextlib.nullcontext():  # type: ignore[union-attr]
-            with states[t][c].replay():
-                out = _call(enc, chunks[t][c], output)
-            start = offsets[t][c]
-            out.backward(grad[start:start + out.shape[0]])
+    # BatchNorm's running statistics were updated by the first pass, once per chunk;
+    # the second pass (the same chunks again) must not update them again
+    with _running_stats_kept([encoders[t] for t, _ in jobs]):
+        for j, (t, c) in enumerate(jobs):
+            enc = encoders[t]
+            sync = isinstance(enc, nn.parallel.DistributedDataParallel) and last[id(enc)] != j
+            grad = leaves[t].grad
+            assert grad is not None
+            with enc.no_sync() if sync else contextlib.nullcontext():  # type: ignore[union-attr]
+                with states[t][c].replay():
+                    out = _call(enc, chunks[t][c], output)
+                if not out.requires_grad:  # a callable whose parameters are all frozen
+                    continue
+                start = offsets[t][c]
+                out.backward(grad[start:start + out.shape[0]])
     return loss.detach()
+
+
+def _trainable(encoder: Encoder) -> bool:
+    """False for a module none of whose parameters requires a gradient (a frozen tower)."""
+    if isinstance(encoder, nn.Module):
+        return any(p.requires_grad for p in encoder.parameters())
+    return True
+
+
+@contextlib.contextmanager
+def _running_stats_kept(encoders: Sequence[Encoder]) -> Iterator[None]:
+    """The running statistics (and batch counts) of every batch-norm layer of the
+    encoders restored, in place, when the block ends."""
+    layers = {id(m): m for enc in encoders if isinstance(enc, nn.Module) for m in enc.modules()
+              if getattr(m, "track_running_stats", False) and isinstance(getattr(m, "running_mean", None), Tensor)}
+    saved = [(m, [(b, b.clone()) for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
+             for m in layers.values()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for _, buffers in saved:
+                for buf, value in buffers:
+                    buf.copy_(value)
