@@ -2,6 +2,7 @@
 here failed before its fix."""
 from __future__ import annotations
 
+import random
 from typing import Any, Callable, List
 
 import pytest
@@ -191,3 +192,126 @@ def test_cached_step_bad_arguments_name_them() -> None:
     with pytest.raises(ValueError, match="loss_fn must return a scalar"):
         flashcl.cached_step(enc, [x], lambda e: flashcl.supcon_loss(e, torch.arange(6) % 2, reduction="none"),
                             chunk_size=2)
+
+
+def test_pml_supcon_adapter_equals_pml_on_random_cases() -> None:
+    """2000 small random calls (sizes, widths, labels, temperatures down to 0.01,
+    cosine and unnormalised dot products, with and without ref_emb) in float32,
+    under PML's default reducer: the adapter's value and gradient equal PML's,
+    including which anchors PML's AvgNonZeroReducer counts."""
+    pytest.importorskip("pytorch_metric_learning")
+
+    from pytorch_metric_learning import distances, losses
+
+    from flashcl.integrations.pytorch_metric_learning import SupConLoss
+
+    rng = random.Random(0)
+    for trial in range(2000):
+        g = torch.Generator().manual_seed(trial)
+        b, d = rng.randint(2, 10), rng.randint(1, 6)
+        t = rng.choice([0.01, 0.05, 0.1, 0.5, 1.0])
+        dist = rng.choice([distances.CosineSimilarity, distances.DotProductSimilarity])
+        scale = rng.choice([1.0, 3.0, 10.0])
+        e = torch.randn(b, d, generator=g) * scale
+        y = torch.randint(0, rng.randint(1, 4), (b,), generator=g)
+        kw: dict = {}
+        if rng.random() < 0.5:
+            n = rng.randint(1, 8)
+            kw = {"ref_emb": torch.randn(n, d, generator=g) * scale,
+                  "ref_labels": torch.randint(0, 3, (n,), generator=g)}
+        results = []
+        for cls, dtype in ((losses.SupConLoss, torch.float32), (SupConLoss, torch.float32),
+                           (losses.SupConLoss, torch.float64)):
+            x = e.to(dtype).clone().requires_grad_(True)
+            args = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in kw.items()}
+            loss = cls(temperature=t, distance=dist())(x, y, **args)
+            if loss.requires_grad:
+                loss.backward()
+            results.append((loss.detach(), torch.zeros_like(x) if x.grad is None else x.grad))
+        (want, want_grad), (got, got_grad), (exact, exact_grad) = results
+        where = f"case {trial}: B={b} D={d} t={t} {dist.__name__} scale={scale} ref={bool(kw)}"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, w=where: f"{w}: loss: {m}")
+        tol = 1e-5 * max(1.0, float(want_grad.abs().max()))
+        if abs(float(want) - float(exact)) < 1e-4:
+            # PML counts the same anchors in float64: the gradient no further from
+            # float64 than PML's own float32 one (at D = 1 a normalised gradient is
+            # all rounding)
+            err, err_pml = ((g.double() - exact_grad).abs().max().item() for g in (got_grad, want_grad))
+            assert err <= err_pml + tol, f"{where}: grad error {err:.3g}, PML's {err_pml:.3g}"
+        else:  # float32 and float64 count other anchors: PML's float32 gradient, to float32 rounding of s / t
+            torch.testing.assert_close(got_grad, want_grad, rtol=1e-3, atol=10 * tol,
+                                       msg=lambda m, w=where: f"{w}: grad: {m}")
+
+
+def test_pml_supcon_adapter_counts_anchors_as_pml_does() -> None:
+    """Eight near-one-hot embeddings at temperature 0.05 in float32: PML's loss of the
+    anchors whose positive dominates is exactly 0 and its reducer leaves them out."""
+    pytest.importorskip("pytorch_metric_learning")
+    from pytorch_metric_learning import losses
+
+    from flashcl.integrations.pytorch_metric_learning import SupConLoss
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    e = torch.zeros(8, 8)
+    e[torch.arange(8), labels * 2] = 1.0
+    e = e + 0.02 * torch.randn(8, 8, generator=g)
+    e[::2] += 0.3 * torch.randn(4, 8, generator=g)  # one anchor of each pair is not easy
+    results = []
+    for cls in (losses.SupConLoss, SupConLoss):
+        x = e.clone().requires_grad_(True)
+        loss = cls(temperature=0.05)(x, labels)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
+    per_anchor = flashcl.supcon_loss(e, labels, temperature=0.05, reduction="none")
+    assert float(per_anchor.min()) < 1e-6 < float(per_anchor.max())  # some anchors are easy, some not
+
+
+def _masked_key_cases() -> List[Any]:
+    """(name, fn(query, keys) -> per-row losses, index of a key every row excludes)."""
+    g = torch.Generator().manual_seed(7)
+    b, extra = 6, 3
+    labels = torch.arange(b) % 3
+    # info_nce with key_labels, duplicates="mask": hard negative b + 1 carries every query's label
+    key_labels = torch.cat([labels, torch.tensor([5, 0, 6])])
+    query_labels = torch.zeros(b, dtype=torch.long)
+    ga, gp = torch.randn(b, 4, generator=g, dtype=torch.float64), torch.randn(b, 4, generator=g, dtype=torch.float64)
+    gn = torch.randn(extra, 4, generator=g, dtype=torch.float64)
+
+    def info(q: torch.Tensor, k: torch.Tensor, backend: str) -> torch.Tensor:
+        return flashcl.info_nce_loss(q, k, temperature=0.1, query_labels=query_labels,
+                                     key_labels=torch.cat([query_labels, key_labels[b:]]), duplicates="mask",
+                                     reduction="none", backend=backend)
+
+    def gist(q: torch.Tensor, k: torch.Tensor, backend: str) -> torch.Tensor:
+        # margin 2: every candidate but the positive is above the threshold, the negatives too
+        return flashcl.gist_loss(q, k[:b], k[b:], guide=(ga, gp, gn), margin=2.0, contrast_anchors=False,
+                                 contrast_positives=False, reduction="none", backend=backend)
+
+    return [("info_nce_duplicates_mask", info, b + 1), ("gist", gist, b + 1)]
+
+
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+@pytest.mark.parametrize("case", _masked_key_cases(), ids=lambda c: c[0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_in_an_excluded_key_reaches_no_value_and_no_gradient(case: Any, backend: str, bad: float) -> None:
+    _, fn, j = case
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    k = torch.randn(9, 5, generator=g, dtype=torch.float64)
+    upstream = torch.rand(6, generator=g, dtype=torch.float64)
+    poisoned = k.clone()
+    poisoned[j, 2] = bad
+    results = []
+    for keys in (k, poisoned):
+        qq, kk = q.clone().requires_grad_(True), keys.clone().requires_grad_(True)
+        rows = fn(qq, kk, backend)
+        (rows * upstream).sum().backward()
+        results.append((rows.detach(), qq.grad, kk.grad))
+    (want, want_q, want_k), (got, got_q, got_k) = results
+    others = torch.arange(9) != j
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_q, want_q)
+    torch.testing.assert_close(got_k[others], want_k[others])

@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .heads import Head, Tile
 from .linear import Linear, Rows, RowScaled, class_sums, raw_rows
-from .utils import autocast_off, compute_dtype, differentiable_grads
+from .utils import autocast_off, compute_dtype, differentiable_grads, normalize_rows
 
-__all__ = ["Problem", "Operands", "Driver", "EngineFunction", "dense_values", "run", "NORM_EPS"]
+__all__ = ["Problem", "Operands", "Driver", "EngineFunction", "dense_values", "run", "NORM_EPS", "finite_rows",
+           "scores_product"]
 
 NORM_EPS = 1e-12  # F.normalize's default
 
@@ -90,6 +90,18 @@ class Operands:
     #: in it (the Triton kernels take half precision as is)
     q_in: Optional[Tensor] = None
     k_in: Optional[Tensor] = None
+    #: q and k for the gradient GEMMs (``dq += G k``, ``dk += G^T q``): the same rows
+    #: with non-finite entries zeroed (the same objects when all are finite). An entry
+    #: that a head excludes has ``G_ij = 0``, and ``0 * nan`` would carry a NaN key
+    #: into every row's gradient; where a NaN row is not excluded, ``G_ij`` is NaN itself.
+    q_grad: Any = None
+    k_grad: Any = None
+
+    def __post_init__(self) -> None:
+        if self.q_grad is None:
+            self.q_grad = finite_rows(self.q)
+        if self.k_grad is None:
+            self.k_grad = self.q_grad if self.k is self.q else finite_rows(self.k)
 
 
 class Driver:
@@ -145,6 +157,41 @@ def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype, lazy: bool) -> Tupl
     return x / norms.unsqueeze(1), norms
 
 
+def finite_rows(rows: Rows) -> Rows:
+    """``rows`` with non-finite entries replaced by 0 (a copy), or ``rows`` itself
+    when every entry is finite."""
+    raw, inv = raw_rows(rows)
+    if bool(torch.isfinite(raw).all()) and (inv is None or bool(torch.isfinite(inv).all())):
+        return rows
+    clean = torch.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0)
+    if inv is None:
+        return clean
+    return RowScaled(clean, torch.nan_to_num(inv, nan=0.0, posinf=0.0, neginf=0.0))
+
+
+class _FiniteGradProduct(torch.autograd.Function):
+    """``q @ k.T`` whose backward multiplies by ``k`` and ``q`` with non-finite entries
+    zeroed (see :attr:`Operands.q_grad`); differentiable again (create_graph)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(q, k)
+        return q @ k.T
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        q, k = ctx.saved_tensors
+        return grad @ torch.nan_to_num(k, 0.0, 0.0, 0.0), grad.T @ torch.nan_to_num(q, 0.0, 0.0, 0.0)
+
+
+def scores_product(q: Tensor, k: Tensor) -> Tensor:
+    """``q @ k.T``; where an input holds a non-finite entry, through a backward that
+    keeps it out of the gradients of the entries it does not reach (a masked NaN key)."""
+    if bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()):
+        return q @ k.T
+    return _FiniteGradProduct.apply(q, k)
+
+
 def _max_row_norm(rows: Rows) -> float:
     raw, inv = raw_rows(rows)
     norms = torch.linalg.vector_norm(raw, dim=1)
@@ -190,10 +237,10 @@ def dense_values(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem
     q = q.to(dtype)
     same = k is None
     k = q if k is None else k.to(dtype)
-    if problem.normalize:
-        q = F.normalize(q, dim=1)
-        k = q if same else F.normalize(k, dim=1)
-    s = (q @ k.T) * scale.to(dtype)
+    if problem.normalize:  # the backward projects before it divides (exact where a row's direction is fixed)
+        q = normalize_rows(q, NORM_EPS)
+        k = q if same else normalize_rows(k, NORM_EPS)
+    s = scores_product(q, k) * scale.to(dtype)
     rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset), param)
     for lin in problem.linears:
         rows, cols = _add_linear(rows, cols, lin, lin.dense(s if lin.target == "row" else s.T), 1.0)

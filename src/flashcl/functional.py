@@ -50,7 +50,7 @@ from .engine import Problem
 from .heads import DebiasedHead, Exclusions, SoftmaxHead, SoftplusHead, Tile
 from .linear import Linear, Positives
 from .scores import TiledScores, auto_scores_block
-from .utils import autocast_off, compute_dtype
+from .utils import autocast_off, compute_dtype, normalize_rows
 
 __all__ = [
     "supcon_loss",
@@ -233,7 +233,7 @@ def _row_lse(q: Tensor, k: Optional[Tensor], scale: Tensor, head: SoftmaxHead, n
 
 def _unit(x: Tensor, normalize: bool) -> Tensor:
     x = x.to(compute_dtype(x.dtype))
-    return torch.nn.functional.normalize(x, dim=1) if normalize else x
+    return normalize_rows(x) if normalize else x
 
 
 def _reduce_rows(rows: Tensor, valid: Tensor, reduction: str) -> Tensor:

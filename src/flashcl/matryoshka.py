@@ -28,7 +28,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .engine import NORM_EPS, Problem
+from .engine import NORM_EPS, Problem, finite_rows
 from .heads import Tile
 from .utils import autocast_off, differentiable_grads, normalize_rows
 
@@ -212,6 +212,8 @@ def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, probl
     signs = (dims[0] == 1 and problem.normalize and bool((q[:, 0].abs() > NORM_EPS).all())
              and bool((k[:, 0].abs() > NORM_EPS).all()))
     apart = [problem.normalize and d <= NARROW for d in dims]
+    qg = finite_rows(q)  # the gradient GEMMs' operands: a NaN in an excluded key reaches no other gradient
+    kg = qg if same else finite_rows(k)
     dq = torch.zeros_like(q)
     dk = dq if same else torch.zeros_like(k)
     daq, dak, dscale = torch.zeros_like(aq), torch.zeros_like(ak), q.new_zeros(())
@@ -238,13 +240,13 @@ def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, probl
             rows = x.sum(1)
             dscale += rows.sum()
             if apart[i] and not (i == 0 and signs):
-                _add_projected(grad, q[r0:r1, :dims[i]], k[:, :dims[i]], a, b, scale, dq[r0:r1], dk)
+                _add_projected(grad, qg[r0:r1, :dims[i]], kg[:, :dims[i]], a, b, scale, dq[r0:r1], dk)
             elif not apart[i]:
                 daq[i, r0:r1] += rows * (scale / a)
                 dak[i] += x.sum(0) * (scale / b)
                 h.add_(grad)
             lo, d = (dims[i - 1] if i > 0 else 0), dims[i]
-            qs, ks = q[r0:r1, lo:d], k[:, lo:d]
+            qs, ks = qg[r0:r1, lo:d], kg[:, lo:d]
             dq[r0:r1, lo:d].addmm_(h, ks, alpha=scale)
             dk[:, lo:d].addmm_(h.T, qs, alpha=scale)
     return dq, (None if same else dk), daq, dak, dscale

@@ -80,7 +80,7 @@ class SymmetricPanels(Driver):
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         buf, buf2 = self._buffers(ops)
-        raw, inv = raw_rows(ops.q)
+        raw, inv = raw_rows(ops.q_grad)  # for the GEMMs (the scores are recomputed from ops.q)
         m = raw.shape[0]
         gk = raw.new_empty(min(ops.block, m), raw.shape[1])
         dscale = raw.new_zeros(())

@@ -81,8 +81,8 @@ class RowBlocks(Driver):
         """dq_blk += scale G K, dk += scale G^T Q_blk; returns sum_ij G_ij q_i.k_j."""
         assert self._gk is not None
         b = g.shape[0]
-        qb = ops.q[r0:r0 + b]
-        gk = torch.mm(g, ops.k, out=self._gk[:b])
+        qb = ops.q_grad[r0:r0 + b]
+        gk = torch.mm(g, ops.k_grad, out=self._gk[:b])
         dscale = torch.dot(gk.reshape(-1), qb.reshape(-1))
         dq[r0:r0 + b].add_(gk, alpha=ops.scale)
         dk.addmm_(g.T, qb, alpha=ops.scale)

@@ -14,9 +14,10 @@ memory). Exactly as PML, the loss is 0 (with a zero gradient) when the batch
 has no positive pair or no negative pair: a batch of one sample, or one whose
 labels are all equal.
 
-* :class:`SupConLoss`: SupCon L_out (:func:`flashcl.supcon_loss`). With PML's
-  default reducer (``AvgNonZeroReducer``) the mean over anchors that have a
-  positive; with any other reducer, flashcl's per-anchor losses go through it.
+* :class:`SupConLoss`: SupCon L_out (:func:`flashcl.supcon_loss`): flashcl's
+  per-anchor losses go through PML's reducer (its default ``AvgNonZeroReducer``
+  averages the anchors whose loss is > 0: not those without a positive, nor
+  those whose loss PML's arithmetic rounds to 0).
 * :class:`NTXentLoss`: PML's formula, which differs from
   :func:`flashcl.nt_xent_loss` when an anchor has several positives: every
   positive pair ``(a, p)`` is its own softmax against ``a``'s negatives::
@@ -205,13 +206,44 @@ class SupConLoss(_Adapter, _pml_losses.SupConLoss):
     _memory = "B x B memory"
 
     def _loss_dict(self, emb: Tensor, ref: Tensor, pairs: _Pairs) -> Dict[str, Any]:
-        default = type(_loss_reducer(self)) is _pml_reducers.AvgNonZeroReducer
         # computed with float32 accumulation; returned in the embeddings' dtype, as PML's
-        losses = self._flashcl(emb, ref, pairs, "mean" if default else "none").to(emb.dtype)
-        if default:
-            return {"loss": {"losses": losses, "indices": None, "reduction_type": "already_reduced"}}
-        return {"loss": {"losses": losses, "indices": torch.arange(emb.shape[0], device=emb.device),
-                         "reduction_type": "element"}}
+        losses = self._flashcl(emb, ref, pairs, "none").to(emb.dtype)
+        return {"loss": {"losses": self._as_pml_near_zero(emb, ref, pairs, losses),
+                         "indices": torch.arange(emb.shape[0], device=emb.device), "reduction_type": "element"}}
+
+    def _as_pml_near_zero(self, emb: Tensor, ref: Tensor, pairs: _Pairs, losses: Tensor) -> Tensor:
+        """The losses, those within rounding of 0 replaced by PML's own.
+
+        PML's default reducer (``AvgNonZeroReducer``) averages the losses that are
+        > 0, and whether a loss within rounding of 0 is 0 depends on the arithmetic
+        that formed it: where an anchor's positive outweighs the rest of its row by
+        more than the dtype resolves, PML's log of a sum that rounds to 1 is exactly
+        0, and another order of operations may leave a few ulps (the mean then
+        counts one anchor more or less). Those rows, usually none, go through
+        PML's own ``_compute_loss`` (their rows of the matrix only)."""
+        # |s_ij| <= |e_i| |r_j| / t: rounding error of a few ulps of that bound
+        norms = 1.0 if bool(self.distance.normalize_embeddings) else torch.linalg.vector_norm(emb.detach(), dim=1)
+        ref_max = 1.0 if bool(self.distance.normalize_embeddings) else float(
+            torch.linalg.vector_norm(ref.detach(), dim=1).max())
+        bound = norms * ref_max / float(self.temperature)
+        near = losses.detach() <= 16 * torch.finfo(emb.dtype).eps * bound
+        if not bool(near.any()):
+            return losses
+        rows = near.nonzero().squeeze(1)
+        same = pairs.row_ids[rows].unsqueeze(1) == pairs.col_ids.unsqueeze(0)
+        pos = same.clone()
+        if pairs.self_index is not None:
+            own = pairs.self_index[rows]
+            mine = own >= 0
+            pos[mine.nonzero().squeeze(1), own[mine]] = False
+        elif pairs.self_pairs:
+            pos[torch.arange(rows.numel(), device=rows.device), rows] = False
+        neg = ~same
+        if not (bool(pos.any()) and bool(neg.any())):
+            return losses  # PML's code would return zeros for a subset; flashcl's values stand
+        mat = self.distance(emb[rows], ref)
+        pml = super()._compute_loss(mat, pos.to(mat.dtype), neg.to(mat.dtype))["loss"]["losses"]
+        return losses.index_put((rows,), pml)
 
     def _flashcl(self, emb: Tensor, ref: Tensor, pairs: _Pairs, reduction: str) -> Tensor:
         normalize = _dot_similarity(self.distance)

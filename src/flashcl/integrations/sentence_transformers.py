@@ -161,9 +161,13 @@ def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_si
 
 
 class _Fallback:
-    """Warns once per instance when sentence-transformers' own code computes the loss."""
+    """Warns once per instance when sentence-transformers' own code computes the loss.
+    The class-level defaults serve instances made without ``__init__`` (as
+    sentence-transformers' own tests make them)."""
 
     _warned = False
+    backend: str = "auto"
+    block_size: Optional[int] = None
 
     def _flashcl_or_none(self) -> Optional[str]:
         why = _unsupported(self)
