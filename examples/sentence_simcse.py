@@ -13,9 +13,10 @@ topics with at least 25 distinct utterances, at most 120 per topic, split in two
 halves per topic.
 
 Training: sentence-transformers' ``SentenceTransformerTrainer`` with
-:class:`flashcl.integrations.sentence_transformers.SupConLoss` in the supervised
-SimCSE form (``positives="sum", include_self=True``,
-temperature 0.05): the other same-topic texts of the batch are the positives.
+:class:`flashcl.integrations.sentence_transformers.SupConLoss`, by default SupCon's
+L_out (``--positives mean``, ``--temperature 0.1``): the other same-topic texts of
+the batch are the positives; ``--positives sum`` trains the supervised-SimCSE form
+(``positives="sum", include_self=True``).
 Evaluation: each held-out utterance retrieves the most similar training
 utterance (cosine); accuracy@1 is the share whose retrieved utterance has the same
 topic, and k-NN accuracy the majority topic of the 5 nearest, before and after.

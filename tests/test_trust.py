@@ -315,3 +315,41 @@ def test_a_nan_in_an_excluded_key_reaches_no_value_and_no_gradient(case: Any, ba
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_q, want_q)
     torch.testing.assert_close(got_k[others], want_k[others])
+
+
+def test_pml_style_calls_name_the_adapter() -> None:
+    e, y = torch.randn(6, 4), torch.tensor([0, 0, 1, 1, 2, 2])
+    adapter = "flashcl.integrations.pytorch_metric_learning"
+    with pytest.raises(TypeError, match=f"{adapter}.SupConLoss"):
+        flashcl.SupConLoss()(e, y, indices_tuple=(torch.tensor([0]), torch.tensor([1])))
+    with pytest.raises(TypeError, match=f"{adapter}.SupConLoss"):
+        flashcl.SupConLoss()(e, y, (torch.tensor([0]), torch.tensor([1]), torch.tensor([0]), torch.tensor([2])))
+    with pytest.raises(TypeError, match=f"{adapter}.SupConLoss"):
+        flashcl.SupConLoss()(e, y, ref_emb=e, ref_labels=y)
+    with pytest.raises(TypeError, match=f"{adapter}.NTXentLoss"):
+        flashcl.NTXentLoss()(e, y)
+    with pytest.raises(TypeError, match=f"{adapter}.NTXentLoss"):
+        flashcl.NTXentLoss()(e, e, indices_tuple=None)
+
+
+@pytest.mark.parametrize("cls,keyword", [(flashcl.ClipLoss, "gather_with_grad"), (flashcl.ClipLoss, "local_loss"),
+                                         (flashcl.ClipLoss, "use_horovod"), (flashcl.SigLipLoss, "dist_impl"),
+                                         (flashcl.SigLipLoss, "rank")])
+def test_open_clip_constructor_keywords_name_what_to_use(cls: Any, keyword: str) -> None:
+    with pytest.raises(TypeError, match=f"open_clip's constructor keywords {keyword}.*flashcl.distributed"):
+        cls(**{keyword: True})
+    with pytest.raises(TypeError, match="unexpected keyword arguments temprature"):
+        cls(temprature=0.1)
+
+
+def test_a_logit_scale_below_one_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    monkeypatch.setattr(flashcl.functional, "_warned_small_scale", False)
+    img, txt = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="logit_scale=0.07 is below 1"):
+        flashcl.clip_loss(img, txt, logit_scale=0.07)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flashcl.clip_loss(img, txt, logit_scale=0.07)  # once
+        flashcl.siglip_loss(img, txt, logit_scale=10.0, logit_bias=-10.0)

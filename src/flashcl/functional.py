@@ -38,6 +38,7 @@ path only. :mod:`flashcl.distributed` raises a clear error instead.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -222,6 +223,20 @@ def _ids(*label_sets: Tensor) -> Tuple[List[Tensor], int]:
         out.append(ids[start:start + x.numel()])
         start += x.numel()
     return out, int(uniq.numel())
+
+
+_warned_small_scale = False
+
+
+def _warn_small_logit_scale(scale: Tensor) -> None:
+    """Warns once when a logit scale is below 1: the multiplier is meant (open_clip
+    passes ``logit_scale.exp()``, about 14 to 100), not its log nor a temperature."""
+    global _warned_small_scale
+    if not _warned_small_scale and float(scale) < 1.0:
+        _warned_small_scale = True
+        warnings.warn(f"logit_scale={float(scale):.4g} is below 1: it multiplies the cosine similarities (1 / "
+                      "temperature; open_clip passes model.logit_scale.exp()). Pass the multiplier, not its log "
+                      "nor a temperature. (This warning is shown once.)", stacklevel=3)
 
 
 def _row_lse(q: Tensor, k: Optional[Tensor], scale: Tensor, head: SoftmaxHead, normalize: bool, name: str,
@@ -896,6 +911,7 @@ def clip_loss(
     checks.check_block(block_size)
     dtype = _scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
+    _warn_small_logit_scale(scale)
     bias = None if logit_bias is None else checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device,
                                                                     dtype)
     b = image_embeds.shape[0]
@@ -990,6 +1006,7 @@ def siglip_loss(
     checks.check_block(block_size)
     dtype = _scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
+    _warn_small_logit_scale(scale)
     bias = checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device, dtype)
     b = image_embeds.shape[0]
     if labels is not None:

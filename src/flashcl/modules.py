@@ -5,13 +5,39 @@ module's call, or pass a tensor at construction (it is kept as given).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
 from . import functional as F
 
 Scalar = Union[float, Tensor]
+
+_PML = "flashcl.integrations.pytorch_metric_learning"
+_OPEN_CLIP_KEYWORDS = ("local_loss", "gather_with_grad", "cache_labels", "rank", "world_size", "use_horovod",
+                       "dist_impl")
+
+
+def _pml_call(name: str, extra: Dict[str, Any]) -> None:
+    """A pytorch-metric-learning-style call (``indices_tuple``, ``ref_emb``) to a flashcl module."""
+    if extra:
+        raise TypeError(f"flashcl.{name} got {', '.join(sorted(extra))}: pytorch-metric-learning's call "
+                        f"loss(embeddings, labels, indices_tuple=None, ref_emb=None, ref_labels=None) is taken by "
+                        f"{_PML}.{name}, a drop-in subclass of PML's class")
+
+
+def _open_clip_constructor(name: str, extra: Dict[str, Any]) -> None:
+    """open_clip's constructor keywords given to a flashcl module."""
+    if not extra:
+        return
+    known = [k for k in extra if k in _OPEN_CLIP_KEYWORDS]
+    if known:
+        fn = "clip_loss" if name == "ClipLoss" else "siglip_loss"
+        raise TypeError(f"flashcl.{name} got open_clip's constructor keywords {', '.join(sorted(known))}: "
+                        f"flashcl.{name} computes one process's batch; across processes, "
+                        f"flashcl.distributed.{fn} computes the exact loss over every rank's batch (what "
+                        "open_clip's gather_with_grad=True, local_loss=False computes), with no B x B logits")
+    raise TypeError(f"flashcl.{name}() got unexpected keyword arguments {', '.join(sorted(extra))}")
 
 
 class SupConLoss(nn.Module):
@@ -33,7 +59,10 @@ class SupConLoss(nn.Module):
         self.matryoshka_dims, self.matryoshka_weights = matryoshka_dims, matryoshka_weights
 
     def forward(self, embeddings: Tensor, labels: Tensor, ref: Optional[Tensor] = None,
-                ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None) -> Tensor:
+                ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None, **pml: Any) -> Tensor:
+        if isinstance(ref, tuple):  # PML's third positional argument: a miner's indices_tuple
+            pml["indices_tuple"] = ref
+        _pml_call("SupConLoss", pml)
         return F.supcon_loss(embeddings, labels, temperature=self.temperature, positives=self.positives,
                              include_self=self.include_self, normalize=self.normalize,
                              reduction=self.reduction, backend=self.backend, block_size=self.block_size,
@@ -59,7 +88,12 @@ class NTXentLoss(nn.Module):
         self.estimator, self.tau_plus, self.beta = estimator, tau_plus, beta
         self.decoupled, self.weighting, self.sigma = decoupled, weighting, sigma
 
-    def forward(self, z1: Tensor, z2: Tensor) -> Tensor:
+    def forward(self, z1: Tensor, z2: Tensor, **pml: Any) -> Tensor:
+        _pml_call("NTXentLoss", pml)
+        if isinstance(z2, Tensor) and z2.dim() == 1 and not z2.is_floating_point():
+            raise TypeError("flashcl.NTXentLoss takes two views (z1, z2) of the same samples, got labels as the "
+                            f"second argument: pytorch-metric-learning's NTXentLoss(embeddings, labels) is "
+                            f"{_PML}.NTXentLoss")
         return F.nt_xent_loss(z1, z2, temperature=self.temperature, normalize=self.normalize,
                               reduction=self.reduction, backend=self.backend, block_size=self.block_size,
                               estimator=self.estimator, tau_plus=self.tau_plus, beta=self.beta,
@@ -107,7 +141,8 @@ class ClipLoss(nn.Module):
 
     def __init__(self, normalize: bool = True, reduction: str = "mean", backend: str = "auto",
                  block_size: Optional[int] = None, matryoshka_dims: Optional[Sequence[int]] = None,
-                 matryoshka_weights: Optional[Sequence[float]] = None) -> None:
+                 matryoshka_weights: Optional[Sequence[float]] = None, **open_clip: Any) -> None:
+        _open_clip_constructor("ClipLoss", open_clip)
         super().__init__()
         self.normalize, self.reduction, self.backend, self.block_size = normalize, reduction, backend, block_size
         self.matryoshka_dims, self.matryoshka_weights = matryoshka_dims, matryoshka_weights
@@ -134,7 +169,8 @@ class SigLipLoss(nn.Module):
     """
 
     def __init__(self, normalize: bool = False, reduction: str = "mean", backend: str = "auto",
-                 block_size: Optional[int] = None) -> None:
+                 block_size: Optional[int] = None, **open_clip: Any) -> None:
+        _open_clip_constructor("SigLipLoss", open_clip)
         super().__init__()
         self.normalize, self.reduction, self.backend, self.block_size = normalize, reduction, backend, block_size
 
