@@ -105,3 +105,51 @@ def test_cli_doctor_bad_target(tmp_path) -> None:
         src = tmp_path / "f.py"
         src.write_text("def f(x):\n    return x.sum()\n")
         main(["doctor", f"{src}:f", "--shape", "n;n"])
+
+
+def one_directional_info_nce(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """InfoNCE from queries to keys (positives on the diagonal) written with a mask loop:
+    CLIP's value is close on random data, its gradient is not."""
+    q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
+    logits = q @ k.T / 0.07
+    n = q.shape[0]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        mask[i, i] = True
+    return -(logits[mask] - torch.logsumexp(logits, dim=1)).mean()
+
+
+def test_doctor_names_the_loss_with_the_same_gradient_not_a_close_value() -> None:
+    q, k = torch.randn(100, 32, requires_grad=True), torch.randn(100, 32, requires_grad=True)
+    report = flashcl.doctor(one_directional_info_nce, q, k, sizes=[100, 200, 400], repeats=3)
+    assert report.replacement is not None
+    assert report.replacement.call.startswith("flashcl.info_nce_loss("), report.replacement.call
+    assert "temperature=0.07" in report.replacement.call
+    assert "same loss and gradient as: flashcl.info_nce_loss" in str(report)
+
+
+def test_doctor_says_what_it_tried_when_nothing_matches() -> None:
+    def odd_loss(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (q @ k.T).pow(2).mean()
+
+    q, k = torch.randn(50, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    report = flashcl.doctor(odd_loss, q, k, sizes=[50, 100], repeats=3)
+    assert report.replacement is None
+    text = str(report)
+    assert "no flashcl loss matched" in text and "info_nce_loss at temperatures 0.05" in text
+
+
+def test_speed_ratio_below_one_reads_slower() -> None:
+    from flashcl.doctor import _faster
+
+    assert _faster(0.65) == "1.5x slower"
+    assert _faster(2.5) == "2.5x faster"
+    assert _faster(266.4) == "266x faster"
+
+
+def test_cli_too_few_shapes_is_a_clear_error(tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture
+                                             ) -> None:
+    path = tmp_path / "loss.py"  # type: ignore[operator]
+    path.write_text("def loss(e, y):\n    return e.sum()\n")
+    with pytest.raises(SystemExit, match="takes 2 input.*got 1 --shape: give one --shape per input"):
+        main(["doctor", f"{path}:loss", "--shape", "n,8", "--sizes", "10,20"])

@@ -24,17 +24,38 @@ def _load_function(target: str) -> Callable[..., Any]:
     return fn
 
 
+def _positional_parameters(fn: Callable[..., Any]) -> Optional[int]:
+    """How many positional parameters without a default ``fn`` takes (None: *args)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from .doctor import doctor, inputs_from_shapes
 
     fn = _load_function(args.target)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"flashcl doctor: --sizes must be comma-separated ints, got {args.sizes!r}") from e
     try:
         inputs = inputs_from_shapes(args.shape, sizes[0], seed=args.seed)
     except ValueError as e:
         raise SystemExit(f"flashcl doctor: {e}") from e
-    report = doctor(fn, *inputs, sizes=sizes, seed=args.seed)
-    print(report.text())
+    params = _positional_parameters(fn)
+    if params is not None and len(args.shape) < params:
+        raise SystemExit(f"flashcl doctor: {args.target} takes {params} input(s), got {len(args.shape)} --shape: "
+                         "give one --shape per input, in order (e.g. --shape n,128 --shape n:int:10)")
+    report = doctor(fn, *inputs, sizes=sizes, seed=args.seed,
+                    progress=lambda line: print(f"... {line}", file=sys.stderr, flush=True))
+    print(report)
     if args.json:
         with open(args.json, "w") as f:
             f.write(report.to_json())
@@ -51,8 +72,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc = sub.add_parser("doctor", help="diagnose why your own loss function is slow")
     doc.add_argument("target", help="path/to/file.py:function; called as function(*inputs)")
     doc.add_argument("--shape", action="append", required=True,
-                     help="one per input, in order: 'n,n' (float, requires grad), 'n,128', 'n:int:5' "
-                          "(int64 in [0, 5)); n is the batch size")
+                     help="repeat once per input, in order: 'n,n' (float, requires grad), 'n,128', 'n:int:5' "
+                          "(int64 in [0, 5)); n is the batch size. E.g. --shape n,128 --shape n:int:10 for "
+                          "loss(embeddings, labels)")
     doc.add_argument("--sizes", default="250,500,1000", help="batch sizes n to run at (default 250,500,1000)")
     doc.add_argument("--seed", type=int, default=0, help="random and torch are seeded with it before each call")
     doc.add_argument("--json", help="also write the report as JSON to this file")

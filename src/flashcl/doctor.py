@@ -106,6 +106,11 @@ class Report:
     largest_saved: List[Tuple[str, List[int], float]]
     findings: List[Finding] = field(default_factory=list)
     replacement: Optional[Replacement] = None
+    #: what the search for a replacement compared (when none matched: why not)
+    tried: List[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return self.text()
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -143,11 +148,21 @@ class Report:
         if self.replacement is not None:
             r = self.replacement
             lo, hi = r.speedup_range
-            lines += ["", f"same loss as: {r.call}",
+            lines += ["", f"same loss and gradient as: {r.call}",
                       f"    loss {r.loss:.6g}; forward+backward {r.user_s * 1e3:.1f} ms -> {r.flashcl_s * 1e3:.1f} ms "
-                      f"at the largest size (medians of {len(r.user_times)} alternating runs): {r.speedup:.0f}x "
-                      f"faster (per-run ratios {lo:.0f}x-{hi:.0f}x)"]
+                      f"at the largest size (medians of {len(r.user_times)} alternating runs): "
+                      f"{_faster(r.speedup)} (per-run ratios {lo:.2g}x-{hi:.2g}x)"]
+        elif self.tried:
+            lines += ["", "no flashcl loss matched the value and gradient at every size; tried:"]
+            lines += [f"    {t}" for t in self.tried]
         return "\n".join(lines)
+
+
+def _faster(ratio: float) -> str:
+    """``user time / flashcl time`` in words: "12x faster", "1.5x slower"."""
+    if ratio >= 1:
+        return f"{ratio:.2g}x faster" if ratio < 10 else f"{ratio:.0f}x faster"
+    return f"{1 / ratio:.2g}x slower"
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -323,12 +338,38 @@ def _slope(xs: List[float], ys: List[float]) -> Optional[float]:
 
 # ----------------------------------------------------------------------------- replacements
 
-def _candidates(inputs: Sequence[Any], seed: int) -> List[Tuple[str, Callable[[], Tensor]]]:
-    """flashcl calls that may compute the same loss on these inputs."""
+_TEMPERATURES = (0.05, 0.07, 0.1, 0.2, 0.5, 1.0)
+
+
+def _families(inputs: Sequence[Any]) -> List[str]:
+    """The candidate families :func:`_candidates` tries on inputs of this kind, in words."""
     tensors = [t for t in inputs if isinstance(t, Tensor)]
     floats = [t for t in tensors if t.is_floating_point()]
     ints = [t for t in tensors if not t.is_floating_point()]
-    temps = (0.05, 0.07, 0.1, 0.2, 0.5, 1.0)
+    temps = ", ".join(f"{t:g}" for t in _TEMPERATURES)
+    out = []
+    if len(floats) == 1 and floats[0].dim() == 2 and floats[0].shape[0] == floats[0].shape[1] and not ints:
+        out.append("neighbor_loss with k = 1..5 neighbours drawn by random.randrange or torch.randint, diagonal "
+                   "excluded or not, sum or mean")
+    if len(floats) == 1 and floats[0].dim() == 2 and len(ints) == 1 and ints[0].dim() == 1:
+        out.append(f"supcon_loss at temperatures {temps}, positives mean / sum, include_self, mean / sum")
+    if len(floats) == 2 and all(f.dim() == 2 for f in floats) and not ints:
+        if floats[0].shape == floats[1].shape:
+            out.append(f"nt_xent_loss and clip_loss (logit_scale = 1 / t) at temperatures t = {temps}")
+        out.append(f"info_nce_loss at temperatures {temps}")
+    if not out:
+        out.append("nothing: flashcl's losses take one square score matrix, embeddings and int labels, or two "
+                   "embedding matrices")
+    return out
+
+
+def _candidates(inputs: Sequence[Any], seed: int) -> List[Tuple[str, Callable[[], Tensor]]]:
+    """flashcl calls that may compute the same loss on these inputs (the same list,
+    in the same order, for inputs of any size)."""
+    tensors = [t for t in inputs if isinstance(t, Tensor)]
+    floats = [t for t in tensors if t.is_floating_point()]
+    ints = [t for t in tensors if not t.is_floating_point()]
+    temps = _TEMPERATURES
     out: List[Tuple[str, Callable[[], Tensor]]] = []
     if len(floats) == 1 and floats[0].dim() == 2 and floats[0].shape[0] == floats[0].shape[1] and not ints:
         x = floats[0]
@@ -369,18 +410,54 @@ def _candidates(inputs: Sequence[Any], seed: int) -> List[Tuple[str, Callable[[]
     return out
 
 
-def _find_replacement(fn: LossFn, inputs: Sequence[Any], user_loss: float, seed: int,
+def _close(a: float, b: float) -> bool:
+    return math.isfinite(a) and abs(a - b) <= 1e-4 * max(1.0, abs(b))
+
+
+def _grads(make_loss: Callable[[], Tensor], inputs: Sequence[Any]) -> Tuple[float, List[Tensor]]:
+    """(value, gradients of the floating inputs that require grad)."""
+    leaves = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    for t in leaves:
+        t.grad = None
+    loss = make_loss()
+    grads = list(torch.autograd.grad(loss, leaves, allow_unused=True)) if loss.requires_grad and leaves else []
+    return float(loss.detach()), [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+
+
+def _same_gradients(a: List[Tensor], b: List[Tensor]) -> bool:
+    for x, y in zip(a, b):
+        scale = max(float(y.abs().max()) if y.numel() else 0.0, 1e-30)
+        if not bool(torch.isfinite(x).all()) or float((x - y).abs().max()) > 1e-4 * scale + 1e-6:
+            return False
+    return len(a) == len(b)
+
+
+def _find_replacement(fn: LossFn, every_size: Sequence[Sequence[Any]], seed: int,
                       repeats: int) -> Optional[Replacement]:
+    """The flashcl call whose value and gradient equal the function's at every size
+    (``every_size``: the inputs at each size, the largest last), the candidates
+    whose value at the largest size is closest tried first; timed at the largest."""
+    inputs = every_size[-1]
+    user = [_grads(lambda ins=ins: _call(fn, ins, seed), ins) for ins in every_size]
     with torch.no_grad():
-        for call, cand in _candidates(inputs, seed):  # noqa: B007 - the matching call is used after the loop
+        values = []
+        for i, (_, cand) in enumerate(_candidates(inputs, seed)):
             try:
                 value = float(cand())
             except (ValueError, TypeError):
                 continue
-            if math.isfinite(value) and abs(value - user_loss) <= 1e-4 * max(1.0, abs(user_loss)):
-                break
-        else:
-            return None
+            if _close(value, user[-1][0]):
+                values.append((abs(value - user[-1][0]), i))
+    per_size = [_candidates(ins, seed) for ins in every_size]
+    for _, i in sorted(values):
+        if all(_close(v, uv) and _same_gradients(g, ug)
+               for (v, g), (uv, ug) in ((_grads(cands[i][1], ins), u)
+                                        for cands, ins, u in zip(per_size, every_size, user))):
+            call, cand = per_size[-1][i]
+            value = user[-1][0]
+            break
+    else:
+        return None
     # alternating rounds, so that a shared machine's drift weighs on both alike;
     # at least 3, and no new round once 20 s are spent
     user_times: List[float] = []
@@ -406,7 +483,7 @@ def _time_fwd_bwd(make_loss: Callable[[], Tensor], inputs: Sequence[Any]) -> flo
 # ----------------------------------------------------------------------------- entry point
 
 def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = None, seed: int = 0,
-           repeats: int = 5) -> Report:
+           repeats: int = 5, progress: Optional[Callable[[str], None]] = None) -> Report:
     """Diagnose a loss function: timing and growth, graph, slow patterns, replacement.
 
     Args:
@@ -419,9 +496,14 @@ def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = No
         repeats: rounds of timing the function and its flashcl replacement,
             alternately (at least 3; fewer than ``repeats`` once 20 s are spent).
             The report gives the medians and the spread of the ratios.
+        progress: called with a line of text before each stage (e.g. ``print``).
+
+    A flashcl call is named as the replacement only when its value and its
+    gradient equal the function's at every size tried; otherwise the report says
+    which calls were tried.
 
     Returns:
-        A :class:`Report`: ``print(report.text())`` or ``report.to_json()``.
+        A :class:`Report`: ``print(report)`` (its text) or ``report.to_json()``.
 
     Shape:
         - example inputs: any; the first tensor's dim 0 is the batch size n
@@ -445,8 +527,12 @@ def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = No
         raise ValueError(f"sizes must be positive ints, got {sizes}")
     runs: List[SizeRun] = []
     last = None
+    every_size = []
     for s in sizes:
+        if progress is not None:
+            progress(f"n = {s}: timing forward and backward, twice")
         inputs = scale_inputs(example_inputs, s, seed)
+        every_size.append(inputs)
         run, graph = _run(fn, inputs, seed)
         # timings: the better of two runs (a shared machine's noise would otherwise
         # bend the fitted exponent); memory and graph from the first
@@ -469,9 +555,12 @@ def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = No
     saved = sorted(((name, list(t.shape), t.numel() * t.element_size() / 2**20)
                     for n in nodes for name, t in _saved_tensors(n)), key=lambda x: -x[2])
     findings = _graph_findings(nodes, runs[-1].size, nodes_e)
-    replacement = _find_replacement(fn, inputs, runs[-1].loss, seed, repeats)
+    if progress is not None:
+        progress("looking for a flashcl loss with the same value and gradient at every size")
+    replacement = _find_replacement(fn, every_size, seed, repeats)
     del loss
-    return Report(runs, fwd_e, bwd_e, nodes_e, elements_e, by_type, saved[:6], findings, replacement)
+    tried = [] if replacement is not None else _families(inputs)
+    return Report(runs, fwd_e, bwd_e, nodes_e, elements_e, by_type, saved[:6], findings, replacement, tried)
 
 
 def parse_shape(spec: str) -> Tuple[List[str], str, int]:
