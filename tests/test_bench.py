@@ -112,3 +112,22 @@ def test_gpu_suite_plots_one_panel_per_loss_and_width(tmp_path) -> None:
             for i, c in enumerate(cases)]
     paths = plot(rows, str(tmp_path))
     assert paths == [str(tmp_path / "gpu.png")] and (tmp_path / "gpu.png").stat().st_size > 10_000
+
+
+def test_plots_one_panel_per_k_with_a_title_that_states_the_result(tmp_path) -> None:
+    """The neighbour loss's rows (as the suite writes them) give one panel per k,
+    and each panel's title names flashcl's gap to the slowest implementation."""
+    from flashcl.bench.report import _finding, _panel_key, plot
+
+    rows = []
+    for k in (1, 2):
+        for n in (1000, 2000):
+            for impl, t in (("python-loops", 0.5 * n / 1000), ("gather-fix", 0.004), ("flashcl-tiled", 0.002)):
+                rows.append({"suite": "neighbors", "workload": "neighbor", "group": f"n={n}", "label": impl,
+                             "status": "ok", "params": {"n": n, "k": k, "impl": impl}, "time_s": t,
+                             "peak_mb": 10.0})
+    assert sorted({_panel_key(r) for r in rows}) == ["k = 1 neighbours", "k = 2 neighbours"]
+    panel = [r for r in rows if r["params"]["k"] == 2]
+    assert _finding(panel) == ("flashcl-tiled 500x faster than python-loops (2000); 2.0x faster than gather-fix "
+                               "(2000)")
+    assert plot(rows, str(tmp_path)) == [str(tmp_path / "neighbors.png")]

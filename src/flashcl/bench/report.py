@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from typing import Any, Dict, List, Optional
 
 Row = Dict[str, Any]
@@ -93,9 +94,61 @@ def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+def _panel_key(r: Row) -> str:
+    """The panel a row is drawn in: the neighbour loss by ``k`` (its groups are the
+    sizes), every other suite by group (a loss, a loss at one width)."""
+    if r["workload"] == "neighbor":
+        return f"k = {r['params'].get('k', '?')} neighbours"
+    return str(r["group"])
+
+
+def _is_flashcl(label: str) -> bool:
+    return label.startswith("flashcl")
+
+
+def _words(ratio: float) -> str:
+    if ratio >= 10:
+        return f"{ratio:.0f}x faster"
+    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+
+
+def _finding(rows: List[Row]) -> str:
+    """One panel's result in words: flashcl's fastest against the others, each at
+    the largest size both ran, the largest and the smallest gap (and who ran out
+    of memory or time)."""
+    ok = [r for r in rows if r.get("status") == "ok" and "bound" not in r["label"].lower()]
+    ours = [r for r in ok if _is_flashcl(r["label"])]
+    if not ours:
+        return ""
+    gaps = []
+    for label in dict.fromkeys(r["label"] for r in ok if not _is_flashcl(r["label"])):
+        shared = sorted({size_value(r) for r in ok if r["label"] == label} & {size_value(r) for r in ours})
+        if shared:
+            size = shared[-1]
+            mine = min((r for r in ours if size_value(r) == size), key=lambda r: r["time_s"])
+            theirs = next(r for r in ok if r["label"] == label and size_value(r) == size)
+            gaps.append((theirs["time_s"] / mine["time_s"], label, size, mine["label"]))
+    parts = []
+    if gaps:
+        gaps.sort()
+        hi = gaps[-1]
+        parts.append(f"{hi[3]} {_words(hi[0])} than {hi[1]} ({hi[2]})")
+        if len(gaps) > 1:
+            lo = gaps[0]
+            parts.append(f"{_words(lo[0])} than {lo[1]} ({lo[2]})")
+    for status, words in (("oom", "out of memory"), ("capped", "over the time cap")):
+        failed = sorted({r["label"] for r in rows if r.get("status") == status and not _is_flashcl(r["label"])})
+        if failed:
+            parts.append(", ".join(failed) + f": {words}")
+    return "; ".join(parts)
+
+
 def plot(rows: List[Row], out_dir: str) -> List[str]:
-    """time and memory vs size per suite (log-log), one line per implementation,
-    the GEMM bound as a dashed line; returns the PNG paths (none without matplotlib)."""
+    """One PNG per suite: one panel per loss (the neighbour loss: per ``k``), time
+    above and peak memory below, one colour per implementation across the panels
+    and each name once in the legend, the sizes of an implementation joined by a
+    line (a single size: bars), the GEMM bound dashed; each panel's title states its
+    result. Returns the PNG paths (none without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -104,97 +157,85 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
         return []
     paths = []
     for suite in dict.fromkeys(r["suite"] for r in rows):
-        if suite == "gpu":
-            path = plot_panels([r for r in rows if r["suite"] == suite], out_dir, suite)
-            if path is not None:
-                paths.append(path)
-            continue
-        ok = [r for r in rows if r["suite"] == suite and r.get("status") == "ok"]
-        # one line per implementation: of the neighbour loss, k = 2
-        ok = [r for r in ok if r["params"].get("k", 2) == 2]
+        mine = [r for r in rows if r["suite"] == suite]
+        ok = [r for r in mine if r.get("status") == "ok"]
         if not ok:
             continue
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for ax, key, ylabel in ((axes[0], "time_s", "forward + backward (s)"),
-                                (axes[1], "peak_mb", "peak memory above inputs (MB)")):
-            lines = dict.fromkeys((r["group"], r["label"]) for r in ok)
-            multi = len({g for g, _ in lines}) > 1 and any(r.get("x") for r in ok)
-            for group, label in lines:
-                pts = sorted((size_value(r), r[key]) for r in ok
-                             if r["label"] == label and r["group"] == group and r[key] > 0)
-                if not pts:
-                    continue
-                style = "--" if "bound" in label.lower() else "-"
-                name = f"{label} ({group})" if multi else label
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
-            if key == "time_s":
-                bound = sorted({(size_value(r), r["bound_s"]) for r in ok if "bound_s" in r
-                                and r.get("bound", {}).get("workload") == "gemm3"})
-                if bound:
-                    ax.plot([b[0] for b in bound], [b[1] for b in bound], "k--", label="GEMM bound (3 GEMMs)")
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel("world size, or batch size B (or n)" if any(r.get("x") for r in ok)
-                          else "batch size B (or n)")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
-        axes[0].legend(fontsize=7)
+        panels = list(dict.fromkeys(_panel_key(r) for r in mine))
+        labels = list(dict.fromkeys(r["label"] for r in mine))
+        colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+        memory = any(r.get("peak_mb") for r in ok) and suite != "gpu"
+        side = len(panels) == 1 and memory  # one panel: time and memory side by side
+        cols = 3 if len(panels) in (5, 6) else min(4, len(panels))
+        blocks = (len(panels) + cols - 1) // cols
+        rows_per_block = 2 if memory and not side else 1
+        fig, axes = plt.subplots(blocks * rows_per_block, 2 if side else cols,
+                                 figsize=(10 if side else 4.2 * cols, 3.6 * blocks * rows_per_block), squeeze=False)
+        handles: Dict[str, Any] = {}
+        for p, panel in enumerate(panels):
+            inside = [r for r in mine if _panel_key(r) == panel]
+            good = [r for r in inside if r.get("status") == "ok"]
+            block, col = divmod(p, cols)
+            metrics = [("time_s", "forward + backward (s)")] + ([("peak_mb", "peak memory (MB)")] if memory else [])
+            for m, (key, ylabel) in enumerate(metrics):
+                ax = axes[0][m] if side else axes[block * rows_per_block + m][col]
+                sizes = sorted({size_value(r) for r in good})
+                present = [lb for lb in labels if any(r["label"] == lb for r in inside)]
+                if len(sizes) == 1:  # one size: a bar per implementation
+                    for i, label in enumerate(present):
+                        vals = [r[key] for r in good if r["label"] == label and r.get(key)]
+                        if vals:
+                            bar = ax.bar(i, vals[0], color=colours[label])
+                            handles.setdefault(label, bar)
+                        else:
+                            status = next((r.get("status") for r in inside if r["label"] == label), "")
+                            ax.text(i, 0.5, {"oom": "out of memory", "capped": "over time"}.get(status, status),
+                                    rotation=90, ha="center", va="bottom", fontsize=7,
+                                    transform=ax.get_xaxis_transform())
+                    ax.set_xticks(range(len(present)))
+                    ax.set_xticklabels([""] * len(present))
+                    ax.set_xlabel(f"size {sizes[0]}")
+                    ax.set_ylim(bottom=0)  # bars from zero: their heights compare
+                else:
+                    for label in present:
+                        pts = sorted((size_value(r), r[key]) for r in good if r["label"] == label and r.get(key))
+                        if not pts:
+                            continue
+                        style = "--" if "bound" in label.lower() else "-"
+                        (line,) = ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o",
+                                          color=colours[label])
+                        handles.setdefault(label, line)
+                    if key == "time_s":
+                        bound = sorted({(size_value(r), r["bound_s"]) for r in good if "bound_s" in r})
+                        if bound and not any("bound" in lb.lower() for lb in present):
+                            (line,) = ax.plot([b[0] for b in bound], [b[1] for b in bound], "k--", marker="x")
+                            handles.setdefault("three GEMMs (the bound)", line)
+                    ax.set_xscale("log")
+                    ax.set_yscale("log")
+                    ax.set_xticks(sizes)  # the sizes run, as plain numbers
+                    ax.set_xticklabels([str(x) for x in sizes], fontsize=7)
+                    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                    ax.set_xlabel("world size" if any(r.get("x") for r in good) else
+                                  "n" if good[0]["workload"] == "neighbor" else "batch size B")
+                ax.set_ylabel(ylabel, fontsize=8)
+                ax.grid(True, which="both", alpha=0.3)
+                if m == 0:
+                    finding = _finding(inside)
+                    ax.set_title("\n".join([panel] + textwrap.wrap(finding, 60)), fontsize=8)
+        for block_row in range(0 if side else blocks * rows_per_block):
+            for col in range(cols):
+                if (block_row // rows_per_block) * cols + col >= len(panels):
+                    axes[block_row][col].axis("off")
+        fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=min(5, len(handles)),
+                   fontsize=8)
         fig.suptitle(f"flashcl bench: {suite}")
-        fig.tight_layout()
+        legend_rows = (len(handles) + 4) // 5
+        fig.tight_layout(rect=(0, 0.035 * legend_rows + 0.02, 1, 0.97))
         path = os.path.join(out_dir, f"{suite}.png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
     return paths
-
-
-def plot_panels(rows: List[Row], out_dir: str, suite: str) -> Optional[str]:
-    """One panel per group (a loss at one embedding width): time against the batch
-    size, one line per implementation and the GEMM bound dashed; every
-    implementation has one colour and one legend entry across the panels."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    ok = [r for r in rows if r.get("status") == "ok"]
-    groups = list(dict.fromkeys(r["group"] for r in rows))
-    if not ok or not groups:
-        return None
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
-    cols = min(4, len(groups))
-    nrows = (len(groups) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
-    handles: Dict[str, Any] = {}
-    for ax, group in zip(axes.flat, groups):
-        mine = [r for r in ok if r["group"] == group]
-        for label in labels:
-            pts = sorted((size_value(r), r["time_s"]) for r in mine if r["label"] == label)
-            if pts:
-                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=colours[label])
-                handles.setdefault(label, line)
-        bound = sorted({(size_value(r), r["bound_s"]) for r in mine if "bound_s" in r})
-        if bound:
-            (line,) = ax.plot([b[0] for b in bound], [b[1] for b in bound], "k--", marker="x")
-            handles.setdefault("three GEMMs (cuBLAS)", line)
-        ax.set_title(group, fontsize=9)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("batch size B")
-        ax.set_ylabel("forward + backward (s)")
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(groups):]:
-        ax.axis("off")
-    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=min(6, len(handles)),
-               fontsize=8)
-    fig.suptitle(f"flashcl bench: {suite}")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
-    path = os.path.join(out_dir, f"{suite}.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def first_ok(rows: List[Row], **match: Any) -> Optional[Row]:
