@@ -79,7 +79,7 @@ def driver(name: str, problem: Problem, k: Optional[Tensor], device_type: str,
     if name == "tiled":
         if _stripes(device_type, dtype):
             return Stripes()
-        return SymmetricPanels() if _self_contrast(k, problem) else RowBlocks()
+        return SymmetricPanels(device_type) if _self_contrast(k, problem) else RowBlocks(device_type)
     if name == "triton":
         from .triton import availability
 

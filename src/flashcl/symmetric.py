@@ -20,11 +20,12 @@ and rescaled at the end.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import threads
 from .engine import Driver, Operands
 from .heads import Head, Tile
 from .linear import raw_rows
@@ -42,8 +43,16 @@ class SymmetricPanels(Driver):
 
     lazy = True
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu") -> None:
         self._bufs: Optional[Tuple[Tensor, Tensor]] = None
+        self._device_type = device_type
+
+    def _blocks(self, ops: Operands, head: Head, kind: str) -> Iterator[int]:
+        """The panels' starts, the thread count chosen by :func:`flashcl.threads.blocks`."""
+        m = ops.q.shape[0]
+        kind = f"panels.{kind}.{type(head).__name__}.{ops.q.shape[1]}"  # blocks that cost alike per entry
+        return threads.blocks(kind, range(0, m, ops.block), lambda r0: min(ops.block, m - r0) * (m - r0),
+                              self._device_type)
 
     def _buffers(self, ops: Operands) -> Tuple[Tensor, Tensor]:
         if self._bufs is None:
@@ -72,7 +81,7 @@ class SymmetricPanels(Driver):
         buf, buf2 = self._buffers(ops)
         m = ops.q.shape[0]
         for p in range(head.passes):
-            for r0 in range(0, m, ops.block):
+            for r0 in self._blocks(ops, head, f"reduce{p}"):
                 r1 = min(r0 + ops.block, m)
                 head.reduce_panel(self._scores(ops, r0, r1, buf), Tile(r0, r1, r0, m), st, p, buf2)
             head.finish(st, p)
@@ -85,7 +94,7 @@ class SymmetricPanels(Driver):
         gk = raw.new_empty(min(ops.block, m), raw.shape[1])
         dscale = raw.new_zeros(())
         de = dq
-        for r0 in range(0, m, ops.block):
+        for r0 in self._blocks(ops, head, "backward"):
             r1 = min(r0 + ops.block, m)
             b = r1 - r0
             er = raw[r0:r1]

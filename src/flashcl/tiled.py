@@ -18,11 +18,12 @@ score matrix (the neighbour loss) :mod:`flashcl.scores`.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
 
+from . import threads
 from .engine import Driver, Operands
 from .heads import Head, Tile
 
@@ -56,10 +57,17 @@ class RowBlocks(Driver):
     """Blocks of complete rows against every column (see the module docstring).
     The block buffers are made once per call and shared by its passes."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu") -> None:
         self._s: Optional[Tensor] = None
         self._s2: Optional[Tensor] = None
         self._gk: Optional[Tensor] = None
+        self._device_type = device_type
+
+    def _blocks(self, ops: Operands, head: Head, kind: str) -> Iterator[int]:
+        """The row blocks' starts, the thread count chosen by :func:`flashcl.threads.blocks`."""
+        m, n = ops.q.shape[0], ops.k.shape[0]
+        kind = f"rows.{kind}.{type(head).__name__}.{ops.q.shape[1]}"  # blocks that cost alike per entry
+        return threads.blocks(kind, range(0, m, ops.block), lambda r0: min(ops.block, m - r0) * n, self._device_type)
 
     def _buffers(self, ops: Operands, second: bool) -> None:
         q, k = ops.q, ops.k
@@ -94,7 +102,7 @@ class RowBlocks(Driver):
         m, n = ops.q.shape[0], ops.k.shape[0]
         if head.fuses_rows:
             dscale = None if g_row is None else ops.q.new_zeros(())
-            for r0 in range(0, m, ops.block):
+            for r0 in self._blocks(ops, head, "fused"):
                 r1 = min(r0 + ops.block, m)
                 g = head.rows_fused(self._scores(ops, r0, r1), Tile(r0, r1, 0, n, ops.offset), st, g_row)
                 if g is not None and dscale is not None:
@@ -102,7 +110,7 @@ class RowBlocks(Driver):
                     dscale += self._accumulate(g, r0, ops, dq, dk)
             return dscale
         for p in range(head.passes):
-            for r0 in range(0, m, ops.block):
+            for r0 in self._blocks(ops, head, f"reduce{p}"):
                 r1 = min(r0 + ops.block, m)
                 head.reduce(self._scores(ops, r0, r1), Tile(r0, r1, 0, n, ops.offset), st, p)
             head.finish(st, p)
@@ -112,7 +120,7 @@ class RowBlocks(Driver):
         self._buffers(ops, second=head.has_columns)
         m, n = ops.q.shape[0], ops.k.shape[0]
         dscale = ops.q.new_zeros(())
-        for r0 in range(0, m, ops.block):
+        for r0 in self._blocks(ops, head, "backward"):
             r1 = min(r0 + ops.block, m)
             g = head.grad(self._scores(ops, r0, r1), Tile(r0, r1, 0, n, ops.offset), st, self._s2)
             dscale += self._accumulate(g, r0, ops, dq, dk)

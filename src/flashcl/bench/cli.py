@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -39,7 +40,36 @@ def machine_facts(device: str) -> Dict[str, Any]:
         dev = f"{device} ({torch.cuda.get_device_name(0)})"
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": dev,
             "torch": torch.__version__, "python": platform.python_version(), "git": rev,
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_avg": list(os.getloadavg())}
+
+
+def others_running(samples: int = 5) -> Optional[float]:
+    """Other processes' threads running now (``procs_running`` of /proc/stat less this
+    process), the mean of a few samples 20 ms apart; None where /proc is absent.
+    Sampled while no case runs, it says whether something else competes for the
+    cores (a contended run: timings slower than on a quiet machine)."""
+    seen = []
+    for i in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                line = next(ln for ln in f if ln.startswith("procs_running"))
+        except (OSError, StopIteration):
+            return None
+        seen.append(max(0, int(line.split()[1]) - 1))
+        if i + 1 < samples:
+            time.sleep(0.02)
+    return sum(seen) / len(seen)
+
+
+def contention(rows: List[Row], machine: Dict[str, Any]) -> Dict[str, Any]:
+    """The run's load: the load average at its start and end, the mean of the other
+    processes running after its cases (those of the contention suite's deliberately
+    busy cases left out), and whether that marks it contended (at least half a
+    core's worth of other work on average)."""
+    seen = [r["others_running"] for r in rows if r.get("others_running") is not None and not r.get("busy")]
+    mean = sum(seen) / len(seen) if seen else None
+    return {"others_running_mean": mean, "contended": mean is not None and mean >= 0.5,
+            "load_avg_start": machine.get("load_avg"), "load_avg_end": list(os.getloadavg())}
 
 
 def _progress(total: int) -> Any:
@@ -66,18 +96,26 @@ def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[
         key = f"{case['group']}/{case['label']}"
         size = case["params"].get("B", case["params"].get("n", 0))
         started = time.perf_counter()
-        if case.get("stop_after_fail") and key in failed and size > failed[key]:
-            res: Dict[str, Any] = {"status": "skipped"}
-        elif case["workload"] == "dist":
-            res = measure_dist(case["params"], case.get("cap_s") or max(cap_s, 120.0))
-        else:
-            res = measure(case["workload"], case["params"], repeats=case.get("repeats", 2),
-                          cap_s=case.get("cap_s") or cap_s,
-                          mem_limit_mb=mem_limit_mb, bound=case.get("bound"))
-            if res.get("status") in ("oom", "capped"):
-                failed[key] = min(size, failed.get(key, size))
+        # a case of the contention suite runs beside processes that keep cores busy
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(case.get("busy", 0))]
+        try:
+            if case.get("stop_after_fail") and key in failed and size > failed[key]:
+                res: Dict[str, Any] = {"status": "skipped"}
+            elif case["workload"] == "dist":
+                res = measure_dist(case["params"], case.get("cap_s") or max(cap_s, 120.0))
+            else:
+                res = measure(case["workload"], case["params"], repeats=case.get("repeats", 2),
+                              cap_s=case.get("cap_s") or cap_s,
+                              mem_limit_mb=mem_limit_mb, bound=case.get("bound"))
+                if res.get("status") in ("oom", "capped"):
+                    failed[key] = min(size, failed.get(key, size))
+            others = others_running()
+        finally:
+            for proc in busy:
+                proc.kill()
+                proc.wait()
         # the case's whole cost, child start-up included: what the suite's run time is made of
-        rows.append({**case, **res, "wall_s": round(time.perf_counter() - started, 3)})
+        rows.append({**case, **res, "wall_s": round(time.perf_counter() - started, 3), "others_running": others})
         if log is not None:
             with open(log, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
@@ -116,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     log = os.path.join(args.out, "rows.jsonl")
     open(log, "w").close()
     rows = run_cases(cases, cap, args.mem_limit_mb, args.device, log=log)
+    machine.update(contention(rows, machine))
     flags = ["--quick"] if args.quick else ["--full"] if args.full else []
     flags += [f"--suite {s}" for s in (args.suite or [])]
     if args.device != "cpu":

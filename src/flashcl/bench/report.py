@@ -87,6 +87,12 @@ def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
         r["agreement"] = agreement(r, rows)
     lines = [f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), device "
              f"{machine['device']}, torch {machine['torch']}, flashcl {machine['git']}: `{command}`"]
+    if machine.get("others_running_mean") is not None:
+        load = machine.get("load_avg_start") or []
+        lines.append(f"Load: other processes running between cases {machine['others_running_mean']:.2f} on average; "
+                     f"load average at the start {' / '.join(f'{x:.2f}' for x in load)}." +
+                     (" **Contended run**: other work competed for the cores, timings are slower than on a quiet "
+                      "machine." if machine.get("contended") else ""))
     for suite in dict.fromkeys(r["suite"] for r in rows):
         lines += ["", f"### {suite}", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(fmt_row(r)) + " |" for r in rows if r["suite"] == suite]

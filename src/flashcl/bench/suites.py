@@ -242,6 +242,21 @@ def train(mode: str, device: str) -> List[Case]:
     return cases
 
 
-SUITES = {"tiled": tiled, "neighbors": neighbors, "simcse": simcse, "peers": peers, "scale": scale, "dist": dist,
-          "gpu": gpu, "beyond": beyond, "train": train}
+def contention(mode: str, device: str) -> List[Case]:
+    """The tiled backend when another process keeps a core busy (data-loader
+    workers do): SupCon, B = 4096, D = 256, tiled and dense against the three GEMMs,
+    on a quiet machine and beside one busy process (the row's ``others_running``
+    says how many ran)."""
+    b, d = _size(mode, (1024, 64), (4096, 256), (8192, 256))
+    gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
+    cases: List[Case] = []
+    for busy, group in ((0, "quiet"), (1, "one busy process")):
+        for impl in ("flashcl-tiled", "flashcl-dense"):
+            cases.append({"group": group, "label": impl, "workload": "supcon", "bound": gemm, "repeats": 8,
+                          "cap_s": 60.0, "busy": busy, "params": {"B": b, "D": d, "classes": 10, "impl": impl}})
+    return cases
+
+
+SUITES = {"tiled": tiled, "contention": contention, "neighbors": neighbors, "simcse": simcse, "peers": peers,
+          "scale": scale, "dist": dist, "gpu": gpu, "beyond": beyond, "train": train}
 DEFAULT_SUITES = ("neighbors", "simcse", "peers", "scale")
