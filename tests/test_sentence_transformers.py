@@ -21,7 +21,7 @@ from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 import flashcl  # noqa: E402
 from flashcl.integrations import sentence_transformers as fst  # noqa: E402
-from helpers import assert_close, close_group  # noqa: E402
+from helpers import TOL, assert_close, close_group  # noqa: E402
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CONFIGS: List[Dict[str, Any]] = [
@@ -399,9 +399,12 @@ def test_gist_float32_gradients_no_worse_than_sentence_transformers(tiny_model: 
     embeddings are all alike and the gradient is a difference of nearly equal
     terms); the guide in float64 so that both filter the same candidates.
 
-    Measured: dense 1.3x sentence-transformers' error, tiled 4.8x (each candidate set
-    is its own softmax and normalisation backward; sentence-transformers forms one
-    matrix). The bound holds that, not yet the peer's own error."""
+    The project's rule for a fast path, ``err <= err_peer + tol[float32]`` (relative to
+    the gradient's largest entry). Measured: parameter gradients 1.3e-5 (dense) and
+    4.8e-5 (tiled) from float64 against sentence-transformers' 1.0e-5 (largest entry
+    4.0); at the embeddings, 2.2e-6 against 1.1e-6 (each candidate set is its own
+    softmax and the positive its own term, where sentence-transformers forms one
+    matrix)."""
     texts = [_sentences(10, s) for s in (11, 12)]
 
     def grads(cls: Any, dtype: torch.dtype, **kw: Any) -> List[torch.Tensor]:
@@ -416,8 +419,8 @@ def test_gist_float32_gradients_no_worse_than_sentence_transformers(tiny_model: 
     flat = torch.cat([e.reshape(-1) for e in exact])
     err_theirs, err_ours = (float((torch.cat([g.reshape(-1) for g in x]).double() - flat).abs().max())
                             for x in (theirs, ours))
-    factor = 1.5 if backend == "dense" else 6.0
-    assert err_ours <= factor * err_theirs + 1e-6 * float(flat.abs().max()), (err_ours, err_theirs)
+    atol, _ = TOL[torch.float32]
+    assert err_ours <= err_theirs + atol * float(flat.abs().max()), (err_ours, err_theirs)
 
 
 @pytest.mark.parametrize("cls", [fst.MultipleNegativesRankingLoss, fst.CachedMultipleNegativesRankingLoss,
