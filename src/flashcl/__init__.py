@@ -14,7 +14,7 @@ from .functional import (
     supcon_loss,
 )
 from .memory import MemoryBank
-from .modules import ClipLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SigLipLoss, SupConLoss
+from .modules import ClipLoss, GistLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SigLipLoss, SupConLoss
 
 __version__ = "0.2.0.dev0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "InfoNCELoss",
     "ClipLoss",
     "SigLipLoss",
+    "GistLoss",
     "NeighborLoss",
     "MemoryBank",
     "cached_step",

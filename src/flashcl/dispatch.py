@@ -1,0 +1,213 @@
+"""From a loss's configuration to a backend: :func:`run_core` (one call of the
+core), :func:`matryoshka_core` (every prefix width), :func:`row_lse` (one part of a
+loss made of several candidate sets), and the checks and helpers the losses share.
+
+Every loss is one configuration of the masked-softmax core of
+:mod:`flashcl.core`::
+
+    loss_i = c_i * LSE_{j in Den(i)} s_ij  -  a_i * sum_{j in Pos(i)} m_ij * s_ij
+
+Backends (argument ``backend``):
+
+* ``"reference"``: per-anchor loops, as a loss is first written by hand. Slow; the tests' oracle.
+* ``"dense"``: vectorised, materialises the M x N score matrix.
+* ``"tiled"``: blocks of rows, O((M + N) D + block x N) memory, exact.
+* ``"triton"``: the tiled algorithm in Triton kernels (CUDA; on a CPU only
+  under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
+* ``"auto"``: ``"triton"`` for CUDA tensors when Triton is importable, the
+  dtype is float32/float16/bfloat16 and the embedding at most
+  :data:`flashcl.backends.AUTO_TRITON_MAX_WIDTH` (256) wide; else ``"tiled"``
+  (on CUDA in half precision: stripes of tensor-core GEMMs) when the score
+  matrix has at least :data:`AUTO_TILED_MIN_ENTRIES` entries (M x N),
+  ``"dense"`` below; the neighbour loss, whose score matrix is given, always
+  uses ``"tiled"`` (it allocates nothing of the matrix's size but the gradient
+  itself).
+
+Inputs in float16/bfloat16 are computed with float32 accumulation and the loss
+is returned in float32; gradients come back in the input's dtype. A 0-dim
+temperature (or logit scale) in a lower precision than the embeddings is
+promoted to theirs; its gradient comes back in its own dtype.
+
+Under ``torch.autocast`` the losses run with autocast disabled, in the dtype of
+the embeddings they are given (float32 accumulation for half precision), as
+torch's own losses do; call ``backward()`` after the autocast region, as torch
+recommends (flashcl's own backward passes run without autocast either way).
+
+Second derivatives (``backward(create_graph=True)``: gradient penalties,
+Hessian-vector products) are exact on every backend: the tiled and triton
+backends compute them through the dense formula, whose memory is O(M N) on that
+path only. :mod:`flashcl.distributed` raises a clear error instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import backends, checks, matryoshka, reference
+from .core import CoreSpec
+from .engine import Problem
+from .heads import SoftmaxHead
+from .reduction import reduce_core, reduce_weights
+from .utils import autocast_off, compute_dtype, normalize_rows
+
+Scalar = Union[float, Tensor]
+
+
+def scale_dtype(x: Tensor) -> torch.dtype:
+    return compute_dtype(x.dtype)
+
+
+def run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str = "mean",
+             backend: str = "auto", block_size: Optional[int] = None) -> Tensor:
+    """The masked-softmax core (:class:`flashcl.core.CoreSpec`) on embeddings,
+    reduced: the entry point that every loss here (and the integrations) goes
+    through. ``k=None`` means the candidates are the anchors; ``scale`` is a
+    0-dim tensor (1 / temperature).
+
+    Args:
+        q: (M, D) anchors. k: (N, D) candidates, or None.
+        scale: 0-dim floating tensor; a learnable one gets its gradient.
+        spec: the core's configuration.
+        reduction: ``"mean"`` (over the rows :meth:`CoreSpec.valid_rows` keeps) |
+            ``"sum"`` | ``"none"`` (per-row losses; for ``spec.symmetric`` the mean
+            of each row's and its column's).
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
+            (see :mod:`flashcl.backends`).
+        block_size: rows per block of the tiled backend; None picks one.
+    """
+    m = q.shape[0]
+    n = m if k is None else k.shape[0]
+    dtype = compute_dtype(q.dtype)
+    problem = spec.problem(m, n, dtype)
+    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=problem.head.kernel)
+    if name == "reference":
+        with autocast_off(q.device.type):
+            row, col = reference.core_loss(q, k, scale, spec)
+        return reduce_core(row, col, spec, reduction)
+    weights = None if reduction == "none" else reduce_weights(spec, m, reduction, dtype, q.device)
+    out = backends.run(q, k, scale, problem, name, weights, block_size)
+    if reduction == "none":
+        return reduce_core(out[:m], out[m:] if spec.symmetric else None, spec, "none")
+    return out
+
+
+def run_with_widths(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str, backend: str,
+          block_size: Optional[int], dims: object, weights: object) -> Tensor:
+    """:func:`run_core`, or :func:`matryoshka_core` with ``matryoshka_dims``."""
+    if dims is None:
+        if weights is not None:
+            raise ValueError("matryoshka_weights needs matryoshka_dims")
+        return run_core(q, k, scale, spec, reduction, backend, block_size)
+    return matryoshka_core(q, k, scale, spec, dims, weights, reduction, backend, block_size)
+
+
+def no_matryoshka(dims: object, weights: object, what: str) -> None:
+    if dims is not None or weights is not None:
+        raise ValueError(f"matryoshka_dims does not combine with {what}")
+
+
+def matryoshka_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, dims: object, weights: object,
+                    reduction: str = "mean", backend: str = "auto", block_size: Optional[int] = None) -> Tensor:
+    """``sum_m w_m run_core(q[:, :d_m], k[:, :d_m], ...)``: the core at every prefix
+    width ``d_m`` of the embeddings (Matryoshka), each width normalised on its own.
+    The tiled backend computes every width in one pass over per-segment partial
+    scores (:mod:`flashcl.matryoshka`); ``"reference"`` and ``"dense"`` make one
+    call per width."""
+    ds, ws = matryoshka.check_dims(dims, weights, q.shape[-1])
+    m = q.shape[0]
+    n = m if k is None else k.shape[0]
+    problem = spec.problem(m, n, compute_dtype(q.dtype))
+    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
+    if name == "triton":
+        raise ValueError("matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) "
+                         "or 'auto'")
+    if name in ("reference", "dense"):
+        total: Optional[Tensor] = None
+        for d, w in zip(ds, ws):
+            part = w * run_core(q[:, :d], None if k is None else k[:, :d], scale, spec, reduction, name, block_size)
+            total = part if total is None else total + part
+        assert total is not None
+        return total
+    dtype = compute_dtype(q.dtype)
+    with autocast_off(q.device.type):
+        qc = q.to(dtype)
+        kc = None if k is None else k.to(dtype)
+        aq = matryoshka.prefix_scales(qc, ds, spec.normalize)
+        ak = aq if kc is None else matryoshka.prefix_scales(kc, ds, spec.normalize)
+        sc = scale.to(dtype)
+        out: Optional[Tensor] = None
+        if reduction != "none" and not problem.head.has_columns:
+            # a scalar: the heads' weighted rows in one call (its gradient formed in the
+            # same pass), then each width's positive terms
+            r, _ = reduce_weights(spec, m, reduction, dtype, q.device)
+            weights_t = torch.tensor(ws, dtype=dtype, device=q.device).unsqueeze(1) * r.unsqueeze(0)
+            out = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size, weights_t)
+            zeros = torch.zeros(m, dtype=dtype, device=q.device)
+            for i, d in enumerate(ds):
+                rows, _ = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, zeros, None)
+                out = out + (weights_t[i] * rows).sum()
+            return out
+        values = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size)
+        for i, (d, w) in enumerate(zip(ds, ws)):
+            rows = values[i, :m]
+            cols = values[i, m:] if problem.head.has_columns else None
+            rows, cols = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, rows, cols)
+            part = w * reduce_core(rows, cols, spec, reduction)
+            out = part if out is None else out + part
+    assert out is not None
+    return out
+
+
+def dense_ids(labels: Tensor) -> Tuple[Tensor, int]:
+    uniq, ids = torch.unique(labels, return_inverse=True)
+    return ids.reshape(-1), int(uniq.numel())
+
+
+def class_ids(*label_sets: Tensor) -> Tuple[List[Tensor], int]:
+    """Dense class ids over several label tensors at once (one id space)."""
+    uniq, ids = torch.unique(torch.cat([x.reshape(-1) for x in label_sets]), return_inverse=True)
+    out, start = [], 0
+    for x in label_sets:
+        out.append(ids[start:start + x.numel()])
+        start += x.numel()
+    return out, int(uniq.numel())
+
+
+_warned_small_scale = False
+
+
+def warn_small_logit_scale(scale: Tensor) -> None:
+    """Warns once when a logit scale is below 1: the multiplier is meant (open_clip
+    passes ``logit_scale.exp()``, about 14 to 100), not its log nor a temperature."""
+    global _warned_small_scale
+    if not _warned_small_scale and float(scale) < 1.0:
+        _warned_small_scale = True
+        warnings.warn(f"logit_scale={float(scale):.4g} is below 1: it multiplies the cosine similarities (1 / "
+                      "temperature; open_clip passes model.logit_scale.exp()). Pass the multiplier, not its log "
+                      "nor a temperature. (This warning is shown once.)", stacklevel=3)
+
+
+def row_lse(q: Tensor, k: Optional[Tensor], scale: Tensor, head: SoftmaxHead, normalize: bool, name: str,
+             block_size: Optional[int]) -> Tensor:
+    """Each row's logsumexp over its denominator (the head's exclusions), (M,),
+    differentiable: one part of a loss composed of several candidate sets."""
+    return backends.run(q, k, scale, Problem(head, (), normalize), name, None, block_size)
+
+
+def unit_rows(x: Tensor, normalize: bool) -> Tensor:
+    x = x.to(compute_dtype(x.dtype))
+    return normalize_rows(x) if normalize else x
+
+
+def check_keys(keys: object, name: str, like: Tensor) -> Tensor:
+    keys = checks.check_float_tensor(keys, name, (2,))
+    if keys.shape[1] != like.shape[-1]:
+        raise ValueError(f"{name} must be {like.shape[-1]} wide (the embeddings' width), got {keys.shape[1]}")
+    if keys.dtype != like.dtype:
+        raise TypeError(f"{name} must have the embeddings' dtype {like.dtype}, got {keys.dtype}")
+    checks.same_device(keys, like, name, "embeddings")
+    return keys

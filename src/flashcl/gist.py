@@ -1,0 +1,173 @@
+"""GISTEmbed: a guide model removes in-batch false negatives: :func:`gist_loss` and
+:class:`GistLoss`."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import backends, checks, reference
+from .base import LossModule
+from .dispatch import (
+    Scalar,
+    check_keys,
+    row_lse,
+    scale_dtype,
+    unit_rows,
+)
+from .heads import Exclusions, SoftmaxHead, Tile
+from .reduction import reduce_rows
+from .utils import autocast_off, compute_dtype
+
+
+def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) -> Callable[[Tile], Tensor]:
+    """The tile mask of candidates whose guide similarity exceeds the row's threshold
+    (the positive, column ``i`` of row ``i``, kept when ``keep_positive``)."""
+    def mask(tile: Tile) -> Tensor:
+        out = (gq[tile.r0:tile.r1] @ gk[tile.c0:tile.c1].T) > threshold[tile.r0:tile.r1].unsqueeze(1)
+        if keep_positive:
+            out.diagonal(offset=tile.r0 - tile.c0).fill_(False)
+        return out
+    return mask
+
+
+def gist_loss(
+    anchor: Tensor,
+    positive: Tensor,
+    negative: Optional[Tensor] = None,
+    *,
+    guide: Tuple[Tensor, ...],
+    temperature: Scalar = 0.01,
+    margin: float = 0.0,
+    margin_strategy: str = "absolute",
+    contrast_anchors: bool = True,
+    contrast_positives: bool = True,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+) -> Tensor:
+    r"""GISTEmbed (Solatorio, 2024): InfoNCE over in-batch candidates from which a
+    guide model removes the false negatives.
+
+    A text's in-batch "negatives" often include paraphrases of its positive. A
+    second, frozen model (the guide) scores every pair; a candidate whose guide
+    similarity to the anchor exceeds the guide similarity of the anchor's own
+    positive (minus a margin) leaves the denominator. With cosine similarities
+    ``s``, guide similarities ``g`` and ``t_i = g(a_i, p_i) - margin`` (``"relative"``:
+    ``- |g(a_i, p_i)| margin``)::
+
+        loss_i = LSE over the kept candidates of s / temperature - s(a_i, p_i) / temperature
+
+    the candidates being ``p_j`` (``p_i`` always kept), ``a_j`` (``contrast_anchors``),
+    ``n_j`` (``negative``), and from the positive's side ``s(p_i, p_j)``
+    (``contrast_positives``), each kept when its guide similarity is ``<= t_i``.
+    This is sentence-transformers' ``GISTEmbedLoss`` (6.x) on embeddings, without the
+    B x B x D broadcast and B x B matrices: the guide's similarities are computed
+    tile by tile with the scores.
+
+    Args:
+        anchor, positive: (B, D) the model's embeddings of the pairs.
+        negative: (K, D) the model's embeddings of hard negatives, or None.
+        guide: the guide model's embeddings of the same texts, ``(anchor, positive)``
+            or ``(anchor, positive, negative)`` (any width of their own, no gradient).
+        temperature: the softmax temperature. Default: 0.01.
+        margin: the margin of the false-negative filter. Default: 0.0.
+        margin_strategy: ``"absolute"`` (default) | ``"relative"``.
+        contrast_anchors: anchors are each other's candidates. Default: True.
+        contrast_positives: positives are each other's candidates. Default: True.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (the guide's
+            masks have no Triton kernel).
+        block_size: rows per block of the tiled backend; None picks one.
+
+    Shape:
+        - anchor, positive: (B, D); negative: (K, D); guide: (B, G), (B, G)[, (K, G)]
+        - output: scalar, or (B,) with ``reduction="none"``
+
+    Examples::
+
+        >>> a, p, n = torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 16)
+        >>> ga, gp, gn = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+        >>> loss = flashcl.gist_loss(a, p, guide=(ga, gp), temperature=0.05)
+        >>> loss = flashcl.gist_loss(a, p, n, guide=(ga, gp, gn), margin=0.1, margin_strategy="relative")
+    """
+    anchor, positive = checks.validate_pair(anchor, positive, "anchor", "positive")
+    if negative is not None:
+        negative = check_keys(negative, "negative", anchor)
+    for flag, flag_name in ((contrast_anchors, "contrast_anchors"), (contrast_positives, "contrast_positives")):
+        checks.check_bool(flag, flag_name)
+    checks.check_choice(margin_strategy, "margin_strategy", ("absolute", "relative"))
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_choice(backend, "backend", checks.BACKENDS)
+    checks.check_block(block_size)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
+        raise ValueError(f"margin must be a float, got {margin!r}")
+    if not isinstance(guide, (tuple, list)) or len(guide) != (2 if negative is None else 3):
+        raise ValueError("guide must hold the guide model's embeddings of each input: (anchor, positive)"
+                         + ("" if negative is None else ", negative") + f"; got {type(guide).__name__}"
+                         + (f" of {len(guide)}" if isinstance(guide, (tuple, list)) else ""))
+    names = ("guide[0] (anchor)", "guide[1] (positive)", "guide[2] (negative)")
+    guides = [checks.check_float_tensor(g, names[t], (2,)).detach() for t, g in enumerate(guide)]
+    for t, (g, x) in enumerate(zip(guides, (anchor, positive, negative))):
+        assert x is not None
+        if g.shape[0] != x.shape[0] or g.shape[1] != guides[0].shape[1]:
+            raise ValueError(f"{names[t]} must have shape ({x.shape[0]}, {guides[0].shape[1]}) (one row per input "
+                             f"row, the guide's width), got {tuple(g.shape)}")
+        checks.same_device(g, anchor, names[t], "anchor")
+    if backend == "triton":
+        raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
+    b = anchor.shape[0]
+    k = 0 if negative is None else negative.shape[0]
+    entries = b * (b * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
+    name = backends.resolve(backend, entries, anchor.device, anchor.dtype, anchor.shape[1], kernel=None)
+    relative = margin_strategy == "relative"
+    with autocast_off(anchor.device.type):
+        if name == "reference":
+            rows = reference.gist_rows(anchor, positive, negative, guides, scale, float(margin), relative,
+                                       contrast_anchors, contrast_positives)
+            return reduce_rows(rows, torch.ones_like(rows), reduction)
+        ga, gp = unit_rows(guides[0], True), unit_rows(guides[1], True)
+        g_pos = (ga * gp).sum(1)
+        threshold = g_pos - (g_pos.abs() * margin if relative else margin)
+        dtype = compute_dtype(anchor.dtype)
+        ones = torch.ones(b, dtype=dtype, device=anchor.device)
+
+        def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, keep_positive: bool) -> Tensor:
+            head = SoftmaxHead(ones, exclude=Exclusions(fn=_guide_mask(gq, gk, threshold, keep_positive)))
+            return row_lse(q, keys, scale, head, True, name, block_size)
+
+        lse = part(anchor, positive, ga, gp, True)
+        if contrast_anchors:
+            lse = torch.logaddexp(lse, part(anchor, anchor, ga, ga, False))
+        if contrast_positives:
+            lse = torch.logaddexp(lse, part(positive, positive, gp, gp, False))
+        if negative is not None:
+            lse = torch.logaddexp(lse, part(anchor, negative, ga, unit_rows(guides[2], True), False))
+        pos = (unit_rows(anchor, True) * unit_rows(positive, True)).sum(1)
+        rows = lse - scale.to(dtype) * pos
+    return reduce_rows(rows, torch.ones_like(rows), reduction)
+
+
+class GistLoss(LossModule):
+    """Module form of :func:`gist_loss`: the model's embeddings and the guide's are
+    given to the call.
+
+    Examples::
+
+        >>> a, p, ga, gp = torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 8), torch.randn(4, 8)
+        >>> loss = flashcl.GistLoss(temperature=0.05)(a, p, guide=(ga, gp))
+    """
+
+    def __init__(self, temperature: Scalar = 0.01, margin: float = 0.0, margin_strategy: str = "absolute",
+                 contrast_anchors: bool = True, contrast_positives: bool = True, reduction: str = "mean",
+                 backend: str = "auto", block_size: Optional[int] = None) -> None:
+        super().__init__(temperature=temperature, margin=margin, margin_strategy=margin_strategy,
+                         contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
+                         reduction=reduction, backend=backend, block_size=block_size)
+
+    def forward(self, anchor: Tensor, positive: Tensor, negative: Optional[Tensor] = None, *,
+                guide: Tuple[Tensor, ...]) -> Tensor:
+        return gist_loss(anchor, positive, negative, guide=guide, **self.loss_options())

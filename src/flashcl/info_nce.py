@@ -1,0 +1,197 @@
+"""InfoNCE with in-batch and hard negatives: :func:`info_nce_loss` and :class:`InfoNCELoss`."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import backends, checks, reference
+from .base import LossModule
+from .core import CoreSpec
+from .dispatch import (
+    Scalar,
+    check_keys,
+    class_ids,
+    no_matryoshka,
+    row_lse,
+    run_with_widths,
+    scale_dtype,
+    unit_rows,
+)
+from .heads import Exclusions, SoftmaxHead, Tile
+from .reduction import reduce_rows
+from .utils import autocast_off, compute_dtype
+
+
+def _same_label_mask(q_ids: Tensor, k_ids: Tensor, index: Tensor) -> Callable[[Tile], Tensor]:
+    """The tile mask of keys that share the query's label, the positive excepted."""
+    def mask(tile: Tile) -> Tensor:
+        same = q_ids[tile.r0:tile.r1].unsqueeze(1) == k_ids[tile.c0:tile.c1].unsqueeze(0)
+        cols = torch.arange(tile.c0, tile.c1, device=same.device).unsqueeze(0)
+        return same & (cols != index[tile.r0:tile.r1].unsqueeze(1))
+    return mask
+
+
+def _info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, scale: Tensor, spec: CoreSpec,
+                             in_batch: bool, reduction: str, backend: str, block_size: Optional[int]) -> Tensor:
+    """InfoNCE whose denominators also hold ``negatives`` (no gradient): the keys' part
+    and the negatives' part, each a logsumexp over tiles, merged per row."""
+    b, n, k = query.shape[0], keys.shape[0], negatives.shape[0]
+    masks_from_data = spec.exclude is not None and spec.exclude.fn is not None
+    name = backends.resolve(backend, b * (n + k), query.device, query.dtype, query.shape[1],
+                            kernel=None if masks_from_data else "softmax")
+    dtype = compute_dtype(query.dtype)
+    if name == "reference":
+        with autocast_off(query.device.type):
+            rows, valid = reference.info_nce_with_negatives(query, keys, negatives, scale, spec, in_batch)
+        return reduce_rows(rows, valid, reduction)
+    with autocast_off(query.device.type):
+        q, kk = unit_rows(query, spec.normalize), unit_rows(keys, spec.normalize)
+        pos_spec = spec.positives()
+        pos = pos_spec.sums(q, kk)
+        counts = pos_spec.counts(b, n).to(dtype)
+        ones = torch.ones(b, dtype=dtype, device=query.device)
+        lse_neg = row_lse(query, negatives, scale, SoftmaxHead(ones), spec.normalize, name, block_size)
+        if in_batch:
+            lse_keys = row_lse(query, keys, scale, SoftmaxHead(ones, exclude=spec.exclude), spec.normalize, name,
+                                block_size)
+        else:  # MoCo: the keys' part is each query's positive alone
+            lse_keys = scale.to(dtype) * pos
+        lse = torch.logaddexp(lse_keys, lse_neg)
+        a = 1.0 / counts.clamp_min(1) if spec.pos_mode == "mean" else torch.ones_like(counts)
+        rows = lse - scale.to(dtype) * a * pos
+        return reduce_rows(rows, (counts > 0).to(dtype), reduction)
+
+
+def info_nce_loss(
+    query: Tensor,
+    keys: Tensor,
+    positive_index: Optional[Tensor] = None,
+    *,
+    temperature: Scalar = 0.05,
+    normalize: bool = True,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    negatives: Optional[Tensor] = None,
+    in_batch_negatives: bool = True,
+    query_labels: Optional[Tensor] = None,
+    key_labels: Optional[Tensor] = None,
+    duplicates: str = "mask",
+    matryoshka_dims: Optional[Sequence[int]] = None,
+    matryoshka_weights: Optional[Sequence[float]] = None,
+) -> Tensor:
+    r"""InfoNCE with in-batch negatives and optional extra hard negatives.
+
+    Row ``i`` of ``query`` is scored against every row of ``keys``; its positive
+    is ``keys[positive_index[i]]`` (default ``i``); rows of ``keys`` past B are
+    extra (hard) negatives. Exactly::
+
+        F.cross_entropy(q_hat @ k_hat.T / temperature, positive_index)
+
+    with ``q_hat, k_hat`` the L2-normalised rows, without the B x N matrix on
+    the tiled backend.
+
+    Args:
+        query: (B, D).
+        keys: (N, D), N >= B.
+        positive_index: (B,) integer column of each row's positive; default arange(B).
+        temperature: float or 0-dim tensor. Default: 0.05.
+        normalize: L2-normalise first. Default: True.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
+            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
+            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
+        block_size: rows per block of the tiled backend; None picks one.
+
+        negatives: (K, D) more negatives without gradient (a queue,
+            :class:`flashcl.MemoryBank`: MoCo's), in every row's denominator.
+        in_batch_negatives: the rows of ``keys`` other than a query's positive are
+            its negatives. Default: True. False (with ``negatives``) is MoCo's loss:
+            each query against its own key and the queue only.
+        query_labels, key_labels: (B,) and (N,) labels, both or neither: keys that
+            share a query's label are not its negatives (a duplicate, a same-class
+            text). The positive must share its query's label.
+        duplicates: what becomes of those keys: ``"mask"`` (default): left out of
+            the denominator; ``"positive"``: positives, the loss subtracting the mean
+            of the positives' scores (as SupCon).
+        matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
+            representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
+            each width normalised on its own, all widths in one pass on the tiled
+            backend. Default: None (the full width only).
+        matryoshka_weights: the weights ``w_m`` (default 1 each).
+
+    Shape:
+        - query: (B, D); keys: (N, D); positive_index: (B,); negatives: (K, D);
+          query_labels: (B,); key_labels: (N,)
+        - output: scalar, or (B,) with ``reduction="none"``
+
+    Examples::
+
+        >>> q, docs = torch.randn(4, 16), torch.randn(12, 16)  # 8 hard negatives
+        >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05)
+        >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05, matryoshka_dims=[16, 8, 4])
+    """
+    index = checks.validate_info_nce(query, keys, positive_index)
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_choice(backend, "backend", checks.BACKENDS)
+    checks.check_block(block_size)
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
+    checks.check_bool(in_batch_negatives, "in_batch_negatives")
+    checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
+    index = index.long()
+    spec = CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize)
+    if (query_labels is None) != (key_labels is None):
+        raise ValueError("query_labels and key_labels go together: pass both or neither")
+    if query_labels is not None:
+        _, query_labels = checks.validate_labelled(query, query_labels, names=("query", "query_labels"))
+        _, key_labels = checks.validate_labelled(keys, key_labels, names=("keys", "key_labels"))
+        (q_ids, k_ids), num_classes = class_ids(query_labels, key_labels)
+        if bool((k_ids[index] != q_ids).any()):
+            raise ValueError("each query's positive key must share its label (key_labels[positive_index] == "
+                             "query_labels)")
+        if duplicates == "positive":
+            spec = CoreSpec(row_labels=q_ids, col_labels=k_ids, num_classes=num_classes, pos_mode="mean",
+                            normalize=normalize)
+        else:
+            spec = CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize,
+                            exclude=Exclusions(fn=_same_label_mask(q_ids, k_ids, index)))
+    if not in_batch_negatives and negatives is None:
+        raise ValueError("in_batch_negatives=False leaves each query its positive alone: pass negatives")
+    if not in_batch_negatives and query_labels is not None:
+        raise ValueError("in_batch_negatives=False takes no labels (each query's keys are its positive only)")
+    if negatives is None:
+        return run_with_widths(query, keys, scale, spec, reduction, backend, block_size, matryoshka_dims,
+                               matryoshka_weights)
+    no_matryoshka(matryoshka_dims, matryoshka_weights, "negatives (keys without gradient)")
+    negatives = check_keys(negatives, "negatives", query).detach()
+    return _info_nce_with_negatives(query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend,
+                                    block_size)
+
+
+
+class InfoNCELoss(LossModule):
+    """Module form of :func:`info_nce_loss`.
+
+    Examples::
+
+        >>> loss = flashcl.InfoNCELoss(temperature=0.05)(torch.randn(4, 16), torch.randn(6, 16))
+    """
+
+    def __init__(self, temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
+                 backend: str = "auto", block_size: Optional[int] = None, in_batch_negatives: bool = True,
+                 duplicates: str = "mask", matryoshka_dims: Optional[Sequence[int]] = None,
+                 matryoshka_weights: Optional[Sequence[float]] = None) -> None:
+        super().__init__(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
+                         block_size=block_size, in_batch_negatives=in_batch_negatives, duplicates=duplicates,
+                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
+
+    def forward(self, query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None,
+                negatives: Optional[Tensor] = None, query_labels: Optional[Tensor] = None,
+                key_labels: Optional[Tensor] = None) -> Tensor:
+        return info_nce_loss(query, keys, positive_index, negatives=negatives, query_labels=query_labels,
+                             key_labels=key_labels, **self.loss_options())

@@ -1,0 +1,163 @@
+"""The sampled-neighbours loss on a given score matrix: :func:`neighbor_loss`,
+:func:`sample_neighbors` and :class:`NeighborLoss`."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import checks, dense, reference
+from .base import LossModule
+from .core import CoreSpec
+from .reduction import reduce_core, reduce_weights
+from .scores import TiledScores, auto_scores_block
+from .utils import autocast_off, compute_dtype
+
+_SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
+    "reference": reference.scores_loss,
+    "dense": dense.scores_loss,
+}
+
+
+def neighbor_loss(
+    scores: Tensor,
+    neighbors: Tensor,
+    *,
+    exclude_diagonal: bool = True,
+    reduction: str = "sum",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+) -> Tensor:
+    r"""The "sampled neighbours" contrastive loss on a given n x n score matrix.
+
+    Every row ``i`` has k positive columns ``neighbors[i]`` (repeats and the
+    diagonal allowed), each its own cross-entropy term against the row's
+    denominator (every column but ``i`` when ``exclude_diagonal``)::
+
+        loss_i = sum_t ( LSE_{c != i} scores[i, c] - scores[i, neighbors[i, t]] )
+
+    computed as a masked logsumexp, so scores up to 1e4 in magnitude stay
+    finite (``log(exp(x) / (sum(exp(x)) - exp(diag)))`` overflows past ~88 in
+    float32). It is the loss of ``-log(exp(y) / row_sum)`` over neighbours copied
+    element by element in Python loops, whose backward takes tens of seconds at
+    n = 2000; here it takes milliseconds, with the same value and gradient for the
+    same sampled indices.
+
+    Args:
+        scores: (n, n) floating score matrix.
+        neighbors: (n, k) integer column indices, ``0 <= neighbors < n``.
+        exclude_diagonal: drop column ``i`` from row ``i``'s denominator. Default: True.
+        reduction: ``"sum"`` (default), ``"mean"`` (over the n rows) or
+            ``"none"`` (per-row sums over the row's k neighbours).
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (no
+            ``"triton"``: the matrix is given, there are no embeddings to tile);
+            ``"auto"`` is tiled, whose only n x n allocation is the gradient.
+        block_size: rows per block of the tiled backend; None picks one.
+
+    Shape:
+        - scores: (n, n); neighbors: (n, k)
+        - output: scalar, or (n,) with ``reduction="none"``
+
+    Examples::
+
+        >>> scores = torch.randn(100, 100, requires_grad=True)
+        >>> nb = flashcl.sample_neighbors(100, 2)
+        >>> flashcl.neighbor_loss(scores, nb).backward()
+    """
+    checks.check_float_tensor(scores, "scores", (2,))
+    neighbors = checks.check_index_tensor(neighbors, "neighbors")
+    checks.check_bool(exclude_diagonal, "exclude_diagonal")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_choice(backend, "backend", checks.BACKENDS)
+    checks.check_block(block_size)
+    n = scores.shape[0]
+    if scores.shape[1] != n:
+        raise ValueError(f"scores must be square (n, n), got shape {tuple(scores.shape)}")
+    if neighbors.dim() != 2 or neighbors.shape[0] != n or neighbors.shape[1] < 1:
+        raise ValueError(f"neighbors must be 2-D of shape ({n}, k) with k >= 1, got shape {tuple(neighbors.shape)}")
+    checks.same_device(neighbors, scores, "neighbors", "scores")
+    if bool(((neighbors < 0) | (neighbors >= n)).any()):
+        raise ValueError(f"neighbors values must be column indices in [0, {n})")
+    if exclude_diagonal and n < 2:
+        raise ValueError("neighbor_loss needs n >= 2 when exclude_diagonal=True: the denominator would be empty")
+    spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors.long(), pos_mode="pairs", normalize=False)
+    name = "tiled" if backend == "auto" else backend
+    if name == "triton":
+        raise ValueError("backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
+                         "that already exists: use backend='tiled' (its only n x n allocation is the gradient)")
+    with autocast_off(scores.device.type):
+        return _run_scores(scores, spec, name, reduction, block_size)
+
+
+def _run_scores(scores: Tensor, spec: CoreSpec, name: str, reduction: str, block_size: Optional[int]) -> Tensor:
+    n = scores.shape[0]
+    if name != "tiled":
+        return reduce_core(_SCORE_BACKENDS[name](scores, spec), None, spec, reduction)
+    dtype = compute_dtype(scores.dtype)
+    block = block_size or auto_scores_block(n)
+    if reduction == "none":
+        return TiledScores.apply(scores, spec, None, block)
+    r, _ = reduce_weights(spec, n, reduction, dtype, scores.device)
+    return TiledScores.apply(scores, spec, r, block)
+
+
+def sample_neighbors(
+    n: int,
+    k: int,
+    *,
+    generator: Optional[torch.Generator] = None,
+    device: Optional[Union[str, torch.device]] = None,
+    exclude_self: bool = False,
+) -> Tensor:
+    """k uniformly sampled columns per row, vectorised (``random.randrange`` in a loop, at once).
+
+    Args:
+        n: number of rows (and of columns to sample from).
+        k: samples per row, with replacement (repeats possible).
+        generator: optional ``torch.Generator`` for reproducible draws.
+        device: where the result lives. Default: CPU.
+        exclude_self: never draw column ``i`` for row ``i``. Default: False.
+
+    Shape:
+        - output: (n, k) int64
+
+    Examples::
+
+        >>> nb = flashcl.sample_neighbors(5, 2, generator=torch.Generator().manual_seed(0))
+        >>> nb.shape
+        torch.Size([5, 2])
+    """
+    for value, name in ((n, "n"), (k, "k")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    checks.check_bool(exclude_self, "exclude_self")
+    if exclude_self and n < 2:
+        raise ValueError("sample_neighbors with exclude_self=True needs n >= 2")
+    gen_device = generator.device if generator is not None else None
+    dev = torch.device(device) if device is not None else (gen_device or torch.device("cpu"))
+    high = n - 1 if exclude_self else n
+    draw = torch.randint(0, high, (n, k), generator=generator, device=gen_device or dev).to(dev)
+    if exclude_self:
+        draw += (draw >= torch.arange(n, device=dev).unsqueeze(1)).long()
+    return draw
+
+
+
+class NeighborLoss(LossModule):
+    """Module form of :func:`neighbor_loss`.
+
+    Examples::
+
+        >>> scores = torch.randn(10, 10)
+        >>> loss = flashcl.NeighborLoss()(scores, flashcl.sample_neighbors(10, 2))
+    """
+
+    def __init__(self, exclude_diagonal: bool = True, reduction: str = "sum", backend: str = "auto",
+                 block_size: Optional[int] = None) -> None:
+        super().__init__(exclude_diagonal=exclude_diagonal, reduction=reduction, backend=backend,
+                         block_size=block_size)
+
+    def forward(self, scores: Tensor, neighbors: Tensor) -> Tensor:
+        return neighbor_loss(scores, neighbors, **self.loss_options())

@@ -1,0 +1,177 @@
+"""NT-Xent (SimCLR, unsupervised SimCSE) and its estimators: :func:`nt_xent_loss` and
+:class:`NTXentLoss`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from . import backends, checks, reference
+from .base import PML_ADAPTERS, LossModule, reject_pml_call
+from .core import CoreSpec
+from .dispatch import (
+    Scalar,
+    run_core,
+    scale_dtype,
+    unit_rows,
+)
+from .engine import Problem
+from .heads import DebiasedHead, Exclusions
+from .reduction import reduce_rows
+from .utils import autocast_off, compute_dtype
+
+
+def nt_xent_loss(
+    z1: Tensor,
+    z2: Tensor,
+    *,
+    temperature: Scalar = 0.07,
+    normalize: bool = True,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    estimator: str = "standard",
+    tau_plus: float = 0.1,
+    beta: float = 1.0,
+    decoupled: bool = False,
+    weighting: Optional[str] = None,
+    sigma: float = 0.5,
+) -> Tensor:
+    r"""NT-Xent (SimCLR; unsupervised SimCSE): two views, each other's positive.
+
+    The 2N views ``z = cat(z1, z2)`` are all anchors; anchor ``i``'s positive is
+    its other view ``p(i) = (i + N) mod 2N`` and its denominator every other view::
+
+        loss_i = LSE_{j != i} s_ij - s_{i p(i)},   s_ij = z_i . z_j / temperature
+
+    Equal to :func:`supcon_loss` with the pair ids as labels. Variants for the
+    negatives that are not (false negatives, too easy negatives):
+
+    * ``estimator="debiased"`` (Chuang et al., 2020) and ``"hard"`` (Robinson et
+      al., 2021, importance weights ``e^{beta s}`` on the negatives): with the ``N =
+      2N_pairs - 2`` negatives ``n`` of anchor ``i`` and ``R_i = N sum_n e^{(beta+1) s_in}
+      / sum_n e^{beta s_in}`` (``beta = 0`` for "debiased")::
+
+          Ng_i   = max((R_i - tau_plus N e^{s_ip}) / (1 - tau_plus), N e^{-1/temperature})  # bound: a constant
+          loss_i = -log(e^{s_ip} / (e^{s_ip} + Ng_i))
+
+      computed as logsumexps, finite where the formula in exp space overflows.
+    * ``decoupled=True`` (Yeh et al., 2022, DCL): the positive leaves the
+      denominator: ``loss_i = LSE_{j != i, p(i)} s_ij - w_i s_{i p(i)}``, with
+      ``weighting="vmf"`` (DCLW) ``w_i = 2 - N_pairs softmax_pairs(z1_k . z2_k / sigma)``
+      (without gradient), else ``w_i = 1``.
+
+    Args:
+        z1, z2: (N, D) the two views; ``z1[i]`` and ``z2[i]`` are a pair.
+        temperature: float or 0-dim tensor. Default: 0.07.
+        normalize: L2-normalise first. Default: True.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
+            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
+            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels; not
+            for the debiased and hard estimators).
+        block_size: rows per block of the tiled backend; None picks one.
+        estimator: ``"standard"`` | ``"debiased"`` | ``"hard"``.
+        tau_plus: the class prior of a false negative, in [0, 1). Default: 0.1.
+        beta: the hardness of ``"hard"``, >= 0. Default: 1.0.
+        decoupled: the positive out of the denominator. Default: False.
+        weighting: ``None`` | ``"vmf"`` (decoupled only).
+        sigma: the vMF weighting's scale. Default: 0.5.
+
+    Shape:
+        - z1, z2: (N, D)
+        - output: scalar, or (2N,) with ``reduction="none"`` (rows of z1, then z2)
+
+    Examples::
+
+        >>> z1, z2 = torch.randn(4, 16), torch.randn(4, 16)
+        >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5)
+        >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, estimator="hard", tau_plus=0.1, beta=1.0)
+        >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, decoupled=True, weighting="vmf")
+    """
+    z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_choice(backend, "backend", checks.BACKENDS)
+    checks.check_block(block_size)
+    checks.check_choice(estimator, "estimator", ("standard", "debiased", "hard"))
+    checks.check_bool(decoupled, "decoupled")
+    if weighting is not None:
+        checks.check_choice(weighting, "weighting", ("vmf",))
+        if not decoupled:
+            raise ValueError("weighting='vmf' weighs the positive of the decoupled loss: pass decoupled=True")
+    for value, name, low, high in ((tau_plus, "tau_plus", 0.0, 1.0), (beta, "beta", 0.0, float("inf")),
+                                   (sigma, "sigma", 0.0, float("inf"))):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value < high):
+            raise ValueError(f"{name} must be a float in [{low}, {high}), got {value!r}")
+    if sigma <= 0:
+        raise ValueError(f"sigma must be > 0, got {sigma!r}")
+    if estimator != "standard" and decoupled:
+        raise ValueError("the debiased and hard estimators reweigh the negatives of the standard denominator: "
+                         "use them with decoupled=False")
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, scale_dtype(z1))
+    n = z1.shape[0]
+    if estimator != "standard" and n < 2:
+        raise ValueError("the debiased and hard estimators need at least 2 pairs (2 negatives per anchor)")
+    if decoupled and n < 2:
+        raise ValueError("decoupled=True needs at least 2 pairs: with one pair the denominator without the "
+                         "positive is empty (the loss would be -inf)")
+    z = torch.cat([z1, z2])
+    partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n)
+    index = partner.unsqueeze(1)
+    if estimator == "standard" and not decoupled:
+        spec = CoreSpec(exclude_self=True, self_pairs=True, index=index, pos_mode="sum", normalize=normalize)
+        return run_core(z, None, scale, spec, reduction, backend, block_size)
+    dtype = compute_dtype(z.dtype)
+    if decoupled:
+        weight = None
+        if weighting == "vmf":
+            with torch.no_grad():
+                sim = (unit_rows(z1.detach(), True) * unit_rows(z2.detach(), True)).sum(1) / sigma
+                w = 2.0 - n * torch.softmax(sim, dim=0)
+            weight = torch.cat([w, w]).to(dtype)
+        spec = CoreSpec(exclude_self=True, self_pairs=True, index=index, pos_mode="sum", normalize=normalize,
+                        exclude=Exclusions(index=index), positive_weight=weight)
+        return run_core(z, None, scale, spec, reduction, backend, block_size)
+    beta_ = 0.0 if estimator == "debiased" else float(beta)
+    name = backends.resolve(backend, 4 * n * n, z.device, z.dtype, z.shape[1], kernel=None)
+    if name == "reference":
+        with autocast_off(z.device.type):
+            rows = reference.nt_xent_estimator(z, partner, scale, float(tau_plus), beta_, normalize)
+        return reduce_rows(rows, torch.ones_like(rows), reduction)
+    head = DebiasedHead(partner, float(tau_plus), beta_, 2 * n - 2, float(scale.detach()))
+    weights = None
+    if reduction != "none":
+        weights = (torch.full((2 * n,), 1.0 / (2 * n) if reduction == "mean" else 1.0, dtype=dtype,
+                              device=z.device), None)
+    # the rows against every view: the candidates as a second tensor, not the symmetric path
+    return backends.run(z, z, scale, Problem(head, (), normalize), name, weights, block_size)
+
+
+
+class NTXentLoss(LossModule):
+    """Module form of :func:`nt_xent_loss`.
+
+    Examples::
+
+        >>> loss = flashcl.NTXentLoss(temperature=0.5)(torch.randn(4, 16), torch.randn(4, 16))
+    """
+
+    def __init__(self, temperature: Scalar = 0.07, normalize: bool = True, reduction: str = "mean",
+                 backend: str = "auto", block_size: Optional[int] = None, estimator: str = "standard",
+                 tau_plus: float = 0.1, beta: float = 1.0, decoupled: bool = False, weighting: Optional[str] = None,
+                 sigma: float = 0.5) -> None:
+        super().__init__(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
+                         block_size=block_size, estimator=estimator, tau_plus=tau_plus, beta=beta,
+                         decoupled=decoupled, weighting=weighting, sigma=sigma)
+
+    def forward(self, z1: Tensor, z2: Tensor, **pml: Any) -> Tensor:
+        reject_pml_call("NTXentLoss", pml)
+        if isinstance(z2, Tensor) and z2.dim() == 1 and not z2.is_floating_point():
+            raise TypeError("flashcl.NTXentLoss takes two views (z1, z2) of the same samples, got labels as the "
+                            f"second argument: pytorch-metric-learning's NTXentLoss(embeddings, labels) is "
+                            f"{PML_ADAPTERS}.NTXentLoss")
+        return nt_xent_loss(z1, z2, **self.loss_options())

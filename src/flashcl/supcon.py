@@ -1,0 +1,223 @@
+"""Supervised contrastive losses (SupCon, supervised SimCSE): :func:`supcon_loss` and
+:class:`SupConLoss`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import backends, checks, reference
+from .base import LossModule, reject_pml_call
+from .core import CoreSpec
+from .dispatch import (
+    Scalar,
+    check_keys,
+    class_ids,
+    dense_ids,
+    no_matryoshka,
+    row_lse,
+    run_core,
+    run_with_widths,
+    scale_dtype,
+    unit_rows,
+)
+from .heads import SoftmaxHead
+from .linear import Positives
+from .reduction import reduce_rows
+from .utils import autocast_off, compute_dtype
+
+
+def _supcon_with_ref(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
+                     normalize: bool, reduction: str, backend: str, block_size: Optional[int],
+                     ref: Optional[Tensor], ref_labels: Optional[Tensor], ref_self: Optional[Tensor]) -> Tensor:
+    """:func:`supcon_loss` with keys without gradient (see its ``ref`` arguments)."""
+    if embeddings.dim() != 2:
+        raise ValueError(f"ref takes 2-D embeddings (B, D), got shape {tuple(embeddings.shape)}")
+    if ref is None:
+        raise ValueError("ref_labels / ref_self need ref (the keys)")
+    ref = check_keys(ref, "ref", embeddings).detach()
+    if ref_labels is None:
+        raise ValueError("ref_labels is None: the keys of ref need their labels")
+    ref, ref_labels = checks.validate_labelled(ref, ref_labels, names=("ref", "ref_labels"))
+    b, n = embeddings.shape[0], ref.shape[0]
+    (row_ids, col_ids), num_classes = class_ids(labels, ref_labels)
+    dtype = compute_dtype(embeddings.dtype)
+    if ref_self is not None:
+        ref_self = checks.check_index_tensor(ref_self, "ref_self")
+        if ref_self.shape != (b,):
+            raise ValueError(f"ref_self must have shape ({b},), got {tuple(ref_self.shape)}")
+        checks.same_device(ref_self, embeddings, "ref_self", "embeddings")
+        if bool(((ref_self < -1) | (ref_self >= n)).any()):
+            raise ValueError(f"ref_self values must be rows of ref in [0, {n}), or -1")
+        spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=row_ids, col_labels=col_ids,
+                        num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self.long())
+        return run_core(embeddings, ref, scale, spec, reduction, backend, block_size)
+    name = backends.resolve(backend, b * (b + n), embeddings.device, embeddings.dtype, embeddings.shape[1])
+    if name == "reference":
+        with autocast_off(embeddings.device.type):
+            rows, valid = reference.supcon_with_keys(embeddings, labels, ref, ref_labels, scale, positives,
+                                                     include_self, normalize)
+        return reduce_rows(rows, valid, reduction)
+    with autocast_off(embeddings.device.type):
+        own = Positives(row_labels=row_ids, col_labels=row_ids, num_classes=num_classes, self_pairs=True)
+        keys = Positives(row_labels=row_ids, col_labels=col_ids, num_classes=num_classes)
+        ones = torch.ones(b, dtype=dtype, device=embeddings.device)
+        lse = torch.logaddexp(
+            row_lse(embeddings, None, scale, SoftmaxHead(ones, exclude_self=not include_self), normalize, name,
+                     block_size),
+            row_lse(embeddings, ref, scale, SoftmaxHead(ones), normalize, name, block_size))
+        q, r = unit_rows(embeddings, normalize), unit_rows(ref, normalize)
+        pos = own.sums(q, q) + keys.sums(q, r)
+        counts = (own.counts(b, b) + keys.counts(b, n)).to(dtype)
+        if positives == "mean":
+            valid = counts > 0
+            rows = torch.where(valid, lse - scale.to(dtype) * pos / counts.clamp_min(1), torch.zeros_like(lse))
+        else:
+            valid = torch.ones_like(counts, dtype=torch.bool)
+            rows = lse - scale.to(dtype) * pos
+        return reduce_rows(rows, valid.to(dtype), reduction)
+
+
+def supcon_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    *,
+    temperature: Scalar = 0.1,
+    positives: str = "mean",
+    include_self: bool = False,
+    normalize: bool = True,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    ref: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+    ref_self: Optional[Tensor] = None,
+    matryoshka_dims: Optional[Sequence[int]] = None,
+    matryoshka_weights: Optional[Sequence[float]] = None,
+) -> Tensor:
+    r"""Supervised contrastive loss: samples with the same label are positives.
+
+    With ``s_ij = z_i . z_j / temperature`` (``z`` the L2-normalised embeddings)
+    and ``P(i) = {j != i : y_j = y_i}``, the loss of anchor ``i`` is::
+
+        positives="mean":  LSE_{j in Den(i)} s_ij - (1/|P(i)|) sum_{p in P(i)} s_ip
+        positives="sum":   LSE_{j in Den(i)} s_ij - sum_{p in P(i)} s_ip
+
+    where ``Den(i)`` is every sample but ``i`` (``include_self=False``) or every
+    sample (``include_self=True``). The defaults are SupCon's ``L_out`` (Khosla
+    et al., 2020). ``positives="sum", include_self=True, temperature=0.05`` is
+    the supervised SimCSE loss as it is commonly written (every same-label
+    sample's score subtracted from a logsumexp over the whole batch, self
+    included), every anchor counted.
+
+    With ``positives="mean"``, anchors without any positive have an undefined
+    term: their per-anchor loss is 0 and ``reduction="mean"`` averages over the
+    other anchors only; if no anchor has a positive, the loss is 0 with a zero
+    gradient (never NaN). A batch whose samples all share one label (no
+    negative) keeps the formula's value, which is positive;
+    pytorch-metric-learning's ``SupConLoss`` returns 0 there, and so does
+    :class:`flashcl.integrations.pytorch_metric_learning.SupConLoss`.
+
+    Args:
+        embeddings: (B, D), or (B, V, D) for V views of each sample that share
+            its label (SupContrast's convention: the B * V views are all anchors).
+        labels: (B,) integer class labels.
+        temperature: float or 0-dim tensor (a learnable temperature gets its
+            gradient). Default: 0.1.
+        positives: ``"mean"`` (default) or ``"sum"`` over each anchor's positives.
+        include_self: keep ``j = i`` in the denominator. Default: False.
+        normalize: L2-normalise the embeddings first. Default: True.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-anchor losses).
+        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
+            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
+            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
+        block_size: rows per block of the tiled backend; None picks one.
+
+        ref: (N, D) keys without gradient (a queue, :class:`flashcl.MemoryBank`):
+            each anchor is contrasted with the batch itself and with these keys
+            (same label: positive). Requires ``ref_labels``; 2-D embeddings.
+        ref_labels: (N,) the keys' labels.
+        ref_self: (B,) the row of ``ref`` that holds each anchor itself, for a queue
+            that already holds the current batch (:meth:`flashcl.MemoryBank.push`
+            returns them): then the anchors are contrasted with ``ref`` only, each
+            anchor's own entry left out (pytorch-metric-learning's
+            ``CrossBatchMemory``); -1 for an anchor not in it.
+        matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
+            representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
+            each width normalised on its own, all widths in one pass on the tiled
+            backend. Default: None (the full width only).
+        matryoshka_weights: the weights ``w_m`` (default 1 each).
+
+    Shape:
+        - embeddings: (B, D) or (B, V, D)
+        - labels: (B,); ref: (N, D); ref_labels: (N,); ref_self: (B,)
+        - output: scalar, or (B,) / (B, V) with ``reduction="none"``
+
+    Examples::
+
+        >>> emb = torch.randn(8, 16, requires_grad=True)
+        >>> labels = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = flashcl.supcon_loss(emb, labels, temperature=0.1)
+        >>> loss.backward()
+    """
+    embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3))
+    checks.check_choice(positives, "positives", ("mean", "sum"))
+    checks.check_bool(include_self, "include_self")
+    checks.check_bool(normalize, "normalize")
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_choice(backend, "backend", checks.BACKENDS)
+    checks.check_block(block_size)
+    b = embeddings.shape[0]
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
+    if ref is not None or ref_labels is not None or ref_self is not None:
+        no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
+        return _supcon_with_ref(embeddings, labels, scale, positives, include_self, normalize, reduction, backend,
+                                block_size, ref, ref_labels, ref_self)
+    views = 1
+    flat = embeddings
+    if embeddings.dim() == 3:
+        views = embeddings.shape[1]
+        if views == 0:
+            raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
+        flat = embeddings.transpose(0, 1).reshape(b * views, embeddings.shape[2])
+    if flat.shape[0] < 2 and not include_self:
+        raise ValueError("supcon_loss needs at least 2 samples (views) when include_self=False: "
+                         "the denominator of a single sample is empty")
+    ids, num_classes = dense_ids(labels)
+    ids = ids.repeat(views)
+    spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=ids, col_labels=ids,
+                    num_classes=num_classes, pos_mode=positives, normalize=normalize)
+    out = run_with_widths(flat, None, scale, spec, reduction, backend, block_size, matryoshka_dims, matryoshka_weights)
+    if reduction == "none" and embeddings.dim() == 3:
+        out = out.reshape(views, b).T
+    return out
+
+
+
+class SupConLoss(LossModule):
+    """Module form of :func:`supcon_loss`; see it for the math and arguments.
+
+    Examples::
+
+        >>> loss_fn = flashcl.SupConLoss(temperature=0.1)
+        >>> loss = loss_fn(torch.randn(8, 16), torch.randint(0, 3, (8,)))
+    """
+
+    def __init__(self, temperature: Scalar = 0.1, positives: str = "mean", include_self: bool = False,
+                 normalize: bool = True, reduction: str = "mean", backend: str = "auto",
+                 block_size: Optional[int] = None, matryoshka_dims: Optional[Sequence[int]] = None,
+                 matryoshka_weights: Optional[Sequence[float]] = None) -> None:
+        super().__init__(temperature=temperature, positives=positives, include_self=include_self,
+                         normalize=normalize, reduction=reduction, backend=backend, block_size=block_size,
+                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
+
+    def forward(self, embeddings: Tensor, labels: Tensor, ref: Optional[Tensor] = None,
+                ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None, **pml: Any) -> Tensor:
+        if isinstance(ref, tuple):  # PML's third positional argument: a miner's indices_tuple
+            pml["indices_tuple"] = ref
+        reject_pml_call("SupConLoss", pml)
+        return supcon_loss(embeddings, labels, ref=ref, ref_labels=ref_labels, ref_self=ref_self,
+                           **self.loss_options())
