@@ -3,11 +3,43 @@ passes them to its function; the guards that turn a peer library's call into an
 error that names the drop-in to use."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict, TypeVar
 
 from torch import nn
 
-__all__ = ["LossModule", "reject_pml_call", "reject_open_clip_keywords"]
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Argument descriptions that several losses share, written once: a docstring
+#: names one as ``@name@`` on a line of its own (:func:`shared_docs` fills it in).
+DOCS: Dict[str, str] = {
+    "backend": """backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
+    Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
+    ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
+    ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
+block_size: rows per block of the tiled backend; None picks one.""",
+    "matryoshka": """matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
+    representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
+    each width normalised on its own, all widths in one pass on the tiled
+    backend. Default: None (the full width only).
+matryoshka_weights: the weights ``w_m`` (default 1 each).""",
+}
+
+
+def shared_docs(fn: F) -> F:
+    """Fills the ``@name@`` lines of ``fn``'s docstring with :data:`DOCS`, indented as the line."""
+    doc = fn.__doc__ or ""
+    lines = []
+    for line in doc.split("\n"):
+        key = line.strip()
+        if key.startswith("@") and key.endswith("@") and key[1:-1] in DOCS:
+            indent = line[:len(line) - len(line.lstrip())]
+            lines += [indent + part for part in DOCS[key[1:-1]].split("\n")]
+        else:
+            lines.append(line)
+    fn.__doc__ = "\n".join(lines)
+    return fn
+
+__all__ = ["LossModule", "reject_pml_call", "reject_open_clip_keywords", "shared_docs", "DOCS"]
 
 PML_ADAPTERS = "flashcl.integrations.pytorch_metric_learning"
 OPEN_CLIP_KEYWORDS = ("local_loss", "gather_with_grad", "cache_labels", "rank", "world_size", "use_horovod",

@@ -13,6 +13,7 @@ Examples::
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -38,6 +39,31 @@ __all__ = [
 REDUCTIONS = ("mean", "sum", "none")
 #: The backends every embedding loss takes (``"auto"`` picks one; see :mod:`flashcl.functional`).
 BACKENDS = ("auto", "reference", "dense", "tiled", "triton")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options every loss takes, checked in one place when made: a loss calls
+    ``Options(normalize, reduction, backend, block_size)`` and every bad value gets
+    a ValueError that names its argument.
+
+    Attributes:
+        normalize: L2-normalise the embeddings first.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``.
+        block_size: rows per block of the tiled backend; None picks one.
+    """
+
+    normalize: bool = True
+    reduction: str = "mean"
+    backend: str = "auto"
+    block_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_bool(self.normalize, "normalize")
+        check_choice(self.reduction, "reduction", REDUCTIONS)
+        check_choice(self.backend, "backend", BACKENDS)
+        check_block(self.block_size)
 
 
 def check_bool(value: object, name: str) -> bool:

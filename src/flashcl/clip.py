@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks, reference
-from .base import LossModule, reject_open_clip_keywords
+from .base import LossModule, reject_open_clip_keywords, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
@@ -24,6 +24,7 @@ from .linear import Linear, Positives
 from .utils import autocast_off
 
 
+@shared_docs
 def clip_loss(
     image_embeds: Tensor,
     text_embeds: Tensor,
@@ -67,16 +68,8 @@ def clip_loss(
         normalize: L2-normalise first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per pair: the mean of its
             row and column terms).
-        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
-            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
-            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
-            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
-        block_size: rows per block of the tiled backend; None picks one.
-        matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
-            representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
-            each width normalised on its own, all widths in one pass on the tiled
-            backend. Default: None (the full width only).
-        matryoshka_weights: the weights ``w_m`` (default 1 each).
+        @backend@
+        @matryoshka@
 
     Shape:
         - image_embeds, text_embeds: (B, D); labels: (B,)
@@ -89,10 +82,7 @@ def clip_loss(
         >>> loss = flashcl.clip_loss(img, txt, 100.0, labels=torch.tensor([0, 1, 1, 2]))
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_choice(backend, "backend", checks.BACKENDS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, backend, block_size)
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
@@ -184,10 +174,7 @@ def siglip_loss(
         >>> loss = flashcl.siglip_loss(img, txt, logit_scale=10.0, logit_bias=-10.0)
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_choice(backend, "backend", checks.BACKENDS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, backend, block_size)
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)

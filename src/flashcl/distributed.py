@@ -28,8 +28,10 @@ collectives use the process group's timeout (``init_process_group(timeout=...)``
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-from typing import Any, List, Optional, Tuple
+import inspect
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,40 @@ def _check_same_call(signature: str, device: torch.device, group: Any) -> None:
     if any(int(t) != digest for t in everyone):
         raise ValueError(f"flashcl.distributed: the ranks made different calls (loss, options, embedding dim "
                          f"or dtype differ); this rank's call: {signature}")
+
+
+def same_call_across_ranks(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """Decorates a loss so that every rank must make the same call: the signature
+    compared across ranks is formed from every argument of the call (all the
+    options; of a tensor, its dtype and its shape past the batch dimension, and of
+    a 0-dim tensor its value), so that no option can be left out of it. Ranks that
+    differ get a ValueError each, not a hang."""
+    params = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Tensor:
+        if not (dist.is_available() and dist.is_initialized()):
+            return fn(*args, **kwargs)  # its checks first, then the error that names the missing group
+        bound = params.bind(*args, **kwargs)
+        bound.apply_defaults()
+        parts, device = [fn.__name__], None
+        for name, value in bound.arguments.items():
+            if name == "group":
+                continue
+            if isinstance(value, Tensor):
+                device = device or value.device
+                detail = f"{float(value.detach()):.12g}" if value.dim() == 0 else str(tuple(value.shape[1:]))
+                parts.append(f"{name}:{value.dtype}:{detail}")
+            elif isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+                parts.append(f"{name}:" + ",".join(f"{v.dtype}:{tuple(v.shape[1:])}" if isinstance(v, Tensor)
+                                                   else repr(v) for v in value))
+            else:
+                parts.append(f"{name}={value!r}")
+        _check_same_call("|".join(parts), device if device is not None else torch.device("cpu"),
+                         bound.arguments.get("group"))
+        return fn(*args, **kwargs)
+
+    return checked
 
 
 def _sizes(n: int, device: torch.device, group: Any) -> List[int]:
@@ -196,6 +232,7 @@ def _check(grad_scale: str, strategy: str) -> None:
     checks.check_choice(strategy, "strategy", _STRATEGIES)
 
 
+@same_call_across_ranks
 def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1, positives: str = "mean",
                 include_self: bool = False, normalize: bool = True, reduction: str = "mean",
                 grad_scale: str = "ddp", strategy: str = "all_gather",
@@ -221,14 +258,10 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1
     embeddings, labels = checks.validate_labelled(embeddings, labels)
     checks.check_choice(positives, "positives", ("mean", "sum"))
     checks.check_bool(include_self, "include_self")
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, "auto", block_size)
     _check(grad_scale, strategy)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device,
                                             compute_dtype(embeddings.dtype))
-    _check_same_call(f"supcon|{embeddings.shape[1]}|{embeddings.dtype}|{positives}|{include_self}|{normalize}|"
-                     f"{reduction}|{grad_scale}|{strategy}|{float(scale.detach()):.12g}", embeddings.device, group)
     return _supcon_core(embeddings, labels, scale, positives, include_self, normalize, reduction, grad_scale,
                         block_size, group, strategy)
 
@@ -249,6 +282,7 @@ def _supcon_core(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: s
                 ring_sizes=sizes if strategy == "ring" else None)
 
 
+@same_call_across_ranks
 def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normalize: bool = True,
                  reduction: str = "mean", grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None,
@@ -265,13 +299,9 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normaliz
         >>> loss = flashcl.distributed.nt_xent_loss(view1, view2, temperature=0.5)  # doctest: +SKIP
     """
     z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, "auto", block_size)
     _check(grad_scale, strategy)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
-    _check_same_call(f"nt_xent|{z1.shape[1]}|{z1.dtype}|{normalize}|{reduction}|{grad_scale}|{strategy}|"
-                     f"{float(scale.detach()):.12g}", z1.device, group)
     n = z1.shape[0]
     pair_offset = sum(_sizes(n, z1.device, group)[:_world(group)[0]])
     ids = (torch.arange(n, device=z1.device) + pair_offset).repeat(2)
@@ -279,6 +309,7 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normaliz
                         block_size, group, strategy)
 
 
+@same_call_across_ranks
 def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None, *,
                   temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
                   grad_scale: str = "ddp", strategy: str = "all_gather",
@@ -295,19 +326,16 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
         >>> loss = flashcl.distributed.info_nce_loss(q_local, docs_local)  # doctest: +SKIP
     """
     index = checks.validate_info_nce(query, keys, positive_index)
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, "auto", block_size)
     _check(grad_scale, strategy)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
-    _check_same_call(f"info_nce|{query.shape[1]}|{query.dtype}|{normalize}|{reduction}|{grad_scale}|{strategy}|"
-                     f"{float(scale.detach()):.12g}", query.device, group)
     k, offset, sizes = _candidates(keys, strategy, group)
     spec = CoreSpec(index=(index.long() + offset).unsqueeze(1), pos_mode="sum", normalize=normalize)
     return _run(query, k, scale, spec, reduction, grad_scale, block_size, group,
                 ring_sizes=sizes if strategy == "ring" else None)
 
 
+@same_call_across_ranks
 def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, *, normalize: bool = True,
               reduction: str = "mean", grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None,
@@ -325,14 +353,10 @@ def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, *,
         >>> loss = flashcl.distributed.clip_loss(img_local, txt_local, model.logit_scale.exp())  # doctest: +SKIP
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, "auto", block_size)
     _check(grad_scale, strategy)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device,
                                       compute_dtype(image_embeds.dtype))
-    _check_same_call(f"clip|{image_embeds.shape[1]}|{image_embeds.dtype}|{normalize}|{reduction}|{grad_scale}|{strategy}|"
-                     f"{float(scale.detach()):.12g}", image_embeds.device, group)
     all_text, offset, sizes = _candidates(text_embeds, strategy, group)
     all_image, _, _ = _candidates(image_embeds, strategy, group)
     ring = sizes if strategy == "ring" else None
@@ -348,6 +372,7 @@ def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, *,
             + _run(text_embeds, all_image, scale, spec, reduction, grad_scale, block_size, group, half, ring))
 
 
+@same_call_across_ranks
 def siglip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, logit_bias: Scalar, *,
                 labels: Optional[Tensor] = None, normalize: bool = False, reduction: str = "mean",
                 normalize_by: str = "global", grad_scale: str = "ddp", strategy: str = "ring", group: Any = None,
@@ -379,10 +404,8 @@ def siglip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, 
         >>> loss = flashcl.distributed.siglip_loss(img_local, txt_local, scale, bias)  # doctest: +SKIP
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.Options(normalize, reduction, "auto", block_size)
     checks.check_choice(normalize_by, "normalize_by", ("global", "local"))
-    checks.check_block(block_size)
     _check(grad_scale, strategy)
     dtype = compute_dtype(image_embeds.dtype)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
@@ -390,9 +413,6 @@ def siglip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, 
     if labels is not None:
         _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
         labels = labels.long()
-    _check_same_call(f"siglip|{image_embeds.shape[1]}|{image_embeds.dtype}|{normalize}|{reduction}|{normalize_by}|"
-                     f"{grad_scale}|{strategy}|{labels is not None}|{float(scale.detach()):.12g}|"
-                     f"{float(bias.detach()):.12g}", image_embeds.device, group)
     rank, world = _world(group)
     texts, offset, sizes = _candidates(text_embeds, strategy, group)
     b = image_embeds.shape[0]

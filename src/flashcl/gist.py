@@ -99,9 +99,7 @@ def gist_loss(
     for flag, flag_name in ((contrast_anchors, "contrast_anchors"), (contrast_positives, "contrast_positives")):
         checks.check_bool(flag, flag_name)
     checks.check_choice(margin_strategy, "margin_strategy", ("absolute", "relative"))
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_choice(backend, "backend", checks.BACKENDS)
-    checks.check_block(block_size)
+    checks.Options(True, reduction, backend, block_size)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
         raise ValueError(f"margin must be a float, got {margin!r}")
     if not isinstance(guide, (tuple, list)) or len(guide) != (2 if negative is None else 3):

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks, reference
-from .base import LossModule
+from .base import LossModule, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
@@ -65,6 +65,7 @@ def _info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, sca
         return reduce_rows(rows, (counts > 0).to(dtype), reduction)
 
 
+@shared_docs
 def info_nce_loss(
     query: Tensor,
     keys: Tensor,
@@ -101,11 +102,7 @@ def info_nce_loss(
         temperature: float or 0-dim tensor. Default: 0.05.
         normalize: L2-normalise first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
-        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
-            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
-            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
-            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
-        block_size: rows per block of the tiled backend; None picks one.
+        @backend@
 
         negatives: (K, D) more negatives without gradient (a queue,
             :class:`flashcl.MemoryBank`: MoCo's), in every row's denominator.
@@ -118,11 +115,7 @@ def info_nce_loss(
         duplicates: what becomes of those keys: ``"mask"`` (default): left out of
             the denominator; ``"positive"``: positives, the loss subtracting the mean
             of the positives' scores (as SupCon).
-        matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
-            representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
-            each width normalised on its own, all widths in one pass on the tiled
-            backend. Default: None (the full width only).
-        matryoshka_weights: the weights ``w_m`` (default 1 each).
+        @matryoshka@
 
     Shape:
         - query: (B, D); keys: (N, D); positive_index: (B,); negatives: (K, D);
@@ -136,10 +129,7 @@ def info_nce_loss(
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05, matryoshka_dims=[16, 8, 4])
     """
     index = checks.validate_info_nce(query, keys, positive_index)
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_choice(backend, "backend", checks.BACKENDS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, backend, block_size)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))

@@ -69,9 +69,7 @@ def neighbor_loss(
     checks.check_float_tensor(scores, "scores", (2,))
     neighbors = checks.check_index_tensor(neighbors, "neighbors")
     checks.check_bool(exclude_diagonal, "exclude_diagonal")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_choice(backend, "backend", checks.BACKENDS)
-    checks.check_block(block_size)
+    checks.Options(True, reduction, backend, block_size)
     n = scores.shape[0]
     if scores.shape[1] != n:
         raise ValueError(f"scores must be square (n, n), got shape {tuple(scores.shape)}")

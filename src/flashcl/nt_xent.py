@@ -93,10 +93,7 @@ def nt_xent_loss(
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, decoupled=True, weighting="vmf")
     """
     z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_choice(backend, "backend", checks.BACKENDS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, backend, block_size)
     checks.check_choice(estimator, "estimator", ("standard", "debiased", "hard"))
     checks.check_bool(decoupled, "decoupled")
     if weighting is not None:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks, reference
-from .base import LossModule, reject_pml_call
+from .base import LossModule, reject_pml_call, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
@@ -80,6 +80,7 @@ def _supcon_with_ref(embeddings: Tensor, labels: Tensor, scale: Tensor, positive
         return reduce_rows(rows, valid.to(dtype), reduction)
 
 
+@shared_docs
 def supcon_loss(
     embeddings: Tensor,
     labels: Tensor,
@@ -130,11 +131,7 @@ def supcon_loss(
         include_self: keep ``j = i`` in the denominator. Default: False.
         normalize: L2-normalise the embeddings first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-anchor losses).
-        backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
-            Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
-            ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |
-            ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
-        block_size: rows per block of the tiled backend; None picks one.
+        @backend@
 
         ref: (N, D) keys without gradient (a queue, :class:`flashcl.MemoryBank`):
             each anchor is contrasted with the batch itself and with these keys
@@ -145,11 +142,7 @@ def supcon_loss(
             returns them): then the anchors are contrasted with ``ref`` only, each
             anchor's own entry left out (pytorch-metric-learning's
             ``CrossBatchMemory``); -1 for an anchor not in it.
-        matryoshka_dims: prefix widths ``d_m`` of the embeddings (Matryoshka
-            representation learning): the loss becomes ``sum_m w_m loss(x[..., :d_m])``,
-            each width normalised on its own, all widths in one pass on the tiled
-            backend. Default: None (the full width only).
-        matryoshka_weights: the weights ``w_m`` (default 1 each).
+        @matryoshka@
 
     Shape:
         - embeddings: (B, D) or (B, V, D)
@@ -166,10 +159,7 @@ def supcon_loss(
     embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3))
     checks.check_choice(positives, "positives", ("mean", "sum"))
     checks.check_bool(include_self, "include_self")
-    checks.check_bool(normalize, "normalize")
-    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
-    checks.check_choice(backend, "backend", checks.BACKENDS)
-    checks.check_block(block_size)
+    checks.Options(normalize, reduction, backend, block_size)
     b = embeddings.shape[0]
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
     if ref is not None or ref_labels is not None or ref_self is not None:
