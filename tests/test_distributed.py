@@ -33,10 +33,16 @@ def _shard(sizes: List[int], rank: int) -> slice:
     return slice(start, start + sizes[rank])
 
 
-def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Tensor, dist_mode: bool,
+MODES = ("distributed", "process_group")
+
+
+def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Tensor, mode: str,
            strategy: str = "all_gather") -> Dict[str, Any]:
-    """name -> (function of the differentiable inputs, the inputs): distributed on a
-    shard, or single-process on the whole batch."""
+    """name -> (function of the differentiable inputs, the inputs): on a shard through
+    ``flashcl.distributed`` (mode "distributed") or through the losses'
+    ``process_group=`` (mode "process_group"), or single-process on the whole batch
+    (mode "single")."""
+    dist_mode = mode != "single"
     sl = _shard(sizes, rank) if dist_mode else slice(None)
     emb, labels, z2 = d["emb"][sl], d["labels"][sl], d["z2"][sl]
     # keys: each rank owns twice its queries' count (its positives + hard negatives)
@@ -47,8 +53,10 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
     else:
         keys = d["keys"][: 2 * sum(sizes)]
         pos = torch.cat([torch.arange(s) * 2 + 2 * sum(sizes[:r]) for r, s in enumerate(sizes)])
-    lib = flashcl.distributed if dist_mode else flashcl
+    lib = flashcl.distributed if mode == "distributed" else flashcl
     kw: Dict[str, Any] = {"grad_scale": "sum", "strategy": strategy} if dist_mode else {"backend": "reference"}
+    if mode == "process_group":
+        kw["process_group"] = dist.group.WORLD
     return {
         "supcon": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
         "supcon_seed2_sum": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, positives="sum",
@@ -56,6 +64,7 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
         "nt_xent": (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, **kw), [emb, z2, t]),
         "info_nce_hard": (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "clip": (lambda a, b, s: lib.clip_loss(a, b, s, **kw), [emb, z2, 1.0 / t]),
+        "siglip": (lambda a, b, s: lib.siglip_loss(a, b, s, -1.0, **kw), [emb, z2, 1.0 / t]),
     }
 
 
@@ -68,12 +77,13 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     d = _data(sum(sizes))
     results: Dict[str, Any] = {}
     t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    for strategy in ("all_gather", "ring"):
-        for name, (fn, inputs) in _cases(d, sizes, rank, t, True, strategy).items():
-            inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
-            loss = fn(*inputs)
-            grads = torch.autograd.grad(loss, inputs)
-            results[(strategy, name)] = (loss.detach(), [g.detach() for g in grads])
+    for mode in MODES:
+        for strategy in ("all_gather", "ring"):
+            for name, (fn, inputs) in _cases(d, sizes, rank, t, mode, strategy).items():
+                inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+                loss = fn(*inputs)
+                grads = torch.autograd.grad(loss, inputs)
+                results[(mode, strategy, name)] = (loss.detach(), [g.detach() for g in grads])
     # under DistributedDataParallel with the "ddp" convention: the averaged parameter
     # gradient is the single-process gradient of the loss over the whole batch
     torch.manual_seed(0)
@@ -111,13 +121,13 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
     sizes = SIZES[world]
     d = _data(sum(sizes))
     t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    for (strategy, name), (fn, inputs) in [((st, nm), c) for st in ("all_gather", "ring")
-                                            for nm, c in _cases(d, sizes, 0, t, False).items()]:
+    for (mode, strategy, name), (fn, inputs) in [((md, st, nm), c) for md in MODES for st in ("all_gather", "ring")
+                                                  for nm, c in _cases(d, sizes, 0, t, "single").items()]:
         inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
         loss = fn(*inputs)
         grads = torch.autograd.grad(loss, inputs)
-        key = (strategy, name)
-        name = f"{strategy}/{name}"
+        key = (mode, strategy, name)
+        name = f"{mode}/{strategy}/{name}"
         total = sum(r[key][0] for r in ranks)
         assert_close(total, loss, f"{name}: sum of rank losses vs one process", *TOL)
         # embeddings: each rank's gradient is its rows of the single-process gradient
@@ -127,7 +137,7 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
             if name.endswith("info_nce_hard"):
                 ks = _shard([2 * s for s in sizes], r)
                 assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
-            elif name.endswith(("nt_xent", "clip")):
+            elif name.endswith(("nt_xent", "clip", "siglip")):
                 assert_close(got[1], grads[1][_shard(sizes, r)], f"{name}: rank {r} second input grad", *TOL)
         # the temperature (or logit scale, the last input) is replicated: its gradient sums over ranks
         t_got = sum(r[key][1][-1] for r in ranks)

@@ -13,6 +13,7 @@ from .base import LossModule, reject_open_clip_keywords, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
+    check_across_ranks,
     dense_ids,
     run_with_widths,
     scale_dtype,
@@ -38,6 +39,9 @@ def clip_loss(
     block_size: Optional[int] = None,
     matryoshka_dims: Optional[Sequence[int]] = None,
     matryoshka_weights: Optional[Sequence[float]] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
 ) -> Tensor:
     r"""The symmetric CLIP loss (open_clip's ``ClipLoss`` on one process).
 
@@ -70,6 +74,7 @@ def clip_loss(
             row and column terms).
         @backend@
         @matryoshka@
+        @process_group@
 
     Shape:
         - image_embeds, text_embeds: (B, D); labels: (B,)
@@ -83,6 +88,16 @@ def clip_loss(
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     checks.Options(normalize, reduction, backend, block_size)
+    if process_group is not None:
+        check_across_ranks("clip_loss", strategy, grad_scale, labels=labels is not None,
+                           logit_bias=logit_bias is not None,
+                           matryoshka_dims=matryoshka_dims is not None or matryoshka_weights is not None,
+                           backend=backend != "auto")
+        from . import distributed
+
+        return distributed.clip_loss(image_embeds, text_embeds, logit_scale, normalize=normalize, reduction=reduction,
+                                     grad_scale=grad_scale, strategy=strategy, group=process_group,
+                                     block_size=block_size)
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
@@ -122,6 +137,7 @@ def siglip_problem(b: int, n: int, labels: Optional[Tensor], device: torch.devic
     return Problem(head, (Linear(pos, torch.ones(b, dtype=dtype, device=device)),), normalize)
 
 
+@shared_docs
 def siglip_loss(
     image_embeds: Tensor,
     text_embeds: Tensor,
@@ -133,6 +149,9 @@ def siglip_loss(
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
+    process_group: Any = None,
+    strategy: str = "ring",
+    grad_scale: str = "ddp",
 ) -> Tensor:
     r"""The sigmoid loss of SigLIP (Zhai et al., 2023; open_clip's ``SigLipLoss`` on one process).
 
@@ -162,6 +181,7 @@ def siglip_loss(
             ``"reference"`` (per-image loops) | ``"dense"`` (the B x B logits) |
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels).
         block_size: rows per block of the tiled backend; None picks one.
+        @process_group@
 
     Shape:
         - image_embeds, text_embeds: (B, D); labels: (B,)
@@ -175,6 +195,13 @@ def siglip_loss(
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     checks.Options(normalize, reduction, backend, block_size)
+    if process_group is not None:
+        check_across_ranks("siglip_loss", strategy, grad_scale, backend=backend != "auto")
+        from . import distributed
+
+        return distributed.siglip_loss(image_embeds, text_embeds, logit_scale, logit_bias, labels=labels,
+                                       normalize=normalize, reduction=reduction, grad_scale=grad_scale,
+                                       strategy=strategy, group=process_group, block_size=block_size)
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
@@ -210,10 +237,12 @@ class ClipLoss(LossModule):
 
     def __init__(self, normalize: bool = True, reduction: str = "mean", backend: str = "auto",
                  block_size: Optional[int] = None, matryoshka_dims: Optional[Sequence[int]] = None,
-                 matryoshka_weights: Optional[Sequence[float]] = None, **open_clip: Any) -> None:
+                 matryoshka_weights: Optional[Sequence[float]] = None, process_group: Any = None,
+                 strategy: str = "all_gather", grad_scale: str = "ddp", **open_clip: Any) -> None:
         reject_open_clip_keywords("ClipLoss", open_clip)
         super().__init__(normalize=normalize, reduction=reduction, backend=backend, block_size=block_size,
-                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
+                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
+                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar,
                 logit_bias: Optional[Scalar] = None, output_dict: bool = False,
@@ -235,9 +264,11 @@ class SigLipLoss(LossModule):
     """
 
     def __init__(self, normalize: bool = False, reduction: str = "mean", backend: str = "auto",
-                 block_size: Optional[int] = None, **open_clip: Any) -> None:
+                 block_size: Optional[int] = None, process_group: Any = None, strategy: str = "ring",
+                 grad_scale: str = "ddp", **open_clip: Any) -> None:
         reject_open_clip_keywords("SigLipLoss", open_clip)
-        super().__init__(normalize=normalize, reduction=reduction, backend=backend, block_size=block_size)
+        super().__init__(normalize=normalize, reduction=reduction, backend=backend, block_size=block_size,
+                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar, logit_bias: Scalar,
                 labels: Optional[Tensor] = None, output_dict: bool = False) -> Union[Tensor, Dict[str, Tensor]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -12,6 +12,7 @@ from .base import LossModule, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
+    check_across_ranks,
     check_keys,
     class_ids,
     no_matryoshka,
@@ -83,6 +84,9 @@ def info_nce_loss(
     duplicates: str = "mask",
     matryoshka_dims: Optional[Sequence[int]] = None,
     matryoshka_weights: Optional[Sequence[float]] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
 ) -> Tensor:
     r"""InfoNCE with in-batch negatives and optional extra hard negatives.
 
@@ -116,6 +120,7 @@ def info_nce_loss(
             the denominator; ``"positive"``: positives, the loss subtracting the mean
             of the positives' scores (as SupCon).
         @matryoshka@
+        @process_group@
 
     Shape:
         - query: (B, D); keys: (N, D); positive_index: (B,); negatives: (K, D);
@@ -130,6 +135,17 @@ def info_nce_loss(
     """
     index = checks.validate_info_nce(query, keys, positive_index)
     checks.Options(normalize, reduction, backend, block_size)
+    if process_group is not None:
+        check_across_ranks("info_nce_loss", strategy, grad_scale, negatives=negatives is not None,
+                           in_batch_negatives=not in_batch_negatives,
+                           query_labels=query_labels is not None or key_labels is not None,
+                           matryoshka_dims=matryoshka_dims is not None or matryoshka_weights is not None,
+                           backend=backend != "auto")
+        from . import distributed
+
+        return distributed.info_nce_loss(query, keys, positive_index, temperature=temperature, normalize=normalize,
+                                         reduction=reduction, grad_scale=grad_scale, strategy=strategy,
+                                         group=process_group, block_size=block_size)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
@@ -175,10 +191,12 @@ class InfoNCELoss(LossModule):
     def __init__(self, temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
                  backend: str = "auto", block_size: Optional[int] = None, in_batch_negatives: bool = True,
                  duplicates: str = "mask", matryoshka_dims: Optional[Sequence[int]] = None,
-                 matryoshka_weights: Optional[Sequence[float]] = None) -> None:
+                 matryoshka_weights: Optional[Sequence[float]] = None,
+                 process_group: Any = None, strategy: str = "all_gather", grad_scale: str = "ddp") -> None:
         super().__init__(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
                          block_size=block_size, in_batch_negatives=in_batch_negatives, duplicates=duplicates,
-                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
+                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
+                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
 
     def forward(self, query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None,
                 negatives: Optional[Tensor] = None, query_labels: Optional[Tensor] = None,

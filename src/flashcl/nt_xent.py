@@ -9,10 +9,11 @@ import torch
 from torch import Tensor
 
 from . import backends, checks, reference
-from .base import PML_ADAPTERS, LossModule, reject_pml_call
+from .base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
+    check_across_ranks,
     run_core,
     scale_dtype,
     unit_rows,
@@ -23,6 +24,7 @@ from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
 
+@shared_docs
 def nt_xent_loss(
     z1: Tensor,
     z2: Tensor,
@@ -38,6 +40,9 @@ def nt_xent_loss(
     decoupled: bool = False,
     weighting: Optional[str] = None,
     sigma: float = 0.5,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
 ) -> Tensor:
     r"""NT-Xent (SimCLR; unsupervised SimCSE): two views, each other's positive.
 
@@ -74,6 +79,7 @@ def nt_xent_loss(
             ``"tiled"`` (row blocks, O(B) memory) | ``"triton"`` (GPU kernels; not
             for the debiased and hard estimators).
         block_size: rows per block of the tiled backend; None picks one.
+        @process_group@
         estimator: ``"standard"`` | ``"debiased"`` | ``"hard"``.
         tau_plus: the class prior of a false negative, in [0, 1). Default: 0.1.
         beta: the hardness of ``"hard"``, >= 0. Default: 1.0.
@@ -106,6 +112,14 @@ def nt_xent_loss(
             raise ValueError(f"{name} must be a float in [{low}, {high}), got {value!r}")
     if sigma <= 0:
         raise ValueError(f"sigma must be > 0, got {sigma!r}")
+    if process_group is not None:
+        check_across_ranks("nt_xent_loss", strategy, grad_scale, estimator=estimator != "standard",
+                           decoupled=decoupled, backend=backend != "auto")
+        from . import distributed
+
+        return distributed.nt_xent_loss(z1, z2, temperature=temperature, normalize=normalize, reduction=reduction,
+                                        grad_scale=grad_scale, strategy=strategy, group=process_group,
+                                        block_size=block_size)
     if estimator != "standard" and decoupled:
         raise ValueError("the debiased and hard estimators reweigh the negatives of the standard denominator: "
                          "use them with decoupled=False")
@@ -160,10 +174,12 @@ class NTXentLoss(LossModule):
     def __init__(self, temperature: Scalar = 0.07, normalize: bool = True, reduction: str = "mean",
                  backend: str = "auto", block_size: Optional[int] = None, estimator: str = "standard",
                  tau_plus: float = 0.1, beta: float = 1.0, decoupled: bool = False, weighting: Optional[str] = None,
-                 sigma: float = 0.5) -> None:
+                 sigma: float = 0.5,
+                 process_group: Any = None, strategy: str = "all_gather", grad_scale: str = "ddp") -> None:
         super().__init__(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
                          block_size=block_size, estimator=estimator, tau_plus=tau_plus, beta=beta,
-                         decoupled=decoupled, weighting=weighting, sigma=sigma)
+                         decoupled=decoupled, weighting=weighting, sigma=sigma,
+                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
 
     def forward(self, z1: Tensor, z2: Tensor, **pml: Any) -> Tensor:
         reject_pml_call("NTXentLoss", pml)

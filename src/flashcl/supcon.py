@@ -13,6 +13,7 @@ from .base import LossModule, reject_pml_call, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
+    check_across_ranks,
     check_keys,
     class_ids,
     dense_ids,
@@ -97,6 +98,9 @@ def supcon_loss(
     ref_self: Optional[Tensor] = None,
     matryoshka_dims: Optional[Sequence[int]] = None,
     matryoshka_weights: Optional[Sequence[float]] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
 ) -> Tensor:
     r"""Supervised contrastive loss: samples with the same label are positives.
 
@@ -143,6 +147,7 @@ def supcon_loss(
             anchor's own entry left out (pytorch-metric-learning's
             ``CrossBatchMemory``); -1 for an anchor not in it.
         @matryoshka@
+        @process_group@
 
     Shape:
         - embeddings: (B, D) or (B, V, D)
@@ -160,6 +165,17 @@ def supcon_loss(
     checks.check_choice(positives, "positives", ("mean", "sum"))
     checks.check_bool(include_self, "include_self")
     checks.Options(normalize, reduction, backend, block_size)
+    if process_group is not None:
+        check_across_ranks("supcon_loss", strategy, grad_scale,
+                           ref=ref is not None or ref_labels is not None or ref_self is not None,
+                           matryoshka_dims=matryoshka_dims is not None or matryoshka_weights is not None,
+                           backend=backend != "auto", **{"3-D embeddings (several views)": embeddings.dim() == 3})
+        from . import distributed
+
+        return distributed.supcon_loss(embeddings, labels, temperature=temperature, positives=positives,
+                                       include_self=include_self, normalize=normalize, reduction=reduction,
+                                       grad_scale=grad_scale, strategy=strategy, group=process_group,
+                                       block_size=block_size)
     b = embeddings.shape[0]
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
     if ref is not None or ref_labels is not None or ref_self is not None:
@@ -199,10 +215,12 @@ class SupConLoss(LossModule):
     def __init__(self, temperature: Scalar = 0.1, positives: str = "mean", include_self: bool = False,
                  normalize: bool = True, reduction: str = "mean", backend: str = "auto",
                  block_size: Optional[int] = None, matryoshka_dims: Optional[Sequence[int]] = None,
-                 matryoshka_weights: Optional[Sequence[float]] = None) -> None:
+                 matryoshka_weights: Optional[Sequence[float]] = None,
+                 process_group: Any = None, strategy: str = "all_gather", grad_scale: str = "ddp") -> None:
         super().__init__(temperature=temperature, positives=positives, include_self=include_self,
                          normalize=normalize, reduction=reduction, backend=backend, block_size=block_size,
-                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
+                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
+                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
 
     def forward(self, embeddings: Tensor, labels: Tensor, ref: Optional[Tensor] = None,
                 ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None, **pml: Any) -> Tensor:

@@ -1,0 +1,53 @@
+"""The public layer: every Module twin stores its function's options; options a
+loss does not take across processes yet are errors, not ignored."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+import flashcl
+
+TWINS = [(flashcl.SupConLoss, flashcl.supcon_loss), (flashcl.NTXentLoss, flashcl.nt_xent_loss),
+         (flashcl.InfoNCELoss, flashcl.info_nce_loss), (flashcl.ClipLoss, flashcl.clip_loss),
+         (flashcl.SigLipLoss, flashcl.siglip_loss), (flashcl.GistLoss, flashcl.gist_loss),
+         (flashcl.NeighborLoss, flashcl.neighbor_loss)]
+
+
+@pytest.mark.parametrize("module,fn", TWINS, ids=[m.__name__ for m, _ in TWINS])
+def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
+    """Each keyword option of the function is a constructor argument of its Module
+    with the same default (the inputs and the per-call tensors are the call's)."""
+    options = {name: p.default for name, p in inspect.signature(fn).parameters.items()
+               if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+    per_call = {"ref", "ref_labels", "ref_self", "negatives", "query_labels", "key_labels", "labels", "guide"}
+    twin = {name: p.default for name, p in inspect.signature(module).parameters.items() if p.kind is not p.VAR_KEYWORD}
+    for name, default in options.items():
+        if name in per_call:
+            continue
+        assert name in twin, f"{module.__name__} lacks {name}"
+        assert twin[name] == default, f"{module.__name__}.{name}: {twin[name]!r} != {default!r}"
+    assert set(module().loss_options()) == set(twin)
+
+
+UNSUPPORTED = [
+    ("ref", lambda g: flashcl.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), ref=torch.randn(2, 3),
+                                          ref_labels=torch.tensor([0, 1]), process_group=g)),
+    ("matryoshka_dims", lambda g: flashcl.info_nce_loss(torch.randn(4, 8), torch.randn(4, 8),
+                                                        matryoshka_dims=[4, 8], process_group=g)),
+    ("estimator", lambda g: flashcl.nt_xent_loss(torch.randn(4, 3), torch.randn(4, 3), estimator="hard",
+                                                 process_group=g)),
+    ("labels", lambda g: flashcl.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0,
+                                           labels=torch.tensor([0, 0, 1, 1]), process_group=g)),
+    ("strategy", lambda g: flashcl.siglip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree",
+                                               process_group=g)),
+]
+
+
+@pytest.mark.parametrize("option,call", UNSUPPORTED, ids=[o for o, _ in UNSUPPORTED])
+def test_options_not_taken_across_processes_are_errors(option: str, call: Any) -> None:
+    # checked before any collective: no process group is needed to see the error
+    with pytest.raises(ValueError, match=option):
+        call(object())
