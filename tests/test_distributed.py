@@ -25,6 +25,10 @@ def _data(total: int) -> Dict[str, torch.Tensor]:
         "labels": torch.randint(0, 4, (total,), generator=g),
         "z2": torch.randn(total, 6, dtype=torch.float64, generator=g),
         "keys": torch.randn(2 * total, 6, dtype=torch.float64, generator=g),
+        # a queue (a MemoryBank's contents), the same on every rank, and each row's slot in it
+        "ref": torch.randn(11, 6, dtype=torch.float64, generator=g),
+        "ref_labels": torch.randint(0, 4, (11,), generator=g),
+        "ref_self": torch.where(torch.arange(total) % 4 == 3, -1, torch.arange(total) % 11),
     }
 
 
@@ -57,7 +61,7 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
     kw: Dict[str, Any] = {"grad_scale": "sum", "strategy": strategy} if dist_mode else {"backend": "reference"}
     if mode == "process_group":
         kw["process_group"] = dist.group.WORLD
-    return {
+    cases = {
         "supcon": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
         "supcon_seed2_sum": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, positives="sum",
                                                            include_self=True, reduction="sum", **kw), [emb, t]),
@@ -66,6 +70,14 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
         "clip": (lambda a, b, s: lib.clip_loss(a, b, s, **kw), [emb, z2, 1.0 / t]),
         "siglip": (lambda a, b, s: lib.siglip_loss(a, b, s, -1.0, **kw), [emb, z2, 1.0 / t]),
     }
+    if strategy == "all_gather":  # a queue's keys across processes: gathered strategy only
+        ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
+        cases["supcon_ref"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref, ref_labels=ref_labels,
+                                                             **kw), [emb, t])
+        cases["supcon_ref_self"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref,
+                                                                  ref_labels=ref_labels, ref_self=ref_self, **kw),
+                                    [emb, t])
+    return cases
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
@@ -100,6 +112,13 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         results["mismatch"] = "no error"
     except ValueError as err:
         results["mismatch"] = str(err)
+    # a queue must be the same on every rank: one that differs is a ValueError on every rank
+    try:
+        flashcl.supcon_loss(e, d["labels"][_shard(sizes, rank)], ref=d["ref"] + 1e-3 * rank,
+                            ref_labels=d["ref_labels"], process_group=dist.group.WORLD)
+        results["ref_mismatch"] = "no error"
+    except ValueError as err:
+        results["ref_mismatch"] = str(err)
     # second derivatives: a clear error on every rank, for both strategies, never a wrong number
     for strategy in ("all_gather", "ring"):
         x = d["emb"][_shard(sizes, rank)].clone().requires_grad_(True)
@@ -122,7 +141,7 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
     d = _data(sum(sizes))
     t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for (mode, strategy, name), (fn, inputs) in [((md, st, nm), c) for md in MODES for st in ("all_gather", "ring")
-                                                  for nm, c in _cases(d, sizes, 0, t, "single").items()]:
+                                                  for nm, c in _cases(d, sizes, 0, t, "single", st).items()]:
         inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
         loss = fn(*inputs)
         grads = torch.autograd.grad(loss, inputs)
@@ -147,6 +166,7 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
     assert_close(ddp_mean, single, "ddp convention: mean over ranks = global loss", *TOL)
     for r in range(world):
         assert "different calls" in ranks[r]["mismatch"], ranks[r]["mismatch"]
+        assert "different calls" in ranks[r]["ref_mismatch"], ranks[r]["ref_mismatch"]
         for strategy in ("all_gather", "ring"):
             assert "second derivatives" in ranks[r][f"double_{strategy}"], ranks[r][f"double_{strategy}"]
     torch.manual_seed(0)

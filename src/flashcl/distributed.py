@@ -39,6 +39,7 @@ from torch import Tensor
 
 from . import backends, checks, engine
 from .core import CoreSpec
+from .dispatch import class_ids
 from .engine import Driver, Operands, Problem
 from .functional import Scalar, siglip_problem
 from .heads import Head, Tile
@@ -71,6 +72,10 @@ def _check_same_call(signature: str, device: torch.device, group: Any) -> None:
                          f"or dtype differ); this rank's call: {signature}")
 
 
+#: inputs that every rank passes alike (a queue's keys and their labels): compared by value
+SHARED_INPUTS = ("ref", "ref_labels", "negatives")
+
+
 def same_call_across_ranks(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """Decorates a loss so that every rank must make the same call: the signature
     compared across ranks is formed from every argument of the call (all the
@@ -92,6 +97,9 @@ def same_call_across_ranks(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
             if isinstance(value, Tensor):
                 device = device or value.device
                 detail = f"{float(value.detach()):.12g}" if value.dim() == 0 else str(tuple(value.shape[1:]))
+                if name in SHARED_INPUTS:  # the same on every rank: its size and a fingerprint of its values
+                    v = value.detach().double()
+                    detail = f"{tuple(value.shape)}:{float(v.sum()):.12g}:{float((v * v).sum()):.12g}"
                 parts.append(f"{name}:{value.dtype}:{detail}")
             elif isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
                 parts.append(f"{name}:" + ",".join(f"{v.dtype}:{tuple(v.shape[1:])}" if isinstance(v, Tensor)
@@ -236,12 +244,19 @@ def _check(grad_scale: str, strategy: str) -> None:
 def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1, positives: str = "mean",
                 include_self: bool = False, normalize: bool = True, reduction: str = "mean",
                 grad_scale: str = "ddp", strategy: str = "all_gather",
-                group: Any = None, block_size: Optional[int] = None) -> Tensor:
+                group: Any = None, block_size: Optional[int] = None, ref: Optional[Tensor] = None,
+                ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None) -> Tensor:
     """:func:`flashcl.supcon_loss` over the global batch (see the module docstring).
 
     Args:
         embeddings: (B_rank, D) this rank's samples (batch sizes may differ by rank).
         labels: (B_rank,) their labels; positives are found on every rank.
+        ref, ref_labels: keys without gradient (a :class:`flashcl.MemoryBank`'s
+            contents), the same on every rank: they enter the global loss once
+            (``strategy="all_gather"``). Ranks that pass different ones get a
+            ValueError.
+        ref_self: (B_rank,) each of this rank's rows' slot in ``ref`` (the queue
+            holds the batch: the columns are the queue's), or -1.
         grad_scale: ``"ddp"`` (default) or ``"sum"``; see the module docstring.
         group: the process group (default: the world).
         other arguments: as :func:`flashcl.supcon_loss`.
@@ -262,17 +277,34 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1
     _check(grad_scale, strategy)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device,
                                             compute_dtype(embeddings.dtype))
+    if ref is not None or ref_labels is not None or ref_self is not None:
+        from .supcon import validate_ref
+
+        if strategy == "ring":
+            raise ValueError("supcon_loss with ref across processes takes strategy='all_gather'")
+        ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
+        if ref_self is not None:  # the queue holds the batch: its columns are the queue's, the same on every rank
+            (row_ids, col_ids), num_classes = class_ids(labels, ref_labels)
+            spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=row_ids, col_labels=col_ids,
+                            num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self)
+            return _run(embeddings, ref, scale, spec, reduction, grad_scale, block_size, group)
     return _supcon_core(embeddings, labels, scale, positives, include_self, normalize, reduction, grad_scale,
-                        block_size, group, strategy)
+                        block_size, group, strategy, ref, ref_labels)
 
 
 def _supcon_core(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
                  normalize: bool, reduction: str, grad_scale: str, block_size: Optional[int], group: Any,
-                 strategy: str) -> Tensor:
+                 strategy: str, ref: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
+    """The global batch's SupCon; with ``ref`` (all_gather only), the queue's keys
+    as further columns after the gathered batch."""
     k, offset, sizes = _candidates(embeddings, strategy, group)
     all_labels = _all_gather_plain(labels.long(), group)
-    if all_labels.shape[0] < 2 and not include_self:
+    if all_labels.shape[0] < 2 and not include_self and ref is None:
         raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
+    if ref is not None:
+        assert ref_labels is not None
+        k = torch.cat([k, ref])
+        all_labels = torch.cat([all_labels, ref_labels.long()])
     uniq, ids = torch.unique(all_labels, return_inverse=True)
     ids = ids.reshape(-1)
     spec = CoreSpec(exclude_self=not include_self, self_pairs=True, offset=offset,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -30,10 +30,9 @@ from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
 
-def _supcon_with_ref(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
-                     normalize: bool, reduction: str, backend: str, block_size: Optional[int],
-                     ref: Optional[Tensor], ref_labels: Optional[Tensor], ref_self: Optional[Tensor]) -> Tensor:
-    """:func:`supcon_loss` with keys without gradient (see its ``ref`` arguments)."""
+def validate_ref(embeddings: Tensor, ref: Optional[Tensor], ref_labels: Optional[Tensor],
+                 ref_self: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(ref detached, ref_labels, ref_self as int64 or None), checked against the embeddings."""
     if embeddings.dim() != 2:
         raise ValueError(f"ref takes 2-D embeddings (B, D), got shape {tuple(embeddings.shape)}")
     if ref is None:
@@ -43,8 +42,6 @@ def _supcon_with_ref(embeddings: Tensor, labels: Tensor, scale: Tensor, positive
         raise ValueError("ref_labels is None: the keys of ref need their labels")
     ref, ref_labels = checks.validate_labelled(ref, ref_labels, names=("ref", "ref_labels"))
     b, n = embeddings.shape[0], ref.shape[0]
-    (row_ids, col_ids), num_classes = class_ids(labels, ref_labels)
-    dtype = compute_dtype(embeddings.dtype)
     if ref_self is not None:
         ref_self = checks.check_index_tensor(ref_self, "ref_self")
         if ref_self.shape != (b,):
@@ -52,8 +49,21 @@ def _supcon_with_ref(embeddings: Tensor, labels: Tensor, scale: Tensor, positive
         checks.same_device(ref_self, embeddings, "ref_self", "embeddings")
         if bool(((ref_self < -1) | (ref_self >= n)).any()):
             raise ValueError(f"ref_self values must be rows of ref in [0, {n}), or -1")
+        ref_self = ref_self.long()
+    return ref, ref_labels, ref_self
+
+
+def _supcon_with_ref(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
+                     normalize: bool, reduction: str, backend: str, block_size: Optional[int],
+                     ref: Optional[Tensor], ref_labels: Optional[Tensor], ref_self: Optional[Tensor]) -> Tensor:
+    """:func:`supcon_loss` with keys without gradient (see its ``ref`` arguments)."""
+    ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
+    b, n = embeddings.shape[0], ref.shape[0]
+    (row_ids, col_ids), num_classes = class_ids(labels, ref_labels)
+    dtype = compute_dtype(embeddings.dtype)
+    if ref_self is not None:
         spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=row_ids, col_labels=col_ids,
-                        num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self.long())
+                        num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self)
         return run_core(embeddings, ref, scale, spec, reduction, backend, block_size)
     name = backends.resolve(backend, b * (b + n), embeddings.device, embeddings.dtype, embeddings.shape[1])
     if name == "reference":
@@ -166,16 +176,17 @@ def supcon_loss(
     checks.check_bool(include_self, "include_self")
     checks.Options(normalize, reduction, backend, block_size)
     if process_group is not None:
+        queue = ref is not None or ref_labels is not None or ref_self is not None
         check_across_ranks("supcon_loss", strategy, grad_scale,
-                           ref=ref is not None or ref_labels is not None or ref_self is not None,
                            matryoshka_dims=matryoshka_dims is not None or matryoshka_weights is not None,
-                           backend=backend != "auto", **{"3-D embeddings (several views)": embeddings.dim() == 3})
+                           backend=backend != "auto", **{"3-D embeddings (several views)": embeddings.dim() == 3,
+                                                         "ref with strategy='ring'": queue and strategy == "ring"})
         from . import distributed
 
         return distributed.supcon_loss(embeddings, labels, temperature=temperature, positives=positives,
                                        include_self=include_self, normalize=normalize, reduction=reduction,
                                        grad_scale=grad_scale, strategy=strategy, group=process_group,
-                                       block_size=block_size)
+                                       block_size=block_size, ref=ref, ref_labels=ref_labels, ref_self=ref_self)
     b = embeddings.shape[0]
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
     if ref is not None or ref_labels is not None or ref_self is not None:
