@@ -29,6 +29,7 @@ def _data(total: int) -> Dict[str, torch.Tensor]:
         "ref": torch.randn(11, 6, dtype=torch.float64, generator=g),
         "ref_labels": torch.randint(0, 4, (11,), generator=g),
         "ref_self": torch.where(torch.arange(total) % 4 == 3, -1, torch.arange(total) % 11),
+        "negatives": torch.randn(9, 6, dtype=torch.float64, generator=g),
     }
 
 
@@ -70,7 +71,12 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
         "clip": (lambda a, b, s: lib.clip_loss(a, b, s, **kw), [emb, z2, 1.0 / t]),
         "siglip": (lambda a, b, s: lib.siglip_loss(a, b, s, -1.0, **kw), [emb, z2, 1.0 / t]),
     }
+    negatives = d["negatives"]
+    cases["info_nce_moco"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives,
+                                                                  in_batch_negatives=False, **kw), [emb, keys, t])
     if strategy == "all_gather":  # a queue's keys across processes: gathered strategy only
+        cases["info_nce_negatives"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
+                                                                           negatives=negatives, **kw), [emb, keys, t])
         ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
         cases["supcon_ref"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref, ref_labels=ref_labels,
                                                              **kw), [emb, t])
@@ -153,7 +159,7 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
         for r in range(world):
             got = ranks[r][key][1]
             assert_close(got[0], grads[0][_shard(sizes, r)], f"{name}: rank {r} first input grad", *TOL)
-            if name.endswith("info_nce_hard"):
+            if name.endswith(("info_nce_hard", "info_nce_moco", "info_nce_negatives")):
                 ks = _shard([2 * s for s in sizes], r)
                 assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
             elif name.endswith(("nt_xent", "clip", "siglip")):

@@ -345,7 +345,8 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normaliz
 def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None, *,
                   temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
                   grad_scale: str = "ddp", strategy: str = "all_gather",
-                group: Any = None, block_size: Optional[int] = None) -> Tensor:
+                  group: Any = None, block_size: Optional[int] = None, negatives: Optional[Tensor] = None,
+                  in_batch_negatives: bool = True) -> Tensor:
     """:func:`flashcl.info_nce_loss` over the global batch: each query is scored
     against the keys of every rank; ``positive_index`` indexes this rank's keys.
 
@@ -361,10 +362,37 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
     checks.Options(normalize, reduction, "auto", block_size)
     _check(grad_scale, strategy)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
+    checks.check_bool(in_batch_negatives, "in_batch_negatives")
+    if not in_batch_negatives:
+        # MoCo: each query against its own positive and the shared negatives only; the
+        # ranks meet in the reduction
+        from .info_nce import info_nce_loss as local_info_nce
+
+        rows = local_info_nce(query, keys, positive_index, temperature=temperature, normalize=normalize,
+                              reduction="none", negatives=negatives, in_batch_negatives=False, block_size=block_size)
+        return _reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
+    if negatives is not None and strategy == "ring":
+        raise ValueError("info_nce_loss with negatives across processes takes strategy='all_gather'")
     k, offset, sizes = _candidates(keys, strategy, group)
+    if negatives is not None:  # the shared negatives: further columns after every rank's keys
+        from .dispatch import check_keys
+
+        k = torch.cat([k, check_keys(negatives, "negatives", query).detach()])
     spec = CoreSpec(index=(index.long() + offset).unsqueeze(1), pos_mode="sum", normalize=normalize)
     return _run(query, k, scale, spec, reduction, grad_scale, block_size, group,
                 ring_sizes=sizes if strategy == "ring" else None)
+
+
+def _reduce_across(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, group: Any) -> Tensor:
+    """Local per-row losses reduced over the global batch (the ``grad_scale`` convention)."""
+    if reduction == "none":
+        return rows
+    _, world = _world(group)
+    factor = float(world) if grad_scale == "ddp" else 1.0
+    if reduction == "sum":
+        return factor * (rows * valid).sum()
+    total = _global_count(valid.sum().reshape(1).to(rows.dtype), group).clamp_min(1)
+    return (factor / total[0]) * (rows * valid).sum()
 
 
 @same_call_across_ranks
