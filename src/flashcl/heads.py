@@ -35,40 +35,15 @@ which implement the heads named by :attr:`Head.kernel`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .tile import Tile
+
 __all__ = ["Tile", "Head", "SoftmaxHead", "SoftplusHead", "Exclusions", "lse_inplace", "mask_self_", "mask_columns_",
            "scratch", "softplus_rows_"]
-
-
-@dataclass(frozen=True)
-class Tile:
-    """Rows ``r0:r1`` and columns ``c0:c1`` of the problem's score matrix.
-
-    ``offset``: column of anchor 0 (the self column of row ``i`` is ``i + offset``).
-    """
-
-    r0: int
-    r1: int
-    c0: int
-    c1: int
-    offset: int = 0
-
-    @property
-    def self_diagonal(self) -> int:
-        """The diagonal of the tile (``tensor.diagonal(offset=...)``) that holds
-        the self entries ``(i, i + offset)``; it is empty when none is in the tile."""
-        return self.r0 + self.offset - self.c0
-
-    def transposed(self) -> Tile:
-        """The same entries seen from the columns: for self-contrast (rows and
-        columns are the same samples, offset 0), tile ``(c, r)`` of the transposed
-        scores is tile ``(c, r)`` of the problem, since ``s_ji = s_ij``."""
-        return Tile(self.c0, self.c1, self.r0, self.r1, -self.offset)
 
 
 def mask_self_(s: Tensor, tile: Tile, value: float) -> None:

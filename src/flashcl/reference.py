@@ -12,18 +12,37 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .core import CoreSpec, prepare
-from .heads import Tile
+from .core import CoreSpec
+from .tile import Tile
 from .utils import compute_dtype
+
+
+def prepare(q: Tensor, k: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Tensor]:
+    """The oracle's own preparation: cast to the compute dtype and L2-normalise rows
+    with torch's ``F.normalize`` (``k=None``: ``k = q``)."""
+    dtype = compute_dtype(q.dtype)
+    q = q.to(dtype)
+    same = k is None
+    k = q if k is None else k.to(dtype)
+    if normalize:
+        q = torch.nn.functional.normalize(q, dim=1)
+        k = q if same else torch.nn.functional.normalize(k, dim=1)
+    return q, k
 
 
 def _excluded(spec: CoreSpec, i: int, n: int, device: torch.device) -> List[bool]:
     """Row ``i``'s entries that ``spec.exclude`` leaves out (all False without it)."""
     if spec.exclude is None:
         return [False] * n
-    row = torch.zeros(1, n, dtype=torch.bool, device=device)
-    spec.exclude.apply_(row, Tile(i, i + 1, 0, n, spec.offset), True)
-    return row[0].tolist()
+    row = [False] * n
+    index = spec.exclude.index
+    if index is not None:  # per-row excluded columns, -1 for none
+        for j in (index[i].reshape(-1) if index.dim() > 1 else index[i].reshape(1)).tolist():
+            if j >= 0:
+                row[j] = True
+    if spec.exclude.fn is not None:  # the mask the loss computes from its data, asked for this row
+        row = [a or bool(b) for a, b in zip(row, spec.exclude.fn(Tile(i, i + 1, 0, n, spec.offset))[0].tolist())]
+    return row
 
 
 def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
