@@ -34,7 +34,9 @@ which implement the heads named by :attr:`Head.kernel`.
 """
 from __future__ import annotations
 
+import enum
 import math
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
@@ -42,8 +44,8 @@ from torch import Tensor
 
 from .tile import Tile
 
-__all__ = ["Tile", "Head", "SoftmaxHead", "SoftplusHead", "Exclusions", "lse_inplace", "mask_self_", "mask_columns_",
-           "scratch", "softplus_rows_"]
+__all__ = ["Tile", "KernelId", "KernelArgs", "Head", "SoftmaxHead", "SoftplusHead", "Exclusions", "lse_inplace",
+           "mask_self_", "mask_columns_", "scratch", "softplus_rows_"]
 
 
 def mask_self_(s: Tensor, tile: Tile, value: float) -> None:
@@ -101,6 +103,32 @@ def lse_inplace(s: Tensor) -> Tuple[Tensor, Tensor]:
     return (mx + total.log()).squeeze(1), total
 
 
+class KernelId(str, enum.Enum):
+    """The Triton tile functions a head can run on (the kernels' ``HEAD`` switch)."""
+
+    SOFTMAX = "softmax"
+    SOFTPLUS = "softplus"
+
+
+@dataclass(frozen=True)
+class KernelArgs:
+    """What the Triton driver passes to the kernels for a head.
+
+    Attributes:
+        kernel: the tile function.
+        exclude_self: leave the self column ``i + offset`` out of row ``i``.
+        offset: column of anchor 0.
+        bias: the softplus head's bias (0 for the softmax).
+        excluded: (M,) int64, one further column left out of each row (-1: none), or None.
+    """
+
+    kernel: KernelId
+    exclude_self: bool = False
+    offset: int = 0
+    bias: float = 0.0
+    excluded: Optional[Tensor] = None
+
+
 class Head:
     """The interface every backend drives; see the module docstring.
 
@@ -111,14 +139,34 @@ class Head:
         symmetric: for self-contrast (``k is q``, no offset) its tile values and
             gradients depend on ``(i, j)`` symmetrically, so that the self-contrast
             driver may visit only the panels on and above the diagonal.
-        kernel: the name of the Triton tile function that implements it, or None.
+        kernel: the Triton tile function that implements it, or None.
     """
 
     passes: int = 1
     fuses_rows: bool = False
     has_columns: bool = False
     symmetric: bool = False
-    kernel: Optional[str] = None
+    kernel: Optional[KernelId] = None
+
+    # ------------------------------------------------------------ Triton kernels
+    def kernel_args(self) -> KernelArgs:
+        """The kernels' arguments for this head; a ValueError that says what to use
+        when the kernels cannot compute it."""
+        raise ValueError(f"the triton backend has kernels for the softmax and softplus heads only, not for "
+                         f"{type(self).__name__}: use backend='tiled'")
+
+    def kernel_state(self, st: Any, first: Tensor, second: Optional[Tensor]) -> None:
+        """Takes the reductions as the row kernel computed them (``second``: the
+        columns' logsumexp for a head with columns, or the softplus head's sigmoid sums)."""
+        raise NotImplementedError
+
+    def kernel_weights(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
+        """(weight of each row's tiles, of each column's) for the gradient kernels."""
+        raise NotImplementedError
+
+    def kernel_column_lse(self, st: Any) -> Optional[Tensor]:
+        """The columns' logsumexp the gradient kernels need (a head with columns), or None."""
+        return None
 
     # ------------------------------------------------------------------ state
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
@@ -228,7 +276,7 @@ class SoftmaxHead(Head):
             negatives: their logit grows with their score, their gradient does not).
     """
 
-    kernel = "softmax"
+    kernel: Optional[KernelId] = KernelId.SOFTMAX
 
     def __init__(self, row_weight: Tensor, exclude_self: bool = False, offset: int = 0,
                  columns: bool = False, self_index: Optional[Tensor] = None,
@@ -394,6 +442,26 @@ class SoftmaxHead(Head):
         return s.sub_(st.row[r0:tile.r1].unsqueeze(1)).exp_().mul_(st.g_row[r0:tile.r1].unsqueeze(1)).add_(transposed)
 
     # -------------------------------------------------------- kernel helpers
+    def kernel_args(self) -> KernelArgs:
+        if self.kernel is None:
+            raise ValueError("the triton kernels take no masks computed from the data (same-label keys, a guide "
+                             "model's false negatives): use backend='tiled'")
+        index = self.exclude.index if self.exclude is not None else None
+        if index is not None and index.dim() == 2:
+            if index.shape[1] != 1:
+                raise ValueError("the triton kernels leave out at most one column per row besides the anchor "
+                                 "itself: use backend='tiled'")
+            index = index[:, 0]
+        if self.exclude_self and self.self_index is not None:
+            if index is not None:
+                raise ValueError("the triton kernels leave out one indexed column per row: use backend='tiled'")
+            return KernelArgs(KernelId.SOFTMAX, False, self.offset, 0.0, self.self_index.contiguous())
+        return KernelArgs(KernelId.SOFTMAX, self.exclude_self, self.offset, 0.0,
+                          None if index is None else index.contiguous())
+
+    def kernel_column_lse(self, st: _SoftmaxState) -> Optional[Tensor]:
+        return st.col
+
     def kernel_state(self, st: _SoftmaxState, row_lse: Tensor, col_lse: Optional[Tensor]) -> None:
         """The reductions as the Triton kernels computed them."""
         st.row, st.col, st.summing = row_lse, col_lse, False
@@ -459,7 +527,7 @@ class SoftplusHead(Head):
         counts: ``|Pos(i)|`` (m,).
     """
 
-    kernel = "softplus"
+    kernel: Optional[KernelId] = KernelId.SOFTPLUS
     fuses_rows = True
     symmetric = True  # no mask: for self-contrast the tile values are symmetric
 
@@ -496,6 +564,9 @@ class SoftplusHead(Head):
         if st.g_row is None:
             return None
         return (st.g_row * (st.sig - self.counts.to(st.sig.dtype))).sum()
+
+    def kernel_args(self) -> KernelArgs:
+        return KernelArgs(KernelId.SOFTPLUS, bias=self.bias)
 
     def kernel_state(self, st: _SoftplusState, row: Tensor, sig: Optional[Tensor]) -> None:
         """The row sums as the Triton kernels computed them."""

@@ -11,7 +11,7 @@ import triton
 from torch import Tensor
 
 from ..engine import Driver, Operands
-from ..heads import Head, SoftmaxHead, SoftplusHead
+from ..heads import Head
 from ..linear import raw_rows
 from .kernels import dk_kernel, dq_kernel, lse_kernel
 
@@ -132,12 +132,7 @@ class TritonDriver(Driver):
     lazy = True
 
     def __init__(self, head: Head, config: Optional[Config] = None) -> None:
-        if isinstance(head, SoftmaxHead) and head.exclude is not None and head.exclude.fn is not None:
-            raise ValueError("the triton kernels take no masks computed from the data (same-label keys, a guide "
-                             "model's false negatives): use backend='tiled'")
-        if head.kernel not in HEADS:
-            raise ValueError(f"the triton backend has kernels for the softmax and softplus heads only, not for "
-                             f"{type(head).__name__}: use backend='tiled'")
+        head.kernel_args()  # the head's ValueError when the kernels cannot compute it
         self.config = config
 
     def _cfg(self, d: int, dtype: torch.dtype) -> Config:
@@ -156,33 +151,14 @@ class TritonDriver(Driver):
                                   if ops.k_norms is None else (1.0 / ops.k_norms).float())
         return qc, kc, iq, ik
 
-    @staticmethod
-    def _head_args(head: Head) -> Tuple[bool, int, float, Optional[Tensor]]:
-        """(exclude_self on the diagonal, offset, bias, one excluded column per row or None)
-        of a kernel head."""
-        if isinstance(head, SoftplusHead):
-            return False, 0, head.bias, None
-        assert isinstance(head, SoftmaxHead)
-        index = head.exclude.index if head.exclude is not None else None
-        if index is not None and index.dim() == 2:
-            if index.shape[1] != 1:
-                raise ValueError("the triton kernels leave out at most one column per row besides the anchor "
-                                 "itself: use backend='tiled'")
-            index = index[:, 0]
-        if head.exclude_self and head.self_index is not None:
-            if index is not None:
-                raise ValueError("the triton kernels leave out one indexed column per row: use backend='tiled'")
-            return False, head.offset, 0.0, head.self_index.contiguous()
-        return head.exclude_self, head.offset, 0.0, None if index is None else index.contiguous()
-
     def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
                 dk: Optional[Tensor]) -> Optional[Tensor]:
         qc, kc, iq, ik = self._inputs(ops)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         like = raw_rows(ops.q)[0]
-        exclude_self, offset, bias, excl = self._head_args(head)
-        assert head.kernel is not None
-        first, second, _ = row_lse(qc, kc, iq, ik, ops.scale, exclude_self, offset, cfg, head.kernel, bias, excl)
+        args = head.kernel_args()
+        first, second, _ = row_lse(qc, kc, iq, ik, ops.scale, args.exclude_self, args.offset, cfg, args.kernel,
+                                   args.bias, args.excluded)
         if head.has_columns:
             second = row_lse(kc, qc, ik, iq, ops.scale, False, 0, cfg)[0]
         head.kernel_state(st, first.to(like.dtype), None if second is None else second.to(like.dtype))
@@ -192,12 +168,12 @@ class TritonDriver(Driver):
         qc, kc, iq, ik = self._inputs(ops)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         g_row, g_col = head.kernel_weights(st)
-        exclude_self, offset, bias, excl = self._head_args(head)
-        lse_c = st.col if isinstance(head, SoftmaxHead) else None
-        assert head.kernel is not None
-        gq, gk, _ = gradients(qc, kc, iq, ik, ops.scale, exclude_self, offset, st.row.float(),
+        args = head.kernel_args()
+        lse_c = head.kernel_column_lse(st)
+        gq, gk, _ = gradients(qc, kc, iq, ik, ops.scale, args.exclude_self, args.offset, st.row.float(),
                               g_row.float().contiguous(), None if lse_c is None else lse_c.float(),
-                              None if g_col is None else g_col.float().contiguous(), cfg, head.kernel, bias, excl)
+                              None if g_col is None else g_col.float().contiguous(), cfg, args.kernel, args.bias,
+                              args.excluded)
         # sum_ij G_ij q^_i.k^_j = sum(q^ * G K^), and gq = scale G K^
         m = gq.shape[0]
         dscale = sum((gq[r0:r0 + ops.block] * ops.q[r0:r0 + ops.block]).sum()
