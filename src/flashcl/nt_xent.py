@@ -19,7 +19,8 @@ from .dispatch import (
     unit_rows,
 )
 from .engine import Problem
-from .heads import DebiasedHead, Exclusions
+from .estimators import DebiasedHead
+from .heads import Exclusions
 from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
