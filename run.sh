@@ -31,6 +31,6 @@ esac
 "$py" -c "import open_clip" 2>/dev/null || "$py" -m pip install -q --no-deps open_clip_torch \
   || echo "open_clip_torch not installed: its benchmark and test cases will say so"
 case "$cmd" in
-  test) "$py" -m ruff check src tests examples scripts conftest.py && exec "$py" -m pytest "$@" ;;
+  test) "$py" -m ruff check src tests examples scripts conftest.py && "$py" -m mypy && exec "$py" -m pytest "$@" ;;
   bench) exec "$py" -m flashcl bench "$@" ;;
 esac

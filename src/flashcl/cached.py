@@ -194,7 +194,7 @@ def cached_step(
     if isinstance(inputs, (Tensor, Mapping)) or not isinstance(inputs, Sequence) or len(inputs) == 0:
         raise TypeError("inputs must be a list with one batch per tower, e.g. [queries] or [queries, documents]")
     k = len(inputs)
-    encoders = list(encoder) if isinstance(encoder, (list, tuple)) else [encoder] * k
+    encoders: List[Encoder] = list(encoder) if isinstance(encoder, (list, tuple)) else [encoder] * k  # type: ignore[list-item]
     if len(encoders) != k:
         raise ValueError(f"got {len(encoders)} encoders for {k} inputs: pass one, or one per input")
     if isinstance(chunk_size, (int, float, Tensor)) or not isinstance(chunk_size, Sequence):
@@ -248,7 +248,7 @@ def cached_step(
             sync = isinstance(enc, nn.parallel.DistributedDataParallel) and last[id(enc)] != j
             grad = leaves[t].grad
             assert grad is not None
-            with enc.no_sync() if sync else contextlib.nullcontext():  # type: ignore[union-attr]
+            with enc.no_sync() if sync else contextlib.nullcontext():  # type: ignore[attr-defined]
                 with states[t][c].replay():
                     out = _call(enc, chunks[t][c], output)
                 if not out.requires_grad:  # a callable whose parameters are all frozen
@@ -271,12 +271,15 @@ def _running_stats_kept(encoders: Sequence[Encoder]) -> Iterator[None]:
     encoders restored, in place, when the block ends."""
     layers = {id(m): m for enc in encoders if isinstance(enc, nn.Module) for m in enc.modules()
               if getattr(m, "track_running_stats", False) and isinstance(getattr(m, "running_mean", None), Tensor)}
-    saved = [(m, [(b, b.clone()) for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
-             for m in layers.values()]
+    saved: List[Tuple[Tensor, Tensor]] = []
+    for m in layers.values():
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            buf = getattr(m, name, None)
+            if isinstance(buf, Tensor):
+                saved.append((buf, buf.clone()))
     try:
         yield
     finally:
         with torch.no_grad():
-            for _, buffers in saved:
-                for buf, value in buffers:
-                    buf.copy_(value)
+            for buf, value in saved:
+                buf.copy_(value)

@@ -15,6 +15,7 @@ call that replaces it with the measured speedup.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -146,12 +147,12 @@ class Report:
         for f in self.findings:
             lines += [f"[!] {f.pattern}", f"    seen: {f.evidence}", f"    fix:  {f.fix}"]
         if self.replacement is not None:
-            r = self.replacement
-            lo, hi = r.speedup_range
-            lines += ["", f"same loss and gradient as: {r.call}",
-                      f"    loss {r.loss:.6g}; forward+backward {r.user_s * 1e3:.1f} ms -> {r.flashcl_s * 1e3:.1f} ms "
-                      f"at the largest size (medians of {len(r.user_times)} alternating runs): "
-                      f"{_faster(r.speedup)} (per-run ratios {lo:.2g}x-{hi:.2g}x)"]
+            rep = self.replacement
+            lo, hi = rep.speedup_range
+            lines += ["", f"same loss and gradient as: {rep.call}",
+                      f"    loss {rep.loss:.6g}; forward+backward {rep.user_s * 1e3:.1f} ms -> "
+                      f"{rep.flashcl_s * 1e3:.1f} ms at the largest size (medians of {len(rep.user_times)} "
+                      f"alternating runs): {_faster(rep.speedup)} (per-run ratios {lo:.2g}x-{hi:.2g}x)"]
         elif self.tried:
             lines += ["", "no flashcl loss matched the value and gradient at every size; tried:"]
             lines += [f"    {t}" for t in self.tried]
@@ -385,8 +386,8 @@ def _candidates(inputs: Sequence[Any], seed: int) -> List[Tuple[str, Callable[[]
                     for red in ("sum", "mean"):
                         call = (f"flashcl.neighbor_loss(scores, neighbors, exclude_diagonal={excl}, reduction="
                                 f"'{red}')  # neighbors: ({n}, {k}) drawn as your code does ({how})")
-                        out.append((call, lambda nb=nb, excl=excl, red=red: flashcl.neighbor_loss(
-                            x, nb, exclude_diagonal=excl, reduction=red)))
+                        out.append((call, functools.partial(
+                            flashcl.neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red)))
     if len(floats) == 1 and floats[0].dim() == 2 and len(ints) == 1 and ints[0].dim() == 1:
         e, y = floats[0], ints[0]
         for t in temps:
@@ -395,18 +396,18 @@ def _candidates(inputs: Sequence[Any], seed: int) -> List[Tuple[str, Callable[[]
                     for red in ("mean", "sum"):
                         call = (f"flashcl.supcon_loss(embeddings, labels, temperature={t}, positives='{pos}', "
                                 f"include_self={inc}, reduction='{red}')")
-                        out.append((call, lambda t=t, pos=pos, inc=inc, red=red: flashcl.supcon_loss(
-                            e, y, temperature=t, positives=pos, include_self=inc, reduction=red)))
+                        out.append((call, functools.partial(
+                            flashcl.supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red)))
     if len(floats) == 2 and all(f.dim() == 2 for f in floats) and not ints:
         a, b = floats
         for t in temps:
             if a.shape == b.shape:
                 out.append((f"flashcl.nt_xent_loss(z1, z2, temperature={t})",
-                            lambda t=t: flashcl.nt_xent_loss(a, b, temperature=t)))
+                            functools.partial(flashcl.nt_xent_loss, a, b, temperature=t)))
                 out.append((f"flashcl.clip_loss(image, text, logit_scale={1 / t:g})",
-                            lambda t=t: flashcl.clip_loss(a, b, 1 / t)))
+                            functools.partial(flashcl.clip_loss, a, b, 1 / t)))
             out.append((f"flashcl.info_nce_loss(query, keys, temperature={t})",
-                        lambda t=t: flashcl.info_nce_loss(a, b, temperature=t)))
+                        functools.partial(flashcl.info_nce_loss, a, b, temperature=t)))
     return out
 
 
@@ -438,7 +439,7 @@ def _find_replacement(fn: LossFn, every_size: Sequence[Sequence[Any]], seed: int
     (``every_size``: the inputs at each size, the largest last), the candidates
     whose value at the largest size is closest tried first; timed at the largest."""
     inputs = every_size[-1]
-    user = [_grads(lambda ins=ins: _call(fn, ins, seed), ins) for ins in every_size]
+    user = [_grads(functools.partial(_call, fn, ins, seed), ins) for ins in every_size]
     with torch.no_grad():
         values = []
         for i, (_, cand) in enumerate(_candidates(inputs, seed)):

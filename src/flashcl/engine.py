@@ -90,18 +90,26 @@ class Operands:
     #: in it (the Triton kernels take half precision as is)
     q_in: Optional[Tensor] = None
     k_in: Optional[Tensor] = None
-    #: q and k for the gradient GEMMs (``dq += G k``, ``dk += G^T q``): the same rows
-    #: with non-finite entries zeroed (the same objects when all are finite). An entry
-    #: that a head excludes has ``G_ij = 0``, and ``0 * nan`` would carry a NaN key
-    #: into every row's gradient; where a NaN row is not excluded, ``G_ij`` is NaN itself.
-    q_grad: Any = None
-    k_grad: Any = None
+    _q_grad: Any = None
+    _k_grad: Any = None
 
-    def __post_init__(self) -> None:
-        if self.q_grad is None:
-            self.q_grad = finite_rows(self.q)
-        if self.k_grad is None:
-            self.k_grad = self.q_grad if self.k is self.q else finite_rows(self.k)
+    @property
+    def q_grad(self) -> Rows:
+        """q for the gradient GEMMs (``dk += G^T q``): the same rows with non-finite
+        entries zeroed (``q`` itself when all are finite; found on first use). An
+        entry that a head excludes has ``G_ij = 0``, and ``0 * nan`` would carry a
+        NaN key into every row's gradient; where a NaN row is not excluded, ``G_ij``
+        is NaN itself."""
+        if self._q_grad is None:
+            self._q_grad = finite_rows(self.q)
+        return self._q_grad
+
+    @property
+    def k_grad(self) -> Rows:
+        """k for the gradient GEMMs (``dq += G k``); see :attr:`q_grad`."""
+        if self._k_grad is None:
+            self._k_grad = self.q_grad if self.k is self.q else finite_rows(self.k)
+        return self._k_grad
 
 
 class Driver:

@@ -245,7 +245,7 @@ class _SoftmaxState:
     :meth:`SoftmaxHead.finish` for the gradient (one exp per entry there too)."""
 
     def __init__(self, m: int, n: int, like: Tensor, shift: Optional[float], columns: bool) -> None:
-        self.shift = shift
+        self.shift: Optional[float] = shift
         self.summing = shift is not None
         self.row = like.new_zeros(m) if self.summing else like.new_full((m,), float("-inf"))
         self.col = None
@@ -255,6 +255,13 @@ class _SoftmaxState:
         self.beta: Optional[Tensor] = None
         self.g_row: Optional[Tensor] = None
         self.g_col: Optional[Tensor] = None
+
+    @property
+    def fixed_shift(self) -> float:
+        """The fixed shift, where the state sums ``exp(s - shift)`` (``summing``, or a
+        gradient formed from it)."""
+        assert self.shift is not None
+        return self.shift
 
 
 class SoftmaxHead(Head):
@@ -334,7 +341,7 @@ class SoftmaxHead(Head):
         rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
         self._boost_(s, tile)
         if st.summing:
-            s.sub_(st.shift).exp_()
+            s.sub_(st.fixed_shift).exp_()
             if st.col is not None:
                 st.col[cols] += s.sum(0)
             if self.masks:
@@ -349,9 +356,9 @@ class SoftmaxHead(Head):
 
     def finish(self, st: _SoftmaxState, p: int = 0) -> None:
         if st.summing:
-            st.row = st.row.log_().add_(st.shift)
+            st.row = st.row.log_().add_(st.fixed_shift)
             if st.col is not None:
-                st.col = st.col.log_().add_(st.shift)
+                st.col = st.col.log_().add_(st.fixed_shift)
             st.summing = False
 
     def values(self, st: _SoftmaxState) -> Tuple[Tensor, Optional[Tensor]]:
@@ -379,7 +386,7 @@ class SoftmaxHead(Head):
         out = None if buf is None else scratch(buf, s)
         colpart = None
         if st.alpha is not None:
-            s.sub_(st.shift).exp_()
+            s.sub_(st.fixed_shift).exp_()
             if st.beta is not None:
                 colpart = torch.mul(s, st.beta[cols].unsqueeze(0), out=out)
             if self.masks:
@@ -412,7 +419,7 @@ class SoftmaxHead(Head):
         right = tile.c1 > tile.r1
         if st.summing:
             # the accumulators hold sums of exp(s - shift); masked entries are exact zeros
-            s.sub_(st.shift).exp_()
+            s.sub_(st.fixed_shift).exp_()
             if self.exclude_self:
                 s[:, :b].diagonal().fill_(0.0)
             st.row[tile.r0:tile.r1] += s.sum(1)
@@ -430,7 +437,7 @@ class SoftmaxHead(Head):
         b, r0, c1 = tile.r1 - tile.r0, tile.r0, tile.c1
         other = scratch(buf, s)
         if st.alpha is not None:
-            s.sub_(st.shift).exp_()
+            s.sub_(st.fixed_shift).exp_()
             if self.exclude_self:
                 s[:, :b].diagonal().fill_(0.0)
             transposed = torch.mul(s, st.alpha[r0:c1].unsqueeze(0), out=other)

@@ -168,8 +168,10 @@ class Linear:
             r1 = min(r0 + block, m)
             qb = q[r0:r1]
             if k_sums is None:
+                assert pos.index is not None
                 out[r0:r1] = torch.einsum("bd,bkd->b", qb, k[pos.index[r0:r1]])
                 continue
+            assert pos.row_labels is not None
             out[r0:r1] = (qb * k_sums[pos.row_labels[r0:r1]]).sum(1)
             if pos.self_pairs and pos.self_index is None:
                 a, b = pos.self_rows(r0, r1, n)

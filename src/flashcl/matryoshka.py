@@ -138,7 +138,7 @@ class _HeadValues(torch.autograd.Function):
                 return values if weights is None else (weights * values[:, :q_.shape[0]]).sum()
 
             ctx.grads = None
-            grads = differentiable_grads(dense, (q, k, aq, ak, scale), needs, grad_out)
+            grads: Sequence[Optional[Tensor]] = differentiable_grads(dense, (q, k, aq, ak, scale), needs, grad_out)
         elif ctx.grads is not None:  # formed in the forward pass
             grads = tuple(None if g is None else g * grad_out for g in ctx.grads)
             ctx.grads = None

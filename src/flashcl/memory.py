@@ -48,6 +48,9 @@ class MemoryBank(nn.Module):
         >>> loss.backward()
     """
 
+    embeddings: Tensor
+    labels: Optional[Tensor]
+
     def __init__(self, size: int, dim: int, labels: bool = True, dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None, group: Any = None) -> None:
         super().__init__()

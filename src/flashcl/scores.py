@@ -60,6 +60,7 @@ class TiledScores(torch.autograd.Function):
             blk = grad[r0:r1] if direct else buf[:r1 - r0]  # type: ignore[index]
             lse[r0:r1], total = _masked_exp_into(blk, scores[r0:r1].detach(), r0, spec)
             if grad is not None:
+                assert reduce_weights is not None
                 _scores_grad_block(blk, r0, spec, (reduce_weights[r0:r1] * c[r0:r1]).unsqueeze(1) / total,
                                    reduce_weights[r0:r1] * a[r0:r1])
                 if not direct:

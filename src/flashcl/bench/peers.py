@@ -70,11 +70,11 @@ def sentence_transformers_gist(**config: Any) -> Tuple[Optional[Any], str]:
         loss.must_retokenize = False
         loss.cross_entropy_loss = torch.nn.CrossEntropyLoss()
         passes = iter([list(embeddings), list(guides)])
-        original = module.embed_columns
-        module.embed_columns = lambda model, features: next(passes)
+        original = getattr(module, "embed_columns")  # noqa: B009 - a module attribute replaced for the call
+        setattr(module, "embed_columns", lambda model, features: next(passes))  # noqa: B010
         try:
             return loss.forward([{} for _ in embeddings], None)
         finally:
-            module.embed_columns = original
+            setattr(module, "embed_columns", original)  # noqa: B010
 
     return fn, ""

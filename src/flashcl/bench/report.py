@@ -194,7 +194,7 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                             bar = ax.bar(i, vals[0], color=colours[label])
                             handles.setdefault(label, bar)
                         else:
-                            status = next((r.get("status") for r in inside if r["label"] == label), "")
+                            status = str(next((r.get("status") for r in inside if r["label"] == label), ""))
                             ax.text(i, 0.5, {"oom": "out of memory", "capped": "over time"}.get(status, status),
                                     rotation=90, ha="center", va="bottom", fontsize=7,
                                     transform=ax.get_xaxis_transform())

@@ -101,7 +101,7 @@ def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
 def simcse_per_sample(embeddings: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     """``naive_supervised_simcse_loss``: supervised SimCSE as a per-sample loop, as first written."""
     batch_size = embeddings.size(0)
-    loss = 0.0
+    loss: Any = 0.0  # as the loop was written: a float that becomes a tensor
     embeddings = F.normalize(embeddings, p=2, dim=1)
     for i in range(batch_size):
         pos_mask = (labels == labels[i]) & (torch.arange(batch_size, device=embeddings.device) != i)
@@ -134,7 +134,7 @@ def supcon(p: Dict[str, Any]) -> Tuple[Step, int]:
     labels = torch.randint(0, p.get("classes", 5), (b,), generator=g).to(dev)
     simcse = bool(p.get("simcse"))
     t = p.get("temperature", 0.05 if simcse else 0.1)
-    kw = dict(positives="sum", include_self=True) if simcse else {}
+    kw: Dict[str, Any] = dict(positives="sum", include_self=True) if simcse else {}
     if impl.startswith("flashcl-"):
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.supcon_loss(e, labels, temperature=t, backend=backend, **kw)  # noqa: E731
@@ -263,7 +263,7 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
                 from ..integrations.sentence_transformers import MultipleNegativesRankingLoss
             except ImportError as e:
                 raise NotInstalled(str(e)) from e
-            mnrl = MultipleNegativesRankingLoss(None, scale=1 / t)
+            mnrl = MultipleNegativesRankingLoss(None, scale=1 / t)  # type: ignore[arg-type]  # no model: embeddings given
         fn = lambda: mnrl.compute_loss_from_embeddings([q, k], None)  # noqa: E731
     else:
         raise ValueError(f"unknown info_nce impl {impl!r}")
@@ -307,6 +307,7 @@ def queue(p: Dict[str, Any]) -> Tuple[Step, int]:
                 raise NotInstalled(why)
         else:
             from ..integrations import pytorch_metric_learning as losses
+        assert losses is not None
         cbm = losses.CrossBatchMemory(losses.SupConLoss(temperature=t), embedding_size=d, memory_size=q)
         _prefilled_memory(cbm, history, history_labels)
         fn = lambda: cbm(e, labels)  # noqa: E731
@@ -414,7 +415,8 @@ def matryoshka_widths(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: flashcl.info_nce_loss(q, k, temperature=t, matryoshka_dims=dims, backend="tiled")  # noqa: E731
     elif impl == "flashcl-separate":
         def fn() -> torch.Tensor:
-            return sum(flashcl.info_nce_loss(q[:, :w], k[:, :w], temperature=t, backend="tiled") for w in dims)
+            return torch.stack([flashcl.info_nce_loss(q[:, :w], k[:, :w], temperature=t, backend="tiled")
+                                for w in dims]).sum()
     elif impl == "sentence-transformers":
         losses, why = peers.sentence_transformers_losses()
         if losses is None:

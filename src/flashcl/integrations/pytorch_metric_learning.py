@@ -406,6 +406,9 @@ class CrossBatchMemory(_pml_losses.CrossBatchMemory):
         >>> loss = loss_fn(torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
     """
 
+    embedding_memory: Tensor
+    label_memory: Tensor
+
     def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple: Any = None,
                 enqueue_mask: Optional[Tensor] = None) -> Tensor:
         ours = isinstance(self.loss, (SupConLoss, NTXentLoss))

@@ -57,12 +57,12 @@ try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
         from sentence_transformers.sentence_transformer import losses as _st_losses
     except ImportError:
-        from sentence_transformers import losses as _st_losses
+        from sentence_transformers import losses as _st_losses  # type: ignore[attr-defined,no-redef]
     from sentence_transformers.util import cos_sim, dot_score
     try:  # sentence-transformers >= 6: one forward pass over the columns
         from sentence_transformers.base.losses.merged_forward import embed_columns as _embed_columns
     except ImportError:
-        _embed_columns = None
+        _embed_columns = None  # type: ignore[assignment]
 except ImportError as e:  # pragma: no cover - exercised only without the package
     raise ImportError("flashcl.integrations.sentence_transformers needs sentence-transformers "
                       "(pip install sentence-transformers)") from e
@@ -226,16 +226,16 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
                  directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
                  hardness_mode: Optional[str] = None, hardness_strength: float = 0.0, *,
                  backend: str = "auto", block_size: Optional[int] = None) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct,  # type: ignore[arg-type]
                          gather_across_devices=gather_across_devices, directions=directions,
-                         partition_mode=partition_mode, hardness_mode=hardness_mode,
+                         partition_mode=partition_mode, hardness_mode=hardness_mode,  # type: ignore[arg-type]
                          hardness_strength=hardness_strength)
         self.backend, self.block_size = backend, block_size
 
     def compute_loss_from_embeddings(self, embeddings: List[Tensor], labels: Optional[Tensor] = None) -> Tensor:
         _check_embeddings(embeddings)
         if self._flashcl_or_none() is not None:
-            return super().compute_loss_from_embeddings(embeddings, labels)
+            return super().compute_loss_from_embeddings(embeddings, labels)  # type: ignore[arg-type]
         return _mnrl(self, embeddings[0], list(embeddings[1:]), self.backend, self.block_size)
 
 
@@ -266,10 +266,10 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
                  directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
                  show_progress_bar: bool = False, hardness_mode: Optional[str] = None,
                  hardness_strength: float = 0.0, *, backend: str = "auto", block_size: Optional[int] = None) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,  # type: ignore[arg-type]
                          mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
-                         directions=directions, partition_mode=partition_mode, show_progress_bar=show_progress_bar,
-                         hardness_mode=hardness_mode, hardness_strength=hardness_strength)
+                         directions=directions, partition_mode=partition_mode, show_progress_bar=show_progress_bar,  # type: ignore[arg-type]
+                         hardness_mode=hardness_mode, hardness_strength=hardness_strength)  # type: ignore[arg-type]
         self.backend, self.block_size = backend, block_size
 
     def calculate_loss(self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *,
@@ -317,7 +317,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
 
     def __init__(self, model: nn.Module, loss: nn.Module, matryoshka_dims: Sequence[int],
                  matryoshka_weights: Optional[Sequence[float]] = None, n_dims_per_step: int = -1) -> None:
-        super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
+        super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)  # type: ignore[arg-type]
         if isinstance(loss, CachedMultipleNegativesRankingLoss) and loss._flashcl_or_none() is None:
             loss.calculate_loss = _OnePassCached(self, loss)  # type: ignore[method-assign]
 
@@ -337,7 +337,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
             _check_embeddings(embeddings)
             dims, weights = self.widths_this_step()
             return _mnrl(inner, embeddings[0], embeddings[1:], inner.backend, inner.block_size, dims, weights)
-        return super().forward(sentence_features, labels)
+        return super().forward(sentence_features, labels)  # type: ignore[arg-type]
 
 
 def _gist(loss: Any, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
@@ -398,7 +398,7 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
                  margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
                  contrast_positives: bool = True, gather_across_devices: bool = False, *, backend: str = "auto",
                  block_size: Optional[int] = None) -> None:
-        super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
+        super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,  # type: ignore[arg-type]
                          contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
                          gather_across_devices=gather_across_devices)
         self.backend, self.block_size = backend, block_size
@@ -412,7 +412,7 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
             ids = f["input_ids"]
             if "cu_seq_lens_q" in f:  # packed sequences
                 flat, cuts = ids[0].tolist(), f["cu_seq_lens_q"].tolist()
-                ids = [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+                ids = [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:])]  # type: ignore[assignment]
             texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
             prepare = getattr(self.guide, "preprocess", None) or self.guide.tokenize
             out.append({k: v.to(self.guide.device) if isinstance(v, Tensor) else v
@@ -421,7 +421,7 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
 
     def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Optional[Tensor]) -> Tensor:
         if self._flashcl_or_none() is not None:
-            return super().forward(sentence_features, labels)
+            return super().forward(sentence_features, labels)  # type: ignore[arg-type]
         features = list(sentence_features)
         guide_features = self._guide_features(features)
         embeddings = _embed(self.model, features)
@@ -469,7 +469,7 @@ class CachedGISTEmbedLoss(_GistFallback, _st_losses.CachedGISTEmbedLoss):
                                   contrast_positives=contrast_positives, gather_across_devices=gather_across_devices)
         if mini_batch_num_tokens is not None:
             kw["mini_batch_num_tokens"] = mini_batch_num_tokens
-        super().__init__(model, guide, **kw)
+        super().__init__(model, guide, **kw)  # type: ignore[arg-type]
         self.backend, self.block_size = backend, block_size
 
     def calculate_loss(self, reps: List[List[Tensor]], reps_guided: List[List[Tensor]], *,
