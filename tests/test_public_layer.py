@@ -40,8 +40,8 @@ UNSUPPORTED = [
                                                         matryoshka_dims=[4, 8], process_group=g)),
     ("estimator", lambda g: flashcl.nt_xent_loss(torch.randn(4, 3), torch.randn(4, 3), estimator="hard",
                                                  process_group=g)),
-    ("labels", lambda g: flashcl.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0,
-                                           labels=torch.tensor([0, 0, 1, 1]), process_group=g)),
+    ("matryoshka_dims", lambda g: flashcl.clip_loss(torch.randn(4, 8), torch.randn(4, 8), 10.0,
+                                                    matryoshka_dims=[4, 8], process_group=g)),
     ("strategy", lambda g: flashcl.siglip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree",
                                                process_group=g)),
 ]

@@ -89,15 +89,14 @@ def clip_loss(
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     checks.Options(normalize, reduction, backend, block_size)
     if process_group is not None:
-        check_across_ranks("clip_loss", strategy, grad_scale, labels=labels is not None,
-                           logit_bias=logit_bias is not None,
+        check_across_ranks("clip_loss", strategy, grad_scale,
                            matryoshka_dims=matryoshka_dims is not None or matryoshka_weights is not None,
                            backend=backend != "auto")
         from . import distributed
 
         return distributed.clip_loss(image_embeds, text_embeds, logit_scale, normalize=normalize, reduction=reduction,
                                      grad_scale=grad_scale, strategy=strategy, group=process_group,
-                                     block_size=block_size)
+                                     block_size=block_size, labels=labels, logit_bias=logit_bias)
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)

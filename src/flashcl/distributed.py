@@ -399,7 +399,8 @@ def _reduce_across(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str,
 def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, *, normalize: bool = True,
               reduction: str = "mean", grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None,
-              block_size: Optional[int] = None) -> Tensor:
+              block_size: Optional[int] = None, labels: Optional[Tensor] = None,
+              logit_bias: Optional[Scalar] = None) -> Tensor:
     """:func:`flashcl.clip_loss` over the global batch: both directions against
     the image and text towers of every rank (open_clip's ``gather_with_grad=True``,
     ``local_loss=True`` arrangement, exact).
@@ -417,19 +418,31 @@ def clip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, *,
     _check(grad_scale, strategy)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device,
                                       compute_dtype(image_embeds.dtype))
+    bias = None if logit_bias is None else checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device,
+                                                                    compute_dtype(image_embeds.dtype))
     all_text, offset, sizes = _candidates(text_embeds, strategy, group)
     all_image, _, _ = _candidates(image_embeds, strategy, group)
     ring = sizes if strategy == "ring" else None
     b = image_embeds.shape[0]
-    index = (torch.arange(b, device=image_embeds.device) + offset).unsqueeze(1)
-    spec = CoreSpec(index=index, pos_mode="sum", normalize=normalize)
+    if labels is None:
+        index = (torch.arange(b, device=image_embeds.device) + offset).unsqueeze(1)
+        spec = CoreSpec(index=index, pos_mode="sum", normalize=normalize)
+    else:  # every same-label pair of the global batch, the mean over them, in both directions
+        _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
+        (ids,), num_classes = class_ids(_all_gather_plain(labels.long(), group))
+        spec = CoreSpec(row_labels=ids[offset:offset + b], col_labels=ids, num_classes=num_classes, pos_mode="mean",
+                        normalize=normalize)
     if reduction == "none":
         rows = _run(image_embeds, all_text, scale, spec, "none", grad_scale, block_size, group, ring_sizes=ring)
         cols = _run(text_embeds, all_image, scale, spec, "none", grad_scale, block_size, group, ring_sizes=ring)
-        return 0.5 * (rows + cols)
-    half = torch.full((b,), 0.5, dtype=compute_dtype(image_embeds.dtype), device=image_embeds.device)
-    return (_run(image_embeds, all_text, scale, spec, reduction, grad_scale, block_size, group, half, ring)
-            + _run(text_embeds, all_image, scale, spec, reduction, grad_scale, block_size, group, half, ring))
+        loss = 0.5 * (rows + cols)
+    else:
+        half = torch.full((b,), 0.5, dtype=compute_dtype(image_embeds.dtype), device=image_embeds.device)
+        loss = (_run(image_embeds, all_text, scale, spec, reduction, grad_scale, block_size, group, half, ring)
+                + _run(text_embeds, all_image, scale, spec, reduction, grad_scale, block_size, group, half, ring))
+    if bias is not None and bias.requires_grad:
+        loss = loss + 0.0 * bias  # a constant shift of every logit: its gradient is exactly 0, as the formula's
+    return loss
 
 
 @same_call_across_ranks
