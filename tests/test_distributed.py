@@ -71,6 +71,11 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
         "clip": (lambda a, b, s: lib.clip_loss(a, b, s, **kw), [emb, z2, 1.0 / t]),
         "siglip": (lambda a, b, s: lib.siglip_loss(a, b, s, -1.0, **kw), [emb, z2, 1.0 / t]),
     }
+    cases["nt_xent_decoupled"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, decoupled=True, **kw),
+                                  [emb, z2, t])
+    cases["nt_xent_decoupled_vmf"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, decoupled=True,
+                                                                         weighting="vmf", sigma=0.7, **kw),
+                                      [emb, z2, t])
     cases["clip_labels_bias"] = (lambda a, b, s: lib.clip_loss(a, b, s, labels=labels, logit_bias=-3.0, **kw),
                                  [emb, z2, 1.0 / t])
     negatives = d["negatives"]
@@ -164,7 +169,8 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
             if name.endswith(("info_nce_hard", "info_nce_moco", "info_nce_negatives")):
                 ks = _shard([2 * s for s in sizes], r)
                 assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
-            elif name.endswith(("nt_xent", "clip", "siglip", "clip_labels_bias")):
+            elif name.endswith(("nt_xent", "clip", "siglip", "clip_labels_bias", "nt_xent_decoupled",
+                                "nt_xent_decoupled_vmf")):
                 assert_close(got[1], grads[1][_shard(sizes, r)], f"{name}: rank {r} second input grad", *TOL)
         # the temperature (or logit scale, the last input) is replicated: its gradient sums over ranks
         t_got = sum(r[key][1][-1] for r in ranks)

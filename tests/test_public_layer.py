@@ -39,7 +39,7 @@ UNSUPPORTED = [
     ("matryoshka_dims", lambda g: flashcl.info_nce_loss(torch.randn(4, 8), torch.randn(4, 8),
                                                         matryoshka_dims=[4, 8], process_group=g)),
     ("estimator", lambda g: flashcl.nt_xent_loss(torch.randn(4, 3), torch.randn(4, 3), estimator="hard",
-                                                 process_group=g)),
+                                                 process_group=g)),  # decoupled is taken
     ("matryoshka_dims", lambda g: flashcl.clip_loss(torch.randn(4, 8), torch.randn(4, 8), 10.0,
                                                     matryoshka_dims=[4, 8], process_group=g)),
     ("strategy", lambda g: flashcl.siglip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree",

@@ -42,7 +42,7 @@ from .core import CoreSpec
 from .dispatch import class_ids
 from .engine import Driver, Operands, Problem
 from .functional import Scalar, siglip_problem
-from .heads import Head, Tile
+from .heads import Exclusions, Head, Tile
 from .linear import Linear, Positives, Rows, class_sums, raw_rows
 from .tiled import auto_block
 from .utils import compute_dtype
@@ -318,7 +318,8 @@ def _supcon_core(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: s
 def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normalize: bool = True,
                  reduction: str = "mean", grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None,
-                 block_size: Optional[int] = None) -> Tensor:
+                 block_size: Optional[int] = None, decoupled: bool = False,
+                 weighting: Optional[str] = None, sigma: float = 0.5) -> Tensor:
     """:func:`flashcl.nt_xent_loss` over the global batch: every view of every rank is
     a negative; ``z1[i]`` and ``z2[i]`` of the same rank are a pair.
 
@@ -335,10 +336,41 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normaliz
     _check(grad_scale, strategy)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
     n = z1.shape[0]
+    checks.check_bool(decoupled, "decoupled")
+    if decoupled:
+        return _decoupled(z1, z2, scale, normalize, reduction, grad_scale, block_size, group, strategy, weighting,
+                          sigma)
     pair_offset = sum(_sizes(n, z1.device, group)[:_world(group)[0]])
     ids = (torch.arange(n, device=z1.device) + pair_offset).repeat(2)
     return _supcon_core(torch.cat([z1, z2]), ids, scale, "sum", False, normalize, reduction, grad_scale,
                         block_size, group, strategy)
+
+
+def _decoupled(z1: Tensor, z2: Tensor, scale: Tensor, normalize: bool, reduction: str, grad_scale: str,
+               block_size: Optional[int], group: Any, strategy: str, weighting: Optional[str], sigma: float) -> Tensor:
+    """Decoupled NT-Xent (the positive out of the denominator) over the global batch:
+    each rank's rows are its ``[z1; z2]``, the columns every rank's, in rank order;
+    with ``weighting="vmf"`` the positives' weights from a softmax over every rank's pairs."""
+    n = z1.shape[0]
+    z = torch.cat([z1, z2])
+    k, offset, sizes = _candidates(z, strategy, group)
+    if sum(sizes) < 4:
+        raise ValueError("decoupled=True needs at least 2 pairs in the global batch: with one pair the denominator "
+                         "without the positive is empty (the loss would be -inf)")
+    partner = ((torch.arange(2 * n, device=z.device) + n) % (2 * n) + offset).unsqueeze(1)
+    weight = None
+    if weighting == "vmf":
+        from .dispatch import unit_rows
+
+        with torch.no_grad():
+            sim = (unit_rows(z1.detach(), True) * unit_rows(z2.detach(), True)).sum(1) / sigma
+            every = _all_gather_plain(sim, group)
+            w = 2.0 - every.shape[0] * torch.exp(sim - torch.logsumexp(every, dim=0))
+        weight = torch.cat([w, w]).to(compute_dtype(z.dtype))
+    spec = CoreSpec(exclude_self=True, self_pairs=True, offset=offset, index=partner, pos_mode="sum",
+                    normalize=normalize, exclude=Exclusions(index=partner), positive_weight=weight)
+    return _run(z, k, scale, spec, reduction, grad_scale, block_size, group,
+                ring_sizes=sizes if strategy == "ring" else None)
 
 
 @same_call_across_ranks
