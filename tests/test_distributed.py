@@ -81,7 +81,12 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
     negatives = d["negatives"]
     cases["info_nce_moco"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives,
                                                                   in_batch_negatives=False, **kw), [emb, keys, t])
-    if strategy == "all_gather":  # a queue's keys across processes: gathered strategy only
+    if strategy == "all_gather":  # a queue's keys and Matryoshka across processes: gathered strategy only
+        cases["supcon_matryoshka"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, matryoshka_dims=[2, 6],
+                                                                    matryoshka_weights=[0.5, 1.0], **kw), [emb, t])
+        cases["info_nce_matryoshka"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
+                                                                            matryoshka_dims=[1, 3, 6], **kw),
+                                        [emb, keys, t])
         cases["info_nce_negatives"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
                                                                            negatives=negatives, **kw), [emb, keys, t])
         ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
@@ -166,7 +171,7 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
         for r in range(world):
             got = ranks[r][key][1]
             assert_close(got[0], grads[0][_shard(sizes, r)], f"{name}: rank {r} first input grad", *TOL)
-            if name.endswith(("info_nce_hard", "info_nce_moco", "info_nce_negatives")):
+            if name.endswith(("info_nce_hard", "info_nce_moco", "info_nce_negatives", "info_nce_matryoshka")):
                 ks = _shard([2 * s for s in sizes], r)
                 assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
             elif name.endswith(("nt_xent", "clip", "siglip", "clip_labels_bias", "nt_xent_decoupled",

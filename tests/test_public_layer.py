@@ -36,8 +36,8 @@ UNSUPPORTED = [
     ("ref with strategy='ring'", lambda g: flashcl.supcon_loss(
         torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), ref=torch.randn(2, 3), ref_labels=torch.tensor([0, 1]),
         process_group=g, strategy="ring")),
-    ("matryoshka_dims", lambda g: flashcl.info_nce_loss(torch.randn(4, 8), torch.randn(4, 8),
-                                                        matryoshka_dims=[4, 8], process_group=g)),
+    ("matryoshka_dims with strategy='ring'", lambda g: flashcl.info_nce_loss(
+        torch.randn(4, 8), torch.randn(4, 8), matryoshka_dims=[4, 8], process_group=g, strategy="ring")),
     ("estimator", lambda g: flashcl.nt_xent_loss(torch.randn(4, 3), torch.randn(4, 3), estimator="hard",
                                                  process_group=g)),  # decoupled is taken
     ("matryoshka_dims", lambda g: flashcl.clip_loss(torch.randn(4, 8), torch.randn(4, 8), 10.0,

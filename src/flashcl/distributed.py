@@ -207,10 +207,19 @@ def _candidates(k_local: Tensor, strategy: str, group: Any) -> Tuple[Tensor, int
 
 def _run(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, grad_scale: str,
          block_size: Optional[int], group: Any, valid_weight: Optional[Tensor] = None,
-         ring_sizes: Optional[List[int]] = None) -> Tensor:
+         ring_sizes: Optional[List[int]] = None, widths: Optional[Tuple[Any, Any]] = None) -> Tensor:
     """Local rows of the core against global columns, reduced with the global count.
     ``ring_sizes``: k is this rank's block only and the others come round the ring;
-    else k holds every rank's candidates (gathered)."""
+    else k holds every rank's candidates (gathered). ``widths``: Matryoshka's
+    ``(matryoshka_dims, matryoshka_weights)`` (gathered columns only)."""
+    if widths is not None:
+        from .dispatch import matryoshka_core
+
+        if ring_sizes is not None:
+            raise ValueError("matryoshka_dims across processes takes strategy='all_gather'")
+        rows = matryoshka_core(q, k, scale, spec, widths[0], widths[1], "none", "tiled", block_size)
+        valid = spec.valid_rows(q.shape[0]).to(device=q.device, dtype=rows.dtype)
+        return _reduce_across(rows, valid, reduction, grad_scale, group)
     _, world = _world(group)
     m = q.shape[0]
     dtype = compute_dtype(q.dtype)
@@ -245,7 +254,8 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1
                 include_self: bool = False, normalize: bool = True, reduction: str = "mean",
                 grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None, block_size: Optional[int] = None, ref: Optional[Tensor] = None,
-                ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None) -> Tensor:
+                ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None,
+                matryoshka_dims: Optional[Any] = None, matryoshka_weights: Optional[Any] = None) -> Tensor:
     """:func:`flashcl.supcon_loss` over the global batch (see the module docstring).
 
     Args:
@@ -280,6 +290,9 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1
     if ref is not None or ref_labels is not None or ref_self is not None:
         from .supcon import validate_ref
 
+        if matryoshka_dims is not None or matryoshka_weights is not None:
+            raise ValueError("matryoshka_dims does not combine with ref (keys without gradient)")
+
         if strategy == "ring":
             raise ValueError("supcon_loss with ref across processes takes strategy='all_gather'")
         ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
@@ -288,13 +301,15 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, *, temperature: Scalar = 0.1
             spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=row_ids, col_labels=col_ids,
                             num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self)
             return _run(embeddings, ref, scale, spec, reduction, grad_scale, block_size, group)
+    widths = None if matryoshka_dims is None and matryoshka_weights is None else (matryoshka_dims, matryoshka_weights)
     return _supcon_core(embeddings, labels, scale, positives, include_self, normalize, reduction, grad_scale,
-                        block_size, group, strategy, ref, ref_labels)
+                        block_size, group, strategy, ref, ref_labels, widths)
 
 
 def _supcon_core(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
                  normalize: bool, reduction: str, grad_scale: str, block_size: Optional[int], group: Any,
-                 strategy: str, ref: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
+                 strategy: str, ref: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None,
+                 widths: Optional[Tuple[Any, Any]] = None) -> Tensor:
     """The global batch's SupCon; with ``ref`` (all_gather only), the queue's keys
     as further columns after the gathered batch."""
     k, offset, sizes = _candidates(embeddings, strategy, group)
@@ -311,7 +326,7 @@ def _supcon_core(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: s
                     row_labels=ids[offset:offset + embeddings.shape[0]], col_labels=ids,
                     num_classes=int(uniq.numel()), pos_mode=positives, normalize=normalize)
     return _run(embeddings, k, scale, spec, reduction, grad_scale, block_size, group,
-                ring_sizes=sizes if strategy == "ring" else None)
+                ring_sizes=sizes if strategy == "ring" else None, widths=widths)
 
 
 @same_call_across_ranks
@@ -378,7 +393,8 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
                   temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
                   grad_scale: str = "ddp", strategy: str = "all_gather",
                   group: Any = None, block_size: Optional[int] = None, negatives: Optional[Tensor] = None,
-                  in_batch_negatives: bool = True) -> Tensor:
+                  in_batch_negatives: bool = True,
+                  matryoshka_dims: Optional[Any] = None, matryoshka_weights: Optional[Any] = None) -> Tensor:
     """:func:`flashcl.info_nce_loss` over the global batch: each query is scored
     against the keys of every rank; ``positive_index`` indexes this rank's keys.
 
@@ -395,6 +411,8 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
     _check(grad_scale, strategy)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
+    if negatives is not None and (matryoshka_dims is not None or matryoshka_weights is not None):
+        raise ValueError("matryoshka_dims does not combine with negatives (keys without gradient)")
     if not in_batch_negatives:
         # MoCo: each query against its own positive and the shared negatives only; the
         # ranks meet in the reduction
@@ -411,8 +429,9 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
 
         k = torch.cat([k, check_keys(negatives, "negatives", query).detach()])
     spec = CoreSpec(index=(index.long() + offset).unsqueeze(1), pos_mode="sum", normalize=normalize)
+    widths = None if matryoshka_dims is None and matryoshka_weights is None else (matryoshka_dims, matryoshka_weights)
     return _run(query, k, scale, spec, reduction, grad_scale, block_size, group,
-                ring_sizes=sizes if strategy == "ring" else None)
+                ring_sizes=sizes if strategy == "ring" else None, widths=widths)
 
 
 def _reduce_across(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, group: Any) -> Tensor:

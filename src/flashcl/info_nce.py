@@ -136,18 +136,21 @@ def info_nce_loss(
     index = checks.validate_info_nce(query, keys, positive_index)
     checks.Options(normalize, reduction, backend, block_size)
     if process_group is not None:
+        widths = matryoshka_dims is not None or matryoshka_weights is not None
         check_across_ranks("info_nce_loss", strategy, grad_scale,
                            query_labels=query_labels is not None or key_labels is not None,
-                           matryoshka_dims=matryoshka_dims is not None or matryoshka_weights is not None,
                            backend=backend != "auto",
                            **{"negatives with strategy='ring'": negatives is not None and strategy == "ring"
-                              and in_batch_negatives})
+                              and in_batch_negatives,
+                              "matryoshka_dims with strategy='ring'": widths and strategy == "ring",
+                              "matryoshka_dims with negatives": widths and negatives is not None})
         from . import distributed
 
         return distributed.info_nce_loss(query, keys, positive_index, temperature=temperature, normalize=normalize,
                                          reduction=reduction, grad_scale=grad_scale, strategy=strategy,
                                          group=process_group, block_size=block_size, negatives=negatives,
-                                         in_batch_negatives=in_batch_negatives)
+                                         in_batch_negatives=in_batch_negatives, matryoshka_dims=matryoshka_dims,
+                                         matryoshka_weights=matryoshka_weights)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))

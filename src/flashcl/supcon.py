@@ -177,16 +177,19 @@ def supcon_loss(
     checks.Options(normalize, reduction, backend, block_size)
     if process_group is not None:
         queue = ref is not None or ref_labels is not None or ref_self is not None
-        check_across_ranks("supcon_loss", strategy, grad_scale,
-                           matryoshka_dims=matryoshka_dims is not None or matryoshka_weights is not None,
-                           backend=backend != "auto", **{"3-D embeddings (several views)": embeddings.dim() == 3,
-                                                         "ref with strategy='ring'": queue and strategy == "ring"})
+        widths = matryoshka_dims is not None or matryoshka_weights is not None
+        check_across_ranks("supcon_loss", strategy, grad_scale, backend=backend != "auto",
+                           **{"3-D embeddings (several views)": embeddings.dim() == 3,
+                              "ref with strategy='ring'": queue and strategy == "ring",
+                              "matryoshka_dims with strategy='ring'": widths and strategy == "ring",
+                              "matryoshka_dims with ref": widths and queue})
         from . import distributed
 
         return distributed.supcon_loss(embeddings, labels, temperature=temperature, positives=positives,
                                        include_self=include_self, normalize=normalize, reduction=reduction,
                                        grad_scale=grad_scale, strategy=strategy, group=process_group,
-                                       block_size=block_size, ref=ref, ref_labels=ref_labels, ref_self=ref_self)
+                                       block_size=block_size, ref=ref, ref_labels=ref_labels, ref_self=ref_self,
+                                       matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
     b = embeddings.shape[0]
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
     if ref is not None or ref_labels is not None or ref_self is not None:
