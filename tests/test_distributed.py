@@ -30,6 +30,8 @@ def _data(total: int) -> Dict[str, torch.Tensor]:
         "ref_labels": torch.randint(0, 4, (11,), generator=g),
         "ref_self": torch.where(torch.arange(total) % 4 == 3, -1, torch.arange(total) % 11),
         "negatives": torch.randn(9, 6, dtype=torch.float64, generator=g),
+        "guide_a": torch.randn(total, 4, dtype=torch.float64, generator=g),
+        "guide_p": torch.randn(total, 4, dtype=torch.float64, generator=g),
     }
 
 
@@ -81,6 +83,10 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
     negatives = d["negatives"]
     cases["info_nce_moco"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives,
                                                                   in_batch_negatives=False, **kw), [emb, keys, t])
+    if strategy == "all_gather" and mode != "distributed":  # GIST across processes: the losses' process_group only
+        guide = (d["guide_a"][sl], d["guide_a"][sl] + 0.7 * d["guide_p"][sl])
+        cases["gist"] = (lambda a, p, tt: flashcl.gist_loss(a, p, guide=guide, temperature=tt, margin=0.05, **kw),
+                         [emb, z2, t])
     if strategy == "all_gather":  # a queue's keys and Matryoshka across processes: gathered strategy only
         cases["supcon_matryoshka"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, matryoshka_dims=[2, 6],
                                                                     matryoshka_weights=[0.5, 1.0], **kw), [emb, t])
@@ -164,6 +170,9 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
         loss = fn(*inputs)
         grads = torch.autograd.grad(loss, inputs)
         key = (mode, strategy, name)
+        if key not in ranks[0]:  # a case only one of the modes has (GIST: process_group only)
+            assert mode == "distributed" and name == "gist", key
+            continue
         name = f"{mode}/{strategy}/{name}"
         total = sum(r[key][0] for r in ranks)
         assert_close(total, loss, f"{name}: sum of rank losses vs one process", *TOL)
@@ -175,7 +184,7 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
                 ks = _shard([2 * s for s in sizes], r)
                 assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
             elif name.endswith(("nt_xent", "clip", "siglip", "clip_labels_bias", "nt_xent_decoupled",
-                                "nt_xent_decoupled_vmf")):
+                                "nt_xent_decoupled_vmf", "gist")):
                 assert_close(got[1], grads[1][_shard(sizes, r)], f"{name}: rank {r} second input grad", *TOL)
         # the temperature (or logit scale, the last input) is replicated: its gradient sums over ranks
         t_got = sum(r[key][1][-1] for r in ranks)

@@ -192,10 +192,11 @@ def warn_small_logit_scale(scale: Tensor) -> None:
 
 
 def row_lse(q: Tensor, k: Optional[Tensor], scale: Tensor, head: SoftmaxHead, normalize: bool, name: str,
-             block_size: Optional[int]) -> Tensor:
+            block_size: Optional[int], offset: int = 0) -> Tensor:
     """Each row's logsumexp over its denominator (the head's exclusions), (M,),
-    differentiable: one part of a loss composed of several candidate sets."""
-    return backends.run(q, k, scale, Problem(head, (), normalize), name, None, block_size)
+    differentiable: one part of a loss composed of several candidate sets
+    (``offset``: the column of row 0, as the head's)."""
+    return backends.run(q, k, scale, Problem(head, (), normalize, offset), name, None, block_size)
 
 
 def unit_rows(x: Tensor, normalize: bool) -> Tensor:

@@ -47,7 +47,8 @@ from .linear import Linear, Positives, Rows, class_sums, raw_rows
 from .tiled import auto_block
 from .utils import compute_dtype
 
-__all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss", "all_gather_with_grad"]
+__all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss", "all_gather_with_grad",
+           "reduce_across"]
 
 _GRAD_SCALES = ("ddp", "sum")
 _STRATEGIES = ("all_gather", "ring")
@@ -219,7 +220,7 @@ def _run(q: Tensor, k: Tensor, scale: Tensor, spec: CoreSpec, reduction: str, gr
             raise ValueError("matryoshka_dims across processes takes strategy='all_gather'")
         rows = matryoshka_core(q, k, scale, spec, widths[0], widths[1], "none", "tiled", block_size)
         valid = spec.valid_rows(q.shape[0]).to(device=q.device, dtype=rows.dtype)
-        return _reduce_across(rows, valid, reduction, grad_scale, group)
+        return reduce_across(rows, valid, reduction, grad_scale, group)
     _, world = _world(group)
     m = q.shape[0]
     dtype = compute_dtype(q.dtype)
@@ -420,7 +421,7 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
 
         rows = local_info_nce(query, keys, positive_index, temperature=temperature, normalize=normalize,
                               reduction="none", negatives=negatives, in_batch_negatives=False, block_size=block_size)
-        return _reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
+        return reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
     if negatives is not None and strategy == "ring":
         raise ValueError("info_nce_loss with negatives across processes takes strategy='all_gather'")
     k, offset, sizes = _candidates(keys, strategy, group)
@@ -434,7 +435,7 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
                 ring_sizes=sizes if strategy == "ring" else None, widths=widths)
 
 
-def _reduce_across(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, group: Any) -> Tensor:
+def reduce_across(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, group: Any) -> Tensor:
     """Local per-row losses reduced over the global batch (the ``grad_scale`` convention)."""
     if reduction == "none":
         return rows

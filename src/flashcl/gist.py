@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import backends, checks, reference
-from .base import LossModule
+from .base import LossModule, shared_docs
 from .dispatch import (
     Scalar,
+    check_across_ranks,
     check_keys,
     row_lse,
     scale_dtype,
@@ -27,12 +28,13 @@ def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) 
     (the positive, column ``i`` of row ``i``, kept when ``keep_positive``)."""
     def mask(tile: Tile) -> Tensor:
         out = (gq[tile.r0:tile.r1] @ gk[tile.c0:tile.c1].T) > threshold[tile.r0:tile.r1].unsqueeze(1)
-        if keep_positive:
-            out.diagonal(offset=tile.r0 - tile.c0).fill_(False)
+        if keep_positive:  # row i's positive: column i + offset (this process's first row in the global batch)
+            out.diagonal(offset=tile.self_diagonal).fill_(False)
         return out
     return mask
 
 
+@shared_docs
 def gist_loss(
     anchor: Tensor,
     positive: Tensor,
@@ -47,6 +49,9 @@ def gist_loss(
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
 ) -> Tensor:
     r"""GISTEmbed (Solatorio, 2024): InfoNCE over in-batch candidates from which a
     guide model removes the false negatives.
@@ -81,6 +86,7 @@ def gist_loss(
         backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (the guide's
             masks have no Triton kernel).
         block_size: rows per block of the tiled backend; None picks one.
+        @process_group@
 
     Shape:
         - anchor, positive: (B, D); negative: (K, D); guide: (B, G), (B, G)[, (K, G)]
@@ -117,6 +123,17 @@ def gist_loss(
     if backend == "triton":
         raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
+    if process_group is not None:
+        check_across_ranks("gist_loss", strategy, grad_scale, backend=backend != "auto",
+                           **{"strategy='ring'": strategy == "ring"})
+        from . import distributed
+
+        def gather(x: Tensor) -> Tuple[Tensor, int]:
+            return distributed.all_gather_with_grad(x, process_group)
+
+        rows = gist_rows(anchor, positive, negative, guides, scale, float(margin), margin_strategy == "relative",
+                         contrast_anchors, contrast_positives, "tiled", block_size, gather)
+        return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, process_group)
     b = anchor.shape[0]
     k = 0 if negative is None else negative.shape[0]
     entries = b * (b * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
@@ -127,26 +144,43 @@ def gist_loss(
             rows = reference.gist_rows(anchor, positive, negative, guides, scale, float(margin), relative,
                                        contrast_anchors, contrast_positives)
             return reduce_rows(rows, torch.ones_like(rows), reduction)
-        ga, gp = unit_rows(guides[0], True), unit_rows(guides[1], True)
-        g_pos = (ga * gp).sum(1)
-        threshold = g_pos - (g_pos.abs() * margin if relative else margin)
-        dtype = compute_dtype(anchor.dtype)
-        ones = torch.ones(b, dtype=dtype, device=anchor.device)
-
-        def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, keep_positive: bool) -> Tensor:
-            head = SoftmaxHead(ones, exclude=Exclusions(fn=_guide_mask(gq, gk, threshold, keep_positive)))
-            return row_lse(q, keys, scale, head, True, name, block_size)
-
-        lse = part(anchor, positive, ga, gp, True)
-        if contrast_anchors:
-            lse = torch.logaddexp(lse, part(anchor, anchor, ga, ga, False))
-        if contrast_positives:
-            lse = torch.logaddexp(lse, part(positive, positive, gp, gp, False))
-        if negative is not None:
-            lse = torch.logaddexp(lse, part(anchor, negative, ga, unit_rows(guides[2], True), False))
-        pos = (unit_rows(anchor, True) * unit_rows(positive, True)).sum(1)
-        rows = lse - scale.to(dtype) * pos
+        rows = gist_rows(anchor, positive, negative, guides, scale, float(margin), relative, contrast_anchors,
+                         contrast_positives, name, block_size)
     return reduce_rows(rows, torch.ones_like(rows), reduction)
+
+
+def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guides: List[Tensor], scale: Tensor,
+              margin: float, relative: bool, contrast_anchors: bool, contrast_positives: bool, name: str,
+              block_size: Optional[int], gather: Optional[Callable[[Tensor], Tuple[Tensor, int]]] = None) -> Tensor:
+    """GIST's per-anchor losses (backend ``name``), each a logsumexp over tiles per
+    candidate set; with ``gather`` (``x -> (every process's rows, this one's first
+    row)``), the candidates are the global batch's (across processes)."""
+    b = anchor.shape[0]
+    ga, gp = unit_rows(guides[0], True), unit_rows(guides[1], True)
+    g_pos = (ga * gp).sum(1)
+    threshold = g_pos - (g_pos.abs() * margin if relative else margin)
+    dtype = compute_dtype(anchor.dtype)
+    ones = torch.ones(b, dtype=dtype, device=anchor.device)
+
+    def every(x: Tensor) -> Tuple[Tensor, int]:
+        return (x, 0) if gather is None else gather(x)
+
+    def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, keep_positive: bool) -> Tensor:
+        all_keys, offset = every(keys)
+        all_gk, _ = every(gk)
+        head = SoftmaxHead(ones, offset=offset,
+                           exclude=Exclusions(fn=_guide_mask(gq, all_gk, threshold, keep_positive)))
+        return row_lse(q, all_keys, scale, head, True, name, block_size, offset)
+
+    lse = part(anchor, positive, ga, gp, True)
+    if contrast_anchors:
+        lse = torch.logaddexp(lse, part(anchor, anchor, ga, ga, False))
+    if contrast_positives:
+        lse = torch.logaddexp(lse, part(positive, positive, gp, gp, False))
+    if negative is not None:
+        lse = torch.logaddexp(lse, part(anchor, negative, ga, unit_rows(guides[2], True), False))
+    pos = (unit_rows(anchor, True) * unit_rows(positive, True)).sum(1)
+    return lse - scale.to(dtype) * pos
 
 
 class GistLoss(LossModule):
@@ -161,10 +195,12 @@ class GistLoss(LossModule):
 
     def __init__(self, temperature: Scalar = 0.01, margin: float = 0.0, margin_strategy: str = "absolute",
                  contrast_anchors: bool = True, contrast_positives: bool = True, reduction: str = "mean",
-                 backend: str = "auto", block_size: Optional[int] = None) -> None:
+                 backend: str = "auto", block_size: Optional[int] = None, process_group: Any = None,
+                 strategy: str = "all_gather", grad_scale: str = "ddp") -> None:
         super().__init__(temperature=temperature, margin=margin, margin_strategy=margin_strategy,
                          contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
-                         reduction=reduction, backend=backend, block_size=block_size)
+                         reduction=reduction, backend=backend, block_size=block_size, process_group=process_group,
+                         strategy=strategy, grad_scale=grad_scale)
 
     def forward(self, anchor: Tensor, positive: Tensor, negative: Optional[Tensor] = None, *,
                 guide: Tuple[Tensor, ...]) -> Tensor:
