@@ -87,6 +87,11 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
         guide = (d["guide_a"][sl], d["guide_a"][sl] + 0.7 * d["guide_p"][sl])
         cases["gist"] = (lambda a, p, tt: flashcl.gist_loss(a, p, guide=guide, temperature=tt, margin=0.05, **kw),
                          [emb, z2, t])
+    if strategy == "all_gather":  # the estimators across processes: gathered strategy only
+        cases["nt_xent_debiased"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="debiased",
+                                                                        tau_plus=0.2, **kw), [emb, z2, t])
+        cases["nt_xent_hard"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="hard",
+                                                                    tau_plus=0.1, beta=0.5, **kw), [emb, z2, t])
     if strategy == "all_gather":  # a queue's keys and Matryoshka across processes: gathered strategy only
         cases["supcon_matryoshka"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, matryoshka_dims=[2, 6],
                                                                     matryoshka_weights=[0.5, 1.0], **kw), [emb, t])
@@ -184,7 +189,7 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
                 ks = _shard([2 * s for s in sizes], r)
                 assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
             elif name.endswith(("nt_xent", "clip", "siglip", "clip_labels_bias", "nt_xent_decoupled",
-                                "nt_xent_decoupled_vmf", "gist")):
+                                "nt_xent_decoupled_vmf", "gist", "nt_xent_debiased", "nt_xent_hard")):
                 assert_close(got[1], grads[1][_shard(sizes, r)], f"{name}: rank {r} second input grad", *TOL)
         # the temperature (or logit scale, the last input) is replicated: its gradient sums over ranks
         t_got = sum(r[key][1][-1] for r in ranks)

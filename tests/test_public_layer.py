@@ -38,8 +38,8 @@ UNSUPPORTED = [
         process_group=g, strategy="ring")),
     ("matryoshka_dims with strategy='ring'", lambda g: flashcl.info_nce_loss(
         torch.randn(4, 8), torch.randn(4, 8), matryoshka_dims=[4, 8], process_group=g, strategy="ring")),
-    ("estimator", lambda g: flashcl.nt_xent_loss(torch.randn(4, 3), torch.randn(4, 3), estimator="hard",
-                                                 process_group=g)),  # decoupled is taken
+    ("an estimator with strategy='ring'", lambda g: flashcl.nt_xent_loss(
+        torch.randn(4, 3), torch.randn(4, 3), estimator="hard", process_group=g, strategy="ring")),
     ("matryoshka_dims", lambda g: flashcl.clip_loss(torch.randn(4, 8), torch.randn(4, 8), 10.0,
                                                     matryoshka_dims=[4, 8], process_group=g)),
     ("strategy", lambda g: flashcl.siglip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree",

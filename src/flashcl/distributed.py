@@ -41,6 +41,7 @@ from . import backends, checks, engine
 from .core import CoreSpec
 from .dispatch import class_ids
 from .engine import Driver, Operands, Problem
+from .estimators import DebiasedHead
 from .functional import Scalar, siglip_problem
 from .heads import Exclusions, Head, Tile
 from .linear import Linear, Positives, Rows, class_sums, raw_rows
@@ -335,7 +336,8 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normaliz
                  reduction: str = "mean", grad_scale: str = "ddp", strategy: str = "all_gather",
                 group: Any = None,
                  block_size: Optional[int] = None, decoupled: bool = False,
-                 weighting: Optional[str] = None, sigma: float = 0.5) -> Tensor:
+                 weighting: Optional[str] = None, sigma: float = 0.5,
+                 estimator: str = "standard", tau_plus: float = 0.1, beta: float = 1.0) -> Tensor:
     """:func:`flashcl.nt_xent_loss` over the global batch: every view of every rank is
     a negative; ``z1[i]`` and ``z2[i]`` of the same rank are a pair.
 
@@ -353,6 +355,15 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normaliz
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
     n = z1.shape[0]
     checks.check_bool(decoupled, "decoupled")
+    checks.check_choice(estimator, "estimator", ("standard", "debiased", "hard"))
+    if estimator != "standard":
+        if decoupled:
+            raise ValueError("the debiased and hard estimators reweigh the negatives of the standard denominator: "
+                             "use them with decoupled=False")
+        if strategy == "ring":
+            raise ValueError("nt_xent_loss with an estimator across processes takes strategy='all_gather'")
+        return _estimator(z1, z2, scale, normalize, reduction, grad_scale, block_size, group, float(tau_plus),
+                          0.0 if estimator == "debiased" else float(beta))
     if decoupled:
         return _decoupled(z1, z2, scale, normalize, reduction, grad_scale, block_size, group, strategy, weighting,
                           sigma)
@@ -360,6 +371,27 @@ def nt_xent_loss(z1: Tensor, z2: Tensor, *, temperature: Scalar = 0.07, normaliz
     ids = (torch.arange(n, device=z1.device) + pair_offset).repeat(2)
     return _supcon_core(torch.cat([z1, z2]), ids, scale, "sum", False, normalize, reduction, grad_scale,
                         block_size, group, strategy)
+
+
+def _estimator(z1: Tensor, z2: Tensor, scale: Tensor, normalize: bool, reduction: str, grad_scale: str,
+               block_size: Optional[int], group: Any, tau_plus: float, beta: float) -> Tensor:
+    """The debiased / hard-negative estimators over the global batch: each rank's
+    rows ``[z1; z2]`` against every rank's, gathered."""
+    n = z1.shape[0]
+    z = torch.cat([z1, z2])
+    k, offset, sizes = _candidates(z, "all_gather", group)
+    n_all = sum(sizes)
+    if n_all < 4:
+        raise ValueError("the debiased and hard estimators need at least 2 pairs (2 negatives per anchor)")
+    partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n) + offset
+    head = DebiasedHead(partner, tau_plus, beta, n_all - 2, float(scale.detach()), offset=offset)
+    weights = None
+    if reduction != "none":
+        _, world = _world(group)
+        factor = float(world) if grad_scale == "ddp" else 1.0
+        w = factor / n_all if reduction == "mean" else factor
+        weights = (torch.full((2 * n,), w, dtype=compute_dtype(z.dtype), device=z.device), None)
+    return backends.run(z, k, scale, Problem(head, (), normalize, offset), "tiled", weights, block_size)
 
 
 def _decoupled(z1: Tensor, z2: Tensor, scale: Tensor, normalize: bool, reduction: str, grad_scale: str,

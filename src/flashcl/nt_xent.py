@@ -114,14 +114,14 @@ def nt_xent_loss(
     if sigma <= 0:
         raise ValueError(f"sigma must be > 0, got {sigma!r}")
     if process_group is not None:
-        check_across_ranks("nt_xent_loss", strategy, grad_scale, estimator=estimator != "standard",
-                           backend=backend != "auto")
+        check_across_ranks("nt_xent_loss", strategy, grad_scale, backend=backend != "auto",
+                           **{"an estimator with strategy='ring'": estimator != "standard" and strategy == "ring"})
         from . import distributed
 
         return distributed.nt_xent_loss(z1, z2, temperature=temperature, normalize=normalize, reduction=reduction,
                                         grad_scale=grad_scale, strategy=strategy, group=process_group,
                                         block_size=block_size, decoupled=decoupled, weighting=weighting,
-                                        sigma=sigma)
+                                        sigma=sigma, estimator=estimator, tau_plus=tau_plus, beta=beta)
     if estimator != "standard" and decoupled:
         raise ValueError("the debiased and hard estimators reweigh the negatives of the standard denominator: "
                          "use them with decoupled=False")
