@@ -87,6 +87,14 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
         guide = (d["guide_a"][sl], d["guide_a"][sl] + 0.7 * d["guide_p"][sl])
         cases["gist"] = (lambda a, p, tt: flashcl.gist_loss(a, p, guide=guide, temperature=tt, margin=0.05, **kw),
                          [emb, z2, t])
+    if strategy == "all_gather":  # labels on both sides: a positive's duplicates masked, or positives too
+        key_labels = d["labels"].repeat_interleave(2)[_shard([2 * s for s in sizes], rank) if dist_mode else
+                                                       slice(None)]
+        for dup in ("mask", "positive"):
+            cases[f"info_nce_labels_{dup}"] = (
+                lambda q, k, tt, dup=dup: lib.info_nce_loss(q, k, pos, temperature=tt, query_labels=labels,
+                                                            key_labels=key_labels, duplicates=dup, **kw),
+                [emb, keys, t])
     if strategy == "all_gather":  # the estimators across processes: gathered strategy only
         cases["nt_xent_debiased"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="debiased",
                                                                         tau_plus=0.2, **kw), [emb, z2, t])
@@ -185,7 +193,8 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
         for r in range(world):
             got = ranks[r][key][1]
             assert_close(got[0], grads[0][_shard(sizes, r)], f"{name}: rank {r} first input grad", *TOL)
-            if name.endswith(("info_nce_hard", "info_nce_moco", "info_nce_negatives", "info_nce_matryoshka")):
+            if name.endswith(("info_nce_hard", "info_nce_moco", "info_nce_negatives", "info_nce_matryoshka",
+                              "info_nce_labels_mask", "info_nce_labels_positive")):
                 ks = _shard([2 * s for s in sizes], r)
                 assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
             elif name.endswith(("nt_xent", "clip", "siglip", "clip_labels_bias", "nt_xent_decoupled",

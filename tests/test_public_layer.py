@@ -42,6 +42,9 @@ UNSUPPORTED = [
         torch.randn(4, 3), torch.randn(4, 3), estimator="hard", process_group=g, strategy="ring")),
     ("matryoshka_dims", lambda g: flashcl.clip_loss(torch.randn(4, 8), torch.randn(4, 8), 10.0,
                                                     matryoshka_dims=[4, 8], process_group=g)),
+    ("query_labels with strategy='ring'", lambda g: flashcl.info_nce_loss(
+        torch.randn(4, 3), torch.randn(4, 3), query_labels=torch.tensor([0, 1, 0, 1]),
+        key_labels=torch.tensor([0, 1, 0, 1]), process_group=g, strategy="ring")),
     ("strategy", lambda g: flashcl.siglip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree",
                                                process_group=g)),
 ]

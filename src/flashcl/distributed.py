@@ -427,7 +427,9 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
                   grad_scale: str = "ddp", strategy: str = "all_gather",
                   group: Any = None, block_size: Optional[int] = None, negatives: Optional[Tensor] = None,
                   in_batch_negatives: bool = True,
-                  matryoshka_dims: Optional[Any] = None, matryoshka_weights: Optional[Any] = None) -> Tensor:
+                  matryoshka_dims: Optional[Any] = None, matryoshka_weights: Optional[Any] = None,
+                  query_labels: Optional[Tensor] = None, key_labels: Optional[Tensor] = None,
+                  duplicates: str = "mask") -> Tensor:
     """:func:`flashcl.info_nce_loss` over the global batch: each query is scored
     against the keys of every rank; ``positive_index`` indexes this rank's keys.
 
@@ -446,6 +448,8 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     if negatives is not None and (matryoshka_dims is not None or matryoshka_weights is not None):
         raise ValueError("matryoshka_dims does not combine with negatives (keys without gradient)")
+    if not in_batch_negatives and (query_labels is not None or key_labels is not None):
+        raise ValueError("in_batch_negatives=False takes no labels (each query's keys are its positive only)")
     if not in_batch_negatives:
         # MoCo: each query against its own positive and the shared negatives only; the
         # ranks meet in the reduction
@@ -461,7 +465,23 @@ def info_nce_loss(query: Tensor, keys: Tensor, positive_index: Optional[Tensor] 
         from .dispatch import check_keys
 
         k = torch.cat([k, check_keys(negatives, "negatives", query).detach()])
-    spec = CoreSpec(index=(index.long() + offset).unsqueeze(1), pos_mode="sum", normalize=normalize)
+    if (query_labels is None) != (key_labels is None):
+        raise ValueError("query_labels and key_labels go together: pass both or neither")
+    checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
+    all_key_labels = None
+    if query_labels is not None:
+        if strategy == "ring":
+            raise ValueError("info_nce_loss with labels across processes takes strategy='all_gather'")
+        _, query_labels = checks.validate_labelled(query, query_labels, names=("query", "query_labels"))
+        _, key_labels = checks.validate_labelled(keys, key_labels, names=("keys", "key_labels"))
+        all_key_labels = _all_gather_plain(key_labels.long(), group)
+        if negatives is not None:  # the shared negatives take a label no query has
+            fresh = torch.full((negatives.shape[0],), int(torch.cat([query_labels.long(), all_key_labels]).max()) + 1,
+                               dtype=torch.long, device=query.device)
+            all_key_labels = torch.cat([all_key_labels, fresh])
+    from .info_nce import info_nce_spec
+
+    spec = info_nce_spec(index.long() + offset, normalize, query_labels, all_key_labels, duplicates)
     widths = None if matryoshka_dims is None and matryoshka_weights is None else (matryoshka_dims, matryoshka_weights)
     return _run(query, k, scale, spec, reduction, grad_scale, block_size, group,
                 ring_sizes=sizes if strategy == "ring" else None, widths=widths)

@@ -35,6 +35,25 @@ def _same_label_mask(q_ids: Tensor, k_ids: Tensor, index: Tensor) -> Callable[[T
     return mask
 
 
+def info_nce_spec(index: Tensor, normalize: bool, query_labels: Optional[Tensor] = None,
+                  key_labels: Optional[Tensor] = None, duplicates: str = "mask") -> CoreSpec:
+    """InfoNCE's core configuration: query ``i``'s positive is key ``index[i]``; with
+    labels on both sides, other keys of the query's label are left out of its
+    denominator (``duplicates="mask"``) or are positives too (``"positive"``).
+    ``index`` and ``key_labels`` may be global (keys gathered across processes)."""
+    if query_labels is None or key_labels is None:
+        return CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize)
+    (q_ids, k_ids), num_classes = class_ids(query_labels, key_labels)
+    if bool((k_ids[index] != q_ids).any()):
+        raise ValueError("each query's positive key must share its label (key_labels[positive_index] == "
+                         "query_labels)")
+    if duplicates == "positive":
+        return CoreSpec(row_labels=q_ids, col_labels=k_ids, num_classes=num_classes, pos_mode="mean",
+                        normalize=normalize)
+    return CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize,
+                    exclude=Exclusions(fn=_same_label_mask(q_ids, k_ids, index)))
+
+
 def _info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, scale: Tensor, spec: CoreSpec,
                              in_batch: bool, reduction: str, backend: str, block_size: Optional[int]) -> Tensor:
     """InfoNCE whose denominators also hold ``negatives`` (no gradient): the keys' part
@@ -137,40 +156,31 @@ def info_nce_loss(
     checks.Options(normalize, reduction, backend, block_size)
     if process_group is not None:
         widths = matryoshka_dims is not None or matryoshka_weights is not None
-        check_across_ranks("info_nce_loss", strategy, grad_scale,
-                           query_labels=query_labels is not None or key_labels is not None,
-                           backend=backend != "auto",
+        labelled = query_labels is not None or key_labels is not None
+        check_across_ranks("info_nce_loss", strategy, grad_scale, backend=backend != "auto",
                            **{"negatives with strategy='ring'": negatives is not None and strategy == "ring"
                               and in_batch_negatives,
                               "matryoshka_dims with strategy='ring'": widths and strategy == "ring",
-                              "matryoshka_dims with negatives": widths and negatives is not None})
+                              "matryoshka_dims with negatives": widths and negatives is not None,
+                              "query_labels with strategy='ring'": labelled and strategy == "ring"})
         from . import distributed
 
         return distributed.info_nce_loss(query, keys, positive_index, temperature=temperature, normalize=normalize,
                                          reduction=reduction, grad_scale=grad_scale, strategy=strategy,
                                          group=process_group, block_size=block_size, negatives=negatives,
                                          in_batch_negatives=in_batch_negatives, matryoshka_dims=matryoshka_dims,
-                                         matryoshka_weights=matryoshka_weights)
+                                         matryoshka_weights=matryoshka_weights, query_labels=query_labels,
+                                         key_labels=key_labels, duplicates=duplicates)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
     index = index.long()
-    spec = CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize)
     if (query_labels is None) != (key_labels is None):
         raise ValueError("query_labels and key_labels go together: pass both or neither")
     if query_labels is not None:
         _, query_labels = checks.validate_labelled(query, query_labels, names=("query", "query_labels"))
         _, key_labels = checks.validate_labelled(keys, key_labels, names=("keys", "key_labels"))
-        (q_ids, k_ids), num_classes = class_ids(query_labels, key_labels)
-        if bool((k_ids[index] != q_ids).any()):
-            raise ValueError("each query's positive key must share its label (key_labels[positive_index] == "
-                             "query_labels)")
-        if duplicates == "positive":
-            spec = CoreSpec(row_labels=q_ids, col_labels=k_ids, num_classes=num_classes, pos_mode="mean",
-                            normalize=normalize)
-        else:
-            spec = CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize,
-                            exclude=Exclusions(fn=_same_label_mask(q_ids, k_ids, index)))
+    spec = info_nce_spec(index, normalize, query_labels, key_labels, duplicates)
     if not in_batch_negatives and negatives is None:
         raise ValueError("in_batch_negatives=False leaves each query its positive alone: pass negatives")
     if not in_batch_negatives and query_labels is not None:
