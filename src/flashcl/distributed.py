@@ -40,11 +40,11 @@ from torch import Tensor
 from . import backends, checks, engine
 from .core import CoreSpec
 from .dispatch import class_ids
-from .engine import Driver, Operands, Problem
+from .engine import Problem
 from .estimators import DebiasedHead
 from .functional import Scalar, siglip_problem
-from .heads import Exclusions, Head, Tile
-from .linear import Linear, Positives, Rows, class_sums, raw_rows
+from .heads import Exclusions
+from .ring import RingDriver
 from .tiled import auto_block
 from .utils import compute_dtype
 
@@ -611,119 +611,3 @@ def siglip_loss(image_embeds: Tensor, text_embeds: Tensor, logit_scale: Scalar, 
 
 
 # ----------------------------------------------------------------------------- ring
-
-def _peer(group: Any, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def _ring_pass(tensors: List[Tensor], shapes: List[Tuple[int, ...]], group: Any) -> List[Tensor]:
-    """Send ``tensors`` to the next rank, receive tensors of ``shapes`` from the previous."""
-    rank, world = _world(group)
-    if world == 1:  # the ring is this rank alone
-        return list(tensors)
-    nxt, prv = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
-    incoming = [tensors[0].new_empty(shape) for shape in shapes]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in incoming]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return incoming
-
-
-class RingDriver(Driver):
-    """The engine's driver with the candidates spread over the ranks: this rank's
-    anchors against every rank's candidate block, the blocks passed around the
-    ring (as Inf-CL does), so that no rank holds more than its own rows and one
-    visiting block. Backward passes each block again, with its gradient
-    accumulator travelling along and arriving back at its owner. The positive
-    terms use class sums added over the ranks, and index positives of this
-    rank's own block."""
-
-    no_second_derivatives = (
-        "flashcl.distributed does not compute second derivatives (backward with create_graph=True, as a "
-        "gradient penalty or a Hessian-vector product needs): its collectives' gradients have no graph. "
-        "The single-process losses (flashcl.supcon_loss, ...) compute them on every backend.")
-
-    def __init__(self, sizes: List[int], group: Any) -> None:
-        self.sizes, self.group = sizes, group
-        self.rank, self.world = _world(group)
-        self.starts = [sum(sizes[:i]) for i in range(self.world)]
-
-    def local_problem(self, problem: Problem) -> Problem:
-        """The problem's positive terms in this rank's own columns (the head keeps
-        the global ones: its tiles carry global column indices). Index positives
-        must lie in this rank's block, as every distributed loss makes them."""
-        offset = self.starts[self.rank]
-        n_local = self.sizes[self.rank]
-        linears = []
-        for lin in problem.linears:
-            pos = lin.positives
-            if pos.index is not None:
-                local = Positives(index=pos.index - offset)
-            else:
-                assert pos.col_labels is not None
-                local = Positives(row_labels=pos.row_labels, col_labels=pos.col_labels[offset:offset + n_local],
-                                  num_classes=pos.num_classes, self_pairs=pos.self_pairs, offset=0)
-            linears.append(Linear(local, lin.weight, lin.target))
-        return Problem(problem.head, tuple(linears), problem.normalize, problem.offset)
-
-    def class_sums(self, x: Rows, ids: Tensor, num_classes: int, block: int,  # type: ignore[override]
-                   weight: Optional[Tensor] = None) -> Tensor:
-        out = class_sums(x, ids, num_classes, block, weight)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out
-
-    def num_columns(self, ops: Operands) -> int:
-        return sum(self.sizes)
-
-    def bound(self, ops: Operands) -> Optional[float]:
-        # every rank's candidates visit: the largest bound over the ranks
-        b = torch.tensor([ops.bound], dtype=torch.float64, device=raw_rows(ops.q)[0].device)
-        dist.all_reduce(b, op=dist.ReduceOp.MAX, group=self.group)
-        return float(b)
-
-    def _blocks(self, ops: Operands, step: int) -> Tuple[int, int]:
-        owner = (self.rank - step) % self.world
-        return self.starts[owner], self.sizes[(owner - 1) % self.world]
-
-    def _scores(self, ops: Operands, kb: Tensor, r0: int, r1: int, buf: Tensor) -> Tensor:
-        return torch.mm(ops.q[r0:r1] * ops.scale, kb.T, out=buf[:(r1 - r0) * kb.shape[0]].view(r1 - r0, -1))
-
-    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
-                dk: Optional[Tensor]) -> Optional[Tensor]:
-        m, d = ops.q.shape
-        buf = ops.q.new_empty(min(ops.block, m) * max(self.sizes))  # one score buffer for every block
-        for p in range(head.passes):
-            current = ops.k
-            for step in range(self.world):
-                col0, next_size = self._blocks(ops, step)
-                for r0 in range(0, m, ops.block):
-                    r1 = min(r0 + ops.block, m)
-                    head.reduce(self._scores(ops, current, r0, r1, buf),
-                                Tile(r0, r1, col0, col0 + current.shape[0], ops.offset), st, p)
-                if step < self.world - 1:
-                    (current,) = _ring_pass([current], [(next_size, d)], self.group)
-            head.finish(st, p)
-        return None
-
-    def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
-        m, d = ops.q.shape
-        buf = ops.q.new_empty(min(ops.block, m) * max(self.sizes))
-        buf2 = ops.q.new_empty(min(ops.block, m) * max(self.sizes))
-        current, dk_travel = ops.k, torch.zeros_like(ops.k)
-        dscale = ops.q.new_zeros(())
-        for step in range(self.world):
-            col0, next_size = self._blocks(ops, step)
-            for r0 in range(0, m, ops.block):
-                r1 = min(r0 + ops.block, m)
-                tile = Tile(r0, r1, col0, col0 + current.shape[0], ops.offset)
-                g = head.grad(self._scores(ops, current, r0, r1, buf), tile, st, buf2)
-                gk = g @ current
-                dscale += (gk * ops.q[r0:r1]).sum()
-                dq[r0:r1].add_(gk, alpha=ops.scale)
-                dk_travel.addmm_(g.T, ops.q[r0:r1], alpha=ops.scale)
-            # the block goes on; after the last step its gradient arrives home
-            shape = (next_size, d)
-            current, dk_travel = _ring_pass([current, dk_travel], [shape, shape], self.group)
-        dk.add_(dk_travel)
-        return dscale
