@@ -152,7 +152,7 @@ def test_a_head_without_kernels_is_refused_by_triton() -> None:
 
 
 def _ring_worker(rank: int, world: int, out_dir: str) -> None:
-    from flashcl.distributed import RingDriver
+    from flashcl.ring import RingDriver
 
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
