@@ -117,7 +117,7 @@ def test_gpu_suite_plots_one_panel_per_loss_and_width(tmp_path) -> None:
 def test_plots_one_panel_per_k_with_a_title_that_states_the_result(tmp_path) -> None:
     """The neighbour loss's rows (as the suite writes them) give one panel per k,
     and each panel's title names flashcl's gap to the slowest implementation."""
-    from flashcl.bench.report import _finding, _panel_key, plot
+    from flashcl.bench.report import panel_finding, panel_key, plot
 
     rows = []
     for k in (1, 2):
@@ -126,8 +126,8 @@ def test_plots_one_panel_per_k_with_a_title_that_states_the_result(tmp_path) -> 
                 rows.append({"suite": "neighbors", "workload": "neighbor", "group": f"n={n}", "label": impl,
                              "status": "ok", "params": {"n": n, "k": k, "impl": impl}, "time_s": t,
                              "peak_mb": 10.0})
-    assert sorted({_panel_key(r) for r in rows}) == ["k = 1 neighbours", "k = 2 neighbours"]
+    assert sorted({panel_key(r) for r in rows}) == ["k = 1 neighbours", "k = 2 neighbours"]
     panel = [r for r in rows if r["params"]["k"] == 2]
-    assert _finding(panel) == ("flashcl-tiled 500x faster than python-loops (2000); 2.0x faster than gather-fix "
+    assert panel_finding(panel) == ("flashcl-tiled 500x faster than python-loops (2000); 2.0x faster than gather-fix "
                                "(2000)")
     assert plot(rows, str(tmp_path)) == [str(tmp_path / "neighbors.png")]

@@ -140,11 +140,11 @@ def test_doctor_says_what_it_tried_when_nothing_matches() -> None:
 
 
 def test_speed_ratio_below_one_reads_slower() -> None:
-    from flashcl.doctor import _faster
+    from flashcl.doctor import speed_words
 
-    assert _faster(0.65) == "1.5x slower"
-    assert _faster(2.5) == "2.5x faster"
-    assert _faster(266.4) == "266x faster"
+    assert speed_words(0.65) == "1.5x slower"
+    assert speed_words(2.5) == "2.5x faster"
+    assert speed_words(266.4) == "266x faster"
 
 
 def test_cli_too_few_shapes_is_a_clear_error(tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture

@@ -152,14 +152,14 @@ class Report:
             lines += ["", f"same loss and gradient as: {rep.call}",
                       f"    loss {rep.loss:.6g}; forward+backward {rep.user_s * 1e3:.1f} ms -> "
                       f"{rep.flashcl_s * 1e3:.1f} ms at the largest size (medians of {len(rep.user_times)} "
-                      f"alternating runs): {_faster(rep.speedup)} (per-run ratios {lo:.2g}x-{hi:.2g}x)"]
+                      f"alternating runs): {speed_words(rep.speedup)} (per-run ratios {lo:.2g}x-{hi:.2g}x)"]
         elif self.tried:
             lines += ["", "no flashcl loss matched the value and gradient at every size; tried:"]
             lines += [f"    {t}" for t in self.tried]
         return "\n".join(lines)
 
 
-def _faster(ratio: float) -> str:
+def speed_words(ratio: float) -> str:
     """``user time / flashcl time`` in words: "12x faster", "1.5x slower"."""
     if ratio >= 1:
         return f"{ratio:.2g}x faster" if ratio < 10 else f"{ratio:.0f}x faster"

@@ -100,7 +100,7 @@ def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
-def _panel_key(r: Row) -> str:
+def panel_key(r: Row) -> str:
     """The panel a row is drawn in: the neighbour loss by ``k`` (its groups are the
     sizes), every other suite by group (a loss, a loss at one width)."""
     if r["workload"] == "neighbor":
@@ -118,7 +118,7 @@ def _words(ratio: float) -> str:
     return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
 
 
-def _finding(rows: List[Row]) -> str:
+def panel_finding(rows: List[Row]) -> str:
     """One panel's result in words: flashcl's fastest against the others, each at
     the largest size both ran, the largest and the smallest gap (and who ran out
     of memory or time)."""
@@ -167,7 +167,7 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
         ok = [r for r in mine if r.get("status") == "ok"]
         if not ok:
             continue
-        panels = list(dict.fromkeys(_panel_key(r) for r in mine))
+        panels = list(dict.fromkeys(panel_key(r) for r in mine))
         labels = list(dict.fromkeys(r["label"] for r in mine))
         colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
         memory = any(r.get("peak_mb") for r in ok) and suite != "gpu"
@@ -179,7 +179,7 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                                  figsize=(10 if side else 4.2 * cols, 3.6 * blocks * rows_per_block), squeeze=False)
         handles: Dict[str, Any] = {}
         for p, panel in enumerate(panels):
-            inside = [r for r in mine if _panel_key(r) == panel]
+            inside = [r for r in mine if panel_key(r) == panel]
             good = [r for r in inside if r.get("status") == "ok"]
             block, col = divmod(p, cols)
             metrics = [("time_s", "forward + backward (s)")] + ([("peak_mb", "peak memory (MB)")] if memory else [])
@@ -226,7 +226,7 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                 ax.set_ylabel(ylabel, fontsize=8)
                 ax.grid(True, which="both", alpha=0.3)
                 if m == 0:
-                    finding = _finding(inside)
+                    finding = panel_finding(inside)
                     ax.set_title("\n".join([panel] + textwrap.wrap(finding, 60)), fontsize=8)
         for block_row in range(0 if side else blocks * rows_per_block):
             for col in range(cols):
