@@ -32,6 +32,9 @@ def _data(total: int) -> Dict[str, torch.Tensor]:
         "negatives": torch.randn(9, 6, dtype=torch.float64, generator=g),
         "guide_a": torch.randn(total, 4, dtype=torch.float64, generator=g),
         "guide_p": torch.randn(total, 4, dtype=torch.float64, generator=g),
+        # a given score matrix and each row's sampled neighbours (global columns)
+        "scores": 3.0 * torch.randn(total, total, dtype=torch.float64, generator=g),
+        "neighbors": torch.randint(0, total, (total, 3), generator=g),
     }
 
 
@@ -83,37 +86,48 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
     negatives = d["negatives"]
     cases["info_nce_moco"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives,
                                                                   in_batch_negatives=False, **kw), [emb, keys, t])
-    if strategy == "all_gather" and mode != "distributed":  # GIST across processes: the losses' process_group only
-        guide = (d["guide_a"][sl], d["guide_a"][sl] + 0.7 * d["guide_p"][sl])
-        cases["gist"] = (lambda a, p, tt: flashcl.gist_loss(a, p, guide=guide, temperature=tt, margin=0.05, **kw),
-                         [emb, z2, t])
-    if strategy == "all_gather":  # labels on both sides: a positive's duplicates masked, or positives too
-        key_labels = d["labels"].repeat_interleave(2)[_shard([2 * s for s in sizes], rank) if dist_mode else
-                                                       slice(None)]
-        for dup in ("mask", "positive"):
-            cases[f"info_nce_labels_{dup}"] = (
-                lambda q, k, tt, dup=dup: lib.info_nce_loss(q, k, pos, temperature=tt, query_labels=labels,
-                                                            key_labels=key_labels, duplicates=dup, **kw),
-                [emb, keys, t])
-    if strategy == "all_gather":  # the estimators across processes: gathered strategy only
-        cases["nt_xent_debiased"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="debiased",
-                                                                        tau_plus=0.2, **kw), [emb, z2, t])
-        cases["nt_xent_hard"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="hard",
-                                                                    tau_plus=0.1, beta=0.5, **kw), [emb, z2, t])
-    if strategy == "all_gather":  # a queue's keys and Matryoshka across processes: gathered strategy only
-        cases["supcon_matryoshka"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, matryoshka_dims=[2, 6],
-                                                                    matryoshka_weights=[0.5, 1.0], **kw), [emb, t])
-        cases["info_nce_matryoshka"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
-                                                                            matryoshka_dims=[1, 3, 6], **kw),
-                                        [emb, keys, t])
-        cases["info_nce_negatives"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
-                                                                           negatives=negatives, **kw), [emb, keys, t])
-        ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
-        cases["supcon_ref"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref, ref_labels=ref_labels,
-                                                             **kw), [emb, t])
-        cases["supcon_ref_self"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref,
-                                                                  ref_labels=ref_labels, ref_self=ref_self, **kw),
-                                    [emb, t])
+    # GIST
+    guide = (d["guide_a"][sl], d["guide_a"][sl] + 0.7 * d["guide_p"][sl])
+    cases["gist"] = (lambda a, p, tt: lib.gist_loss(a, p, guide=guide, temperature=tt, margin=0.05, **kw),
+                     [emb, z2, t])
+    # labels on both sides: a positive's duplicates masked, or positives too
+    key_labels = d["labels"].repeat_interleave(2)[_shard([2 * s for s in sizes], rank) if dist_mode else
+                                                   slice(None)]
+    for dup in ("mask", "positive"):
+        cases[f"info_nce_labels_{dup}"] = (
+            lambda q, k, tt, dup=dup: lib.info_nce_loss(q, k, pos, temperature=tt, query_labels=labels,
+                                                        key_labels=key_labels, duplicates=dup, **kw),
+            [emb, keys, t])
+    # the estimators
+    cases["nt_xent_debiased"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="debiased",
+                                                                    tau_plus=0.2, **kw), [emb, z2, t])
+    cases["nt_xent_hard"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="hard",
+                                                                tau_plus=0.1, beta=0.5, **kw), [emb, z2, t])
+    # a queue's keys and Matryoshka
+    cases["supcon_matryoshka"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, matryoshka_dims=[2, 6],
+                                                                matryoshka_weights=[0.5, 1.0], **kw), [emb, t])
+    cases["info_nce_matryoshka"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
+                                                                        matryoshka_dims=[1, 3, 6], **kw),
+                                    [emb, keys, t])
+    cases["info_nce_negatives"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
+                                                                       negatives=negatives, **kw), [emb, keys, t])
+    ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
+    cases["supcon_ref"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref, ref_labels=ref_labels,
+                                                         **kw), [emb, t])
+    cases["supcon_ref_self"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref,
+                                                              ref_labels=ref_labels, ref_self=ref_self, **kw),
+                                [emb, t])
+    cases["supcon_views"] = (lambda e, f, tt: lib.supcon_loss(torch.stack([e, f], 1), labels, temperature=tt, **kw),
+                             [emb, z2, t])
+    cases["clip_matryoshka"] = (lambda a, b, s: lib.clip_loss(a, b, s, matryoshka_dims=[2, 6],
+                                                              matryoshka_weights=[1.0, 0.5], **kw), [emb, z2, 1.0 / t])
+    cases["siglip_labels"] = (lambda a, b, s, bias: lib.siglip_loss(a, b, s, bias, labels=labels, normalize=True,
+                                                                     **kw), [emb, z2, 1.0 / t, t - 2.0])
+    cases["info_nce_negatives_labels"] = (
+        lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives, query_labels=labels,
+                                           key_labels=key_labels, duplicates="positive", **kw), [emb, keys, t])
+    nb = d["neighbors"][sl]
+    cases["neighbor_mean"] = (lambda s: lib.neighbor_loss(s, nb, reduction="mean", **kw), [d["scores"][sl]])
     return cases
 
 
@@ -183,26 +197,21 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
         loss = fn(*inputs)
         grads = torch.autograd.grad(loss, inputs)
         key = (mode, strategy, name)
-        if key not in ranks[0]:  # a case only one of the modes has (GIST: process_group only)
-            assert mode == "distributed" and name == "gist", key
-            continue
         name = f"{mode}/{strategy}/{name}"
         total = sum(r[key][0] for r in ranks)
         assert_close(total, loss, f"{name}: sum of rank losses vs one process", *TOL)
-        # embeddings: each rank's gradient is its rows of the single-process gradient
-        for r in range(world):
-            got = ranks[r][key][1]
-            assert_close(got[0], grads[0][_shard(sizes, r)], f"{name}: rank {r} first input grad", *TOL)
-            if name.endswith(("info_nce_hard", "info_nce_moco", "info_nce_negatives", "info_nce_matryoshka",
-                              "info_nce_labels_mask", "info_nce_labels_positive")):
-                ks = _shard([2 * s for s in sizes], r)
-                assert_close(got[1], grads[1][ks], f"{name}: rank {r} keys grad", *TOL)
-            elif name.endswith(("nt_xent", "clip", "siglip", "clip_labels_bias", "nt_xent_decoupled",
-                                "nt_xent_decoupled_vmf", "gist", "nt_xent_debiased", "nt_xent_hard")):
-                assert_close(got[1], grads[1][_shard(sizes, r)], f"{name}: rank {r} second input grad", *TOL)
-        # the temperature (or logit scale, the last input) is replicated: its gradient sums over ranks
-        t_got = sum(r[key][1][-1] for r in ranks)
-        assert_close(t_got, grads[-1], f"{name}: summed temperature grad", *TOL)
+        # each rank's gradient of a per-rank input is its rows of the single-process
+        # gradient (queries / views: the batch's shards; keys: twice as many); a
+        # replicated scalar (temperature, logit scale, bias) has its gradient summed over ranks
+        for i, g in enumerate(grads):
+            if g.dim() == 0:
+                assert_close(sum(r[key][1][i] for r in ranks), g, f"{name}: summed grad of scalar input {i}", *TOL)
+                continue
+            per_rank = sizes if g.shape[0] == sum(sizes) else [2 * s for s in sizes]
+            assert g.shape[0] == sum(per_rank), (name, i, g.shape)
+            for r in range(world):
+                assert_close(ranks[r][key][1][i], g[_shard(per_rank, r)], f"{name}: rank {r} grad of input {i}",
+                             *TOL)
     single = flashcl.supcon_loss(d["emb"], d["labels"], backend="reference")
     ddp_mean = sum(r["ddp_value"] for r in ranks) / world
     assert_close(ddp_mean, single, "ddp convention: mean over ranks = global loss", *TOL)

@@ -1,5 +1,5 @@
 """The public layer: every Module twin stores its function's options; options a
-loss does not take across processes yet are errors, not ignored."""
+loss does not take across processes are errors, not ignored."""
 from __future__ import annotations
 
 import inspect
@@ -33,19 +33,14 @@ def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
 
 
 UNSUPPORTED = [
-    ("ref with strategy='ring'", lambda g: flashcl.supcon_loss(
-        torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), ref=torch.randn(2, 3), ref_labels=torch.tensor([0, 1]),
-        process_group=g, strategy="ring")),
-    ("matryoshka_dims with strategy='ring'", lambda g: flashcl.info_nce_loss(
-        torch.randn(4, 8), torch.randn(4, 8), matryoshka_dims=[4, 8], process_group=g, strategy="ring")),
-    ("an estimator with strategy='ring'", lambda g: flashcl.nt_xent_loss(
-        torch.randn(4, 3), torch.randn(4, 3), estimator="hard", process_group=g, strategy="ring")),
-    ("matryoshka_dims", lambda g: flashcl.clip_loss(torch.randn(4, 8), torch.randn(4, 8), 10.0,
-                                                    matryoshka_dims=[4, 8], process_group=g)),
-    ("query_labels with strategy='ring'", lambda g: flashcl.info_nce_loss(
-        torch.randn(4, 3), torch.randn(4, 3), query_labels=torch.tensor([0, 1, 0, 1]),
-        key_labels=torch.tensor([0, 1, 0, 1]), process_group=g, strategy="ring")),
+    # across processes the tiled core runs (gathered or round the ring): another backend is an error, not ignored
+    ("backend", lambda g: flashcl.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), backend="dense",
+                                              process_group=g)),
+    ("backend", lambda g: flashcl.gist_loss(torch.randn(4, 3), torch.randn(4, 3), guide=(torch.randn(4, 2),
+                                            torch.randn(4, 2)), backend="reference", process_group=g)),
     ("strategy", lambda g: flashcl.siglip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree",
+                                               process_group=g)),
+    ("grad_scale", lambda g: flashcl.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, grad_scale="mean",
                                                process_group=g)),
 ]
 

@@ -25,10 +25,12 @@ matryoshka_weights: the weights ``w_m`` (default 1 each).""",
     "process_group": """process_group: None (default: this process's inputs) or a process group of
     ``torch.distributed``: the loss over the concatenation of every rank's inputs in
     rank order (local batch sizes may differ), as :mod:`flashcl.distributed`
-    computes it; every rank calls with the same options.
+    computes it; every rank calls with the same options. Keys without gradient
+    (a queue's) are the same on every rank and enter the global loss once; ranks
+    that pass different options or keys get a ValueError each.
 strategy: across processes, ``"all_gather"`` (the candidates gathered with an
     autograd-aware collective) | ``"ring"`` (candidate blocks passed around a ring:
-    no rank holds the global batch).
+    no rank holds the global batch). Every option takes both.
 grad_scale: across processes, ``"ddp"`` (default: each rank returns world size x
     its share, so that DistributedDataParallel's averaging gives the
     single-process gradient) | ``"sum"`` (each rank's share).""",

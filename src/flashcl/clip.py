@@ -8,21 +8,23 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import backends, checks, reference
+from . import backends, checks, distributed, reference
 from .base import LossModule, reject_open_clip_keywords, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
     check_across_ranks,
+    class_ids,
     dense_ids,
     run_with_widths,
     scale_dtype,
     warn_small_logit_scale,
 )
+from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import SoftplusHead
 from .linear import Linear, Positives
-from .utils import autocast_off
+from .utils import autocast_off, compute_dtype
 
 
 @shared_docs
@@ -88,34 +90,61 @@ def clip_loss(
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     checks.Options(normalize, reduction, backend, block_size)
-    if process_group is not None:
-        check_across_ranks("clip_loss", strategy, grad_scale,
-                           matryoshka_dims=matryoshka_dims is not None or matryoshka_weights is not None,
-                           backend=backend != "auto")
-        from . import distributed
-
-        return distributed.clip_loss(image_embeds, text_embeds, logit_scale, normalize=normalize, reduction=reduction,
-                                     grad_scale=grad_scale, strategy=strategy, group=process_group,
-                                     block_size=block_size, labels=labels, logit_bias=logit_bias)
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
     bias = None if logit_bias is None else checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device,
                                                                     dtype)
+    if labels is not None:
+        _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
+    if process_group is not None:
+        check_across_ranks("clip_loss", strategy, grad_scale, backend=backend != "auto")
+        loss = _clip_across(image_embeds, text_embeds, scale, normalize, reduction, grad_scale, strategy,
+                            process_group, block_size, labels, matryoshka_dims, matryoshka_weights)
+    else:
+        loss = _clip_one(image_embeds, text_embeds, scale, normalize, reduction, backend, block_size, labels,
+                         matryoshka_dims, matryoshka_weights)
+    if bias is not None and bias.requires_grad:
+        loss = loss + 0.0 * bias  # the bias's gradient: exactly 0, as the formula's
+    return loss
+
+
+def _clip_one(image_embeds: Tensor, text_embeds: Tensor, scale: Tensor, normalize: bool, reduction: str,
+              backend: str, block_size: Optional[int], labels: Optional[Tensor], dims: Any, weights: Any) -> Tensor:
+    """:func:`clip_loss` on this process's batch."""
     b = image_embeds.shape[0]
     if labels is None:
         index = torch.arange(b, device=image_embeds.device).unsqueeze(1)
         spec = CoreSpec(index=index, pos_mode="sum", symmetric=True, normalize=normalize)
     else:
-        _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
         ids, num_classes = dense_ids(labels)
         spec = CoreSpec(row_labels=ids, col_labels=ids, num_classes=num_classes, pos_mode="mean", symmetric=True,
                         normalize=normalize)
-    loss = run_with_widths(image_embeds, text_embeds, scale, spec, reduction, backend, block_size, matryoshka_dims,
-                 matryoshka_weights)
-    if bias is not None and bias.requires_grad:
-        loss = loss + 0.0 * bias  # the bias's gradient: exactly 0, as the formula's
-    return loss
+    return run_with_widths(image_embeds, text_embeds, scale, spec, reduction, backend, block_size, dims, weights)
+
+
+@same_call_across_ranks
+def _clip_across(image_embeds: Tensor, text_embeds: Tensor, scale: Tensor, normalize: bool, reduction: str,
+                 grad_scale: str, strategy: str, group: Any, block_size: Optional[int], labels: Optional[Tensor],
+                 dims: Any, weights: Any) -> Tensor:
+    """:func:`clip_loss` over the global batch (:mod:`flashcl.distributed`): both
+    directions against the image and text towers of every rank (open_clip's
+    ``gather_with_grad=True, local_loss=True`` arrangement, exact)."""
+    texts = distributed.columns(text_embeds, strategy, group)
+    images = distributed.columns(image_embeds, strategy, group)
+    b, offset = image_embeds.shape[0], texts.offset
+    if labels is None:
+        spec = CoreSpec(index=(torch.arange(b, device=image_embeds.device) + offset).unsqueeze(1), pos_mode="sum",
+                        normalize=normalize)
+    else:  # every same-label pair of the global batch, the mean over them, in both directions
+        (ids,), num_classes = class_ids(texts.gather(labels.long()))
+        spec = CoreSpec(row_labels=ids[offset:offset + b], col_labels=ids, num_classes=num_classes, pos_mode="mean",
+                        normalize=normalize)
+    widths = None if dims is None and weights is None else (dims, weights)
+    half = torch.full((b,), 0.5, dtype=compute_dtype(image_embeds.dtype), device=image_embeds.device)
+    rows, cols = (distributed.run_across(q, c, scale, spec, reduction, grad_scale, block_size, half, widths)
+                  for q, c in ((image_embeds, texts), (text_embeds, images)))
+    return 0.5 * (rows + cols) if reduction == "none" else rows + cols
 
 
 def siglip_problem(b: int, n: int, labels: Optional[Tensor], device: torch.device, dtype: torch.dtype,
@@ -146,6 +175,7 @@ def siglip_loss(
     labels: Optional[Tensor] = None,
     normalize: bool = False,
     reduction: str = "mean",
+    normalize_by: str = "global",
     backend: str = "auto",
     block_size: Optional[int] = None,
     process_group: Any = None,
@@ -175,6 +205,14 @@ def siglip_loss(
         normalize: L2-normalise the embeddings first. Default: False (open_clip's).
         reduction: ``"mean"`` (the sum over pairs divided by B, as open_clip) |
             ``"sum"`` | ``"none"`` (per image: the sum over its row of pairs).
+        normalize_by: with ``process_group``: ``"global"`` (default): the mean over the
+            global batch, SigLIP's loss; ``"local"``: each rank's sum over its own
+            images divided by its own batch size, as open_clip's ``SigLipLoss``
+            computes it on each rank. With equal batches the two agree; with
+            ``grad_scale="ddp"`` and equal batches, or ``normalize_by="local",
+            grad_scale="sum"`` for any batches, each rank's value and gradients
+            equal open_clip's ``SigLipLoss(rank=..., world_size=...)``. On one
+            process both are the mean over B.
         backend: ``"auto"`` (``"triton"`` for CUDA tensors up to D = 256 when Triton is
             installed, else ``"tiled"`` from 2^20 pairs, ``"dense"`` below) |
             ``"reference"`` (per-image loops) | ``"dense"`` (the B x B logits) |
@@ -194,13 +232,7 @@ def siglip_loss(
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     checks.Options(normalize, reduction, backend, block_size)
-    if process_group is not None:
-        check_across_ranks("siglip_loss", strategy, grad_scale, backend=backend != "auto")
-        from . import distributed
-
-        return distributed.siglip_loss(image_embeds, text_embeds, logit_scale, logit_bias, labels=labels,
-                                       normalize=normalize, reduction=reduction, grad_scale=grad_scale,
-                                       strategy=strategy, group=process_group, block_size=block_size)
+    checks.check_choice(normalize_by, "normalize_by", ("global", "local"))
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
@@ -209,6 +241,10 @@ def siglip_loss(
     if labels is not None:
         _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
         labels = labels.long()
+    if process_group is not None:
+        check_across_ranks("siglip_loss", strategy, grad_scale, backend=backend != "auto")
+        return _siglip_across(image_embeds, text_embeds, scale, bias, labels, normalize, reduction, normalize_by,
+                              grad_scale, strategy, process_group, block_size)
     name = backends.resolve(backend, b * b, image_embeds.device, image_embeds.dtype, image_embeds.shape[1],
                             kernel="softplus")
     if name == "reference":
@@ -222,6 +258,27 @@ def siglip_loss(
                               device=image_embeds.device), None)
     return backends.run(image_embeds, text_embeds, scale, problem, name, weights, block_size, param=bias)
 
+
+
+@same_call_across_ranks
+def _siglip_across(image_embeds: Tensor, text_embeds: Tensor, scale: Tensor, bias: Tensor, labels: Optional[Tensor],
+                   normalize: bool, reduction: str, normalize_by: str, grad_scale: str, strategy: str, group: Any,
+                   block_size: Optional[int]) -> Tensor:
+    """:func:`siglip_loss` over the global batch (:mod:`flashcl.distributed`): each
+    rank's images against the texts of every rank."""
+    texts = distributed.columns(text_embeds, strategy, group)
+    b, dtype = image_embeds.shape[0], compute_dtype(image_embeds.dtype)
+    all_labels = None if labels is None else texts.gather(labels)
+    problem = siglip_problem(b, texts.total, labels, image_embeds.device, dtype, float(bias.detach()), normalize,
+                             offset=texts.offset, col_labels=all_labels)
+    weights = None
+    if reduction != "none":
+        count = 1.0
+        if reduction == "mean":
+            count = float(texts.total) if normalize_by == "global" else float(b)
+        weights = (torch.full((b,), distributed.grad_factor(grad_scale, group) / count, dtype=dtype,
+                              device=image_embeds.device), None)
+    return texts.run(image_embeds, scale, problem, weights, block_size, param=bias)
 
 
 class ClipLoss(LossModule):
@@ -255,7 +312,7 @@ class SigLipLoss(LossModule):
     """Module form of :func:`siglip_loss`; called as open_clip's ``SigLipLoss``
     is: ``loss_fn(image_features, text_features, logit_scale, logit_bias)``
     (``output_dict=True`` returns ``{"contrastive_loss": loss}``, as open_clip).
-    Across processes: :func:`flashcl.distributed.siglip_loss`.
+    Across processes: ``process_group=``.
 
     Examples::
 
@@ -264,10 +321,11 @@ class SigLipLoss(LossModule):
 
     def __init__(self, normalize: bool = False, reduction: str = "mean", backend: str = "auto",
                  block_size: Optional[int] = None, process_group: Any = None, strategy: str = "ring",
-                 grad_scale: str = "ddp", **open_clip: Any) -> None:
+                 grad_scale: str = "ddp", normalize_by: str = "global", **open_clip: Any) -> None:
         reject_open_clip_keywords("SigLipLoss", open_clip)
         super().__init__(normalize=normalize, reduction=reduction, backend=backend, block_size=block_size,
-                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
+                         process_group=process_group, strategy=strategy, grad_scale=grad_scale,
+                         normalize_by=normalize_by)
 
     def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar, logit_bias: Scalar,
                 labels: Optional[Tensor] = None, output_dict: bool = False) -> Union[Tensor, Dict[str, Tensor]]:

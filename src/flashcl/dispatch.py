@@ -184,7 +184,7 @@ def warn_small_logit_scale(scale: Tensor) -> None:
     """Warns once when a logit scale is below 1: the multiplier is meant (open_clip
     passes ``logit_scale.exp()``, about 14 to 100), not its log nor a temperature."""
     global _warned_small_scale
-    if not _warned_small_scale and float(scale) < 1.0:
+    if not _warned_small_scale and float(scale.detach()) < 1.0:
         _warned_small_scale = True
         warnings.warn(f"logit_scale={float(scale):.4g} is below 1: it multiplies the cosine similarities (1 / "
                       "temperature; open_clip passes model.logit_scale.exp()). Pass the multiplier, not its log "

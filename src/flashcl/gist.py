@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backends, checks, reference
+from . import backends, checks, distributed, reference
 from .base import LossModule, shared_docs
 from .dispatch import (
     Scalar,
@@ -18,6 +18,8 @@ from .dispatch import (
     scale_dtype,
     unit_rows,
 )
+from .distributed import same_call_across_ranks
+from .engine import Problem
 from .heads import Exclusions, SoftmaxHead, Tile
 from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
@@ -124,16 +126,10 @@ def gist_loss(
         raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
     if process_group is not None:
-        check_across_ranks("gist_loss", strategy, grad_scale, backend=backend != "auto",
-                           **{"strategy='ring'": strategy == "ring"})
-        from . import distributed
-
-        def gather(x: Tensor) -> Tuple[Tensor, int]:
-            return distributed.all_gather_with_grad(x, process_group)
-
-        rows = gist_rows(anchor, positive, negative, guides, scale, float(margin), margin_strategy == "relative",
-                         contrast_anchors, contrast_positives, "tiled", block_size, gather)
-        return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, process_group)
+        check_across_ranks("gist_loss", strategy, grad_scale, backend=backend != "auto")
+        return _gist_across(anchor, positive, negative, guides, scale, float(margin), margin_strategy == "relative",
+                            contrast_anchors, contrast_positives, reduction, grad_scale, strategy, process_group,
+                            block_size)
     b = anchor.shape[0]
     k = 0 if negative is None else negative.shape[0]
     entries = b * (b * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
@@ -151,10 +147,11 @@ def gist_loss(
 
 def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guides: List[Tensor], scale: Tensor,
               margin: float, relative: bool, contrast_anchors: bool, contrast_positives: bool, name: str,
-              block_size: Optional[int], gather: Optional[Callable[[Tensor], Tuple[Tensor, int]]] = None) -> Tensor:
+              block_size: Optional[int], across: Optional[Callable[[Tensor], distributed.Columns]] = None) -> Tensor:
     """GIST's per-anchor losses (backend ``name``), each a logsumexp over tiles per
-    candidate set; with ``gather`` (``x -> (every process's rows, this one's first
-    row)``), the candidates are the global batch's (across processes)."""
+    candidate set; with ``across`` (``keys -> their global columns``), the
+    candidates are the global batch's (across processes; the guide's embeddings,
+    without gradient, gathered)."""
     b = anchor.shape[0]
     ga, gp = unit_rows(guides[0], True), unit_rows(guides[1], True)
     g_pos = (ga * gp).sum(1)
@@ -162,15 +159,14 @@ def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guid
     dtype = compute_dtype(anchor.dtype)
     ones = torch.ones(b, dtype=dtype, device=anchor.device)
 
-    def every(x: Tensor) -> Tuple[Tensor, int]:
-        return (x, 0) if gather is None else gather(x)
-
     def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, keep_positive: bool) -> Tensor:
-        all_keys, offset = every(keys)
-        all_gk, _ = every(gk)
-        head = SoftmaxHead(ones, offset=offset,
-                           exclude=Exclusions(fn=_guide_mask(gq, all_gk, threshold, keep_positive)))
-        return row_lse(q, all_keys, scale, head, True, name, block_size, offset)
+        if across is None:
+            head = SoftmaxHead(ones, exclude=Exclusions(fn=_guide_mask(gq, gk, threshold, keep_positive)))
+            return row_lse(q, keys, scale, head, True, name, block_size)
+        cols = across(keys)
+        head = SoftmaxHead(ones, offset=cols.offset,
+                           exclude=Exclusions(fn=_guide_mask(gq, cols.gather(gk), threshold, keep_positive)))
+        return cols.run(q, scale, Problem(head, (), True, cols.offset), None, block_size)
 
     lse = part(anchor, positive, ga, gp, True)
     if contrast_anchors:
@@ -181,6 +177,18 @@ def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guid
         lse = torch.logaddexp(lse, part(anchor, negative, ga, unit_rows(guides[2], True), False))
     pos = (unit_rows(anchor, True) * unit_rows(positive, True)).sum(1)
     return lse - scale.to(dtype) * pos
+
+
+@same_call_across_ranks
+def _gist_across(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guides: List[Tensor], scale: Tensor,
+                 margin: float, relative: bool, contrast_anchors: bool, contrast_positives: bool, reduction: str,
+                 grad_scale: str, strategy: str, group: Any, block_size: Optional[int]) -> Tensor:
+    """:func:`gist_loss` over the global batch (:mod:`flashcl.distributed`): each
+    rank's anchors against every rank's candidates of each set."""
+    rows = gist_rows(anchor, positive, negative, guides, scale, margin, relative, contrast_anchors,
+                     contrast_positives, "tiled", block_size,
+                     lambda keys: distributed.columns(keys, strategy, group))
+    return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
 
 
 class GistLoss(LossModule):

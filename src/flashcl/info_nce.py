@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import backends, checks, reference
+from . import backends, checks, distributed, reference
 from .base import LossModule, shared_docs
 from .core import CoreSpec
 from .dispatch import (
@@ -21,6 +21,7 @@ from .dispatch import (
     scale_dtype,
     unit_rows,
 )
+from .distributed import same_call_across_ranks
 from .heads import Exclusions, SoftmaxHead, Tile
 from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
@@ -154,23 +155,6 @@ def info_nce_loss(
     """
     index = checks.validate_info_nce(query, keys, positive_index)
     checks.Options(normalize, reduction, backend, block_size)
-    if process_group is not None:
-        widths = matryoshka_dims is not None or matryoshka_weights is not None
-        labelled = query_labels is not None or key_labels is not None
-        check_across_ranks("info_nce_loss", strategy, grad_scale, backend=backend != "auto",
-                           **{"negatives with strategy='ring'": negatives is not None and strategy == "ring"
-                              and in_batch_negatives,
-                              "matryoshka_dims with strategy='ring'": widths and strategy == "ring",
-                              "matryoshka_dims with negatives": widths and negatives is not None,
-                              "query_labels with strategy='ring'": labelled and strategy == "ring"})
-        from . import distributed
-
-        return distributed.info_nce_loss(query, keys, positive_index, temperature=temperature, normalize=normalize,
-                                         reduction=reduction, grad_scale=grad_scale, strategy=strategy,
-                                         group=process_group, block_size=block_size, negatives=negatives,
-                                         in_batch_negatives=in_batch_negatives, matryoshka_dims=matryoshka_dims,
-                                         matryoshka_weights=matryoshka_weights, query_labels=query_labels,
-                                         key_labels=key_labels, duplicates=duplicates)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
@@ -185,14 +169,48 @@ def info_nce_loss(
         raise ValueError("in_batch_negatives=False leaves each query its positive alone: pass negatives")
     if not in_batch_negatives and query_labels is not None:
         raise ValueError("in_batch_negatives=False takes no labels (each query's keys are its positive only)")
+    if negatives is not None:
+        no_matryoshka(matryoshka_dims, matryoshka_weights, "negatives (keys without gradient)")
+        negatives = check_keys(negatives, "negatives", query).detach()
+    if process_group is not None:
+        check_across_ranks("info_nce_loss", strategy, grad_scale, backend=backend != "auto")
+        return _info_nce_across(query, keys, index, scale, normalize, reduction, grad_scale, strategy, process_group,
+                                block_size, negatives, in_batch_negatives, query_labels, key_labels, duplicates,
+                                matryoshka_dims, matryoshka_weights)
     if negatives is None:
         return run_with_widths(query, keys, scale, spec, reduction, backend, block_size, matryoshka_dims,
                                matryoshka_weights)
-    no_matryoshka(matryoshka_dims, matryoshka_weights, "negatives (keys without gradient)")
-    negatives = check_keys(negatives, "negatives", query).detach()
     return _info_nce_with_negatives(query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend,
                                     block_size)
 
+
+
+@same_call_across_ranks
+def _info_nce_across(query: Tensor, keys: Tensor, index: Tensor, scale: Tensor, normalize: bool, reduction: str,
+                     grad_scale: str, strategy: str, group: Any, block_size: Optional[int],
+                     negatives: Optional[Tensor], in_batch_negatives: bool, query_labels: Optional[Tensor],
+                     key_labels: Optional[Tensor], duplicates: str, dims: Any, weights: Any) -> Tensor:
+    """:func:`info_nce_loss` over the global batch (:mod:`flashcl.distributed`): each
+    query against every rank's keys (``index`` into this rank's) and the shared
+    ``negatives`` once; MoCo's (``in_batch_negatives=False``) against its own key and
+    the negatives, the ranks meeting in the reduction."""
+    if not in_batch_negatives:
+        assert negatives is not None
+        rows = _info_nce_with_negatives(query, keys, negatives, scale, info_nce_spec(index, normalize), False, "none",
+                                        "tiled", block_size)
+        return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
+    cols = distributed.columns(keys, strategy, group, shared=negatives)
+    all_key_labels = None
+    if query_labels is not None and key_labels is not None:
+        fresh = None
+        if negatives is not None:  # the shared negatives take a label no query and no key has
+            top = distributed.global_max(int(torch.cat([query_labels.long(), key_labels.long()]).max()),
+                                         query.device, group)
+            fresh = torch.full((negatives.shape[0],), top + 1, dtype=torch.long, device=query.device)
+        all_key_labels = cols.gather(key_labels.long(), fresh)
+    spec = info_nce_spec(index + cols.offset, normalize, query_labels, all_key_labels, duplicates)
+    widths = None if dims is None and weights is None else (dims, weights)
+    return distributed.run_across(query, cols, scale, spec, reduction, grad_scale, block_size, widths=widths)
 
 
 class InfoNCELoss(LossModule):

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 from torch import Tensor
 
-from . import checks, dense, reference
+from . import checks, dense, distributed, reference
 from .base import LossModule
 from .core import CoreSpec
+from .dispatch import check_across_ranks
+from .distributed import same_call_across_ranks
 from .reduction import reduce_core, reduce_weights
 from .scores import TiledScores, auto_scores_block
 from .utils import autocast_off, compute_dtype
@@ -29,6 +31,9 @@ def neighbor_loss(
     reduction: str = "sum",
     backend: str = "auto",
     block_size: Optional[int] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
 ) -> Tensor:
     r"""The "sampled neighbours" contrastive loss on a given n x n score matrix.
 
@@ -55,9 +60,18 @@ def neighbor_loss(
             ``"triton"``: the matrix is given, there are no embeddings to tile);
             ``"auto"`` is tiled, whose only n x n allocation is the gradient.
         block_size: rows per block of the tiled backend; None picks one.
+        process_group: None (default) or a process group of ``torch.distributed``:
+            each rank passes its rows of the global n x n matrix, ``scores``
+            (n_rank, n), rows in rank order, and their ``neighbors`` (n_rank, k)
+            (global columns); the loss is the global matrix's. The rows are
+            independent, so the ranks meet in the reduction only.
+        strategy: accepted for symmetry with the other losses (no candidates
+            travel: the columns are in the given rows).
+        grad_scale: ``"ddp"`` (default: world size x this rank's share) |
+            ``"sum"`` (its share); see :mod:`flashcl.distributed`.
 
     Shape:
-        - scores: (n, n); neighbors: (n, k)
+        - scores: (n, n), or (n_rank, n) with ``process_group``; neighbors: (n, k)
         - output: scalar, or (n,) with ``reduction="none"``
 
     Examples::
@@ -70,21 +84,26 @@ def neighbor_loss(
     neighbors = checks.check_index_tensor(neighbors, "neighbors")
     checks.check_bool(exclude_diagonal, "exclude_diagonal")
     checks.Options(True, reduction, backend, block_size)
-    n = scores.shape[0]
-    if scores.shape[1] != n:
+    rows, n = scores.shape
+    if scores.shape[1] != rows and process_group is None:
         raise ValueError(f"scores must be square (n, n), got shape {tuple(scores.shape)}")
-    if neighbors.dim() != 2 or neighbors.shape[0] != n or neighbors.shape[1] < 1:
-        raise ValueError(f"neighbors must be 2-D of shape ({n}, k) with k >= 1, got shape {tuple(neighbors.shape)}")
+    if neighbors.dim() != 2 or neighbors.shape[0] != rows or neighbors.shape[1] < 1:
+        raise ValueError(f"neighbors must be 2-D of shape ({rows}, k) with k >= 1, got shape "
+                         f"{tuple(neighbors.shape)}")
     checks.same_device(neighbors, scores, "neighbors", "scores")
     if bool(((neighbors < 0) | (neighbors >= n)).any()):
         raise ValueError(f"neighbors values must be column indices in [0, {n})")
     if exclude_diagonal and n < 2:
         raise ValueError("neighbor_loss needs n >= 2 when exclude_diagonal=True: the denominator would be empty")
-    spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors.long(), pos_mode="pairs", normalize=False)
     name = "tiled" if backend == "auto" else backend
     if name == "triton":
         raise ValueError("backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
                          "that already exists: use backend='tiled' (its only n x n allocation is the gradient)")
+    if process_group is not None:
+        check_across_ranks("neighbor_loss", strategy, grad_scale, backend=backend != "auto")
+        return _neighbor_across(scores, neighbors.long(), exclude_diagonal, reduction, grad_scale, strategy,
+                                process_group, block_size)
+    spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors.long(), pos_mode="pairs", normalize=False)
     with autocast_off(scores.device.type):
         return _run_scores(scores, spec, name, reduction, block_size)
 
@@ -99,6 +118,26 @@ def _run_scores(scores: Tensor, spec: CoreSpec, name: str, reduction: str, block
         return TiledScores.apply(scores, spec, None, block)
     r, _ = reduce_weights(spec, n, reduction, dtype, scores.device)
     return TiledScores.apply(scores, spec, r, block)
+
+
+@same_call_across_ranks
+def _neighbor_across(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, reduction: str, grad_scale: str,
+                     strategy: str, group: Any, block_size: Optional[int]) -> Tensor:
+    """:func:`neighbor_loss` of the global matrix whose rows the ranks hold."""
+    rows, n = scores.shape
+    sizes = distributed.row_counts(rows, scores.device, group)
+    if sum(sizes) != n:
+        raise ValueError(f"with process_group, scores holds this rank's rows of the global (n, n) matrix: the ranks "
+                         f"hold {sum(sizes)} rows of {n} columns")
+    offset = sum(sizes[:distributed.rank_of(group)])
+    spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors, pos_mode="pairs", normalize=False, offset=offset)
+    block = block_size or auto_scores_block(n)
+    with autocast_off(scores.device.type):
+        if reduction == "none":
+            return TiledScores.apply(scores, spec, None, block)
+        share = distributed.grad_factor(grad_scale, group) / (n if reduction == "mean" else 1)
+        return TiledScores.apply(scores, spec, torch.full((rows,), share, dtype=compute_dtype(scores.dtype),
+                                                          device=scores.device), block)
 
 
 def sample_neighbors(
@@ -153,9 +192,11 @@ class NeighborLoss(LossModule):
     """
 
     def __init__(self, exclude_diagonal: bool = True, reduction: str = "sum", backend: str = "auto",
-                 block_size: Optional[int] = None) -> None:
+                 block_size: Optional[int] = None, process_group: Any = None, strategy: str = "all_gather",
+                 grad_scale: str = "ddp") -> None:
         super().__init__(exclude_diagonal=exclude_diagonal, reduction=reduction, backend=backend,
-                         block_size=block_size)
+                         block_size=block_size, process_group=process_group, strategy=strategy,
+                         grad_scale=grad_scale)
 
     def forward(self, scores: Tensor, neighbors: Tensor) -> Tensor:
         return neighbor_loss(scores, neighbors, **self.loss_options())

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import backends, checks, reference
+from . import backends, checks, distributed, reference
 from .base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
 from .core import CoreSpec
 from .dispatch import (
@@ -18,6 +18,7 @@ from .dispatch import (
     scale_dtype,
     unit_rows,
 )
+from .distributed import same_call_across_ranks
 from .engine import Problem
 from .estimators import DebiasedHead
 from .heads import Exclusions
@@ -113,19 +114,14 @@ def nt_xent_loss(
             raise ValueError(f"{name} must be a float in [{low}, {high}), got {value!r}")
     if sigma <= 0:
         raise ValueError(f"sigma must be > 0, got {sigma!r}")
-    if process_group is not None:
-        check_across_ranks("nt_xent_loss", strategy, grad_scale, backend=backend != "auto",
-                           **{"an estimator with strategy='ring'": estimator != "standard" and strategy == "ring"})
-        from . import distributed
-
-        return distributed.nt_xent_loss(z1, z2, temperature=temperature, normalize=normalize, reduction=reduction,
-                                        grad_scale=grad_scale, strategy=strategy, group=process_group,
-                                        block_size=block_size, decoupled=decoupled, weighting=weighting,
-                                        sigma=sigma, estimator=estimator, tau_plus=tau_plus, beta=beta)
     if estimator != "standard" and decoupled:
         raise ValueError("the debiased and hard estimators reweigh the negatives of the standard denominator: "
                          "use them with decoupled=False")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, scale_dtype(z1))
+    if process_group is not None:
+        check_across_ranks("nt_xent_loss", strategy, grad_scale, backend=backend != "auto")
+        return _nt_xent_across(z1, z2, scale, normalize, reduction, grad_scale, strategy, process_group, block_size,
+                               decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta))
     n = z1.shape[0]
     if estimator != "standard" and n < 2:
         raise ValueError("the debiased and hard estimators need at least 2 pairs (2 negatives per anchor)")
@@ -163,6 +159,45 @@ def nt_xent_loss(
     # the rows against every view: the candidates as a second tensor, not the symmetric path
     return backends.run(z, z, scale, Problem(head, (), normalize), name, weights, block_size)
 
+
+
+@same_call_across_ranks
+def _nt_xent_across(z1: Tensor, z2: Tensor, scale: Tensor, normalize: bool, reduction: str, grad_scale: str,
+                    strategy: str, group: Any, block_size: Optional[int], decoupled: bool, weighting: Optional[str],
+                    sigma: float, estimator: str, tau_plus: float, beta: float) -> Tensor:
+    """:func:`nt_xent_loss` over the global batch (:mod:`flashcl.distributed`): each
+    rank's rows ``[z1; z2]`` against every rank's; the negatives are counted (and,
+    with ``weighting="vmf"``, the pairs weighed) over the global batch."""
+    n = z1.shape[0]
+    z = torch.cat([z1, z2])
+    cols = distributed.columns(z, strategy, group)
+    if (decoupled or estimator != "standard") and cols.total < 4:
+        raise ValueError("decoupled=True and the debiased / hard estimators need at least 2 pairs in the global "
+                         "batch: with one pair an anchor has no negative")
+    partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n) + cols.offset
+    dtype = compute_dtype(z.dtype)
+    if estimator != "standard":
+        head = DebiasedHead(partner, tau_plus, 0.0 if estimator == "debiased" else beta, cols.total - 2,
+                            float(scale.detach()), offset=cols.offset)
+        weights = None
+        if reduction != "none":
+            share = distributed.grad_factor(grad_scale, group) / (cols.total if reduction == "mean" else 1)
+            weights = (torch.full((2 * n,), share, dtype=dtype, device=z.device), None)
+        return cols.run(z, scale, Problem(head, (), normalize, cols.offset), weights, block_size)
+    index = partner.unsqueeze(1)
+    weight: Optional[Tensor] = None
+    exclude: Optional[Exclusions] = None
+    if decoupled:
+        exclude = Exclusions(index=index)
+        if weighting == "vmf":  # the positives' weights from a softmax over every rank's pairs
+            with torch.no_grad():
+                sim = (unit_rows(z1.detach(), True) * unit_rows(z2.detach(), True)).sum(1) / sigma
+                every = distributed.gather_plain(sim, group)
+                w = 2.0 - every.shape[0] * torch.exp(sim - torch.logsumexp(every, dim=0))
+            weight = torch.cat([w, w]).to(dtype)
+    spec = CoreSpec(exclude_self=True, self_pairs=True, offset=cols.offset, index=index, pos_mode="sum",
+                    normalize=normalize, exclude=exclude, positive_weight=weight)
+    return distributed.run_across(z, cols, scale, spec, reduction, grad_scale, block_size)
 
 
 class NTXentLoss(LossModule):

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import backends, checks, reference
+from . import backends, checks, distributed, reference
 from .base import LossModule, reject_pml_call, shared_docs
 from .core import CoreSpec
 from .dispatch import (
@@ -24,6 +24,7 @@ from .dispatch import (
     scale_dtype,
     unit_rows,
 )
+from .distributed import same_call_across_ranks
 from .heads import SoftmaxHead
 from .linear import Positives
 from .reduction import reduce_rows
@@ -176,20 +177,15 @@ def supcon_loss(
     checks.check_bool(include_self, "include_self")
     checks.Options(normalize, reduction, backend, block_size)
     if process_group is not None:
-        queue = ref is not None or ref_labels is not None or ref_self is not None
-        widths = matryoshka_dims is not None or matryoshka_weights is not None
-        check_across_ranks("supcon_loss", strategy, grad_scale, backend=backend != "auto",
-                           **{"3-D embeddings (several views)": embeddings.dim() == 3,
-                              "ref with strategy='ring'": queue and strategy == "ring",
-                              "matryoshka_dims with strategy='ring'": widths and strategy == "ring",
-                              "matryoshka_dims with ref": widths and queue})
-        from . import distributed
-
-        return distributed.supcon_loss(embeddings, labels, temperature=temperature, positives=positives,
-                                       include_self=include_self, normalize=normalize, reduction=reduction,
-                                       grad_scale=grad_scale, strategy=strategy, group=process_group,
-                                       block_size=block_size, ref=ref, ref_labels=ref_labels, ref_self=ref_self,
-                                       matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights)
+        check_across_ranks("supcon_loss", strategy, grad_scale, backend=backend != "auto")
+        if ref is not None or ref_labels is not None or ref_self is not None:
+            no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
+            ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
+        scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device,
+                                                scale_dtype(embeddings))
+        return _supcon_across(embeddings, labels, scale, positives, include_self, normalize, reduction,
+                              grad_scale, strategy, process_group, block_size, ref, ref_labels, ref_self,
+                              matryoshka_dims, matryoshka_weights)
     b = embeddings.shape[0]
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
     if ref is not None or ref_labels is not None or ref_self is not None:
@@ -215,6 +211,37 @@ def supcon_loss(
         out = out.reshape(views, b).T
     return out
 
+
+
+@same_call_across_ranks
+def _supcon_across(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
+                   normalize: bool, reduction: str, grad_scale: str, strategy: str, group: Any,
+                   block_size: Optional[int], ref: Optional[Tensor], ref_labels: Optional[Tensor],
+                   ref_self: Optional[Tensor], dims: Any, weights: Any) -> Tensor:
+    """:func:`supcon_loss` over the global batch (:mod:`flashcl.distributed`): this
+    rank's rows against every rank's and, with ``ref``, the queue's keys once."""
+    b = embeddings.shape[0]
+    views = 1 if embeddings.dim() == 2 else embeddings.shape[1]
+    flat = embeddings if embeddings.dim() == 2 else embeddings.transpose(0, 1).reshape(b * views, -1)
+    labels = labels.long().repeat(views)
+    widths = None if dims is None and weights is None else (dims, weights)
+    if ref_self is not None:  # the queue holds the batch: its columns are the queue's, the same on every rank
+        assert ref is not None and ref_labels is not None
+        (row_ids, col_ids), num_classes = class_ids(labels, ref_labels)
+        spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=row_ids, col_labels=col_ids,
+                        num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self)
+        local = distributed.Columns(ref, 0, [ref.shape[0]], False, group)
+        return distributed.run_across(flat, local, scale, spec, reduction, grad_scale, block_size)
+    cols = distributed.columns(flat, strategy, group, shared=ref)
+    all_labels = cols.gather(labels, None if ref_labels is None else ref_labels.long())
+    if cols.total - cols.shared < 2 and not include_self and ref is None:
+        raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
+    (ids,), num_classes = class_ids(all_labels)
+    spec = CoreSpec(exclude_self=not include_self, self_pairs=True, offset=cols.offset,
+                    row_labels=ids[cols.offset:cols.offset + flat.shape[0]], col_labels=ids,
+                    num_classes=num_classes, pos_mode=positives, normalize=normalize)
+    out = distributed.run_across(flat, cols, scale, spec, reduction, grad_scale, block_size, widths=widths)
+    return out.reshape(views, b).T if reduction == "none" and embeddings.dim() == 3 else out
 
 
 class SupConLoss(LossModule):
