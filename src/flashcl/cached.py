@@ -27,8 +27,11 @@ backpropagated.
 
 Under :class:`~torch.nn.parallel.DistributedDataParallel`, every chunk's backward
 but the encoder's last runs under ``no_sync()``, so the gradients are reduced
-once; the loss is then a :mod:`flashcl.distributed` loss, which sees every
-rank's embeddings.
+once; the loss is then a loss across processes (``process_group=``), which sees
+every rank's embeddings. Under ``fully_shard`` (FSDP2) every forward pass gathers
+the parameters with a collective, so every rank must embed the same number of
+chunks (a ValueError on every rank otherwise); the gradients are reduce-scattered
+after each chunk's backward, which keeps them sharded.
 """
 from __future__ import annotations
 
@@ -163,7 +166,7 @@ def cached_step(
         inputs: one batch per tower (queries, documents, ...): tensors, or lists,
             tuples and dicts of them with the batch first (see :func:`split_batch`).
         loss_fn: the loss on the whole batch's embeddings, one tensor per input, in
-            order: any flashcl loss (or ``flashcl.distributed`` loss under DDP),
+            order: any flashcl loss (with ``process_group=`` under DDP or FSDP),
             e.g. ``lambda q, d: flashcl.info_nce_loss(q, d, temperature=0.05)``.
         chunk_size: rows per encoder pass (one per input, or one for all).
         output: takes the embeddings from the encoder's output (e.g.
@@ -205,6 +208,8 @@ def cached_step(
         raise ValueError(f"chunk_size must be a positive int, or one per input, got {chunk_size!r}")
     split = split_fn or (lambda x, c: split_batch(x, c))
     chunks = [split(x, c) for x, c in zip(inputs, sizes)]
+
+    _same_chunk_counts_when_sharded(encoders, chunks)
 
     # 1. every chunk without a graph, its random state recorded
     states: List[List[_RandomState]] = []
@@ -256,6 +261,31 @@ def cached_step(
                 start = offsets[t][c]
                 out.backward(grad[start:start + out.shape[0]])
     return loss.detach()
+
+
+def _same_chunk_counts_when_sharded(encoders: Sequence[Encoder], chunks: Sequence[Sequence[Any]]) -> None:
+    """Under ``fully_shard`` each forward pass is a collective: every rank must make
+    as many; a ValueError on every rank, not a hang, when they would not."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return
+    import torch.distributed as dist
+
+    passes = sum(len(parts) for enc, parts in zip(encoders, chunks) if isinstance(enc, FSDPModule))
+    if not passes or not (dist.is_available() and dist.is_initialized()):
+        return
+    counts = torch.tensor([passes, -passes], dtype=torch.int64)
+    device = next((p.device for enc in encoders if isinstance(enc, nn.Module) for p in enc.parameters()), None)
+    if device is not None and device.type == "cuda":
+        counts = counts.to(device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    most, fewest = int(counts[0]), -int(counts[1])
+    if most != fewest:
+        raise ValueError(f"cached_step under fully_shard: every rank must embed the same number of chunks (each "
+                         f"forward pass gathers the parameters with a collective); the ranks make {fewest} to {most}: "
+                         "give every rank a batch with as many chunks (the local batch size over chunk_size, "
+                         "rounded up)")
 
 
 def _trainable(encoder: Encoder) -> bool:

@@ -346,10 +346,16 @@ def global_max(value: int, device: torch.device, group: Any) -> int:
     return int(t)
 
 
+#: stands for the world before any process group exists: the losses check their
+#: options first, then raise the error that names the missing group
+_NO_GROUP_YET = object()
+
+
 def world_group(group: Any) -> Any:
-    """``group``, or the world (checked initialised) for None."""
-    _world(group)
-    return dist.group.WORLD if group is None else group
+    """``group``, or the world for None."""
+    if group is not None:
+        return group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else _NO_GROUP_YET
 
 
 def _alias(name: str) -> Callable[..., Tensor]:

@@ -30,14 +30,14 @@ tile, turns it into ``dL/ds`` with ``head.grad`` and accumulates
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .heads import Head, Tile
 from .linear import Linear, Rows, RowScaled, class_sums, raw_rows
-from .utils import autocast_off, compute_dtype, differentiable_grads, normalize_rows
+from .utils import FusedFunction, autocast_off, compute_dtype, normalize_rows
 
 __all__ = ["Problem", "Operands", "Driver", "EngineFunction", "dense_values", "run", "NORM_EPS", "finite_rows",
            "scores_product"]
@@ -306,14 +306,15 @@ def _new_grads(ops: Operands) -> Tuple[Tensor, Tensor]:
     return dq, dk
 
 
-class EngineFunction(torch.autograd.Function):
+class EngineFunction(FusedFunction):
     """``apply(q, k, scale, param, problem, driver, reduce_weights, block)``.
 
     ``k=None`` means the candidates are the anchors (one gradient); ``param`` is the
     head's learnable scalar (SigLIP's bias) or None. Returns the
     per-row losses (M,), with the per-column losses appended for a head with
     columns (M + N,), or, for ``reduce_weights=(r, u)``, the scalar
-    ``sum r * rows + sum u * cols``.
+    ``sum r * rows + sum u * cols``. Its backward's rules (a gradient formed in the
+    forward pass, create_graph, autocast) are :class:`~flashcl.utils.FusedFunction`'s.
     """
 
     @staticmethod
@@ -345,53 +346,29 @@ class EngineFunction(torch.autograd.Function):
             rows, cols = _add_linear(rows, cols, lin, raw, s)
 
         ctx.problem, ctx.driver, ctx.block, ctx.reduce_weights = problem, driver, block, reduce_weights
-        ctx.st, ctx.raws, ctx.grads = st, raws, None
-        if needs_grad:
-            ctx.save_for_backward(q_in, k_in, scale, param)
+        ctx.st, ctx.raws = st, raws
+        grads = None
         if fused:
             assert reduce_weights is not None and dq is not None and dk is not None and dscale is not None
             r, u = reduce_weights
             dscale = dscale + _linear_grads(ops, problem, driver, raws, r, u, dq, dk)
             dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
-            ctx.grads = (dq_in, dk_in, dscale, head.param_grad(st))
+            grads = (dq_in, dk_in, dscale, head.param_grad(st))
+        FusedFunction.setup(ctx, (q_in, k_in, scale, param) if needs_grad else (None,) * 4, grads=grads)
         return _output(rows, cols, reduce_weights)
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
-        q_in, k_in, scale, param = ctx.saved_tensors
-        problem, reduce_weights = ctx.problem, ctx.reduce_weights
-        need_q, need_k, need_s, need_p = ctx.needs_input_grad[:4]
-        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
-            if ctx.driver.no_second_derivatives is not None:
-                raise RuntimeError(ctx.driver.no_second_derivatives)
-            ctx.grads = None
-            dq, dk, dscale, dparam = differentiable_grads(
-                lambda q, k, sc, pa: dense_output(q, k, sc, problem, reduce_weights, pa),
-                (q_in, k_in, scale, param), (need_q, need_k, need_s, need_p), grad_out)
-        else:
-            with autocast_off(q_in.device.type):
-                dq, dk, dscale, dparam = EngineFunction._backward(ctx, grad_out, q_in, k_in, scale)
-            dscale = dscale.to(scale.dtype)
-            if dparam is not None and param is not None:
-                dparam = dparam.to(param.dtype)
-        nones = (None,) * 4
-        return (dq if need_q else None, dk if need_k else None, dscale if need_s else None,
-                dparam if need_p else None) + nones
+    @classmethod
+    def no_second_derivatives(cls, ctx: Any) -> Optional[str]:
+        return ctx.driver.no_second_derivatives
 
-    @staticmethod
-    def _backward(ctx: Any, grad_out: Tensor, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor
-                  ) -> Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]:
-        if ctx.grads is not None:
-            # formed by the fused forward; handed over (not copied) the first time
-            dq, dk, dscale, dparam = ctx.grads
-            ctx.grads = None
-            if not bool((grad_out == 1).all()):
-                dq.mul_(grad_out)
-                if dk is not None:
-                    dk.mul_(grad_out)
-                dscale = dscale * grad_out
-                dparam = None if dparam is None else dparam * grad_out
-            return dq, dk, dscale, dparam
+    @classmethod
+    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
+        q, k, scale, param = inputs
+        return dense_output(q, k, scale, ctx.problem, ctx.reduce_weights, param)
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        q_in, k_in, scale, _ = saved
         problem, driver, block = ctx.problem, ctx.driver, ctx.block
         head, st = problem.head, ctx.st
         ops = operands(q_in, k_in, float(scale), problem.normalize, driver.lazy, block, problem.offset)

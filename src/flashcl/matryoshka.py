@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .engine import NORM_EPS, Problem, finite_rows
 from .heads import Tile
-from .utils import autocast_off, differentiable_grads, normalize_rows
+from .utils import FusedFunction, autocast_off, normalize_rows
 
 __all__ = ["check_dims", "prefix_scales", "head_values", "linear_terms"]
 
@@ -89,12 +89,13 @@ def _bound(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, dims: List[int], scale:
     return abs(scale) * best
 
 
-class _HeadValues(torch.autograd.Function):
+class _HeadValues(FusedFunction):
     """``apply(q, k, aq, ak, scale, problem, dims, block, weights)``: each width's head
     values, (M, m [+ n]) (rows, then the columns of a head with columns); with
     ``weights`` (M, m), the scalar ``sum weights * rows``, whose gradient is then
     formed in the same visit as the values when the head's rows are complete in
-    one tile. ``k=None``: the candidates are the anchors."""
+    one tile. ``k=None``: the candidates are the anchors. Its backward's rules are
+    :class:`~flashcl.utils.FusedFunction`'s."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor,
@@ -106,12 +107,13 @@ class _HeadValues(torch.autograd.Function):
         m, n = qd.shape[0], kd.shape[0]
         states = [head.state(m, n, qd, _bound(qd, kd, aqd, akd, dims, s)) for _ in dims]
         ctx.problem, ctx.dims, ctx.block, ctx.states, ctx.same = problem, dims, block, states, k is None
-        ctx.weights, ctx.grads = weights, None
+        ctx.weights = weights
+        grads = None
         fused = (weights is not None and any(ctx.needs_input_grad[:5]) and head.fuses_rows
                  and not head.has_columns and head.passes == 1)
         if fused:
             assert weights is not None
-            ctx.grads = _fused(qd, kd, aqd, akd, s, problem, dims, block, states, weights, k is None)
+            grads = _fused(qd, kd, aqd, akd, s, problem, dims, block, states, weights, k is None)
         else:
             for p in range(head.passes):
                 _visit(qd, kd, aqd, akd, s, problem, dims, block, states, p)
@@ -121,37 +123,28 @@ class _HeadValues(torch.autograd.Function):
         for st in states:
             rows, cols = head.values(st)
             out.append(rows if cols is None else torch.cat([rows, cols]))
-        ctx.save_for_backward(q, k, aq, ak, scale)
+        FusedFunction.setup(ctx, (q, k, aq, ak, scale), grads=grads)
         values = torch.stack(out)
         if weights is None:
             return values
         return (weights * values[:, :m]).sum()
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
-        q, k, aq, ak, scale = ctx.saved_tensors
-        problem, dims, weights = ctx.problem, ctx.dims, ctx.weights
-        needs = ctx.needs_input_grad[:5]
-        if torch.is_grad_enabled():  # create_graph=True: through the dense formula
-            def dense(q_: Tensor, k_: Optional[Tensor], aq_: Tensor, ak_: Tensor, sc: Tensor) -> Tensor:
-                values = _dense(q_, k_, aq_, ak_, sc, problem, dims)
-                return values if weights is None else (weights * values[:, :q_.shape[0]]).sum()
+    @classmethod
+    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
+        q, k, aq, ak, scale = inputs
+        values = _dense(q, k, aq, ak, scale, ctx.problem, ctx.dims)
+        return values if ctx.weights is None else (ctx.weights * values[:, :q.shape[0]]).sum()
 
-            ctx.grads = None
-            grads: Sequence[Optional[Tensor]] = differentiable_grads(dense, (q, k, aq, ak, scale), needs, grad_out)
-        elif ctx.grads is not None:  # formed in the forward pass
-            grads = tuple(None if g is None else g * grad_out for g in ctx.grads)
-            ctx.grads = None
-        else:
-            with autocast_off(q.device.type):
-                if weights is not None:  # the scalar's gradient as the values' (no column terms in it)
-                    m = q.shape[0]
-                    n_cols = (m if k is None else k.shape[0]) if problem.head.has_columns else 0
-                    full = weights.new_zeros(len(dims), m + n_cols)
-                    full[:, :m] = weights * grad_out
-                    grad_out = full
-                grads = _backward(ctx, grad_out, q, k, aq, ak, scale)
-        return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 4
+    @classmethod
+    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        q, k, aq, ak, scale = saved
+        if ctx.weights is not None:  # the scalar's gradient as the values' (no column terms in it)
+            m = q.shape[0]
+            n_cols = (m if k is None else k.shape[0]) if ctx.problem.head.has_columns else 0
+            full = ctx.weights.new_zeros(len(ctx.dims), m + n_cols)
+            full[:, :m] = ctx.weights * grad_out
+            grad_out = full
+        return _backward(ctx, grad_out, q, k, aq, ak, scale)
 
 
 def _tile_scores(r: Tensor, a: Tensor, b: Tensor, scale: float, out: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ is allocated. Its create-graph path (second derivatives) is the dense formula
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -17,7 +17,7 @@ from torch import Tensor
 from . import dense
 from .core import CoreSpec
 from .heads import Tile, mask_self_
-from .utils import autocast_off, compute_dtype, differentiable_grads
+from .utils import FusedFunction, compute_dtype
 
 __all__ = ["TiledScores", "auto_scores_block"]
 
@@ -30,13 +30,14 @@ def auto_scores_block(n: int) -> int:
     return max(1, min(n, (1 << 22) // max(1, n)))
 
 
-class TiledScores(torch.autograd.Function):
+class TiledScores(FusedFunction):
     """Core losses of a given score matrix (the neighbour loss), in row blocks.
 
     ``apply(scores, spec, reduce_weights, block)``: ``reduce_weights=None`` returns
     the per-row losses (n,); a weight vector ``r`` returns ``sum r * row_loss`` and
     computes the gradient during the forward pass, straight into the one n x n
-    tensor that becomes ``scores.grad``.
+    tensor that becomes ``scores.grad``. Its backward's rules are
+    :class:`~flashcl.utils.FusedFunction`'s.
     """
 
     @staticmethod
@@ -67,33 +68,20 @@ class TiledScores(torch.autograd.Function):
                     grad[r0:r1].copy_(blk)
         row_loss = c * lse - a * pos
         ctx.spec, ctx.block, ctx.reduce_weights = spec, block, reduce_weights
-        ctx.grad = grad
         if needs_grad:
-            ctx.save_for_backward(scores, lse)
+            FusedFunction.setup(ctx, (scores,), (lse,), grads=None if grad is None else (grad,))
         if reduce_weights is None:
             return row_loss
         return (reduce_weights * row_loss).sum()
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor):  # type: ignore[override]
-        scores, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
-            ctx.grad = None
-            (grad,) = differentiable_grads(lambda x: dense.scores_output(x, ctx.spec, ctx.reduce_weights),
-                                           (scores,), (True,), grad_out)
-            return grad, None, None, None
-        with autocast_off(scores.device.type):
-            return TiledScores._backward(ctx, grad_out, scores, lse), None, None, None
+    @classmethod
+    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
+        return dense.scores_output(inputs[0], ctx.spec, ctx.reduce_weights)
 
-    @staticmethod
-    def _backward(ctx: Any, grad_out: Tensor, scores: Tensor, lse: Tensor) -> Tensor:
+    @classmethod
+    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        scores, lse = saved
         spec, block = ctx.spec, ctx.block
-        if ctx.grad is not None:
-            grad = ctx.grad
-            ctx.grad = None
-            if not bool((grad_out == 1).all()):
-                grad.mul_(grad_out)
-            return grad
         dtype = compute_dtype(scores.dtype)
         n = scores.shape[0]
         g = ctx.reduce_weights * grad_out if ctx.reduce_weights is not None else grad_out.to(dtype)
@@ -108,7 +96,7 @@ class TiledScores(torch.autograd.Function):
             blk.exp_()
             _scores_grad_block(blk, r0, spec, (g[r0:r1] * c[r0:r1]).unsqueeze(1), g[r0:r1] * a[r0:r1])
             grad[r0:r1].copy_(blk)
-        return grad
+        return (grad,)
 
 
 def _masked_exp_into(dst: Tensor, src: Tensor, r0: int, spec: CoreSpec) -> Tuple[Tensor, Tensor]:

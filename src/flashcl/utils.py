@@ -3,7 +3,7 @@ second derivatives for custom autograd Functions."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -80,3 +80,72 @@ def normalize_rows(x: Tensor, eps: float = 1e-12) -> Tensor:
     ``g / |x| - x (g . x) / |x|^3``, two terms that cancel only up to rounding, an
     error of ``eps |g| / |x|`` that is large for short rows (a narrow prefix)."""
     return _NormalizeRows.apply(x, eps)
+
+
+class FusedFunction(torch.autograd.Function):
+    """The base of flashcl's autograd Functions (the tile engine's, Matryoshka's
+    widths, a given score matrix's): its :meth:`backward` owns the rules they share,
+    once:
+
+    * a gradient formed during the forward pass (``ctx.grads``) is handed over,
+      scaled by ``grad_out``, and dropped (never kept for a second backward);
+    * otherwise the subclass's :meth:`recompute` forms it, with autocast off;
+    * with ``create_graph=True`` (second derivatives), the gradient comes from the
+      subclass's differentiable :meth:`dense` formula of the same output, or a
+      RuntimeError says why there is none (:meth:`no_second_derivatives`);
+    * each gradient is cast to its input's dtype, and inputs that need none get None.
+
+    A subclass's ``forward`` calls :meth:`setup` with its differentiable inputs (the
+    leading arguments of ``apply``, None allowed) and the other saved tensors.
+    """
+
+    @staticmethod
+    def setup(ctx: Any, inputs: Sequence[Optional[Tensor]], extra: Sequence[Tensor] = (),
+              grads: Optional[Sequence[Optional[Tensor]]] = None) -> None:
+        """Saves the differentiable ``inputs`` (and ``extra`` tensors for
+        :meth:`recompute`); ``grads``: their gradients, formed in the forward pass."""
+        ctx.n_inputs = len(inputs)
+        ctx.grads = None if grads is None else list(grads)
+        ctx.save_for_backward(*inputs, *extra)
+
+    @classmethod
+    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
+        """The output as a differentiable function of the inputs (create_graph)."""
+        raise NotImplementedError
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        """The inputs' gradients by a second visit (autocast off); ``saved``: the
+        inputs, then the extra tensors."""
+        raise NotImplementedError
+
+    @classmethod
+    def no_second_derivatives(cls, ctx: Any) -> Optional[str]:
+        """Why this call has no second derivatives (a RuntimeError), or None."""
+        return None
+
+    @classmethod
+    def backward(cls, ctx: Any, grad_out: Tensor):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        n = ctx.n_inputs
+        inputs = saved[:n]
+        needs = ctx.needs_input_grad[:n]
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
+            reason = cls.no_second_derivatives(ctx)
+            if reason is not None:
+                raise RuntimeError(reason)
+            ctx.grads = None
+            grads: Sequence[Optional[Tensor]] = differentiable_grads(
+                lambda *xs: cls.dense(ctx, *xs), inputs, needs, grad_out)
+        else:
+            if ctx.grads is not None:  # formed by the forward pass; handed over (not copied) the first time
+                grads, ctx.grads = ctx.grads, None
+                if not bool((grad_out == 1).all()):
+                    grads = [None if g is None else g.mul_(grad_out) for g in grads]
+            else:
+                device = next(x for x in inputs if x is not None).device
+                with autocast_off(device.type):
+                    grads = cls.recompute(ctx, grad_out, saved)
+            grads = [None if g is None or x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        out = tuple(g if need else None for g, need in zip(grads, needs))
+        return out + (None,) * (len(ctx.needs_input_grad) - n)

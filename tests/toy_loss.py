@@ -1,0 +1,88 @@
+"""A loss written for the tests only, as a new loss is added to flashcl: one family
+module (this file: the function, its Module twin and its problem) built on the
+public layer's shared pieces, and one test file (test_toy_loss.py). Nothing else
+in the package changes for it, yet it takes every backend, ``process_group=`` on
+both strategies and a learnable temperature.
+
+The loss: InfoNCE over one batch of interleaved views, rows ``2j`` and ``2j + 1``
+each other's positive, every other row a negative (NT-Xent with the two views
+interleaved rather than stacked).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from flashcl import checks, distributed
+from flashcl.base import LossModule, shared_docs
+from flashcl.core import CoreSpec
+from flashcl.dispatch import Scalar, check_across_ranks, run_core, scale_dtype
+from flashcl.distributed import same_call_across_ranks
+
+
+def interleaved_spec(n: int, offset: int, device: torch.device) -> CoreSpec:
+    """The problem: row ``i``'s positive is column ``(i ^ 1) + offset``, its own column excluded."""
+    partner = (torch.arange(n, device=device) ^ 1) + offset
+    return CoreSpec(exclude_self=True, self_pairs=True, offset=offset, index=partner.unsqueeze(1), pos_mode="sum")
+
+
+@shared_docs
+def interleaved_loss(
+    x: Tensor,
+    *,
+    temperature: Scalar = 0.1,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
+) -> Tensor:
+    """InfoNCE over interleaved views: rows ``2j`` and ``2j + 1`` are a pair.
+
+    Args:
+        x: (2P, D) the views, pair by pair.
+        temperature: float or 0-dim tensor.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        @backend@
+        @process_group@
+
+    Shape:
+        - x: (2P, D); output: scalar, or (2P,) with ``reduction="none"``
+
+    Examples::
+
+        >>> loss = interleaved_loss(torch.randn(8, 4))
+    """
+    x = checks.check_float_tensor(x, "x", (2,))
+    if x.shape[0] < 2 or x.shape[0] % 2:
+        raise ValueError(f"x must hold pairs of views (an even number of rows >= 2), got {x.shape[0]} rows")
+    checks.Options(True, reduction, backend, block_size)
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", x.device, scale_dtype(x))
+    if process_group is not None:
+        check_across_ranks("interleaved_loss", strategy, grad_scale, backend=backend != "auto")
+        return _interleaved_across(x, scale, reduction, grad_scale, strategy, process_group, block_size)
+    return run_core(x, None, scale, interleaved_spec(x.shape[0], 0, x.device), reduction, backend, block_size)
+
+
+@same_call_across_ranks
+def _interleaved_across(x: Tensor, scale: Tensor, reduction: str, grad_scale: str, strategy: str, group: Any,
+                        block_size: Optional[int]) -> Tensor:
+    cols = distributed.columns(x, strategy, group)
+    spec = interleaved_spec(x.shape[0], cols.offset, x.device)
+    return distributed.run_across(x, cols, scale, spec, reduction, grad_scale, block_size)
+
+
+class InterleavedLoss(LossModule):
+    """Module form of :func:`interleaved_loss`."""
+
+    def __init__(self, temperature: Scalar = 0.1, reduction: str = "mean", backend: str = "auto",
+                 block_size: Optional[int] = None, process_group: Any = None, strategy: str = "all_gather",
+                 grad_scale: str = "ddp") -> None:
+        super().__init__(temperature=temperature, reduction=reduction, backend=backend, block_size=block_size,
+                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return interleaved_loss(x, **self.loss_options())
