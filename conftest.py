@@ -1,5 +1,6 @@
 """pytest set-up for the whole checkout: the Triton interpreter switch (before
 anything imports triton) and the names the docstring examples use."""
+
 from __future__ import annotations
 
 import os

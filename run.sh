@@ -2,27 +2,41 @@
 # Sets up .venv (torch 2.13.0 CPU when no torch is installed, then flashcl with the
 # extras the command needs) and runs the benchmark (`./run.sh bench [args]`) or the
 # linter and the tests (`./run.sh test [pytest args]`).
+# `./run.sh test-floor [pytest args]` runs the tests on the declared floor (Python 3.9,
+# torch 2.4.1) in .venv-floor: a python3.9 on PATH or pyenv's, and a download of torch.
 set -euo pipefail
 cd "$(dirname "$0")"
+cmd="${1:-test}"
+shift || true
+base_python=python3
+torch_pin=torch==2.13.0
 venv="${FLASHCL_VENV:-.venv}"
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+if [ "$cmd" = test-floor ]; then
+  venv=.venv-floor
+  torch_pin=torch==2.4.1
+  base_python="$(command -v python3.9 || ls "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.9*/bin/python3.9 2>/dev/null \
+    | head -n 1 || true)"
+  [ -n "$base_python" ] || { echo "test-floor needs a python3.9 (on PATH or in pyenv)" >&2; exit 2; }
+fi
+[ -x "$venv/bin/python" ] || "$base_python" -m venv "$venv"
 py="$venv/bin/python"
 # A plain torch requirement with no torch present would pull a multi-GB CUDA
 # build; `pip install torch==2.13.0` takes the CPU build where the index provides one, and torch>=2.4 accepts it.
-"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q torch==2.13.0
-cmd="${1:-test}"
-shift || true
+"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "$torch_pin"
 # What each command needs: the default benchmark only its peers and plots (bench);
 # the suites that train a sentence encoder (train, beyond) or run on a GPU (gpu)
 # add their extras when asked for; the tests take every peer they compare with.
 case "$cmd" in
   test) extras="test,integrations,bench,triton" ;;
+  test-floor)  # the package and its test tools only; numpy 1 beside torch 2.4
+    "$py" -m pip install -q -e ".[test]" "numpy<2"
+    exec "$py" -m pytest -p no:cacheprovider "$@" ;;
   bench)
     extras="bench"
     case " $* " in *" --full "*|*train*|*beyond*) extras="$extras,integrations" ;; esac
     case " $* " in *gpu*|*cuda*) extras="$extras,triton" ;; esac
     ;;
-  *) echo "usage: ./run.sh test|bench [args]" >&2; exit 2 ;;
+  *) echo "usage: ./run.sh test|test-floor|bench [args]" >&2; exit 2 ;;
 esac
 "$py" -m pip install -q -e ".[$extras]"
 # open_clip's loss module is a peer in the benchmark and an oracle in the tests;
@@ -31,6 +45,10 @@ esac
 "$py" -c "import open_clip" 2>/dev/null || "$py" -m pip install -q --no-deps open_clip_torch \
   || echo "open_clip_torch not installed: its benchmark and test cases will say so"
 case "$cmd" in
-  test) "$py" -m ruff check src tests examples scripts conftest.py && "$py" -m mypy && exec "$py" -m pytest "$@" ;;
+  test)
+    "$py" -m ruff check src tests examples scripts conftest.py
+    "$py" -m ruff format --check src tests examples scripts conftest.py
+    "$py" -m mypy
+    exec "$py" -m pytest "$@" ;;
   bench) exec "$py" -m flashcl bench "$@" ;;
 esac

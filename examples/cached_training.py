@@ -20,6 +20,7 @@ of the cached step and of the plain step (the one that keeps every activation).
 Evaluation: each held-out utterance retrieves the most similar training
 utterance; accuracy@1 is the share with the same topic, before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,15 +39,21 @@ from sentence_simcse import load_corpus, load_model, retrieval  # noqa: E402
 import flashcl  # noqa: E402
 
 
-def step(model: Any, texts: List[str], labels: torch.Tensor, chunk: int, cached: bool,
-         temperature: float) -> torch.Tensor:
+def step(
+    model: Any, texts: List[str], labels: torch.Tensor, chunk: int, cached: bool, temperature: float
+) -> torch.Tensor:
     """One step's gradient over the whole batch (cached or plain). The cached step
     tokenises each chunk on its own (padded to its own longest text)."""
     loss_fn = lambda e: flashcl.supcon_loss(e, labels, temperature=temperature)  # noqa: E731
     encode = lambda part: model(model.preprocess(part))["sentence_embedding"]  # noqa: E731
     if cached:
-        return flashcl.cached_step(encode, [texts], loss_fn, chunk_size=chunk,
-                                   split_fn=lambda x, c: [x[i:i + c] for i in range(0, len(x), c)])
+        return flashcl.cached_step(
+            encode,
+            [texts],
+            loss_fn,
+            chunk_size=chunk,
+            split_fn=lambda x, c: [x[i : i + c] for i in range(0, len(x), c)],
+        )
     loss = loss_fn(encode(texts))
     loss.backward()
     return loss.detach()
@@ -84,14 +91,18 @@ def main() -> Dict[str, float]:
     steps = args.steps or (8 if args.fast else 12)
     torch.manual_seed(args.seed)
     xtr, ytr, xte, yte, topics = load_corpus(40 if args.fast else 120, args.seed)
-    print(f"chatterbot-corpus: {len(topics)} topics, {len(xtr)} training / {len(xte)} held-out utterances; "
-          f"one batch of {len(xtr)} texts per step, encoded {args.chunk} at a time")
+    print(
+        f"chatterbot-corpus: {len(topics)} topics, {len(xtr)} training / {len(xte)} held-out utterances; "
+        f"one batch of {len(xtr)} texts per step, encoded {args.chunk} at a time"
+    )
     result: Dict[str, float] = {}
     if not args.no_memory:
         result["cached_mb"] = peak_mb(xtr, ytr, args.chunk, True)
         result["plain_mb"] = peak_mb(xtr, ytr, args.chunk, False)
-        print(f"peak memory of one step above the model: cached {result['cached_mb']:.0f} MB, "
-              f"plain {result['plain_mb']:.0f} MB")
+        print(
+            f"peak memory of one step above the model: cached {result['cached_mb']:.0f} MB, "
+            f"plain {result['plain_mb']:.0f} MB"
+        )
     model = load_model()
     before = retrieval(model, xtr, ytr, xte, yte)
     print(f"before: accuracy@1 {before[0]:.3f}, 5-NN accuracy {before[1]:.3f}")
@@ -106,8 +117,7 @@ def main() -> Dict[str, float]:
         print(f"step {i + 1}/{steps}: loss {float(loss):.4f}")
     model.eval()
     after = retrieval(model, xtr, ytr, xte, yte)
-    print(f"after {steps} steps ({time.time() - t0:.0f} s): accuracy@1 {after[0]:.3f}, "
-          f"5-NN accuracy {after[1]:.3f}")
+    print(f"after {steps} steps ({time.time() - t0:.0f} s): accuracy@1 {after[0]:.3f}, 5-NN accuracy {after[1]:.3f}")
     result.update(before_at1=before[0], before_knn=before[1], after_at1=after[0], after_knn=after[1])
     return result
 

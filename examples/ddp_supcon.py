@@ -11,6 +11,7 @@ With ``grad_scale="ddp"`` DDP's gradient averaging gives exactly the gradient
 of the loss over the concatenated batch. Rank 0 prints the loss and, at the
 end, the k-NN accuracy of the embedding on held-out points.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,13 @@ def knn_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
 def train(rank: int, world: int, args: argparse.Namespace) -> None:
     if not dist.is_initialized():
         # rendezvous through a file: no free port to pick, so no race for one
-        dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{args.rendezvous}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
     torch.manual_seed(0)  # the same initial weights on every rank
     torch.set_num_threads(1)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))

@@ -11,6 +11,7 @@ with a flashcl loss; the k-nearest-neighbour accuracy (k = 5, cosine) of each
 embedding on the held-out split is printed, and a PCA plot of the three
 embeddings is written as a PNG.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def knn_accuracy(train: torch.Tensor, ytr: torch.Tensor, test: torch.Tensor, yte
     return float((pred == yte).float().mean())
 
 
-def train(step_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], params, xtr, ytr,
-          epochs: int, desc: str) -> None:
+def train(
+    step_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], params, xtr, ytr, epochs: int, desc: str
+) -> None:
     opt = torch.optim.Adam(params, lr=1e-3)
     try:
         from tqdm import trange
@@ -62,7 +64,7 @@ def train(step_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Ten
     for _ in bar:
         perm = torch.randperm(len(xtr))
         for i in range(0, len(xtr), 256):
-            idx = perm[i:i + 256]
+            idx = perm[i : i + 256]
             loss = step_loss(None, xtr[idx], ytr[idx])
             opt.zero_grad()
             loss.backward()
@@ -90,21 +92,31 @@ def main() -> Dict[str, float]:
         if args.loss == "supcon":
             return flashcl.supcon_loss(torch.stack([a, b], 1), y, temperature=args.temperature)
         return flashcl.nt_xent_loss(a, b, temperature=args.temperature)
+
     train(contrastive_loss, contrastive.parameters(), xtr, ytr, epochs, args.loss)
 
     ce_encoder, head = encoder(), nn.Linear(64, 10)
-    train(lambda _, x, y: F.cross_entropy(head(F.relu(ce_encoder(augment(x)))), y),
-          list(ce_encoder.parameters()) + list(head.parameters()), xtr, ytr, epochs, "cross-entropy")
+    train(
+        lambda _, x, y: F.cross_entropy(head(F.relu(ce_encoder(augment(x)))), y),
+        list(ce_encoder.parameters()) + list(head.parameters()),
+        xtr,
+        ytr,
+        epochs,
+        "cross-entropy",
+    )
 
     with torch.no_grad():
-        embeddings = {"raw pixels": (xtr, xte), "cross-entropy encoder": (ce_encoder(xtr), ce_encoder(xte)),
-                      f"{args.loss} encoder": (contrastive(xtr), contrastive(xte))}
+        embeddings = {
+            "raw pixels": (xtr, xte),
+            "cross-entropy encoder": (ce_encoder(xtr), ce_encoder(xte)),
+            f"{args.loss} encoder": (contrastive(xtr), contrastive(xte)),
+        }
         acc = {name: knn_accuracy(tr, ytr, te, yte) for name, (tr, te) in embeddings.items()}
-    print("k-NN accuracy (k=5, cosine) on the held-out 30%: " +
-          ", ".join(f"{name} {a:.4f}" for name, a in acc.items()))
+    print("k-NN accuracy (k=5, cosine) on the held-out 30%: " + ", ".join(f"{name} {a:.4f}" for name, a in acc.items()))
     print(f"({epochs} epochs, {time.time() - t0:.1f} s)")
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

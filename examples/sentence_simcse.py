@@ -21,6 +21,7 @@ Evaluation: each held-out utterance retrieves the most similar training
 utterance (cosine); accuracy@1 is the share whose retrieved utterance has the same
 topic, and k-NN accuracy the majority topic of the 5 nearest, before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,12 @@ def load_corpus(max_per_topic: int, seed: int) -> Tuple[List[str], List[int], Li
             continue
         with open(os.path.join(base, name)) as f:
             doc = yaml.safe_load(f)
-        texts = {s.strip() for conv in doc.get("conversations", []) for s in conv
-                 if isinstance(s, str) and 3 <= len(s.split()) <= 40}
+        texts = {
+            s.strip()
+            for conv in doc.get("conversations", [])
+            for s in conv
+            if isinstance(s, str) and 3 <= len(s.split()) <= 40
+        }
         if len(texts) >= MIN_PER_TOPIC:
             by_topic[name[:-4]] = sorted(texts)
     topics = sorted(by_topic)
@@ -90,19 +95,39 @@ def retrieval(model, xtr: List[str], ytr: List[int], xte: List[str], yte: List[i
     return at1, knn
 
 
-def train(model, xtr: List[str], ytr: List[int], epochs: int, batch: int, seed: int, out_dir: str,
-          lr: float, temperature: float, positives: str) -> float:
+def train(
+    model,
+    xtr: List[str],
+    ytr: List[int],
+    epochs: int,
+    batch: int,
+    seed: int,
+    out_dir: str,
+    lr: float,
+    temperature: float,
+    positives: str,
+) -> float:
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
     from flashcl.integrations.sentence_transformers import SupConLoss
 
     args = SentenceTransformerTrainingArguments(
-        output_dir=out_dir, num_train_epochs=epochs, per_device_train_batch_size=batch, learning_rate=lr,
-        warmup_steps=0.1, seed=seed, report_to=[], save_strategy="no", logging_steps=10, use_cpu=True)
+        output_dir=out_dir,
+        num_train_epochs=epochs,
+        per_device_train_batch_size=batch,
+        learning_rate=lr,
+        warmup_steps=0.1,
+        seed=seed,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10,
+        use_cpu=True,
+    )
     loss = SupConLoss(model, temperature=temperature, positives=positives, include_self=positives == "sum")
-    trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss,
-                                         train_dataset=Dataset.from_dict({"text": xtr, "label": ytr}))
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, loss=loss, train_dataset=Dataset.from_dict({"text": xtr, "label": ytr})
+    )
     return float(trainer.train().training_loss)
 
 
@@ -114,26 +139,36 @@ def main() -> Dict[str, float]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--temperature", type=float, default=0.1)
-    ap.add_argument("--positives", choices=["mean", "sum"], default="mean",
-                    help="mean: SupCon L_out; sum: the supervised-SimCSE form (with include_self)")
-    ap.add_argument("--out", default=None, help="the trainer's output folder (default: a temporary one; "
-                    "nothing is saved in it)")
+    ap.add_argument(
+        "--positives",
+        choices=["mean", "sum"],
+        default="mean",
+        help="mean: SupCon L_out; sum: the supervised-SimCSE form (with include_self)",
+    )
+    ap.add_argument(
+        "--out", default=None, help="the trainer's output folder (default: a temporary one; nothing is saved in it)"
+    )
     args = ap.parse_args()
     epochs = args.epochs or 3
     torch.manual_seed(args.seed)
     xtr, ytr, xte, yte, topics = load_corpus(40 if args.fast else MAX_PER_TOPIC, args.seed)
-    print(f"chatterbot-corpus: {len(topics)} topics ({', '.join(topics)}), "
-          f"{len(xtr)} training / {len(xte)} held-out utterances")
+    print(
+        f"chatterbot-corpus: {len(topics)} topics ({', '.join(topics)}), "
+        f"{len(xtr)} training / {len(xte)} held-out utterances"
+    )
     model = load_model()
     before = retrieval(model, xtr, ytr, xte, yte)
     print(f"before: accuracy@1 {before[0]:.3f}, 5-NN accuracy {before[1]:.3f}")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        train_loss = train(model, xtr, ytr, epochs, args.batch, args.seed, args.out or tmp, args.lr,
-                           args.temperature, args.positives)
+        train_loss = train(
+            model, xtr, ytr, epochs, args.batch, args.seed, args.out or tmp, args.lr, args.temperature, args.positives
+        )
     after = retrieval(model, xtr, ytr, xte, yte)
-    print(f"after {epochs} epoch(s) of supervised SimCSE ({time.time() - t0:.0f} s, mean training loss "
-          f"{train_loss:.3f}): accuracy@1 {after[0]:.3f}, 5-NN accuracy {after[1]:.3f}")
+    print(
+        f"after {epochs} epoch(s) of supervised SimCSE ({time.time() - t0:.0f} s, mean training loss "
+        f"{train_loss:.3f}): accuracy@1 {after[0]:.3f}, 5-NN accuracy {after[1]:.3f}"
+    )
     return {"before_at1": before[0], "before_knn": before[1], "after_at1": after[0], "after_knn": after[1]}
 
 

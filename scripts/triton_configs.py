@@ -1,11 +1,12 @@
 """Times the Triton backend's launch configurations on a CUDA GPU (bfloat16 CLIP
 and InfoNCE, forward + backward) against the three cuBLAS GEMMs of the same
-shape, to choose ``flashcl.triton.core.default_config``. Each configuration's loss is
+shape, to choose ``flashcl.triton.driver.default_config``. Each configuration's loss is
 checked against the tiled backend's (float32 accumulation both), so a fast but
 wrong configuration shows. A development tool, not part of the package.
 
     python scripts/triton_configs.py --json configs.json [--budget 120]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,14 +18,20 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 import flashcl
-import flashcl.triton.core as tcore
+import flashcl.triton.driver as tcore
 
 DEV = "cuda"
 # by D: (block_m, block_n, block_k, block_do, num_warps, num_stages); every kernel
 # loops over D in block_k chunks and writes gradients in block_do chunks
 CANDIDATES: Dict[int, List[Tuple[int, int, int, int, int, int]]] = {
-    256: [(64, 64, 64, 256, 4, 2), (128, 64, 64, 256, 8, 2), (64, 128, 64, 256, 8, 2), (128, 128, 64, 128, 8, 3),
-          (64, 64, 32, 256, 4, 3), (128, 64, 32, 128, 8, 3)],
+    256: [
+        (64, 64, 64, 256, 4, 2),
+        (128, 64, 64, 256, 8, 2),
+        (64, 128, 64, 256, 8, 2),
+        (128, 128, 64, 128, 8, 3),
+        (64, 64, 32, 256, 4, 3),
+        (128, 64, 32, 128, 8, 3),
+    ],
     768: [(64, 64, 64, 256, 4, 2), (128, 64, 64, 256, 8, 3), (128, 128, 64, 128, 8, 3), (64, 64, 64, 128, 4, 3)],
 }
 
@@ -57,6 +64,7 @@ def gemm3(b: int, d: int) -> float:
         torch.mm(e, e.T, out=s)
         torch.mm(g, e, out=o1)
         torch.mm(g.T, e, out=o2)
+
     return cuda_time(step)
 
 
@@ -79,10 +87,14 @@ def main() -> None:
         y = torch.randn(b, d, device=DEV, generator=gen).bfloat16().requires_grad_(True)
         scale = torch.tensor(1 / 0.07, device=DEV)
         bound = gemm3(b, d)
-        ref = {"clip": float(flashcl.clip_loss(x.detach(), y.detach(), scale, backend="tiled")),
-               "info_nce": float(flashcl.info_nce_loss(x.detach(), y.detach(), temperature=0.07, backend="tiled"))}
-        losses = {"clip": lambda x=x, y=y, scale=scale: flashcl.clip_loss(x, y, scale, backend="triton"),
-                  "info_nce": lambda x=x, y=y: flashcl.info_nce_loss(x, y, temperature=0.07, backend="triton")}
+        ref = {
+            "clip": float(flashcl.clip_loss(x.detach(), y.detach(), scale, backend="tiled")),
+            "info_nce": float(flashcl.info_nce_loss(x.detach(), y.detach(), temperature=0.07, backend="tiled")),
+        }
+        losses = {
+            "clip": lambda x=x, y=y, scale=scale: flashcl.clip_loss(x, y, scale, backend="triton"),
+            "info_nce": lambda x=x, y=y: flashcl.info_nce_loss(x, y, temperature=0.07, backend="triton"),
+        }
         print(f"B={b} D={d}: 3 GEMMs {bound * 1e3:.2f} ms; tiled losses {ref}", flush=True)
         for cand in [None] + CANDIDATES[d]:
             if time.time() - t_start > args.budget:

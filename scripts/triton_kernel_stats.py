@@ -5,6 +5,7 @@ and the launch configuration. One JSON line per kernel, to stdout and to
 
     python scripts/triton_kernel_stats.py --out stats.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ import json
 
 import torch
 
-from flashcl.triton import core as tcore
+from flashcl.triton import driver as tcore
 
 
 def main() -> None:
@@ -33,9 +34,17 @@ def main() -> None:
             compiled["lse"] = lse_kernel
             for name, kernel in compiled.items():
                 ptx = kernel.asm.get("ptx", "")
-                row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""), "D": d, "config": cfg._asdict(),
-                       "n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
-                       "wgmma": "wgmma" in ptx, "mma": "mma" in ptx, "shared": getattr(kernel, "shared", None)}
+                row = {
+                    "kernel": name,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "D": d,
+                    "config": cfg._asdict(),
+                    "n_regs": getattr(kernel, "n_regs", None),
+                    "n_spills": getattr(kernel, "n_spills", None),
+                    "wgmma": "wgmma" in ptx,
+                    "mma": "mma" in ptx,
+                    "shared": getattr(kernel, "shared", None),
+                }
                 print(json.dumps(row), flush=True)
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")

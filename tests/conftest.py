@@ -1,5 +1,6 @@
 """The ``case`` fixture over every loss; the helpers the tests share are in
 ``helpers.py``, the Triton interpreter switch in the checkout's ``conftest.py``."""
+
 from __future__ import annotations
 
 from typing import Any

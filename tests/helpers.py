@@ -1,6 +1,7 @@
 """Helpers the tests share: one tolerance table, a comparison that names the worst
 index, the table of cases over every loss and option, and the comparison with
 the float64 reference."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ def close_group() -> None:
     import gc
 
     import torch.distributed as dist
+
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -44,9 +46,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: 
     if excess.numel() and float(excess.max()) > 0:
         flat = int(excess.reshape(-1).argmax())
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape)) if actual.dim() else ()
-        raise AssertionError(f"{what}: worst index {idx}: got {float(actual[idx]):.10g}, "
-                             f"expected {float(expected[idx]):.10g} (|err| {float(err[idx]):.3g}, "
-                             f"atol {atol}, rtol {rtol})")
+        raise AssertionError(
+            f"{what}: worst index {idx}: got {float(actual[idx]):.10g}, "
+            f"expected {float(expected[idx]):.10g} (|err| {float(err[idx]):.3g}, "
+            f"atol {atol}, rtol {rtol})"
+        )
 
 
 @dataclass
@@ -64,8 +68,15 @@ class Case:
     # the Triton kernels compute it (False: masks computed from the data, no kernel)
     kernels: bool = True
 
-    def run(self, backend: str, reduction: str, dtype: torch.dtype = torch.float64,
-            grad_seed: int = 0, device: str = "cpu", **more: Any) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    def run(
+        self,
+        backend: str,
+        reduction: str,
+        dtype: torch.dtype = torch.float64,
+        grad_seed: int = 0,
+        device: str = "cpu",
+        **more: Any,
+    ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """Loss and the gradients of (loss * w).sum() w.r.t. every float input,
         with a fixed random w (so grad_output != 1); all returned on the CPU."""
         inputs = [t.detach().to(device=device, dtype=dtype).requires_grad_(True) for t in self.tensors]
@@ -73,8 +84,7 @@ class Case:
         kwargs = {k: moved(v, device, dtype) for k, v in dict(self.kwargs, **more).items()}
         scalar = None
         if self.scalar_kw:
-            scalar = torch.tensor(float(kwargs[self.scalar_kw]), dtype=torch.float64, device=device,
-                                  requires_grad=True)
+            scalar = torch.tensor(float(kwargs[self.scalar_kw]), dtype=torch.float64, device=device, requires_grad=True)
             kwargs[self.scalar_kw] = scalar
         loss = self.fn(*inputs, *extra, reduction=reduction, backend=backend, **kwargs)
         g = torch.Generator().manual_seed(grad_seed)
@@ -108,44 +118,96 @@ def make_cases(seed: int = 0, scale: int = 1) -> List[Case]:
     n = 11 * scale
     cases = [
         Case("supcon", flashcl.supcon_loss, [r(b, 6)], [lab], {"temperature": 0.3}, "temperature"),
-        Case("supcon_sum_self", flashcl.supcon_loss, [r(b, 6)], [lab],
-             {"temperature": 0.05, "positives": "sum", "include_self": True}, "temperature"),
-        Case("supcon_sum", flashcl.supcon_loss, [r(b, 6)], [lab_singletons],
-             {"temperature": 0.2, "positives": "sum"}),
+        Case(
+            "supcon_sum_self",
+            flashcl.supcon_loss,
+            [r(b, 6)],
+            [lab],
+            {"temperature": 0.05, "positives": "sum", "include_self": True},
+            "temperature",
+        ),
+        Case("supcon_sum", flashcl.supcon_loss, [r(b, 6)], [lab_singletons], {"temperature": 0.2, "positives": "sum"}),
         Case("supcon_no_pos_anchors", flashcl.supcon_loss, [r(b, 6)], [lab_singletons], {"temperature": 0.2}),
         # 2 * max|s| = 2000 > 700: the tiled self-contrast path cannot use the fixed
         # exp shift and falls back to per-row maxima.
         Case("supcon_tiny_temperature", flashcl.supcon_loss, [r(b, 6)], [lab], {"temperature": 0.001}),
-        Case("supcon_views", flashcl.supcon_loss, [r(5 * scale, 3, 6)], [_labels(5 * scale, 2, g)],
-             {"temperature": 0.5}, "temperature"),
-        Case("supcon_unnormalized", flashcl.supcon_loss, [0.3 * r(b, 6)], [lab],
-             {"temperature": 0.7, "normalize": False}),
-        Case("nt_xent", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [], {"temperature": 0.2},
-             "temperature"),
-        Case("info_nce", flashcl.info_nce_loss, [r(9 * scale, 6), r(9 * scale, 6)], [], {"temperature": 0.1},
-             "temperature"),
-        Case("info_nce_hard_neg", flashcl.info_nce_loss, [r(9 * scale, 6), r(9 * scale + 8, 6)],
-             [torch.randint(0, 9 * scale + 8, (9 * scale,), generator=g)], {"temperature": 0.1}),
-        Case("clip", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [], {"logit_scale": 7.0},
-             "logit_scale"),
+        Case(
+            "supcon_views",
+            flashcl.supcon_loss,
+            [r(5 * scale, 3, 6)],
+            [_labels(5 * scale, 2, g)],
+            {"temperature": 0.5},
+            "temperature",
+        ),
+        Case(
+            "supcon_unnormalized", flashcl.supcon_loss, [0.3 * r(b, 6)], [lab], {"temperature": 0.7, "normalize": False}
+        ),
+        Case(
+            "nt_xent", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [], {"temperature": 0.2}, "temperature"
+        ),
+        Case(
+            "info_nce",
+            flashcl.info_nce_loss,
+            [r(9 * scale, 6), r(9 * scale, 6)],
+            [],
+            {"temperature": 0.1},
+            "temperature",
+        ),
+        Case(
+            "info_nce_hard_neg",
+            flashcl.info_nce_loss,
+            [r(9 * scale, 6), r(9 * scale + 8, 6)],
+            [torch.randint(0, 9 * scale + 8, (9 * scale,), generator=g)],
+            {"temperature": 0.1},
+        ),
+        Case("clip", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [], {"logit_scale": 7.0}, "logit_scale"),
         # 2 * max|s| > 700: the tiled paths fall back from the fixed exp shift to row maxima
-        Case("clip_large_scale", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [],
-             {"logit_scale": 400.0}),
-        Case("info_nce_tiny_temperature", flashcl.info_nce_loss, [r(9 * scale, 6), r(12 * scale, 6)], [],
-             {"temperature": 0.002}),
-        Case("clip_labels", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [],
-             {"logit_scale": 5.0, "labels": _labels(10 * scale, 4, g)}, "logit_scale"),
-        Case("siglip", flashcl.siglip_loss, [0.4 * r(10 * scale, 6), 0.4 * r(10 * scale, 6)], [],
-             {"logit_scale": 3.0, "logit_bias": -1.5}, "logit_scale"),
-        Case("siglip_labels_normalized", flashcl.siglip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [],
-             {"logit_scale": 8.0, "logit_bias": -4.0, "labels": _labels(10 * scale, 3, g), "normalize": True}),
-        Case("neighbor", flashcl.neighbor_loss, [r(n, n)],
-             [flashcl.sample_neighbors(n, 3, generator=g)], {}),
-        Case("neighbor_diag_repeats", flashcl.neighbor_loss, [r(n, n)],
-             [torch.stack([torch.arange(n), torch.arange(n), torch.zeros(n, dtype=torch.long)], 1)],
-             {"exclude_diagonal": True}),
-        Case("neighbor_with_diag", flashcl.neighbor_loss, [r(n, n)],
-             [flashcl.sample_neighbors(n, 2, generator=g)], {"exclude_diagonal": False}),
+        Case("clip_large_scale", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [], {"logit_scale": 400.0}),
+        Case(
+            "info_nce_tiny_temperature",
+            flashcl.info_nce_loss,
+            [r(9 * scale, 6), r(12 * scale, 6)],
+            [],
+            {"temperature": 0.002},
+        ),
+        Case(
+            "clip_labels",
+            flashcl.clip_loss,
+            [r(10 * scale, 6), r(10 * scale, 6)],
+            [],
+            {"logit_scale": 5.0, "labels": _labels(10 * scale, 4, g)},
+            "logit_scale",
+        ),
+        Case(
+            "siglip",
+            flashcl.siglip_loss,
+            [0.4 * r(10 * scale, 6), 0.4 * r(10 * scale, 6)],
+            [],
+            {"logit_scale": 3.0, "logit_bias": -1.5},
+            "logit_scale",
+        ),
+        Case(
+            "siglip_labels_normalized",
+            flashcl.siglip_loss,
+            [r(10 * scale, 6), r(10 * scale, 6)],
+            [],
+            {"logit_scale": 8.0, "logit_bias": -4.0, "labels": _labels(10 * scale, 3, g), "normalize": True},
+        ),
+        Case("neighbor", flashcl.neighbor_loss, [r(n, n)], [flashcl.sample_neighbors(n, 3, generator=g)], {}),
+        Case(
+            "neighbor_diag_repeats",
+            flashcl.neighbor_loss,
+            [r(n, n)],
+            [torch.stack([torch.arange(n), torch.arange(n), torch.zeros(n, dtype=torch.long)], 1)],
+            {"exclude_diagonal": True},
+        ),
+        Case(
+            "neighbor_with_diag",
+            flashcl.neighbor_loss,
+            [r(n, n)],
+            [flashcl.sample_neighbors(n, 2, generator=g)],
+            {"exclude_diagonal": False},
+        ),
     ]
     cases += _beyond_the_batch_cases(g, scale)
     cases += _matryoshka_cases(g, scale)
@@ -157,15 +219,32 @@ def _matryoshka_cases(g: torch.Generator, scale: int) -> List[Case]:
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     b = 11 * scale
     return [
-        Case("supcon_matryoshka", flashcl.supcon_loss, [r(b, 6)], [_labels(b, 3, g)],
-             {"temperature": 0.3, "matryoshka_dims": [6, 2, 4]}, "temperature", kernels=False),
-        Case("info_nce_matryoshka", flashcl.info_nce_loss, [r(9 * scale, 6), r(14 * scale, 6)],
-             [torch.randint(0, 14 * scale, (9 * scale,), generator=g)],
-             {"temperature": 0.1, "matryoshka_dims": [1, 3, 6], "matryoshka_weights": [0.5, 1.0, 2.0]},
-             kernels=False),
-        Case("clip_matryoshka", flashcl.clip_loss, [r(10 * scale, 6), r(10 * scale, 6)], [],
-             {"logit_scale": 7.0, "matryoshka_dims": [4, 5], "labels": _labels(10 * scale, 4, g)}, "logit_scale",
-             kernels=False),
+        Case(
+            "supcon_matryoshka",
+            flashcl.supcon_loss,
+            [r(b, 6)],
+            [_labels(b, 3, g)],
+            {"temperature": 0.3, "matryoshka_dims": [6, 2, 4]},
+            "temperature",
+            kernels=False,
+        ),
+        Case(
+            "info_nce_matryoshka",
+            flashcl.info_nce_loss,
+            [r(9 * scale, 6), r(14 * scale, 6)],
+            [torch.randint(0, 14 * scale, (9 * scale,), generator=g)],
+            {"temperature": 0.1, "matryoshka_dims": [1, 3, 6], "matryoshka_weights": [0.5, 1.0, 2.0]},
+            kernels=False,
+        ),
+        Case(
+            "clip_matryoshka",
+            flashcl.clip_loss,
+            [r(10 * scale, 6), r(10 * scale, 6)],
+            [],
+            {"logit_scale": 7.0, "matryoshka_dims": [4, 5], "labels": _labels(10 * scale, 4, g)},
+            "logit_scale",
+            kernels=False,
+        ),
     ]
 
 
@@ -186,39 +265,116 @@ def _beyond_the_batch_cases(g: torch.Generator, scale: int) -> List[Case]:
     p = 10 * scale
     guide = (r(p, 4), r(p, 4))
     return [
-        Case("supcon_ref", flashcl.supcon_loss, [r(b, 6)], [lab],
-             {"temperature": 0.3, "ref": r(17 * scale, 6), "ref_labels": _labels(17 * scale, 4, g)}, "temperature"),
-        Case("supcon_ref_self", flashcl.supcon_loss, [r(b, 6)], [lab],
-             {"temperature": 0.3, "ref": r(n_ref, 6), "ref_labels": ref_labels, "ref_self": ref_self}),
-        Case("info_nce_negatives", flashcl.info_nce_loss, [r(q, 6), r(q, 6)], [],
-             {"temperature": 0.1, "negatives": r(14 * scale, 6)}, "temperature"),
-        Case("info_nce_moco", flashcl.info_nce_loss, [r(q, 6), r(q, 6)], [],
-             {"temperature": 0.2, "negatives": r(14 * scale, 6), "in_batch_negatives": False}),
-        Case("info_nce_duplicates_mask", flashcl.info_nce_loss, [r(q, 6), r(k, 6)], [index], labelled,
-             kernels=False),
-        Case("info_nce_duplicates_positive", flashcl.info_nce_loss, [r(q, 6), r(k, 6)], [index],
-             dict(labelled, duplicates="positive")),
-        Case("nt_xent_debiased", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [],
-             {"temperature": 0.5, "estimator": "debiased", "tau_plus": 0.1}, "temperature", kernels=False),
-        Case("nt_xent_hard", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [],
-             {"temperature": 0.5, "estimator": "hard", "tau_plus": 0.1, "beta": 1.0}, "temperature", kernels=False),
-        Case("nt_xent_decoupled", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [],
-             {"temperature": 0.3, "decoupled": True}, "temperature"),
-        Case("nt_xent_dclw", flashcl.nt_xent_loss, [r(7 * scale, 6), r(7 * scale, 6)], [],
-             {"temperature": 0.3, "decoupled": True, "weighting": "vmf", "sigma": 0.5}),
-        Case("gist", flashcl.gist_loss, [r(p, 6), r(p, 6)], [], {"temperature": 0.1, "guide": guide},
-             "temperature", kernels=False),
-        Case("gist_negative_relative", flashcl.gist_loss, [r(p, 6), r(p, 6), r(8 * scale, 6)], [],
-             {"temperature": 0.05, "guide": guide + (r(8 * scale, 4),), "margin": 0.1,
-              "margin_strategy": "relative", "contrast_positives": False}, kernels=False),
+        Case(
+            "supcon_ref",
+            flashcl.supcon_loss,
+            [r(b, 6)],
+            [lab],
+            {"temperature": 0.3, "ref": r(17 * scale, 6), "ref_labels": _labels(17 * scale, 4, g)},
+            "temperature",
+        ),
+        Case(
+            "supcon_ref_self",
+            flashcl.supcon_loss,
+            [r(b, 6)],
+            [lab],
+            {"temperature": 0.3, "ref": r(n_ref, 6), "ref_labels": ref_labels, "ref_self": ref_self},
+        ),
+        Case(
+            "info_nce_negatives",
+            flashcl.info_nce_loss,
+            [r(q, 6), r(q, 6)],
+            [],
+            {"temperature": 0.1, "negatives": r(14 * scale, 6)},
+            "temperature",
+        ),
+        Case(
+            "info_nce_moco",
+            flashcl.info_nce_loss,
+            [r(q, 6), r(q, 6)],
+            [],
+            {"temperature": 0.2, "negatives": r(14 * scale, 6), "in_batch_negatives": False},
+        ),
+        Case("info_nce_duplicates_mask", flashcl.info_nce_loss, [r(q, 6), r(k, 6)], [index], labelled, kernels=False),
+        Case(
+            "info_nce_duplicates_positive",
+            flashcl.info_nce_loss,
+            [r(q, 6), r(k, 6)],
+            [index],
+            dict(labelled, duplicates="positive"),
+        ),
+        Case(
+            "nt_xent_debiased",
+            flashcl.nt_xent_loss,
+            [r(7 * scale, 6), r(7 * scale, 6)],
+            [],
+            {"temperature": 0.5, "estimator": "debiased", "tau_plus": 0.1},
+            "temperature",
+            kernels=False,
+        ),
+        Case(
+            "nt_xent_hard",
+            flashcl.nt_xent_loss,
+            [r(7 * scale, 6), r(7 * scale, 6)],
+            [],
+            {"temperature": 0.5, "estimator": "hard", "tau_plus": 0.1, "beta": 1.0},
+            "temperature",
+            kernels=False,
+        ),
+        Case(
+            "nt_xent_decoupled",
+            flashcl.nt_xent_loss,
+            [r(7 * scale, 6), r(7 * scale, 6)],
+            [],
+            {"temperature": 0.3, "decoupled": True},
+            "temperature",
+        ),
+        Case(
+            "nt_xent_dclw",
+            flashcl.nt_xent_loss,
+            [r(7 * scale, 6), r(7 * scale, 6)],
+            [],
+            {"temperature": 0.3, "decoupled": True, "weighting": "vmf", "sigma": 0.5},
+        ),
+        Case(
+            "gist",
+            flashcl.gist_loss,
+            [r(p, 6), r(p, 6)],
+            [],
+            {"temperature": 0.1, "guide": guide},
+            "temperature",
+            kernels=False,
+        ),
+        Case(
+            "gist_negative_relative",
+            flashcl.gist_loss,
+            [r(p, 6), r(p, 6), r(8 * scale, 6)],
+            [],
+            {
+                "temperature": 0.05,
+                "guide": guide + (r(8 * scale, 4),),
+                "margin": 0.1,
+                "margin_strategy": "relative",
+                "contrast_positives": False,
+            },
+            kernels=False,
+        ),
     ]
 
 
 CASES = {c.name: c for c in make_cases()}
 
 
-def compare_to_reference(case: Case, backend: str, reduction: str, dtype: torch.dtype,
-                         atol: float, rtol: float, device: str = "cpu", **more: Any) -> None:
+def compare_to_reference(
+    case: Case,
+    backend: str,
+    reduction: str,
+    dtype: torch.dtype,
+    atol: float,
+    rtol: float,
+    device: str = "cpu",
+    **more: Any,
+) -> None:
     ref_loss, ref_grads = case.run("reference", reduction, torch.float64)
     loss, grads = case.run(backend, reduction, dtype, device=device, **more)
     assert_close(loss, ref_loss, f"{case.name}/{backend}/{reduction}: loss", atol, rtol)

@@ -3,6 +3,7 @@
 Only the plumbing changed (sizes and inputs are arguments, timing prints are
 gone); the arithmetic is the seeds' own.
 """
+
 from __future__ import annotations
 
 import random
@@ -54,7 +55,7 @@ def naive_supervised_simcse_loss(embeddings, labels, temperature=0.05):
         sims = torch.matmul(embeddings[i].unsqueeze(0), embeddings.T).squeeze() / temperature
         pos_sim_sum = sims[pos_mask].sum()
         log_denominator = torch.logsumexp(sims, dim=0)
-        loss += (-pos_sim_sum + log_denominator)
+        loss += -pos_sim_sum + log_denominator
 
     return loss / batch_size
 
@@ -63,8 +64,9 @@ def vectorized_supervised_simcse_loss(embeddings, labels, temperature=0.05):
     batch_size = embeddings.size(0)
     embeddings = F.normalize(embeddings, p=2, dim=1)
     sim_matrix = torch.matmul(embeddings, embeddings.T) / temperature
-    pos_mask = (labels.unsqueeze(0) == labels.unsqueeze(1)) & ~torch.eye(batch_size, device=embeddings.device,
-                                                                        dtype=torch.bool)
+    pos_mask = (labels.unsqueeze(0) == labels.unsqueeze(1)) & ~torch.eye(
+        batch_size, device=embeddings.device, dtype=torch.bool
+    )
     pos_sim_sum = (sim_matrix * pos_mask).sum(dim=1)
     log_denominator = torch.logsumexp(sim_matrix, dim=1)
     loss = (-pos_sim_sum + log_denominator).mean()

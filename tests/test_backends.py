@@ -1,4 +1,5 @@
 """dense and tiled against the reference in float64: every loss, option, reduction, gradient."""
+
 from __future__ import annotations
 
 import functools
@@ -43,16 +44,23 @@ def test_half_precision_no_worse_than_dense(name: str, dtype: torch.dtype) -> No
     The oracle is the float64 reference on the same, already rounded, inputs.
     """
     case = CASES[name]
-    rounded = Case(case.name, case.fn, [t.to(dtype).to(torch.float64) for t in case.tensors], case.extra,
-                   case.kwargs, case.scalar_kw)
+    rounded = Case(
+        case.name,
+        case.fn,
+        [t.to(dtype).to(torch.float64) for t in case.tensors],
+        case.extra,
+        case.kwargs,
+        case.scalar_kw,
+    )
     ref_loss, ref_grads = rounded.run("reference", "mean", torch.float64)
     errs = {}
     for backend in BACKENDS:
         loss, grads = rounded.run(backend, "mean", dtype)
         assert loss.dtype == torch.float32, "half inputs give a float32 loss"
-        assert all(gr.dtype == dtype for gr in grads[:len(case.tensors)]), "gradients come back in the input dtype"
+        assert all(gr.dtype == dtype for gr in grads[: len(case.tensors)]), "gradients come back in the input dtype"
         errs[backend] = [float((loss.double() - ref_loss).abs())] + [
-            float((gr.double() - rg).abs().max()) for gr, rg in zip(grads, ref_grads)]
+            float((gr.double() - rg).abs().max()) for gr, rg in zip(grads, ref_grads)
+        ]
     margin = 1e-3 if dtype == torch.float16 else 1e-2
     for i, (et, ed) in enumerate(zip(errs["tiled"], errs["dense"])):
         assert et <= ed * 1.5 + margin, f"{name}/{dtype}: output {i}: tiled error {et:.3g} vs dense {ed:.3g}"
@@ -75,13 +83,13 @@ def test_gradcheck(backend: str) -> None:
     gradcheck = functools.partial(torch.autograd.gradcheck, nondet_tol=1e-10)
     for red in ("mean", "none"):
         assert gradcheck(
-            lambda x, tt, red=red: flashcl.supcon_loss(x, labels, temperature=tt, reduction=red, **kw), (e, t))
+            lambda x, tt, red=red: flashcl.supcon_loss(x, labels, temperature=tt, reduction=red, **kw), (e, t)
+        )
+        assert gradcheck(lambda a, b_, tt, red=red: flashcl.clip_loss(a, b_, tt, reduction=red, **kw), (e, z2, t))
         assert gradcheck(
-            lambda a, b_, tt, red=red: flashcl.clip_loss(a, b_, tt, reduction=red, **kw), (e, z2, t))
-        assert gradcheck(
-            lambda a, b_, tt, red=red: flashcl.info_nce_loss(a, b_, temperature=tt, reduction=red, **kw), (e, z2, t))
-        assert gradcheck(
-            lambda a, b_, red=red: flashcl.nt_xent_loss(a, b_, reduction=red, **kw), (e, z2))
+            lambda a, b_, tt, red=red: flashcl.info_nce_loss(a, b_, temperature=tt, reduction=red, **kw), (e, z2, t)
+        )
+        assert gradcheck(lambda a, b_, red=red: flashcl.nt_xent_loss(a, b_, reduction=red, **kw), (e, z2))
         assert gradcheck(lambda x, red=red: flashcl.neighbor_loss(x, nb, reduction=red, **kw), (s,))
 
 
@@ -119,8 +127,9 @@ def test_zero_embedding_row(backend: str) -> None:
     emb[3] = 0.0
     labels = torch.tensor([0, 1, 0, 1, 2, 2, 0, 1, 2])
     case = Case("zero_row", flashcl.supcon_loss, [emb], [labels], {"temperature": 0.2})
-    compare_to_reference(case, backend, "mean", torch.float64, 1e-10, 1e-9, **(
-        {"block_size": 4} if backend == "tiled" else {}))
+    compare_to_reference(
+        case, backend, "mean", torch.float64, 1e-10, 1e-9, **({"block_size": 4} if backend == "tiled" else {})
+    )
 
 
 @pytest.mark.parametrize("gap", [60.0, 1000.0])
@@ -136,6 +145,11 @@ def test_neighbor_loss_self_score_far_above_the_row(gap: float, dtype: torch.dty
     scores = torch.randn(n, n, generator=g, dtype=torch.float64)
     scores.diagonal().add_(gap)
     scores[5, 5] = -3.0  # one ordinary row among them
-    case = Case("neighbor_big_self", flashcl.neighbor_loss, [scores],
-                [flashcl.sample_neighbors(n, 3, generator=g)], {"exclude_diagonal": True})
+    case = Case(
+        "neighbor_big_self",
+        flashcl.neighbor_loss,
+        [scores],
+        [flashcl.sample_neighbors(n, 3, generator=g)],
+        {"exclude_diagonal": True},
+    )
     compare_to_reference(case, "tiled", reduction, dtype, *TOL[dtype], block_size=7)

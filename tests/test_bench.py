@@ -1,4 +1,5 @@
 """The benchmark CLI at tiny sizes: files written, losses that must agree do, caps reported."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,17 @@ from flashcl.bench.measure import measure
 
 def test_supcon_implementations_agree_and_files_are_written(tmp_path) -> None:
     bound = {"workload": "gemm3", "params": {"B": 64, "D": 8}}
-    cases = [{"group": "supcon", "label": impl, "workload": "supcon", "repeats": 1, "bound": bound,
-              "params": {"B": 64, "D": 8, "classes": 3, "impl": impl}}
-             for impl in ("flashcl-tiled", "flashcl-dense", "pml")]
+    cases = [
+        {
+            "group": "supcon",
+            "label": impl,
+            "workload": "supcon",
+            "repeats": 1,
+            "bound": bound,
+            "params": {"B": 64, "D": 8, "classes": 3, "impl": impl},
+        }
+        for impl in ("flashcl-tiled", "flashcl-dense", "pml")
+    ]
     rows = run_cases(cases, cap_s=120, mem_limit_mb=None)
     assert all(r["status"] == "ok" for r in rows), rows
     losses = [r["loss"] for r in rows]
@@ -23,22 +32,41 @@ def test_supcon_implementations_agree_and_files_are_written(tmp_path) -> None:
 
 
 def test_neighbor_implementations_agree() -> None:
-    rows = run_cases([{"group": "nb", "label": impl, "workload": "neighbor", "repeats": 0,
-                       "params": {"n": 50, "k": 2, "impl": impl}}
-                      for impl in ("python-loops", "gather-fix", "flashcl-tiled", "flashcl-dense")],
-                     cap_s=120, mem_limit_mb=None)
+    rows = run_cases(
+        [
+            {
+                "group": "nb",
+                "label": impl,
+                "workload": "neighbor",
+                "repeats": 0,
+                "params": {"n": 50, "k": 2, "impl": impl},
+            }
+            for impl in ("python-loops", "gather-fix", "flashcl-tiled", "flashcl-dense")
+        ],
+        cap_s=120,
+        mem_limit_mb=None,
+    )
     losses = [r["loss"] for r in rows]
     assert all(r["status"] == "ok" for r in rows), rows
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
 
 
-@pytest.mark.parametrize("workload,impls,params", [
-    ("queue", ("flashcl-tiled", "flashcl-pml-adapter", "pml"), {"B": 16, "D": 8, "Q": 64, "classes": 4}),
-    ("gist", ("flashcl-tiled", "flashcl-dense", "sentence-transformers"), {"B": 24, "D": 8, "G": 6}),
-])
+@pytest.mark.parametrize(
+    "workload,impls,params",
+    [
+        ("queue", ("flashcl-tiled", "flashcl-pml-adapter", "pml"), {"B": 16, "D": 8, "Q": 64, "classes": 4}),
+        ("gist", ("flashcl-tiled", "flashcl-dense", "sentence-transformers"), {"B": 24, "D": 8, "G": 6}),
+    ],
+)
 def test_beyond_the_batch_workloads_agree(workload: str, impls: tuple, params: dict) -> None:
-    rows = run_cases([{"group": workload, "label": impl, "workload": workload, "repeats": 1,
-                       "params": dict(params, impl=impl)} for impl in impls], cap_s=120, mem_limit_mb=None)
+    rows = run_cases(
+        [
+            {"group": workload, "label": impl, "workload": workload, "repeats": 1, "params": dict(params, impl=impl)}
+            for impl in impls
+        ],
+        cap_s=120,
+        mem_limit_mb=None,
+    )
     ok = [r for r in rows if r["status"] == "ok"]
     assert all(r["status"] in ("ok", "not installed") for r in rows), rows
     assert len(ok) >= 2, rows
@@ -62,8 +90,7 @@ def test_a_peer_that_is_not_installed_is_reported_not_crashed(monkeypatch) -> No
 
 
 def test_a_case_past_its_memory_limit_is_reported_oom() -> None:
-    res = measure("supcon", {"B": 20000, "D": 8, "impl": "flashcl-dense"}, repeats=0, cap_s=120,
-                  mem_limit_mb=200)
+    res = measure("supcon", {"B": 20000, "D": 8, "impl": "flashcl-dense"}, repeats=0, cap_s=120, mem_limit_mb=200)
     assert res["status"] == "oom", res
 
 
@@ -79,8 +106,9 @@ def test_cli_quick_run_writes_json_and_markdown(tmp_path) -> None:
         assert (tmp_path / f"{suite}.png").stat().st_size > 1000
     # the loss values that must agree do: every implementation of one SimCSE size
     for b in {r["params"]["B"] for r in data["rows"] if r["suite"] == "simcse"}:
-        vals = [r["loss"] for r in data["rows"] if r["suite"] == "simcse" and r["params"]["B"] == b
-                and r["status"] == "ok"]
+        vals = [
+            r["loss"] for r in data["rows"] if r["suite"] == "simcse" and r["params"]["B"] == b and r["status"] == "ok"
+        ]
         assert len(vals) == 4 and max(vals) - min(vals) < 1e-4 * abs(vals[0]), vals
 
 
@@ -108,8 +136,10 @@ def test_gpu_suite_plots_one_panel_per_loss_and_width(tmp_path) -> None:
     cases = gpu("default", "cuda")
     groups = {c["group"] for c in cases}
     assert {"info_nce D=768", "supcon D=4096", "clip D=256", "info_nce D=768 float32"} <= groups
-    rows = [{**c, "suite": "gpu", "status": "ok", "time_s": 0.01 * (i + 1), "bound_s": 0.005, "peak_mb": 1.0}
-            for i, c in enumerate(cases)]
+    rows = [
+        {**c, "suite": "gpu", "status": "ok", "time_s": 0.01 * (i + 1), "bound_s": 0.005, "peak_mb": 1.0}
+        for i, c in enumerate(cases)
+    ]
     paths = plot(rows, str(tmp_path))
     assert paths == [str(tmp_path / "gpu.png")] and (tmp_path / "gpu.png").stat().st_size > 10_000
 
@@ -123,11 +153,21 @@ def test_plots_one_panel_per_k_with_a_title_that_states_the_result(tmp_path) -> 
     for k in (1, 2):
         for n in (1000, 2000):
             for impl, t in (("python-loops", 0.5 * n / 1000), ("gather-fix", 0.004), ("flashcl-tiled", 0.002)):
-                rows.append({"suite": "neighbors", "workload": "neighbor", "group": f"n={n}", "label": impl,
-                             "status": "ok", "params": {"n": n, "k": k, "impl": impl}, "time_s": t,
-                             "peak_mb": 10.0})
+                rows.append(
+                    {
+                        "suite": "neighbors",
+                        "workload": "neighbor",
+                        "group": f"n={n}",
+                        "label": impl,
+                        "status": "ok",
+                        "params": {"n": n, "k": k, "impl": impl},
+                        "time_s": t,
+                        "peak_mb": 10.0,
+                    }
+                )
     assert sorted({panel_key(r) for r in rows}) == ["k = 1 neighbours", "k = 2 neighbours"]
     panel = [r for r in rows if r["params"]["k"] == 2]
-    assert panel_finding(panel) == ("flashcl-tiled 500x faster than python-loops (2000); 2.0x faster than gather-fix "
-                               "(2000)")
+    assert panel_finding(panel) == (
+        "flashcl-tiled 500x faster than python-loops (2000); 2.0x faster than gather-fix (2000)"
+    )
     assert plot(rows, str(tmp_path)) == [str(tmp_path / "neighbors.png")]

@@ -15,6 +15,7 @@
 
 lightly is optional (it needs torchvision and Lightning): its tests skip without it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -46,8 +47,12 @@ def _loss_and_grads(fn: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, List[
     return loss.detach(), [g.detach() for g in torch.autograd.grad(loss, leaves)]
 
 
-def _assert_same(got: Tuple[torch.Tensor, List[torch.Tensor]], expected: Tuple[torch.Tensor, List[torch.Tensor]],
-                 what: str, tol: Tuple[float, float] = TOL) -> None:
+def _assert_same(
+    got: Tuple[torch.Tensor, List[torch.Tensor]],
+    expected: Tuple[torch.Tensor, List[torch.Tensor]],
+    what: str,
+    tol: Tuple[float, float] = TOL,
+) -> None:
     assert_close(got[0], expected[0], f"{what}: loss", *tol)
     for i, (a, e) in enumerate(zip(got[1], expected[1])):
         assert_close(a, e, f"{what}: grad of input {i}", *tol)
@@ -55,14 +60,17 @@ def _assert_same(got: Tuple[torch.Tensor, List[torch.Tensor]], expected: Tuple[t
 
 # ----------------------------------------------------------------------------- queues: PML
 
+
 def _pml() -> Any:
     return pytest.importorskip("pytorch_metric_learning.losses", reason="pytorch-metric-learning is not installed")
 
 
 def _steps(n_steps: int, batch: int, dim: int, classes: int, seed: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, dim, generator=g, dtype=F64), torch.randint(0, classes, (batch,), generator=g))
-            for _ in range(n_steps)]
+    return [
+        (torch.randn(batch, dim, generator=g, dtype=F64), torch.randint(0, classes, (batch,), generator=g))
+        for _ in range(n_steps)
+    ]
 
 
 @pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
@@ -77,8 +85,16 @@ def test_memory_bank_supcon_equals_pml_cross_batch_memory(backend: str) -> None:
         def ours(e: torch.Tensor, labels: torch.Tensor = labels) -> torch.Tensor:
             slots = bank.push(e, labels)
             keys, key_labels = bank.keys()
-            return flashcl.supcon_loss(e, labels, temperature=0.1, ref=keys, ref_labels=key_labels, ref_self=slots,
-                                       backend=backend, block_size=4)
+            return flashcl.supcon_loss(
+                e,
+                labels,
+                temperature=0.1,
+                ref=keys,
+                ref_labels=key_labels,
+                ref_self=slots,
+                backend=backend,
+                block_size=4,
+            )
 
         _assert_same(_loss_and_grads(ours, emb), expected, f"step {step}/{backend}")
     assert bank.count == 24
@@ -105,6 +121,7 @@ def test_pml_adapters_inside_cross_batch_memory(inner: str) -> None:
 
 # ----------------------------------------------------------------------------- queues: MoCo
 
+
 def _moco_v2(q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor, t: float) -> torch.Tensor:
     """MoCo's loss as Algorithm 1 of the paper writes it (queue as (K, C) rows here)."""
     q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
@@ -120,13 +137,18 @@ def test_moco_logits_and_loss(backend: str) -> None:
     # receive the positive's part only (the queue never does)
     q, k, queue = _randn(12, 8, seed=3), _randn(12, 8, seed=4), _randn(40, 8, seed=5)
     expected = _loss_and_grads(lambda a, b: _moco_v2(a, b, queue, 0.2), q, k)
-    got = _loss_and_grads(lambda a, b: flashcl.info_nce_loss(a, b, temperature=0.2, negatives=queue,
-                                                             in_batch_negatives=False, backend=backend,
-                                                             block_size=5), q, k)
+    got = _loss_and_grads(
+        lambda a, b: flashcl.info_nce_loss(
+            a, b, temperature=0.2, negatives=queue, in_batch_negatives=False, backend=backend, block_size=5
+        ),
+        q,
+        k,
+    )
     _assert_same(got, expected, f"MoCo/{backend}")
 
 
 # ----------------------------------------------------------------------------- lightly
+
 
 def _lightly() -> Any:
     try:
@@ -173,15 +195,20 @@ def test_lightly_dcl_and_dclw(weighted: bool, backend: str) -> None:
         warnings.simplefilter("ignore")  # lightly's torch.tensor(tensor) copy warning
         expected = _loss_and_grads(theirs, z1, z2)
     kw: Dict[str, Any] = dict(weighting="vmf", sigma=0.4) if weighted else {}
-    got = _loss_and_grads(lambda a, b: flashcl.nt_xent_loss(a, b, temperature=0.3, decoupled=True, backend=backend,
-                                                            block_size=4, **kw), z1, z2)
+    got = _loss_and_grads(
+        lambda a, b: flashcl.nt_xent_loss(a, b, temperature=0.3, decoupled=True, backend=backend, block_size=4, **kw),
+        z1,
+        z2,
+    )
     _assert_same(got, expected, f"lightly {'DCLW' if weighted else 'DCL'}/{backend}")
 
 
 # ----------------------------------------------------------------------------- DCL / HCL criteria
 
-def _published_criterion(out_1: torch.Tensor, out_2: torch.Tensor, tau_plus: float, beta: Optional[float],
-                         temperature: float) -> torch.Tensor:
+
+def _published_criterion(
+    out_1: torch.Tensor, out_2: torch.Tensor, tau_plus: float, beta: Optional[float], temperature: float
+) -> torch.Tensor:
     """The debiased (Chuang et al., 2020; ``beta=None``) and hard-negative (Robinson
     et al., 2021) criteria as their published training code computes them: in exp
     space, negatives by a mask, Ng clamped at N e^{-1/t}. Written here from those
@@ -212,15 +239,27 @@ ESTIMATORS = [("debiased", None, 0.1), ("hard", 1.0, 0.1), ("hard", 0.5, 0.0), (
 
 @pytest.mark.parametrize("estimator,beta,tau_plus", ESTIMATORS)
 @pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
-def test_debiased_and_hard_estimators_equal_the_published_criteria(estimator: str, beta: Optional[float],
-                                                                   tau_plus: float, backend: str) -> None:
+def test_debiased_and_hard_estimators_equal_the_published_criteria(
+    estimator: str, beta: Optional[float], tau_plus: float, backend: str
+) -> None:
     z1, z2 = _randn(10, 6, seed=8), _randn(10, 6, seed=9)
     z2 = z2 + 2.0 * z1  # positives closer than the negatives, as in training
     for t in (0.5, 0.1):
         expected = _loss_and_grads(lambda a, b, t=t: _published_criterion(a, b, tau_plus, beta, t), z1, z2)
-        got = _loss_and_grads(lambda a, b, t=t: flashcl.nt_xent_loss(a, b, temperature=t, estimator=estimator,
-                                                                tau_plus=tau_plus, beta=beta or 0.0,
-                                                                backend=backend, block_size=4), z1, z2)
+        got = _loss_and_grads(
+            lambda a, b, t=t: flashcl.nt_xent_loss(
+                a,
+                b,
+                temperature=t,
+                estimator=estimator,
+                tau_plus=tau_plus,
+                beta=beta or 0.0,
+                backend=backend,
+                block_size=4,
+            ),
+            z1,
+            z2,
+        )
         _assert_same(got, expected, f"{estimator} beta={beta} tau+={tau_plus} t={t}/{backend}")
 
 
@@ -230,8 +269,13 @@ def test_the_clamp_floor_is_reached() -> None:
     z1 = _randn(6, 4, seed=11)
     z2 = z1 + 0.01 * _randn(6, 4, seed=12)
     expected = _loss_and_grads(lambda a, b: _published_criterion(a, b, 0.9, None, 0.5), z1, z2)
-    got = _loss_and_grads(lambda a, b: flashcl.nt_xent_loss(a, b, temperature=0.5, estimator="debiased",
-                                                            tau_plus=0.9, backend="tiled", block_size=4), z1, z2)
+    got = _loss_and_grads(
+        lambda a, b: flashcl.nt_xent_loss(
+            a, b, temperature=0.5, estimator="debiased", tau_plus=0.9, backend="tiled", block_size=4
+        ),
+        z1,
+        z2,
+    )
     _assert_same(got, expected, "debiased at the floor")
 
 
@@ -245,9 +289,13 @@ def test_estimators_finite_in_float32_where_exp_space_overflows(estimator: str, 
     expected = _loss_and_grads(lambda a, b: _published_criterion(a, b, 0.1, beta, 0.01), z1, z2)
     assert torch.isfinite(expected[0])
     for backend in ("dense", "tiled"):
-        got = _loss_and_grads(lambda a, b, be=backend: flashcl.nt_xent_loss(a, b, temperature=0.01, estimator=estimator,
-                                                                tau_plus=0.1, beta=beta or 0.0, backend=be,
-                                                                block_size=4), z1.float(), z2.float())
+        got = _loss_and_grads(
+            lambda a, b, be=backend: flashcl.nt_xent_loss(
+                a, b, temperature=0.01, estimator=estimator, tau_plus=0.1, beta=beta or 0.0, backend=be, block_size=4
+            ),
+            z1.float(),
+            z2.float(),
+        )
         assert torch.isfinite(got[0]) and all(torch.isfinite(g).all() for g in got[1])
         assert_close(got[0], expected[0], f"{estimator}/{backend} float32 loss", 1e-4, 1e-4)
         for a, e in zip(got[1], expected[1]):
@@ -256,8 +304,10 @@ def test_estimators_finite_in_float32_where_exp_space_overflows(estimator: str, 
 
 # ----------------------------------------------------------------------------- labels across sides
 
-def _masked_info_nce(q: torch.Tensor, k: torch.Tensor, index: torch.Tensor, ql: torch.Tensor, kl: torch.Tensor,
-                     t: float, duplicates: str) -> torch.Tensor:
+
+def _masked_info_nce(
+    q: torch.Tensor, k: torch.Tensor, index: torch.Tensor, ql: torch.Tensor, kl: torch.Tensor, t: float, duplicates: str
+) -> torch.Tensor:
     """The formula with an explicit B x N mask."""
     s = F.normalize(q, dim=1) @ F.normalize(k, dim=1).T / t
     same = ql.unsqueeze(1) == kl.unsqueeze(0)
@@ -278,13 +328,26 @@ def test_labels_across_the_two_sides(duplicates: str, backend: str) -> None:
     ql = kl[index]
     q, k = _randn(9, 5, seed=16), _randn(14, 5, seed=17)
     expected = _loss_and_grads(lambda a, b: _masked_info_nce(a, b, index, ql, kl, 0.2, duplicates), q, k)
-    got = _loss_and_grads(lambda a, b: flashcl.info_nce_loss(a, b, index, temperature=0.2, query_labels=ql,
-                                                             key_labels=kl, duplicates=duplicates, backend=backend,
-                                                             block_size=4), q, k)
+    got = _loss_and_grads(
+        lambda a, b: flashcl.info_nce_loss(
+            a,
+            b,
+            index,
+            temperature=0.2,
+            query_labels=ql,
+            key_labels=kl,
+            duplicates=duplicates,
+            backend=backend,
+            block_size=4,
+        ),
+        q,
+        k,
+    )
     _assert_same(got, expected, f"duplicates={duplicates}/{backend}")
 
 
 # ----------------------------------------------------------------------------- GIST
+
 
 def _st_gist(embeddings: List[torch.Tensor], guides: List[torch.Tensor], **config: Any) -> torch.Tensor:
     """sentence-transformers' GISTEmbedLoss.forward on given embeddings (its model
@@ -319,8 +382,9 @@ def test_gist_equals_sentence_transformers(config: Dict[str, Any], negative: boo
     columns = [a, p] + ([n] if negative else [])
     guides = [ga, gp] + ([gn] if negative else [])
     expected = _loss_and_grads(lambda *e: _st_gist(list(e), guides, **config), *columns)
-    got = _loss_and_grads(lambda *e: flashcl.gist_loss(*e, guide=tuple(guides), backend=backend, block_size=5,
-                                                       **config), *columns)
+    got = _loss_and_grads(
+        lambda *e: flashcl.gist_loss(*e, guide=tuple(guides), backend=backend, block_size=5, **config), *columns
+    )
     _assert_same(got, expected, f"GIST {config} negative={negative}/{backend}")
 
 
@@ -346,6 +410,7 @@ def test_gist_float32_at_its_default_temperature() -> None:
 
 
 # ----------------------------------------------------------------------------- MemoryBank
+
 
 def test_memory_bank_fifo() -> None:
     bank = flashcl.MemoryBank(size=5, dim=2, dtype=F64)
@@ -376,8 +441,13 @@ def test_memory_bank_stores_no_gradient_and_never_aliases_the_input() -> None:
 
 
 def _bank_worker(rank: int, world: int, out_dir: str, sizes: List[int]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     bank = flashcl.MemoryBank(size=32, dim=3, dtype=F64)
     slots_by_step = []
     for step in range(3):
@@ -414,37 +484,60 @@ def test_memory_bank_enqueues_the_global_batch_in_rank_order(sizes: List[int], t
 
 E, L = _randn(6, 4, seed=40), torch.tensor([0, 1, 0, 1, 2, 2])
 BAD: Dict[str, Tuple[Any, type, str]] = {
-    "ref of another width": (lambda: flashcl.supcon_loss(E, L, ref=_randn(5, 3, seed=1), ref_labels=L[:5]),
-                             ValueError, "ref must be 4 wide"),
+    "ref of another width": (
+        lambda: flashcl.supcon_loss(E, L, ref=_randn(5, 3, seed=1), ref_labels=L[:5]),
+        ValueError,
+        "ref must be 4 wide",
+    ),
     "ref without its labels": (lambda: flashcl.supcon_loss(E, L, ref=_randn(5, 4, seed=1)), ValueError, "ref_labels"),
     "ref_labels without ref": (lambda: flashcl.supcon_loss(E, L, ref_labels=L), ValueError, "need ref"),
-    "ref_self out of range": (lambda: flashcl.supcon_loss(E, L, ref=E, ref_labels=L,
-                                                          ref_self=torch.tensor([0, 1, 2, 3, 4, 6])),
-                              ValueError, "ref_self"),
+    "ref_self out of range": (
+        lambda: flashcl.supcon_loss(E, L, ref=E, ref_labels=L, ref_self=torch.tensor([0, 1, 2, 3, 4, 6])),
+        ValueError,
+        "ref_self",
+    ),
     "ref of another dtype": (lambda: flashcl.supcon_loss(E, L, ref=E.float(), ref_labels=L), TypeError, "ref must"),
-    "negatives of another width": (lambda: flashcl.info_nce_loss(E, E, negatives=_randn(7, 5, seed=2)),
-                                   ValueError, "negatives must be 4 wide"),
+    "negatives of another width": (
+        lambda: flashcl.info_nce_loss(E, E, negatives=_randn(7, 5, seed=2)),
+        ValueError,
+        "negatives must be 4 wide",
+    ),
     "query_labels alone": (lambda: flashcl.info_nce_loss(E, E, query_labels=L), ValueError, "key_labels"),
-    "positive of another label": (lambda: flashcl.info_nce_loss(E, E, query_labels=L, key_labels=L.flip(0)),
-                                  ValueError, "positive key must share"),
-    "MoCo without a queue": (lambda: flashcl.info_nce_loss(E, E, in_batch_negatives=False), ValueError,
-                             "pass negatives"),
+    "positive of another label": (
+        lambda: flashcl.info_nce_loss(E, E, query_labels=L, key_labels=L.flip(0)),
+        ValueError,
+        "positive key must share",
+    ),
+    "MoCo without a queue": (
+        lambda: flashcl.info_nce_loss(E, E, in_batch_negatives=False),
+        ValueError,
+        "pass negatives",
+    ),
     "bank of negative size": (lambda: flashcl.MemoryBank(size=-4, dim=3), ValueError, "size must be a positive"),
     "bank of zero width": (lambda: flashcl.MemoryBank(size=4, dim=0), ValueError, "dim must be a positive"),
-    "push of another width": (lambda: flashcl.MemoryBank(size=8, dim=3).push(E, L), ValueError,
-                              "embeddings must be 3 wide"),
+    "push of another width": (
+        lambda: flashcl.MemoryBank(size=8, dim=3).push(E, L),
+        ValueError,
+        "embeddings must be 3 wide",
+    ),
     "push without labels": (lambda: flashcl.MemoryBank(size=8, dim=4).push(E), ValueError, "labels is None"),
     "push too large": (lambda: flashcl.MemoryBank(size=4, dim=4).push(E, L), ValueError, "does not fit"),
-    "tau_plus out of range": (lambda: flashcl.nt_xent_loss(E, E, estimator="debiased", tau_plus=1.0), ValueError,
-                              "tau_plus"),
+    "tau_plus out of range": (
+        lambda: flashcl.nt_xent_loss(E, E, estimator="debiased", tau_plus=1.0),
+        ValueError,
+        "tau_plus",
+    ),
     "negative beta": (lambda: flashcl.nt_xent_loss(E, E, estimator="hard", beta=-1.0), ValueError, "beta"),
     "estimator name": (lambda: flashcl.nt_xent_loss(E, E, estimator="biased"), ValueError, "estimator"),
     "vmf without decoupled": (lambda: flashcl.nt_xent_loss(E, E, weighting="vmf"), ValueError, "decoupled=True"),
     "guide of another length": (lambda: flashcl.gist_loss(E, E, guide=(E, E[:5])), ValueError, r"guide\[1\]"),
     "guide missing the negatives": (lambda: flashcl.gist_loss(E, E, E, guide=(E, E)), ValueError, "guide must hold"),
     "gist on triton": (lambda: flashcl.gist_loss(E, E, guide=(E, E), backend="triton"), ValueError, "tiled"),
-    "margin strategy": (lambda: flashcl.gist_loss(E, E, guide=(E, E), margin_strategy="percent"), ValueError,
-                        "margin_strategy"),
+    "margin strategy": (
+        lambda: flashcl.gist_loss(E, E, guide=(E, E), margin_strategy="percent"),
+        ValueError,
+        "margin_strategy",
+    ),
 }
 
 
@@ -463,8 +556,14 @@ def test_auto_never_picks_the_kernels_for_masks_computed_from_the_data(monkeypat
     seen: List[Optional[str]] = []
     original = backends.resolve
 
-    def spy(backend: str, entries: int, device: torch.device, dtype: torch.dtype, width: int = 0,
-            kernel: Optional[str] = "softmax") -> str:
+    def spy(
+        backend: str,
+        entries: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        width: int = 0,
+        kernel: Optional[str] = "softmax",
+    ) -> str:
         seen.append(kernel)
         return original(backend, entries, device, dtype, width, kernel)
 

@@ -3,6 +3,7 @@ with dropout built here, float64; parameter gradients equal to one step over the
 whole batch whose encoder runs chunk by chunk (the same dropout draws), on one
 process and under DistributedDataParallel on 2 gloo processes; luyug's GradCache
 where it is importable."""
+
 from __future__ import annotations
 
 import datetime
@@ -29,8 +30,7 @@ class TinyEncoder(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, width)
-        self.layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=32, dropout=dropout,
-                                                batch_first=True)
+        self.layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=32, dropout=dropout, batch_first=True)
         self.proj = nn.Linear(width, width)
         self.double()
 
@@ -53,18 +53,26 @@ def _grads(*modules: nn.Module) -> List[torch.Tensor]:
     return [p.grad.detach().clone() for m in modules for p in m.parameters() if p.grad is not None]
 
 
-def _full_batch_step(encoders: List[nn.Module], inputs: List[Any], loss_fn: Callable[..., torch.Tensor],
-                     chunk: int, **kw: Any) -> torch.Tensor:
+def _full_batch_step(
+    encoders: List[nn.Module], inputs: List[Any], loss_fn: Callable[..., torch.Tensor], chunk: int, **kw: Any
+) -> torch.Tensor:
     """One step over the whole batch, the encoder run chunk by chunk with its graph."""
-    embeddings = [torch.cat([enc(part) for part in flashcl.cached.split_batch(x, chunk)])
-                  for enc, x in zip(encoders, inputs)]
+    embeddings = [
+        torch.cat([enc(part) for part in flashcl.cached.split_batch(x, chunk)]) for enc, x in zip(encoders, inputs)
+    ]
     loss = loss_fn(*embeddings, **kw)
     loss.backward()
     return loss.detach()
 
 
-def _compare(encoders: List[nn.Module], inputs: List[Any], loss_fn: Callable[..., torch.Tensor], chunk: int,
-             extra: Tuple[nn.Parameter, ...] = (), **kw: Any) -> None:
+def _compare(
+    encoders: List[nn.Module],
+    inputs: List[Any],
+    loss_fn: Callable[..., torch.Tensor],
+    chunk: int,
+    extra: Tuple[nn.Parameter, ...] = (),
+    **kw: Any,
+) -> None:
     modules = list(dict.fromkeys(encoders))  # a shared encoder once
     for m in modules:
         m.zero_grad()
@@ -92,23 +100,36 @@ def _compare(encoders: List[nn.Module], inputs: List[Any], loss_fn: Callable[...
 @pytest.mark.parametrize("chunk", [1, 5, 32])
 def test_info_nce_two_towers_one_encoder(chunk: int) -> None:
     enc = TinyEncoder()
-    _compare([enc, enc], [_texts(23, 1), _texts(23, 2)],
-             lambda q, d: flashcl.info_nce_loss(q, d, temperature=0.1, backend="tiled", block_size=6), chunk)
+    _compare(
+        [enc, enc],
+        [_texts(23, 1), _texts(23, 2)],
+        lambda q, d: flashcl.info_nce_loss(q, d, temperature=0.1, backend="tiled", block_size=6),
+        chunk,
+    )
 
 
 def test_supcon_with_labels_passed_through() -> None:
     enc = TinyEncoder(seed=1)
     labels = torch.randint(0, 4, (19,), generator=torch.Generator().manual_seed(3))
-    _compare([enc], [_texts(19, 3)],
-             lambda e, labels: flashcl.supcon_loss(e, labels, temperature=0.2, backend="tiled", block_size=4),
-             chunk=4, labels=labels)
+    _compare(
+        [enc],
+        [_texts(19, 3)],
+        lambda e, labels: flashcl.supcon_loss(e, labels, temperature=0.2, backend="tiled", block_size=4),
+        chunk=4,
+        labels=labels,
+    )
 
 
 def test_clip_two_encoders_and_a_learnable_scale() -> None:
     image, text = TinyEncoder(seed=2), TinyEncoder(seed=3, width=16)
     scale = nn.Parameter(torch.tensor(10.0, dtype=F64))
-    _compare([image, text], [_texts(17, 4), _texts(17, 5)],
-             lambda a, b: flashcl.clip_loss(a, b, scale, backend="tiled", block_size=5), chunk=6, extra=(scale,))
+    _compare(
+        [image, text],
+        [_texts(17, 4), _texts(17, 5)],
+        lambda a, b: flashcl.clip_loss(a, b, scale, backend="tiled", block_size=5),
+        chunk=6,
+        extra=(scale,),
+    )
 
 
 def test_hard_negatives_a_third_input_and_matryoshka() -> None:
@@ -153,24 +174,39 @@ def test_encoder_output_key_and_a_scaler() -> None:
     flashcl.cached_step(enc, inputs, loss_fn, chunk_size=4)
     plain = _grads(enc)
     enc.zero_grad()
-    flashcl.cached_step(Dict_(), inputs, loss_fn, chunk_size=4, output=lambda out: out["sentence_embedding"],
-                        scaler=Scaler())
+    flashcl.cached_step(
+        Dict_(), inputs, loss_fn, chunk_size=4, output=lambda out: out["sentence_embedding"], scaler=Scaler()
+    )
     for a, e in zip(_grads(enc), plain):
         assert_close(a, 8.0 * e, "scaled gradient", 1e-12, 1e-10)
 
 
 BAD = {
-    "one tensor for inputs": (lambda enc: flashcl.cached_step(enc, torch.zeros(3, 4), lambda e: e.sum(), 2),
-                              TypeError, "one batch per tower"),
-    "chunk size 0": (lambda enc: flashcl.cached_step(enc, [torch.zeros(3, 4)], lambda e: e.sum(), 0),
-                     ValueError, "chunk_size"),
-    "encoder count": (lambda enc: flashcl.cached_step([enc, enc], [torch.zeros(3, 4)], lambda e: e.sum(), 2),
-                      ValueError, "encoders"),
-    "loss without the embeddings": (lambda enc: flashcl.cached_step(enc, [torch.zeros(3, 4)],
-                                                                    lambda e: torch.zeros(()), 2),
-                                    ValueError, "depends on the embeddings"),
-    "encoder output": (lambda enc: flashcl.cached_step(lambda x: {"x": x}, [torch.zeros(3, 4)], lambda e: e.sum(),
-                                                       2), TypeError, "output="),
+    "one tensor for inputs": (
+        lambda enc: flashcl.cached_step(enc, torch.zeros(3, 4), lambda e: e.sum(), 2),
+        TypeError,
+        "one batch per tower",
+    ),
+    "chunk size 0": (
+        lambda enc: flashcl.cached_step(enc, [torch.zeros(3, 4)], lambda e: e.sum(), 0),
+        ValueError,
+        "chunk_size",
+    ),
+    "encoder count": (
+        lambda enc: flashcl.cached_step([enc, enc], [torch.zeros(3, 4)], lambda e: e.sum(), 2),
+        ValueError,
+        "encoders",
+    ),
+    "loss without the embeddings": (
+        lambda enc: flashcl.cached_step(enc, [torch.zeros(3, 4)], lambda e: torch.zeros(()), 2),
+        ValueError,
+        "depends on the embeddings",
+    ),
+    "encoder output": (
+        lambda enc: flashcl.cached_step(lambda x: {"x": x}, [torch.zeros(3, 4)], lambda e: e.sum(), 2),
+        TypeError,
+        "output=",
+    ),
 }
 
 
@@ -183,9 +219,15 @@ def test_bad_input(name: str) -> None:
 
 # ----------------------------------------------------------------------------- DDP
 
+
 def _ddp_worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     torch.set_num_threads(1)
     results: Dict[str, Any] = {}
     q_all, d_all = _texts(2 * 9, 11), _texts(2 * 9, 12)
@@ -212,8 +254,9 @@ def test_ddp_two_processes(tmp_path: Any) -> None:
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # without dropout: the single-process full-batch gradient of the global loss
     enc = TinyEncoder(seed=7, dropout=0.0)
-    _full_batch_step([enc, enc], [_texts(18, 11), _texts(18, 12)],
-                     lambda a, b: flashcl.info_nce_loss(a, b, temperature=0.1), 18)
+    _full_batch_step(
+        [enc, enc], [_texts(18, 11), _texts(18, 12)], lambda a, b: flashcl.info_nce_loss(a, b, temperature=0.1), 18
+    )
     single = _grads(enc)
     for r, res in enumerate(ranks):
         for dropout in ("0.0", "0.3"):
@@ -226,6 +269,7 @@ def test_ddp_two_processes(tmp_path: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- GradCache
+
 
 def test_equal_to_luyug_gradcache() -> None:
     try:

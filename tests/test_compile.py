@@ -1,5 +1,6 @@
 """torch.compile around the losses: graph breaks are allowed (the tiled backend is a
 custom autograd Function with Python loops), values and gradients equal eager."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@ dense and tiled backends (plain torch ops) in float64 and float32, the Triton
 kernels compiled for the GPU (not the interpreter) in float32, half precision
 no worse than dense, and embeddings as wide as real models' (D = 768).
 Skipped where no CUDA device is present (CI has none)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -58,8 +59,13 @@ def _wide_cases(d: int) -> list:
     return [
         Case("supcon_wide", flashcl.supcon_loss, [r(150, d)], [labels], {"temperature": 0.1}, "temperature"),
         Case("clip_wide", flashcl.clip_loss, [r(130, d), r(130, d)], [], {"logit_scale": 14.0}, "logit_scale"),
-        Case("info_nce_hard_wide", flashcl.info_nce_loss, [r(100, d), r(170, d)],
-             [torch.randint(0, 170, (100,), generator=g)], {"temperature": 0.05}),
+        Case(
+            "info_nce_hard_wide",
+            flashcl.info_nce_loss,
+            [r(100, d), r(170, d)],
+            [torch.randint(0, 170, (100,), generator=g)],
+            {"temperature": 0.05},
+        ),
     ]
 
 
@@ -84,14 +90,16 @@ def test_wide_embeddings_half_no_worse_than_dense(d: int, dtype: torch.dtype, ba
     kernels): error against the float64 reference on the rounded inputs no worse
     than the dense backend's in the same dtype."""
     for case in _wide_cases(d):
-        rounded = Case(case.name, case.fn, [t.to(dtype).double() for t in case.tensors], case.extra, case.kwargs,
-                       case.scalar_kw)
+        rounded = Case(
+            case.name, case.fn, [t.to(dtype).double() for t in case.tensors], case.extra, case.kwargs, case.scalar_kw
+        )
         ref_loss, ref_grads = rounded.run("reference", "mean", torch.float64)
         errs = {}
         for name in ("dense", backend):
             loss, grads = rounded.run(name, "mean", dtype, device="cuda")
             errs[name] = [float((loss.double() - ref_loss).abs())] + [
-                float((g.double() - r).abs().max()) for g, r in zip(grads, ref_grads)]
+                float((g.double() - r).abs().max()) for g, r in zip(grads, ref_grads)
+            ]
         margin = 2e-3 if dtype == torch.float16 else 2e-2
         for i, (e, ed) in enumerate(zip(errs[backend], errs["dense"])):
             assert e <= 1.5 * ed + margin, f"{case.name}/D={d}/{backend}: output {i}: {e:.3g} vs dense {ed:.3g}"
@@ -109,16 +117,23 @@ def test_deterministic_on_cuda(backend: str) -> None:
 @pytest.mark.parametrize("name", ["supcon", "clip", "info_nce_hard_neg", "nt_xent"])
 def test_half_precision_no_worse_than_dense(name: str, dtype: torch.dtype) -> None:
     case = CASES[name]
-    rounded = Case(case.name, case.fn, [t.to(dtype).to(torch.float64) for t in case.tensors], case.extra,
-                   case.kwargs, case.scalar_kw)
+    rounded = Case(
+        case.name,
+        case.fn,
+        [t.to(dtype).to(torch.float64) for t in case.tensors],
+        case.extra,
+        case.kwargs,
+        case.scalar_kw,
+    )
     ref_loss, ref_grads = rounded.run("reference", "mean", torch.float64)
     backends = ["dense", "tiled"] + (["triton"] if importlib.util.find_spec("triton") else [])
     errs = {}
     for backend in backends:
         loss, grads = rounded.run(backend, "mean", dtype, device="cuda")
-        assert all(g.dtype == dtype for g in grads[:len(case.tensors)])
+        assert all(g.dtype == dtype for g in grads[: len(case.tensors)])
         errs[backend] = [float((loss.double() - ref_loss).abs())] + [
-            float((g.double() - r).abs().max()) for g, r in zip(grads, ref_grads)]
+            float((g.double() - r).abs().max()) for g, r in zip(grads, ref_grads)
+        ]
     margin = 2e-3 if dtype == torch.float16 else 2e-2
     for backend in backends[1:]:
         for i, (e, ed) in enumerate(zip(errs[backend], errs["dense"])):
@@ -146,10 +161,11 @@ def test_triton_large_batch_bfloat16_matches_float64() -> None:
 @needs_triton
 def test_auto_on_cuda() -> None:
     from flashcl.backends import AUTO_TRITON_MAX_WIDTH, resolve
+
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        assert resolve("auto", 10 ** 8, torch.device("cuda"), dtype, AUTO_TRITON_MAX_WIDTH) == "triton"
-        assert resolve("auto", 10 ** 8, torch.device("cuda"), dtype, AUTO_TRITON_MAX_WIDTH + 1) == "tiled"
-    assert resolve("auto", 10 ** 8, torch.device("cuda"), torch.float64, 64) == "tiled"
+        assert resolve("auto", 10**8, torch.device("cuda"), dtype, AUTO_TRITON_MAX_WIDTH) == "triton"
+        assert resolve("auto", 10**8, torch.device("cuda"), dtype, AUTO_TRITON_MAX_WIDTH + 1) == "tiled"
+    assert resolve("auto", 10**8, torch.device("cuda"), torch.float64, 64) == "tiled"
 
 
 def test_neighbor_loss_tiled_on_cuda_adds_no_matrix_beyond_the_gradient() -> None:

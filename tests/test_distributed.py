@@ -1,5 +1,6 @@
 """flashcl.distributed with gloo on 127.0.0.1: every loss, world sizes 2 and 3, uneven
 batches, equal in float64 to one process on the concatenated batch."""
+
 from __future__ import annotations
 
 import datetime
@@ -46,8 +47,9 @@ def _shard(sizes: List[int], rank: int) -> slice:
 MODES = ("distributed", "process_group")
 
 
-def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Tensor, mode: str,
-           strategy: str = "all_gather") -> Dict[str, Any]:
+def _cases(
+    d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Tensor, mode: str, strategy: str = "all_gather"
+) -> Dict[str, Any]:
     """name -> (function of the differentiable inputs, the inputs): on a shard through
     ``flashcl.distributed`` (mode "distributed") or through the losses'
     ``process_group=`` (mode "process_group"), or single-process on the whole batch
@@ -69,63 +71,109 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
         kw["process_group"] = dist.group.WORLD
     cases = {
         "supcon": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
-        "supcon_seed2_sum": (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, positives="sum",
-                                                           include_self=True, reduction="sum", **kw), [emb, t]),
+        "supcon_seed2_sum": (
+            lambda e, tt: lib.supcon_loss(
+                e, labels, temperature=tt, positives="sum", include_self=True, reduction="sum", **kw
+            ),
+            [emb, t],
+        ),
         "nt_xent": (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, **kw), [emb, z2, t]),
         "info_nce_hard": (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "clip": (lambda a, b, s: lib.clip_loss(a, b, s, **kw), [emb, z2, 1.0 / t]),
         "siglip": (lambda a, b, s: lib.siglip_loss(a, b, s, -1.0, **kw), [emb, z2, 1.0 / t]),
     }
-    cases["nt_xent_decoupled"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, decoupled=True, **kw),
-                                  [emb, z2, t])
-    cases["nt_xent_decoupled_vmf"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, decoupled=True,
-                                                                         weighting="vmf", sigma=0.7, **kw),
-                                      [emb, z2, t])
-    cases["clip_labels_bias"] = (lambda a, b, s: lib.clip_loss(a, b, s, labels=labels, logit_bias=-3.0, **kw),
-                                 [emb, z2, 1.0 / t])
+    cases["nt_xent_decoupled"] = (
+        lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, decoupled=True, **kw),
+        [emb, z2, t],
+    )
+    cases["nt_xent_decoupled_vmf"] = (
+        lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, decoupled=True, weighting="vmf", sigma=0.7, **kw),
+        [emb, z2, t],
+    )
+    cases["clip_labels_bias"] = (
+        lambda a, b, s: lib.clip_loss(a, b, s, labels=labels, logit_bias=-3.0, **kw),
+        [emb, z2, 1.0 / t],
+    )
     negatives = d["negatives"]
-    cases["info_nce_moco"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives,
-                                                                  in_batch_negatives=False, **kw), [emb, keys, t])
+    cases["info_nce_moco"] = (
+        lambda q, k, tt: lib.info_nce_loss(
+            q, k, pos, temperature=tt, negatives=negatives, in_batch_negatives=False, **kw
+        ),
+        [emb, keys, t],
+    )
     # GIST
     guide = (d["guide_a"][sl], d["guide_a"][sl] + 0.7 * d["guide_p"][sl])
-    cases["gist"] = (lambda a, p, tt: lib.gist_loss(a, p, guide=guide, temperature=tt, margin=0.05, **kw),
-                     [emb, z2, t])
+    cases["gist"] = (lambda a, p, tt: lib.gist_loss(a, p, guide=guide, temperature=tt, margin=0.05, **kw), [emb, z2, t])
     # labels on both sides: a positive's duplicates masked, or positives too
-    key_labels = d["labels"].repeat_interleave(2)[_shard([2 * s for s in sizes], rank) if dist_mode else
-                                                   slice(None)]
+    key_labels = d["labels"].repeat_interleave(2)[_shard([2 * s for s in sizes], rank) if dist_mode else slice(None)]
     for dup in ("mask", "positive"):
         cases[f"info_nce_labels_{dup}"] = (
-            lambda q, k, tt, dup=dup: lib.info_nce_loss(q, k, pos, temperature=tt, query_labels=labels,
-                                                        key_labels=key_labels, duplicates=dup, **kw),
-            [emb, keys, t])
+            lambda q, k, tt, dup=dup: lib.info_nce_loss(
+                q, k, pos, temperature=tt, query_labels=labels, key_labels=key_labels, duplicates=dup, **kw
+            ),
+            [emb, keys, t],
+        )
     # the estimators
-    cases["nt_xent_debiased"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="debiased",
-                                                                    tau_plus=0.2, **kw), [emb, z2, t])
-    cases["nt_xent_hard"] = (lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="hard",
-                                                                tau_plus=0.1, beta=0.5, **kw), [emb, z2, t])
+    cases["nt_xent_debiased"] = (
+        lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="debiased", tau_plus=0.2, **kw),
+        [emb, z2, t],
+    )
+    cases["nt_xent_hard"] = (
+        lambda a, b, tt: lib.nt_xent_loss(a, b, temperature=tt, estimator="hard", tau_plus=0.1, beta=0.5, **kw),
+        [emb, z2, t],
+    )
     # a queue's keys and Matryoshka
-    cases["supcon_matryoshka"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, matryoshka_dims=[2, 6],
-                                                                matryoshka_weights=[0.5, 1.0], **kw), [emb, t])
-    cases["info_nce_matryoshka"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
-                                                                        matryoshka_dims=[1, 3, 6], **kw),
-                                    [emb, keys, t])
-    cases["info_nce_negatives"] = (lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt,
-                                                                       negatives=negatives, **kw), [emb, keys, t])
+    cases["supcon_matryoshka"] = (
+        lambda e, tt: lib.supcon_loss(
+            e, labels, temperature=tt, matryoshka_dims=[2, 6], matryoshka_weights=[0.5, 1.0], **kw
+        ),
+        [emb, t],
+    )
+    cases["info_nce_matryoshka"] = (
+        lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, matryoshka_dims=[1, 3, 6], **kw),
+        [emb, keys, t],
+    )
+    cases["info_nce_negatives"] = (
+        lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives, **kw),
+        [emb, keys, t],
+    )
     ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
-    cases["supcon_ref"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref, ref_labels=ref_labels,
-                                                         **kw), [emb, t])
-    cases["supcon_ref_self"] = (lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref,
-                                                              ref_labels=ref_labels, ref_self=ref_self, **kw),
-                                [emb, t])
-    cases["supcon_views"] = (lambda e, f, tt: lib.supcon_loss(torch.stack([e, f], 1), labels, temperature=tt, **kw),
-                             [emb, z2, t])
-    cases["clip_matryoshka"] = (lambda a, b, s: lib.clip_loss(a, b, s, matryoshka_dims=[2, 6],
-                                                              matryoshka_weights=[1.0, 0.5], **kw), [emb, z2, 1.0 / t])
-    cases["siglip_labels"] = (lambda a, b, s, bias: lib.siglip_loss(a, b, s, bias, labels=labels, normalize=True,
-                                                                     **kw), [emb, z2, 1.0 / t, t - 2.0])
+    cases["supcon_ref"] = (
+        lambda e, tt: lib.supcon_loss(e, labels, temperature=tt, ref=ref, ref_labels=ref_labels, **kw),
+        [emb, t],
+    )
+    cases["supcon_ref_self"] = (
+        lambda e, tt: lib.supcon_loss(
+            e, labels, temperature=tt, ref=ref, ref_labels=ref_labels, ref_self=ref_self, **kw
+        ),
+        [emb, t],
+    )
+    cases["supcon_views"] = (
+        lambda e, f, tt: lib.supcon_loss(torch.stack([e, f], 1), labels, temperature=tt, **kw),
+        [emb, z2, t],
+    )
+    cases["clip_matryoshka"] = (
+        lambda a, b, s: lib.clip_loss(a, b, s, matryoshka_dims=[2, 6], matryoshka_weights=[1.0, 0.5], **kw),
+        [emb, z2, 1.0 / t],
+    )
+    cases["siglip_labels"] = (
+        lambda a, b, s, bias: lib.siglip_loss(a, b, s, bias, labels=labels, normalize=True, **kw),
+        [emb, z2, 1.0 / t, t - 2.0],
+    )
     cases["info_nce_negatives_labels"] = (
-        lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives, query_labels=labels,
-                                           key_labels=key_labels, duplicates="positive", **kw), [emb, keys, t])
+        lambda q, k, tt: lib.info_nce_loss(
+            q,
+            k,
+            pos,
+            temperature=tt,
+            negatives=negatives,
+            query_labels=labels,
+            key_labels=key_labels,
+            duplicates="positive",
+            **kw,
+        ),
+        [emb, keys, t],
+    )
     nb = d["neighbors"][sl]
     cases["neighbor_mean"] = (lambda s: lib.neighbor_loss(s, nb, reduction="mean", **kw), [d["scores"][sl]])
     return cases
@@ -133,8 +181,13 @@ def _cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Ten
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
     # rendezvous through a file: no port to pick, so no race for one
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     torch.set_num_threads(1)
     sizes = SIZES[world]
     d = _data(sum(sizes))
@@ -165,8 +218,13 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         results["mismatch"] = str(err)
     # a queue must be the same on every rank: one that differs is a ValueError on every rank
     try:
-        flashcl.supcon_loss(e, d["labels"][_shard(sizes, rank)], ref=d["ref"] + 1e-3 * rank,
-                            ref_labels=d["ref_labels"], process_group=dist.group.WORLD)
+        flashcl.supcon_loss(
+            e,
+            d["labels"][_shard(sizes, rank)],
+            ref=d["ref"] + 1e-3 * rank,
+            ref_labels=d["ref_labels"],
+            process_group=dist.group.WORLD,
+        )
         results["ref_mismatch"] = "no error"
     except ValueError as err:
         results["ref_mismatch"] = str(err)
@@ -191,8 +249,12 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
     sizes = SIZES[world]
     d = _data(sum(sizes))
     t = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    for (mode, strategy, name), (fn, inputs) in [((md, st, nm), c) for md in MODES for st in ("all_gather", "ring")
-                                                  for nm, c in _cases(d, sizes, 0, t, "single", st).items()]:
+    for (mode, strategy, name), (fn, inputs) in [
+        ((md, st, nm), c)
+        for md in MODES
+        for st in ("all_gather", "ring")
+        for nm, c in _cases(d, sizes, 0, t, "single", st).items()
+    ]:
         inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
         loss = fn(*inputs)
         grads = torch.autograd.grad(loss, inputs)
@@ -210,8 +272,7 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
             per_rank = sizes if g.shape[0] == sum(sizes) else [2 * s for s in sizes]
             assert g.shape[0] == sum(per_rank), (name, i, g.shape)
             for r in range(world):
-                assert_close(ranks[r][key][1][i], g[_shard(per_rank, r)], f"{name}: rank {r} grad of input {i}",
-                             *TOL)
+                assert_close(ranks[r][key][1][i], g[_shard(per_rank, r)], f"{name}: rank {r} grad of input {i}", *TOL)
     single = flashcl.supcon_loss(d["emb"], d["labels"], backend="reference")
     ddp_mean = sum(r["ddp_value"] for r in ranks) / world
     assert_close(ddp_mean, single, "ddp convention: mean over ranks = global loss", *TOL)
@@ -236,9 +297,14 @@ def test_needs_a_process_group() -> None:
 def test_ddp_example_trains(tmp_path) -> None:
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "examples", "ddp_supcon.py"), "--steps", "30",
-                          "--strategy", "ring"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "ddp_supcon.py"), "--steps", "30", "--strategy", "ring"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if "global loss" in line]
     assert len(losses) >= 2 and losses[-1] < losses[0], out.stdout

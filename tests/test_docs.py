@@ -1,4 +1,5 @@
 """Every Python code block in README.md and docs/ runs as written."""
+
 from __future__ import annotations
 
 import pathlib

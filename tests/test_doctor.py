@@ -1,4 +1,5 @@
 """flashcl doctor on the seeds' own programs and on an already vectorised loss."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def test_seed1_program_is_diagnosed() -> None:
     # whole n x n input, so the gradient elements backward writes grow as n^3.
     assert report.nodes_exponent is not None and abs(report.nodes_exponent - 1.0) < 0.05, report.text()
     assert report.backward_elements_exponent is not None and report.backward_elements_exponent > 2.9, report.text()
-    assert report.runs[-1].backward_elements > 2 * 400 ** 3  # two selected elements per row, n^2 each
+    assert report.runs[-1].backward_elements > 2 * 400**3  # two selected elements per row, n^2 each
     assert report.replacement is not None and "flashcl.neighbor_loss" in report.replacement.call
     assert "(400, 2)" in report.replacement.call and "random.randrange" in report.replacement.call
     assert len(report.replacement.user_times) == len(report.replacement.flashcl_times) == 3
@@ -72,25 +73,33 @@ def test_vectorised_loss_flags_nothing_false() -> None:
     emb, labels = torch.randn(64, 16, requires_grad=True), torch.randint(0, 4, (64,))
     report = flashcl.doctor(vectorized_supervised_simcse_loss, emb, labels, sizes=[64, 128])
     patterns = {f.pattern for f in report.findings}
-    assert not patterns & {"element-wise indexing/assignment in Python loops", "a Python loop over the batch",
-                           "exp followed by log", "sum(exp(x)) - exp(diag(x))"}, report.text()
+    assert not patterns & {
+        "element-wise indexing/assignment in Python loops",
+        "a Python loop over the batch",
+        "exp followed by log",
+        "sum(exp(x)) - exp(diag(x))",
+    }, report.text()
     assert report.replacement is not None and "flashcl.supcon_loss" in report.replacement.call
 
     def clean(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(F.normalize(q, dim=1) @ F.normalize(k, dim=1).T / 0.1, torch.arange(q.shape[0]))
-    report = flashcl.doctor(clean, torch.randn(32, 8, requires_grad=True), torch.randn(32, 8, requires_grad=True),
-                            sizes=[32, 64])
+
+    report = flashcl.doctor(
+        clean, torch.randn(32, 8, requires_grad=True), torch.randn(32, 8, requires_grad=True), sizes=[32, 64]
+    )
     assert not [f for f in report.findings if f.pattern != "an n x n matrix held for backward"], report.text()
     assert report.replacement is not None and "info_nce_loss" in report.replacement.call
 
 
 def test_cli_doctor_on_a_file(tmp_path, capsys) -> None:
     src = tmp_path / "my_loss.py"
-    src.write_text(textwrap.dedent('''
+    src.write_text(
+        textwrap.dedent("""
         import torch
         def loss(x):
             return torch.logsumexp(x, 1).sum() - x.diagonal().sum()
-    '''))
+    """)
+    )
     out = tmp_path / "report.json"
     assert main(["doctor", f"{src}:loss", "--shape", "n,n", "--sizes", "50,100", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
@@ -147,8 +156,7 @@ def test_speed_ratio_below_one_reads_slower() -> None:
     assert speed_words(266.4) == "266x faster"
 
 
-def test_cli_too_few_shapes_is_a_clear_error(tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture
-                                             ) -> None:
+def test_cli_too_few_shapes_is_a_clear_error(tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "loss.py"  # type: ignore[operator]
     path.write_text("def loss(e, y):\n    return e.sum()\n")
     with pytest.raises(SystemExit, match="takes 2 input.*got 1 --shape: give one --shape per input"):

@@ -2,6 +2,7 @@
 pairs (SigLIP's form with a fixed bias). Every backend drives it without a
 change, and its loss and gradients equal a dense formula written independently
 with plain torch ops."""
+
 from __future__ import annotations
 
 import datetime
@@ -36,18 +37,18 @@ class SigmoidPairsHead(Head):
 
     def __init__(self, labels: Tensor, col_labels: Tensor, bias: float, symmetric: bool) -> None:
         self.labels, self.col_labels, self.bias = labels, col_labels, bias
-        self.symmetric = symmetric  # the same labels on both sides: z_ij = z_ji
+        self.symmetric_tiles = symmetric  # the same labels on both sides: z_ij = z_ji
         self.fuses_rows = True
 
     def _z(self, tile: Tile, like: Tensor) -> Tensor:
-        same = self.labels[tile.r0:tile.r1].unsqueeze(1) == self.col_labels[tile.c0:tile.c1].unsqueeze(0)
+        same = self.labels[tile.r0 : tile.r1].unsqueeze(1) == self.col_labels[tile.c0 : tile.c1].unsqueeze(0)
         return same.to(like.dtype) * 2 - 1
 
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _State:
         return _State(m, like)
 
     def reduce(self, s: Tensor, tile: Tile, st: _State, p: int = 0) -> None:
-        st.row[tile.r0:tile.r1] += -F.logsigmoid(self._z(tile, s) * (s + self.bias)).sum(1)
+        st.row[tile.r0 : tile.r1] += -F.logsigmoid(self._z(tile, s) * (s + self.bias)).sum(1)
 
     def values(self, st: _State) -> Tuple[Tensor, Optional[Tensor]]:
         return st.row, None
@@ -55,14 +56,14 @@ class SigmoidPairsHead(Head):
     def grad(self, s: Tensor, tile: Tile, st: _State, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
         z = self._z(tile, s)
-        return -z * torch.sigmoid(-z * (s + self.bias)) * st.g_row[tile.r0:tile.r1].unsqueeze(1)
+        return -z * torch.sigmoid(-z * (s + self.bias)) * st.g_row[tile.r0 : tile.r1].unsqueeze(1)
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _State, g_row: Optional[Tensor]) -> Optional[Tensor]:
         z = self._z(tile, s)
-        st.row[tile.r0:tile.r1] = -F.logsigmoid(z * (s + self.bias)).sum(1)
+        st.row[tile.r0 : tile.r1] = -F.logsigmoid(z * (s + self.bias)).sum(1)
         if g_row is None:
             return None
-        return -z * torch.sigmoid(-z * (s + self.bias)) * g_row[tile.r0:tile.r1].unsqueeze(1)
+        return -z * torch.sigmoid(-z * (s + self.bias)) * g_row[tile.r0 : tile.r1].unsqueeze(1)
 
     def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         return -F.logsigmoid(self._z(tile, s) * (s + self.bias)).sum(1), None
@@ -81,8 +82,12 @@ def formula(q: Tensor, k: Tensor, labels: Tensor, col_labels: Tensor, scale: Ten
 
 def _data(m: int = 13, n: int = 11, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(m, 6, generator=g, dtype=F64), torch.randn(n, 6, generator=g, dtype=F64),
-            torch.randint(0, 3, (m,), generator=g), torch.randint(0, 3, (n,), generator=g))
+    return (
+        torch.randn(m, 6, generator=g, dtype=F64),
+        torch.randn(n, 6, generator=g, dtype=F64),
+        torch.randint(0, 3, (m,), generator=g),
+        torch.randint(0, 3, (n,), generator=g),
+    )
 
 
 def _check(backend: str, self_contrast: bool, reduce: bool, block: int) -> None:
@@ -101,8 +106,9 @@ def _check(backend: str, self_contrast: bool, reduce: bool, block: int) -> None:
             out = (w * rows).sum() if reduce else rows
         else:
             problem = Problem(SigmoidPairsHead(lq, lk, bias, symmetric=self_contrast))
-            out = backends.run(qq, None if self_contrast else kk, sc, problem, backend, (w, None) if reduce else None,
-                               block)
+            out = backends.run(
+                qq, None if self_contrast else kk, sc, problem, backend, (w, None) if reduce else None, block
+            )
         loss = out if reduce else (out * w).sum()
         grads = torch.autograd.grad(loss * 1.3, [qq, sc] if self_contrast else [qq, kk, sc])
         results.append((out.detach(), grads))
@@ -126,7 +132,7 @@ def test_test_only_head_on_every_backend(backend: str, self_contrast: bool, redu
 def test_drivers_chosen() -> None:
     q, k, lq, lk = _data()
     head = SigmoidPairsHead(lq, lq, 0.0, symmetric=True)
-    assert type(backends.driver("tiled", Problem(head), None, "cpu")).__name__ == "SymmetricPanels"
+    assert type(backends.driver("tiled", Problem(head), None, "cpu")).__name__ == "UpperPanels"
     assert type(backends.driver("tiled", Problem(head), k, "cpu")).__name__ == "RowBlocks"
     assert backends.driver("dense", Problem(head), k, "cpu") is None
 
@@ -136,10 +142,17 @@ def test_second_derivatives_of_the_head() -> None:
     out = []
     for backend in ("dense", "tiled"):
         qq = q.clone().requires_grad_(True)
-        loss = backends.run(qq, k, torch.tensor(2.0, dtype=F64), Problem(SigmoidPairsHead(lq, lk, 0.5, False)),
-                            backend, (torch.ones(13, dtype=F64), None), 4)
+        loss = backends.run(
+            qq,
+            k,
+            torch.tensor(2.0, dtype=F64),
+            Problem(SigmoidPairsHead(lq, lk, 0.5, False)),
+            backend,
+            (torch.ones(13, dtype=F64), None),
+            4,
+        )
         (g,) = torch.autograd.grad(loss, qq, create_graph=True)
-        out.append(torch.autograd.grad((g ** 2).sum(), qq)[0])
+        out.append(torch.autograd.grad((g**2).sum(), qq)[0])
     assert_close(out[1], out[0], "second derivative", 1e-10, 1e-10)
 
 
@@ -147,23 +160,29 @@ def test_a_head_without_kernels_is_refused_by_triton() -> None:
     pytest.importorskip("triton")
     q, k, lq, lk = _data()
     with pytest.raises(ValueError, match="softmax and softplus heads only"):
-        backends.run(q.float(), k.float(), torch.tensor(2.0), Problem(SigmoidPairsHead(lq, lk, 0.5, False)),
-                     "triton", None, 4)
+        backends.run(
+            q.float(), k.float(), torch.tensor(2.0), Problem(SigmoidPairsHead(lq, lk, 0.5, False)), "triton", None, 4
+        )
 
 
 def _ring_worker(rank: int, world: int, out_dir: str) -> None:
     from flashcl.ring import RingDriver
 
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     torch.set_num_threads(1)
     q, k, lq, lk = _data()
     rows_at, cols_at = [0, 6, 13], [0, 5, 11]  # uneven shards of the anchors and of the candidates
-    q_local = q[rows_at[rank]:rows_at[rank + 1]].clone().requires_grad_(True)
-    k_local = k[cols_at[rank]:cols_at[rank + 1]].clone().requires_grad_(True)
+    q_local = q[rows_at[rank] : rows_at[rank + 1]].clone().requires_grad_(True)
+    k_local = k[cols_at[rank] : cols_at[rank + 1]].clone().requires_grad_(True)
     sc = torch.tensor(3.0, dtype=F64, requires_grad=True)
     ring = RingDriver([5, 6], None)
-    head = SigmoidPairsHead(lq[rows_at[rank]:rows_at[rank + 1]], lk, -1.5, False)
+    head = SigmoidPairsHead(lq[rows_at[rank] : rows_at[rank + 1]], lk, -1.5, False)
     rows = engine.run(q_local, k_local, sc, Problem(head), ring, None, 4)
     grads = torch.autograd.grad(rows.sum(), [q_local, k_local, sc])
     torch.save((rows.detach(), [g.detach() for g in grads]), os.path.join(out_dir, f"rank{rank}.pt"))

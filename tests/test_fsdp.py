@@ -1,6 +1,7 @@
 """Sharded models: the losses and cached_step under torch's fully_shard (FSDP2) on 2
 gloo CPU processes give each parameter the gradient of one process's full-batch
 step (float64)."""
+
 from __future__ import annotations
 
 import datetime
@@ -31,9 +32,11 @@ def _model() -> torch.nn.Module:
 def _data() -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     n = sum(SIZES)
-    return {"x": torch.randn(n, 6, dtype=torch.float64, generator=g),
-            "y": torch.randn(n, 6, dtype=torch.float64, generator=g),
-            "labels": torch.randint(0, 3, (n,), generator=g)}
+    return {
+        "x": torch.randn(n, 6, dtype=torch.float64, generator=g),
+        "y": torch.randn(n, 6, dtype=torch.float64, generator=g),
+        "labels": torch.randint(0, 3, (n,), generator=g),
+    }
 
 
 def _steps(group: Any) -> Dict[str, Callable[[torch.nn.Module, Dict[str, torch.Tensor]], None]]:
@@ -48,25 +51,36 @@ def _steps(group: Any) -> Dict[str, Callable[[torch.nn.Module, Dict[str, torch.T
         flashcl.clip_loss(m(b["x"]), m(b["y"]), 5.0, labels=b["labels"], **kw, **extra).backward()
 
     def cached_info_nce(m: torch.nn.Module, b: Dict[str, torch.Tensor]) -> None:
-        flashcl.cached_step(m, [b["x"], b["y"]],
-                            lambda q, d: flashcl.info_nce_loss(q, d, temperature=0.1, **kw), chunk_size=2)
+        flashcl.cached_step(
+            m, [b["x"], b["y"]], lambda q, d: flashcl.info_nce_loss(q, d, temperature=0.1, **kw), chunk_size=2
+        )
 
     def cached_supcon_matryoshka(m: torch.nn.Module, b: Dict[str, torch.Tensor]) -> None:
-        flashcl.cached_step(m, [b["x"]], lambda e: flashcl.supcon_loss(e, b["labels"], matryoshka_dims=[2, 5], **kw),
-                            chunk_size=2)
+        flashcl.cached_step(
+            m, [b["x"]], lambda e: flashcl.supcon_loss(e, b["labels"], matryoshka_dims=[2, 5], **kw), chunk_size=2
+        )
 
-    return {"supcon": supcon, "clip_ring": clip_ring, "cached_info_nce": cached_info_nce,
-            "cached_supcon_matryoshka": cached_supcon_matryoshka}
+    return {
+        "supcon": supcon,
+        "clip_ring": clip_ring,
+        "cached_info_nce": cached_info_nce,
+        "cached_supcon_matryoshka": cached_supcon_matryoshka,
+    }
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     torch.set_num_threads(1)
     from torch.distributed.fsdp import fully_shard
 
     start = sum(SIZES[:rank])
-    local = {k: v[start:start + SIZES[rank]] for k, v in _data().items()}
+    local = {k: v[start : start + SIZES[rank]] for k, v in _data().items()}
     results: Dict[str, List[torch.Tensor]] = {}
     for name, step in _steps(dist.group.WORLD).items():
         model = _model()
@@ -78,7 +92,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     # different chunk counts across ranks: a ValueError on every rank, not a hang in a forward's collective
     model = _model()
     fully_shard(model)
-    short = {k: v[:2 * (3 - rank)] for k, v in local.items()}  # 3 chunks on rank 0, 2 on rank 1
+    short = {k: v[: 2 * (3 - rank)] for k, v in local.items()}  # 3 chunks on rank 0, 2 on rank 1
     try:
         _steps(dist.group.WORLD)["cached_info_nce"](model, short)
         results["uneven"] = "no error"  # type: ignore[assignment]

@@ -1,4 +1,5 @@
 """The public API: published formulas, equivalences, input validation, stability, no mutation."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,6 +22,7 @@ def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- published formulas
+
 
 def supcon_pair_loop(emb: torch.Tensor, labels: torch.Tensor, t: float) -> torch.Tensor:
     """Khosla et al. 2020, eq. 2 (L_out), written as plain loops over explicit pairs."""
@@ -64,8 +66,13 @@ def test_supcon_views_follow_supcontrast_convention() -> None:
     assert_close(flashcl.supcon_loss(emb, labels), flashcl.supcon_loss(flat, labels.repeat(2)), "views", 1e-12, 1e-12)
     none = flashcl.supcon_loss(emb, labels, reduction="none")
     assert none.shape == (6, 2)
-    assert_close(none.T.reshape(-1), flashcl.supcon_loss(flat, labels.repeat(2), reduction="none"),
-                 "per-view losses", 1e-12, 1e-12)
+    assert_close(
+        none.T.reshape(-1),
+        flashcl.supcon_loss(flat, labels.repeat(2), reduction="none"),
+        "per-view losses",
+        1e-12,
+        1e-12,
+    )
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -128,8 +135,10 @@ def test_modules_call_the_functions() -> None:
     z1, z2 = _rand(5, 4, seed=1), _rand(5, 4, seed=2)
     s, nb = _rand(6, 6), flashcl.sample_neighbors(6, 2, generator=torch.Generator().manual_seed(0))
     pairs = [
-        (flashcl.SupConLoss(temperature=0.3, positives="sum")(emb, labels),
-         flashcl.supcon_loss(emb, labels, temperature=0.3, positives="sum")),
+        (
+            flashcl.SupConLoss(temperature=0.3, positives="sum")(emb, labels),
+            flashcl.supcon_loss(emb, labels, temperature=0.3, positives="sum"),
+        ),
         (flashcl.NTXentLoss(temperature=0.4)(z1, z2), flashcl.nt_xent_loss(z1, z2, temperature=0.4)),
         (flashcl.InfoNCELoss(reduction="sum")(z1, z2), flashcl.info_nce_loss(z1, z2, reduction="sum")),
         (flashcl.NeighborLoss(reduction="mean")(s, nb), flashcl.neighbor_loss(s, nb, reduction="mean")),
@@ -157,6 +166,7 @@ def test_learnable_temperature_gradient(backend: str) -> None:
 
 # ----------------------------------------------------------------------------- anchors without positives
 
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_no_anchor_has_a_positive_gives_zero_not_nan(backend: str) -> None:
     emb = _rand(6, 4).requires_grad_(True)
@@ -175,6 +185,7 @@ def test_anchors_without_positive_are_left_out_of_the_mean(backend: str) -> None
 
 
 # ----------------------------------------------------------------------------- stability
+
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_scores_of_1e4_stay_finite_and_exact(backend: str) -> None:
@@ -202,6 +213,7 @@ def test_nan_input_propagates(backend: str) -> None:
 
 
 # ----------------------------------------------------------------------------- no mutation
+
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_inputs_are_never_modified(case: Case, backend: str) -> None:
@@ -239,10 +251,12 @@ BAD: Dict[str, Any] = {
     "temperature < 0": (lambda: flashcl.nt_xent_loss(E, E, temperature=-1.0), ValueError, "temperature"),
     "temperature nan": (lambda: flashcl.info_nce_loss(E, E, temperature=float("nan")), ValueError, "temperature"),
     "temperature inf": (lambda: flashcl.supcon_loss(E, L, temperature=float("inf")), ValueError, "temperature"),
-    "temperature tensor 0": (lambda: flashcl.supcon_loss(E, L, temperature=torch.tensor(0.0)), ValueError,
-                             "temperature"),
-    "temperature vector": (lambda: flashcl.supcon_loss(E, L, temperature=torch.ones(2)), ValueError,
-                           "temperature"),
+    "temperature tensor 0": (
+        lambda: flashcl.supcon_loss(E, L, temperature=torch.tensor(0.0)),
+        ValueError,
+        "temperature",
+    ),
+    "temperature vector": (lambda: flashcl.supcon_loss(E, L, temperature=torch.ones(2)), ValueError, "temperature"),
     "temperature str": (lambda: flashcl.supcon_loss(E, L, temperature="0.1"), TypeError, "temperature"),
     "logit_scale 0": (lambda: flashcl.clip_loss(E, E, 0.0), ValueError, "logit_scale"),
     "logit_scale < 0": (lambda: flashcl.clip_loss(E, E, torch.tensor(-2.0)), ValueError, "logit_scale"),
@@ -251,10 +265,12 @@ BAD: Dict[str, Any] = {
     "nt_xent dtypes": (lambda: flashcl.nt_xent_loss(E, E.float()), TypeError, "dtype"),
     "info_nce dim": (lambda: flashcl.info_nce_loss(E, E[:, :2]), ValueError, "embedding dim"),
     "info_nce fewer keys": (lambda: flashcl.info_nce_loss(E, E[:2]), ValueError, "at least as many"),
-    "positive_index range": (lambda: flashcl.info_nce_loss(E, E, torch.tensor([0, 1, 2, 4])), ValueError,
-                             "positive_index"),
-    "positive_index length": (lambda: flashcl.info_nce_loss(E, E, torch.tensor([0, 1])), ValueError,
-                              "positive_index"),
+    "positive_index range": (
+        lambda: flashcl.info_nce_loss(E, E, torch.tensor([0, 1, 2, 4])),
+        ValueError,
+        "positive_index",
+    ),
+    "positive_index length": (lambda: flashcl.info_nce_loss(E, E, torch.tensor([0, 1])), ValueError, "positive_index"),
     "positive_index float": (lambda: flashcl.info_nce_loss(E, E, torch.zeros(4)), TypeError, "positive_index"),
     "neighbors range": (lambda: flashcl.neighbor_loss(S, NB + 1), ValueError, "neighbors"),
     "neighbors negative": (lambda: flashcl.neighbor_loss(S, NB - 1), ValueError, "neighbors"),
@@ -281,6 +297,7 @@ def test_bad_input_raises_clear_error(name: str) -> None:
 
 # ----------------------------------------------------------------------------- sample_neighbors
 
+
 def test_sample_neighbors() -> None:
     a = flashcl.sample_neighbors(50, 3, generator=torch.Generator().manual_seed(5))
     b = flashcl.sample_neighbors(50, 3, generator=torch.Generator().manual_seed(5))
@@ -292,8 +309,9 @@ def test_sample_neighbors() -> None:
 
 
 def test_every_callable_has_a_docstring_with_sections() -> None:
-    fns: Dict[str, Callable[..., Any]] = {n: getattr(flashcl, n) for n in flashcl.__all__
-                                          if callable(getattr(flashcl, n))}
+    fns: Dict[str, Callable[..., Any]] = {
+        n: getattr(flashcl, n) for n in flashcl.__all__ if callable(getattr(flashcl, n))
+    }
     for name, fn in fns.items():
         doc = fn.__doc__ or ""
         assert "Examples::" in doc, f"{name} has no Examples"
@@ -303,8 +321,15 @@ def test_every_callable_has_a_docstring_with_sections() -> None:
 
 def test_case_table_covers_every_loss() -> None:
     covered = {c.fn.__name__ for c in CASES.values()}
-    assert covered == {"supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss", "gist_loss",
-                       "neighbor_loss"}
+    assert covered == {
+        "supcon_loss",
+        "nt_xent_loss",
+        "info_nce_loss",
+        "clip_loss",
+        "siglip_loss",
+        "gist_loss",
+        "neighbor_loss",
+    }
 
 
 def test_auto_backend_rule() -> None:
@@ -318,6 +343,7 @@ def test_auto_backend_rule() -> None:
     assert _resolve_backend("auto", 1 << 20, cuda, torch.float64) == "tiled"
     # the kernels up to AUTO_TRITON_MAX_WIDTH on CUDA, the tiled backend's stripes above
     from flashcl.backends import AUTO_TRITON_MAX_WIDTH as w
+
     if importlib.util.find_spec("triton") is not None:
         assert _resolve_backend("auto", 1 << 20, cuda, torch.float32, w) == "triton"
         assert _resolve_backend("auto", 1 << 20, cuda, torch.bfloat16, w) == "triton"

@@ -1,5 +1,6 @@
 """The pytorch-metric-learning adapters against the originals they replace: every
 argument PML's classes take, PML's wrappers, and PML's answers on degenerate batches."""
+
 from __future__ import annotations
 
 import warnings
@@ -21,9 +22,12 @@ NAMES = ["NTXentLoss", "SupConLoss"]
 
 def _data(b: int = 20, n_ref: int = 15, classes: int = 4, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, 8, dtype=torch.float64, generator=g), torch.randint(0, classes, (b,), generator=g),
-            torch.randn(n_ref, 8, dtype=torch.float64, generator=g),
-            torch.randint(0, classes, (n_ref,), generator=g))
+    return (
+        torch.randn(b, 8, dtype=torch.float64, generator=g),
+        torch.randint(0, classes, (b,), generator=g),
+        torch.randn(n_ref, 8, dtype=torch.float64, generator=g),
+        torch.randint(0, classes, (n_ref,), generator=g),
+    )
 
 
 def _run(make: Callable[[], Any], call: Callable[..., torch.Tensor], emb: torch.Tensor, ref: torch.Tensor):
@@ -36,13 +40,26 @@ def _run(make: Callable[[], Any], call: Callable[..., torch.Tensor], emb: torch.
     return loss.detach(), [x.grad, y.grad], [str(w.message) for w in caught]
 
 
-def _compare(name: str, call: Callable[..., torch.Tensor], what: str, *, fallback: Optional[str] = None,
-             data: Optional[tuple] = None, block_size: Optional[int] = None, **kwargs: Any) -> None:
+def _compare(
+    name: str,
+    call: Callable[..., torch.Tensor],
+    what: str,
+    *,
+    fallback: Optional[str] = None,
+    data: Optional[tuple] = None,
+    block_size: Optional[int] = None,
+    **kwargs: Any,
+) -> None:
     emb, labels, ref, ref_labels = data or _data()
-    expected = _run(lambda: getattr(pml_losses, name)(**kwargs),
-                    lambda f, x, y: call(f, x, y, labels, ref_labels), emb, ref)
-    got = _run(lambda: getattr(adapters, name)(block_size=block_size, **kwargs),
-               lambda f, x, y: call(f, x, y, labels, ref_labels), emb, ref)
+    expected = _run(
+        lambda: getattr(pml_losses, name)(**kwargs), lambda f, x, y: call(f, x, y, labels, ref_labels), emb, ref
+    )
+    got = _run(
+        lambda: getattr(adapters, name)(block_size=block_size, **kwargs),
+        lambda f, x, y: call(f, x, y, labels, ref_labels),
+        emb,
+        ref,
+    )
     assert_close(got[0], expected[0], f"{name} {what}: loss", *TOL)
     for i, (a, e) in enumerate(zip(got[1], expected[1])):
         if e is None:
@@ -59,8 +76,14 @@ def _compare(name: str, call: Callable[..., torch.Tensor], what: str, *, fallbac
 @pytest.mark.parametrize("b,classes,block", [(40, 5, 7), (33, 3, 100), (20, 20, 1), (16, 2, 5)])
 @pytest.mark.parametrize("name", NAMES)
 def test_bare_call_equals_pml(name: str, b: int, classes: int, block: int) -> None:
-    _compare(name, lambda f, x, y, lab, rl: f(x, lab), "bare", data=_data(b, 4, classes, seed=b + classes),
-             temperature=0.1, block_size=block)
+    _compare(
+        name,
+        lambda f, x, y, lab, rl: f(x, lab),
+        "bare",
+        data=_data(b, 4, classes, seed=b + classes),
+        temperature=0.1,
+        block_size=block,
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -72,30 +95,55 @@ def test_ref_emb_equals_pml(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_distances_equal_pml(name: str) -> None:
-    _compare(name, lambda f, x, y, lab, rl: f(x * 0.3, lab), "dot product",
-             distance=distances.DotProductSimilarity(normalize_embeddings=False))
-    _compare(name, lambda f, x, y, lab, rl: f(x, lab), "cosine without normalising",
-             distance=distances.CosineSimilarity(), temperature=0.5)
-    _compare(name, lambda f, x, y, lab, rl: f(x, lab), "Lp distance", fallback="distance=LpDistance",
-             distance=distances.LpDistance())
+    _compare(
+        name,
+        lambda f, x, y, lab, rl: f(x * 0.3, lab),
+        "dot product",
+        distance=distances.DotProductSimilarity(normalize_embeddings=False),
+    )
+    _compare(
+        name,
+        lambda f, x, y, lab, rl: f(x, lab),
+        "cosine without normalising",
+        distance=distances.CosineSimilarity(),
+        temperature=0.5,
+    )
+    _compare(
+        name,
+        lambda f, x, y, lab, rl: f(x, lab),
+        "Lp distance",
+        fallback="distance=LpDistance",
+        distance=distances.LpDistance(),
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_reducers_and_regularizers_equal_pml(name: str) -> None:
     pair_fallback = "needs every pair's loss" if name == "NTXentLoss" else None
     _compare(name, lambda f, x, y, lab, rl: f(x, lab), "MeanReducer", reducer=reducers.MeanReducer())
-    _compare(name, lambda f, x, y, lab, rl: f(x, lab), "SumReducer", fallback=pair_fallback,
-             reducer=reducers.SumReducer())
-    _compare(name, lambda f, x, y, lab, rl: f(x, lab), "AvgNonZeroReducer", fallback=pair_fallback,
-             reducer=reducers.AvgNonZeroReducer())
-    _compare(name, lambda f, x, y, lab, rl: f(x, lab), "LpRegularizer",
-             embedding_regularizer=regularizers.LpRegularizer())
+    _compare(
+        name, lambda f, x, y, lab, rl: f(x, lab), "SumReducer", fallback=pair_fallback, reducer=reducers.SumReducer()
+    )
+    _compare(
+        name,
+        lambda f, x, y, lab, rl: f(x, lab),
+        "AvgNonZeroReducer",
+        fallback=pair_fallback,
+        reducer=reducers.AvgNonZeroReducer(),
+    )
+    _compare(
+        name, lambda f, x, y, lab, rl: f(x, lab), "LpRegularizer", embedding_regularizer=regularizers.LpRegularizer()
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_miner_pairs_run_pml_with_a_warning(name: str) -> None:
-    _compare(name, lambda f, x, y, lab, rl: f(x, lab, miners.MultiSimilarityMiner()(x, lab)), "miner",
-             fallback="indices_tuple")
+    _compare(
+        name,
+        lambda f, x, y, lab, rl: f(x, lab, miners.MultiSimilarityMiner()(x, lab)),
+        "miner",
+        fallback="indices_tuple",
+    )
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -104,8 +152,14 @@ def test_inside_self_supervised_loss(name: str, symmetric: bool) -> None:
     emb, labels, ref, ref_labels = _data()
     results = []
     for module in (pml_losses, adapters):
-        results.append(_run(lambda m=module: pml_losses.SelfSupervisedLoss(getattr(m, name)(), symmetric=symmetric),
-                            lambda f, x, y: f(x, x * 0.5 + y[:1]), emb, ref))
+        results.append(
+            _run(
+                lambda m=module: pml_losses.SelfSupervisedLoss(getattr(m, name)(), symmetric=symmetric),
+                lambda f, x, y: f(x, x * 0.5 + y[:1]),
+                emb,
+                ref,
+            )
+        )
     (e, eg, _), (g, gg, w) = results
     assert_close(g, e, f"SelfSupervisedLoss({name})", *TOL)
     assert_close(gg[0], eg[0], f"SelfSupervisedLoss({name}) grad", *TOL)
@@ -119,10 +173,12 @@ def test_inside_cross_batch_memory(name: str) -> None:
     emb, labels, ref, _ = _data(b=24)
 
     def steps(f: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return sum(f(x[i:i + 6], labels[i:i + 6]) for i in range(0, 24, 6))
+        return sum(f(x[i : i + 6], labels[i : i + 6]) for i in range(0, 24, 6))
 
-    results = [_run(lambda m=m: pml_losses.CrossBatchMemory(getattr(m, name)(), 8, memory_size=14).double(),
-                    steps, emb, ref) for m in (pml_losses, adapters)]
+    results = [
+        _run(lambda m=m: pml_losses.CrossBatchMemory(getattr(m, name)(), 8, memory_size=14).double(), steps, emb, ref)
+        for m in (pml_losses, adapters)
+    ]
     (e, eg, _), (g, gg, w) = results
     assert_close(g, e, f"CrossBatchMemory({name})", *TOL)
     assert_close(gg[0], eg[0], f"CrossBatchMemory({name}) grad", *TOL)
@@ -160,7 +216,7 @@ def test_second_derivatives_equal_pml(name: str) -> None:
         x = emb.clone().requires_grad_(True)
         loss = getattr(module, name)()(x, labels)
         (g,) = torch.autograd.grad(loss, x, create_graph=True)
-        out.append(torch.autograd.grad(loss + (g ** 2).sum(), x)[0])
+        out.append(torch.autograd.grad(loss + (g**2).sum(), x)[0])
     assert_close(out[1], out[0], f"{name}: gradient penalty", 1e-8, 1e-8)  # PML: log(p + tiny)
 
 
@@ -177,5 +233,9 @@ def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="block_size"):
         adapters.NTXentLoss(block_size=0)
     with pytest.raises(ValueError, match="ref_emb"):
-        adapters.SupConLoss()(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), ref_emb=torch.randn(4, 2),
-                              ref_labels=torch.tensor([0, 1, 0, 1]))
+        adapters.SupConLoss()(
+            torch.randn(4, 3),
+            torch.tensor([0, 0, 1, 1]),
+            ref_emb=torch.randn(4, 2),
+            ref_labels=torch.tensor([0, 1, 0, 1]),
+        )

@@ -1,5 +1,6 @@
 """The O(batch) claim, checked: a tiled call completes under an address-space
 limit that the dense score matrix alone would exceed."""
+
 from __future__ import annotations
 
 import subprocess
@@ -29,8 +30,12 @@ CHILD = textwrap.dedent("""
 
 
 def _run(b: int, d: int, backend: str, limit_mb: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CHILD, str(b), str(d), backend, str(limit_mb)],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, str(b), str(d), backend, str(limit_mb)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -43,4 +48,5 @@ def test_tiled_fits_where_dense_matrix_cannot(b: int) -> None:
     assert tiled.returncode == 0 and "OK" in tiled.stdout, tiled.stdout + tiled.stderr
     dense = _run(b, 32, "dense", limit_mb)
     assert dense.returncode == 3 and "OOM" in dense.stdout, "the limit must be tight enough to stop dense: " + (
-        dense.stdout + dense.stderr)
+        dense.stdout + dense.stderr
+    )

@@ -1,6 +1,7 @@
 """What a demanding user tries beyond the plain call: second derivatives, NaN in an
 excluded entry, a low-precision temperature, mistyped flags, autocast. Every
 backend either gives the right number or raises a clear error."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,8 @@ from helpers import CASES, Case, assert_close
 
 F64 = torch.float64
 TRITON = importlib.util.find_spec("triton") is not None and (
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+)
 
 
 def _inputs(case: Case, dtype: torch.dtype = F64) -> List[torch.Tensor]:
@@ -33,7 +35,7 @@ def _penalty_grads(case: Case, backend: str, reduction: str, dtype: torch.dtype 
     loss = case.fn(*inputs, *case.extra, backend=backend, reduction=reduction, **case.kwargs, **_block(backend))
     loss = loss.sum() if reduction == "none" else loss
     grads = torch.autograd.grad(loss, inputs, create_graph=True)
-    total = loss + sum((g ** 2).sum() for g in grads)
+    total = loss + sum((g**2).sum() for g in grads)
     return list(torch.autograd.grad(total, inputs))
 
 
@@ -47,9 +49,19 @@ def _hvp(case: Case, backend: str, dtype: torch.dtype = F64) -> List[torch.Tenso
     return list(torch.autograd.grad(sum((gr * v).sum() for gr, v in zip(grads, vs)), inputs))
 
 
-SECOND_ORDER_CASES = ["supcon", "supcon_sum_self", "supcon_views", "nt_xent", "info_nce_hard_neg", "clip",
-                      "supcon_matryoshka", "info_nce_matryoshka", "clip_matryoshka",
-                      "neighbor", "neighbor_with_diag"]
+SECOND_ORDER_CASES = [
+    "supcon",
+    "supcon_sum_self",
+    "supcon_views",
+    "nt_xent",
+    "info_nce_hard_neg",
+    "clip",
+    "supcon_matryoshka",
+    "info_nce_matryoshka",
+    "clip_matryoshka",
+    "neighbor",
+    "neighbor_with_diag",
+]
 
 
 @pytest.mark.parametrize("backend", ["tiled", "reference", "auto"])
@@ -70,8 +82,13 @@ def test_second_derivatives_equal_dense(name: str, backend: str) -> None:
 def test_second_derivatives_triton(name: str) -> None:
     case = CASES[name]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    moved = Case(case.name, case.fn, [t.to(device) for t in case.tensors],
-                 [x.to(device) if isinstance(x, torch.Tensor) else x for x in case.extra], case.kwargs)
+    moved = Case(
+        case.name,
+        case.fn,
+        [t.to(device) for t in case.tensors],
+        [x.to(device) if isinstance(x, torch.Tensor) else x for x in case.extra],
+        case.kwargs,
+    )
     for a, e in zip(_hvp(moved, "triton", torch.float32), _hvp(moved, "dense", torch.float32)):
         assert_close(a.cpu(), e.cpu(), f"{name}/triton: Hessian-vector product", 1e-4, 1e-4)
 
@@ -90,6 +107,7 @@ def test_learnable_temperature_second_derivative() -> None:
 
 
 # ----------------------------------------------------------------------------- excluded entries
+
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("reduction", ["sum", "none"])
@@ -117,6 +135,7 @@ def test_neighbor_loss_ignores_an_excluded_nan(value: float, reduction: str) -> 
 
 # ----------------------------------------------------------------------------- scalars
 
+
 @pytest.mark.parametrize("backend", ["dense", "tiled", "reference"])
 def test_half_precision_temperature_is_promoted(backend: str) -> None:
     case = CASES["supcon"]
@@ -132,29 +151,38 @@ def test_half_precision_temperature_is_promoted(backend: str) -> None:
     assert_close(t16.grad, t32.grad.half(), "temperature gradient", 0.0, 1e-3)
     s16 = torch.tensor(14.3, dtype=torch.bfloat16)
     img, txt = CASES["clip"].tensors
-    assert_close(flashcl.clip_loss(img.float(), txt.float(), s16, backend=backend),
-                 flashcl.clip_loss(img.float(), txt.float(), float(s16), backend=backend),
-                 "bfloat16 logit_scale", 0.0, 2e-7)
+    assert_close(
+        flashcl.clip_loss(img.float(), txt.float(), s16, backend=backend),
+        flashcl.clip_loss(img.float(), txt.float(), float(s16), backend=backend),
+        "bfloat16 logit_scale",
+        0.0,
+        2e-7,
+    )
 
 
 # ----------------------------------------------------------------------------- flags
 
 FLAG_CALLS = {
-    "supcon include_self": lambda: flashcl.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]),
-                                                       include_self="False"),
+    "supcon include_self": lambda: flashcl.supcon_loss(
+        torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), include_self="False"
+    ),
     "supcon normalize": lambda: flashcl.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), normalize=1),
     "nt_xent normalize": lambda: flashcl.nt_xent_loss(torch.randn(4, 3), torch.randn(4, 3), normalize="no"),
     "info_nce normalize": lambda: flashcl.info_nce_loss(torch.randn(4, 3), torch.randn(4, 3), normalize=None),
     "clip normalize": lambda: flashcl.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 2.0, normalize=0),
-    "neighbor exclude_diagonal": lambda: flashcl.neighbor_loss(torch.randn(4, 4), torch.zeros(4, 1).long(),
-                                                               exclude_diagonal="False"),
+    "neighbor exclude_diagonal": lambda: flashcl.neighbor_loss(
+        torch.randn(4, 4), torch.zeros(4, 1).long(), exclude_diagonal="False"
+    ),
     "sample exclude_self": lambda: flashcl.sample_neighbors(4, 2, exclude_self="yes"),
-    "module include_self": lambda: flashcl.SupConLoss(include_self="False")(torch.randn(4, 3),
-                                                                            torch.tensor([0, 0, 1, 1])),
-    "distributed include_self": lambda: flashcl.distributed.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]),
-                                                                        include_self="False"),
-    "distributed normalize": lambda: flashcl.distributed.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 2.0,
-                                                                   normalize="True"),
+    "module include_self": lambda: flashcl.SupConLoss(include_self="False")(
+        torch.randn(4, 3), torch.tensor([0, 0, 1, 1])
+    ),
+    "distributed include_self": lambda: flashcl.distributed.supcon_loss(
+        torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), include_self="False"
+    ),
+    "distributed normalize": lambda: flashcl.distributed.clip_loss(
+        torch.randn(4, 3), torch.randn(4, 3), 2.0, normalize="True"
+    ),
 }
 
 
@@ -167,8 +195,9 @@ def test_flags_must_be_bool(name: str) -> None:
 
 # ----------------------------------------------------------------------------- autocast
 
-AUTOCAST_BACKENDS = ["reference", "dense", "tiled", "auto"] + (["triton"] if TRITON and not torch.cuda.is_available()
-                                                               else [])
+AUTOCAST_BACKENDS = ["reference", "dense", "tiled", "auto"] + (
+    ["triton"] if TRITON and not torch.cuda.is_available() else []
+)
 
 
 @pytest.mark.parametrize("backend", AUTOCAST_BACKENDS)

@@ -1,4 +1,5 @@
 """Property tests: random shapes, labels and options; dense and tiled equal the reference."""
+
 from __future__ import annotations
 
 import torch
@@ -29,38 +30,80 @@ def _check(fn_of_backend, tensors, label):
 
 
 @settings(max_examples=25, deadline=None)
-@given(b=st.integers(2, 24), d=st.integers(1, 9), classes=st.integers(1, 8), views=st.integers(1, 3),
-       positives=st.sampled_from(["mean", "sum"]), include_self=st.booleans(),
-       reduction=st.sampled_from(["mean", "sum", "none"]), block=st.integers(1, 30), seed=st.integers(0, 10_000))
+@given(
+    b=st.integers(2, 24),
+    d=st.integers(1, 9),
+    classes=st.integers(1, 8),
+    views=st.integers(1, 3),
+    positives=st.sampled_from(["mean", "sum"]),
+    include_self=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    block=st.integers(1, 30),
+    seed=st.integers(0, 10_000),
+)
 def test_supcon_random(b, d, classes, views, positives, include_self, reduction, block, seed):
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(b, views, d, generator=g, dtype=torch.float64)
     labels = torch.randint(0, classes, (b,), generator=g) * 7 - 3  # arbitrary, negative ids too
-    _check(lambda ts, be: flashcl.supcon_loss(ts[0], labels, temperature=0.3, positives=positives,
-                                              include_self=include_self, reduction=reduction, backend=be,
-                                              block_size=block), [emb], "supcon")
+    _check(
+        lambda ts, be: flashcl.supcon_loss(
+            ts[0],
+            labels,
+            temperature=0.3,
+            positives=positives,
+            include_self=include_self,
+            reduction=reduction,
+            backend=be,
+            block_size=block,
+        ),
+        [emb],
+        "supcon",
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(b=st.integers(1, 16), extra=st.integers(0, 10), d=st.integers(1, 9), block=st.integers(1, 20),
-       reduction=st.sampled_from(["mean", "sum", "none"]), seed=st.integers(0, 10_000))
+@given(
+    b=st.integers(1, 16),
+    extra=st.integers(0, 10),
+    d=st.integers(1, 9),
+    block=st.integers(1, 20),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    seed=st.integers(0, 10_000),
+)
 def test_info_nce_and_clip_random(b, extra, d, block, reduction, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, d, generator=g, dtype=torch.float64)
     k = torch.randn(b + extra, d, generator=g, dtype=torch.float64)
     pos = torch.randint(0, b + extra, (b,), generator=g)
-    _check(lambda ts, be: flashcl.info_nce_loss(ts[0], ts[1], pos, reduction=reduction, backend=be,
-                                                block_size=block), [q, k], "info_nce")
-    _check(lambda ts, be: flashcl.clip_loss(ts[0], ts[1], 3.0, reduction=reduction, backend=be,
-                                            block_size=block), [q, k[:b]], "clip")
+    _check(
+        lambda ts, be: flashcl.info_nce_loss(ts[0], ts[1], pos, reduction=reduction, backend=be, block_size=block),
+        [q, k],
+        "info_nce",
+    )
+    _check(
+        lambda ts, be: flashcl.clip_loss(ts[0], ts[1], 3.0, reduction=reduction, backend=be, block_size=block),
+        [q, k[:b]],
+        "clip",
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(2, 20), k=st.integers(1, 4), exclude=st.booleans(), block=st.integers(1, 25),
-       reduction=st.sampled_from(["mean", "sum", "none"]), seed=st.integers(0, 10_000))
+@given(
+    n=st.integers(2, 20),
+    k=st.integers(1, 4),
+    exclude=st.booleans(),
+    block=st.integers(1, 25),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    seed=st.integers(0, 10_000),
+)
 def test_neighbor_random(n, k, exclude, block, reduction, seed):
     g = torch.Generator().manual_seed(seed)
     s = torch.randn(n, n, generator=g, dtype=torch.float64) * 5
     nb = flashcl.sample_neighbors(n, k, generator=g)
-    _check(lambda ts, be: flashcl.neighbor_loss(ts[0], nb, exclude_diagonal=exclude, reduction=reduction,
-                                                backend=be, block_size=block), [s], "neighbor")
+    _check(
+        lambda ts, be: flashcl.neighbor_loss(
+            ts[0], nb, exclude_diagonal=exclude, reduction=reduction, backend=be, block_size=block
+        ),
+        [s],
+        "neighbor",
+    )

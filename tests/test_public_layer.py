@@ -1,5 +1,6 @@
 """The public layer: every Module twin stores its function's options; options a
 loss does not take across processes are errors, not ignored."""
+
 from __future__ import annotations
 
 import inspect
@@ -10,18 +11,26 @@ import torch
 
 import flashcl
 
-TWINS = [(flashcl.SupConLoss, flashcl.supcon_loss), (flashcl.NTXentLoss, flashcl.nt_xent_loss),
-         (flashcl.InfoNCELoss, flashcl.info_nce_loss), (flashcl.ClipLoss, flashcl.clip_loss),
-         (flashcl.SigLipLoss, flashcl.siglip_loss), (flashcl.GistLoss, flashcl.gist_loss),
-         (flashcl.NeighborLoss, flashcl.neighbor_loss)]
+TWINS = [
+    (flashcl.SupConLoss, flashcl.supcon_loss),
+    (flashcl.NTXentLoss, flashcl.nt_xent_loss),
+    (flashcl.InfoNCELoss, flashcl.info_nce_loss),
+    (flashcl.ClipLoss, flashcl.clip_loss),
+    (flashcl.SigLipLoss, flashcl.siglip_loss),
+    (flashcl.GistLoss, flashcl.gist_loss),
+    (flashcl.NeighborLoss, flashcl.neighbor_loss),
+]
 
 
 @pytest.mark.parametrize("module,fn", TWINS, ids=[m.__name__ for m, _ in TWINS])
 def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
     """Each keyword option of the function is a constructor argument of its Module
     with the same default (the inputs and the per-call tensors are the call's)."""
-    options = {name: p.default for name, p in inspect.signature(fn).parameters.items()
-               if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+    options = {
+        name: p.default
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
+    }
     per_call = {"ref", "ref_labels", "ref_self", "negatives", "query_labels", "key_labels", "labels", "guide"}
     twin = {name: p.default for name, p in inspect.signature(module).parameters.items() if p.kind is not p.VAR_KEYWORD}
     for name, default in options.items():
@@ -34,14 +43,30 @@ def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
 
 UNSUPPORTED = [
     # across processes the tiled core runs (gathered or round the ring): another backend is an error, not ignored
-    ("backend", lambda g: flashcl.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), backend="dense",
-                                              process_group=g)),
-    ("backend", lambda g: flashcl.gist_loss(torch.randn(4, 3), torch.randn(4, 3), guide=(torch.randn(4, 2),
-                                            torch.randn(4, 2)), backend="reference", process_group=g)),
-    ("strategy", lambda g: flashcl.siglip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree",
-                                               process_group=g)),
-    ("grad_scale", lambda g: flashcl.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, grad_scale="mean",
-                                               process_group=g)),
+    (
+        "backend",
+        lambda g: flashcl.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), backend="dense", process_group=g),
+    ),
+    (
+        "backend",
+        lambda g: flashcl.gist_loss(
+            torch.randn(4, 3),
+            torch.randn(4, 3),
+            guide=(torch.randn(4, 2), torch.randn(4, 2)),
+            backend="reference",
+            process_group=g,
+        ),
+    ),
+    (
+        "strategy",
+        lambda g: flashcl.siglip_loss(
+            torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree", process_group=g
+        ),
+    ),
+    (
+        "grad_scale",
+        lambda g: flashcl.clip_loss(torch.randn(4, 3), torch.randn(4, 3), 10.0, grad_scale="mean", process_group=g),
+    ),
 ]
 
 

@@ -1,4 +1,5 @@
 """The seeds' own programs against flashcl: equal losses and gradients."""
+
 from __future__ import annotations
 
 import random
@@ -47,8 +48,11 @@ def test_seed1_overflow_where_flashcl_stays_finite() -> None:
         xs = x.clone().requires_grad_(True)
         loss = flashcl.neighbor_loss(xs, idx, backend=backend)
         loss.backward()
-        expected = sum(torch.logsumexp(torch.cat([x[i, :i], x[i, i + 1:]]).double(), 0) - x[i, j].double()
-                       for i in range(20) for j in idx[i].tolist())
+        expected = sum(
+            torch.logsumexp(torch.cat([x[i, :i], x[i, i + 1 :]]).double(), 0) - x[i, j].double()
+            for i in range(20)
+            for j in idx[i].tolist()
+        )
         assert torch.isfinite(loss) and torch.isfinite(xs.grad).all(), backend
         assert_close(loss, expected, f"{backend}: loss at 1e4", 0.0, 1e-6)
 
@@ -66,8 +70,15 @@ def test_seed2_naive_and_vectorized_equal_supcon(backend: str, b: int, classes: 
     vec = vectorized_supervised_simcse_loss(e2, labels)
     vec.backward()
     e3 = emb.clone().requires_grad_(True)
-    ours = flashcl.supcon_loss(e3, labels, temperature=0.05, positives="sum", include_self=True,
-                               backend=backend, block_size=5 if backend == "tiled" else None)
+    ours = flashcl.supcon_loss(
+        e3,
+        labels,
+        temperature=0.05,
+        positives="sum",
+        include_self=True,
+        backend=backend,
+        block_size=5 if backend == "tiled" else None,
+    )
     ours.backward()
     assert_close(ours, naive, "vs naive", 1e-10, 1e-10)
     assert_close(ours, vec, "vs vectorized", 1e-10, 1e-10)

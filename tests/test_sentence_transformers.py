@@ -3,6 +3,7 @@ own losses: equal values and gradients on random embeddings for every
 configuration flashcl computes, the fallback (with its warning) for the others,
 GradCache's cached gradients, and training through SentenceTransformerTrainer
 with a tiny BERT built here (no download)."""
+
 from __future__ import annotations
 
 import warnings
@@ -30,8 +31,12 @@ CONFIGS: List[Dict[str, Any]] = [
     {"similarity_fct": dot_score, "scale": 1.0},
     {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
     {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "joint"},
-    {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "joint", "similarity_fct": dot_score,
-     "scale": 0.5},
+    {
+        "directions": ("query_to_doc", "doc_to_query"),
+        "partition_mode": "joint",
+        "similarity_fct": dot_score,
+        "scale": 0.5,
+    },
     {"directions": ("query_to_doc", "query_to_query")},
     {"directions": ("query_to_doc", "doc_to_doc")},
     {"directions": ALL_DIRECTIONS, "partition_mode": "joint"},
@@ -56,8 +61,9 @@ def _value_and_grads(loss_fn: Any, columns: List[torch.Tensor]) -> tuple:
 
 
 @pytest.mark.parametrize("negatives", [0, 1, 3])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}"
-                                                                    for k, v in c.items()) or "default")
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()) or "default"
+)
 @pytest.mark.parametrize("backend", ["dense", "tiled"])
 def test_mnrl_equals_sentence_transformers(config: Dict[str, Any], negatives: int, backend: str) -> None:
     columns = _columns(11, 8, negatives)
@@ -72,9 +78,12 @@ def test_mnrl_equals_sentence_transformers(config: Dict[str, Any], negatives: in
         assert_close(a, e, f"{config}: grad of column {i}", 1e-10, 1e-10)
 
 
-@pytest.mark.parametrize("config", [
-    {"similarity_fct": lambda a, b: -torch.cdist(a, b)},
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"similarity_fct": lambda a, b: -torch.cdist(a, b)},
+    ],
+)
 def test_mnrl_unsupported_configurations_fall_back_with_a_warning(config: Dict[str, Any]) -> None:
     columns = _columns(9, 5, 1, seed=1)
     ours = fst.MultipleNegativesRankingLoss(None, **config)
@@ -93,8 +102,10 @@ def test_mnrl_rejects_a_single_column() -> None:
 
 # ---------------------------------------------------------------- a tiny model, no download
 
-WORDS = ("the a cat dog sat ran on mat park fast slow red blue car bus road stock market price fell rose "
-         "team won lost game goal rain snow cold warm sun").split()
+WORDS = (
+    "the a cat dog sat ran on mat park fast slow red blue car bus road stock market price fell rose "
+    "team won lost game goal rain snow cold warm sun"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +116,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     vocab = path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=5 + len(WORDS), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                         attention_probs_dropout_prob=0.0)).save_pretrained(path)
+    BertModel(
+        BertConfig(
+            vocab_size=5 + len(WORDS),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    ).save_pretrained(path)
     tokens = vocab.read_text().split()
     try:  # transformers >= 5 takes the vocabulary itself; 4.x a vocab file
         tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(tokens)})
@@ -135,8 +155,9 @@ def _param_grads(model: Any) -> List[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("config", [{}, {"directions": ("query_to_doc", "doc_to_query"),
-                                         "partition_mode": "per_direction"}])
+@pytest.mark.parametrize(
+    "config", [{}, {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}]
+)
 def test_cached_mnrl_equals_sentence_transformers_through_a_model(tiny_model: Any, config: Dict[str, Any]) -> None:
     texts = [_sentences(10, s) for s in (1, 2, 3)]  # anchor, positive, negative
     grads = []
@@ -162,12 +183,21 @@ def test_mnrl_and_supcon_train_with_sentence_transformer_trainer(tiny_model: Any
 
     def train(loss_of: Any, data: Dict[str, List[Any]], seed: int = 0) -> Any:
         model = _load(tiny_model)
-        args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path / "run"), num_train_epochs=2,
-                                                    per_device_train_batch_size=8, learning_rate=1e-3, seed=seed,
-                                                    report_to=[], save_strategy="no", logging_steps=1000,
-                                                    use_cpu=True, dataloader_drop_last=True)
-        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(data),
-                                             loss=loss_of(model))
+        args = SentenceTransformerTrainingArguments(
+            output_dir=str(tmp_path / "run"),
+            num_train_epochs=2,
+            per_device_train_batch_size=8,
+            learning_rate=1e-3,
+            seed=seed,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1000,
+            use_cpu=True,
+            dataloader_drop_last=True,
+        )
+        trainer = SentenceTransformerTrainer(
+            model=model, args=args, train_dataset=datasets.Dataset.from_dict(data), loss=loss_of(model)
+        )
         trainer.train()
         return model
 
@@ -213,8 +243,9 @@ def test_supcon_loss_module_is_flashcl_supcon_on_the_model_embeddings(tiny_model
 
 def test_supcon_unknown_option_is_refused() -> None:
     with pytest.raises(ValueError):
-        fst.SupConLoss(None, positives="max").compute_loss_from_embeddings(torch.randn(4, 3),
-                                                                           torch.tensor([0, 0, 1, 1]))
+        fst.SupConLoss(None, positives="max").compute_loss_from_embeddings(
+            torch.randn(4, 3), torch.tensor([0, 0, 1, 1])
+        )
 
 
 def test_cos_sim_is_what_normalize_means() -> None:
@@ -225,6 +256,7 @@ def test_cos_sim_is_what_normalize_means() -> None:
 
 
 # ---------------------------------------------------------------- GISTEmbed with a guide model
+
 
 def _guide(path: Any, seed: int, max_seq_length: Any = None) -> Any:
     guide = _load(path)
@@ -238,11 +270,18 @@ def _guide(path: Any, seed: int, max_seq_length: Any = None) -> Any:
 
 
 @pytest.mark.parametrize("columns", [2, 3])
-@pytest.mark.parametrize("config", [{}, {"margin": 0.05, "margin_strategy": "relative", "contrast_anchors": False},
-                                    {"retokenize": True, "temperature": 0.05}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"margin": 0.05, "margin_strategy": "relative", "contrast_anchors": False},
+        {"retokenize": True, "temperature": 0.05},
+    ],
+)
 @pytest.mark.parametrize("cached", [False, True])
-def test_gist_losses_equal_sentence_transformers_through_a_model(tiny_model: Any, config: Dict[str, Any],
-                                                                 columns: int, cached: bool) -> None:
+def test_gist_losses_equal_sentence_transformers_through_a_model(
+    tiny_model: Any, config: Dict[str, Any], columns: int, cached: bool
+) -> None:
     config = dict(config)
     short = 16 if config.pop("retokenize", False) else None
     texts = [_sentences(10, s) for s in (11, 12, 13)][:columns]
@@ -280,25 +319,36 @@ def test_gist_gather_across_devices_falls_back_with_a_warning(tiny_model: Any) -
 
 # ---------------------------------------------------------------- gather_across_devices on 2 processes
 
+
 def _gather_worker(rank: int, world: int, out_dir: str) -> None:
     import datetime
     import os
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     torch.set_num_threads(1)
     results = {}
     columns = _columns(2 * 7, 6, 1, seed=21)
-    local = [c[7 * rank:7 * rank + 7] for c in columns]
+    local = [c[7 * rank : 7 * rank + 7] for c in columns]
     for i, config in enumerate(GATHER_CONFIGS):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # flashcl computes it: no fallback
-            ours = _value_and_grads(fst.MultipleNegativesRankingLoss(None, gather_across_devices=True,
-                                                                     backend="tiled", block_size=3, **config), local)
-        theirs = _value_and_grads(st_losses.MultipleNegativesRankingLoss(None, gather_across_devices=True, **config),
-                                  local)
+            ours = _value_and_grads(
+                fst.MultipleNegativesRankingLoss(
+                    None, gather_across_devices=True, backend="tiled", block_size=3, **config
+                ),
+                local,
+            )
+        theirs = _value_and_grads(
+            st_losses.MultipleNegativesRankingLoss(None, gather_across_devices=True, **config), local
+        )
         results[i] = (ours, theirs)
         # the cached variants' loss over the mini-batches' embeddings
         cached = []
@@ -338,15 +388,23 @@ def test_mnrl_gather_across_devices_equals_sentence_transformers(tmp_path: Any) 
 
 # ---------------------------------------------------------------- MatryoshkaLoss
 
+
 @pytest.mark.parametrize("cached", [False, True])
-@pytest.mark.parametrize("setup", [
-    {"dims": [32, 16, 8], "config": {}},
-    {"dims": [32, 24, 4], "weights": [1.0, 0.5, 2.0], "config": {"directions": ("query_to_doc", "doc_to_query")}},
-    {"dims": [32, 16, 8, 4], "n_dims_per_step": 2,
-     "config": {"hardness_mode": "in_batch_negatives", "hardness_strength": 9.0}},
-])
-def test_matryoshka_equals_sentence_transformers(tiny_model: Any, setup: Dict[str, Any], cached: bool,
-                                                 monkeypatch: Any) -> None:
+@pytest.mark.parametrize(
+    "setup",
+    [
+        {"dims": [32, 16, 8], "config": {}},
+        {"dims": [32, 24, 4], "weights": [1.0, 0.5, 2.0], "config": {"directions": ("query_to_doc", "doc_to_query")}},
+        {
+            "dims": [32, 16, 8, 4],
+            "n_dims_per_step": 2,
+            "config": {"hardness_mode": "in_batch_negatives", "hardness_strength": 9.0},
+        },
+    ],
+)
+def test_matryoshka_equals_sentence_transformers(
+    tiny_model: Any, setup: Dict[str, Any], cached: bool, monkeypatch: Any
+) -> None:
     """flashcl's MatryoshkaLoss (all widths in one pass), sentence-transformers'
     MatryoshkaLoss around flashcl's MNRL (one flashcl call per width), and
     sentence-transformers' own, through a model's parameter gradients (float64)."""
@@ -369,8 +427,11 @@ def test_matryoshka_equals_sentence_transformers(tiny_model: Any, setup: Dict[st
     extra = {"mini_batch_size": 4} if cached else {}
     kw = {"matryoshka_weights": setup.get("weights"), "n_dims_per_step": setup.get("n_dims_per_step", -1)}
     values, grads = [], []
-    for wrapper, inner in ((fst.MatryoshkaLoss, our_mnrl), (st_losses.MatryoshkaLoss, our_mnrl),
-                           (st_losses.MatryoshkaLoss, st_mnrl)):
+    for wrapper, inner in (
+        (fst.MatryoshkaLoss, our_mnrl),
+        (st_losses.MatryoshkaLoss, our_mnrl),
+        (st_losses.MatryoshkaLoss, st_mnrl),
+    ):
         model = _load(tiny_model).double()
         loss = wrapper(model, inner(model, **setup["config"], **extra), setup["dims"], **kw)
         random.seed(0)  # n_dims_per_step draws its widths with Python's random
@@ -417,14 +478,22 @@ def test_gist_float32_gradients_no_worse_than_sentence_transformers(tiny_model: 
     theirs = grads(st_losses.GISTEmbedLoss, torch.float32)
     ours = grads(fst.GISTEmbedLoss, torch.float32, backend=backend)
     flat = torch.cat([e.reshape(-1) for e in exact])
-    err_theirs, err_ours = (float((torch.cat([g.reshape(-1) for g in x]).double() - flat).abs().max())
-                            for x in (theirs, ours))
+    err_theirs, err_ours = (
+        float((torch.cat([g.reshape(-1) for g in x]).double() - flat).abs().max()) for x in (theirs, ours)
+    )
     atol, _ = TOL[torch.float32]
     assert err_ours <= err_theirs + atol * float(flat.abs().max()), (err_ours, err_theirs)
 
 
-@pytest.mark.parametrize("cls", [fst.MultipleNegativesRankingLoss, fst.CachedMultipleNegativesRankingLoss,
-                                 fst.GISTEmbedLoss, fst.CachedGISTEmbedLoss])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        fst.MultipleNegativesRankingLoss,
+        fst.CachedMultipleNegativesRankingLoss,
+        fst.GISTEmbedLoss,
+        fst.CachedGISTEmbedLoss,
+    ],
+)
 def test_adapters_made_without_init_have_flashcl_defaults(cls: Any) -> None:
     """sentence-transformers' own tests make losses with ``cls.__new__(cls)``."""
     loss = cls.__new__(cls)

@@ -1,6 +1,7 @@
 """The tiled backend's stripe driver (tensor-core GEMMs on CUDA for half precision),
 run on the CPU with the half GEMMs emulated: every embedding loss against the
 float64 reference, half precision no worse than the dense backend, determinism."""
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -47,16 +48,23 @@ def test_stripes_half_precision_no_worse_than_dense(name: str, dtype: torch.dtyp
     """The oracle: the float64 reference on the same, already rounded, inputs. G is
     rounded once to the inputs' dtype for the gradient GEMMs, as on tensor cores."""
     case = CASES[name]
-    rounded = Case(case.name, case.fn, [t.to(dtype).to(torch.float64) for t in case.tensors], case.extra,
-                   case.kwargs, case.scalar_kw)
+    rounded = Case(
+        case.name,
+        case.fn,
+        [t.to(dtype).to(torch.float64) for t in case.tensors],
+        case.extra,
+        case.kwargs,
+        case.scalar_kw,
+    )
     ref_loss, ref_grads = rounded.run("reference", "mean", torch.float64)
     dense = rounded.run("dense", "mean", dtype)
     stripes = _run(rounded, dtype, "mean", 5)
     assert stripes[0].dtype == torch.float32
-    assert all(g.dtype == dtype for g in stripes[1][:len(case.tensors)])
+    assert all(g.dtype == dtype for g in stripes[1][: len(case.tensors)])
     margin = 1e-3 if dtype == torch.float16 else 1e-2
-    for i, (s_out, d_out, r_out) in enumerate(zip([stripes[0]] + stripes[1], [dense[0]] + dense[1],
-                                                   [ref_loss] + ref_grads)):
+    for i, (s_out, d_out, r_out) in enumerate(
+        zip([stripes[0]] + stripes[1], [dense[0]] + dense[1], [ref_loss] + ref_grads)
+    ):
         es = float((s_out.double() - r_out).abs().max())
         ed = float((d_out.double() - r_out).abs().max())
         assert es <= 1.5 * ed + margin, f"{name}/{dtype}: output {i}: stripes {es:.3g} vs dense {ed:.3g}"

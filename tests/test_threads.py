@@ -1,5 +1,6 @@
 """The thread count of the CPU block loops (flashcl.threads): chosen by timing,
 restored after the loop; the losses' values do not depend on it."""
+
 from __future__ import annotations
 
 import time
@@ -59,16 +60,19 @@ def test_restored_when_the_loop_body_raises(two_threads: None) -> None:
 
 
 @pytest.mark.parametrize("choice", [1, 2])
-def test_losses_do_not_depend_on_the_thread_choice(two_threads: None, choice: int,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_losses_do_not_depend_on_the_thread_choice(
+    two_threads: None, choice: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(threads._Estimates, "best", lambda self, full: choice)
     monkeypatch.setattr(threads, "PROBE_EVERY", 1)  # and every loop probes the other count on two blocks
     g = torch.Generator().manual_seed(0)
     e = torch.randn(700, 16, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(700, 16, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 5, (700,), generator=g)
-    for fn in (lambda backend: flashcl.supcon_loss(e, y, backend=backend, block_size=64),
-               lambda backend: flashcl.clip_loss(e, k, 10.0, backend=backend, block_size=64)):
+    for fn in (
+        lambda backend: flashcl.supcon_loss(e, y, backend=backend, block_size=64),
+        lambda backend: flashcl.clip_loss(e, k, 10.0, backend=backend, block_size=64),
+    ):
         expected = fn("dense")
         want = torch.autograd.grad(expected, (e, k), allow_unused=True)
         got = fn("tiled")

@@ -1,6 +1,7 @@
 """A new loss takes two files (tests/toy_loss.py and this test): every backend equals
 the plain formula, its Module twin stores its options, and across 2 and 3 gloo
 processes, on both strategies, the loss and its gradients equal one process's."""
+
 from __future__ import annotations
 
 import datetime
@@ -39,9 +40,12 @@ def test_every_backend_equals_the_formula(backend: str) -> None:
 
 def test_module_twin_and_errors() -> None:
     x = torch.randn(6, 4, dtype=torch.float64)
-    assert_close(InterleavedLoss(temperature=0.3, reduction="sum")(x), interleaved_loss(x, temperature=0.3,
-                                                                                         reduction="sum"),
-                 "module vs function", *TOL)
+    assert_close(
+        InterleavedLoss(temperature=0.3, reduction="sum")(x),
+        interleaved_loss(x, temperature=0.3, reduction="sum"),
+        "module vs function",
+        *TOL,
+    )
     with pytest.raises(ValueError, match="pairs"):
         interleaved_loss(torch.randn(5, 4))
     with pytest.raises(ValueError, match="reduction"):
@@ -52,18 +56,22 @@ SIZES = {2: [4, 2], 3: [2, 6, 4]}
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     torch.set_num_threads(1)
     sizes = SIZES[world]
     x = torch.randn(sum(sizes), 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     start = sum(sizes[:rank])
     out: List[torch.Tensor] = []
     for strategy in ("all_gather", "ring"):
-        xl = x[start:start + sizes[rank]].clone().requires_grad_(True)
+        xl = x[start : start + sizes[rank]].clone().requires_grad_(True)
         t = torch.tensor(0.25, dtype=torch.float64, requires_grad=True)
-        loss = interleaved_loss(xl, temperature=t, process_group=dist.group.WORLD, strategy=strategy,
-                                grad_scale="sum")
+        loss = interleaved_loss(xl, temperature=t, process_group=dist.group.WORLD, strategy=strategy, grad_scale="sum")
         out += [loss.detach(), *torch.autograd.grad(loss, [xl, t])]
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
@@ -84,4 +92,4 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
         assert_close(t_grad, gt, f"{strategy}: summed temperature grad", *TOL)
         for r in range(world):
             start = sum(sizes[:r])
-            assert_close(ranks[r][3 * s + 1], gx[start:start + sizes[r]], f"{strategy}: rank {r} rows' grad", *TOL)
+            assert_close(ranks[r][3 * s + 1], gx[start : start + sizes[r]], f"{strategy}: rank {r} rows' grad", *TOL)

@@ -1,5 +1,6 @@
 """The Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1), float32
 and half precision, against the float64 reference: loss and every gradient."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,23 +10,33 @@ import pytest
 import torch
 
 import flashcl
-from flashcl.triton.core import Config
+from flashcl.triton.driver import Config
 from helpers import CASES, TOL, Case, assert_close, compare_to_reference, make_cases
 
 if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install flashcl[triton]): its kernels cannot be tested here",
-                allow_module_level=True)
+    pytest.skip(
+        "triton is not installed (pip install flashcl[triton]): its kernels cannot be tested here",
+        allow_module_level=True,
+    )
 
 if torch.cuda.is_available():
-    pytest.skip("a CUDA device is present: the compiled kernels are tested by tests/test_cuda.py",
-                allow_module_level=True)
+    pytest.skip(
+        "a CUDA device is present: the compiled kernels are tested by tests/test_cuda.py", allow_module_level=True
+    )
 # conftest sets it before anything imports triton; a run that set it to 0 is refused here
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("TRITON_INTERPRET is not 1: the interpreter tests need it set before triton is imported",
-                allow_module_level=True)
+    pytest.skip(
+        "TRITON_INTERPRET is not 1: the interpreter tests need it set before triton is imported",
+        allow_module_level=True,
+    )
 
-EMBEDDING_CASES = sorted(name for name, c in CASES.items() if c.fn is not flashcl.neighbor_loss and c.kernels
-                         and name not in ("supcon_tiny_temperature", "clip_large_scale", "info_nce_tiny_temperature"))
+EMBEDDING_CASES = sorted(
+    name
+    for name, c in CASES.items()
+    if c.fn is not flashcl.neighbor_loss
+    and c.kernels
+    and name not in ("supcon_tiny_temperature", "clip_large_scale", "info_nce_tiny_temperature")
+)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -37,8 +48,11 @@ def test_triton_float32_matches_reference(name: str, reduction: str) -> None:
 def test_triton_sizes_across_several_tiles() -> None:
     # batches of 117 and 126 rows: two 64-row tiles, the last one partial
     for case in make_cases(seed=5, scale=9):
-        if case.fn is flashcl.neighbor_loss or not case.kernels or case.name.endswith(("tiny_temperature",
-                                                                                           "large_scale")):
+        if (
+            case.fn is flashcl.neighbor_loss
+            or not case.kernels
+            or case.name.endswith(("tiny_temperature", "large_scale"))
+        ):
             continue
         compare_to_reference(case, "triton", "mean", torch.float32, *TOL[torch.float32])
 
@@ -47,15 +61,22 @@ def test_triton_sizes_across_several_tiles() -> None:
 @pytest.mark.parametrize("name", ["supcon", "clip", "info_nce_hard_neg"])
 def test_triton_half_precision_no_worse_than_dense(name: str, dtype: torch.dtype) -> None:
     case = CASES[name]
-    rounded = Case(case.name, case.fn, [t.to(dtype).to(torch.float64) for t in case.tensors], case.extra,
-                   case.kwargs, case.scalar_kw)
+    rounded = Case(
+        case.name,
+        case.fn,
+        [t.to(dtype).to(torch.float64) for t in case.tensors],
+        case.extra,
+        case.kwargs,
+        case.scalar_kw,
+    )
     ref_loss, ref_grads = rounded.run("reference", "mean", torch.float64)
     errs = {}
     for backend in ("dense", "triton"):
         loss, grads = rounded.run(backend, "mean", dtype)
-        assert all(g.dtype == dtype for g in grads[:len(case.tensors)])
+        assert all(g.dtype == dtype for g in grads[: len(case.tensors)])
         errs[backend] = [float((loss.double() - ref_loss).abs())] + [
-            float((g.double() - r).abs().max()) for g, r in zip(grads, ref_grads)]
+            float((g.double() - r).abs().max()) for g, r in zip(grads, ref_grads)
+        ]
     margin = 2e-3 if dtype == torch.float16 else 2e-2
     for i, (et, ed) in enumerate(zip(errs["triton"], errs["dense"])):
         assert et <= 1.5 * ed + margin, f"{name}/{dtype}: output {i}: triton {et:.3g} vs dense {ed:.3g}"
@@ -76,14 +97,30 @@ def _ragged_cases(d: int, seed: int) -> list:
     labels = torch.randint(0, 4, (37,), generator=g)
     cases = [
         Case("supcon", flashcl.supcon_loss, [r(37, d)], [labels], {"temperature": 0.3}, "temperature"),
-        Case("supcon_sum_self", flashcl.supcon_loss, [r(37, d)], [labels],
-             {"temperature": 0.2, "positives": "sum", "include_self": True}),
+        Case(
+            "supcon_sum_self",
+            flashcl.supcon_loss,
+            [r(37, d)],
+            [labels],
+            {"temperature": 0.2, "positives": "sum", "include_self": True},
+        ),
         Case("nt_xent", flashcl.nt_xent_loss, [r(19, d), r(19, d)], [], {"temperature": 0.4}, "temperature"),
-        Case("info_nce_hard_neg", flashcl.info_nce_loss, [r(23, d), r(41, d)],
-             [torch.randint(0, 41, (23,), generator=g)], {"temperature": 0.2}, "temperature"),
+        Case(
+            "info_nce_hard_neg",
+            flashcl.info_nce_loss,
+            [r(23, d), r(41, d)],
+            [torch.randint(0, 41, (23,), generator=g)],
+            {"temperature": 0.2},
+            "temperature",
+        ),
         Case("clip", flashcl.clip_loss, [r(29, d), r(29, d)], [], {"logit_scale": 5.0}, "logit_scale"),
-        Case("clip_unnormalized", flashcl.clip_loss, [0.3 * r(29, d), 0.3 * r(29, d)], [],
-             {"logit_scale": 2.0, "normalize": False}),
+        Case(
+            "clip_unnormalized",
+            flashcl.clip_loss,
+            [0.3 * r(29, d), 0.3 * r(29, d)],
+            [],
+            {"logit_scale": 2.0, "normalize": False},
+        ),
     ]
     if d == 1:
         for case in cases:
@@ -114,7 +151,7 @@ def test_injected_small_tiles_at_ragged_sizes(d: int, config: Config) -> None:
 
 def _run_with_config(case: Case, reduction: str, dtype: torch.dtype, config: Config):
     """The case through the triton driver with an injected launch configuration."""
-    from flashcl.triton import core as tcore
+    from flashcl.triton import driver as tcore
 
     original = tcore.default_config
     tcore.default_config = lambda d, dt: config

@@ -1,5 +1,6 @@
 """Corners of the newer features where an answer could be silently wrong: each test
 here failed before its fix."""
+
 from __future__ import annotations
 
 import random
@@ -17,7 +18,7 @@ def _matryoshka_inputs(b: int, d: int) -> List[torch.Tensor]:
     x = torch.randn(b, d, generator=g, dtype=torch.float64)
     x[: b // 8, :2] *= 1e-4
     y = torch.randn(b, d, generator=g, dtype=torch.float64)
-    y[b // 2: b // 2 + b // 8, :2] *= 1e-4
+    y[b // 2 : b // 2 + b // 8, :2] *= 1e-4
     return [x, y]
 
 
@@ -30,8 +31,7 @@ _MATRYOSHKA_LOSSES: List[Any] = [
 
 @pytest.mark.parametrize("dims", [[1, 8], [2, 8], [1, 2, 8, 32]])
 @pytest.mark.parametrize("name,fn", _MATRYOSHKA_LOSSES, ids=[n for n, _ in _MATRYOSHKA_LOSSES])
-def test_matryoshka_narrow_width_gradient_float32(name: str, fn: Callable[..., torch.Tensor], dims: List[int]
-                                                  ) -> None:
+def test_matryoshka_narrow_width_gradient_float32(name: str, fn: Callable[..., torch.Tensor], dims: List[int]) -> None:
     """Every width's gradient in float32 no worse than the dense backend's (a width of
     1 is the sign of a coordinate: its gradient is zero, not float32 noise)."""
     inputs = _matryoshka_inputs(512, 32)
@@ -76,8 +76,11 @@ def test_gist_relative_margin_with_negative_guide_similarity(backend: str) -> No
         loss.backward()
         return [loss.detach()] + [x.grad for x in xs]
 
-    ours = grads(lambda x, y: flashcl.gist_loss(x, y, guide=(ga, gp), temperature=0.05, margin=0.3,
-                                                margin_strategy="relative", backend=backend))
+    ours = grads(
+        lambda x, y: flashcl.gist_loss(
+            x, y, guide=(ga, gp), temperature=0.05, margin=0.3, margin_strategy="relative", backend=backend
+        )
+    )
     peer = grads(lambda x, y: fn([x, y], [ga, gp]))
     for got, want in zip(ours, peer):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
@@ -166,8 +169,10 @@ def test_cached_step_trains_one_tower_with_the_other_frozen() -> None:
     """LiT: a locked image tower, a trained text tower; the text tower's gradient
     equals a full-batch step's."""
     g = torch.Generator().manual_seed(3)
-    images, texts = torch.randn(10, 6, generator=g, dtype=torch.float64), torch.randn(10, 5, generator=g,
-                                                                                       dtype=torch.float64)
+    images, texts = (
+        torch.randn(10, 6, generator=g, dtype=torch.float64),
+        torch.randn(10, 5, generator=g, dtype=torch.float64),
+    )
     torch.manual_seed(1)
     image_tower = torch.nn.Linear(6, 4).double().requires_grad_(False)
     text_tower = torch.nn.Linear(5, 4).double()
@@ -190,8 +195,9 @@ def test_cached_step_bad_arguments_name_them() -> None:
     with pytest.raises(ValueError, match="chunk_size"):
         flashcl.cached_step(enc, [x], lambda e: flashcl.supcon_loss(e, torch.arange(6) % 2), chunk_size=2.5)
     with pytest.raises(ValueError, match="loss_fn must return a scalar"):
-        flashcl.cached_step(enc, [x], lambda e: flashcl.supcon_loss(e, torch.arange(6) % 2, reduction="none"),
-                            chunk_size=2)
+        flashcl.cached_step(
+            enc, [x], lambda e: flashcl.supcon_loss(e, torch.arange(6) % 2, reduction="none"), chunk_size=2
+        )
 
 
 def test_pml_supcon_adapter_equals_pml_on_random_cases() -> None:
@@ -217,11 +223,16 @@ def test_pml_supcon_adapter_equals_pml_on_random_cases() -> None:
         kw: dict = {}
         if rng.random() < 0.5:
             n = rng.randint(1, 8)
-            kw = {"ref_emb": torch.randn(n, d, generator=g) * scale,
-                  "ref_labels": torch.randint(0, 3, (n,), generator=g)}
+            kw = {
+                "ref_emb": torch.randn(n, d, generator=g) * scale,
+                "ref_labels": torch.randint(0, 3, (n,), generator=g),
+            }
         results = []
-        for cls, dtype in ((losses.SupConLoss, torch.float32), (SupConLoss, torch.float32),
-                           (losses.SupConLoss, torch.float64)):
+        for cls, dtype in (
+            (losses.SupConLoss, torch.float32),
+            (SupConLoss, torch.float32),
+            (losses.SupConLoss, torch.float64),
+        ):
             x = e.to(dtype).clone().requires_grad_(True)
             args = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in kw.items()}
             loss = cls(temperature=t, distance=dist())(x, y, **args)
@@ -239,8 +250,9 @@ def test_pml_supcon_adapter_equals_pml_on_random_cases() -> None:
             err, err_pml = ((g.double() - exact_grad).abs().max().item() for g in (got_grad, want_grad))
             assert err <= err_pml + tol, f"{where}: grad error {err:.3g}, PML's {err_pml:.3g}"
         else:  # float32 and float64 count other anchors: PML's float32 gradient, to float32 rounding of s / t
-            torch.testing.assert_close(got_grad, want_grad, rtol=1e-3, atol=10 * tol,
-                                       msg=lambda m, w=where: f"{w}: grad: {m}")
+            torch.testing.assert_close(
+                got_grad, want_grad, rtol=1e-3, atol=10 * tol, msg=lambda m, w=where: f"{w}: grad: {m}"
+            )
 
 
 def test_pml_supcon_adapter_counts_anchors_as_pml_does() -> None:
@@ -281,14 +293,30 @@ def _masked_key_cases() -> List[Any]:
     gn = torch.randn(extra, 4, generator=g, dtype=torch.float64)
 
     def info(q: torch.Tensor, k: torch.Tensor, backend: str) -> torch.Tensor:
-        return flashcl.info_nce_loss(q, k, temperature=0.1, query_labels=query_labels,
-                                     key_labels=torch.cat([query_labels, key_labels[b:]]), duplicates="mask",
-                                     reduction="none", backend=backend)
+        return flashcl.info_nce_loss(
+            q,
+            k,
+            temperature=0.1,
+            query_labels=query_labels,
+            key_labels=torch.cat([query_labels, key_labels[b:]]),
+            duplicates="mask",
+            reduction="none",
+            backend=backend,
+        )
 
     def gist(q: torch.Tensor, k: torch.Tensor, backend: str) -> torch.Tensor:
         # margin 2: every candidate but the positive is above the threshold, the negatives too
-        return flashcl.gist_loss(q, k[:b], k[b:], guide=(ga, gp, gn), margin=2.0, contrast_anchors=False,
-                                 contrast_positives=False, reduction="none", backend=backend)
+        return flashcl.gist_loss(
+            q,
+            k[:b],
+            k[b:],
+            guide=(ga, gp, gn),
+            margin=2.0,
+            contrast_anchors=False,
+            contrast_positives=False,
+            reduction="none",
+            backend=backend,
+        )
 
     return [("info_nce_duplicates_mask", info, b + 1), ("gist", gist, b + 1)]
 
@@ -332,9 +360,16 @@ def test_pml_style_calls_name_the_adapter() -> None:
         flashcl.NTXentLoss()(e, e, indices_tuple=None)
 
 
-@pytest.mark.parametrize("cls,keyword", [(flashcl.ClipLoss, "gather_with_grad"), (flashcl.ClipLoss, "local_loss"),
-                                         (flashcl.ClipLoss, "use_horovod"), (flashcl.SigLipLoss, "dist_impl"),
-                                         (flashcl.SigLipLoss, "rank")])
+@pytest.mark.parametrize(
+    "cls,keyword",
+    [
+        (flashcl.ClipLoss, "gather_with_grad"),
+        (flashcl.ClipLoss, "local_loss"),
+        (flashcl.ClipLoss, "use_horovod"),
+        (flashcl.SigLipLoss, "dist_impl"),
+        (flashcl.SigLipLoss, "rank"),
+    ],
+)
 def test_open_clip_constructor_keywords_name_what_to_use(cls: Any, keyword: str) -> None:
     with pytest.raises(TypeError, match=f"open_clip's constructor keywords {keyword}.*flashcl.distributed"):
         cls(**{keyword: True})

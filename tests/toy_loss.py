@@ -8,6 +8,7 @@ The loss: InfoNCE over one batch of interleaved views, rows ``2j`` and ``2j + 1`
 each other's positive, every other row a negative (NT-Xent with the two views
 interleaved rather than stacked).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -68,8 +69,9 @@ def interleaved_loss(
 
 
 @same_call_across_ranks
-def _interleaved_across(x: Tensor, scale: Tensor, reduction: str, grad_scale: str, strategy: str, group: Any,
-                        block_size: Optional[int]) -> Tensor:
+def _interleaved_across(
+    x: Tensor, scale: Tensor, reduction: str, grad_scale: str, strategy: str, group: Any, block_size: Optional[int]
+) -> Tensor:
     cols = distributed.columns(x, strategy, group)
     spec = interleaved_spec(x.shape[0], cols.offset, x.device)
     return distributed.run_across(x, cols, scale, spec, reduction, grad_scale, block_size)
@@ -78,11 +80,25 @@ def _interleaved_across(x: Tensor, scale: Tensor, reduction: str, grad_scale: st
 class InterleavedLoss(LossModule):
     """Module form of :func:`interleaved_loss`."""
 
-    def __init__(self, temperature: Scalar = 0.1, reduction: str = "mean", backend: str = "auto",
-                 block_size: Optional[int] = None, process_group: Any = None, strategy: str = "all_gather",
-                 grad_scale: str = "ddp") -> None:
-        super().__init__(temperature=temperature, reduction=reduction, backend=backend, block_size=block_size,
-                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
+    def __init__(
+        self,
+        temperature: Scalar = 0.1,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(
+            temperature=temperature,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return interleaved_loss(x, **self.loss_options())

@@ -1,4 +1,5 @@
 """flashcl: exact, numerically stable, O(batch)-memory contrastive losses for PyTorch."""
+
 from . import distributed
 from .cached import cached_step
 from .doctor import doctor

@@ -1,4 +1,5 @@
 """``flashcl`` / ``python -m flashcl``: the command line (``bench``, ``doctor``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,17 @@ def _doctor(args: argparse.Namespace) -> int:
         raise SystemExit(f"flashcl doctor: {e}") from e
     params = _positional_parameters(fn)
     if params is not None and len(args.shape) < params:
-        raise SystemExit(f"flashcl doctor: {args.target} takes {params} input(s), got {len(args.shape)} --shape: "
-                         "give one --shape per input, in order (e.g. --shape n,128 --shape n:int:10)")
-    report = doctor(fn, *inputs, sizes=sizes, seed=args.seed,
-                    progress=lambda line: print(f"... {line}", file=sys.stderr, flush=True))
+        raise SystemExit(
+            f"flashcl doctor: {args.target} takes {params} input(s), got {len(args.shape)} --shape: "
+            "give one --shape per input, in order (e.g. --shape n,128 --shape n:int:10)"
+        )
+    report = doctor(
+        fn,
+        *inputs,
+        sizes=sizes,
+        seed=args.seed,
+        progress=lambda line: print(f"... {line}", file=sys.stderr, flush=True),
+    )
     print(report)
     if args.json:
         with open(args.json, "w") as f:
@@ -71,10 +79,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_arguments(sub.add_parser("bench", help="run the benchmarks (time and peak memory)"))
     doc = sub.add_parser("doctor", help="diagnose why your own loss function is slow")
     doc.add_argument("target", help="path/to/file.py:function; called as function(*inputs)")
-    doc.add_argument("--shape", action="append", required=True,
-                     help="repeat once per input, in order: 'n,n' (float, requires grad), 'n,128', 'n:int:5' "
-                          "(int64 in [0, 5)); n is the batch size. E.g. --shape n,128 --shape n:int:10 for "
-                          "loss(embeddings, labels)")
+    doc.add_argument(
+        "--shape",
+        action="append",
+        required=True,
+        help="repeat once per input, in order: 'n,n' (float, requires grad), 'n,128', 'n:int:5' "
+        "(int64 in [0, 5)); n is the batch size. E.g. --shape n,128 --shape n:int:10 for "
+        "loss(embeddings, labels)",
+    )
     doc.add_argument("--sizes", default="250,500,1000", help="batch sizes n to run at (default 250,500,1000)")
     doc.add_argument("--seed", type=int, default=0, help="random and torch are seeded with it before each call")
     doc.add_argument("--json", help="also write the report as JSON to this file")

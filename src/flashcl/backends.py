@@ -3,16 +3,17 @@
 * ``"dense"``: the whole score matrix, differentiated by autograd
   (:func:`flashcl.engine.dense_values`); memory O(M N).
 * ``"tiled"``: blocks of rows (:class:`flashcl.tiled.RowBlocks`), or for
-  self-contrast the upper panels only (:class:`flashcl.symmetric.SymmetricPanels`);
+  self-contrast the upper panels only (:class:`flashcl.panels.UpperPanels`);
   for float16/bfloat16 on CUDA, stripes of rows through tensor-core GEMMs
   (:class:`flashcl.stripes.Stripes`); memory O((M + N) D + block x N).
   float32 GEMMs follow torch's TF32 switch (IEEE by default).
-* ``"triton"``: Triton kernels (:class:`flashcl.triton.core.TritonDriver`), CUDA
+* ``"triton"``: Triton kernels (:class:`flashcl.triton.driver.TritonDriver`), CUDA
   (on a CPU only under Triton's interpreter, for tests).
 * ``"reference"``: the per-anchor loops of :mod:`flashcl.reference` (not a driver:
   the losses in :mod:`flashcl.functional` call it directly); the tests' oracle.
 * ``"auto"``: see :func:`resolve`.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,8 @@ from torch import Tensor
 
 from . import engine
 from .engine import Driver, Problem, ReduceWeights
+from .panels import UpperPanels
 from .stripes import Stripes
-from .symmetric import SymmetricPanels
 from .tiled import RowBlocks, auto_block
 from .triton import DTYPES as TRITON_DTYPES
 from .utils import compute_dtype
@@ -47,8 +48,14 @@ AUTO_TILED_MIN_ENTRIES = 1 << 20
 AUTO_TRITON_MAX_WIDTH = 256
 
 
-def resolve(backend: str, entries: int, device: torch.device, dtype: torch.dtype, width: int = 0,
-            kernel: Optional[str] = "softmax") -> str:
+def resolve(
+    backend: str,
+    entries: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    width: int = 0,
+    kernel: Optional[str] = "softmax",
+) -> str:
     """The backend ``"auto"`` stands for: ``"triton"`` for CUDA tensors when Triton is
     importable, the head has kernels (``kernel``), the dtype is one they take and the
     embedding at most :data:`AUTO_TRITON_MAX_WIDTH` wide; else ``"tiled"`` from
@@ -56,14 +63,19 @@ def resolve(backend: str, entries: int, device: torch.device, dtype: torch.dtype
     is returned as is."""
     if backend != "auto":
         return backend
-    if (device.type == "cuda" and kernel is not None and dtype in TRITON_DTYPES
-            and width <= AUTO_TRITON_MAX_WIDTH and importlib.util.find_spec("triton") is not None):
+    if (
+        device.type == "cuda"
+        and kernel is not None
+        and dtype in TRITON_DTYPES
+        and width <= AUTO_TRITON_MAX_WIDTH
+        and importlib.util.find_spec("triton") is not None
+    ):
         return "triton"
     return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
 
 
 def _self_contrast(k: Optional[Tensor], problem: Problem) -> bool:
-    return k is None and problem.offset == 0 and problem.head.symmetric
+    return k is None and problem.offset == 0 and problem.head.symmetric_tiles
 
 
 def _stripes(device_type: str, dtype: torch.dtype) -> bool:
@@ -71,35 +83,45 @@ def _stripes(device_type: str, dtype: torch.dtype) -> bool:
     return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-def driver(name: str, problem: Problem, k: Optional[Tensor], device_type: str,
-           dtype: torch.dtype = torch.float32) -> Optional[Driver]:
+def driver(
+    name: str, problem: Problem, k: Optional[Tensor], device_type: str, dtype: torch.dtype = torch.float32
+) -> Optional[Driver]:
     """The driver for backend ``name`` (None: the dense formula)."""
     if name == "dense":
         return None
     if name == "tiled":
         if _stripes(device_type, dtype):
             return Stripes()
-        return SymmetricPanels(device_type) if _self_contrast(k, problem) else RowBlocks(device_type)
+        return UpperPanels(device_type) if _self_contrast(k, problem) else RowBlocks(device_type)
     if name == "triton":
         from .triton import availability
 
         ok, why = availability(device_type)
         if not ok:
             raise ValueError(f"backend='triton' is not usable here: {why}")
-        from .triton.core import TritonDriver
+        from .triton.driver import TritonDriver
 
         return TritonDriver(problem.head)
     raise ValueError(f"backend {name!r} does not run engine problems")
 
 
-def run(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, name: str, reduce_weights: ReduceWeights,
-        block_size: Optional[int], param: Optional[Tensor] = None) -> Tensor:
+def run(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    problem: Problem,
+    name: str,
+    reduce_weights: ReduceWeights,
+    block_size: Optional[int],
+    param: Optional[Tensor] = None,
+) -> Tensor:
     """:func:`flashcl.engine.run` with backend ``name``'s driver; ``block_size=None``
     picks the rows per block (:func:`flashcl.tiled.auto_block`); ``param``: the
     head's learnable scalar, if it has one."""
     m = q.shape[0]
     n = m if k is None else k.shape[0]
     chosen = driver(name, problem, k, q.device.type, q.dtype)
-    block = block_size or auto_block(m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, SymmetricPanels),
-                                     device_type=q.device.type)
+    block = block_size or auto_block(
+        m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, UpperPanels), device_type=q.device.type
+    )
     return engine.run(q, k, scale, problem, chosen, reduce_weights, block, param)

@@ -1,6 +1,7 @@
 """What every loss Module shares: :class:`LossModule` stores a loss's options and
 passes them to its function; the guards that turn a peer library's call into an
 error that names the drop-in to use."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, TypeVar
@@ -44,18 +45,26 @@ def shared_docs(fn: F) -> F:
     for line in doc.split("\n"):
         key = line.strip()
         if key.startswith("@") and key.endswith("@") and key[1:-1] in DOCS:
-            indent = line[:len(line) - len(line.lstrip())]
+            indent = line[: len(line) - len(line.lstrip())]
             lines += [indent + part for part in DOCS[key[1:-1]].split("\n")]
         else:
             lines.append(line)
     fn.__doc__ = "\n".join(lines)
     return fn
 
+
 __all__ = ["LossModule", "reject_pml_call", "reject_open_clip_keywords", "shared_docs", "DOCS"]
 
 PML_ADAPTERS = "flashcl.integrations.pytorch_metric_learning"
-OPEN_CLIP_KEYWORDS = ("local_loss", "gather_with_grad", "cache_labels", "rank", "world_size", "use_horovod",
-                      "dist_impl")
+OPEN_CLIP_KEYWORDS = (
+    "local_loss",
+    "gather_with_grad",
+    "cache_labels",
+    "rank",
+    "world_size",
+    "use_horovod",
+    "dist_impl",
+)
 
 
 class LossModule(nn.Module):
@@ -82,9 +91,11 @@ class LossModule(nn.Module):
 def reject_pml_call(name: str, extra: Dict[str, Any]) -> None:
     """A pytorch-metric-learning-style call (``indices_tuple``, ``ref_emb``) to a flashcl module."""
     if extra:
-        raise TypeError(f"flashcl.{name} got {', '.join(sorted(extra))}: pytorch-metric-learning's call "
-                        f"loss(embeddings, labels, indices_tuple=None, ref_emb=None, ref_labels=None) is taken by "
-                        f"{PML_ADAPTERS}.{name}, a drop-in subclass of PML's class")
+        raise TypeError(
+            f"flashcl.{name} got {', '.join(sorted(extra))}: pytorch-metric-learning's call "
+            f"loss(embeddings, labels, indices_tuple=None, ref_emb=None, ref_labels=None) is taken by "
+            f"{PML_ADAPTERS}.{name}, a drop-in subclass of PML's class"
+        )
 
 
 def reject_open_clip_keywords(name: str, extra: Dict[str, Any]) -> None:
@@ -94,8 +105,10 @@ def reject_open_clip_keywords(name: str, extra: Dict[str, Any]) -> None:
     known = [k for k in extra if k in OPEN_CLIP_KEYWORDS]
     if known:
         fn = "clip_loss" if name == "ClipLoss" else "siglip_loss"
-        raise TypeError(f"flashcl.{name} got open_clip's constructor keywords {', '.join(sorted(known))}: "
-                        f"flashcl.{name} computes one process's batch; across processes, "
-                        f"flashcl.distributed.{fn} computes the exact loss over every rank's batch (what "
-                        "open_clip's gather_with_grad=True, local_loss=False computes), with no B x B logits")
+        raise TypeError(
+            f"flashcl.{name} got open_clip's constructor keywords {', '.join(sorted(known))}: "
+            f"flashcl.{name} computes one process's batch; across processes, "
+            f"flashcl.distributed.{fn} computes the exact loss over every rank's batch (what "
+            "open_clip's gather_with_grad=True, local_loss=False computes), with no B x B logits"
+        )
     raise TypeError(f"flashcl.{name}() got unexpected keyword arguments {', '.join(sorted(extra))}")

@@ -33,6 +33,7 @@ the parameters with a collective, so every rank must embed the same number of
 chunks (a ValueError on every rank otherwise); the gradients are reduce-scattered
 after each chunk's backward, which keeps them sharded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,10 @@ def _tensors(x: Any) -> List[Tensor]:
 def _batch_size(x: Any) -> int:
     tensors = [t for t in _tensors(x) if t.dim() > 0]
     if not tensors:
-        raise TypeError(f"cannot find the batch in an input of type {type(x).__name__}: pass tensors, lists, "
-                        "tuples or dicts of tensors (batch first), or split_fn=")
+        raise TypeError(
+            f"cannot find the batch in an input of type {type(x).__name__}: pass tensors, lists, "
+            "tuples or dicts of tensors (batch first), or split_fn="
+        )
     return int(tensors[0].shape[0])
 
 
@@ -94,7 +97,7 @@ def split_batch(x: Any, chunk_size: int, batch_size: Optional[int] = None) -> Li
 
     def take(item: Any, start: int) -> Any:
         if isinstance(item, Tensor):
-            return item[start:start + chunk_size] if item.dim() > 0 and item.shape[0] == b else item
+            return item[start : start + chunk_size] if item.dim() > 0 and item.shape[0] == b else item
         if isinstance(item, tuple) and hasattr(item, "_fields"):  # a namedtuple
             return type(item)(*(take(v, start) for v in item))
         if isinstance(item, (list, tuple)):
@@ -137,8 +140,10 @@ def _call(encode: Encoder, x: Any, output: Optional[Callable[[Any], Tensor]]) ->
     if output is not None:
         out = output(out)
     if not isinstance(out, Tensor) or out.dim() < 1:
-        raise TypeError(f"the encoder must return the embeddings, a (chunk, D) tensor (or pass output= to take them "
-                        f"from its output), got {type(out).__name__}")
+        raise TypeError(
+            f"the encoder must return the embeddings, a (chunk, D) tensor (or pass output= to take them "
+            f"from its output), got {type(out).__name__}"
+        )
     return out
 
 
@@ -233,15 +238,20 @@ def cached_step(
         if not isinstance(loss, Tensor) or not loss.requires_grad:
             raise ValueError("loss_fn must return a tensor that depends on the embeddings it is given")
         if loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)} (reduce it, e.g. "
-                             "reduction='mean')")
+            raise ValueError(
+                f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)} (reduce it, e.g. reduction='mean')"
+            )
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
     # 3. every chunk again with its graph and random state, backpropagating its slice;
     # a DistributedDataParallel encoder reduces its gradients on its last chunk only
     # (a frozen tower, LiT's, has nothing to backpropagate into)
-    jobs: List[Tuple[int, int]] = [(t, c) for t in range(k) for c in range(len(chunks[t]))
-                                   if leaves[t].grad is not None and _trainable(encoders[t])]
+    jobs: List[Tuple[int, int]] = [
+        (t, c)
+        for t in range(k)
+        for c in range(len(chunks[t]))
+        if leaves[t].grad is not None and _trainable(encoders[t])
+    ]
     last: Dict[int, int] = {}
     for j, (t, _) in enumerate(jobs):
         last[id(encoders[t])] = j
@@ -259,7 +269,7 @@ def cached_step(
                 if not out.requires_grad:  # a callable whose parameters are all frozen
                     continue
                 start = offsets[t][c]
-                out.backward(grad[start:start + out.shape[0]])
+                out.backward(grad[start : start + out.shape[0]])
     return loss.detach()
 
 
@@ -282,10 +292,12 @@ def _same_chunk_counts_when_sharded(encoders: Sequence[Encoder], chunks: Sequenc
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     most, fewest = int(counts[0]), -int(counts[1])
     if most != fewest:
-        raise ValueError(f"cached_step under fully_shard: every rank must embed the same number of chunks (each "
-                         f"forward pass gathers the parameters with a collective); the ranks make {fewest} to {most}: "
-                         "give every rank a batch with as many chunks (the local batch size over chunk_size, "
-                         "rounded up)")
+        raise ValueError(
+            f"cached_step under fully_shard: every rank must embed the same number of chunks (each "
+            f"forward pass gathers the parameters with a collective); the ranks make {fewest} to {most}: "
+            "give every rank a batch with as many chunks (the local batch size over chunk_size, "
+            "rounded up)"
+        )
 
 
 def _trainable(encoder: Encoder) -> bool:
@@ -299,8 +311,13 @@ def _trainable(encoder: Encoder) -> bool:
 def _running_stats_kept(encoders: Sequence[Encoder]) -> Iterator[None]:
     """The running statistics (and batch counts) of every batch-norm layer of the
     encoders restored, in place, when the block ends."""
-    layers = {id(m): m for enc in encoders if isinstance(enc, nn.Module) for m in enc.modules()
-              if getattr(m, "track_running_stats", False) and isinstance(getattr(m, "running_mean", None), Tensor)}
+    layers = {
+        id(m): m
+        for enc in encoders
+        if isinstance(enc, nn.Module)
+        for m in enc.modules()
+        if getattr(m, "track_running_stats", False) and isinstance(getattr(m, "running_mean", None), Tensor)
+    }
     saved: List[Tuple[Tensor, Tensor]] = []
     for m in layers.values():
         for name in ("running_mean", "running_var", "num_batches_tracked"):

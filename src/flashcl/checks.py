@@ -10,6 +10,7 @@ Examples::
     >>> checks.check_choice("mean", "reduction", checks.REDUCTIONS)
     'mean'
 """
+
 from __future__ import annotations
 
 import math
@@ -138,8 +139,7 @@ def check_real_scalar(value: object, name: str, device: torch.device, dtype: tor
 
 def check_block(block_size: Optional[int], name: str = "block_size") -> None:
     """None or a positive int."""
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                   or block_size < 1):
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"{name} must be a positive int or None, got {block_size!r}")
 
 
@@ -161,16 +161,18 @@ def validate_pair(a: object, b: object, name_a: str, name_b: str) -> Tuple[Tenso
     return a, b
 
 
-def validate_labelled(embeddings: object, labels: object, ndims: Tuple[int, ...] = (2,),
-                      names: Tuple[str, str] = ("embeddings", "labels")) -> Tuple[Tensor, Tensor]:
+def validate_labelled(
+    embeddings: object, labels: object, ndims: Tuple[int, ...] = (2,), names: Tuple[str, str] = ("embeddings", "labels")
+) -> Tuple[Tensor, Tensor]:
     """Floating embeddings (B, ...) and integer labels (B,) on the same device."""
     emb_name, lab_name = names
     embeddings = check_float_tensor(embeddings, emb_name, ndims)
     labels = check_index_tensor(labels, lab_name)
     b = embeddings.shape[0]
     if labels.dim() != 1 or labels.shape[0] != b:
-        raise ValueError(f"{lab_name} must be 1-D of length {b} (the batch size of {emb_name}), "
-                         f"got shape {tuple(labels.shape)}")
+        raise ValueError(
+            f"{lab_name} must be 1-D of length {b} (the batch size of {emb_name}), got shape {tuple(labels.shape)}"
+        )
     same_device(labels, embeddings, lab_name, emb_name)
     return embeddings, labels
 
@@ -187,8 +189,9 @@ def validate_info_nce(query: object, keys: object, positive_index: Optional[Tens
     same_device(keys, query, "keys", "query")
     if positive_index is None:
         if n < b:
-            raise ValueError(f"keys must have at least as many rows as query when positive_index is None, "
-                             f"got {n} < {b}")
+            raise ValueError(
+                f"keys must have at least as many rows as query when positive_index is None, got {n} < {b}"
+            )
         return torch.arange(b, device=query.device)
     index = check_index_tensor(positive_index, "positive_index")
     if index.dim() != 1 or index.shape[0] != b:

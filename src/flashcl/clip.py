@@ -23,7 +23,7 @@ from .dispatch import (
 from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import SoftplusHead
-from .linear import Linear, Positives
+from .positives import Positives, PositiveTerm
 from .utils import autocast_off, compute_dtype
 
 
@@ -93,40 +93,90 @@ def clip_loss(
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
-    bias = None if logit_bias is None else checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device,
-                                                                    dtype)
+    bias = (
+        None if logit_bias is None else checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device, dtype)
+    )
     if labels is not None:
         _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
     if process_group is not None:
         check_across_ranks("clip_loss", strategy, grad_scale, backend=backend != "auto")
-        loss = _clip_across(image_embeds, text_embeds, scale, normalize, reduction, grad_scale, strategy,
-                            process_group, block_size, labels, matryoshka_dims, matryoshka_weights)
+        loss = _clip_across(
+            image_embeds,
+            text_embeds,
+            scale,
+            normalize,
+            reduction,
+            grad_scale,
+            strategy,
+            process_group,
+            block_size,
+            labels,
+            matryoshka_dims,
+            matryoshka_weights,
+        )
     else:
-        loss = _clip_one(image_embeds, text_embeds, scale, normalize, reduction, backend, block_size, labels,
-                         matryoshka_dims, matryoshka_weights)
+        loss = _clip_one(
+            image_embeds,
+            text_embeds,
+            scale,
+            normalize,
+            reduction,
+            backend,
+            block_size,
+            labels,
+            matryoshka_dims,
+            matryoshka_weights,
+        )
     if bias is not None and bias.requires_grad:
         loss = loss + 0.0 * bias  # the bias's gradient: exactly 0, as the formula's
     return loss
 
 
-def _clip_one(image_embeds: Tensor, text_embeds: Tensor, scale: Tensor, normalize: bool, reduction: str,
-              backend: str, block_size: Optional[int], labels: Optional[Tensor], dims: Any, weights: Any) -> Tensor:
+def _clip_one(
+    image_embeds: Tensor,
+    text_embeds: Tensor,
+    scale: Tensor,
+    normalize: bool,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+    labels: Optional[Tensor],
+    dims: Any,
+    weights: Any,
+) -> Tensor:
     """:func:`clip_loss` on this process's batch."""
     b = image_embeds.shape[0]
     if labels is None:
         index = torch.arange(b, device=image_embeds.device).unsqueeze(1)
-        spec = CoreSpec(index=index, pos_mode="sum", symmetric=True, normalize=normalize)
+        spec = CoreSpec(index=index, pos_mode="sum", both_directions=True, normalize=normalize)
     else:
         ids, num_classes = dense_ids(labels)
-        spec = CoreSpec(row_labels=ids, col_labels=ids, num_classes=num_classes, pos_mode="mean", symmetric=True,
-                        normalize=normalize)
+        spec = CoreSpec(
+            row_labels=ids,
+            col_labels=ids,
+            num_classes=num_classes,
+            pos_mode="mean",
+            both_directions=True,
+            normalize=normalize,
+        )
     return run_with_widths(image_embeds, text_embeds, scale, spec, reduction, backend, block_size, dims, weights)
 
 
 @same_call_across_ranks
-def _clip_across(image_embeds: Tensor, text_embeds: Tensor, scale: Tensor, normalize: bool, reduction: str,
-                 grad_scale: str, strategy: str, group: Any, block_size: Optional[int], labels: Optional[Tensor],
-                 dims: Any, weights: Any) -> Tensor:
+def _clip_across(
+    image_embeds: Tensor,
+    text_embeds: Tensor,
+    scale: Tensor,
+    normalize: bool,
+    reduction: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+    labels: Optional[Tensor],
+    dims: Any,
+    weights: Any,
+) -> Tensor:
     """:func:`clip_loss` over the global batch (:mod:`flashcl.distributed`): both
     directions against the image and text towers of every rank (open_clip's
     ``gather_with_grad=True, local_loss=True`` arrangement, exact)."""
@@ -134,22 +184,40 @@ def _clip_across(image_embeds: Tensor, text_embeds: Tensor, scale: Tensor, norma
     images = distributed.columns(image_embeds, strategy, group)
     b, offset = image_embeds.shape[0], texts.offset
     if labels is None:
-        spec = CoreSpec(index=(torch.arange(b, device=image_embeds.device) + offset).unsqueeze(1), pos_mode="sum",
-                        normalize=normalize)
+        spec = CoreSpec(
+            index=(torch.arange(b, device=image_embeds.device) + offset).unsqueeze(1),
+            pos_mode="sum",
+            normalize=normalize,
+        )
     else:  # every same-label pair of the global batch, the mean over them, in both directions
         (ids,), num_classes = class_ids(texts.gather(labels.long()))
-        spec = CoreSpec(row_labels=ids[offset:offset + b], col_labels=ids, num_classes=num_classes, pos_mode="mean",
-                        normalize=normalize)
+        spec = CoreSpec(
+            row_labels=ids[offset : offset + b],
+            col_labels=ids,
+            num_classes=num_classes,
+            pos_mode="mean",
+            normalize=normalize,
+        )
     widths = None if dims is None and weights is None else (dims, weights)
     half = torch.full((b,), 0.5, dtype=compute_dtype(image_embeds.dtype), device=image_embeds.device)
-    rows, cols = (distributed.run_across(q, c, scale, spec, reduction, grad_scale, block_size, half, widths)
-                  for q, c in ((image_embeds, texts), (text_embeds, images)))
+    rows, cols = (
+        distributed.run_across(q, c, scale, spec, reduction, grad_scale, block_size, half, widths)
+        for q, c in ((image_embeds, texts), (text_embeds, images))
+    )
     return 0.5 * (rows + cols) if reduction == "none" else rows + cols
 
 
-def siglip_problem(b: int, n: int, labels: Optional[Tensor], device: torch.device, dtype: torch.dtype,
-                    bias: float, normalize: bool, offset: int = 0,
-                    col_labels: Optional[Tensor] = None) -> Problem:
+def siglip_problem(
+    b: int,
+    n: int,
+    labels: Optional[Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    bias: float,
+    normalize: bool,
+    offset: int = 0,
+    col_labels: Optional[Tensor] = None,
+) -> Problem:
     """SigLIP as an engine problem (b image rows, n text columns): the softplus head
     and the positive term. Positives:
     the diagonal (image ``i`` and text ``i + offset``), or, with labels, every pair
@@ -162,7 +230,7 @@ def siglip_problem(b: int, n: int, labels: Optional[Tensor], device: torch.devic
         pos = Positives(row_labels=ids[:b], col_labels=ids[b:], num_classes=int(uniq.numel()))
     counts = pos.counts(b, n)
     head = SoftplusHead(bias, counts)
-    return Problem(head, (Linear(pos, torch.ones(b, dtype=dtype, device=device)),), normalize)
+    return Problem(head, (PositiveTerm(pos, torch.ones(b, dtype=dtype, device=device)),), normalize)
 
 
 @shared_docs
@@ -243,10 +311,23 @@ def siglip_loss(
         labels = labels.long()
     if process_group is not None:
         check_across_ranks("siglip_loss", strategy, grad_scale, backend=backend != "auto")
-        return _siglip_across(image_embeds, text_embeds, scale, bias, labels, normalize, reduction, normalize_by,
-                              grad_scale, strategy, process_group, block_size)
-    name = backends.resolve(backend, b * b, image_embeds.device, image_embeds.dtype, image_embeds.shape[1],
-                            kernel="softplus")
+        return _siglip_across(
+            image_embeds,
+            text_embeds,
+            scale,
+            bias,
+            labels,
+            normalize,
+            reduction,
+            normalize_by,
+            grad_scale,
+            strategy,
+            process_group,
+            block_size,
+        )
+    name = backends.resolve(
+        backend, b * b, image_embeds.device, image_embeds.dtype, image_embeds.shape[1], kernel="softplus"
+    )
     if name == "reference":
         with autocast_off(image_embeds.device.type):
             rows = reference.siglip_loss(image_embeds, text_embeds, scale, bias, labels, normalize)
@@ -254,30 +335,55 @@ def siglip_loss(
     problem = siglip_problem(b, b, labels, image_embeds.device, dtype, float(bias.detach()), normalize)
     weights = None
     if reduction != "none":
-        weights = (torch.full((b,), 1.0 / b if reduction == "mean" else 1.0, dtype=dtype,
-                              device=image_embeds.device), None)
+        weights = (
+            torch.full((b,), 1.0 / b if reduction == "mean" else 1.0, dtype=dtype, device=image_embeds.device),
+            None,
+        )
     return backends.run(image_embeds, text_embeds, scale, problem, name, weights, block_size, param=bias)
 
 
-
 @same_call_across_ranks
-def _siglip_across(image_embeds: Tensor, text_embeds: Tensor, scale: Tensor, bias: Tensor, labels: Optional[Tensor],
-                   normalize: bool, reduction: str, normalize_by: str, grad_scale: str, strategy: str, group: Any,
-                   block_size: Optional[int]) -> Tensor:
+def _siglip_across(
+    image_embeds: Tensor,
+    text_embeds: Tensor,
+    scale: Tensor,
+    bias: Tensor,
+    labels: Optional[Tensor],
+    normalize: bool,
+    reduction: str,
+    normalize_by: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+) -> Tensor:
     """:func:`siglip_loss` over the global batch (:mod:`flashcl.distributed`): each
     rank's images against the texts of every rank."""
     texts = distributed.columns(text_embeds, strategy, group)
     b, dtype = image_embeds.shape[0], compute_dtype(image_embeds.dtype)
     all_labels = None if labels is None else texts.gather(labels)
-    problem = siglip_problem(b, texts.total, labels, image_embeds.device, dtype, float(bias.detach()), normalize,
-                             offset=texts.offset, col_labels=all_labels)
+    problem = siglip_problem(
+        b,
+        texts.total,
+        labels,
+        image_embeds.device,
+        dtype,
+        float(bias.detach()),
+        normalize,
+        offset=texts.offset,
+        col_labels=all_labels,
+    )
     weights = None
     if reduction != "none":
         count = 1.0
         if reduction == "mean":
             count = float(texts.total) if normalize_by == "global" else float(b)
-        weights = (torch.full((b,), distributed.grad_factor(grad_scale, group) / count, dtype=dtype,
-                              device=image_embeds.device), None)
+        weights = (
+            torch.full(
+                (b,), distributed.grad_factor(grad_scale, group) / count, dtype=dtype, device=image_embeds.device
+            ),
+            None,
+        )
     return texts.run(image_embeds, scale, problem, weights, block_size, param=bias)
 
 
@@ -291,20 +397,42 @@ class ClipLoss(LossModule):
         >>> loss = flashcl.ClipLoss()(torch.randn(4, 16), torch.randn(4, 16), 100.0)
     """
 
-    def __init__(self, normalize: bool = True, reduction: str = "mean", backend: str = "auto",
-                 block_size: Optional[int] = None, matryoshka_dims: Optional[Sequence[int]] = None,
-                 matryoshka_weights: Optional[Sequence[float]] = None, process_group: Any = None,
-                 strategy: str = "all_gather", grad_scale: str = "ddp", **open_clip: Any) -> None:
+    def __init__(
+        self,
+        normalize: bool = True,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        matryoshka_dims: Optional[Sequence[int]] = None,
+        matryoshka_weights: Optional[Sequence[float]] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+        **open_clip: Any,
+    ) -> None:
         reject_open_clip_keywords("ClipLoss", open_clip)
-        super().__init__(normalize=normalize, reduction=reduction, backend=backend, block_size=block_size,
-                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
-                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
+        super().__init__(
+            normalize=normalize,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            matryoshka_dims=matryoshka_dims,
+            matryoshka_weights=matryoshka_weights,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
 
-    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar,
-                logit_bias: Optional[Scalar] = None, output_dict: bool = False,
-                labels: Optional[Tensor] = None) -> Union[Tensor, Dict[str, Tensor]]:
-        loss = clip_loss(image_features, text_features, logit_scale, logit_bias, labels=labels,
-                         **self.loss_options())
+    def forward(
+        self,
+        image_features: Tensor,
+        text_features: Tensor,
+        logit_scale: Scalar,
+        logit_bias: Optional[Scalar] = None,
+        output_dict: bool = False,
+        labels: Optional[Tensor] = None,
+    ) -> Union[Tensor, Dict[str, Tensor]]:
+        loss = clip_loss(image_features, text_features, logit_scale, logit_bias, labels=labels, **self.loss_options())
         return {"contrastive_loss": loss} if output_dict else loss
 
 
@@ -319,16 +447,38 @@ class SigLipLoss(LossModule):
         >>> loss = flashcl.SigLipLoss()(torch.randn(4, 16), torch.randn(4, 16), 10.0, -10.0)
     """
 
-    def __init__(self, normalize: bool = False, reduction: str = "mean", backend: str = "auto",
-                 block_size: Optional[int] = None, process_group: Any = None, strategy: str = "ring",
-                 grad_scale: str = "ddp", normalize_by: str = "global", **open_clip: Any) -> None:
+    def __init__(
+        self,
+        normalize: bool = False,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        strategy: str = "ring",
+        grad_scale: str = "ddp",
+        normalize_by: str = "global",
+        **open_clip: Any,
+    ) -> None:
         reject_open_clip_keywords("SigLipLoss", open_clip)
-        super().__init__(normalize=normalize, reduction=reduction, backend=backend, block_size=block_size,
-                         process_group=process_group, strategy=strategy, grad_scale=grad_scale,
-                         normalize_by=normalize_by)
+        super().__init__(
+            normalize=normalize,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+            normalize_by=normalize_by,
+        )
 
-    def forward(self, image_features: Tensor, text_features: Tensor, logit_scale: Scalar, logit_bias: Scalar,
-                labels: Optional[Tensor] = None, output_dict: bool = False) -> Union[Tensor, Dict[str, Tensor]]:
-        loss = siglip_loss(image_features, text_features, logit_scale, logit_bias, labels=labels,
-                           **self.loss_options())
+    def forward(
+        self,
+        image_features: Tensor,
+        text_features: Tensor,
+        logit_scale: Scalar,
+        logit_bias: Scalar,
+        labels: Optional[Tensor] = None,
+        output_dict: bool = False,
+    ) -> Union[Tensor, Dict[str, Tensor]]:
+        loss = siglip_loss(image_features, text_features, logit_scale, logit_bias, labels=labels, **self.loss_options())
         return {"contrastive_loss": loss} if output_dict else loss

@@ -21,7 +21,7 @@ every anchor row ``i``::
                                         (the sampled-neighbours loss)
   ============  =========  ===========  ==========================================
 
-``symmetric`` adds the column direction of CLIP: for every column ``j``,
+``both_directions`` adds the column direction of CLIP: for every column ``j``,
 ``col_loss_j = LSE_i s_ij - a'_j sum_{i in Pos'(j)} s_ij`` (M == N), with the
 positives seen from the columns (:meth:`CoreSpec.column_spec`): the diagonal, or
 with labels every row of the same label (``pos_mode="mean"``: their mean).
@@ -30,6 +30,7 @@ with labels every row of the same label (``pos_mode="mean"``: their mean).
 (:mod:`flashcl.engine`): a softmax head and a positive (linear) term; the
 reference backend (:mod:`flashcl.reference`) reads the spec directly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from .engine import Problem
 from .heads import Exclusions, SoftmaxHead
-from .linear import Linear, Positives
+from .positives import Positives, PositiveTerm
 from .utils import compute_dtype
 
 POS_MODES = ("mean", "sum", "pairs")
@@ -61,7 +62,7 @@ class CoreSpec:
         num_classes: number of distinct ids when labels are given.
         index: (M, k) int64 positive columns, or None.
         pos_mode: ``"mean"``, ``"sum"`` or ``"pairs"`` (see the module docstring).
-        symmetric: add the column direction (CLIP): positives the diagonal ``index``,
+        both_directions: add the column direction (CLIP): positives the diagonal ``index``,
             or labels.
         normalize: L2-normalise the rows of Q and K first.
         self_index: (M,) the column of each anchor itself when it is not
@@ -81,7 +82,7 @@ class CoreSpec:
     num_classes: int = 0
     index: Optional[Tensor] = None
     pos_mode: str = "sum"
-    symmetric: bool = False
+    both_directions: bool = False
     normalize: bool = True
     self_index: Optional[Tensor] = None
     exclude: Optional[Exclusions] = None
@@ -126,30 +127,48 @@ class CoreSpec:
         return torch.device("cpu")
 
     def positives(self) -> Positives:
-        return Positives(index=self.index, row_labels=self.row_labels, col_labels=self.col_labels,
-                         num_classes=self.num_classes, self_pairs=self.self_pairs, offset=self.offset,
-                         self_index=self.self_index)
+        return Positives(
+            index=self.index,
+            row_labels=self.row_labels,
+            col_labels=self.col_labels,
+            num_classes=self.num_classes,
+            self_pairs=self.self_pairs,
+            offset=self.offset,
+            self_index=self.self_index,
+        )
 
     def column_spec(self) -> CoreSpec:
-        """The column direction of ``symmetric`` seen from the columns: the same
+        """The column direction of ``both_directions`` seen from the columns: the same
         positives with rows and columns swapped (the diagonal stays the diagonal)."""
-        return CoreSpec(row_labels=self.col_labels, col_labels=self.row_labels, num_classes=self.num_classes,
-                        index=self.index, pos_mode=self.pos_mode, normalize=self.normalize)
+        return CoreSpec(
+            row_labels=self.col_labels,
+            col_labels=self.row_labels,
+            num_classes=self.num_classes,
+            index=self.index,
+            pos_mode=self.pos_mode,
+            normalize=self.normalize,
+        )
 
     def problem(self, m: int, n: int, dtype: torch.dtype) -> Problem:
         """The engine's form: a :class:`~flashcl.heads.SoftmaxHead` with the LSE weights
-        ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``symmetric``, the
+        ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``both_directions``, the
         column direction's positive term too: ``-s_jj``, or with labels the mean of
         column ``j``'s same-label scores)."""
         c, a = self.weights(m, dtype)
         if self.positive_weight is not None:
             a = a * self.positive_weight
-        head = SoftmaxHead(c, exclude_self=self.exclude_self, offset=self.offset, columns=self.symmetric,
-                           self_index=self.self_index, exclude=self.exclude)
-        linears = [Linear(self.positives(), a)]
-        if self.symmetric:
+        head = SoftmaxHead(
+            c,
+            exclude_self=self.exclude_self,
+            offset=self.offset,
+            columns=self.both_directions,
+            self_index=self.self_index,
+            exclude=self.exclude,
+        )
+        linears = [PositiveTerm(self.positives(), a)]
+        if self.both_directions:
             cols = self.column_spec()
-            linears.append(Linear(cols.positives(), cols.weights(n, dtype)[1], target="col"))
+            linears.append(PositiveTerm(cols.positives(), cols.weights(n, dtype)[1], target="col"))
         return Problem(head, tuple(linears), self.normalize, self.offset)
 
 
@@ -164,5 +183,3 @@ def prepare(q: Tensor, k: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Te
         q = F.normalize(q, dim=1)
         k = q if same else F.normalize(k, dim=1)
     return q, k
-
-

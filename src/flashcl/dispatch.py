@@ -61,8 +61,15 @@ def scale_dtype(x: Tensor) -> torch.dtype:
     return compute_dtype(x.dtype)
 
 
-def run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str = "mean",
-             backend: str = "auto", block_size: Optional[int] = None) -> Tensor:
+def run_core(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    spec: CoreSpec,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+) -> Tensor:
     """The masked-softmax core (:class:`flashcl.core.CoreSpec`) on embeddings,
     reduced: the entry point that every loss here (and the integrations) goes
     through. ``k=None`` means the candidates are the anchors; ``scale`` is a
@@ -73,7 +80,7 @@ def run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, redu
         scale: 0-dim floating tensor; a learnable one gets its gradient.
         spec: the core's configuration.
         reduction: ``"mean"`` (over the rows :meth:`CoreSpec.valid_rows` keeps) |
-            ``"sum"`` | ``"none"`` (per-row losses; for ``spec.symmetric`` the mean
+            ``"sum"`` | ``"none"`` (per-row losses; for ``spec.both_directions`` the mean
             of each row's and its column's).
         backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
             (see :mod:`flashcl.backends`).
@@ -91,12 +98,21 @@ def run_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, redu
     weights = None if reduction == "none" else reduce_weights(spec, m, reduction, dtype, q.device)
     out = backends.run(q, k, scale, problem, name, weights, block_size)
     if reduction == "none":
-        return reduce_core(out[:m], out[m:] if spec.symmetric else None, spec, "none")
+        return reduce_core(out[:m], out[m:] if spec.both_directions else None, spec, "none")
     return out
 
 
-def run_with_widths(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, reduction: str, backend: str,
-          block_size: Optional[int], dims: object, weights: object) -> Tensor:
+def run_with_widths(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    spec: CoreSpec,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+    dims: object,
+    weights: object,
+) -> Tensor:
     """:func:`run_core`, or :func:`matryoshka_core` with ``matryoshka_dims``."""
     if dims is None:
         if weights is not None:
@@ -110,8 +126,17 @@ def no_matryoshka(dims: object, weights: object, what: str) -> None:
         raise ValueError(f"matryoshka_dims does not combine with {what}")
 
 
-def matryoshka_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec, dims: object, weights: object,
-                    reduction: str = "mean", backend: str = "auto", block_size: Optional[int] = None) -> Tensor:
+def matryoshka_core(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    spec: CoreSpec,
+    dims: object,
+    weights: object,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+) -> Tensor:
     """``sum_m w_m run_core(q[:, :d_m], k[:, :d_m], ...)``: the core at every prefix
     width ``d_m`` of the embeddings (Matryoshka), each width normalised on its own.
     The tiled backend computes every width in one pass over per-segment partial
@@ -123,8 +148,9 @@ def matryoshka_core(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpe
     problem = spec.problem(m, n, compute_dtype(q.dtype))
     name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
     if name == "triton":
-        raise ValueError("matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) "
-                         "or 'auto'")
+        raise ValueError(
+            "matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) or 'auto'"
+        )
     if name in ("reference", "dense"):
         total: Optional[Tensor] = None
         for d, w in zip(ds, ws):
@@ -172,7 +198,7 @@ def class_ids(*label_sets: Tensor) -> Tuple[List[Tensor], int]:
     uniq, ids = torch.unique(torch.cat([x.reshape(-1) for x in label_sets]), return_inverse=True)
     out, start = [], 0
     for x in label_sets:
-        out.append(ids[start:start + x.numel()])
+        out.append(ids[start : start + x.numel()])
         start += x.numel()
     return out, int(uniq.numel())
 
@@ -186,13 +212,24 @@ def warn_small_logit_scale(scale: Tensor) -> None:
     global _warned_small_scale
     if not _warned_small_scale and float(scale.detach()) < 1.0:
         _warned_small_scale = True
-        warnings.warn(f"logit_scale={float(scale):.4g} is below 1: it multiplies the cosine similarities (1 / "
-                      "temperature; open_clip passes model.logit_scale.exp()). Pass the multiplier, not its log "
-                      "nor a temperature. (This warning is shown once.)", stacklevel=3)
+        warnings.warn(
+            f"logit_scale={float(scale):.4g} is below 1: it multiplies the cosine similarities (1 / "
+            "temperature; open_clip passes model.logit_scale.exp()). Pass the multiplier, not its log "
+            "nor a temperature. (This warning is shown once.)",
+            stacklevel=3,
+        )
 
 
-def row_lse(q: Tensor, k: Optional[Tensor], scale: Tensor, head: SoftmaxHead, normalize: bool, name: str,
-            block_size: Optional[int], offset: int = 0) -> Tensor:
+def row_lse(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    head: SoftmaxHead,
+    normalize: bool,
+    name: str,
+    block_size: Optional[int],
+    offset: int = 0,
+) -> Tensor:
     """Each row's logsumexp over its denominator (the head's exclusions), (M,),
     differentiable: one part of a loss composed of several candidate sets
     (``offset``: the column of row 0, as the head's)."""
@@ -222,6 +259,8 @@ def check_across_ranks(loss: str, strategy: str, grad_scale: str, **given: bool)
     checks.check_choice(grad_scale, "grad_scale", ("ddp", "sum"))
     missing = [name for name, used in given.items() if used]
     if missing:
-        raise ValueError(f"{loss}(process_group=...) does not take {', '.join(missing)} across processes yet: "
-                         "call it without process_group (this process's batch), or without "
-                         f"{' / '.join(missing)}")
+        raise ValueError(
+            f"{loss}(process_group=...) does not take {', '.join(missing)} across processes yet: "
+            "call it without process_group (this process's batch), or without "
+            f"{' / '.join(missing)}"
+        )

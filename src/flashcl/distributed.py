@@ -34,6 +34,7 @@ same loss with the same options, embedding dim and dtype; a mismatch raises a
 ``ValueError`` on every rank instead of hanging in a later collective. The
 collectives use the process group's timeout (``init_process_group(timeout=...)``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,14 +54,29 @@ from .ring import RingDriver
 from .tiled import auto_block
 from .utils import compute_dtype
 
-__all__ = ["supcon_loss", "nt_xent_loss", "info_nce_loss", "clip_loss", "siglip_loss", "gist_loss", "neighbor_loss",
-           "all_gather_with_grad", "reduce_across", "same_call_across_ranks", "columns", "Columns", "run_across"]
+__all__ = [
+    "supcon_loss",
+    "nt_xent_loss",
+    "info_nce_loss",
+    "clip_loss",
+    "siglip_loss",
+    "gist_loss",
+    "neighbor_loss",
+    "all_gather_with_grad",
+    "reduce_across",
+    "same_call_across_ranks",
+    "columns",
+    "Columns",
+    "run_across",
+]
 
 
 def _world(group: Any) -> Tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("flashcl.distributed needs an initialised process group (torch.distributed."
-                           "init_process_group); for one process use the flashcl.* losses")
+        raise RuntimeError(
+            "flashcl.distributed needs an initialised process group (torch.distributed."
+            "init_process_group); for one process use the flashcl.* losses"
+        )
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -72,8 +88,10 @@ def _check_same_call(signature: str, device: torch.device, group: Any) -> None:
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     if any(int(t) != digest for t in everyone):
-        raise ValueError(f"flashcl.distributed: the ranks made different calls (loss, options, embedding dim "
-                         f"or dtype differ); this rank's call: {signature}")
+        raise ValueError(
+            f"flashcl.distributed: the ranks made different calls (loss, options, embedding dim "
+            f"or dtype differ); this rank's call: {signature}"
+        )
 
 
 #: inputs that every rank passes alike (a queue's keys and their labels): compared by value
@@ -106,12 +124,15 @@ def same_call_across_ranks(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
                     detail = f"{tuple(value.shape)}:{float(v.sum()):.12g}:{float((v * v).sum()):.12g}"
                 parts.append(f"{name}:{value.dtype}:{detail}")
             elif isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
-                parts.append(f"{name}:" + ",".join(f"{v.dtype}:{tuple(v.shape[1:])}" if isinstance(v, Tensor)
-                                                   else repr(v) for v in value))
+                parts.append(
+                    f"{name}:"
+                    + ",".join(f"{v.dtype}:{tuple(v.shape[1:])}" if isinstance(v, Tensor) else repr(v) for v in value)
+                )
             else:
                 parts.append(f"{name}={value!r}")
-        _check_same_call("|".join(parts), device if device is not None else torch.device("cpu"),
-                         bound.arguments.get("group"))
+        _check_same_call(
+            "|".join(parts), device if device is not None else torch.device("cpu"), bound.arguments.get("group")
+        )
         return fn(*args, **kwargs)
 
     return checked
@@ -129,7 +150,7 @@ def _gather_rows(x: Tensor, sizes: List[int], group: Any) -> Tensor:
     """Every rank's rows concatenated in rank order (uneven counts: padded to the
     largest for the collective, then trimmed)."""
     padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
-    padded[:x.shape[0]] = x
+    padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
@@ -149,8 +170,8 @@ class _AllGather(torch.autograd.Function):
         _no_double_backward()
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        start = sum(ctx.sizes[:ctx.rank])
-        return grad[start:start + ctx.sizes[ctx.rank]], None, None
+        start = sum(ctx.sizes[: ctx.rank])
+        return grad[start : start + ctx.sizes[ctx.rank]], None, None
 
 
 def all_gather_with_grad(x: Tensor, group: Any = None) -> Tuple[Tensor, int]:
@@ -185,7 +206,8 @@ def _no_double_backward() -> None:
         raise RuntimeError(
             "flashcl.distributed does not compute second derivatives (backward with create_graph=True, as a "
             "gradient penalty or a Hessian-vector product needs): its collectives' gradients have no graph. "
-            "The single-process losses (flashcl.supcon_loss, ...) compute them on every backend.")
+            "The single-process losses (flashcl.supcon_loss, ...) compute them on every backend."
+        )
 
 
 def _all_gather_plain(x: Tensor, group: Any) -> Tensor:
@@ -238,8 +260,15 @@ class Columns:
         """The same columns with the keys' first ``width`` coordinates (Matryoshka)."""
         return replace(self, keys=self.keys[:, :width])
 
-    def run(self, q: Tensor, scale: Tensor, problem: Problem, weights: Any, block_size: Optional[int],
-            param: Optional[Tensor] = None) -> Tensor:
+    def run(
+        self,
+        q: Tensor,
+        scale: Tensor,
+        problem: Problem,
+        weights: Any,
+        block_size: Optional[int],
+        param: Optional[Tensor] = None,
+    ) -> Tensor:
         """``problem``'s losses of this rank's rows ``q`` against the global columns
         (the tiled core on gathered keys, or the ring driver)."""
         if not self.ring:
@@ -271,9 +300,17 @@ def grad_factor(grad_scale: str, group: Any) -> float:
     return float(_world(group)[1]) if grad_scale == "ddp" else 1.0
 
 
-def run_across(q: Tensor, cols: Columns, scale: Tensor, spec: CoreSpec, reduction: str, grad_scale: str,
-               block_size: Optional[int], valid_weight: Optional[Tensor] = None,
-               widths: Optional[Tuple[Any, Any]] = None) -> Tensor:
+def run_across(
+    q: Tensor,
+    cols: Columns,
+    scale: Tensor,
+    spec: CoreSpec,
+    reduction: str,
+    grad_scale: str,
+    block_size: Optional[int],
+    valid_weight: Optional[Tensor] = None,
+    widths: Optional[Tuple[Any, Any]] = None,
+) -> Tensor:
     """This rank's rows of the core against the global columns, reduced with the
     global count (the ``grad_scale`` convention). ``widths``: Matryoshka's
     ``(matryoshka_dims, matryoshka_weights)``: one pass over every width on
@@ -285,8 +322,10 @@ def run_across(q: Tensor, cols: Columns, scale: Tensor, spec: CoreSpec, reductio
 
         if cols.ring:
             ds, ws = check_dims(widths[0], widths[1], q.shape[-1])
-            parts = [w * run_across(q[:, :d], cols.narrow(d), scale, spec, "none", grad_scale, block_size)
-                     for d, w in zip(ds, ws)]
+            parts = [
+                w * run_across(q[:, :d], cols.narrow(d), scale, spec, "none", grad_scale, block_size)
+                for d, w in zip(ds, ws)
+            ]
             rows = torch.stack(parts).sum(0)
         else:
             rows = matryoshka_core(q, cols.keys, scale, spec, widths[0], widths[1], "none", "tiled", block_size)
@@ -365,7 +404,7 @@ def _alias(name: str) -> Callable[..., Tensor]:
         return getattr(flashcl, name)(*args, process_group=world_group(group), **options)
 
     loss.__name__ = loss.__qualname__ = name
-    loss.__doc__ = (f""":func:`flashcl.{name}` over the global batch: ``flashcl.{name}(..., process_group=group)``
+    loss.__doc__ = f""":func:`flashcl.{name}` over the global batch: ``flashcl.{name}(..., process_group=group)``
     with the world for ``group=None``; every option of :func:`flashcl.{name}` (see its
     ``process_group``, ``strategy`` and ``grad_scale``, and this module's docstring).
 
@@ -377,7 +416,7 @@ def _alias(name: str) -> Callable[..., Tensor]:
 
         >>> # in each process of an initialised group (not run here):
         >>> loss = flashcl.distributed.{name}(...)  # doctest: +SKIP
-    """)
+    """
     return loss
 
 

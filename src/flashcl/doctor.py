@@ -13,6 +13,7 @@ call that replaces it with the measured speedup.
     ['exp followed by log', 'an n x n matrix held for backward']
     >>> text = report.text()   # the whole report, for people; report.to_json() for tools
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,15 @@ from .procmem import reset_peak, status_mb
 LossFn = Callable[..., Tensor]
 
 # Graph node types that element-wise indexing in Python loops leaves behind.
-_INDEXING_NODES = ("CopySlices", "SelectBackward", "IndexBackward", "AsStridedBackward", "SliceBackward",
-                   "IndexPutBackward", "UnbindBackward")
+_INDEXING_NODES = (
+    "CopySlices",
+    "SelectBackward",
+    "IndexBackward",
+    "AsStridedBackward",
+    "SliceBackward",
+    "IndexPutBackward",
+    "UnbindBackward",
+)
 
 
 @dataclass
@@ -117,30 +125,39 @@ class Report:
         d = asdict(self)
         if self.replacement is not None:
             r = self.replacement
-            d["replacement"].update(user_s=r.user_s, flashcl_s=r.flashcl_s, speedup=r.speedup,
-                                    speedup_range=list(r.speedup_range))
+            d["replacement"].update(
+                user_s=r.user_s, flashcl_s=r.flashcl_s, speedup=r.speedup, speedup_range=list(r.speedup_range)
+            )
         return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     def text(self) -> str:
-        lines = ["flashcl doctor", "",
-                 "size      forward     backward    peak mem    graph nodes  backward grad elements"]
+        lines = [
+            "flashcl doctor",
+            "",
+            "size      forward     backward    peak mem    graph nodes  backward grad elements",
+        ]
         for r in self.runs:
             mem = f"{r.peak_mb:8.1f} MB" if r.peak_mb is not None else "       n/a"
-            lines.append(f"{r.size:<9} {r.forward_s * 1e3:9.1f} ms {r.backward_s * 1e3:9.1f} ms {mem}  "
-                         f"{r.graph_nodes:>10}  {r.backward_elements:>22}")
+            lines.append(
+                f"{r.size:<9} {r.forward_s * 1e3:9.1f} ms {r.backward_s * 1e3:9.1f} ms {mem}  "
+                f"{r.graph_nodes:>10}  {r.backward_elements:>22}"
+            )
         if self.backward_exponent is not None:
-            lines.append(f"growth over the last size step: forward ~ n^{self.forward_exponent:.1f}, backward ~ "
-                         f"n^{self.backward_exponent:.1f}, graph nodes ~ n^{self.nodes_exponent:.1f}, backward "
-                         f"gradient elements ~ n^{self.backward_elements_exponent:.1f}")
+            lines.append(
+                f"growth over the last size step: forward ~ n^{self.forward_exponent:.1f}, backward ~ "
+                f"n^{self.backward_exponent:.1f}, graph nodes ~ n^{self.nodes_exponent:.1f}, backward "
+                f"gradient elements ~ n^{self.backward_elements_exponent:.1f}"
+            )
         top = sorted(self.nodes_by_type.items(), key=lambda kv: -kv[1])[:8]
-        lines += ["", "autograd graph at the largest size, nodes by type: " +
-                  ", ".join(f"{k} x{v}" for k, v in top)]
+        lines += ["", "autograd graph at the largest size, nodes by type: " + ", ".join(f"{k} x{v}" for k, v in top)]
         if self.largest_saved:
-            lines.append("largest tensors saved for backward: " + ", ".join(
-                f"{name} {tuple(shape)} {mb:.1f} MB" for name, shape, mb in self.largest_saved[:4]))
+            lines.append(
+                "largest tensors saved for backward: "
+                + ", ".join(f"{name} {tuple(shape)} {mb:.1f} MB" for name, shape, mb in self.largest_saved[:4])
+            )
         lines.append("")
         if not self.findings:
             lines.append("no slow pattern found")
@@ -149,10 +166,13 @@ class Report:
         if self.replacement is not None:
             rep = self.replacement
             lo, hi = rep.speedup_range
-            lines += ["", f"same loss and gradient as: {rep.call}",
-                      f"    loss {rep.loss:.6g}; forward+backward {rep.user_s * 1e3:.1f} ms -> "
-                      f"{rep.flashcl_s * 1e3:.1f} ms at the largest size (medians of {len(rep.user_times)} "
-                      f"alternating runs): {speed_words(rep.speedup)} (per-run ratios {lo:.2g}x-{hi:.2g}x)"]
+            lines += [
+                "",
+                f"same loss and gradient as: {rep.call}",
+                f"    loss {rep.loss:.6g}; forward+backward {rep.user_s * 1e3:.1f} ms -> "
+                f"{rep.flashcl_s * 1e3:.1f} ms at the largest size (medians of {len(rep.user_times)} "
+                f"alternating runs): {speed_words(rep.speedup)} (per-run ratios {lo:.2g}x-{hi:.2g}x)",
+            ]
         elif self.tried:
             lines += ["", "no flashcl loss matched the value and gradient at every size; tried:"]
             lines += [f"    {t}" for t in self.tried]
@@ -167,6 +187,7 @@ def speed_words(ratio: float) -> str:
 
 
 # ----------------------------------------------------------------------------- inputs
+
 
 def scale_inputs(example: Sequence[Any], size: int, seed: int = 0) -> List[Any]:
     """Inputs like ``example`` with every dimension equal to the example's batch
@@ -194,6 +215,7 @@ def scale_inputs(example: Sequence[Any], size: int, seed: int = 0) -> List[Any]:
 
 
 # ----------------------------------------------------------------------------- graph
+
 
 def _walk(root: Any) -> List[Any]:
     seen, stack, nodes = set(), [root], []
@@ -261,43 +283,66 @@ def _graph_findings(nodes: List[Any], size: int, nodes_exponent: Optional[float]
         by_type[_base_name(n)] = by_type.get(_base_name(n), 0) + 1
     indexing = sum(v for k, v in by_type.items() if k.startswith(_INDEXING_NODES))
     if indexing >= max(64, size // 2):
-        findings.append(Finding(
-            "element-wise indexing/assignment in Python loops",
-            f"{indexing} index/select/copy-slices nodes in the graph at n = {size}; in backward each one "
-            "builds a gradient of its source's full size, so backward costs O(nodes x n^2)",
-            "index all at once: x.gather(1, idx), x.index_select, or a boolean mask"))
+        findings.append(
+            Finding(
+                "element-wise indexing/assignment in Python loops",
+                f"{indexing} index/select/copy-slices nodes in the graph at n = {size}; in backward each one "
+                "builds a gradient of its source's full size, so backward costs O(nodes x n^2)",
+                "index all at once: x.gather(1, idx), x.index_select, or a boolean mask",
+            )
+        )
     if nodes_exponent is not None and nodes_exponent > 0.7:
-        findings.append(Finding(
-            "a Python loop over the batch",
-            f"the autograd graph grows with the batch (nodes ~ n^{nodes_exponent:.1f})",
-            "vectorise: one matmul for all scores, masks for positives, logsumexp over rows"))
+        findings.append(
+            Finding(
+                "a Python loop over the batch",
+                f"the autograd graph grows with the batch (nodes ~ n^{nodes_exponent:.1f})",
+                "vectorise: one matmul for all scores, masks for positives, logsumexp over rows",
+            )
+        )
     exp_log = [n for n in nodes if _base_name(n) == "LogBackward" and _reaches(n, ("ExpBackward",), 3)]
     if exp_log:
-        findings.append(Finding(
-            "exp followed by log",
-            f"{len(exp_log)} log node(s) fed by exp within 3 steps: overflows past ~88 in float32",
-            "stay in log space: log(exp(a) / b) = a - log(b), and torch.logsumexp for log(sum(exp))"))
-    diag_sub = [n for n in nodes if _base_name(n) == "SubBackward"
-                and _reaches(n, ("SumBackward",), 1) and _reaches(n, ("DiagonalBackward",), 2)]
+        findings.append(
+            Finding(
+                "exp followed by log",
+                f"{len(exp_log)} log node(s) fed by exp within 3 steps: overflows past ~88 in float32",
+                "stay in log space: log(exp(a) / b) = a - log(b), and torch.logsumexp for log(sum(exp))",
+            )
+        )
+    diag_sub = [
+        n
+        for n in nodes
+        if _base_name(n) == "SubBackward" and _reaches(n, ("SumBackward",), 1) and _reaches(n, ("DiagonalBackward",), 2)
+    ]
     if diag_sub:
-        findings.append(Finding(
-            "sum(exp(x)) - exp(diag(x))",
-            "a subtraction of the diagonal's exp from a row sum: cancels catastrophically when the diagonal "
-            "dominates, and exp overflows",
-            "mask the diagonal to -inf and take torch.logsumexp over the row"))
-    big = [(name, t) for n in nodes for name, t in _saved_tensors(n) if t.dim() >= 2
-           and t.shape[-1] >= size and t.shape[-2] >= size and t.numel() >= size * size]
+        findings.append(
+            Finding(
+                "sum(exp(x)) - exp(diag(x))",
+                "a subtraction of the diagonal's exp from a row sum: cancels catastrophically when the diagonal "
+                "dominates, and exp overflows",
+                "mask the diagonal to -inf and take torch.logsumexp over the row",
+            )
+        )
+    big = [
+        (name, t)
+        for n in nodes
+        for name, t in _saved_tensors(n)
+        if t.dim() >= 2 and t.shape[-1] >= size and t.shape[-2] >= size and t.numel() >= size * size
+    ]
     if big:
         name, t = big[0]
-        findings.append(Finding(
-            "an n x n matrix held for backward",
-            f"{len(big)} saved tensor(s) of shape >= ({size}, {size}), e.g. {name} {tuple(t.shape)}: memory "
-            "grows with the batch squared",
-            "flashcl's tiled backend computes the same loss in O(n) memory (see the replacement below, if any)"))
+        findings.append(
+            Finding(
+                "an n x n matrix held for backward",
+                f"{len(big)} saved tensor(s) of shape >= ({size}, {size}), e.g. {name} {tuple(t.shape)}: memory "
+                "grows with the batch squared",
+                "flashcl's tiled backend computes the same loss in O(n) memory (see the replacement below, if any)",
+            )
+        )
     return findings
 
 
 # ----------------------------------------------------------------------------- measuring
+
 
 def _call(fn: LossFn, inputs: Sequence[Any], seed: int) -> Tensor:
     random.seed(seed)
@@ -321,9 +366,15 @@ def _run(fn: LossFn, inputs: Sequence[Any], seed: int = 0) -> Tuple[SizeRun, Any
         loss.backward(retain_graph=True)
     bwd = time.perf_counter() - t0
     peak = status_mb("VmHWM")
-    run = SizeRun(inputs[0].shape[0] if isinstance(inputs[0], Tensor) else 0, fwd, bwd,
-                  None if base is None or peak is None else peak - base, len(nodes), float(loss.detach()),
-                  _backward_elements(nodes))
+    run = SizeRun(
+        inputs[0].shape[0] if isinstance(inputs[0], Tensor) else 0,
+        fwd,
+        bwd,
+        None if base is None or peak is None else peak - base,
+        len(nodes),
+        float(loss.detach()),
+        _backward_elements(nodes),
+    )
     return run, (loss, nodes)
 
 
@@ -350,8 +401,10 @@ def _families(inputs: Sequence[Any]) -> List[str]:
     temps = ", ".join(f"{t:g}" for t in _TEMPERATURES)
     out = []
     if len(floats) == 1 and floats[0].dim() == 2 and floats[0].shape[0] == floats[0].shape[1] and not ints:
-        out.append("neighbor_loss with k = 1..5 neighbours drawn by random.randrange or torch.randint, diagonal "
-                   "excluded or not, sum or mean")
+        out.append(
+            "neighbor_loss with k = 1..5 neighbours drawn by random.randrange or torch.randint, diagonal "
+            "excluded or not, sum or mean"
+        )
     if len(floats) == 1 and floats[0].dim() == 2 and len(ints) == 1 and ints[0].dim() == 1:
         out.append(f"supcon_loss at temperatures {temps}, positives mean / sum, include_self, mean / sum")
     if len(floats) == 2 and all(f.dim() == 2 for f in floats) and not ints:
@@ -359,8 +412,10 @@ def _families(inputs: Sequence[Any]) -> List[str]:
             out.append(f"nt_xent_loss and clip_loss (logit_scale = 1 / t) at temperatures t = {temps}")
         out.append(f"info_nce_loss at temperatures {temps}")
     if not out:
-        out.append("nothing: flashcl's losses take one square score matrix, embeddings and int labels, or two "
-                   "embedding matrices")
+        out.append(
+            "nothing: flashcl's losses take one square score matrix, embeddings and int labels, or two "
+            "embedding matrices"
+        )
     return out
 
 
@@ -384,30 +439,62 @@ def _candidates(inputs: Sequence[Any], seed: int) -> List[Tuple[str, Callable[[]
             for nb, how in ((nb_py, "random.randrange"), (nb_t, "torch.randint")):
                 for excl in (True, False):
                     for red in ("sum", "mean"):
-                        call = (f"flashcl.neighbor_loss(scores, neighbors, exclude_diagonal={excl}, reduction="
-                                f"'{red}')  # neighbors: ({n}, {k}) drawn as your code does ({how})")
-                        out.append((call, functools.partial(
-                            flashcl.neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red)))
+                        call = (
+                            f"flashcl.neighbor_loss(scores, neighbors, exclude_diagonal={excl}, reduction="
+                            f"'{red}')  # neighbors: ({n}, {k}) drawn as your code does ({how})"
+                        )
+                        out.append(
+                            (
+                                call,
+                                functools.partial(flashcl.neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red),
+                            )
+                        )
     if len(floats) == 1 and floats[0].dim() == 2 and len(ints) == 1 and ints[0].dim() == 1:
         e, y = floats[0], ints[0]
         for t in temps:
             for pos in ("mean", "sum"):
                 for inc in (False, True):
                     for red in ("mean", "sum"):
-                        call = (f"flashcl.supcon_loss(embeddings, labels, temperature={t}, positives='{pos}', "
-                                f"include_self={inc}, reduction='{red}')")
-                        out.append((call, functools.partial(
-                            flashcl.supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red)))
+                        call = (
+                            f"flashcl.supcon_loss(embeddings, labels, temperature={t}, positives='{pos}', "
+                            f"include_self={inc}, reduction='{red}')"
+                        )
+                        out.append(
+                            (
+                                call,
+                                functools.partial(
+                                    flashcl.supcon_loss,
+                                    e,
+                                    y,
+                                    temperature=t,
+                                    positives=pos,
+                                    include_self=inc,
+                                    reduction=red,
+                                ),
+                            )
+                        )
     if len(floats) == 2 and all(f.dim() == 2 for f in floats) and not ints:
         a, b = floats
         for t in temps:
             if a.shape == b.shape:
-                out.append((f"flashcl.nt_xent_loss(z1, z2, temperature={t})",
-                            functools.partial(flashcl.nt_xent_loss, a, b, temperature=t)))
-                out.append((f"flashcl.clip_loss(image, text, logit_scale={1 / t:g})",
-                            functools.partial(flashcl.clip_loss, a, b, 1 / t)))
-            out.append((f"flashcl.info_nce_loss(query, keys, temperature={t})",
-                        functools.partial(flashcl.info_nce_loss, a, b, temperature=t)))
+                out.append(
+                    (
+                        f"flashcl.nt_xent_loss(z1, z2, temperature={t})",
+                        functools.partial(flashcl.nt_xent_loss, a, b, temperature=t),
+                    )
+                )
+                out.append(
+                    (
+                        f"flashcl.clip_loss(image, text, logit_scale={1 / t:g})",
+                        functools.partial(flashcl.clip_loss, a, b, 1 / t),
+                    )
+                )
+            out.append(
+                (
+                    f"flashcl.info_nce_loss(query, keys, temperature={t})",
+                    functools.partial(flashcl.info_nce_loss, a, b, temperature=t),
+                )
+            )
     return out
 
 
@@ -433,8 +520,9 @@ def _same_gradients(a: List[Tensor], b: List[Tensor]) -> bool:
     return len(a) == len(b)
 
 
-def _find_replacement(fn: LossFn, every_size: Sequence[Sequence[Any]], seed: int,
-                      repeats: int) -> Optional[Replacement]:
+def _find_replacement(
+    fn: LossFn, every_size: Sequence[Sequence[Any]], seed: int, repeats: int
+) -> Optional[Replacement]:
     """The flashcl call whose value and gradient equal the function's at every size
     (``every_size``: the inputs at each size, the largest last), the candidates
     whose value at the largest size is closest tried first; timed at the largest."""
@@ -451,9 +539,10 @@ def _find_replacement(fn: LossFn, every_size: Sequence[Sequence[Any]], seed: int
                 values.append((abs(value - user[-1][0]), i))
     per_size = [_candidates(ins, seed) for ins in every_size]
     for _, i in sorted(values):
-        if all(_close(v, uv) and _same_gradients(g, ug)
-               for (v, g), (uv, ug) in ((_grads(cands[i][1], ins), u)
-                                        for cands, ins, u in zip(per_size, every_size, user))):
+        if all(
+            _close(v, uv) and _same_gradients(g, ug)
+            for (v, g), (uv, ug) in ((_grads(cands[i][1], ins), u) for cands, ins, u in zip(per_size, every_size, user))
+        ):
             call, cand = per_size[-1][i]
             value = user[-1][0]
             break
@@ -483,8 +572,15 @@ def _time_fwd_bwd(make_loss: Callable[[], Tensor], inputs: Sequence[Any]) -> flo
 
 # ----------------------------------------------------------------------------- entry point
 
-def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = None, seed: int = 0,
-           repeats: int = 5, progress: Optional[Callable[[str], None]] = None) -> Report:
+
+def doctor(
+    fn: LossFn,
+    *example_inputs: Any,
+    sizes: Optional[Sequence[int]] = None,
+    seed: int = 0,
+    repeats: int = 5,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Report:
     """Diagnose a loss function: timing and growth, graph, slow patterns, replacement.
 
     Args:
@@ -553,8 +649,10 @@ def doctor(fn: LossFn, *example_inputs: Any, sizes: Optional[Sequence[int]] = No
     by_type: Dict[str, int] = {}
     for n in nodes:
         by_type[_base_name(n)] = by_type.get(_base_name(n), 0) + 1
-    saved = sorted(((name, list(t.shape), t.numel() * t.element_size() / 2**20)
-                    for n in nodes for name, t in _saved_tensors(n)), key=lambda x: -x[2])
+    saved = sorted(
+        ((name, list(t.shape), t.numel() * t.element_size() / 2**20) for n in nodes for name, t in _saved_tensors(n)),
+        key=lambda x: -x[2],
+    )
     findings = _graph_findings(nodes, runs[-1].size, nodes_e)
     if progress is not None:
         progress("looking for a flashcl loss with the same value and gradient at every size")

@@ -1,9 +1,9 @@
 """The tile engine: one autograd Function for every loss and every backend.
 
 A loss is a :class:`Problem`: a :class:`~flashcl.heads.Head` (its nonlinear part
-over score tiles) and :class:`~flashcl.linear.Linear` terms (its positives, in
+over score tiles) and :class:`~flashcl.positives.PositiveTerm` terms (its positives, in
 embedding space). A *driver* visits the tiles of ``s_ij = scale * q^_i . k^_j``
-(:mod:`flashcl.tiled`'s row blocks, :mod:`flashcl.symmetric`'s upper panels,
+(:mod:`flashcl.tiled`'s row blocks, :mod:`flashcl.panels`'s upper panels,
 the Triton kernels, the distributed ring) and hands each one to the head. This
 module does what is common to all of them, once:
 
@@ -27,6 +27,7 @@ tile, turns it into ``dL/ds`` with ``head.grad`` and accumulates
 ``dq^ += scale G k^``, ``dk^ += scale G^T q^``. Both return
 ``sum_ij G_ij q^_i . k^_j`` (the scale's gradient).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,11 +37,20 @@ import torch
 from torch import Tensor
 
 from .heads import Head, Tile
-from .linear import Linear, Rows, RowScaled, class_sums, raw_rows
+from .positives import PositiveTerm, Rows, RowScaled, class_sums, raw_rows
 from .utils import FusedFunction, autocast_off, compute_dtype, normalize_rows
 
-__all__ = ["Problem", "Operands", "Driver", "EngineFunction", "dense_values", "run", "NORM_EPS", "finite_rows",
-           "scores_product"]
+__all__ = [
+    "Problem",
+    "Operands",
+    "Driver",
+    "EngineFunction",
+    "dense_values",
+    "run",
+    "NORM_EPS",
+    "finite_rows",
+    "scores_product",
+]
 
 NORM_EPS = 1e-12  # F.normalize's default
 
@@ -59,21 +69,23 @@ class Problem:
     """
 
     head: Head
-    linears: Tuple[Linear, ...] = field(default_factory=tuple)
+    linears: Tuple[PositiveTerm, ...] = field(default_factory=tuple)
     normalize: bool = True
     offset: int = 0
 
     def __post_init__(self) -> None:
         head_offset = getattr(self.head, "offset", self.offset)
         if head_offset != self.offset:
-            raise ValueError(f"the head's offset ({head_offset}) and the problem's ({self.offset}) differ: the "
-                             "tiles would mask other columns than the head's kernels")
+            raise ValueError(
+                f"the head's offset ({head_offset}) and the problem's ({self.offset}) differ: the "
+                "tiles would mask other columns than the head's kernels"
+            )
 
 
 @dataclass
 class Operands:
     """The prepared inputs of one call: rows normalised (``q``, ``k``; lazily, as
-    :class:`~flashcl.linear.RowScaled`, when the driver asks) in the compute dtype,
+    :class:`~flashcl.positives.RowScaled`, when the driver asks) in the compute dtype,
     their norms, ``same`` (k is q), the scale, ``bound >= max |s_ij|``, the rows
     per block."""
 
@@ -116,7 +128,7 @@ class Driver:
     """Visits the tiles of a problem; see the module docstring.
 
     Attributes:
-        lazy: takes the normalised rows as :class:`~flashcl.linear.RowScaled` views.
+        lazy: takes the normalised rows as :class:`~flashcl.positives.RowScaled` views.
         no_second_derivatives: see below.
         class_sums: the per-class row sums the linear terms use (the distributed
             ring adds every rank's).
@@ -137,8 +149,9 @@ class Driver:
         """A value ``>= max |s_ij|`` over every tile this driver visits, or None."""
         return ops.bound
 
-    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
-                dk: Optional[Tensor]) -> Optional[Tensor]:
+    def forward(
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+    ) -> Optional[Tensor]:
         """Every reduction pass; with ``g_row`` (and dq, dk), also the gradient when the
         driver can form it in the same visit: then returns d scale (else None)."""
         raise NotImplementedError
@@ -206,8 +219,9 @@ def _max_row_norm(rows: Rows) -> float:
     return float((norms if inv is None else norms * inv).max())
 
 
-def operands(q_in: Tensor, k_in: Optional[Tensor], scale: float, normalize: bool, lazy: bool, block: int,
-             offset: int = 0) -> Operands:
+def operands(
+    q_in: Tensor, k_in: Optional[Tensor], scale: float, normalize: bool, lazy: bool, block: int, offset: int = 0
+) -> Operands:
     """Casts and normalises the inputs (``k_in=None``: k is q) for a driver."""
     dtype = compute_dtype(q_in.dtype)
     q, q_norms = _prepare(q_in, normalize, dtype, lazy)
@@ -215,29 +229,42 @@ def operands(q_in: Tensor, k_in: Optional[Tensor], scale: float, normalize: bool
     # Cauchy-Schwarz: |s_ij| <= scale * max |q^_i| * max |k^_j|
     qmax = 1.0 if normalize else _max_row_norm(q)
     kmax = qmax if k_in is None or normalize else _max_row_norm(k)
-    return Operands(q, k, q_norms, k_norms, k_in is None, scale, scale * qmax * kmax, block, offset,
-                    q_in.detach(), None if k_in is None else k_in.detach())
+    return Operands(
+        q,
+        k,
+        q_norms,
+        k_norms,
+        k_in is None,
+        scale,
+        scale * qmax * kmax,
+        block,
+        offset,
+        q_in.detach(),
+        None if k_in is None else k_in.detach(),
+    )
 
 
 def normalize_backward_(grad: Tensor, y: Rows, norms: Tensor, block: int) -> None:
     """In place: d(x / max(|x|, eps))/dx applied to ``grad``, given y = x/|x|."""
     projected = norms > NORM_EPS
     for r0 in range(0, grad.shape[0], block):
-        g, yb = grad[r0:r0 + block], y[r0:r0 + block]
-        dot = (g * yb).sum(1) * projected[r0:r0 + block]
-        g.sub_(yb * dot.unsqueeze(1)).div_(norms[r0:r0 + block].unsqueeze(1))
+        g, yb = grad[r0 : r0 + block], y[r0 : r0 + block]
+        dot = (g * yb).sum(1) * projected[r0 : r0 + block]
+        g.sub_(yb * dot.unsqueeze(1)).div_(norms[r0 : r0 + block].unsqueeze(1))
 
 
-def _add_linear(rows: Tensor, cols: Optional[Tensor], lin: Linear, value: Tensor, scale: Any
-                ) -> Tuple[Tensor, Optional[Tensor]]:
+def _add_linear(
+    rows: Tensor, cols: Optional[Tensor], lin: PositiveTerm, value: Tensor, scale: Any
+) -> Tuple[Tensor, Optional[Tensor]]:
     if lin.target == "row":
         return rows - scale * lin.weight * value, cols
     assert cols is not None, "a column linear term needs a head with columns"
     return rows, cols - scale * lin.weight * value
 
 
-def dense_values(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem,
-                 param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+def dense_values(
+    q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, param: Optional[Tensor] = None
+) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-row (and per-column) losses by differentiable torch ops on the whole
     score matrix: the dense backend, and the second derivatives of the others.
     ``param``: the head's learnable scalar, if it has one (SigLIP's bias)."""
@@ -266,15 +293,29 @@ def _output(rows: Tensor, cols: Optional[Tensor], reduce_weights: ReduceWeights)
     return out
 
 
-def dense_output(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem,
-                 reduce_weights: ReduceWeights, param: Optional[Tensor] = None) -> Tensor:
+def dense_output(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    problem: Problem,
+    reduce_weights: ReduceWeights,
+    param: Optional[Tensor] = None,
+) -> Tensor:
     """What :class:`EngineFunction` returns, by :func:`dense_values`."""
     rows, cols = dense_values(q, k, scale, problem, param)
     return _output(rows, cols, reduce_weights)
 
 
-def _linear_grads(ops: Operands, problem: Problem, driver: Driver, raws: List[Tensor], g_row: Tensor,
-                  g_col: Optional[Tensor], dq: Tensor, dk: Tensor) -> Tensor:
+def _linear_grads(
+    ops: Operands,
+    problem: Problem,
+    driver: Driver,
+    raws: List[Tensor],
+    g_row: Tensor,
+    g_col: Optional[Tensor],
+    dq: Tensor,
+    dk: Tensor,
+) -> Tensor:
     """Adds the linear terms' gradients; returns their part of d scale."""
     dscale = dq.new_zeros(())
     for lin, raw in zip(problem.linears, raws):
@@ -289,8 +330,9 @@ def _linear_grads(ops: Operands, problem: Problem, driver: Driver, raws: List[Te
     return dscale
 
 
-def _input_grads(ops: Operands, dq: Tensor, dk: Tensor, q_in: Tensor, k_in: Optional[Tensor]
-                 ) -> Tuple[Tensor, Optional[Tensor]]:
+def _input_grads(
+    ops: Operands, dq: Tensor, dk: Tensor, q_in: Tensor, k_in: Optional[Tensor]
+) -> Tuple[Tensor, Optional[Tensor]]:
     """The normalisation's backward and the cast back to the inputs' dtypes."""
     if ops.q_norms is not None:
         normalize_backward_(dq, ops.q, ops.q_norms, ops.block)
@@ -318,8 +360,17 @@ class EngineFunction(FusedFunction):
     """
 
     @staticmethod
-    def forward(ctx: Any, q_in: Tensor, k_in: Optional[Tensor], scale: Tensor, param: Optional[Tensor],
-                problem: Problem, driver: Driver, reduce_weights: ReduceWeights, block: int) -> Tensor:
+    def forward(
+        ctx: Any,
+        q_in: Tensor,
+        k_in: Optional[Tensor],
+        scale: Tensor,
+        param: Optional[Tensor],
+        problem: Problem,
+        driver: Driver,
+        reduce_weights: ReduceWeights,
+        block: int,
+    ) -> Tensor:
         head = problem.head
         s = float(scale)
         ops = operands(q_in, k_in, s, problem.normalize, driver.lazy, block, problem.offset)
@@ -340,8 +391,12 @@ class EngineFunction(FusedFunction):
             driver.forward(ops, head, st, None, None, None)
         driver.release()  # before the linear terms: their temporaries need not stack on the tile buffers
         rows, cols = head.values(st)
-        raws = [lin.raw(ops.q, ops.k, block, driver.class_sums) if lin.target == "row"
-                else lin.raw(ops.k, ops.q, block, driver.class_sums) for lin in problem.linears]
+        raws = [
+            lin.raw(ops.q, ops.k, block, driver.class_sums)
+            if lin.target == "row"
+            else lin.raw(ops.k, ops.q, block, driver.class_sums)
+            for lin in problem.linears
+        ]
         for lin, raw in zip(problem.linears, raws):
             rows, cols = _add_linear(rows, cols, lin, raw, s)
 
@@ -389,8 +444,16 @@ class EngineFunction(FusedFunction):
         return dq_in, dk_in, dscale, head.param_grad(st)
 
 
-def run(q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, driver: Optional[Driver],
-        reduce_weights: ReduceWeights, block: int, param: Optional[Tensor] = None) -> Tensor:
+def run(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    problem: Problem,
+    driver: Optional[Driver],
+    reduce_weights: ReduceWeights,
+    block: int,
+    param: Optional[Tensor] = None,
+) -> Tensor:
     """The problem's losses: through ``driver`` (an :class:`EngineFunction`), or by
     the dense formula when ``driver`` is None; autocast off either way. ``param``:
     the head's learnable scalar, if it has one."""

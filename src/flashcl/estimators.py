@@ -1,5 +1,6 @@
 """The debiased and hard-negative estimators of NT-Xent (Chuang et al. 2020;
 Robinson et al. 2021) as a head of the tile engine: :class:`DebiasedHead`."""
+
 from __future__ import annotations
 
 import math
@@ -16,9 +17,9 @@ __all__ = ["DebiasedHead"]
 
 class _DebiasedState:
     def __init__(self, m: int, like: Tensor) -> None:
-        self.l1 = like.new_full((m,), float("-inf"))  # LSE_n (beta + 1) s_in over the negatives
-        self.l0 = like.new_full((m,), float("-inf"))  # LSE_n beta s_in
-        self.pos = like.new_zeros(m)                   # s_ip
+        self.lse_tilted = like.new_full((m,), float("-inf"))  # LSE_n (beta + 1) s_in over the negatives
+        self.lse_weight = like.new_full((m,), float("-inf"))  # LSE_n beta s_in
+        self.pos = like.new_zeros(m)  # s_ip
         self.coef_neg: Optional[Tensor] = None
         self.coef_pos: Optional[Tensor] = None
         self.g_row: Optional[Tensor] = None
@@ -51,8 +52,9 @@ class DebiasedHead(Head):
     passes = 1
     fuses_rows = True
 
-    def __init__(self, positive: Tensor, tau_plus: float, beta: float, n_neg: int, floor: float,
-                 offset: int = 0) -> None:
+    def __init__(
+        self, positive: Tensor, tau_plus: float, beta: float, n_neg: int, floor: float, offset: int = 0
+    ) -> None:
         self.positive, self.tau_plus, self.beta = positive, tau_plus, beta
         self.log_n = math.log(n_neg)
         self.floor = floor
@@ -62,7 +64,7 @@ class DebiasedHead(Head):
         return _DebiasedState(m, like)
 
     def _take_positive(self, s: Tensor, tile: Tile, st: _DebiasedState) -> None:
-        idx = self.positive[tile.r0:tile.r1] - tile.c0
+        idx = self.positive[tile.r0 : tile.r1] - tile.c0
         inside = (idx >= 0) & (idx < tile.c1 - tile.c0)
         rows = torch.arange(idx.shape[0], device=s.device)[inside]
         st.pos[tile.r0 + rows] = s[rows, idx[inside]]
@@ -75,17 +77,17 @@ class DebiasedHead(Head):
         self._take_positive(s, tile, st)
         self._mask_(s, tile, float("-inf"))
         rows = slice(tile.r0, tile.r1)
-        torch.logaddexp(st.l1[rows], torch.logsumexp(s * (self.beta + 1.0), dim=1), out=st.l1[rows])
+        torch.logaddexp(st.lse_tilted[rows], torch.logsumexp(s * (self.beta + 1.0), dim=1), out=st.lse_tilted[rows])
         if self.beta != 0.0:  # beta = 0: LSE_n 0 = log N, set in finish
-            torch.logaddexp(st.l0[rows], torch.logsumexp(s * self.beta, dim=1), out=st.l0[rows])
+            torch.logaddexp(st.lse_weight[rows], torch.logsumexp(s * self.beta, dim=1), out=st.lse_weight[rows])
 
     def finish(self, st: _DebiasedState, p: int = 0) -> None:
         if self.beta == 0.0:
-            st.l0 = torch.full_like(st.l0, self.log_n)
+            st.lse_weight = torch.full_like(st.lse_weight, self.log_n)
 
     def _log_ng(self, st: _DebiasedState) -> Tuple[Tensor, Tensor, Tensor]:
         """(log Ng, whether the floor is taken, exp(B - A)) per row."""
-        a = st.l1 - st.l0 + self.log_n
+        a = st.lse_tilted - st.lse_weight + self.log_n
         b = math.log(self.tau_plus * math.exp(self.log_n)) + st.pos if self.tau_plus > 0 else None
         floor = torch.full_like(a, self.log_n - self.floor)
         if b is None:
@@ -117,10 +119,10 @@ class DebiasedHead(Head):
         rows = slice(tile.r0, tile.r1)
         self._mask_(s, tile, float("-inf"))
         if self.beta != 0.0:
-            low = torch.sub(s * self.beta, st.l0[rows].unsqueeze(1)).exp_().mul_(self.beta)
-            g = s.mul_(self.beta + 1.0).sub_(st.l1[rows].unsqueeze(1)).exp_().mul_(self.beta + 1.0).sub_(low)
+            low = torch.sub(s * self.beta, st.lse_weight[rows].unsqueeze(1)).exp_().mul_(self.beta)
+            g = s.mul_(self.beta + 1.0).sub_(st.lse_tilted[rows].unsqueeze(1)).exp_().mul_(self.beta + 1.0).sub_(low)
         else:
-            g = s.sub_(st.l1[rows].unsqueeze(1)).exp_()
+            g = s.sub_(st.lse_tilted[rows].unsqueeze(1)).exp_()
         g.mul_(st.coef_neg[rows].unsqueeze(1))
         idx = self.positive[rows] - tile.c0
         inside = (idx >= 0) & (idx < tile.c1 - tile.c0)
@@ -133,11 +135,11 @@ class DebiasedHead(Head):
         self.reduce(work, tile, st)
         rows = slice(tile.r0, tile.r1)
         if self.beta == 0.0:  # what finish does, for rows complete in this tile
-            st.l0[rows] = self.log_n
+            st.lse_weight[rows] = self.log_n
         if g_row is None:
             return None
         sub = _DebiasedState(0, s)
-        sub.l1, sub.l0, sub.pos = st.l1[rows], st.l0[rows], st.pos[rows]
+        sub.lse_tilted, sub.lse_weight, sub.pos = st.lse_tilted[rows], st.lse_weight[rows], st.pos[rows]
         self.begin_grad(sub, g_row[rows], None)
         if st.coef_neg is None:
             st.coef_neg, st.coef_pos = torch.zeros_like(st.pos), torch.zeros_like(st.pos)
@@ -147,12 +149,14 @@ class DebiasedHead(Head):
 
     def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         rows = torch.arange(s.shape[0], device=s.device)
-        pos = s[rows, self.positive[tile.r0:tile.r1] - tile.c0]
+        pos = s[rows, self.positive[tile.r0 : tile.r1] - tile.c0]
         mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
         self._mask_(mask, tile, True)
         masked = s.masked_fill(mask, float("-inf"))
-        l1 = torch.logsumexp(masked * (self.beta + 1.0), dim=1)
-        l0 = torch.logsumexp(masked * self.beta, dim=1) if self.beta != 0.0 else torch.full_like(l1, self.log_n)
+        lse_tilted = torch.logsumexp(masked * (self.beta + 1.0), dim=1)
+        lse_weight = (
+            torch.logsumexp(masked * self.beta, dim=1) if self.beta != 0.0 else torch.full_like(lse_tilted, self.log_n)
+        )
         st = _DebiasedState(0, s)
-        st.l1, st.l0, st.pos = l1, l0, pos
+        st.lse_tilted, st.lse_weight, st.pos = lse_tilted, lse_weight, pos
         return self.values(st)

@@ -3,6 +3,7 @@ module of its family (:mod:`flashcl.supcon`, :mod:`flashcl.nt_xent`,
 :mod:`flashcl.info_nce`, :mod:`flashcl.clip`, :mod:`flashcl.gist`,
 :mod:`flashcl.neighbor`), beside its Module twin; the backends are described in
 :mod:`flashcl.dispatch`."""
+
 from __future__ import annotations
 
 from .backends import AUTO_TILED_MIN_ENTRIES

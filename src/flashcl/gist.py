@@ -28,11 +28,13 @@ from .utils import autocast_off, compute_dtype
 def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) -> Callable[[Tile], Tensor]:
     """The tile mask of candidates whose guide similarity exceeds the row's threshold
     (the positive, column ``i`` of row ``i``, kept when ``keep_positive``)."""
+
     def mask(tile: Tile) -> Tensor:
-        out = (gq[tile.r0:tile.r1] @ gk[tile.c0:tile.c1].T) > threshold[tile.r0:tile.r1].unsqueeze(1)
+        out = (gq[tile.r0 : tile.r1] @ gk[tile.c0 : tile.c1].T) > threshold[tile.r0 : tile.r1].unsqueeze(1)
         if keep_positive:  # row i's positive: column i + offset (this process's first row in the global batch)
             out.diagonal(offset=tile.self_diagonal).fill_(False)
         return out
+
     return mask
 
 
@@ -111,25 +113,43 @@ def gist_loss(
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
         raise ValueError(f"margin must be a float, got {margin!r}")
     if not isinstance(guide, (tuple, list)) or len(guide) != (2 if negative is None else 3):
-        raise ValueError("guide must hold the guide model's embeddings of each input: (anchor, positive)"
-                         + ("" if negative is None else ", negative") + f"; got {type(guide).__name__}"
-                         + (f" of {len(guide)}" if isinstance(guide, (tuple, list)) else ""))
+        raise ValueError(
+            "guide must hold the guide model's embeddings of each input: (anchor, positive)"
+            + ("" if negative is None else ", negative")
+            + f"; got {type(guide).__name__}"
+            + (f" of {len(guide)}" if isinstance(guide, (tuple, list)) else "")
+        )
     names = ("guide[0] (anchor)", "guide[1] (positive)", "guide[2] (negative)")
     guides = [checks.check_float_tensor(g, names[t], (2,)).detach() for t, g in enumerate(guide)]
     for t, (g, x) in enumerate(zip(guides, (anchor, positive, negative))):
         assert x is not None
         if g.shape[0] != x.shape[0] or g.shape[1] != guides[0].shape[1]:
-            raise ValueError(f"{names[t]} must have shape ({x.shape[0]}, {guides[0].shape[1]}) (one row per input "
-                             f"row, the guide's width), got {tuple(g.shape)}")
+            raise ValueError(
+                f"{names[t]} must have shape ({x.shape[0]}, {guides[0].shape[1]}) (one row per input "
+                f"row, the guide's width), got {tuple(g.shape)}"
+            )
         checks.same_device(g, anchor, names[t], "anchor")
     if backend == "triton":
         raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
     if process_group is not None:
         check_across_ranks("gist_loss", strategy, grad_scale, backend=backend != "auto")
-        return _gist_across(anchor, positive, negative, guides, scale, float(margin), margin_strategy == "relative",
-                            contrast_anchors, contrast_positives, reduction, grad_scale, strategy, process_group,
-                            block_size)
+        return _gist_across(
+            anchor,
+            positive,
+            negative,
+            guides,
+            scale,
+            float(margin),
+            margin_strategy == "relative",
+            contrast_anchors,
+            contrast_positives,
+            reduction,
+            grad_scale,
+            strategy,
+            process_group,
+            block_size,
+        )
     b = anchor.shape[0]
     k = 0 if negative is None else negative.shape[0]
     entries = b * (b * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
@@ -137,17 +157,40 @@ def gist_loss(
     relative = margin_strategy == "relative"
     with autocast_off(anchor.device.type):
         if name == "reference":
-            rows = reference.gist_rows(anchor, positive, negative, guides, scale, float(margin), relative,
-                                       contrast_anchors, contrast_positives)
+            rows = reference.gist_rows(
+                anchor, positive, negative, guides, scale, float(margin), relative, contrast_anchors, contrast_positives
+            )
             return reduce_rows(rows, torch.ones_like(rows), reduction)
-        rows = gist_rows(anchor, positive, negative, guides, scale, float(margin), relative, contrast_anchors,
-                         contrast_positives, name, block_size)
+        rows = gist_rows(
+            anchor,
+            positive,
+            negative,
+            guides,
+            scale,
+            float(margin),
+            relative,
+            contrast_anchors,
+            contrast_positives,
+            name,
+            block_size,
+        )
     return reduce_rows(rows, torch.ones_like(rows), reduction)
 
 
-def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guides: List[Tensor], scale: Tensor,
-              margin: float, relative: bool, contrast_anchors: bool, contrast_positives: bool, name: str,
-              block_size: Optional[int], across: Optional[Callable[[Tensor], distributed.Columns]] = None) -> Tensor:
+def gist_rows(
+    anchor: Tensor,
+    positive: Tensor,
+    negative: Optional[Tensor],
+    guides: List[Tensor],
+    scale: Tensor,
+    margin: float,
+    relative: bool,
+    contrast_anchors: bool,
+    contrast_positives: bool,
+    name: str,
+    block_size: Optional[int],
+    across: Optional[Callable[[Tensor], distributed.Columns]] = None,
+) -> Tensor:
     """GIST's per-anchor losses (backend ``name``), each a logsumexp over tiles per
     candidate set; with ``across`` (``keys -> their global columns``), the
     candidates are the global batch's (across processes; the guide's embeddings,
@@ -164,8 +207,9 @@ def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guid
             head = SoftmaxHead(ones, exclude=Exclusions(fn=_guide_mask(gq, gk, threshold, keep_positive)))
             return row_lse(q, keys, scale, head, True, name, block_size)
         cols = across(keys)
-        head = SoftmaxHead(ones, offset=cols.offset,
-                           exclude=Exclusions(fn=_guide_mask(gq, cols.gather(gk), threshold, keep_positive)))
+        head = SoftmaxHead(
+            ones, offset=cols.offset, exclude=Exclusions(fn=_guide_mask(gq, cols.gather(gk), threshold, keep_positive))
+        )
         return cols.run(q, scale, Problem(head, (), True, cols.offset), None, block_size)
 
     lse = part(anchor, positive, ga, gp, True)
@@ -180,14 +224,38 @@ def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guid
 
 
 @same_call_across_ranks
-def _gist_across(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guides: List[Tensor], scale: Tensor,
-                 margin: float, relative: bool, contrast_anchors: bool, contrast_positives: bool, reduction: str,
-                 grad_scale: str, strategy: str, group: Any, block_size: Optional[int]) -> Tensor:
+def _gist_across(
+    anchor: Tensor,
+    positive: Tensor,
+    negative: Optional[Tensor],
+    guides: List[Tensor],
+    scale: Tensor,
+    margin: float,
+    relative: bool,
+    contrast_anchors: bool,
+    contrast_positives: bool,
+    reduction: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+) -> Tensor:
     """:func:`gist_loss` over the global batch (:mod:`flashcl.distributed`): each
     rank's anchors against every rank's candidates of each set."""
-    rows = gist_rows(anchor, positive, negative, guides, scale, margin, relative, contrast_anchors,
-                     contrast_positives, "tiled", block_size,
-                     lambda keys: distributed.columns(keys, strategy, group))
+    rows = gist_rows(
+        anchor,
+        positive,
+        negative,
+        guides,
+        scale,
+        margin,
+        relative,
+        contrast_anchors,
+        contrast_positives,
+        "tiled",
+        block_size,
+        lambda keys: distributed.columns(keys, strategy, group),
+    )
     return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
 
 
@@ -201,15 +269,35 @@ class GistLoss(LossModule):
         >>> loss = flashcl.GistLoss(temperature=0.05)(a, p, guide=(ga, gp))
     """
 
-    def __init__(self, temperature: Scalar = 0.01, margin: float = 0.0, margin_strategy: str = "absolute",
-                 contrast_anchors: bool = True, contrast_positives: bool = True, reduction: str = "mean",
-                 backend: str = "auto", block_size: Optional[int] = None, process_group: Any = None,
-                 strategy: str = "all_gather", grad_scale: str = "ddp") -> None:
-        super().__init__(temperature=temperature, margin=margin, margin_strategy=margin_strategy,
-                         contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
-                         reduction=reduction, backend=backend, block_size=block_size, process_group=process_group,
-                         strategy=strategy, grad_scale=grad_scale)
+    def __init__(
+        self,
+        temperature: Scalar = 0.01,
+        margin: float = 0.0,
+        margin_strategy: str = "absolute",
+        contrast_anchors: bool = True,
+        contrast_positives: bool = True,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(
+            temperature=temperature,
+            margin=margin,
+            margin_strategy=margin_strategy,
+            contrast_anchors=contrast_anchors,
+            contrast_positives=contrast_positives,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
 
-    def forward(self, anchor: Tensor, positive: Tensor, negative: Optional[Tensor] = None, *,
-                guide: Tuple[Tensor, ...]) -> Tensor:
+    def forward(
+        self, anchor: Tensor, positive: Tensor, negative: Optional[Tensor] = None, *, guide: Tuple[Tensor, ...]
+    ) -> Tensor:
         return gist_loss(anchor, positive, negative, guide=guide, **self.loss_options())

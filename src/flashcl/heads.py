@@ -2,11 +2,11 @@
 
 Every loss in flashcl is a *head* (the part that is not linear in the scores:
 a logsumexp, a sigmoid, ...) plus *linear terms* (``sum_j m_ij s_ij``: the
-positives, computed in embedding space by :mod:`flashcl.linear`). The backends
-(:mod:`flashcl.tiled`, :mod:`flashcl.symmetric`, :mod:`flashcl.distributed`'s
+positives, computed in embedding space by :mod:`flashcl.positives`). The backends
+(:mod:`flashcl.tiled`, :mod:`flashcl.panels`, :mod:`flashcl.distributed`'s
 ring, :mod:`flashcl.triton`) visit tiles of the score matrix and hand each one
-to the head; they never know which head they serve. :mod:`flashcl.dense` and the
-second-derivative path use the head's differentiable :meth:`Head.dense` formula
+to the head; they never know which head they serve. :func:`flashcl.engine.dense_values` (the dense backend) and
+the second-derivative path use the head's differentiable :meth:`Head.dense` formula
 on the whole matrix.
 
 A head answers, for a tile ``s`` (rows ``tile.r0:tile.r1``, columns
@@ -32,6 +32,7 @@ Adding a loss whose nonlinear part is new = one :class:`Head` subclass
 (see CONTRIBUTING.md); the backends need no change, except the Triton kernels,
 which implement the heads named by :attr:`Head.kernel`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -43,8 +44,20 @@ from torch import Tensor
 
 from .tile import Tile
 
-__all__ = ["Tile", "KernelId", "KernelArgs", "Head", "SoftmaxHead", "SoftplusHead", "Exclusions", "lse_inplace",
-           "mask_self_", "mask_columns_", "scratch", "softplus_rows_"]
+__all__ = [
+    "Tile",
+    "KernelId",
+    "KernelArgs",
+    "Head",
+    "SoftmaxHead",
+    "SoftplusHead",
+    "Exclusions",
+    "lse_inplace",
+    "mask_self_",
+    "mask_columns_",
+    "scratch",
+    "softplus_rows_",
+]
 
 
 def mask_self_(s: Tensor, tile: Tile, value: float) -> None:
@@ -56,7 +69,7 @@ def mask_columns_(s: Tensor, tile: Tile, index: Tensor, value: float) -> None:
     """In place: entry ``(i, index[i, t])`` of every row ``i`` of the tile takes ``value``
     (columns in problem coordinates, (M,) or (M, k); those outside the tile, or
     negative, are skipped)."""
-    idx = index[tile.r0:tile.r1]
+    idx = index[tile.r0 : tile.r1]
     if idx.dim() == 1:
         idx = idx.unsqueeze(1)
     local = idx - tile.c0
@@ -89,7 +102,7 @@ class Exclusions:
 def scratch(buf: Tensor, like: Tensor) -> Tensor:
     """A contiguous view of a free buffer (any shape, at least as many elements)
     with the shape of ``like``."""
-    return buf.view(-1)[:like.numel()].view(like.shape)
+    return buf.view(-1)[: like.numel()].view(like.shape)
 
 
 def lse_inplace(s: Tensor) -> Tuple[Tensor, Tensor]:
@@ -135,7 +148,7 @@ class Head:
         passes: reduction passes before :meth:`grad` can run.
         fuses_rows: :meth:`rows_fused` is implemented.
         has_columns: the head also returns per-column losses (CLIP's column direction).
-        symmetric: for self-contrast (``k is q``, no offset) its tile values and
+        symmetric_tiles: for self-contrast (``k is q``, no offset) its tile values and
             gradients depend on ``(i, j)`` symmetrically, so that the self-contrast
             driver may visit only the panels on and above the diagonal.
         kernel: the Triton tile function that implements it, or None.
@@ -144,15 +157,17 @@ class Head:
     passes: int = 1
     fuses_rows: bool = False
     has_columns: bool = False
-    symmetric: bool = False
+    symmetric_tiles: bool = False
     kernel: Optional[KernelId] = None
 
     # ------------------------------------------------------------ Triton kernels
     def kernel_args(self) -> KernelArgs:
         """The kernels' arguments for this head; a ValueError that says what to use
         when the kernels cannot compute it."""
-        raise ValueError(f"the triton backend has kernels for the softmax and softplus heads only, not for "
-                         f"{type(self).__name__}: use backend='tiled'")
+        raise ValueError(
+            f"the triton backend has kernels for the softmax and softplus heads only, not for "
+            f"{type(self).__name__}: use backend='tiled'"
+        )
 
     def kernel_state(self, st: Any, first: Tensor, second: Optional[Tensor]) -> None:
         """Takes the reductions as the row kernel computed them (``second``: the
@@ -284,20 +299,27 @@ class SoftmaxHead(Head):
 
     kernel: Optional[KernelId] = KernelId.SOFTMAX
 
-    def __init__(self, row_weight: Tensor, exclude_self: bool = False, offset: int = 0,
-                 columns: bool = False, self_index: Optional[Tensor] = None,
-                 exclude: Optional[Exclusions] = None, boost: Optional[Tuple[float, Any]] = None) -> None:
+    def __init__(
+        self,
+        row_weight: Tensor,
+        exclude_self: bool = False,
+        offset: int = 0,
+        columns: bool = False,
+        self_index: Optional[Tensor] = None,
+        exclude: Optional[Exclusions] = None,
+        boost: Optional[Tuple[float, Any]] = None,
+    ) -> None:
         if columns and (exclude_self or exclude is not None or boost is not None):
             raise ValueError("the column direction takes every row: exclusions are for the rows only")
         self.boost = boost
-        self.c = row_weight
+        self.row_weight = row_weight
         self.exclude_self = exclude_self
         self.offset = offset
         self.self_index = self_index
         self.exclude = exclude
         self.has_columns = columns
         # the upper-panel driver needs the masks symmetric: the self entry on the diagonal
-        self.symmetric = not columns and self_index is None and exclude is None and boost is None
+        self.symmetric_tiles = not columns and self_index is None and exclude is None and boost is None
         self.fuses_rows = not columns  # the column direction needs every row's scores first
         if (exclude is not None and exclude.fn is not None) or boost is not None:
             self.kernel = None  # masks computed by a function: no Triton kernel for them
@@ -362,10 +384,10 @@ class SoftmaxHead(Head):
             st.summing = False
 
     def values(self, st: _SoftmaxState) -> Tuple[Tensor, Optional[Tensor]]:
-        return self.c * st.row, st.col
+        return self.row_weight * st.row, st.col
 
     def begin_grad(self, st: _SoftmaxState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
-        st.g_row, st.g_col = g_row * self.c, g_col
+        st.g_row, st.g_col = g_row * self.row_weight, g_col
         empty = st.row == float("-inf")
         if bool(empty.any()):
             # a row with an empty denominator (every entry masked) has no gradient: its
@@ -407,11 +429,11 @@ class SoftmaxHead(Head):
         if self.masks:
             self._mask_(s, tile, float("-inf"))
         lse, total = lse_inplace(s)
-        st.row[tile.r0:tile.r1] = lse
+        st.row[tile.r0 : tile.r1] = lse
         st.summing = False
         if g_row is None:
             return None
-        return s.mul_((g_row * self.c)[tile.r0:tile.r1].unsqueeze(1) / total)
+        return s.mul_((g_row * self.row_weight)[tile.r0 : tile.r1].unsqueeze(1) / total)
 
     # ------------------------------------------------------ symmetric panels
     def reduce_panel(self, s: Tensor, tile: Tile, st: _SoftmaxState, p: int, buf: Tensor) -> None:
@@ -422,15 +444,15 @@ class SoftmaxHead(Head):
             s.sub_(st.fixed_shift).exp_()
             if self.exclude_self:
                 s[:, :b].diagonal().fill_(0.0)
-            st.row[tile.r0:tile.r1] += s.sum(1)
+            st.row[tile.r0 : tile.r1] += s.sum(1)
             if right:
-                st.row[tile.r1:tile.c1] += s[:, b:].sum(0)
+                st.row[tile.r1 : tile.c1] += s[:, b:].sum(0)
             return
         if self.exclude_self:
             s[:, :b].diagonal().fill_(float("-inf"))
         if right:
-            torch.logaddexp(st.row[tile.r1:tile.c1], torch.logsumexp(s[:, b:], dim=0), out=st.row[tile.r1:tile.c1])
-        torch.logaddexp(st.row[tile.r0:tile.r1], torch.logsumexp(s, dim=1), out=st.row[tile.r0:tile.r1])
+            torch.logaddexp(st.row[tile.r1 : tile.c1], torch.logsumexp(s[:, b:], dim=0), out=st.row[tile.r1 : tile.c1])
+        torch.logaddexp(st.row[tile.r0 : tile.r1], torch.logsumexp(s, dim=1), out=st.row[tile.r0 : tile.r1])
 
     def grad_panel(self, s: Tensor, tile: Tile, st: _SoftmaxState, buf: Tensor) -> Tensor:
         assert st.g_row is not None
@@ -441,29 +463,36 @@ class SoftmaxHead(Head):
             if self.exclude_self:
                 s[:, :b].diagonal().fill_(0.0)
             transposed = torch.mul(s, st.alpha[r0:c1].unsqueeze(0), out=other)
-            return s.mul_(st.alpha[r0:tile.r1].unsqueeze(1)).add_(transposed)
+            return s.mul_(st.alpha[r0 : tile.r1].unsqueeze(1)).add_(transposed)
         if self.exclude_self:
             s[:, :b].diagonal().fill_(float("-inf"))
         transposed = torch.sub(s, st.row[r0:c1].unsqueeze(0), out=other).exp_().mul_(st.g_row[r0:c1].unsqueeze(0))
-        return s.sub_(st.row[r0:tile.r1].unsqueeze(1)).exp_().mul_(st.g_row[r0:tile.r1].unsqueeze(1)).add_(transposed)
+        return (
+            s.sub_(st.row[r0 : tile.r1].unsqueeze(1)).exp_().mul_(st.g_row[r0 : tile.r1].unsqueeze(1)).add_(transposed)
+        )
 
     # -------------------------------------------------------- kernel helpers
     def kernel_args(self) -> KernelArgs:
         if self.kernel is None:
-            raise ValueError("the triton kernels take no masks computed from the data (same-label keys, a guide "
-                             "model's false negatives): use backend='tiled'")
+            raise ValueError(
+                "the triton kernels take no masks computed from the data (same-label keys, a guide "
+                "model's false negatives): use backend='tiled'"
+            )
         index = self.exclude.index if self.exclude is not None else None
         if index is not None and index.dim() == 2:
             if index.shape[1] != 1:
-                raise ValueError("the triton kernels leave out at most one column per row besides the anchor "
-                                 "itself: use backend='tiled'")
+                raise ValueError(
+                    "the triton kernels leave out at most one column per row besides the anchor "
+                    "itself: use backend='tiled'"
+                )
             index = index[:, 0]
         if self.exclude_self and self.self_index is not None:
             if index is not None:
                 raise ValueError("the triton kernels leave out one indexed column per row: use backend='tiled'")
             return KernelArgs(KernelId.SOFTMAX, False, self.offset, 0.0, self.self_index.contiguous())
-        return KernelArgs(KernelId.SOFTMAX, self.exclude_self, self.offset, 0.0,
-                          None if index is None else index.contiguous())
+        return KernelArgs(
+            KernelId.SOFTMAX, self.exclude_self, self.offset, 0.0, None if index is None else index.contiguous()
+        )
 
     def kernel_column_lse(self, st: _SoftmaxState) -> Optional[Tensor]:
         return st.col
@@ -487,7 +516,7 @@ class SoftmaxHead(Head):
             mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
             self._mask_(mask, tile, True)
             lse_in = lse_in.masked_fill(mask, float("-inf"))
-        rows = self.c[tile.r0:tile.r1] * torch.logsumexp(lse_in, dim=1)
+        rows = self.row_weight[tile.r0 : tile.r1] * torch.logsumexp(lse_in, dim=1)
         cols = torch.logsumexp(s, dim=0) if self.has_columns else None
         return rows, cols
 
@@ -505,8 +534,8 @@ def softplus_rows_(t: Tensor, work: Tensor) -> Tuple[Tensor, Tensor]:
 
 class _SoftplusState:
     def __init__(self, m: int, like: Tensor) -> None:
-        self.row = like.new_zeros(m)   # sum_j softplus(s_ij + b)
-        self.sig = like.new_zeros(m)   # sum_j sigmoid(s_ij + b): the bias's gradient
+        self.row = like.new_zeros(m)  # sum_j softplus(s_ij + b)
+        self.sig = like.new_zeros(m)  # sum_j sigmoid(s_ij + b): the bias's gradient
         self.work: Optional[Tensor] = None
         self.g_row: Optional[Tensor] = None
         self.g_col: Optional[Tensor] = None
@@ -521,7 +550,7 @@ class _SoftplusState:
 class SoftplusHead(Head):
     """SigLIP's sigmoid loss over pairs: per row ``sum_j softplus(s_ij + b) - b |Pos(i)|``.
 
-    With the positive term ``-sum_{j in Pos(i)} s_ij`` (a :class:`~flashcl.linear.Linear`
+    With the positive term ``-sum_{j in Pos(i)} s_ij`` (a :class:`~flashcl.positives.PositiveTerm`
     of the same positives), row ``i``'s loss is ``sum_j -log sigmoid(z_ij (s_ij + b))``,
     ``z_ij = +1`` on the positive pairs and -1 elsewhere, since
     ``softplus(t) - softplus(-t) = t``: the head itself needs no mask, only the bias
@@ -535,7 +564,7 @@ class SoftplusHead(Head):
 
     kernel: Optional[KernelId] = KernelId.SOFTPLUS
     fuses_rows = True
-    symmetric = True  # no mask: for self-contrast the tile values are symmetric
+    symmetric_tiles = True  # no mask: for self-contrast the tile values are symmetric
 
     def __init__(self, bias: float, counts: Tensor) -> None:
         self.bias = bias
@@ -546,8 +575,8 @@ class SoftplusHead(Head):
 
     def reduce(self, s: Tensor, tile: Tile, st: _SoftplusState, p: int = 0) -> None:
         sp, sig = softplus_rows_(s.add_(self.bias), st.scratch(s))
-        st.row[tile.r0:tile.r1] += sp
-        st.sig[tile.r0:tile.r1] += sig
+        st.row[tile.r0 : tile.r1] += sp
+        st.sig[tile.r0 : tile.r1] += sig
 
     def values(self, st: _SoftplusState) -> Tuple[Tensor, Optional[Tensor]]:
         return st.row - self.bias * self.counts.to(st.row.dtype), None
@@ -557,14 +586,14 @@ class SoftplusHead(Head):
 
     def grad(self, s: Tensor, tile: Tile, st: _SoftplusState, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
-        return torch.sigmoid(s.add_(self.bias), out=s).mul_(st.g_row[tile.r0:tile.r1].unsqueeze(1))
+        return torch.sigmoid(s.add_(self.bias), out=s).mul_(st.g_row[tile.r0 : tile.r1].unsqueeze(1))
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _SoftplusState, g_row: Optional[Tensor]) -> Optional[Tensor]:
-        st.row[tile.r0:tile.r1], st.sig[tile.r0:tile.r1] = softplus_rows_(s.add_(self.bias), st.scratch(s))
+        st.row[tile.r0 : tile.r1], st.sig[tile.r0 : tile.r1] = softplus_rows_(s.add_(self.bias), st.scratch(s))
         if g_row is None:
             return None
         st.g_row = g_row  # for param_grad
-        return s.mul_(g_row[tile.r0:tile.r1].unsqueeze(1))  # s now holds sigmoid(s + b)
+        return s.mul_(g_row[tile.r0 : tile.r1].unsqueeze(1))  # s now holds sigmoid(s + b)
 
     def param_grad(self, st: _SoftplusState) -> Optional[Tensor]:
         if st.g_row is None:
@@ -587,4 +616,4 @@ class SoftplusHead(Head):
         b = param.to(s.dtype) if param is not None else torch.tensor(self.bias, dtype=s.dtype, device=s.device)
         t = s + b
         sp = t.clamp_min(0) + torch.log1p(torch.exp(-t.abs()))
-        return sp.sum(1) - b * self.counts[tile.r0:tile.r1].to(s.dtype), None
+        return sp.sum(1) - b * self.counts[tile.r0 : tile.r1].to(s.dtype), None

@@ -29,15 +29,22 @@ from .utils import autocast_off, compute_dtype
 
 def _same_label_mask(q_ids: Tensor, k_ids: Tensor, index: Tensor) -> Callable[[Tile], Tensor]:
     """The tile mask of keys that share the query's label, the positive excepted."""
+
     def mask(tile: Tile) -> Tensor:
-        same = q_ids[tile.r0:tile.r1].unsqueeze(1) == k_ids[tile.c0:tile.c1].unsqueeze(0)
+        same = q_ids[tile.r0 : tile.r1].unsqueeze(1) == k_ids[tile.c0 : tile.c1].unsqueeze(0)
         cols = torch.arange(tile.c0, tile.c1, device=same.device).unsqueeze(0)
-        return same & (cols != index[tile.r0:tile.r1].unsqueeze(1))
+        return same & (cols != index[tile.r0 : tile.r1].unsqueeze(1))
+
     return mask
 
 
-def info_nce_spec(index: Tensor, normalize: bool, query_labels: Optional[Tensor] = None,
-                  key_labels: Optional[Tensor] = None, duplicates: str = "mask") -> CoreSpec:
+def info_nce_spec(
+    index: Tensor,
+    normalize: bool,
+    query_labels: Optional[Tensor] = None,
+    key_labels: Optional[Tensor] = None,
+    duplicates: str = "mask",
+) -> CoreSpec:
     """InfoNCE's core configuration: query ``i``'s positive is key ``index[i]``; with
     labels on both sides, other keys of the query's label are left out of its
     denominator (``duplicates="mask"``) or are positives too (``"positive"``).
@@ -46,23 +53,37 @@ def info_nce_spec(index: Tensor, normalize: bool, query_labels: Optional[Tensor]
         return CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize)
     (q_ids, k_ids), num_classes = class_ids(query_labels, key_labels)
     if bool((k_ids[index] != q_ids).any()):
-        raise ValueError("each query's positive key must share its label (key_labels[positive_index] == "
-                         "query_labels)")
+        raise ValueError("each query's positive key must share its label (key_labels[positive_index] == query_labels)")
     if duplicates == "positive":
-        return CoreSpec(row_labels=q_ids, col_labels=k_ids, num_classes=num_classes, pos_mode="mean",
-                        normalize=normalize)
-    return CoreSpec(index=index.unsqueeze(1), pos_mode="sum", normalize=normalize,
-                    exclude=Exclusions(fn=_same_label_mask(q_ids, k_ids, index)))
+        return CoreSpec(
+            row_labels=q_ids, col_labels=k_ids, num_classes=num_classes, pos_mode="mean", normalize=normalize
+        )
+    return CoreSpec(
+        index=index.unsqueeze(1),
+        pos_mode="sum",
+        normalize=normalize,
+        exclude=Exclusions(fn=_same_label_mask(q_ids, k_ids, index)),
+    )
 
 
-def _info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, scale: Tensor, spec: CoreSpec,
-                             in_batch: bool, reduction: str, backend: str, block_size: Optional[int]) -> Tensor:
+def _info_nce_with_negatives(
+    query: Tensor,
+    keys: Tensor,
+    negatives: Tensor,
+    scale: Tensor,
+    spec: CoreSpec,
+    in_batch: bool,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+) -> Tensor:
     """InfoNCE whose denominators also hold ``negatives`` (no gradient): the keys' part
     and the negatives' part, each a logsumexp over tiles, merged per row."""
     b, n, k = query.shape[0], keys.shape[0], negatives.shape[0]
     masks_from_data = spec.exclude is not None and spec.exclude.fn is not None
-    name = backends.resolve(backend, b * (n + k), query.device, query.dtype, query.shape[1],
-                            kernel=None if masks_from_data else "softmax")
+    name = backends.resolve(
+        backend, b * (n + k), query.device, query.dtype, query.shape[1], kernel=None if masks_from_data else "softmax"
+    )
     dtype = compute_dtype(query.dtype)
     if name == "reference":
         with autocast_off(query.device.type):
@@ -76,8 +97,9 @@ def _info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, sca
         ones = torch.ones(b, dtype=dtype, device=query.device)
         lse_neg = row_lse(query, negatives, scale, SoftmaxHead(ones), spec.normalize, name, block_size)
         if in_batch:
-            lse_keys = row_lse(query, keys, scale, SoftmaxHead(ones, exclude=spec.exclude), spec.normalize, name,
-                                block_size)
+            lse_keys = row_lse(
+                query, keys, scale, SoftmaxHead(ones, exclude=spec.exclude), spec.normalize, name, block_size
+            )
         else:  # MoCo: the keys' part is each query's positive alone
             lse_keys = scale.to(dtype) * pos
         lse = torch.logaddexp(lse_keys, lse_neg)
@@ -174,38 +196,72 @@ def info_nce_loss(
         negatives = check_keys(negatives, "negatives", query).detach()
     if process_group is not None:
         check_across_ranks("info_nce_loss", strategy, grad_scale, backend=backend != "auto")
-        return _info_nce_across(query, keys, index, scale, normalize, reduction, grad_scale, strategy, process_group,
-                                block_size, negatives, in_batch_negatives, query_labels, key_labels, duplicates,
-                                matryoshka_dims, matryoshka_weights)
+        return _info_nce_across(
+            query,
+            keys,
+            index,
+            scale,
+            normalize,
+            reduction,
+            grad_scale,
+            strategy,
+            process_group,
+            block_size,
+            negatives,
+            in_batch_negatives,
+            query_labels,
+            key_labels,
+            duplicates,
+            matryoshka_dims,
+            matryoshka_weights,
+        )
     if negatives is None:
-        return run_with_widths(query, keys, scale, spec, reduction, backend, block_size, matryoshka_dims,
-                               matryoshka_weights)
-    return _info_nce_with_negatives(query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend,
-                                    block_size)
-
+        return run_with_widths(
+            query, keys, scale, spec, reduction, backend, block_size, matryoshka_dims, matryoshka_weights
+        )
+    return _info_nce_with_negatives(
+        query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend, block_size
+    )
 
 
 @same_call_across_ranks
-def _info_nce_across(query: Tensor, keys: Tensor, index: Tensor, scale: Tensor, normalize: bool, reduction: str,
-                     grad_scale: str, strategy: str, group: Any, block_size: Optional[int],
-                     negatives: Optional[Tensor], in_batch_negatives: bool, query_labels: Optional[Tensor],
-                     key_labels: Optional[Tensor], duplicates: str, dims: Any, weights: Any) -> Tensor:
+def _info_nce_across(
+    query: Tensor,
+    keys: Tensor,
+    index: Tensor,
+    scale: Tensor,
+    normalize: bool,
+    reduction: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+    negatives: Optional[Tensor],
+    in_batch_negatives: bool,
+    query_labels: Optional[Tensor],
+    key_labels: Optional[Tensor],
+    duplicates: str,
+    dims: Any,
+    weights: Any,
+) -> Tensor:
     """:func:`info_nce_loss` over the global batch (:mod:`flashcl.distributed`): each
     query against every rank's keys (``index`` into this rank's) and the shared
     ``negatives`` once; MoCo's (``in_batch_negatives=False``) against its own key and
     the negatives, the ranks meeting in the reduction."""
     if not in_batch_negatives:
         assert negatives is not None
-        rows = _info_nce_with_negatives(query, keys, negatives, scale, info_nce_spec(index, normalize), False, "none",
-                                        "tiled", block_size)
+        rows = _info_nce_with_negatives(
+            query, keys, negatives, scale, info_nce_spec(index, normalize), False, "none", "tiled", block_size
+        )
         return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
     cols = distributed.columns(keys, strategy, group, shared=negatives)
     all_key_labels = None
     if query_labels is not None and key_labels is not None:
         fresh = None
         if negatives is not None:  # the shared negatives take a label no query and no key has
-            top = distributed.global_max(int(torch.cat([query_labels.long(), key_labels.long()]).max()),
-                                         query.device, group)
+            top = distributed.global_max(
+                int(torch.cat([query_labels.long(), key_labels.long()]).max()), query.device, group
+            )
             fresh = torch.full((negatives.shape[0],), top + 1, dtype=torch.long, device=query.device)
         all_key_labels = cols.gather(key_labels.long(), fresh)
     spec = info_nce_spec(index + cols.offset, normalize, query_labels, all_key_labels, duplicates)
@@ -221,18 +277,51 @@ class InfoNCELoss(LossModule):
         >>> loss = flashcl.InfoNCELoss(temperature=0.05)(torch.randn(4, 16), torch.randn(6, 16))
     """
 
-    def __init__(self, temperature: Scalar = 0.05, normalize: bool = True, reduction: str = "mean",
-                 backend: str = "auto", block_size: Optional[int] = None, in_batch_negatives: bool = True,
-                 duplicates: str = "mask", matryoshka_dims: Optional[Sequence[int]] = None,
-                 matryoshka_weights: Optional[Sequence[float]] = None,
-                 process_group: Any = None, strategy: str = "all_gather", grad_scale: str = "ddp") -> None:
-        super().__init__(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
-                         block_size=block_size, in_batch_negatives=in_batch_negatives, duplicates=duplicates,
-                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
-                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
+    def __init__(
+        self,
+        temperature: Scalar = 0.05,
+        normalize: bool = True,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        in_batch_negatives: bool = True,
+        duplicates: str = "mask",
+        matryoshka_dims: Optional[Sequence[int]] = None,
+        matryoshka_weights: Optional[Sequence[float]] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(
+            temperature=temperature,
+            normalize=normalize,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            in_batch_negatives=in_batch_negatives,
+            duplicates=duplicates,
+            matryoshka_dims=matryoshka_dims,
+            matryoshka_weights=matryoshka_weights,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
 
-    def forward(self, query: Tensor, keys: Tensor, positive_index: Optional[Tensor] = None,
-                negatives: Optional[Tensor] = None, query_labels: Optional[Tensor] = None,
-                key_labels: Optional[Tensor] = None) -> Tensor:
-        return info_nce_loss(query, keys, positive_index, negatives=negatives, query_labels=query_labels,
-                             key_labels=key_labels, **self.loss_options())
+    def forward(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        positive_index: Optional[Tensor] = None,
+        negatives: Optional[Tensor] = None,
+        query_labels: Optional[Tensor] = None,
+        key_labels: Optional[Tensor] = None,
+    ) -> Tensor:
+        return info_nce_loss(
+            query,
+            keys,
+            positive_index,
+            negatives=negatives,
+            query_labels=query_labels,
+            key_labels=key_labels,
+            **self.loss_options(),
+        )

@@ -20,6 +20,7 @@ are visited from the widest down: the gradient of segment ``t`` is
 full width in all), and the prefix norms get theirs from ``sum_j G^m_ij s^m_ij``.
 The positives (linear terms) are computed in embedding space per width.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,9 @@ def check_dims(dims: object, weights: object, width: int) -> Tuple[List[int], Li
         ws = [1.0] * len(ds)
     else:
         if isinstance(weights, (int, float, Tensor)) or not isinstance(weights, Sequence) or len(weights) != len(ds):
-            raise ValueError(f"matryoshka_weights must be a list with one weight per width ({len(ds)}), got "
-                             f"{weights!r}")
+            raise ValueError(
+                f"matryoshka_weights must be a list with one weight per width ({len(ds)}), got {weights!r}"
+            )
         ws = []
         for w in weights:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
@@ -75,7 +77,7 @@ def prefix_scales(x: Tensor, dims: List[int], normalize: bool) -> Tensor:
 def _block(m: int, n: int, itemsize: int, device_type: str, widths: int) -> int:
     """Rows per block: the gradient pass's ``widths + 3`` (rows x n) buffers within
     ~128 MB (CPU) or 512 MB."""
-    budget = (512 if device_type == "cuda" else 128) * 2 ** 20
+    budget = (512 if device_type == "cuda" else 128) * 2**20
     return max(1, min(m, budget // max(1, (widths + 3) * n * itemsize)))
 
 
@@ -98,8 +100,18 @@ class _HeadValues(FusedFunction):
     :class:`~flashcl.utils.FusedFunction`'s."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor,
-                problem: Problem, dims: List[int], block: int, weights: Optional[Tensor]) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Optional[Tensor],
+        aq: Tensor,
+        ak: Tensor,
+        scale: Tensor,
+        problem: Problem,
+        dims: List[int],
+        block: int,
+        weights: Optional[Tensor],
+    ) -> Tensor:
         head = problem.head
         qd, kd = q.detach(), (q if k is None else k).detach()
         aqd, akd = aq.detach(), ak.detach()
@@ -109,8 +121,13 @@ class _HeadValues(FusedFunction):
         ctx.problem, ctx.dims, ctx.block, ctx.states, ctx.same = problem, dims, block, states, k is None
         ctx.weights = weights
         grads = None
-        fused = (weights is not None and any(ctx.needs_input_grad[:5]) and head.fuses_rows
-                 and not head.has_columns and head.passes == 1)
+        fused = (
+            weights is not None
+            and any(ctx.needs_input_grad[:5])
+            and head.fuses_rows
+            and not head.has_columns
+            and head.passes == 1
+        )
         if fused:
             assert weights is not None
             grads = _fused(qd, kd, aqd, akd, s, problem, dims, block, states, weights, k is None)
@@ -133,7 +150,7 @@ class _HeadValues(FusedFunction):
     def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
         q, k, aq, ak, scale = inputs
         values = _dense(q, k, aq, ak, scale, ctx.problem, ctx.dims)
-        return values if ctx.weights is None else (ctx.weights * values[:, :q.shape[0]]).sum()
+        return values if ctx.weights is None else (ctx.weights * values[:, : q.shape[0]]).sum()
 
     @classmethod
     def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
@@ -153,8 +170,18 @@ def _tile_scores(r: Tensor, a: Tensor, b: Tensor, scale: float, out: Tensor) -> 
     return out.mul_((b * scale).unsqueeze(0))
 
 
-def _visit(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
-           block: int, states: List[Any], p: int) -> None:
+def _visit(
+    q: Tensor,
+    k: Tensor,
+    aq: Tensor,
+    ak: Tensor,
+    scale: float,
+    problem: Problem,
+    dims: List[int],
+    block: int,
+    states: List[Any],
+    p: int,
+) -> None:
     """One reduction pass of every width's head over every row block."""
     head = problem.head
     m, n = q.shape[0], k.shape[0]
@@ -162,19 +189,29 @@ def _visit(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: 
     s_buf = torch.empty_like(r_buf)
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
-        r, s = r_buf[:r1 - r0], s_buf[:r1 - r0]
+        r, s = r_buf[: r1 - r0], s_buf[: r1 - r0]
         r.zero_()
         lo = 0
         for i, d in enumerate(dims):
             r.addmm_(q[r0:r1, lo:d], k[:, lo:d].T)
             lo = d
-            head.reduce(_tile_scores(r, aq[i, r0:r1], ak[i], scale, s), Tile(r0, r1, 0, n, problem.offset),
-                        states[i], p)
+            head.reduce(
+                _tile_scores(r, aq[i, r0:r1], ak[i], scale, s), Tile(r0, r1, 0, n, problem.offset), states[i], p
+            )
 
 
-def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
-               block: int, same: bool, tile_grad: Callable[..., Tensor]
-               ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
+def _grad_pass(
+    q: Tensor,
+    k: Tensor,
+    aq: Tensor,
+    ak: Tensor,
+    scale: float,
+    problem: Problem,
+    dims: List[int],
+    block: int,
+    same: bool,
+    tile_grad: Callable[..., Tensor],
+) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
     """The gradients of q, k, aq, ak and the scale from one visit of row blocks:
     every width's products (one GEMM of the full width in all), then the widths
     from the widest down; segment
@@ -202,8 +239,12 @@ def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, probl
     large where a narrow prefix is short. Their GEMMs are at most ``NARROW``
     columns wide, a small part of the full width's."""
     m, n = q.shape[0], k.shape[0]
-    signs = (dims[0] == 1 and problem.normalize and bool((q[:, 0].abs() > NORM_EPS).all())
-             and bool((k[:, 0].abs() > NORM_EPS).all()))
+    signs = (
+        dims[0] == 1
+        and problem.normalize
+        and bool((q[:, 0].abs() > NORM_EPS).all())
+        and bool((k[:, 0].abs() > NORM_EPS).all())
+    )
     apart = [problem.normalize and d <= NARROW for d in dims]
     qg = finite_rows(q)  # the gradient GEMMs' operands: a NaN in an excluded key reaches no other gradient
     kg = qg if same else finite_rows(k)
@@ -214,8 +255,8 @@ def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, probl
     s_buf, h_buf, x_buf = (q.new_empty(min(block, m), n) for _ in range(3))
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
-        rs = [buf[:r1 - r0] for buf in r_bufs]
-        sb, h, x = s_buf[:r1 - r0], h_buf[:r1 - r0], x_buf[:r1 - r0]
+        rs = [buf[: r1 - r0] for buf in r_bufs]
+        sb, h, x = s_buf[: r1 - r0], h_buf[: r1 - r0], x_buf[: r1 - r0]
         lo = 0
         for i, d in enumerate(dims):  # R of each width, the narrowest first (as the forward pass)
             if i == 0:
@@ -233,7 +274,7 @@ def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, probl
             rows = x.sum(1)
             dscale += rows.sum()
             if apart[i] and not (i == 0 and signs):
-                _add_projected(grad, qg[r0:r1, :dims[i]], kg[:, :dims[i]], a, b, scale, dq[r0:r1], dk)
+                _add_projected(grad, qg[r0:r1, : dims[i]], kg[:, : dims[i]], a, b, scale, dq[r0:r1], dk)
             elif not apart[i]:
                 daq[i, r0:r1] += rows * (scale / a)
                 dak[i] += x.sum(0) * (scale / b)
@@ -245,8 +286,9 @@ def _grad_pass(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, probl
     return dq, (None if same else dk), daq, dak, dscale
 
 
-def _add_projected(x: Tensor, qb: Tensor, k: Tensor, a: Tensor, b: Tensor, scale: float, dq: Tensor,
-                   dk: Tensor) -> None:
+def _add_projected(
+    x: Tensor, qb: Tensor, k: Tensor, a: Tensor, b: Tensor, scale: float, dq: Tensor, dk: Tensor
+) -> None:
     """A narrow width's gradient through its normalised prefixes, added to the first
     ``d`` columns of dq (the block's rows) and dk: ``scale (Y - a^2 (q . Y) q)`` with
     ``Y = X K``, and the same for k with ``X^T Q``."""
@@ -259,9 +301,19 @@ def _add_projected(x: Tensor, qb: Tensor, k: Tensor, a: Tensor, b: Tensor, scale
     dk[:, :d].add_(z, alpha=scale)
 
 
-def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: Problem, dims: List[int],
-           block: int, states: List[Any], weights: Tensor, same: bool
-           ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
+def _fused(
+    q: Tensor,
+    k: Tensor,
+    aq: Tensor,
+    ak: Tensor,
+    scale: float,
+    problem: Problem,
+    dims: List[int],
+    block: int,
+    states: List[Any],
+    weights: Tensor,
+    same: bool,
+) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
     """Every width's rows and the gradient of ``sum weights * rows`` in one visit of
     complete row blocks (:func:`_grad_pass`, the head's rows reduced as it goes)."""
     head = problem.head
@@ -275,8 +327,9 @@ def _fused(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, scale: float, problem: 
     return _grad_pass(q, k, aq, ak, scale, problem, dims, block, same, tile_grad)
 
 
-def _backward(ctx: Any, grad_out: Tensor, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor,
-              scale: Tensor) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
+def _backward(
+    ctx: Any, grad_out: Tensor, q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor
+) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
     problem, dims, block, states, same = ctx.problem, ctx.dims, ctx.block, ctx.states, ctx.same
     head = problem.head
     qd = q.detach()
@@ -293,8 +346,9 @@ def _backward(ctx: Any, grad_out: Tensor, q: Tensor, k: Optional[Tensor], aq: Te
     return _grad_pass(qd, kd, aq.detach(), ak.detach(), float(scale), problem, dims, block, same, tile_grad)
 
 
-def _dense(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
-           dims: List[int]) -> Tensor:
+def _dense(
+    q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem, dims: List[int]
+) -> Tensor:
     """The head values by differentiable torch ops on each width's whole score matrix."""
     kk = q if k is None else k
     out = []
@@ -305,8 +359,17 @@ def _dense(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor
     return torch.stack(out)
 
 
-def head_values(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
-                dims: List[int], block: Optional[int], weights: Optional[Tensor] = None) -> Tensor:
+def head_values(
+    q: Tensor,
+    k: Optional[Tensor],
+    aq: Tensor,
+    ak: Tensor,
+    scale: Tensor,
+    problem: Problem,
+    dims: List[int],
+    block: Optional[int],
+    weights: Optional[Tensor] = None,
+) -> Tensor:
     """(M, m [+ n]) every width's head values, in one pass over row blocks
     (``block`` rows; None picks them); with ``weights`` (M, m), the scalar
     ``sum weights * rows`` (its gradient formed in the same pass when the head
@@ -318,8 +381,18 @@ def head_values(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: T
         return _HeadValues.apply(q, k, aq, ak, scale, problem, dims, blk, weights)
 
 
-def linear_terms(q: Tensor, k: Optional[Tensor], aq: Tensor, ak: Tensor, scale: Tensor, problem: Problem,
-                 i: int, d: int, rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+def linear_terms(
+    q: Tensor,
+    k: Optional[Tensor],
+    aq: Tensor,
+    ak: Tensor,
+    scale: Tensor,
+    problem: Problem,
+    i: int,
+    d: int,
+    rows: Tensor,
+    cols: Optional[Tensor],
+) -> Tuple[Tensor, Optional[Tensor]]:
     """Width ``d``'s rows (and columns) with its positive terms, by differentiable ops
     in embedding space (the prefixes scaled by ``aq[i]``, ``ak[i]``)."""
     if problem.normalize:

@@ -1,6 +1,7 @@
 """``MemoryBank``: a fixed-size FIFO queue of embeddings (and labels) without gradient,
 the keys of queue-based losses (MoCo's negatives, cross-batch memory).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
@@ -51,8 +52,15 @@ class MemoryBank(nn.Module):
     embeddings: Tensor
     labels: Optional[Tensor]
 
-    def __init__(self, size: int, dim: int, labels: bool = True, dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, group: Any = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        dim: int,
+        labels: bool = True,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        group: Any = None,
+    ) -> None:
         super().__init__()
         for value, name in ((size, "size"), (dim, "dim")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -62,7 +70,7 @@ class MemoryBank(nn.Module):
         self.register_buffer("embeddings", torch.zeros(size, dim, dtype=dtype, device=device))
         self.register_buffer("labels", torch.zeros(size, dtype=torch.int64, device=device) if labels else None)
         self.position = 0  # the next slot to write
-        self.count = 0     # entries filled so far (<= size)
+        self.count = 0  # entries filled so far (<= size)
         self._lent = False  # keys() handed out views of the buffers since the last push
 
     def get_extra_state(self) -> Dict[str, int]:
@@ -72,8 +80,9 @@ class MemoryBank(nn.Module):
     def set_extra_state(self, state: Dict[str, int]) -> None:
         position, count = int(state["position"]), int(state["count"])
         if not (0 <= position < self.size and 0 <= count <= self.size):
-            raise ValueError(f"a MemoryBank state with position {position} and count {count} does not fit a bank "
-                             f"of size {self.size}")
+            raise ValueError(
+                f"a MemoryBank state with position {position} and count {count} does not fit a bank of size {self.size}"
+            )
         self.position, self.count = position, count
         self._lent = False
 
@@ -89,7 +98,7 @@ class MemoryBank(nn.Module):
 
         def gather(x: Tensor) -> Tensor:
             padded = x.new_zeros((max(counts),) + tuple(x.shape[1:]))
-            padded[:x.shape[0]] = x
+            padded[: x.shape[0]] = x
             parts = [torch.empty_like(padded) for _ in counts]
             dist.all_gather(parts, padded, group=self.group)
             return torch.cat([p[:c] for p, c in zip(parts, counts)])
@@ -128,7 +137,7 @@ class MemoryBank(nn.Module):
             self.labels[slots] = row_labels.to(self.labels)
         self.position = (self.position + b) % self.size
         self.count = min(self.size, self.count + b)
-        return slots[first:first + embeddings.shape[0]]
+        return slots[first : first + embeddings.shape[0]]
 
     def keys(self) -> Tuple[Tensor, Optional[Tensor]]:
         """The filled entries and their labels: views of the buffers, which a later

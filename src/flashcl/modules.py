@@ -1,5 +1,6 @@
 """The loss Modules, by the names they have always had here; each lives in the
 module of its family beside its function, all on :class:`flashcl.base.LossModule`."""
+
 from __future__ import annotations
 
 from .clip import ClipLoss, SigLipLoss

@@ -8,18 +8,18 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 from torch import Tensor
 
-from . import checks, dense, distributed, reference
+from . import checks, distributed, reference
 from .base import LossModule
 from .core import CoreSpec
 from .dispatch import check_across_ranks
 from .distributed import same_call_across_ranks
 from .reduction import reduce_core, reduce_weights
-from .scores import TiledScores, auto_scores_block
+from .scores import TiledScores, auto_scores_block, dense_rows
 from .utils import autocast_off, compute_dtype
 
 _SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
     "reference": reference.scores_loss,
-    "dense": dense.scores_loss,
+    "dense": dense_rows,
 }
 
 
@@ -88,8 +88,7 @@ def neighbor_loss(
     if scores.shape[1] != rows and process_group is None:
         raise ValueError(f"scores must be square (n, n), got shape {tuple(scores.shape)}")
     if neighbors.dim() != 2 or neighbors.shape[0] != rows or neighbors.shape[1] < 1:
-        raise ValueError(f"neighbors must be 2-D of shape ({rows}, k) with k >= 1, got shape "
-                         f"{tuple(neighbors.shape)}")
+        raise ValueError(f"neighbors must be 2-D of shape ({rows}, k) with k >= 1, got shape {tuple(neighbors.shape)}")
     checks.same_device(neighbors, scores, "neighbors", "scores")
     if bool(((neighbors < 0) | (neighbors >= n)).any()):
         raise ValueError(f"neighbors values must be column indices in [0, {n})")
@@ -97,12 +96,15 @@ def neighbor_loss(
         raise ValueError("neighbor_loss needs n >= 2 when exclude_diagonal=True: the denominator would be empty")
     name = "tiled" if backend == "auto" else backend
     if name == "triton":
-        raise ValueError("backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
-                         "that already exists: use backend='tiled' (its only n x n allocation is the gradient)")
+        raise ValueError(
+            "backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
+            "that already exists: use backend='tiled' (its only n x n allocation is the gradient)"
+        )
     if process_group is not None:
         check_across_ranks("neighbor_loss", strategy, grad_scale, backend=backend != "auto")
-        return _neighbor_across(scores, neighbors.long(), exclude_diagonal, reduction, grad_scale, strategy,
-                                process_group, block_size)
+        return _neighbor_across(
+            scores, neighbors.long(), exclude_diagonal, reduction, grad_scale, strategy, process_group, block_size
+        )
     spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors.long(), pos_mode="pairs", normalize=False)
     with autocast_off(scores.device.type):
         return _run_scores(scores, spec, name, reduction, block_size)
@@ -121,23 +123,34 @@ def _run_scores(scores: Tensor, spec: CoreSpec, name: str, reduction: str, block
 
 
 @same_call_across_ranks
-def _neighbor_across(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, reduction: str, grad_scale: str,
-                     strategy: str, group: Any, block_size: Optional[int]) -> Tensor:
+def _neighbor_across(
+    scores: Tensor,
+    neighbors: Tensor,
+    exclude_diagonal: bool,
+    reduction: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+) -> Tensor:
     """:func:`neighbor_loss` of the global matrix whose rows the ranks hold."""
     rows, n = scores.shape
     sizes = distributed.row_counts(rows, scores.device, group)
     if sum(sizes) != n:
-        raise ValueError(f"with process_group, scores holds this rank's rows of the global (n, n) matrix: the ranks "
-                         f"hold {sum(sizes)} rows of {n} columns")
-    offset = sum(sizes[:distributed.rank_of(group)])
+        raise ValueError(
+            f"with process_group, scores holds this rank's rows of the global (n, n) matrix: the ranks "
+            f"hold {sum(sizes)} rows of {n} columns"
+        )
+    offset = sum(sizes[: distributed.rank_of(group)])
     spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors, pos_mode="pairs", normalize=False, offset=offset)
     block = block_size or auto_scores_block(n)
     with autocast_off(scores.device.type):
         if reduction == "none":
             return TiledScores.apply(scores, spec, None, block)
         share = distributed.grad_factor(grad_scale, group) / (n if reduction == "mean" else 1)
-        return TiledScores.apply(scores, spec, torch.full((rows,), share, dtype=compute_dtype(scores.dtype),
-                                                          device=scores.device), block)
+        return TiledScores.apply(
+            scores, spec, torch.full((rows,), share, dtype=compute_dtype(scores.dtype), device=scores.device), block
+        )
 
 
 def sample_neighbors(
@@ -181,7 +194,6 @@ def sample_neighbors(
     return draw
 
 
-
 class NeighborLoss(LossModule):
     """Module form of :func:`neighbor_loss`.
 
@@ -191,12 +203,25 @@ class NeighborLoss(LossModule):
         >>> loss = flashcl.NeighborLoss()(scores, flashcl.sample_neighbors(10, 2))
     """
 
-    def __init__(self, exclude_diagonal: bool = True, reduction: str = "sum", backend: str = "auto",
-                 block_size: Optional[int] = None, process_group: Any = None, strategy: str = "all_gather",
-                 grad_scale: str = "ddp") -> None:
-        super().__init__(exclude_diagonal=exclude_diagonal, reduction=reduction, backend=backend,
-                         block_size=block_size, process_group=process_group, strategy=strategy,
-                         grad_scale=grad_scale)
+    def __init__(
+        self,
+        exclude_diagonal: bool = True,
+        reduction: str = "sum",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(
+            exclude_diagonal=exclude_diagonal,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
 
     def forward(self, scores: Tensor, neighbors: Tensor) -> Tensor:
         return neighbor_loss(scores, neighbors, **self.loss_options())

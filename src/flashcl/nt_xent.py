@@ -108,26 +108,48 @@ def nt_xent_loss(
         checks.check_choice(weighting, "weighting", ("vmf",))
         if not decoupled:
             raise ValueError("weighting='vmf' weighs the positive of the decoupled loss: pass decoupled=True")
-    for value, name, low, high in ((tau_plus, "tau_plus", 0.0, 1.0), (beta, "beta", 0.0, float("inf")),
-                                   (sigma, "sigma", 0.0, float("inf"))):
+    for value, name, low, high in (
+        (tau_plus, "tau_plus", 0.0, 1.0),
+        (beta, "beta", 0.0, float("inf")),
+        (sigma, "sigma", 0.0, float("inf")),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value < high):
             raise ValueError(f"{name} must be a float in [{low}, {high}), got {value!r}")
     if sigma <= 0:
         raise ValueError(f"sigma must be > 0, got {sigma!r}")
     if estimator != "standard" and decoupled:
-        raise ValueError("the debiased and hard estimators reweigh the negatives of the standard denominator: "
-                         "use them with decoupled=False")
+        raise ValueError(
+            "the debiased and hard estimators reweigh the negatives of the standard denominator: "
+            "use them with decoupled=False"
+        )
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, scale_dtype(z1))
     if process_group is not None:
         check_across_ranks("nt_xent_loss", strategy, grad_scale, backend=backend != "auto")
-        return _nt_xent_across(z1, z2, scale, normalize, reduction, grad_scale, strategy, process_group, block_size,
-                               decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta))
+        return _nt_xent_across(
+            z1,
+            z2,
+            scale,
+            normalize,
+            reduction,
+            grad_scale,
+            strategy,
+            process_group,
+            block_size,
+            decoupled,
+            weighting,
+            float(sigma),
+            estimator,
+            float(tau_plus),
+            float(beta),
+        )
     n = z1.shape[0]
     if estimator != "standard" and n < 2:
         raise ValueError("the debiased and hard estimators need at least 2 pairs (2 negatives per anchor)")
     if decoupled and n < 2:
-        raise ValueError("decoupled=True needs at least 2 pairs: with one pair the denominator without the "
-                         "positive is empty (the loss would be -inf)")
+        raise ValueError(
+            "decoupled=True needs at least 2 pairs: with one pair the denominator without the "
+            "positive is empty (the loss would be -inf)"
+        )
     z = torch.cat([z1, z2])
     partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n)
     index = partner.unsqueeze(1)
@@ -142,8 +164,15 @@ def nt_xent_loss(
                 sim = (unit_rows(z1.detach(), True) * unit_rows(z2.detach(), True)).sum(1) / sigma
                 w = 2.0 - n * torch.softmax(sim, dim=0)
             weight = torch.cat([w, w]).to(dtype)
-        spec = CoreSpec(exclude_self=True, self_pairs=True, index=index, pos_mode="sum", normalize=normalize,
-                        exclude=Exclusions(index=index), positive_weight=weight)
+        spec = CoreSpec(
+            exclude_self=True,
+            self_pairs=True,
+            index=index,
+            pos_mode="sum",
+            normalize=normalize,
+            exclude=Exclusions(index=index),
+            positive_weight=weight,
+        )
         return run_core(z, None, scale, spec, reduction, backend, block_size)
     beta_ = 0.0 if estimator == "debiased" else float(beta)
     name = backends.resolve(backend, 4 * n * n, z.device, z.dtype, z.shape[1], kernel=None)
@@ -154,17 +183,32 @@ def nt_xent_loss(
     head = DebiasedHead(partner, float(tau_plus), beta_, 2 * n - 2, float(scale.detach()))
     weights = None
     if reduction != "none":
-        weights = (torch.full((2 * n,), 1.0 / (2 * n) if reduction == "mean" else 1.0, dtype=dtype,
-                              device=z.device), None)
+        weights = (
+            torch.full((2 * n,), 1.0 / (2 * n) if reduction == "mean" else 1.0, dtype=dtype, device=z.device),
+            None,
+        )
     # the rows against every view: the candidates as a second tensor, not the symmetric path
     return backends.run(z, z, scale, Problem(head, (), normalize), name, weights, block_size)
 
 
-
 @same_call_across_ranks
-def _nt_xent_across(z1: Tensor, z2: Tensor, scale: Tensor, normalize: bool, reduction: str, grad_scale: str,
-                    strategy: str, group: Any, block_size: Optional[int], decoupled: bool, weighting: Optional[str],
-                    sigma: float, estimator: str, tau_plus: float, beta: float) -> Tensor:
+def _nt_xent_across(
+    z1: Tensor,
+    z2: Tensor,
+    scale: Tensor,
+    normalize: bool,
+    reduction: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+    decoupled: bool,
+    weighting: Optional[str],
+    sigma: float,
+    estimator: str,
+    tau_plus: float,
+    beta: float,
+) -> Tensor:
     """:func:`nt_xent_loss` over the global batch (:mod:`flashcl.distributed`): each
     rank's rows ``[z1; z2]`` against every rank's; the negatives are counted (and,
     with ``weighting="vmf"``, the pairs weighed) over the global batch."""
@@ -172,13 +216,21 @@ def _nt_xent_across(z1: Tensor, z2: Tensor, scale: Tensor, normalize: bool, redu
     z = torch.cat([z1, z2])
     cols = distributed.columns(z, strategy, group)
     if (decoupled or estimator != "standard") and cols.total < 4:
-        raise ValueError("decoupled=True and the debiased / hard estimators need at least 2 pairs in the global "
-                         "batch: with one pair an anchor has no negative")
+        raise ValueError(
+            "decoupled=True and the debiased / hard estimators need at least 2 pairs in the global "
+            "batch: with one pair an anchor has no negative"
+        )
     partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n) + cols.offset
     dtype = compute_dtype(z.dtype)
     if estimator != "standard":
-        head = DebiasedHead(partner, tau_plus, 0.0 if estimator == "debiased" else beta, cols.total - 2,
-                            float(scale.detach()), offset=cols.offset)
+        head = DebiasedHead(
+            partner,
+            tau_plus,
+            0.0 if estimator == "debiased" else beta,
+            cols.total - 2,
+            float(scale.detach()),
+            offset=cols.offset,
+        )
         weights = None
         if reduction != "none":
             share = distributed.grad_factor(grad_scale, group) / (cols.total if reduction == "mean" else 1)
@@ -195,8 +247,16 @@ def _nt_xent_across(z1: Tensor, z2: Tensor, scale: Tensor, normalize: bool, redu
                 every = distributed.gather_plain(sim, group)
                 w = 2.0 - every.shape[0] * torch.exp(sim - torch.logsumexp(every, dim=0))
             weight = torch.cat([w, w]).to(dtype)
-    spec = CoreSpec(exclude_self=True, self_pairs=True, offset=cols.offset, index=index, pos_mode="sum",
-                    normalize=normalize, exclude=exclude, positive_weight=weight)
+    spec = CoreSpec(
+        exclude_self=True,
+        self_pairs=True,
+        offset=cols.offset,
+        index=index,
+        pos_mode="sum",
+        normalize=normalize,
+        exclude=exclude,
+        positive_weight=weight,
+    )
     return distributed.run_across(z, cols, scale, spec, reduction, grad_scale, block_size)
 
 
@@ -208,20 +268,46 @@ class NTXentLoss(LossModule):
         >>> loss = flashcl.NTXentLoss(temperature=0.5)(torch.randn(4, 16), torch.randn(4, 16))
     """
 
-    def __init__(self, temperature: Scalar = 0.07, normalize: bool = True, reduction: str = "mean",
-                 backend: str = "auto", block_size: Optional[int] = None, estimator: str = "standard",
-                 tau_plus: float = 0.1, beta: float = 1.0, decoupled: bool = False, weighting: Optional[str] = None,
-                 sigma: float = 0.5,
-                 process_group: Any = None, strategy: str = "all_gather", grad_scale: str = "ddp") -> None:
-        super().__init__(temperature=temperature, normalize=normalize, reduction=reduction, backend=backend,
-                         block_size=block_size, estimator=estimator, tau_plus=tau_plus, beta=beta,
-                         decoupled=decoupled, weighting=weighting, sigma=sigma,
-                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
+    def __init__(
+        self,
+        temperature: Scalar = 0.07,
+        normalize: bool = True,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        estimator: str = "standard",
+        tau_plus: float = 0.1,
+        beta: float = 1.0,
+        decoupled: bool = False,
+        weighting: Optional[str] = None,
+        sigma: float = 0.5,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(
+            temperature=temperature,
+            normalize=normalize,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            estimator=estimator,
+            tau_plus=tau_plus,
+            beta=beta,
+            decoupled=decoupled,
+            weighting=weighting,
+            sigma=sigma,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
 
     def forward(self, z1: Tensor, z2: Tensor, **pml: Any) -> Tensor:
         reject_pml_call("NTXentLoss", pml)
         if isinstance(z2, Tensor) and z2.dim() == 1 and not z2.is_floating_point():
-            raise TypeError("flashcl.NTXentLoss takes two views (z1, z2) of the same samples, got labels as the "
-                            f"second argument: pytorch-metric-learning's NTXentLoss(embeddings, labels) is "
-                            f"{PML_ADAPTERS}.NTXentLoss")
+            raise TypeError(
+                "flashcl.NTXentLoss takes two views (z1, z2) of the same samples, got labels as the "
+                f"second argument: pytorch-metric-learning's NTXentLoss(embeddings, labels) is "
+                f"{PML_ADAPTERS}.NTXentLoss"
+            )
         return nt_xent_loss(z1, z2, **self.loss_options())

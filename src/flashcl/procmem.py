@@ -1,4 +1,5 @@
 """Resident-memory readings from /proc (Linux), shared by the benchmark and the doctor."""
+
 from __future__ import annotations
 
 from typing import Optional

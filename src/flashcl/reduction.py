@@ -11,10 +11,11 @@ from torch import Tensor
 from .core import CoreSpec
 
 
-def reduce_weights(spec: CoreSpec, m: int, reduction: str, dtype: torch.dtype,
-                    device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+def reduce_weights(
+    spec: CoreSpec, m: int, reduction: str, dtype: torch.dtype, device: torch.device
+) -> Tuple[Tensor, Optional[Tensor]]:
     """(r, u) with loss = sum r * row_loss + sum u * col_loss, for a scalar reduction."""
-    if spec.symmetric:
+    if spec.both_directions:
         w = 0.5 / m if reduction == "mean" else 0.5
         full = torch.full((m,), w, dtype=dtype, device=device)
         return full, full

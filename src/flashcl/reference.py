@@ -5,6 +5,7 @@ correct: it is the oracle that every other backend is tested against, and the
 "naive" line of the benchmarks. It counts each anchor's positives itself rather
 than trusting :meth:`CoreSpec.weights`, so that it checks that code too.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -77,7 +78,7 @@ def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
 
 
 def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tuple[Tensor, Optional[Tensor]]:
-    """Row losses (M,) and, for ``spec.symmetric``, column losses (N,); ``k=None`` means ``k = q``."""
+    """Row losses (M,) and, for ``spec.both_directions``, column losses (N,); ``k=None`` means ``k = q``."""
     q, k = prepare(q, k, spec.normalize)
     scale = scale.to(q.dtype)
     rows = []
@@ -86,7 +87,7 @@ def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> 
         rows.append(_row_loss(sims, i, spec))
     row_loss = torch.stack(rows)
     col_loss = None
-    if spec.symmetric:
+    if spec.both_directions:
         col_spec = spec.column_spec()
         col_loss = torch.stack([_row_loss((q @ k[j]) * scale, j, col_spec) for j in range(k.shape[0])])
     return row_loss, col_loss
@@ -98,8 +99,7 @@ def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
     return torch.stack([_row_loss(scores[i], i, spec) for i in range(scores.shape[0])])
 
 
-def siglip_loss(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, labels: Optional[Tensor],
-                normalize: bool) -> Tensor:
+def siglip_loss(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, labels: Optional[Tensor], normalize: bool) -> Tensor:
     """Per-image SigLIP losses (B,), one image at a time: ``sum_j -log sigmoid(z_ij
     (scale q_i . k_j + bias))`` with ``z_ij = +1`` for the matching pairs (the
     diagonal, or the same label), -1 elsewhere."""
@@ -116,8 +116,16 @@ def siglip_loss(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, labels: Optio
     return torch.stack(rows)
 
 
-def supcon_with_keys(embeddings: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor, scale: Tensor,
-                     positives: str, include_self: bool, normalize: bool) -> Tuple[Tensor, Tensor]:
+def supcon_with_keys(
+    embeddings: Tensor,
+    labels: Tensor,
+    ref: Tensor,
+    ref_labels: Tensor,
+    scale: Tensor,
+    positives: str,
+    include_self: bool,
+    normalize: bool,
+) -> Tuple[Tensor, Tensor]:
     """SupCon of each anchor against the batch (itself left out unless
     ``include_self``) and the keys ``ref``, one anchor at a time: (per-anchor
     losses (B,), whether each anchor has a positive)."""
@@ -150,8 +158,9 @@ def supcon_with_keys(embeddings: Tensor, labels: Tensor, ref: Tensor, ref_labels
     return torch.stack(rows), torch.tensor(valid, dtype=q.dtype, device=q.device)
 
 
-def info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, scale: Tensor, spec: CoreSpec,
-                            in_batch: bool) -> Tuple[Tensor, Tensor]:
+def info_nce_with_negatives(
+    query: Tensor, keys: Tensor, negatives: Tensor, scale: Tensor, spec: CoreSpec, in_batch: bool
+) -> Tuple[Tensor, Tensor]:
     """InfoNCE whose denominators also hold ``negatives``, one query at a time:
     (per-query losses, whether each has a positive). ``spec``: the keys' part (its
     positives and exclusions); without ``in_batch`` the keys' part is the positive."""
@@ -180,8 +189,9 @@ def info_nce_with_negatives(query: Tensor, keys: Tensor, negatives: Tensor, scal
     return torch.stack(rows), torch.tensor(valid, dtype=q.dtype, device=q.device)
 
 
-def nt_xent_estimator(z: Tensor, partner: Tensor, scale: Tensor, tau_plus: float, beta: float,
-                      normalize: bool) -> Tensor:
+def nt_xent_estimator(
+    z: Tensor, partner: Tensor, scale: Tensor, tau_plus: float, beta: float, normalize: bool
+) -> Tensor:
     """The debiased / hard-negative NT-Xent of each anchor, one anchor at a time, in
     exp space as published (Robinson et al.'s criterion with its clamp)."""
     zz, _ = prepare(z, None, normalize)
@@ -193,7 +203,7 @@ def nt_xent_estimator(z: Tensor, partner: Tensor, scale: Tensor, tau_plus: float
         p = int(partner[i])
         neg = torch.exp(torch.stack([sims[j] for j in range(zz.shape[0]) if j != i and j != p]))
         pos = torch.exp(sims[p])
-        imp = neg ** beta
+        imp = neg**beta
         reweight = (imp * neg).sum() / imp.mean()
         ng = (-tau_plus * n_neg * pos + reweight) / (1 - tau_plus)
         ng = torch.clamp(ng, min=n_neg * float(torch.exp(-scale.detach())))  # the bound: a constant
@@ -201,8 +211,17 @@ def nt_xent_estimator(z: Tensor, partner: Tensor, scale: Tensor, tau_plus: float
     return torch.stack(rows)
 
 
-def gist_rows(anchor: Tensor, positive: Tensor, negative: Optional[Tensor], guides: List[Tensor], scale: Tensor,
-              margin: float, relative: bool, contrast_anchors: bool, contrast_positives: bool) -> Tensor:
+def gist_rows(
+    anchor: Tensor,
+    positive: Tensor,
+    negative: Optional[Tensor],
+    guides: List[Tensor],
+    scale: Tensor,
+    margin: float,
+    relative: bool,
+    contrast_anchors: bool,
+    contrast_positives: bool,
+) -> Tensor:
     """GIST's per-anchor losses, one anchor at a time: each candidate set (anchor to
     positives, anchors, negatives; positive to positives) loses the candidates whose
     guide similarity exceeds the anchor's guided positive similarity minus the margin

@@ -2,6 +2,7 @@
 passes the candidates' blocks around the ranks with ``batch_isend_irecv`` and sends
 their gradients back around (as Inf-CL does), so that no rank holds the global
 batch: :class:`RingDriver`."""
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
@@ -12,7 +13,7 @@ from torch import Tensor
 
 from .engine import Driver, Operands, Problem
 from .heads import Head, Tile
-from .linear import Linear, Positives, Rows, class_sums, raw_rows
+from .positives import Positives, PositiveTerm, Rows, class_sums, raw_rows
 
 __all__ = ["RingDriver"]
 
@@ -47,7 +48,8 @@ class RingDriver(Driver):
     no_second_derivatives = (
         "flashcl.distributed does not compute second derivatives (backward with create_graph=True, as a "
         "gradient penalty or a Hessian-vector product needs): its collectives' gradients have no graph. "
-        "The single-process losses (flashcl.supcon_loss, ...) compute them on every backend.")
+        "The single-process losses (flashcl.supcon_loss, ...) compute them on every backend."
+    )
 
     def __init__(self, sizes: List[int], group: Any) -> None:
         self.sizes, self.group = sizes, group
@@ -67,13 +69,24 @@ class RingDriver(Driver):
                 local = Positives(index=pos.index - offset)
             else:
                 assert pos.col_labels is not None
-                local = Positives(row_labels=pos.row_labels, col_labels=pos.col_labels[offset:offset + n_local],
-                                  num_classes=pos.num_classes, self_pairs=pos.self_pairs, offset=0)
-            linears.append(Linear(local, lin.weight, lin.target))
+                local = Positives(
+                    row_labels=pos.row_labels,
+                    col_labels=pos.col_labels[offset : offset + n_local],
+                    num_classes=pos.num_classes,
+                    self_pairs=pos.self_pairs,
+                    offset=0,
+                )
+            linears.append(PositiveTerm(local, lin.weight, lin.target))
         return Problem(problem.head, tuple(linears), problem.normalize, problem.offset)
 
-    def class_sums(self, x: Rows, ids: Tensor, num_classes: int, block: int,  # type: ignore[override]
-                   weight: Optional[Tensor] = None) -> Tensor:
+    def class_sums(
+        self,
+        x: Rows,
+        ids: Tensor,
+        num_classes: int,
+        block: int,  # type: ignore[override]
+        weight: Optional[Tensor] = None,
+    ) -> Tensor:
         out = class_sums(x, ids, num_classes, block, weight)
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
@@ -92,10 +105,11 @@ class RingDriver(Driver):
         return self.starts[owner], self.sizes[(owner - 1) % self.world]
 
     def _scores(self, ops: Operands, kb: Tensor, r0: int, r1: int, buf: Tensor) -> Tensor:
-        return torch.mm(ops.q[r0:r1] * ops.scale, kb.T, out=buf[:(r1 - r0) * kb.shape[0]].view(r1 - r0, -1))
+        return torch.mm(ops.q[r0:r1] * ops.scale, kb.T, out=buf[: (r1 - r0) * kb.shape[0]].view(r1 - r0, -1))
 
-    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
-                dk: Optional[Tensor]) -> Optional[Tensor]:
+    def forward(
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+    ) -> Optional[Tensor]:
         m, d = ops.q.shape
         buf = ops.q.new_empty(min(ops.block, m) * max(self.sizes))  # one score buffer for every block
         for p in range(head.passes):
@@ -104,8 +118,12 @@ class RingDriver(Driver):
                 col0, next_size = self._blocks(ops, step)
                 for r0 in range(0, m, ops.block):
                     r1 = min(r0 + ops.block, m)
-                    head.reduce(self._scores(ops, current, r0, r1, buf),
-                                Tile(r0, r1, col0, col0 + current.shape[0], ops.offset), st, p)
+                    head.reduce(
+                        self._scores(ops, current, r0, r1, buf),
+                        Tile(r0, r1, col0, col0 + current.shape[0], ops.offset),
+                        st,
+                        p,
+                    )
                 if step < self.world - 1:
                     (current,) = _ring_pass([current], [(next_size, d)], self.group)
             head.finish(st, p)

@@ -1,12 +1,14 @@
-"""The tiled backend on a given score matrix (the sampled-neighbours loss).
+"""The core on a given score matrix (the sampled-neighbours loss): its dense form
+(:func:`dense_rows`, :func:`dense_output`) and its tiled form (:class:`TiledScores`).
 
 ``neighbor_loss`` gets an n x n matrix that already exists and whose gradient
 is n x n too: rows are processed in blocks, and each block's gradient is formed
 straight into the one n x n tensor that becomes ``scores.grad`` (during the
 forward pass when the loss is reduced to a scalar): nothing else of that size
 is allocated. Its create-graph path (second derivatives) is the dense formula
-(:func:`flashcl.dense.scores_output`).
+(:func:`dense_output`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Tuple
@@ -14,12 +16,11 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import dense
 from .core import CoreSpec
 from .heads import Tile, mask_self_
 from .utils import FusedFunction, compute_dtype
 
-__all__ = ["TiledScores", "auto_scores_block"]
+__all__ = ["TiledScores", "auto_scores_block", "dense_rows", "dense_output"]
 
 
 def auto_scores_block(n: int) -> int:
@@ -41,8 +42,7 @@ class TiledScores(FusedFunction):
     """
 
     @staticmethod
-    def forward(ctx: Any, scores: Tensor, spec: CoreSpec, reduce_weights: Optional[Tensor],
-                block: int) -> Tensor:
+    def forward(ctx: Any, scores: Tensor, spec: CoreSpec, reduce_weights: Optional[Tensor], block: int) -> Tensor:
         assert spec.index is not None
         dtype = compute_dtype(scores.dtype)
         n, ncol = scores.shape
@@ -58,12 +58,17 @@ class TiledScores(FusedFunction):
         lse = scores.new_empty(n, dtype=dtype)
         for r0 in range(0, n, block):
             r1 = min(r0 + block, n)
-            blk = grad[r0:r1] if direct else buf[:r1 - r0]  # type: ignore[index]
+            blk = grad[r0:r1] if direct else buf[: r1 - r0]  # type: ignore[index]
             lse[r0:r1], total = _masked_exp_into(blk, scores[r0:r1].detach(), r0, spec)
             if grad is not None:
                 assert reduce_weights is not None
-                _scores_grad_block(blk, r0, spec, (reduce_weights[r0:r1] * c[r0:r1]).unsqueeze(1) / total,
-                                   reduce_weights[r0:r1] * a[r0:r1])
+                _scores_grad_block(
+                    blk,
+                    r0,
+                    spec,
+                    (reduce_weights[r0:r1] * c[r0:r1]).unsqueeze(1) / total,
+                    reduce_weights[r0:r1] * a[r0:r1],
+                )
                 if not direct:
                     grad[r0:r1].copy_(blk)
         row_loss = c * lse - a * pos
@@ -76,7 +81,7 @@ class TiledScores(FusedFunction):
 
     @classmethod
     def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
-        return dense.scores_output(inputs[0], ctx.spec, ctx.reduce_weights)
+        return dense_output(inputs[0], ctx.spec, ctx.reduce_weights)
 
     @classmethod
     def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
@@ -90,7 +95,7 @@ class TiledScores(FusedFunction):
         buf = scores.new_empty(min(block, n), scores.shape[1], dtype=dtype)
         for r0 in range(0, n, block):
             r1 = min(r0 + block, n)
-            blk = torch.sub(scores[r0:r1], lse[r0:r1].unsqueeze(1), out=buf[:r1 - r0])
+            blk = torch.sub(scores[r0:r1], lse[r0:r1].unsqueeze(1), out=buf[: r1 - r0])
             if spec.exclude_self:
                 mask_self_(blk, Tile(r0, r0 + blk.shape[0], 0, blk.shape[1], spec.offset), float("-inf"))
             blk.exp_()
@@ -133,6 +138,35 @@ def _masked_exp_into(dst: Tensor, src: Tensor, r0: int, spec: CoreSpec) -> Tuple
 def _scores_grad_block(blk: Tensor, r0: int, spec: CoreSpec, lse_coef: Tensor, pos_coef: Tensor) -> None:
     """In place: ``blk`` (the block's masked exp) becomes ``lse_coef * blk - pos_coef * m``."""
     assert spec.index is not None
-    idx = spec.index[r0:r0 + blk.shape[0]]
+    idx = spec.index[r0 : r0 + blk.shape[0]]
     blk.mul_(lse_coef)
     blk.scatter_add_(1, idx, (-pos_coef).unsqueeze(1).expand_as(idx).to(blk.dtype))
+
+
+def dense_rows(scores: Tensor, spec: CoreSpec) -> Tensor:
+    """Row losses (M,) of the core on the score matrix ``scores`` (M, N), by
+    differentiable torch ops on the whole matrix (the dense backend)."""
+    scores = scores.to(compute_dtype(scores.dtype))
+    m, n = scores.shape
+    lse_in = scores
+    if spec.exclude_self:
+        lse_in = scores.masked_fill(spec.self_mask(m, n, scores.device), float("-inf"))
+    lse = torch.logsumexp(lse_in, dim=1)
+    if spec.index is not None:
+        pos_sum = scores.gather(1, spec.index).sum(1)
+    else:
+        assert spec.row_labels is not None and spec.col_labels is not None
+        pos = spec.row_labels.unsqueeze(1) == spec.col_labels.unsqueeze(0)
+        if spec.self_pairs:
+            pos &= ~spec.self_mask(m, n, scores.device)
+        # where(), not scores * pos: a masked -inf or NaN must not leak into
+        # rows that do not select it.
+        pos_sum = torch.where(pos, scores, torch.zeros((), dtype=scores.dtype, device=scores.device)).sum(1)
+    c, a = spec.weights(m, scores.dtype)
+    return c * lse - a * pos_sum
+
+
+def dense_output(scores: Tensor, spec: CoreSpec, reduce_weights: Optional[Tensor]) -> Tensor:
+    """:func:`dense_rows`, reduced with weights ``r`` when given."""
+    row = dense_rows(scores, spec)
+    return row if reduce_weights is None else (reduce_weights * row).sum()

@@ -19,6 +19,7 @@ the gradients' float32 accumulators and one stripe's buffers, ``block x N`` x
 256 MB on CUDA). On a CPU (tests) the half GEMMs are emulated by float32 GEMMs of
 the same half values, which is what tensor cores compute.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from .engine import Driver, Operands
 from .heads import Head, Tile
-from .linear import raw_rows
+from .positives import raw_rows
 
 __all__ = ["Stripes", "mm_f32"]
 
@@ -70,29 +71,30 @@ class Stripes(Driver):
         return s.mul_((iq[r0:r1] * ops.scale).unsqueeze(1)).mul_(ik.unsqueeze(0))
 
     @staticmethod
-    def _accumulate(g: Tensor, r0: int, ops: Operands, x: Tensor, y: Tensor, iq: Tensor, ik: Tensor, dq: Tensor,
-                    dk: Tensor) -> Tensor:
+    def _accumulate(
+        g: Tensor, r0: int, ops: Operands, x: Tensor, y: Tensor, iq: Tensor, ik: Tensor, dq: Tensor, dk: Tensor
+    ) -> Tensor:
         """dq^_blk += scale G k^, dk^ += scale G^T q^_blk; returns sum_ij G_ij q^_i.k^_j."""
         b = g.shape[0]
-        xb = x[r0:r0 + b]
-        gk = mm_f32((g * ik.unsqueeze(0)).to(x.dtype), y)          # G k^ (float32)
-        qb = xb.to(gk.dtype) * iq[r0:r0 + b].unsqueeze(1)           # q^ rows (never in place: xb may be the input)
+        xb = x[r0 : r0 + b]
+        gk = mm_f32((g * ik.unsqueeze(0)).to(x.dtype), y)  # G k^ (float32)
+        qb = xb.to(gk.dtype) * iq[r0 : r0 + b].unsqueeze(1)  # q^ rows (never in place: xb may be the input)
         dscale = torch.dot(gk.reshape(-1), qb.reshape(-1))
-        dq[r0:r0 + b].add_(gk, alpha=ops.scale)
-        gq = (g * iq[r0:r0 + b].unsqueeze(1)).to(x.dtype)           # diag(iq) G, rounded once
+        dq[r0 : r0 + b].add_(gk, alpha=ops.scale)
+        gq = (g * iq[r0 : r0 + b].unsqueeze(1)).to(x.dtype)  # diag(iq) G, rounded once
         dk.add_(mm_f32(gq.T.contiguous(), xb), alpha=ops.scale)
         return dscale
 
-    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
-                dk: Optional[Tensor]) -> Optional[Tensor]:
+    def forward(
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+    ) -> Optional[Tensor]:
         x, y, iq, ik = self._inputs(ops)
         m, n = x.shape[0], y.shape[0]
         if head.fuses_rows:
             dscale = None if g_row is None else dq.new_zeros(())  # type: ignore[union-attr]
             for r0 in range(0, m, ops.block):
                 r1 = min(r0 + ops.block, m)
-                g = head.rows_fused(self._scores(ops, x, y, iq, ik, r0, r1), Tile(r0, r1, 0, n, ops.offset), st,
-                                    g_row)
+                g = head.rows_fused(self._scores(ops, x, y, iq, ik, r0, r1), Tile(r0, r1, 0, n, ops.offset), st, g_row)
                 if g is not None and dscale is not None:
                     assert dq is not None and dk is not None
                     dscale += self._accumulate(g, r0, ops, x, y, iq, ik, dq, dk)

@@ -26,13 +26,14 @@ from .dispatch import (
 )
 from .distributed import same_call_across_ranks
 from .heads import SoftmaxHead
-from .linear import Positives
+from .positives import Positives
 from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
 
-def validate_ref(embeddings: Tensor, ref: Optional[Tensor], ref_labels: Optional[Tensor],
-                 ref_self: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+def validate_ref(
+    embeddings: Tensor, ref: Optional[Tensor], ref_labels: Optional[Tensor], ref_self: Optional[Tensor]
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """(ref detached, ref_labels, ref_self as int64 or None), checked against the embeddings."""
     if embeddings.dim() != 2:
         raise ValueError(f"ref takes 2-D embeddings (B, D), got shape {tuple(embeddings.shape)}")
@@ -54,32 +55,54 @@ def validate_ref(embeddings: Tensor, ref: Optional[Tensor], ref_labels: Optional
     return ref, ref_labels, ref_self
 
 
-def _supcon_with_ref(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
-                     normalize: bool, reduction: str, backend: str, block_size: Optional[int],
-                     ref: Optional[Tensor], ref_labels: Optional[Tensor], ref_self: Optional[Tensor]) -> Tensor:
+def _supcon_with_ref(
+    embeddings: Tensor,
+    labels: Tensor,
+    scale: Tensor,
+    positives: str,
+    include_self: bool,
+    normalize: bool,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+    ref: Optional[Tensor],
+    ref_labels: Optional[Tensor],
+    ref_self: Optional[Tensor],
+) -> Tensor:
     """:func:`supcon_loss` with keys without gradient (see its ``ref`` arguments)."""
     ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
     b, n = embeddings.shape[0], ref.shape[0]
     (row_ids, col_ids), num_classes = class_ids(labels, ref_labels)
     dtype = compute_dtype(embeddings.dtype)
     if ref_self is not None:
-        spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=row_ids, col_labels=col_ids,
-                        num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self)
+        spec = CoreSpec(
+            exclude_self=not include_self,
+            self_pairs=True,
+            row_labels=row_ids,
+            col_labels=col_ids,
+            num_classes=num_classes,
+            pos_mode=positives,
+            normalize=normalize,
+            self_index=ref_self,
+        )
         return run_core(embeddings, ref, scale, spec, reduction, backend, block_size)
     name = backends.resolve(backend, b * (b + n), embeddings.device, embeddings.dtype, embeddings.shape[1])
     if name == "reference":
         with autocast_off(embeddings.device.type):
-            rows, valid = reference.supcon_with_keys(embeddings, labels, ref, ref_labels, scale, positives,
-                                                     include_self, normalize)
+            rows, valid = reference.supcon_with_keys(
+                embeddings, labels, ref, ref_labels, scale, positives, include_self, normalize
+            )
         return reduce_rows(rows, valid, reduction)
     with autocast_off(embeddings.device.type):
         own = Positives(row_labels=row_ids, col_labels=row_ids, num_classes=num_classes, self_pairs=True)
         keys = Positives(row_labels=row_ids, col_labels=col_ids, num_classes=num_classes)
         ones = torch.ones(b, dtype=dtype, device=embeddings.device)
         lse = torch.logaddexp(
-            row_lse(embeddings, None, scale, SoftmaxHead(ones, exclude_self=not include_self), normalize, name,
-                     block_size),
-            row_lse(embeddings, ref, scale, SoftmaxHead(ones), normalize, name, block_size))
+            row_lse(
+                embeddings, None, scale, SoftmaxHead(ones, exclude_self=not include_self), normalize, name, block_size
+            ),
+            row_lse(embeddings, ref, scale, SoftmaxHead(ones), normalize, name, block_size),
+        )
         q, r = unit_rows(embeddings, normalize), unit_rows(ref, normalize)
         pos = own.sums(q, q) + keys.sums(q, r)
         counts = (own.counts(b, b) + keys.counts(b, n)).to(dtype)
@@ -181,17 +204,45 @@ def supcon_loss(
         if ref is not None or ref_labels is not None or ref_self is not None:
             no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
             ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
-        scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device,
-                                                scale_dtype(embeddings))
-        return _supcon_across(embeddings, labels, scale, positives, include_self, normalize, reduction,
-                              grad_scale, strategy, process_group, block_size, ref, ref_labels, ref_self,
-                              matryoshka_dims, matryoshka_weights)
+        scale = 1.0 / checks.check_positive_scalar(
+            temperature, "temperature", embeddings.device, scale_dtype(embeddings)
+        )
+        return _supcon_across(
+            embeddings,
+            labels,
+            scale,
+            positives,
+            include_self,
+            normalize,
+            reduction,
+            grad_scale,
+            strategy,
+            process_group,
+            block_size,
+            ref,
+            ref_labels,
+            ref_self,
+            matryoshka_dims,
+            matryoshka_weights,
+        )
     b = embeddings.shape[0]
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
     if ref is not None or ref_labels is not None or ref_self is not None:
         no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
-        return _supcon_with_ref(embeddings, labels, scale, positives, include_self, normalize, reduction, backend,
-                                block_size, ref, ref_labels, ref_self)
+        return _supcon_with_ref(
+            embeddings,
+            labels,
+            scale,
+            positives,
+            include_self,
+            normalize,
+            reduction,
+            backend,
+            block_size,
+            ref,
+            ref_labels,
+            ref_self,
+        )
     views = 1
     flat = embeddings
     if embeddings.dim() == 3:
@@ -200,24 +251,46 @@ def supcon_loss(
             raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
         flat = embeddings.transpose(0, 1).reshape(b * views, embeddings.shape[2])
     if flat.shape[0] < 2 and not include_self:
-        raise ValueError("supcon_loss needs at least 2 samples (views) when include_self=False: "
-                         "the denominator of a single sample is empty")
+        raise ValueError(
+            "supcon_loss needs at least 2 samples (views) when include_self=False: "
+            "the denominator of a single sample is empty"
+        )
     ids, num_classes = dense_ids(labels)
     ids = ids.repeat(views)
-    spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=ids, col_labels=ids,
-                    num_classes=num_classes, pos_mode=positives, normalize=normalize)
+    spec = CoreSpec(
+        exclude_self=not include_self,
+        self_pairs=True,
+        row_labels=ids,
+        col_labels=ids,
+        num_classes=num_classes,
+        pos_mode=positives,
+        normalize=normalize,
+    )
     out = run_with_widths(flat, None, scale, spec, reduction, backend, block_size, matryoshka_dims, matryoshka_weights)
     if reduction == "none" and embeddings.dim() == 3:
         out = out.reshape(views, b).T
     return out
 
 
-
 @same_call_across_ranks
-def _supcon_across(embeddings: Tensor, labels: Tensor, scale: Tensor, positives: str, include_self: bool,
-                   normalize: bool, reduction: str, grad_scale: str, strategy: str, group: Any,
-                   block_size: Optional[int], ref: Optional[Tensor], ref_labels: Optional[Tensor],
-                   ref_self: Optional[Tensor], dims: Any, weights: Any) -> Tensor:
+def _supcon_across(
+    embeddings: Tensor,
+    labels: Tensor,
+    scale: Tensor,
+    positives: str,
+    include_self: bool,
+    normalize: bool,
+    reduction: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+    ref: Optional[Tensor],
+    ref_labels: Optional[Tensor],
+    ref_self: Optional[Tensor],
+    dims: Any,
+    weights: Any,
+) -> Tensor:
     """:func:`supcon_loss` over the global batch (:mod:`flashcl.distributed`): this
     rank's rows against every rank's and, with ``ref``, the queue's keys once."""
     b = embeddings.shape[0]
@@ -228,8 +301,16 @@ def _supcon_across(embeddings: Tensor, labels: Tensor, scale: Tensor, positives:
     if ref_self is not None:  # the queue holds the batch: its columns are the queue's, the same on every rank
         assert ref is not None and ref_labels is not None
         (row_ids, col_ids), num_classes = class_ids(labels, ref_labels)
-        spec = CoreSpec(exclude_self=not include_self, self_pairs=True, row_labels=row_ids, col_labels=col_ids,
-                        num_classes=num_classes, pos_mode=positives, normalize=normalize, self_index=ref_self)
+        spec = CoreSpec(
+            exclude_self=not include_self,
+            self_pairs=True,
+            row_labels=row_ids,
+            col_labels=col_ids,
+            num_classes=num_classes,
+            pos_mode=positives,
+            normalize=normalize,
+            self_index=ref_self,
+        )
         local = distributed.Columns(ref, 0, [ref.shape[0]], False, group)
         return distributed.run_across(flat, local, scale, spec, reduction, grad_scale, block_size)
     cols = distributed.columns(flat, strategy, group, shared=ref)
@@ -237,9 +318,16 @@ def _supcon_across(embeddings: Tensor, labels: Tensor, scale: Tensor, positives:
     if cols.total - cols.shared < 2 and not include_self and ref is None:
         raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
     (ids,), num_classes = class_ids(all_labels)
-    spec = CoreSpec(exclude_self=not include_self, self_pairs=True, offset=cols.offset,
-                    row_labels=ids[cols.offset:cols.offset + flat.shape[0]], col_labels=ids,
-                    num_classes=num_classes, pos_mode=positives, normalize=normalize)
+    spec = CoreSpec(
+        exclude_self=not include_self,
+        self_pairs=True,
+        offset=cols.offset,
+        row_labels=ids[cols.offset : cols.offset + flat.shape[0]],
+        col_labels=ids,
+        num_classes=num_classes,
+        pos_mode=positives,
+        normalize=normalize,
+    )
     out = distributed.run_across(flat, cols, scale, spec, reduction, grad_scale, block_size, widths=widths)
     return out.reshape(views, b).T if reduction == "none" and embeddings.dim() == 3 else out
 
@@ -253,20 +341,46 @@ class SupConLoss(LossModule):
         >>> loss = loss_fn(torch.randn(8, 16), torch.randint(0, 3, (8,)))
     """
 
-    def __init__(self, temperature: Scalar = 0.1, positives: str = "mean", include_self: bool = False,
-                 normalize: bool = True, reduction: str = "mean", backend: str = "auto",
-                 block_size: Optional[int] = None, matryoshka_dims: Optional[Sequence[int]] = None,
-                 matryoshka_weights: Optional[Sequence[float]] = None,
-                 process_group: Any = None, strategy: str = "all_gather", grad_scale: str = "ddp") -> None:
-        super().__init__(temperature=temperature, positives=positives, include_self=include_self,
-                         normalize=normalize, reduction=reduction, backend=backend, block_size=block_size,
-                         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
-                         process_group=process_group, strategy=strategy, grad_scale=grad_scale)
+    def __init__(
+        self,
+        temperature: Scalar = 0.1,
+        positives: str = "mean",
+        include_self: bool = False,
+        normalize: bool = True,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        matryoshka_dims: Optional[Sequence[int]] = None,
+        matryoshka_weights: Optional[Sequence[float]] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(
+            temperature=temperature,
+            positives=positives,
+            include_self=include_self,
+            normalize=normalize,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            matryoshka_dims=matryoshka_dims,
+            matryoshka_weights=matryoshka_weights,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
 
-    def forward(self, embeddings: Tensor, labels: Tensor, ref: Optional[Tensor] = None,
-                ref_labels: Optional[Tensor] = None, ref_self: Optional[Tensor] = None, **pml: Any) -> Tensor:
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        ref: Optional[Tensor] = None,
+        ref_labels: Optional[Tensor] = None,
+        ref_self: Optional[Tensor] = None,
+        **pml: Any,
+    ) -> Tensor:
         if isinstance(ref, tuple):  # PML's third positional argument: a miner's indices_tuple
             pml["indices_tuple"] = ref
         reject_pml_call("SupConLoss", pml)
-        return supcon_loss(embeddings, labels, ref=ref, ref_labels=ref_labels, ref_self=ref_self,
-                           **self.loss_options())
+        return supcon_loss(embeddings, labels, ref=ref, ref_labels=ref_labels, ref_self=ref_self, **self.loss_options())

@@ -16,6 +16,7 @@ blocks of every :data:`PROBE_EVERY`-th loop, so that the choice follows the load
 as it comes and goes. The first block of a loop (buffers, warm-up) is not timed.
 The thread count is restored when the loop ends.
 """
+
 from __future__ import annotations
 
 import time

@@ -1,6 +1,7 @@
 """A tile of a loss's score matrix: which rows and columns it covers. The one type
 that the engine, the heads, the masks a loss computes from its data, and the
 reference backend all speak."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

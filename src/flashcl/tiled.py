@@ -13,9 +13,10 @@ three-GEMM bound): 1.19x fused against 1.57x unfused. Heads with a column
 direction (CLIP) need every column's reduction before any gradient: a second
 pass, four GEMMs (the floor).
 
-Self-contrast (SupCon, NT-Xent) takes :mod:`flashcl.symmetric` instead; a given
+Self-contrast (SupCon, NT-Xent) takes :mod:`flashcl.panels` instead; a given
 score matrix (the neighbour loss) :mod:`flashcl.scores`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterator, Optional
@@ -30,8 +31,9 @@ from .heads import Head, Tile
 __all__ = ["RowBlocks", "auto_block"]
 
 
-def auto_block(m: int, n: int, dtype: torch.dtype = torch.float32, self_contrast: bool = False,
-               device_type: str = "cpu") -> int:
+def auto_block(
+    m: int, n: int, dtype: torch.dtype = torch.float32, self_contrast: bool = False, device_type: str = "cpu"
+) -> int:
     """Rows per block, from measurements on the 2-core CPU at B = 8192, D = 768.
 
     Self-contrast (SupCon, NT-Xent: the symmetric upper-panel path): buffers
@@ -83,21 +85,22 @@ class RowBlocks(Driver):
 
     def _scores(self, ops: Operands, r0: int, r1: int) -> Tensor:
         assert self._s is not None
-        return torch.mm(ops.q[r0:r1] * ops.scale, ops.k.T, out=self._s[:r1 - r0])
+        return torch.mm(ops.q[r0:r1] * ops.scale, ops.k.T, out=self._s[: r1 - r0])
 
     def _accumulate(self, g: Tensor, r0: int, ops: Operands, dq: Tensor, dk: Tensor) -> Tensor:
         """dq_blk += scale G K, dk += scale G^T Q_blk; returns sum_ij G_ij q_i.k_j."""
         assert self._gk is not None
         b = g.shape[0]
-        qb = ops.q_grad[r0:r0 + b]
+        qb = ops.q_grad[r0 : r0 + b]
         gk = torch.mm(g, ops.k_grad, out=self._gk[:b])
         dscale = torch.dot(gk.reshape(-1), qb.reshape(-1))
-        dq[r0:r0 + b].add_(gk, alpha=ops.scale)
+        dq[r0 : r0 + b].add_(gk, alpha=ops.scale)
         dk.addmm_(g.T, qb, alpha=ops.scale)
         return dscale
 
-    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
-                dk: Optional[Tensor]) -> Optional[Tensor]:
+    def forward(
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+    ) -> Optional[Tensor]:
         self._buffers(ops, second=False)
         m, n = ops.q.shape[0], ops.k.shape[0]
         if head.fuses_rows:

@@ -1,5 +1,6 @@
 """Helpers that every part of flashcl shares: the compute dtype, autocast, and
 second derivatives for custom autograd Functions."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,9 @@ def autocast_off(device_type: str) -> Iterator[None]:
         yield
 
 
-def differentiable_grads(fn: Callable[..., Tensor], inputs: Sequence[Optional[Tensor]], needs: Sequence[bool],
-                         grad_out: Tensor) -> List[Optional[Tensor]]:
+def differentiable_grads(
+    fn: Callable[..., Tensor], inputs: Sequence[Optional[Tensor]], needs: Sequence[bool], grad_out: Tensor
+) -> List[Optional[Tensor]]:
     """For the backward of a custom Function run with ``create_graph=True``:
     ``grad_out``-weighted gradients of ``fn(*inputs)`` with respect to the inputs
     that ``needs`` marks, built with a graph so that they can be differentiated
@@ -100,8 +102,12 @@ class FusedFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def setup(ctx: Any, inputs: Sequence[Optional[Tensor]], extra: Sequence[Tensor] = (),
-              grads: Optional[Sequence[Optional[Tensor]]] = None) -> None:
+    def setup(
+        ctx: Any,
+        inputs: Sequence[Optional[Tensor]],
+        extra: Sequence[Tensor] = (),
+        grads: Optional[Sequence[Optional[Tensor]]] = None,
+    ) -> None:
         """Saves the differentiable ``inputs`` (and ``extra`` tensors for
         :meth:`recompute`); ``grads``: their gradients, formed in the forward pass."""
         ctx.n_inputs = len(inputs)
@@ -136,7 +142,8 @@ class FusedFunction(torch.autograd.Function):
                 raise RuntimeError(reason)
             ctx.grads = None
             grads: Sequence[Optional[Tensor]] = differentiable_grads(
-                lambda *xs: cls.dense(ctx, *xs), inputs, needs, grad_out)
+                lambda *xs: cls.dense(ctx, *xs), inputs, needs, grad_out
+            )
         else:
             if ctx.grads is not None:  # formed by the forward pass; handed over (not copied) the first time
                 grads, ctx.grads = ctx.grads, None

@@ -9,6 +9,7 @@ allocator's peak), and of the last repeat above what was in use before it
 With a ``bound``, the bound is timed alternately with the case in this same
 process and ``ratio`` = best case time / best bound time.
 """
+
 from __future__ import annotations
 
 import json
@@ -89,9 +90,17 @@ def run_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
             raise
         return {"status": "oom", "error": str(e)[:300]}
     best, best_fwd = min(times)
-    out: Dict[str, Any] = {"status": "ok", "loss": loss, "first_s": first, "time_s": best,
-                              "fwd_s": best_fwd, "bwd_s": best - best_fwd, "peak_mb": peak,
-                              "steady_peak_mb": steady, "grad_mb": grad_bytes / 2**20}
+    out: Dict[str, Any] = {
+        "status": "ok",
+        "loss": loss,
+        "first_s": first,
+        "time_s": best,
+        "fwd_s": best_fwd,
+        "bwd_s": best - best_fwd,
+        "peak_mb": peak,
+        "steady_peak_mb": steady,
+        "grad_mb": grad_bytes / 2**20,
+    }
     if bound_times:
         out["bound_s"] = min(bound_times)
         out["ratio"] = best / min(bound_times)

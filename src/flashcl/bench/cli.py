@@ -1,6 +1,7 @@
 """``flashcl bench``: runs the suites (one child process per case), prints the
 tables, writes results.json (every figure and the machine's facts), report.md
 and a PNG per suite."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,16 +32,25 @@ def machine_facts(device: str) -> Dict[str, Any]:
     except OSError:
         pass
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(__file__)).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+        ).stdout.strip()
     except OSError:
         rev = ""
     dev = device
     if device.startswith("cuda") and torch.cuda.is_available():
         dev = f"{device} ({torch.cuda.get_device_name(0)})"
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": dev,
-            "torch": torch.__version__, "python": platform.python_version(), "git": rev,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_avg": list(os.getloadavg())}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "device": dev,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git": rev,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load_avg": list(os.getloadavg()),
+    }
 
 
 def others_running(samples: int = 5) -> Optional[float]:
@@ -68,8 +78,12 @@ def contention(rows: List[Row], machine: Dict[str, Any]) -> Dict[str, Any]:
     core's worth of other work on average)."""
     seen = [r["others_running"] for r in rows if r.get("others_running") is not None and not r.get("busy")]
     mean = sum(seen) / len(seen) if seen else None
-    return {"others_running_mean": mean, "contended": mean is not None and mean >= 0.5,
-            "load_avg_start": machine.get("load_avg"), "load_avg_end": list(os.getloadavg())}
+    return {
+        "others_running_mean": mean,
+        "contended": mean is not None and mean >= 0.5,
+        "load_avg_start": machine.get("load_avg"),
+        "load_avg_end": list(os.getloadavg()),
+    }
 
 
 def _progress(total: int) -> Any:
@@ -80,8 +94,13 @@ def _progress(total: int) -> Any:
     return tqdm(total=total, unit="case", leave=False)
 
 
-def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[int],
-              device: str = "cpu", log: Optional[str] = None) -> List[Row]:
+def run_cases(
+    cases: List[Dict[str, Any]],
+    cap_s: float,
+    mem_limit_mb: Optional[int],
+    device: str = "cpu",
+    log: Optional[str] = None,
+) -> List[Row]:
     """Measures each case in its own child process. With ``stop_after_fail``, an
     implementation that failed (oom, capped) at one size is skipped at larger ones.
     ``log``: a file that gets each row as a JSON line as soon as it is measured, so
@@ -104,9 +123,14 @@ def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[
             elif case["workload"] == "dist":
                 res = measure_dist(case["params"], case.get("cap_s") or max(cap_s, 120.0))
             else:
-                res = measure(case["workload"], case["params"], repeats=case.get("repeats", 2),
-                              cap_s=case.get("cap_s") or cap_s,
-                              mem_limit_mb=mem_limit_mb, bound=case.get("bound"))
+                res = measure(
+                    case["workload"],
+                    case["params"],
+                    repeats=case.get("repeats", 2),
+                    cap_s=case.get("cap_s") or cap_s,
+                    mem_limit_mb=mem_limit_mb,
+                    bound=case.get("bound"),
+                )
                 if res.get("status") in ("oom", "capped"):
                     failed[key] = min(size, failed.get(key, size))
             others = others_running()
@@ -127,18 +151,30 @@ def run_cases(cases: List[Dict[str, Any]], cap_s: float, mem_limit_mb: Optional[
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", choices=sorted(SUITES), action="append",
-                   help=f"suite(s) to run (default: {', '.join(DEFAULT_SUITES)})")
+    p.add_argument(
+        "--suite",
+        choices=sorted(SUITES),
+        action="append",
+        help=f"suite(s) to run (default: {', '.join(DEFAULT_SUITES)})",
+    )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for tests")
     size.add_argument("--full", action="store_true", help="the larger sizes too (tens of minutes)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--out", default="bench-results", help="folder for results.json, report.md and plots")
-    p.add_argument("--cap", type=float, default=None,
-                   help="seconds per case before it is reported as capped (default 10, 120 with --full)")
-    p.add_argument("--mem-limit-mb", type=int, default=8192,
-                   help="memory allowance per case above what is in use at its start; past it the case "
-                        "is reported as out of memory (default 8192)")
+    p.add_argument(
+        "--cap",
+        type=float,
+        default=None,
+        help="seconds per case before it is reported as capped (default 10, 120 with --full)",
+    )
+    p.add_argument(
+        "--mem-limit-mb",
+        type=int,
+        default=8192,
+        help="memory allowance per case above what is in use at its start; past it the case "
+        "is reported as out of memory (default 8192)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,8 +201,18 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     pngs = plot(rows, args.out)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"machine": machine, "command": command, "cap_s": cap, "mem_limit_mb": args.mem_limit_mb,
-                   "rows": rows, "plots": pngs}, f, indent=1)
+        json.dump(
+            {
+                "machine": machine,
+                "command": command,
+                "cap_s": cap,
+                "mem_limit_mb": args.mem_limit_mb,
+                "rows": rows,
+                "plots": pngs,
+            },
+            f,
+            indent=1,
+        )
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(report + "\n")
     print(f"\nwrote {args.out}/results.json, {args.out}/report.md" + "".join(f", {p}" for p in pngs))

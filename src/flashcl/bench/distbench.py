@@ -1,5 +1,6 @@
 """The ``dist`` suite: flashcl.distributed across processes on one machine (gloo
 on 127.0.0.1), per-rank time and peak memory for the all_gather and ring strategies."""
+
 from __future__ import annotations
 
 import datetime
@@ -20,8 +21,13 @@ def _rank_main(rank: int, world: int, params: Dict[str, Any], out_dir: str) -> N
     import flashcl
 
     # rendezvous through a file: no port to pick, so no race for one
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     b, d = params["B"], params["D"]
     local = b // world + (1 if rank < b % world else 0)
@@ -48,8 +54,17 @@ def _rank_main(rank: int, world: int, params: Dict[str, Any], out_dir: str) -> N
         step()
         times.append(time.perf_counter() - t0)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump({"loss": loss, "first_s": first, "time_s": min(times or [first]), "peak_mb": peak,
-                   "grad_mb": local * d * 4 / 2**20, "local": local}, f)
+        json.dump(
+            {
+                "loss": loss,
+                "first_s": first,
+                "time_s": min(times or [first]),
+                "peak_mb": peak,
+                "grad_mb": local * d * 4 / 2**20,
+                "local": local,
+            },
+            f,
+        )
     dist.barrier()  # every rank leaves the group together (a gloo rank leaving early can abort at exit)
     dist.destroy_process_group()
 
@@ -59,8 +74,9 @@ def measure_dist(params: Dict[str, Any], cap_s: float) -> Dict[str, Any]:
     largest per-rank peak, and every rank's figures (``per_rank``)."""
     world = int(params["world"])
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(world, params, out_dir), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            _rank_main, args=(world, params, out_dir), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + cap_s
         try:
             while not ctx.join(timeout=1.0):
@@ -78,7 +94,15 @@ def measure_dist(params: Dict[str, Any], cap_s: float) -> Dict[str, Any]:
             with open(os.path.join(out_dir, f"{r}.json")) as f:
                 ranks.append(json.load(f))
     slowest = max(ranks, key=lambda x: x["time_s"])
-    return {"status": "ok", "loss": sum(x["loss"] for x in ranks) / world, "first_s": slowest["first_s"],
-            "time_s": slowest["time_s"], "fwd_s": slowest["time_s"], "bwd_s": 0.0,
-            "peak_mb": max(x["peak_mb"] for x in ranks), "grad_mb": max(x["grad_mb"] for x in ranks),
-            "steady_peak_mb": None, "per_rank": ranks}
+    return {
+        "status": "ok",
+        "loss": sum(x["loss"] for x in ranks) / world,
+        "first_s": slowest["first_s"],
+        "time_s": slowest["time_s"],
+        "fwd_s": slowest["time_s"],
+        "bwd_s": 0.0,
+        "peak_mb": max(x["peak_mb"] for x in ranks),
+        "grad_mb": max(x["grad_mb"] for x in ranks),
+        "steady_peak_mb": None,
+        "per_rank": ranks,
+    }

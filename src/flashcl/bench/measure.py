@@ -6,6 +6,7 @@ import again, and no OpenMP/MKL thread pool is forked mid-use (forking the
 caller itself hangs the child when the caller has already computed with torch,
 as a test session has).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,16 +38,29 @@ def _context() -> Any:
     return _CTX
 
 
-def measure(workload: str, params: Dict[str, Any], *, repeats: int = 2, cap_s: float = 600.0,
-            mem_limit_mb: Optional[int] = None, threads: Optional[int] = None,
-            bound: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def measure(
+    workload: str,
+    params: Dict[str, Any],
+    *,
+    repeats: int = 2,
+    cap_s: float = 600.0,
+    mem_limit_mb: Optional[int] = None,
+    threads: Optional[int] = None,
+    bound: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
     """Figures of one case (see :mod:`flashcl.bench.child`), or ``{"status":
     "capped"}`` past ``cap_s``, ``"oom"`` past the memory limit (or when the child
     is killed), ``"not installed"``, ``"error"``. ``bound`` (``{"workload",
     "params"}``) is timed alternately with the case in the same child; then
     ``ratio`` = best case time / best bound time."""
-    spec = {"workload": workload, "params": params, "repeats": repeats, "mem_limit_mb": mem_limit_mb,
-            "threads": threads, "bound": bound}
+    spec = {
+        "workload": workload,
+        "params": params,
+        "repeats": repeats,
+        "mem_limit_mb": mem_limit_mb,
+        "threads": threads,
+        "bound": bound,
+    }
     ctx = _context()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_target, args=(spec, child), daemon=True)

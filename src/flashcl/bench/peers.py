@@ -1,4 +1,5 @@
 """Optional peer libraries, loaded where installed; None (with the reason) where not."""
+
 from __future__ import annotations
 
 import importlib

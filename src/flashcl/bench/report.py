@@ -1,4 +1,5 @@
 """Tables (Markdown) and plots (PNG) of benchmark rows."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +8,19 @@ from typing import Any, Dict, List, Optional
 
 Row = Dict[str, Any]
 
-HEADER = ["group", "implementation", "size", "forward", "backward", "fwd+bwd", "vs bound (bound)",
-          "peak mem (first / steady)", "beyond grad", "loss", "vs flashcl"]
+HEADER = [
+    "group",
+    "implementation",
+    "size",
+    "forward",
+    "backward",
+    "fwd+bwd",
+    "vs bound (bound)",
+    "peak mem (first / steady)",
+    "beyond grad",
+    "loss",
+    "vs flashcl",
+]
 
 
 def agreement(r: Row, rows: List[Row]) -> str:
@@ -18,17 +30,24 @@ def agreement(r: Row, rows: List[Row]) -> str:
     formula difference), or "DIFFERS"."""
     if r.get("status") != "ok" or r["workload"] == "gemm3" or r["label"].startswith("flashcl"):
         return ""
-    same = [o for o in rows if o is not r and o.get("status") == "ok" and o["label"].startswith("flashcl")
-            and o["group"] == r["group"] and o["workload"] == r["workload"]
-            and {k: v for k, v in o["params"].items() if k != "impl"} ==
-            {k: v for k, v in r["params"].items() if k != "impl"}]
+    same = [
+        o
+        for o in rows
+        if o is not r
+        and o.get("status") == "ok"
+        and o["label"].startswith("flashcl")
+        and o["group"] == r["group"]
+        and o["workload"] == r["workload"]
+        and {k: v for k, v in o["params"].items() if k != "impl"}
+        == {k: v for k, v in r["params"].items() if k != "impl"}
+    ]
     if not same:
         return "other formula" if "formula" in r["label"] else ""
     ref = same[0]["loss"]
     err = abs(r["loss"] - ref) / max(1.0, abs(ref))
     if err <= 1e-4:
         return "equal"
-    eps = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}.get(r["params"].get("dtype", ""))
+    eps = {"bfloat16": 2.0**-7, "float16": 2.0**-10}.get(r["params"].get("dtype", ""))
     return f"equal (within {r['params']['dtype']} eps)" if eps is not None and err <= eps else "DIFFERS"
 
 
@@ -51,9 +70,12 @@ def fmt_row(r: Row) -> List[str]:
     head = [r["group"], r["label"], size_label(r)]
     status = r.get("status")
     if status != "ok":
-        why = {"capped": f"capped at {r.get('cap_s', '?')} s", "oom": "out of memory (limit)",
-               "not installed": "not installed", "skipped": "skipped (failed at a smaller size)"}.get(
-            status or "", status or "?")
+        why = {
+            "capped": f"capped at {r.get('cap_s', '?')} s",
+            "oom": "out of memory (limit)",
+            "not installed": "not installed",
+            "skipped": "skipped (failed at a smaller size)",
+        }.get(status or "", status or "?")
         detail = r.get("error", "")
         return head + [why, "", "", "", "", str(detail)[:80], "", ""]
     ratio = f"{r['ratio']:.2f}x ({_ms(r['bound_s'])})" if "ratio" in r else ""
@@ -63,36 +85,53 @@ def fmt_row(r: Row) -> List[str]:
     else:
         beyond = f"{r['peak_mb'] - r.get('grad_mb', 0.0):.0f} MB"
     loss = f"{r['loss']:.6g}" if r["workload"] != "gemm3" else ""
-    return head + [_ms(r["fwd_s"]), _ms(r["bwd_s"]), _ms(r["time_s"]), ratio, f"{r['peak_mb']:.0f}{steady} MB",
-                   beyond, loss, r.get("agreement", "")]
+    return head + [
+        _ms(r["fwd_s"]),
+        _ms(r["bwd_s"]),
+        _ms(r["time_s"]),
+        ratio,
+        f"{r['peak_mb']:.0f}{steady} MB",
+        beyond,
+        loss,
+        r.get("agreement", ""),
+    ]
 
 
-NOTES = ("forward / backward / fwd+bwd: the best of the repeats (a capped case ran once and was stopped); "
-         "flashcl's tiled backend forms the gradient during the forward pass when the loss is reduced to a "
-         "scalar, so its time shows as forward; for the GEMM bound, forward is S = E E^T. "
-         "vs bound: best time over the best time of the bound, timed alternately in the same process: the "
-         "three GEMMs no exact loss can avoid (S = E E^T, G E, G^T E; torch.mm into preallocated outputs), "
-         "or, for the neighbour loss, its gather fix (one gather instead of Python loops). peak mem: peak "
-         "memory of the first call above "
-         "what was in use before it (on the CPU this includes one-time costs such as MKL's GEMM workspace, "
-         "~15 MB), then of a later call (steady state). beyond grad: first-call peak minus the inputs' "
-         "gradient; for the neighbour loss, first-call peak over the size of the score matrix. vs flashcl: "
-         "the loss value against flashcl's on the same inputs and formula (equal within 1e-4 relative, or "
-         "within the input dtype's epsilon for a peer that computes in bfloat16 / float16); "
-         "'other formula' where the implementation computes a different, stated loss.")
+NOTES = (
+    "forward / backward / fwd+bwd: the best of the repeats (a capped case ran once and was stopped); "
+    "flashcl's tiled backend forms the gradient during the forward pass when the loss is reduced to a "
+    "scalar, so its time shows as forward; for the GEMM bound, forward is S = E E^T. "
+    "vs bound: best time over the best time of the bound, timed alternately in the same process: the "
+    "three GEMMs no exact loss can avoid (S = E E^T, G E, G^T E; torch.mm into preallocated outputs), "
+    "or, for the neighbour loss, its gather fix (one gather instead of Python loops). peak mem: peak "
+    "memory of the first call above "
+    "what was in use before it (on the CPU this includes one-time costs such as MKL's GEMM workspace, "
+    "~15 MB), then of a later call (steady state). beyond grad: first-call peak minus the inputs' "
+    "gradient; for the neighbour loss, first-call peak over the size of the score matrix. vs flashcl: "
+    "the loss value against flashcl's on the same inputs and formula (equal within 1e-4 relative, or "
+    "within the input dtype's epsilon for a peer that computes in bfloat16 / float16); "
+    "'other formula' where the implementation computes a different, stated loss."
+)
 
 
 def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
     for r in rows:
         r["agreement"] = agreement(r, rows)
-    lines = [f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), device "
-             f"{machine['device']}, torch {machine['torch']}, flashcl {machine['git']}: `{command}`"]
+    lines = [
+        f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), device "
+        f"{machine['device']}, torch {machine['torch']}, flashcl {machine['git']}: `{command}`"
+    ]
     if machine.get("others_running_mean") is not None:
         load = machine.get("load_avg_start") or []
-        lines.append(f"Load: other processes running between cases {machine['others_running_mean']:.2f} on average; "
-                     f"load average at the start {' / '.join(f'{x:.2f}' for x in load)}." +
-                     (" **Contended run**: other work competed for the cores, timings are slower than on a quiet "
-                      "machine." if machine.get("contended") else ""))
+        lines.append(
+            f"Load: other processes running between cases {machine['others_running_mean']:.2f} on average; "
+            f"load average at the start {' / '.join(f'{x:.2f}' for x in load)}."
+            + (
+                " **Contended run**: other work competed for the cores, timings are slower than on a quiet machine."
+                if machine.get("contended")
+                else ""
+            )
+        )
     for suite in dict.fromkeys(r["suite"] for r in rows):
         lines += ["", f"### {suite}", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(fmt_row(r)) + " |" for r in rows if r["suite"] == suite]
@@ -157,6 +196,7 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
     result. Returns the PNG paths (none without matplotlib)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -175,8 +215,12 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
         cols = 3 if len(panels) in (5, 6) else min(4, len(panels))
         blocks = (len(panels) + cols - 1) // cols
         rows_per_block = 2 if memory and not side else 1
-        fig, axes = plt.subplots(blocks * rows_per_block, 2 if side else cols,
-                                 figsize=(10 if side else 4.2 * cols, 3.6 * blocks * rows_per_block), squeeze=False)
+        fig, axes = plt.subplots(
+            blocks * rows_per_block,
+            2 if side else cols,
+            figsize=(10 if side else 4.2 * cols, 3.6 * blocks * rows_per_block),
+            squeeze=False,
+        )
         handles: Dict[str, Any] = {}
         for p, panel in enumerate(panels):
             inside = [r for r in mine if panel_key(r) == panel]
@@ -195,9 +239,16 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                             handles.setdefault(label, bar)
                         else:
                             status = str(next((r.get("status") for r in inside if r["label"] == label), ""))
-                            ax.text(i, 0.5, {"oom": "out of memory", "capped": "over time"}.get(status, status),
-                                    rotation=90, ha="center", va="bottom", fontsize=7,
-                                    transform=ax.get_xaxis_transform())
+                            ax.text(
+                                i,
+                                0.5,
+                                {"oom": "out of memory", "capped": "over time"}.get(status, status),
+                                rotation=90,
+                                ha="center",
+                                va="bottom",
+                                fontsize=7,
+                                transform=ax.get_xaxis_transform(),
+                            )
                     ax.set_xticks(range(len(present)))
                     ax.set_xticklabels([""] * len(present))
                     ax.set_xlabel(f"size {sizes[0]}")
@@ -208,8 +259,9 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                         if not pts:
                             continue
                         style = "--" if "bound" in label.lower() else "-"
-                        (line,) = ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o",
-                                          color=colours[label])
+                        (line,) = ax.plot(
+                            [x for x, _ in pts], [y for _, y in pts], style, marker="o", color=colours[label]
+                        )
                         handles.setdefault(label, line)
                     if key == "time_s":
                         bound = sorted({(size_value(r), r["bound_s"]) for r in good if "bound_s" in r})
@@ -221,8 +273,13 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                     ax.set_xticks(sizes)  # the sizes run, as plain numbers
                     ax.set_xticklabels([str(x) for x in sizes], fontsize=7)
                     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-                    ax.set_xlabel("world size" if any(r.get("x") for r in good) else
-                                  "n" if good[0]["workload"] == "neighbor" else "batch size B")
+                    ax.set_xlabel(
+                        "world size"
+                        if any(r.get("x") for r in good)
+                        else "n"
+                        if good[0]["workload"] == "neighbor"
+                        else "batch size B"
+                    )
                 ax.set_ylabel(ylabel, fontsize=8)
                 ax.grid(True, which="both", alpha=0.3)
                 if m == 0:
@@ -232,8 +289,9 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
             for col in range(cols):
                 if (block_row // rows_per_block) * cols + col >= len(panels):
                     axes[block_row][col].axis("off")
-        fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=min(5, len(handles)),
-                   fontsize=8)
+        fig.legend(
+            list(handles.values()), list(handles.keys()), loc="lower center", ncol=min(5, len(handles)), fontsize=8
+        )
         fig.suptitle(f"flashcl bench: {suite}")
         legend_rows = (len(handles) + 4) // 5
         fig.tight_layout(rect=(0, 0.035 * legend_rows + 0.02, 1, 0.97))

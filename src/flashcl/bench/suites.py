@@ -4,6 +4,7 @@ A case is ``{"suite", "group", "label", "workload", "params", "repeats", "bound"
 ``group`` collects the cases of one table and plot line set, ``label`` names the
 implementation, ``params["impl"]`` selects it inside the workload.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -26,27 +27,72 @@ def tiled(mode: str, device: str) -> List[Case]:
     gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
     cases: List[Case] = []
     for impl in ("flashcl-tiled", "flashcl-dense", "pml"):
-        cases.append({"group": "supcon", "label": impl, "workload": "supcon", "bound": gemm,
-                      "params": {"B": b, "D": d, "classes": 5, "impl": impl}})
+        cases.append(
+            {
+                "group": "supcon",
+                "label": impl,
+                "workload": "supcon",
+                "bound": gemm,
+                "params": {"B": b, "D": d, "classes": 5, "impl": impl},
+            }
+        )
     for impl in ("simcse-vectorized", "flashcl-tiled"):
-        cases.append({"group": "supcon", "label": f"{impl} (SimCSE formula)", "workload": "supcon", "bound": gemm,
-                      "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": True}})
-    cases.append({"group": "supcon-big", "label": "flashcl-tiled", "workload": "supcon", "repeats": 0,
-                  "params": {"B": big_b, "D": big_d, "classes": 5, "impl": "flashcl-tiled"}})
-    cases.append({"group": "siglip-big", "label": "flashcl-tiled", "workload": "siglip", "repeats": 0,
-                  "params": {"B": big_b, "D": big_d, "impl": "flashcl-tiled"}})
+        cases.append(
+            {
+                "group": "supcon",
+                "label": f"{impl} (SimCSE formula)",
+                "workload": "supcon",
+                "bound": gemm,
+                "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": True},
+            }
+        )
+    cases.append(
+        {
+            "group": "supcon-big",
+            "label": "flashcl-tiled",
+            "workload": "supcon",
+            "repeats": 0,
+            "params": {"B": big_b, "D": big_d, "classes": 5, "impl": "flashcl-tiled"},
+        }
+    )
+    cases.append(
+        {
+            "group": "siglip-big",
+            "label": "flashcl-tiled",
+            "workload": "siglip",
+            "repeats": 0,
+            "params": {"B": big_b, "D": big_d, "impl": "flashcl-tiled"},
+        }
+    )
     for impl in ("flashcl-tiled", "flashcl-dense", "torch-ce"):
-        cases.append({"group": "clip", "label": impl, "workload": "clip", "bound": gemm,
-                      "params": {"B": b, "D": d, "impl": impl}})
+        cases.append(
+            {
+                "group": "clip",
+                "label": impl,
+                "workload": "clip",
+                "bound": gemm,
+                "params": {"B": b, "D": d, "impl": impl},
+            }
+        )
     for n, group in ((n_big, "neighbor-big"), (n_small, "neighbor-small")):
         gather = {"workload": "neighbor", "params": {"n": n, "k": 2, "impl": "gather-fix", "device": device}}
-        impls = ("log-form", "stable-logsumexp", "flashcl-tiled") if group == "neighbor-big" else (
-            "python-loops", "flashcl-tiled")
+        impls = (
+            ("log-form", "stable-logsumexp", "flashcl-tiled")
+            if group == "neighbor-big"
+            else ("python-loops", "flashcl-tiled")
+        )
         for impl in impls:
             loops = impl == "python-loops"
-            cases.append({"group": group, "label": impl, "workload": "neighbor", "bound": gather,
-                          "repeats": 1 if loops else (2 if group == "neighbor-big" else 5),
-                          "params": {"n": n, "k": 2, "impl": impl}})
+            cases.append(
+                {
+                    "group": group,
+                    "label": impl,
+                    "workload": "neighbor",
+                    "bound": gather,
+                    "repeats": 1 if loops else (2 if group == "neighbor-big" else 5),
+                    "params": {"n": n, "k": 2, "impl": impl},
+                }
+            )
     for case in cases:
         case["cap_s"] = 300.0
     return cases
@@ -66,16 +112,35 @@ def neighbors(mode: str, device: str) -> List[Case]:
                 slow = impl == "python-loops"
                 if slow and n > 2000 and mode == "default":
                     continue  # past its 6 s cap at n = 3000 for every k: measured only with --full
-                cases.append({"group": f"n={n}", "label": impl, "workload": "neighbor",
-                              "repeats": 0 if slow else 2, "cap_s": 6.0 if slow and mode != "full" else None,
-                              "params": {"n": n, "k": k, "impl": impl}})
+                cases.append(
+                    {
+                        "group": f"n={n}",
+                        "label": impl,
+                        "workload": "neighbor",
+                        "repeats": 0 if slow else 2,
+                        "cap_s": 6.0 if slow and mode != "full" else None,
+                        "params": {"n": n, "k": k, "impl": impl},
+                    }
+                )
     # n = 20000 (30 s of the default run's budget) with --full, and in --suite tiled
-    big_impls = ("gather-fix", "log-form", "stable-logsumexp", "flashcl-tiled", "flashcl-dense") if mode == "full" \
-        else ("gather-fix", "log-form", "flashcl-tiled") if mode == "quick" else ()
+    big_impls = (
+        ("gather-fix", "log-form", "stable-logsumexp", "flashcl-tiled", "flashcl-dense")
+        if mode == "full"
+        else ("gather-fix", "log-form", "flashcl-tiled")
+        if mode == "quick"
+        else ()
+    )
     for impl in big_impls:
-        cases.append({"group": f"n={big}", "label": impl, "workload": "neighbor",
-                      "repeats": 1 if mode == "full" else 0, "cap_s": 60.0,
-                      "params": {"n": big, "k": 2, "impl": impl}})
+        cases.append(
+            {
+                "group": f"n={big}",
+                "label": impl,
+                "workload": "neighbor",
+                "repeats": 1 if mode == "full" else 0,
+                "cap_s": 60.0,
+                "params": {"n": big, "k": 2, "impl": impl},
+            }
+        )
     return cases
 
 
@@ -90,9 +155,17 @@ def simcse(mode: str, device: str) -> List[Case]:
         for impl in ("simcse-per-sample", "simcse-vectorized", "flashcl-dense", "flashcl-tiled"):
             slow = impl == "simcse-per-sample"
             reps = 0 if slow else 2
-            cases.append({"group": "simcse", "label": impl, "workload": "supcon", "bound": gemm,
-                          "repeats": reps, "cap_s": 6.0 if slow and mode != "full" else None,
-                          "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": True}})
+            cases.append(
+                {
+                    "group": "simcse",
+                    "label": impl,
+                    "workload": "supcon",
+                    "bound": gemm,
+                    "repeats": reps,
+                    "cap_s": 6.0 if slow and mode != "full" else None,
+                    "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": True},
+                }
+            )
     return cases
 
 
@@ -104,49 +177,111 @@ def peers(mode: str, device: str) -> List[Case]:
     # compiling takes ~40 s the first time: with --full only, with its own cap
     compiled = ("torch.compile(dense)",) if mode == "full" else ()
     for impl in ("flashcl-tiled", "flashcl-dense", "pml") + compiled:
-        cases.append({"group": "supcon", "label": impl, "workload": "supcon", "bound": gemm,
-                      "cap_s": 180.0 if "compile" in impl else None,
-                      "params": {"B": b, "D": d, "classes": 5, "impl": impl}})
+        cases.append(
+            {
+                "group": "supcon",
+                "label": impl,
+                "workload": "supcon",
+                "bound": gemm,
+                "cap_s": 180.0 if "compile" in impl else None,
+                "params": {"B": b, "D": d, "classes": 5, "impl": impl},
+            }
+        )
     nb = _size(mode, 64, 1024, 1024)
     for impl in ("flashcl-tiled", "flashcl-pml-adapter", "pml"):
-        cases.append({"group": "nt_xent", "label": impl, "workload": "nt_xent", "repeats": 1,
-                      "params": {"B": nb, "D": d, "impl": impl}})
+        cases.append(
+            {
+                "group": "nt_xent",
+                "label": impl,
+                "workload": "nt_xent",
+                "repeats": 1,
+                "params": {"B": nb, "D": d, "impl": impl},
+            }
+        )
     for impl in ("flashcl-tiled", "torch-ce", "open_clip"):
-        cases.append({"group": "clip", "label": impl, "workload": "clip", "bound": gemm,
-                      "params": {"B": b, "D": d, "impl": impl}})
+        cases.append(
+            {
+                "group": "clip",
+                "label": impl,
+                "workload": "clip",
+                "bound": gemm,
+                "params": {"B": b, "D": d, "impl": impl},
+            }
+        )
     # SigLIP at B = 8192 in every mode but quick: open_clip's B x B logits beside flashcl
     bs = _size(mode, 256, 8192, 8192)
     gemm_s = {"workload": "gemm3", "params": {"B": bs, "D": d, "device": device}}
     for impl in ("flashcl-tiled", "open_clip"):
-        cases.append({"group": "siglip", "label": impl, "workload": "siglip", "bound": gemm_s, "repeats": 1,
-                      "params": {"B": bs, "D": d, "impl": impl}})
-    for impl in ("flashcl-tiled", "F.cross_entropy", "F.linear_cross_entropy(chunked)",
-                 "sentence-transformers-MNRL", "flashcl-st-adapter"):
-        cases.append({"group": "info_nce", "label": impl, "workload": "info_nce", "bound": gemm,
-                      "params": {"B": b, "D": d, "impl": impl}})
+        cases.append(
+            {
+                "group": "siglip",
+                "label": impl,
+                "workload": "siglip",
+                "bound": gemm_s,
+                "repeats": 1,
+                "params": {"B": bs, "D": d, "impl": impl},
+            }
+        )
+    for impl in (
+        "flashcl-tiled",
+        "F.cross_entropy",
+        "F.linear_cross_entropy(chunked)",
+        "sentence-transformers-MNRL",
+        "flashcl-st-adapter",
+    ):
+        cases.append(
+            {
+                "group": "info_nce",
+                "label": impl,
+                "workload": "info_nce",
+                "bound": gemm,
+                "params": {"B": b, "D": d, "impl": impl},
+            }
+        )
     return cases
 
 
 def scale(mode: str, device: str) -> List[Case]:
     """Time and peak memory against batch size, SupCon with D = 256, up to the
     largest batch each implementation runs within the memory limit."""
-    bs = _size(mode, (256, 512, 1024), (1024, 2048, 4096, 8192, 16384),
-               (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072))
+    bs = _size(
+        mode, (256, 512, 1024), (1024, 2048, 4096, 8192, 16384), (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+    )
     d = _size(mode, 32, 256, 256)
     cases: List[Case] = []
     for b in bs:
         reps = 1 if mode == "full" else 0
-        cases.append({"group": "scale", "label": "GEMM bound", "workload": "gemm3", "repeats": reps,
-                      "params": {"B": b, "D": d}, "stop_after_fail": True, "cap_s": 30.0})
+        cases.append(
+            {
+                "group": "scale",
+                "label": "GEMM bound",
+                "workload": "gemm3",
+                "repeats": reps,
+                "params": {"B": b, "D": d},
+                "stop_after_fail": True,
+                "cap_s": 30.0,
+            }
+        )
         # the dense losses at B = 16384 (45 s of the default run's budget) with --full only
-        impls = ("flashcl-tiled",) if b > 8192 and mode == "default" else (
-            "flashcl-tiled", "flashcl-dense", "simcse-vectorized", "pml")
+        impls = (
+            ("flashcl-tiled",)
+            if b > 8192 and mode == "default"
+            else ("flashcl-tiled", "flashcl-dense", "simcse-vectorized", "pml")
+        )
         for impl in impls:
             # the vectorised supervised SimCSE loss with its own formula (the others: SupCon L_out)
             label = "simcse-vectorized (SimCSE formula)" if impl == "simcse-vectorized" else impl
-            cases.append({"group": "scale", "label": label, "workload": "supcon", "repeats": reps,
-                          "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": impl == "simcse-vectorized"},
-                          "stop_after_fail": True, "cap_s": 30.0 if mode != "full" else None})
+            cases.append(
+                {
+                    "group": "scale",
+                    "label": label,
+                    "workload": "supcon",
+                    "repeats": reps,
+                    "params": {"B": b, "D": d, "classes": 5, "impl": impl, "simcse": impl == "simcse-vectorized"},
+                    "stop_after_fail": True,
+                    "cap_s": 30.0 if mode != "full" else None,
+                }
+            )
     return cases
 
 
@@ -161,11 +296,24 @@ def dist(mode: str, device: str) -> List[Case]:
     cases: List[Case] = []
     for strategy in ("all_gather", "ring"):
         for w in worlds:
-            cases.append({"group": "world", "label": strategy, "workload": "dist", "x": "world",
-                          "params": {"B": b, "D": d, "world": w, "strategy": strategy, "repeats": 1}})
+            cases.append(
+                {
+                    "group": "world",
+                    "label": strategy,
+                    "workload": "dist",
+                    "x": "world",
+                    "params": {"B": b, "D": d, "world": w, "strategy": strategy, "repeats": 1},
+                }
+            )
         for bb in batches:
-            cases.append({"group": "global batch (2 ranks)", "label": strategy, "workload": "dist",
-                          "params": {"B": bb, "D": d, "world": 2, "strategy": strategy, "repeats": 1}})
+            cases.append(
+                {
+                    "group": "global batch (2 ranks)",
+                    "label": strategy,
+                    "workload": "dist",
+                    "params": {"B": bb, "D": d, "world": 2, "strategy": strategy, "repeats": 1},
+                }
+            )
     return cases
 
 
@@ -177,13 +325,18 @@ def gpu(mode: str, device: str) -> List[Case]:
     against float32 GEMMs. Each (loss, D) is one panel of the plot."""
     # in the order of priority (a device run may be cut short): the widths users
     # train with first, then the other widths, then the largest batches
-    sizes = _size(mode, ((1024, 256),),
-                  ((32768, 768), (32768, 4096), (32768, 256), (32768, 1024), (131072, 768), (131072, 4096)),
-                  tuple((b, d) for b in (32768, 131072) for d in (768, 4096, 256, 1024)) + ((262144, 768),))
-    impls = {"info_nce": ("flashcl-triton", "flashcl-tiled", "inf_cl"),
-             "supcon": ("flashcl-triton", "flashcl-tiled"),
-             "clip": ("flashcl-triton", "flashcl-tiled", "open_clip"),
-             "siglip": ("flashcl-triton", "flashcl-tiled", "open_clip")}
+    sizes = _size(
+        mode,
+        ((1024, 256),),
+        ((32768, 768), (32768, 4096), (32768, 256), (32768, 1024), (131072, 768), (131072, 4096)),
+        tuple((b, d) for b in (32768, 131072) for d in (768, 4096, 256, 1024)) + ((262144, 768),),
+    )
+    impls = {
+        "info_nce": ("flashcl-triton", "flashcl-tiled", "inf_cl"),
+        "supcon": ("flashcl-triton", "flashcl-tiled"),
+        "clip": ("flashcl-triton", "flashcl-tiled", "open_clip"),
+        "siglip": ("flashcl-triton", "flashcl-tiled", "open_clip"),
+    }
     cases: List[Case] = []
     for b, d in sizes:
         gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device, "dtype": "bfloat16"}}
@@ -192,13 +345,28 @@ def gpu(mode: str, device: str) -> List[Case]:
                 params: Dict[str, Any] = {"B": b, "D": d, "impl": impl, "dtype": "bfloat16"}
                 if loss == "supcon":
                     params["classes"] = 1000
-                cases.append({"group": f"{loss} D={d}", "label": impl, "workload": loss, "bound": gemm,
-                              "stop_after_fail": True, "params": params})
+                cases.append(
+                    {
+                        "group": f"{loss} D={d}",
+                        "label": impl,
+                        "workload": loss,
+                        "bound": gemm,
+                        "stop_after_fail": True,
+                        "params": params,
+                    }
+                )
     b32 = _size(mode, 1024, 32768, 32768)
     gemm32 = {"workload": "gemm3", "params": {"B": b32, "D": 768, "device": device, "dtype": "float32"}}
     for impl in ("flashcl-triton", "flashcl-tiled"):
-        cases.append({"group": "info_nce D=768 float32", "label": impl, "workload": "info_nce", "bound": gemm32,
-                      "params": {"B": b32, "D": 768, "impl": impl, "dtype": "float32"}})
+        cases.append(
+            {
+                "group": "info_nce D=768 float32",
+                "label": impl,
+                "workload": "info_nce",
+                "bound": gemm32,
+                "params": {"B": b32, "D": 768, "impl": impl, "dtype": "float32"},
+            }
+        )
     return cases
 
 
@@ -209,15 +377,32 @@ def beyond(mode: str, device: str) -> List[Case]:
     b, d, q = _size(mode, (128, 32, 4096), (1024, 256, 65536), (1024, 256, 65536))
     cases: List[Case] = []
     for impl in ("flashcl-tiled", "flashcl-pml-adapter", "pml"):
-        cases.append({"group": "queue", "label": impl, "workload": "queue", "repeats": 1, "cap_s": 300.0,
-                      "params": {"B": b, "D": d, "Q": q, "impl": impl}})
+        cases.append(
+            {
+                "group": "queue",
+                "label": impl,
+                "workload": "queue",
+                "repeats": 1,
+                "cap_s": 300.0,
+                "params": {"B": b, "D": d, "Q": q, "impl": impl},
+            }
+        )
     gist_d = _size(mode, 64, 768, 768)
     # sentence-transformers' B x B x D broadcasts outgrow the memory limit near B = 1024:
     # the smaller batches give its figures
     for gb in _size(mode, (128, 256), (256, 512, 1024, 4096), (256, 512, 1024, 4096, 16384)):
         for impl in ("flashcl-tiled", "flashcl-dense", "sentence-transformers"):
-            cases.append({"group": "gist", "label": impl, "workload": "gist", "repeats": 1, "cap_s": 300.0,
-                          "stop_after_fail": True, "params": {"B": gb, "D": gist_d, "G": 384, "impl": impl}})
+            cases.append(
+                {
+                    "group": "gist",
+                    "label": impl,
+                    "workload": "gist",
+                    "repeats": 1,
+                    "cap_s": 300.0,
+                    "stop_after_fail": True,
+                    "params": {"B": gb, "D": gist_d, "G": 384, "impl": impl},
+                }
+            )
     return cases
 
 
@@ -232,13 +417,30 @@ def train(mode: str, device: str) -> List[Case]:
     cases: List[Case] = []
     for b in bs:
         for impl in ("flashcl-cached", "flashcl-uncached", "sentence-transformers-cached"):
-            cases.append({"group": "train step", "label": impl, "workload": "train_step", "repeats": 0,
-                          "cap_s": 900.0, "stop_after_fail": True, "params": {"B": b, "impl": impl, "chunk": chunk}})
+            cases.append(
+                {
+                    "group": "train step",
+                    "label": impl,
+                    "workload": "train_step",
+                    "repeats": 0,
+                    "cap_s": 900.0,
+                    "stop_after_fail": True,
+                    "params": {"B": b, "impl": impl, "chunk": chunk},
+                }
+            )
     mb, md = _size(mode, (256, 64), (4096, 768), (8192, 768))
     dims = _size(mode, (64, 32, 16, 8, 4), (768, 512, 256, 128, 64), (768, 512, 256, 128, 64))
     for impl in ("flashcl-one-pass", "flashcl-separate", "sentence-transformers"):
-        cases.append({"group": "matryoshka", "label": impl, "workload": "matryoshka", "repeats": 1, "cap_s": 300.0,
-                      "params": {"B": mb, "D": md, "dims": dims, "impl": impl}})
+        cases.append(
+            {
+                "group": "matryoshka",
+                "label": impl,
+                "workload": "matryoshka",
+                "repeats": 1,
+                "cap_s": 300.0,
+                "params": {"B": mb, "D": md, "dims": dims, "impl": impl},
+            }
+        )
     return cases
 
 
@@ -252,11 +454,31 @@ def contention(mode: str, device: str) -> List[Case]:
     cases: List[Case] = []
     for busy, group in ((0, "quiet"), (1, "one busy process")):
         for impl in ("flashcl-tiled", "flashcl-dense"):
-            cases.append({"group": group, "label": impl, "workload": "supcon", "bound": gemm, "repeats": 8,
-                          "cap_s": 60.0, "busy": busy, "params": {"B": b, "D": d, "classes": 10, "impl": impl}})
+            cases.append(
+                {
+                    "group": group,
+                    "label": impl,
+                    "workload": "supcon",
+                    "bound": gemm,
+                    "repeats": 8,
+                    "cap_s": 60.0,
+                    "busy": busy,
+                    "params": {"B": b, "D": d, "classes": 10, "impl": impl},
+                }
+            )
     return cases
 
 
-SUITES = {"tiled": tiled, "contention": contention, "neighbors": neighbors, "simcse": simcse, "peers": peers,
-          "scale": scale, "dist": dist, "gpu": gpu, "beyond": beyond, "train": train}
+SUITES = {
+    "tiled": tiled,
+    "contention": contention,
+    "neighbors": neighbors,
+    "simcse": simcse,
+    "peers": peers,
+    "scale": scale,
+    "dist": dist,
+    "gpu": gpu,
+    "beyond": beyond,
+    "train": train,
+}
 DEFAULT_SUITES = ("neighbors", "simcse", "peers", "scale")

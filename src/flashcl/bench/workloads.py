@@ -6,6 +6,7 @@ of what the step must allocate anyway (the inputs' gradient), reported so that
 "peak above inputs and gradient" can be read off. An implementation that is not
 installed raises :class:`NotInstalled`.
 """
+
 from __future__ import annotations
 
 import random
@@ -56,6 +57,7 @@ def _stepper(fn: Callable[[], torch.Tensor], leaves: List[torch.Tensor], device:
         loss.backward()
         _sync(device)
         return float(loss.detach()), fwd
+
     return step
 
 
@@ -95,6 +97,7 @@ def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
         torch.mm(grad.T, e, out=o2)
         _sync(dev)
         return 0.0, fwd
+
     return step, 0
 
 
@@ -108,7 +111,7 @@ def simcse_per_sample(embeddings: torch.Tensor, labels: torch.Tensor, temperatur
         sims = torch.matmul(embeddings[i].unsqueeze(0), embeddings.T).squeeze() / temperature
         pos_sim_sum = sims[pos_mask].sum()
         log_denominator = torch.logsumexp(sims, dim=0)
-        loss += (-pos_sim_sum + log_denominator)
+        loss += -pos_sim_sum + log_denominator
     return loss / batch_size
 
 
@@ -118,7 +121,8 @@ def simcse_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperatur
     embeddings = F.normalize(embeddings, p=2, dim=1)
     sim_matrix = torch.matmul(embeddings, embeddings.T) / temperature
     pos_mask = (labels.unsqueeze(0) == labels.unsqueeze(1)) & ~torch.eye(
-        batch_size, device=embeddings.device, dtype=torch.bool)
+        batch_size, device=embeddings.device, dtype=torch.bool
+    )
     pos_sim_sum = (sim_matrix * pos_mask).sum(dim=1)
     log_denominator = torch.logsumexp(sim_matrix, dim=1)
     return (-pos_sim_sum + log_denominator).mean()
@@ -174,6 +178,7 @@ def nt_xent(p: Dict[str, Any]) -> Tuple[Step, int]:
             pml = losses.NTXentLoss(temperature=t)
         else:
             from ..integrations.pytorch_metric_learning import NTXentLoss
+
             pml = NTXentLoss(temperature=t)
         ids = torch.arange(b, device=dev).repeat(2)
         fn = lambda: pml(torch.cat([z1, z2]), ids)  # noqa: E731
@@ -190,6 +195,7 @@ def clip(p: Dict[str, Any]) -> Tuple[Step, int]:
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.clip_loss(img, txt, scale, backend=backend)  # noqa: E731
     elif impl == "torch-ce":
+
         def fn() -> torch.Tensor:
             logits = scale * F.normalize(img, dim=1).float() @ F.normalize(txt, dim=1).float().T
             labels = torch.arange(b, device=dev)
@@ -243,8 +249,10 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
         if not hasattr(F, "linear_cross_entropy"):
             raise NotInstalled("this torch has no F.linear_cross_entropy")
         opts = torch.nn.LinearCrossEntropyOptions()
-        fn = lambda: F.linear_cross_entropy(F.normalize(q, dim=1) / t, F.normalize(k, dim=1), target,  # noqa: E731
-                                            options=opts)
+
+        def fn() -> torch.Tensor:
+            return F.linear_cross_entropy(F.normalize(q, dim=1) / t, F.normalize(k, dim=1), target, options=opts)
+
     elif impl == "inf_cl":
         try:
             from inf_cl import cal_flash_loss  # Inf-CL's single-positive loss (CUDA, Triton)
@@ -293,13 +301,14 @@ def queue(p: Dict[str, Any]) -> Tuple[Step, int]:
     if impl == "flashcl-tiled":
         bank = flashcl.MemoryBank(size=q, dim=d, device=dev)
         for start in range(0, q, b):
-            bank.push(history[start:start + b], history_labels[start:start + b])
+            bank.push(history[start : start + b], history_labels[start : start + b])
 
         def fn() -> torch.Tensor:
             slots = bank.push(e, labels)
             keys, key_labels = bank.keys()
-            return flashcl.supcon_loss(e, labels, temperature=t, ref=keys, ref_labels=key_labels, ref_self=slots,
-                                       backend="tiled")
+            return flashcl.supcon_loss(
+                e, labels, temperature=t, ref=keys, ref_labels=key_labels, ref_self=slots, backend="tiled"
+            )
     elif impl in ("pml", "flashcl-pml-adapter"):
         if impl == "pml":
             losses, why = peers.pml_losses()
@@ -323,7 +332,7 @@ def gist(p: Dict[str, Any]) -> Tuple[Step, int]:
     g = _gen(dict(p, seed=int(p.get("seed", 0)) + 1))
     width = p.get("G", 384)
     ga = torch.randn(b, width, generator=g).to(dev)
-    gp = (ga + torch.randn(b, width, generator=g).to(dev))
+    gp = ga + torch.randn(b, width, generator=g).to(dev)
     if impl.startswith("flashcl-"):
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.gist_loss(a, pos, guide=(ga, gp), temperature=0.01, backend=backend)  # noqa: E731
@@ -337,8 +346,10 @@ def gist(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, [a, pos], dev), 2 * b * d * a.element_size()
 
 
-_WORDS = ("the a cat dog sat ran on mat park fast slow red blue car bus road stock market price fell rose team "
-          "won lost game goal rain snow cold warm sun").split()
+_WORDS = (
+    "the a cat dog sat ran on mat park fast slow red blue car bus road stock market price fell rose team "
+    "won lost game goal rain snow cold warm sun"
+).split()
 
 
 def _minilm() -> Any:
@@ -371,10 +382,13 @@ def train_step(p: Dict[str, Any]) -> Tuple[Step, int]:
     t = 0.05
     loss_fn = lambda a, d: flashcl.info_nce_loss(a, d, temperature=t)  # noqa: E731
     if impl == "flashcl-cached":
+
         def fn() -> torch.Tensor:
-            return flashcl.cached_step(model, features, loss_fn, chunk_size=chunk,
-                                       output=lambda out: out["sentence_embedding"])
+            return flashcl.cached_step(
+                model, features, loss_fn, chunk_size=chunk, output=lambda out: out["sentence_embedding"]
+            )
     elif impl == "flashcl-uncached":
+
         def fn() -> torch.Tensor:
             emb = [model(f)["sentence_embedding"] for f in features]
             loss = loss_fn(*emb)
@@ -399,6 +413,7 @@ def train_step(p: Dict[str, Any]) -> Tuple[Step, int]:
         t0 = time.perf_counter()
         loss = fn()
         return float(loss), time.perf_counter() - t0
+
     return step, sum(q.numel() * q.element_size() for q in params)
 
 
@@ -414,14 +429,17 @@ def matryoshka_widths(p: Dict[str, Any]) -> Tuple[Step, int]:
     if impl == "flashcl-one-pass":
         fn = lambda: flashcl.info_nce_loss(q, k, temperature=t, matryoshka_dims=dims, backend="tiled")  # noqa: E731
     elif impl == "flashcl-separate":
+
         def fn() -> torch.Tensor:
-            return torch.stack([flashcl.info_nce_loss(q[:, :w], k[:, :w], temperature=t, backend="tiled")
-                                for w in dims]).sum()
+            return torch.stack(
+                [flashcl.info_nce_loss(q[:, :w], k[:, :w], temperature=t, backend="tiled") for w in dims]
+            ).sum()
     elif impl == "sentence-transformers":
         losses, why = peers.sentence_transformers_losses()
         if losses is None:
             raise NotInstalled(why)
         from sentence_transformers.sentence_transformer.losses.matryoshka import shrink
+
         mnrl = losses.MultipleNegativesRankingLoss(None, scale=1 / t)
 
         def fn() -> torch.Tensor:
@@ -445,6 +463,7 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
     indices = _neighbor_indices(n, k).to(dev)
 
     if impl == "python-loops":
+
         def fn() -> torch.Tensor:
             r = random.Random(0)
             row_sum = torch.sum(torch.exp(x), dim=1) - torch.exp(torch.diagonal(x, 0))
@@ -454,16 +473,19 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
                     y[i][j] = x[i][r.randrange(0, n)]
             return torch.sum(-torch.log(torch.exp(y) / row_sum.view(-1, 1)))
     elif impl == "gather-fix":
+
         def fn() -> torch.Tensor:
             row_sum = torch.sum(torch.exp(x), dim=1) - torch.exp(torch.diagonal(x, 0))
             y = x.gather(1, indices)
             return torch.sum(-torch.log(torch.exp(y) / row_sum.view(-1, 1)))
     elif impl == "log-form":
+
         def fn() -> torch.Tensor:
             row_sum = torch.sum(torch.exp(x), dim=1) - torch.exp(torch.diagonal(x, 0))
             y = x.gather(1, indices)
             return torch.sum(-(y - torch.log(row_sum).view(-1, 1)))
     elif impl == "stable-logsumexp":
+
         def fn() -> torch.Tensor:
             lse = torch.logsumexp(x.masked_fill(torch.eye(n, dtype=torch.bool, device=dev), float("-inf")), 1)
             return (k * lse - x.gather(1, indices).sum(1)).sum()
@@ -475,6 +497,16 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, [x], dev), n * n * 4
 
 
-WORKLOADS: Dict[str, Workload] = {"gemm3": gemm3, "supcon": supcon, "nt_xent": nt_xent, "clip": clip, "siglip": siglip,
-                                  "info_nce": info_nce, "neighbor": neighbor, "queue": queue, "gist": gist,
-                                  "train_step": train_step, "matryoshka": matryoshka_widths}
+WORKLOADS: Dict[str, Workload] = {
+    "gemm3": gemm3,
+    "supcon": supcon,
+    "nt_xent": nt_xent,
+    "clip": clip,
+    "siglip": siglip,
+    "info_nce": info_nce,
+    "neighbor": neighbor,
+    "queue": queue,
+    "gist": gist,
+    "train_step": train_step,
+    "matryoshka": matryoshka_widths,
+}

@@ -29,6 +29,7 @@ labels are all equal.
   O(B D + block x B). Other reducers than PML's default ``MeanReducer`` run PML's
   code.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -51,8 +52,10 @@ try:
     from pytorch_metric_learning import losses as _pml_losses
     from pytorch_metric_learning import reducers as _pml_reducers
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError("flashcl.integrations.pytorch_metric_learning needs pytorch-metric-learning "
-                      "(pip install pytorch-metric-learning)") from e
+    raise ImportError(
+        "flashcl.integrations.pytorch_metric_learning needs pytorch-metric-learning "
+        "(pip install pytorch-metric-learning)"
+    ) from e
 
 __all__ = ["SupConLoss", "NTXentLoss", "CrossBatchMemory"]
 
@@ -75,12 +78,15 @@ def _loss_reducer(loss: Any) -> Any:
     return reducer
 
 
-def _why_not(loss: Any, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor],
-             ref_labels: Optional[Tensor]) -> Optional[str]:
+def _why_not(
+    loss: Any, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor], ref_labels: Optional[Tensor]
+) -> Optional[str]:
     """Why flashcl cannot compute this call, or None."""
     if indices_tuple is not None:
-        return ("indices_tuple (a miner's pairs, or PML's CrossBatchMemory's; flashcl's CrossBatchMemory "
-                "computes the queue without them) is given")
+        return (
+            "indices_tuple (a miner's pairs, or PML's CrossBatchMemory's; flashcl's CrossBatchMemory "
+            "computes the queue without them) is given"
+        )
     if labels is None:
         return "labels is None"
     if ref_emb is not None and ref_labels is None:
@@ -95,8 +101,9 @@ class _Pairs:
     class ids on both sides, whether the diagonal is removed from the positives
     (PML does so when ``ref_labels is labels``), and the pair counts."""
 
-    def __init__(self, labels: Tensor, ref_labels: Tensor, self_pairs: bool,
-                 self_index: Optional[Tensor] = None) -> None:
+    def __init__(
+        self, labels: Tensor, ref_labels: Tensor, self_pairs: bool, self_index: Optional[Tensor] = None
+    ) -> None:
         uniq, ids = torch.unique(torch.cat([labels.reshape(-1), ref_labels.reshape(-1)]), return_inverse=True)
         m = labels.shape[0]
         self.row_ids, self.col_ids = ids[:m], ids[m:]
@@ -114,8 +121,13 @@ class _Pairs:
         self.negative_pairs = m * ref_labels.shape[0] - same
 
     def positives(self) -> Positives:
-        return Positives(row_labels=self.row_ids, col_labels=self.col_ids, num_classes=self.num_classes,
-                         self_pairs=self.self_pairs, self_index=self.self_index)
+        return Positives(
+            row_labels=self.row_ids,
+            col_labels=self.col_ids,
+            num_classes=self.num_classes,
+            self_pairs=self.self_pairs,
+            self_index=self.self_index,
+        )
 
     def pml_returns_zero(self) -> bool:
         """PML's loss is 0 without a positive or without a negative pair (and when
@@ -125,16 +137,19 @@ class _Pairs:
         return self.positive_pairs == 0 or self.negative_pairs == 0
 
 
-def _prepare_call(loss: Any, embeddings: Tensor, labels: Tensor, ref_emb: Optional[Tensor],
-                  ref_labels: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+def _prepare_call(
+    loss: Any, embeddings: Tensor, labels: Tensor, ref_emb: Optional[Tensor], ref_labels: Optional[Tensor]
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, bool]:
     """(embeddings, labels, ref_emb, ref_labels, self_contrast) checked, as PML pairs them."""
     embeddings, labels = checks.validate_labelled(embeddings, labels)
     if ref_emb is None:
         return embeddings, labels, embeddings, labels, True
     ref_emb, ref_labels = checks.validate_labelled(ref_emb, ref_labels, names=("ref_emb", "ref_labels"))
     if ref_emb.shape[1] != embeddings.shape[1] or ref_emb.dtype != embeddings.dtype:
-        raise ValueError(f"ref_emb must match embeddings in width and dtype, got {tuple(ref_emb.shape)} "
-                         f"{ref_emb.dtype} and {tuple(embeddings.shape)} {embeddings.dtype}")
+        raise ValueError(
+            f"ref_emb must match embeddings in width and dtype, got {tuple(ref_emb.shape)} "
+            f"{ref_emb.dtype} and {tuple(embeddings.shape)} {embeddings.dtype}"
+        )
     return embeddings, labels, ref_emb, ref_labels, ref_labels is labels
 
 
@@ -146,16 +161,26 @@ class _Adapter:
 
     _memory = ""
 
-    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor],
-                 ref_labels: Optional[Tensor]) -> Optional[str]:
+    def _why_not(
+        self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor], ref_labels: Optional[Tensor]
+    ) -> Optional[str]:
         return _why_not(self, labels, indices_tuple, ref_emb, ref_labels)
 
-    def forward(self, embeddings: Tensor, labels: Optional[Tensor] = None, indices_tuple: Any = None,
-                ref_emb: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Optional[Tensor] = None,
+        indices_tuple: Any = None,
+        ref_emb: Optional[Tensor] = None,
+        ref_labels: Optional[Tensor] = None,
+    ) -> Tensor:
         why = self._why_not(labels, indices_tuple, ref_emb, ref_labels)
         if why is not None:
-            warnings.warn(f"flashcl {type(self).__name__}: {why}; computed by pytorch-metric-learning's own code "
-                          f"({self._memory})", stacklevel=2)
+            warnings.warn(
+                f"flashcl {type(self).__name__}: {why}; computed by pytorch-metric-learning's own code "
+                f"({self._memory})",
+                stacklevel=2,
+            )
             return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)  # type: ignore[misc]
         assert labels is not None
         self.reset_stats()  # type: ignore[attr-defined]
@@ -196,8 +221,9 @@ class SupConLoss(_Adapter, _pml_losses.SupConLoss):
         >>> loss = SupConLoss(temperature=0.1)(torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
     """
 
-    def __init__(self, temperature: float = 0.1, backend: str = "auto", block_size: Optional[int] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, temperature: float = 0.1, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any
+    ) -> None:
         super().__init__(temperature=temperature, **kwargs)
         self.backend = checks.check_choice(backend, "backend", checks.BACKENDS)
         checks.check_block(block_size)
@@ -208,8 +234,13 @@ class SupConLoss(_Adapter, _pml_losses.SupConLoss):
     def _loss_dict(self, emb: Tensor, ref: Tensor, pairs: _Pairs) -> Dict[str, Any]:
         # computed with float32 accumulation; returned in the embeddings' dtype, as PML's
         losses = self._flashcl(emb, ref, pairs, "none").to(emb.dtype)
-        return {"loss": {"losses": self._as_pml_near_zero(emb, ref, pairs, losses),
-                         "indices": torch.arange(emb.shape[0], device=emb.device), "reduction_type": "element"}}
+        return {
+            "loss": {
+                "losses": self._as_pml_near_zero(emb, ref, pairs, losses),
+                "indices": torch.arange(emb.shape[0], device=emb.device),
+                "reduction_type": "element",
+            }
+        }
 
     def _as_pml_near_zero(self, emb: Tensor, ref: Tensor, pairs: _Pairs, losses: Tensor) -> Tensor:
         """The losses, those within rounding of 0 replaced by PML's own.
@@ -223,8 +254,11 @@ class SupConLoss(_Adapter, _pml_losses.SupConLoss):
         PML's own ``_compute_loss`` (their rows of the matrix only)."""
         # |s_ij| <= |e_i| |r_j| / t: rounding error of a few ulps of that bound
         norms = 1.0 if bool(self.distance.normalize_embeddings) else torch.linalg.vector_norm(emb.detach(), dim=1)
-        ref_max = 1.0 if bool(self.distance.normalize_embeddings) else float(
-            torch.linalg.vector_norm(ref.detach(), dim=1).max())
+        ref_max = (
+            1.0
+            if bool(self.distance.normalize_embeddings)
+            else float(torch.linalg.vector_norm(ref.detach(), dim=1).max())
+        )
         bound = norms * ref_max / float(self.temperature)
         near = losses.detach() <= 16 * torch.finfo(emb.dtype).eps * bound
         if not bool(near.any()):
@@ -248,20 +282,29 @@ class SupConLoss(_Adapter, _pml_losses.SupConLoss):
     def _flashcl(self, emb: Tensor, ref: Tensor, pairs: _Pairs, reduction: str) -> Tensor:
         normalize = _dot_similarity(self.distance)
         assert normalize is not None
-        temperature = checks.check_positive_scalar(self.temperature, "temperature", emb.device,
-                                                   compute_dtype(emb.dtype))
-        spec = CoreSpec(exclude_self=pairs.self_pairs, self_pairs=pairs.self_pairs, row_labels=pairs.row_ids,
-                        col_labels=pairs.col_ids, num_classes=pairs.num_classes, pos_mode="mean",
-                        normalize=normalize, self_index=pairs.self_index)
-        return Fn.run_core(emb, None if ref is emb else ref, 1.0 / temperature, spec, reduction, self.backend,
-                           self.block_size)
+        temperature = checks.check_positive_scalar(
+            self.temperature, "temperature", emb.device, compute_dtype(emb.dtype)
+        )
+        spec = CoreSpec(
+            exclude_self=pairs.self_pairs,
+            self_pairs=pairs.self_pairs,
+            row_labels=pairs.row_ids,
+            col_labels=pairs.col_ids,
+            num_classes=pairs.num_classes,
+            pos_mode="mean",
+            normalize=normalize,
+            self_index=pairs.self_index,
+        )
+        return Fn.run_core(
+            emb, None if ref is emb else ref, 1.0 / temperature, spec, reduction, self.backend, self.block_size
+        )
 
 
 class _PairState:
     def __init__(self, m: int, like: Tensor) -> None:
         self.lse_neg = like.new_full((m,), float("-inf"))  # pass 0: LSE over each anchor's negatives
-        self.loss = like.new_zeros(m)                       # pass 1: sum_p softplus(L_a - s_ap)
-        self.sig = like.new_zeros(m)                        # pass 1: sum_p sigmoid(L_a - s_ap)
+        self.loss = like.new_zeros(m)  # pass 1: sum_p softplus(L_a - s_ap)
+        self.sig = like.new_zeros(m)  # pass 1: sum_p sigmoid(L_a - s_ap)
         self.g_row: Optional[Tensor] = None
         self.g_col: Optional[Tensor] = None
 
@@ -281,10 +324,10 @@ class PairNTXentHead(Head):
     def __init__(self, pairs: _Pairs) -> None:
         self.pairs = pairs
         # labels on both sides, pairs symmetric in (a, p): the self-contrast driver may take it
-        self.symmetric = pairs.self_pairs and pairs.self_index is None
+        self.symmetric_tiles = pairs.self_pairs and pairs.self_index is None
 
     def _masks(self, tile: Tile) -> Tuple[Tensor, Tensor]:
-        same = self.pairs.row_ids[tile.r0:tile.r1].unsqueeze(1) == self.pairs.col_ids[tile.c0:tile.c1].unsqueeze(0)
+        same = self.pairs.row_ids[tile.r0 : tile.r1].unsqueeze(1) == self.pairs.col_ids[tile.c0 : tile.c1].unsqueeze(0)
         pos = same.clone()
         if self.pairs.self_index is not None:
             mask_columns_(pos, tile, self.pairs.self_index, False)
@@ -368,22 +411,26 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
 
     _memory = "positive pairs x negative pairs memory"
 
-    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor],
-                 ref_labels: Optional[Tensor]) -> Optional[str]:
+    def _why_not(
+        self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor], ref_labels: Optional[Tensor]
+    ) -> Optional[str]:
         why = _why_not(self, labels, indices_tuple, ref_emb, ref_labels)
         if why is None and type(_loss_reducer(self)) is not _pml_reducers.MeanReducer:
             why = f"reducer={type(_loss_reducer(self)).__name__} needs every pair's loss"
         return why
 
     def _loss_dict(self, emb: Tensor, ref: Tensor, pairs: _Pairs) -> Dict[str, Any]:
-        temperature = checks.check_positive_scalar(self.temperature, "temperature", emb.device,
-                                                   compute_dtype(emb.dtype))
+        temperature = checks.check_positive_scalar(
+            self.temperature, "temperature", emb.device, compute_dtype(emb.dtype)
+        )
         problem = Problem(PairNTXentHead(pairs), normalize=bool(self.distance.normalize_embeddings))
         # the mean over the positive pairs
-        weights = torch.full((emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype),
-                             device=emb.device)
-        value = backends.run(emb, None if ref is emb else ref, 1.0 / temperature, problem, "tiled",
-                             (weights, None), self.block_size).to(emb.dtype)
+        weights = torch.full(
+            (emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype), device=emb.device
+        )
+        value = backends.run(
+            emb, None if ref is emb else ref, 1.0 / temperature, problem, "tiled", (weights, None), self.block_size
+        ).to(emb.dtype)
         return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
 
 
@@ -409,15 +456,17 @@ class CrossBatchMemory(_pml_losses.CrossBatchMemory):
     embedding_memory: Tensor
     label_memory: Tensor
 
-    def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple: Any = None,
-                enqueue_mask: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, embeddings: Tensor, labels: Tensor, indices_tuple: Any = None, enqueue_mask: Optional[Tensor] = None
+    ) -> Tensor:
         ours = isinstance(self.loss, (SupConLoss, NTXentLoss))
         if not ours or self.miner is not None or indices_tuple is not None or enqueue_mask is not None:
             return super().forward(embeddings, labels, indices_tuple, enqueue_mask)
         embeddings, labels = checks.validate_labelled(embeddings, labels)
         if embeddings.shape[0] > len(self.embedding_memory):
-            raise ValueError(f"a batch of {embeddings.shape[0]} rows does not fit memory_size "
-                             f"{len(self.embedding_memory)}")
+            raise ValueError(
+                f"a batch of {embeddings.shape[0]} rows does not fit memory_size {len(self.embedding_memory)}"
+            )
         self.reset_stats()
         device = embeddings.device
         self.embedding_memory = self.embedding_memory.to(device=device, dtype=embeddings.dtype)

@@ -36,6 +36,7 @@ process's rows against every process's candidates)::
     loss = mean_i (log Z_i - s(q_i, d_1i)),  log Z_i = the logsumexp of the selected
     directions' terms (joint) or their mean (per_direction)
 """
+
 from __future__ import annotations
 
 import random
@@ -59,13 +60,15 @@ try:
     except ImportError:
         from sentence_transformers import losses as _st_losses  # type: ignore[attr-defined,no-redef]
     from sentence_transformers.util import cos_sim, dot_score
+
     try:  # sentence-transformers >= 6: one forward pass over the columns
         from sentence_transformers.base.losses.merged_forward import embed_columns as _embed_columns
     except ImportError:
         _embed_columns = None  # type: ignore[assignment]
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError("flashcl.integrations.sentence_transformers needs sentence-transformers "
-                      "(pip install sentence-transformers)") from e
+    raise ImportError(
+        "flashcl.integrations.sentence_transformers needs sentence-transformers (pip install sentence-transformers)"
+    ) from e
 
 _DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
@@ -83,6 +86,7 @@ def _hardness_mask(mode: str, offset: int, world_batch: int, device: torch.devic
     """The query-to-document logits that get the hardness penalty: in-batch negatives
     (every document of another query), the query's own hard negatives, or all
     negatives (every document but the query's own positive)."""
+
     def mask(tile: Tile) -> Tensor:
         rows = torch.arange(tile.r0, tile.r1, device=device).unsqueeze(1) + offset
         cols = torch.arange(tile.c0, tile.c1, device=device).unsqueeze(0)
@@ -92,11 +96,19 @@ def _hardness_mask(mode: str, offset: int, world_batch: int, device: torch.devic
         if mode == "hard_negatives":
             return own & (cols >= world_batch)
         return cols != rows  # all_negatives
+
     return mask
 
 
-def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_size: Optional[int],
-          dims: Optional[Sequence[int]] = None, weights: Optional[Sequence[float]] = None) -> Tensor:
+def _mnrl(
+    loss: Any,
+    queries: Tensor,
+    docs: List[Tensor],
+    backend: str,
+    block_size: Optional[int],
+    dims: Optional[Sequence[int]] = None,
+    weights: Optional[Sequence[float]] = None,
+) -> Tensor:
     """MNRL's value on embeddings, for a configuration :func:`_unsupported` accepts:
     each selected direction's row logsumexp (query to documents, with the hardness
     penalty; query to the other queries; document to queries; document to the
@@ -116,8 +128,7 @@ def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_si
     dtype = compute_dtype(queries.dtype)
     scale = torch.tensor(float(loss.scale), dtype=dtype, device=queries.device)
     ones = torch.ones(b, dtype=dtype, device=queries.device)
-    name = backends.resolve(backend, b * d_all.shape[0], queries.device, queries.dtype, queries.shape[1],
-                            kernel=None)
+    name = backends.resolve(backend, b * d_all.shape[0], queries.device, queries.dtype, queries.shape[1], kernel=None)
     widths: List[int] = []
     width_weights = None
     if dims is not None:
@@ -130,8 +141,16 @@ def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_si
         if not widths:
             return backends.run(q, k, scale, problem, name, None, block_size)
         qc, kc = q.to(dtype), k.to(dtype)
-        return matryoshka.head_values(qc, kc, matryoshka.prefix_scales(qc, widths, True),
-                                      matryoshka.prefix_scales(kc, widths, True), scale, problem, widths, block_size)
+        return matryoshka.head_values(
+            qc,
+            kc,
+            matryoshka.prefix_scales(qc, widths, True),
+            matryoshka.prefix_scales(kc, widths, True),
+            scale,
+            problem,
+            widths,
+            block_size,
+        )
 
     boost = None
     if loss.hardness_mode is not None and loss.hardness_strength > 0:
@@ -143,15 +162,19 @@ def _mnrl(loss: Any, queries: Tensor, docs: List[Tensor], backend: str, block_si
     if "doc_to_query" in loss.directions:
         parts.append(lse(local_docs, q_all, SoftmaxHead(ones)))
     if "doc_to_doc" in loss.directions:
-        own = offset + torch.arange(b, device=queries.device).unsqueeze(1) + world_batch * torch.arange(
-            len(docs_all_list), device=queries.device).unsqueeze(0)
+        own = (
+            offset
+            + torch.arange(b, device=queries.device).unsqueeze(1)
+            + world_batch * torch.arange(len(docs_all_list), device=queries.device).unsqueeze(0)
+        )
         parts.append(lse(local_docs, d_all, SoftmaxHead(ones, exclude=Exclusions(index=own))))
     stacked = torch.stack(parts)
     log_z = torch.logsumexp(stacked, 0) if loss.partition_mode == "joint" else stacked.mean(0)
     q_c, d_c = queries.to(dtype), local_docs.to(dtype)
     if widths:
-        positive = torch.stack([(F.normalize(q_c[:, :d], dim=1) * F.normalize(d_c[:, :d], dim=1)).sum(1)
-                                for d in widths]) * float(loss.scale)
+        positive = torch.stack(
+            [(F.normalize(q_c[:, :d], dim=1) * F.normalize(d_c[:, :d], dim=1)).sum(1) for d in widths]
+        ) * float(loss.scale)
         assert width_weights is not None
         return ((log_z - positive).mean(1) * width_weights).sum()
     if normalize:
@@ -172,8 +195,11 @@ class _Fallback:
     def _flashcl_or_none(self) -> Optional[str]:
         why = _unsupported(self)
         if why is not None and not self._warned:
-            warnings.warn(f"flashcl does not compute {type(self).__name__} with {why}; sentence-transformers' "
-                          "own implementation is used (same value, its B^2 memory)", stacklevel=3)
+            warnings.warn(
+                f"flashcl does not compute {type(self).__name__} with {why}; sentence-transformers' "
+                "own implementation is used (same value, its B^2 memory)",
+                stacklevel=3,
+            )
             self._warned = True
         return why
 
@@ -221,15 +247,30 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
         >>> # SentenceTransformerTrainer(model=model, train_dataset=pairs, loss=loss).train()
     """
 
-    def __init__(self, model: nn.Module, scale: float = 20.0,
-                 similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim, gather_across_devices: bool = False,
-                 directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
-                 hardness_mode: Optional[str] = None, hardness_strength: float = 0.0, *,
-                 backend: str = "auto", block_size: Optional[int] = None) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct,  # type: ignore[arg-type]
-                         gather_across_devices=gather_across_devices, directions=directions,
-                         partition_mode=partition_mode, hardness_mode=hardness_mode,  # type: ignore[arg-type]
-                         hardness_strength=hardness_strength)
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        gather_across_devices: bool = False,
+        directions: tuple = ("query_to_doc",),
+        partition_mode: str = "joint",
+        hardness_mode: Optional[str] = None,
+        hardness_strength: float = 0.0,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        super().__init__(
+            model,  # type: ignore[arg-type]
+            scale=scale,
+            similarity_fct=similarity_fct,
+            gather_across_devices=gather_across_devices,
+            directions=directions,
+            partition_mode=partition_mode,  # type: ignore[arg-type]
+            hardness_mode=hardness_mode,  # type: ignore[arg-type]
+            hardness_strength=hardness_strength,
+        )
         self.backend, self.block_size = backend, block_size
 
     def compute_loss_from_embeddings(self, embeddings: List[Tensor], labels: Optional[Tensor] = None) -> Tensor:
@@ -260,20 +301,41 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
         >>> # loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
     """
 
-    def __init__(self, model: nn.Module, scale: float = 20.0,
-                 similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim, mini_batch_size: int = 32,
-                 mini_batch_num_tokens: Optional[int] = None, gather_across_devices: bool = False,
-                 directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
-                 show_progress_bar: bool = False, hardness_mode: Optional[str] = None,
-                 hardness_strength: float = 0.0, *, backend: str = "auto", block_size: Optional[int] = None) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,  # type: ignore[arg-type]
-                         mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
-                         directions=directions, partition_mode=partition_mode, show_progress_bar=show_progress_bar,  # type: ignore[arg-type]
-                         hardness_mode=hardness_mode, hardness_strength=hardness_strength)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: Optional[int] = None,
+        gather_across_devices: bool = False,
+        directions: tuple = ("query_to_doc",),
+        partition_mode: str = "joint",
+        show_progress_bar: bool = False,
+        hardness_mode: Optional[str] = None,
+        hardness_strength: float = 0.0,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        super().__init__(
+            model,  # type: ignore[arg-type]
+            scale=scale,
+            similarity_fct=similarity_fct,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            gather_across_devices=gather_across_devices,
+            directions=directions,
+            partition_mode=partition_mode,  # type: ignore[arg-type]
+            show_progress_bar=show_progress_bar,
+            hardness_mode=hardness_mode,  # type: ignore[arg-type]
+            hardness_strength=hardness_strength,
+        )
         self.backend, self.block_size = backend, block_size
 
-    def calculate_loss(self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *,
-                       with_backward: bool = False) -> Tensor:
+    def calculate_loss(
+        self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *, with_backward: bool = False
+    ) -> Tensor:
         if self._flashcl_or_none() is not None:
             return super().calculate_loss(reps, labels, with_backward=with_backward)
         return _cached_loss(lambda e: _mnrl(self, e[0], e[1:], self.backend, self.block_size), reps, with_backward)
@@ -285,12 +347,14 @@ class _OnePassCached:
     def __init__(self, owner: MatryoshkaLoss, inner: CachedMultipleNegativesRankingLoss) -> None:
         self.owner, self.inner = owner, inner
 
-    def __call__(self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *,
-                 with_backward: bool = False) -> Tensor:
+    def __call__(
+        self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *, with_backward: bool = False
+    ) -> Tensor:
         dims, weights = self.owner.widths_this_step()
         inner = self.inner
-        return _cached_loss(lambda e: _mnrl(inner, e[0], e[1:], inner.backend, inner.block_size, dims, weights),
-                            reps, with_backward)
+        return _cached_loss(
+            lambda e: _mnrl(inner, e[0], e[1:], inner.backend, inner.block_size, dims, weights), reps, with_backward
+        )
 
 
 class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
@@ -315,8 +379,14 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
         >>> # loss = MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), [768, 512, 256, 128, 64])
     """
 
-    def __init__(self, model: nn.Module, loss: nn.Module, matryoshka_dims: Sequence[int],
-                 matryoshka_weights: Optional[Sequence[float]] = None, n_dims_per_step: int = -1) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: nn.Module,
+        matryoshka_dims: Sequence[int],
+        matryoshka_weights: Optional[Sequence[float]] = None,
+        n_dims_per_step: int = -1,
+    ) -> None:
         super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)  # type: ignore[arg-type]
         if isinstance(loss, CachedMultipleNegativesRankingLoss) and loss._flashcl_or_none() is None:
             loss.calculate_loss = _OnePassCached(self, loss)  # type: ignore[method-assign]
@@ -344,10 +414,19 @@ def _gist(loss: Any, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
     """GIST's value on embeddings (anchor, positive, negatives...) and the guide's."""
     negative = torch.cat(embeddings[2:]) if len(embeddings) > 2 else None
     guide = tuple(guides[:2]) + ((torch.cat(guides[2:]),) if len(guides) > 2 else ())
-    return Fn.gist_loss(embeddings[0], embeddings[1], negative, guide=guide, temperature=loss.temperature,
-                        margin=loss.margin, margin_strategy=loss.margin_strategy,
-                        contrast_anchors=loss.contrast_anchors, contrast_positives=loss.contrast_positives,
-                        backend=loss.backend, block_size=loss.block_size)
+    return Fn.gist_loss(
+        embeddings[0],
+        embeddings[1],
+        negative,
+        guide=guide,
+        temperature=loss.temperature,
+        margin=loss.margin,
+        margin_strategy=loss.margin_strategy,
+        contrast_anchors=loss.contrast_anchors,
+        contrast_positives=loss.contrast_positives,
+        backend=loss.backend,
+        block_size=loss.block_size,
+    )
 
 
 class _GistFallback(_Fallback):
@@ -356,8 +435,11 @@ class _GistFallback(_Fallback):
     def _flashcl_or_none(self) -> Optional[str]:
         why = "gather_across_devices=True" if getattr(self, "gather_across_devices", False) else None
         if why is not None and not self._warned:
-            warnings.warn(f"flashcl does not compute {type(self).__name__} with {why}; sentence-transformers' "
-                          "own implementation is used (same value, its B^2 memory)", stacklevel=3)
+            warnings.warn(
+                f"flashcl does not compute {type(self).__name__} with {why}; sentence-transformers' "
+                "own implementation is used (same value, its B^2 memory)",
+                stacklevel=3,
+            )
             self._warned = True
         return why
 
@@ -394,13 +476,30 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
         >>> # SentenceTransformerTrainer(model=model, train_dataset=pairs, loss=loss).train()
     """
 
-    def __init__(self, model: nn.Module, guide: nn.Module, temperature: float = 0.01,
-                 margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
-                 contrast_positives: bool = True, gather_across_devices: bool = False, *, backend: str = "auto",
-                 block_size: Optional[int] = None) -> None:
-        super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,  # type: ignore[arg-type]
-                         contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
-                         gather_across_devices=gather_across_devices)
+    def __init__(
+        self,
+        model: nn.Module,
+        guide: nn.Module,
+        temperature: float = 0.01,
+        margin_strategy: str = "absolute",
+        margin: float = 0.0,
+        contrast_anchors: bool = True,
+        contrast_positives: bool = True,
+        gather_across_devices: bool = False,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        super().__init__(
+            model,  # type: ignore[arg-type]
+            guide,  # type: ignore[arg-type]
+            temperature=temperature,
+            margin_strategy=margin_strategy,  # type: ignore[arg-type]
+            margin=margin,
+            contrast_anchors=contrast_anchors,
+            contrast_positives=contrast_positives,
+            gather_across_devices=gather_across_devices,
+        )
         self.backend, self.block_size = backend, block_size
 
     def _guide_features(self, features: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
@@ -415,8 +514,7 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
                 ids = [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:])]  # type: ignore[assignment]
             texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
             prepare = getattr(self.guide, "preprocess", None) or self.guide.tokenize
-            out.append({k: v.to(self.guide.device) if isinstance(v, Tensor) else v
-                        for k, v in prepare(texts).items()})
+            out.append({k: v.to(self.guide.device) if isinstance(v, Tensor) else v for k, v in prepare(texts).items()})
         return out
 
     def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Optional[Tensor]) -> Tensor:
@@ -432,8 +530,9 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
     def compute_loss_from_embeddings(self, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
         """The loss on the model's embeddings (anchor, positive[, negative]) and the guide's."""
         if len(embeddings) not in (2, 3) or len(guides) != len(embeddings):
-            raise ValueError(f"Expected 2 or 3 embeddings, and as many guide embeddings, got {len(embeddings)} "
-                             f"and {len(guides)}")
+            raise ValueError(
+                f"Expected 2 or 3 embeddings, and as many guide embeddings, got {len(embeddings)} and {len(guides)}"
+            )
         return _gist(self, embeddings, guides)
 
 
@@ -458,22 +557,41 @@ class CachedGISTEmbedLoss(_GistFallback, _st_losses.CachedGISTEmbedLoss):
         >>> # loss = CachedGISTEmbedLoss(model, guide, mini_batch_size=64)
     """
 
-    def __init__(self, model: nn.Module, guide: nn.Module, temperature: float = 0.01, mini_batch_size: int = 32,
-                 mini_batch_num_tokens: Optional[int] = None, show_progress_bar: bool = False,
-                 margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
-                 contrast_positives: bool = True, gather_across_devices: bool = False, *, backend: str = "auto",
-                 block_size: Optional[int] = None) -> None:
-        kw: Dict[str, Any] = dict(temperature=temperature, mini_batch_size=mini_batch_size,
-                                  show_progress_bar=show_progress_bar, margin_strategy=margin_strategy,
-                                  margin=margin, contrast_anchors=contrast_anchors,
-                                  contrast_positives=contrast_positives, gather_across_devices=gather_across_devices)
+    def __init__(
+        self,
+        model: nn.Module,
+        guide: nn.Module,
+        temperature: float = 0.01,
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: Optional[int] = None,
+        show_progress_bar: bool = False,
+        margin_strategy: str = "absolute",
+        margin: float = 0.0,
+        contrast_anchors: bool = True,
+        contrast_positives: bool = True,
+        gather_across_devices: bool = False,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        kw: Dict[str, Any] = dict(
+            temperature=temperature,
+            mini_batch_size=mini_batch_size,
+            show_progress_bar=show_progress_bar,
+            margin_strategy=margin_strategy,
+            margin=margin,
+            contrast_anchors=contrast_anchors,
+            contrast_positives=contrast_positives,
+            gather_across_devices=gather_across_devices,
+        )
         if mini_batch_num_tokens is not None:
             kw["mini_batch_num_tokens"] = mini_batch_num_tokens
         super().__init__(model, guide, **kw)  # type: ignore[arg-type]
         self.backend, self.block_size = backend, block_size
 
-    def calculate_loss(self, reps: List[List[Tensor]], reps_guided: List[List[Tensor]], *,
-                       with_backward: bool = False) -> Tensor:
+    def calculate_loss(
+        self, reps: List[List[Tensor]], reps_guided: List[List[Tensor]], *, with_backward: bool = False
+    ) -> Tensor:
         if self._flashcl_or_none() is not None:
             return super().calculate_loss(reps, reps_guided, with_backward=with_backward)
         if len(reps) != len(reps_guided):
@@ -504,8 +622,16 @@ class SupConLoss(nn.Module):
         >>> # SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss).train()
     """
 
-    def __init__(self, model: nn.Module, temperature: float = 0.1, positives: str = "mean",
-                 include_self: bool = False, *, backend: str = "auto", block_size: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        temperature: float = 0.1,
+        positives: str = "mean",
+        include_self: bool = False,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.temperature, self.positives, self.include_self = temperature, positives, include_self
@@ -519,8 +645,15 @@ class SupConLoss(nn.Module):
         return self.compute_loss_from_embeddings(embeddings, labels)
 
     def compute_loss_from_embeddings(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        return Fn.supcon_loss(embeddings, labels, temperature=self.temperature, positives=self.positives,
-                              include_self=self.include_self, backend=self.backend, block_size=self.block_size)
+        return Fn.supcon_loss(
+            embeddings,
+            labels,
+            temperature=self.temperature,
+            positives=self.positives,
+            include_self=self.include_self,
+            backend=self.backend,
+            block_size=self.block_size,
+        )
 
     def get_config_dict(self) -> Dict[str, Any]:
         return {"temperature": self.temperature, "positives": self.positives, "include_self": self.include_self}

@@ -4,6 +4,7 @@ The package imports and works without Triton or a GPU; this subpackage is only
 loaded when the triton backend is asked for. On a CPU the kernels run under
 Triton's interpreter when ``TRITON_INTERPRET=1`` is set (slow: for tests).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,5 +25,7 @@ def availability(device_type: str) -> Tuple[bool, str]:
         return True, ""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True, ""
-    return False, (f"the triton backend runs on CUDA tensors (got {device_type}); on a CPU only under "
-                   "Triton's interpreter (TRITON_INTERPRET=1, for tests)")
+    return False, (
+        f"the triton backend runs on CUDA tensors (got {device_type}); on a CPU only under "
+        "Triton's interpreter (TRITON_INTERPRET=1, for tests)"
+    )

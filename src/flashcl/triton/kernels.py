@@ -33,6 +33,7 @@ torch's ``float32_matmul_precision`` allows it), 2 = the inputs' own half
 precision with float32 accumulation. Under the CPU interpreter, whose bfloat16
 dot is wrong, tiles are cast to float32 (precision 0).
 """
+
 from __future__ import annotations
 
 import triton
@@ -51,24 +52,62 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, row_scale, col_scale,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _scores(
+    q_ptr,
+    k_ptr,
+    rows,
+    cols,
+    M,
+    N,
+    D,
+    stride_q,
+    stride_k,
+    row_scale,
+    col_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """(BLOCK_M, BLOCK_N) tile ``row_scale_i * col_scale_j * q_i . k_j``, over D in chunks."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for d0 in range(0, D, BLOCK_K):
         dd = d0 + tl.arange(0, BLOCK_K)
-        a = tl.load(q_ptr + rows[:, None] * stride_q + dd[None, :], mask=(rows[:, None] < M) & (dd[None, :] < D),
-                    other=0.0)
-        b = tl.load(k_ptr + cols[:, None] * stride_k + dd[None, :], mask=(cols[:, None] < N) & (dd[None, :] < D),
-                    other=0.0)
+        a = tl.load(
+            q_ptr + rows[:, None] * stride_q + dd[None, :], mask=(rows[:, None] < M) & (dd[None, :] < D), other=0.0
+        )
+        b = tl.load(
+            k_ptr + cols[:, None] * stride_k + dd[None, :], mask=(cols[:, None] < N) & (dd[None, :] < D), other=0.0
+        )
         acc = _dot(a, tl.trans(b), acc, PRECISION)
     return acc * row_scale[:, None] * col_scale[None, :]
 
 
 @triton.jit
-def lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, excl_ptr, M, N, D, stride_q, stride_k, scale, offset,
-                bias, EXCLUDE_SELF: tl.constexpr, HAS_EXCL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def lse_kernel(
+    q_ptr,
+    k_ptr,
+    iq_ptr,
+    ik_ptr,
+    lse_ptr,
+    sig_ptr,
+    excl_ptr,
+    M,
+    N,
+    D,
+    stride_q,
+    stride_k,
+    scale,
+    offset,
+    bias,
+    EXCLUDE_SELF: tl.constexpr,
+    HAS_EXCL: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0) * scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -77,8 +116,7 @@ def lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, excl_ptr, M, N, D
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ik = tl.load(ik_ptr + cols, mask=cols < N, other=0.0)
-        s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq, ik, BLOCK_M, BLOCK_N, BLOCK_K,
-                    PRECISION)
+        s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq, ik, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         keep = cols[None, :] < N
         if EXCLUDE_SELF:
             keep = keep & (cols[None, :] != rows[:, None] + offset)
@@ -103,8 +141,24 @@ def lse_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, lse_ptr, sig_ptr, excl_ptr, M, N, D
 
 
 @triton.jit
-def _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr,
-               EXCLUDE_SELF: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr):
+def _grad_tile(
+    s,
+    rows,
+    cols,
+    M,
+    N,
+    offset,
+    bias,
+    lse_r_ptr,
+    g_r_ptr,
+    lse_c_ptr,
+    g_c_ptr,
+    excl_ptr,
+    EXCLUDE_SELF: tl.constexpr,
+    HAS_EXCL: tl.constexpr,
+    HAS_COL: tl.constexpr,
+    HEAD: tl.constexpr,
+):
     """dloss/ds of a tile: the row term (masked) and, for CLIP, the column term;
     for the softplus head (HEAD=1), ``g_row sigmoid(s + bias)``."""
     keep = (rows[:, None] < M) & (cols[None, :] < N)
@@ -126,10 +180,36 @@ def _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr,
 
 
 @triton.jit
-def dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr, M, N, D,
-               stride_q, stride_k, stride_dq, scale, offset, bias, EXCLUDE_SELF: tl.constexpr,
-               HAS_EXCL: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
+def dq_kernel(
+    q_ptr,
+    k_ptr,
+    iq_ptr,
+    ik_ptr,
+    dq_ptr,
+    lse_r_ptr,
+    g_r_ptr,
+    lse_c_ptr,
+    g_c_ptr,
+    excl_ptr,
+    M,
+    N,
+    D,
+    stride_q,
+    stride_k,
+    stride_dq,
+    scale,
+    offset,
+    bias,
+    EXCLUDE_SELF: tl.constexpr,
+    HAS_EXCL: tl.constexpr,
+    HAS_COL: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DO: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dd = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0) * scale
@@ -137,23 +217,66 @@ def dq_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dq_ptr, lse_r_ptr, g_r_ptr, lse_c_pt
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ik = tl.load(ik_ptr + cols, mask=cols < N, other=0.0)
-        s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq, ik, BLOCK_M, BLOCK_N, BLOCK_K,
-                    PRECISION)
-        g = _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr,
-                       EXCLUDE_SELF, HAS_EXCL, HAS_COL, HEAD)
+        s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq, ik, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        g = _grad_tile(
+            s,
+            rows,
+            cols,
+            M,
+            N,
+            offset,
+            bias,
+            lse_r_ptr,
+            g_r_ptr,
+            lse_c_ptr,
+            g_c_ptr,
+            excl_ptr,
+            EXCLUDE_SELF,
+            HAS_EXCL,
+            HAS_COL,
+            HEAD,
+        )
         g = g * ik[None, :]
-        kt = tl.load(k_ptr + cols[:, None] * stride_k + dd[None, :], mask=(cols[:, None] < N) & (dd[None, :] < D),
-                     other=0.0)
+        kt = tl.load(
+            k_ptr + cols[:, None] * stride_k + dd[None, :], mask=(cols[:, None] < N) & (dd[None, :] < D), other=0.0
+        )
         acc = _dot(g.to(kt.dtype), kt, acc, PRECISION)
-    tl.store(dq_ptr + rows[:, None] * stride_dq + dd[None, :], acc * scale,
-             mask=(rows[:, None] < M) & (dd[None, :] < D))
+    tl.store(
+        dq_ptr + rows[:, None] * stride_dq + dd[None, :], acc * scale, mask=(rows[:, None] < M) & (dd[None, :] < D)
+    )
 
 
 @triton.jit
-def dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr, M, N, D,
-               stride_q, stride_k, stride_dk, scale, offset, bias, EXCLUDE_SELF: tl.constexpr,
-               HAS_EXCL: tl.constexpr, HAS_COL: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr):
+def dk_kernel(
+    q_ptr,
+    k_ptr,
+    iq_ptr,
+    ik_ptr,
+    dk_ptr,
+    lse_r_ptr,
+    g_r_ptr,
+    lse_c_ptr,
+    g_c_ptr,
+    excl_ptr,
+    M,
+    N,
+    D,
+    stride_q,
+    stride_k,
+    stride_dk,
+    scale,
+    offset,
+    bias,
+    EXCLUDE_SELF: tl.constexpr,
+    HAS_EXCL: tl.constexpr,
+    HAS_COL: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DO: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     # the same (BLOCK_M x BLOCK_N) tiles as the other kernels, in the same
     # orientation (rows of Q, columns of K), so that the scores are the same numbers
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,13 +286,32 @@ def dk_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, dk_ptr, lse_r_ptr, g_r_ptr, lse_c_pt
     for start in range(0, M, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         iq = tl.load(iq_ptr + rows, mask=rows < M, other=0.0)
-        s = _scores(q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq * scale, ik, BLOCK_M, BLOCK_N,
-                    BLOCK_K, PRECISION)
-        g = _grad_tile(s, rows, cols, M, N, offset, bias, lse_r_ptr, g_r_ptr, lse_c_ptr, g_c_ptr, excl_ptr,
-                       EXCLUDE_SELF, HAS_EXCL, HAS_COL, HEAD)
+        s = _scores(
+            q_ptr, k_ptr, rows, cols, M, N, D, stride_q, stride_k, iq * scale, ik, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION
+        )
+        g = _grad_tile(
+            s,
+            rows,
+            cols,
+            M,
+            N,
+            offset,
+            bias,
+            lse_r_ptr,
+            g_r_ptr,
+            lse_c_ptr,
+            g_c_ptr,
+            excl_ptr,
+            EXCLUDE_SELF,
+            HAS_EXCL,
+            HAS_COL,
+            HEAD,
+        )
         g = g * iq[:, None]
-        qt = tl.load(q_ptr + rows[:, None] * stride_q + dd[None, :], mask=(rows[:, None] < M) & (dd[None, :] < D),
-                     other=0.0)
+        qt = tl.load(
+            q_ptr + rows[:, None] * stride_q + dd[None, :], mask=(rows[:, None] < M) & (dd[None, :] < D), other=0.0
+        )
         acc = _dot(tl.trans(g.to(qt.dtype)), qt, acc, PRECISION)
-    tl.store(dk_ptr + cols[:, None] * stride_dk + dd[None, :], acc * scale,
-             mask=(cols[:, None] < N) & (dd[None, :] < D))
+    tl.store(
+        dk_ptr + cols[:, None] * stride_dk + dd[None, :], acc * scale, mask=(cols[:, None] < N) & (dd[None, :] < D)
+    )

@@ -1,6 +1,7 @@
 """The triton backend's driver: the softmax head's row (and CLIP column)
 logsumexp and its gradient in Triton kernels (:mod:`flashcl.triton.kernels`);
 the engine (:mod:`flashcl.engine`) does the rest, as for every backend."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,13 @@ class Config(NamedTuple):
     num_stages: int
 
     def launch(self) -> Dict[str, Any]:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
+        return dict(
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            BLOCK_K=self.block_k,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 def _interpreted() -> bool:
@@ -72,9 +78,19 @@ def default_config(d: int, dtype: torch.dtype) -> Config:
 HEADS = {"softmax": 0, "softplus": 1}
 
 
-def row_lse(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_self: bool, offset: int,
-            cfg: Config, head: str = "softmax", bias: float = 0.0, excl: Optional[Tensor] = None
-            ) -> Tuple[Tensor, Optional[Tensor], Any]:
+def row_lse(
+    q: Tensor,
+    k: Tensor,
+    iq: Tensor,
+    ik: Tensor,
+    scale: float,
+    exclude_self: bool,
+    offset: int,
+    cfg: Config,
+    head: str = "softmax",
+    bias: float = 0.0,
+    excl: Optional[Tensor] = None,
+) -> Tuple[Tensor, Optional[Tensor], Any]:
     """The rows' reductions of ``s = scale * iq_i ik_j q_i . k_j`` (self column masked
     when asked): the softmax head's logsumexp, or the softplus head's sums of
     ``softplus(s + bias)`` and ``sigmoid(s + bias)``. Returns (float32 (M,), the
@@ -83,16 +99,47 @@ def row_lse(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_
     out = torch.empty(m, dtype=torch.float32, device=q.device)
     second = torch.empty(m, dtype=torch.float32, device=q.device) if head == "softplus" else out
     compiled = lse_kernel[(triton.cdiv(m, cfg.block_m),)](
-        q, k, iq, ik, out, second, out if excl is None else excl, m, k.shape[0], d, q.stride(0), k.stride(0), scale,
-        offset, bias, EXCLUDE_SELF=exclude_self, HAS_EXCL=excl is not None, HEAD=HEADS[head],
-        PRECISION=precision(q.dtype), **cfg.launch())
+        q,
+        k,
+        iq,
+        ik,
+        out,
+        second,
+        out if excl is None else excl,
+        m,
+        k.shape[0],
+        d,
+        q.stride(0),
+        k.stride(0),
+        scale,
+        offset,
+        bias,
+        EXCLUDE_SELF=exclude_self,
+        HAS_EXCL=excl is not None,
+        HEAD=HEADS[head],
+        PRECISION=precision(q.dtype),
+        **cfg.launch(),
+    )
     return out, (second if head == "softplus" else None), compiled
 
 
-def gradients(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclude_self: bool, offset: int,
-              lse_r: Tensor, g_r: Tensor, lse_c: Optional[Tensor], g_c: Optional[Tensor], cfg: Config,
-              head: str = "softmax", bias: float = 0.0, excl: Optional[Tensor] = None
-              ) -> Tuple[Tensor, Tensor, Dict[str, Any]]:
+def gradients(
+    q: Tensor,
+    k: Tensor,
+    iq: Tensor,
+    ik: Tensor,
+    scale: float,
+    exclude_self: bool,
+    offset: int,
+    lse_r: Tensor,
+    g_r: Tensor,
+    lse_c: Optional[Tensor],
+    g_c: Optional[Tensor],
+    cfg: Config,
+    head: str = "softmax",
+    bias: float = 0.0,
+    excl: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Dict[str, Any]]:
     """``dQ^`` and ``dK^`` (float32) of the softmax head's tiles, and the compiled
     kernels by name."""
     m, d = q.shape
@@ -102,14 +149,23 @@ def gradients(q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, scale: float, exclud
     g_c_ = g_c if g_c is not None else g_r
     dq = torch.empty(m, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(n, d, dtype=torch.float32, device=q.device)
-    common = dict(EXCLUDE_SELF=exclude_self, HAS_EXCL=excl is not None, HAS_COL=has_col, HEAD=HEADS[head],
-                  BLOCK_DO=cfg.block_do, PRECISION=precision(q.dtype), **cfg.launch())
+    common = dict(
+        EXCLUDE_SELF=exclude_self,
+        HAS_EXCL=excl is not None,
+        HAS_COL=has_col,
+        HEAD=HEADS[head],
+        BLOCK_DO=cfg.block_do,
+        PRECISION=precision(q.dtype),
+        **cfg.launch(),
+    )
     args = (lse_r, g_r, lse_c_, g_c_, lse_r if excl is None else excl, m, n, d, q.stride(0), k.stride(0))
     chunks = triton.cdiv(d, cfg.block_do)
-    kq = dq_kernel[(triton.cdiv(m, cfg.block_m), chunks)](q, k, iq, ik, dq, *args, dq.stride(0), scale, offset,
-                                                            bias, **common)
-    kk = dk_kernel[(triton.cdiv(n, cfg.block_n), chunks)](q, k, iq, ik, dk, *args, dk.stride(0), scale, offset,
-                                                            bias, **common)
+    kq = dq_kernel[(triton.cdiv(m, cfg.block_m), chunks)](
+        q, k, iq, ik, dq, *args, dq.stride(0), scale, offset, bias, **common
+    )
+    kk = dk_kernel[(triton.cdiv(n, cfg.block_n), chunks)](
+        q, k, iq, ik, dk, *args, dk.stride(0), scale, offset, bias, **common
+    )
     return dq, dk, {"dq": kq, "dk": kk}
 
 
@@ -147,18 +203,27 @@ class TritonDriver(Driver):
         kc = qc if ops.same else ops.k_in.contiguous()  # type: ignore[union-attr]
         ones = torch.ones(qc.shape[0], dtype=torch.float32, device=qc.device)
         iq = ones if ops.q_norms is None else (1.0 / ops.q_norms).float()
-        ik = iq if ops.same else (torch.ones(kc.shape[0], dtype=torch.float32, device=kc.device)
-                                  if ops.k_norms is None else (1.0 / ops.k_norms).float())
+        ik = (
+            iq
+            if ops.same
+            else (
+                torch.ones(kc.shape[0], dtype=torch.float32, device=kc.device)
+                if ops.k_norms is None
+                else (1.0 / ops.k_norms).float()
+            )
+        )
         return qc, kc, iq, ik
 
-    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
-                dk: Optional[Tensor]) -> Optional[Tensor]:
+    def forward(
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+    ) -> Optional[Tensor]:
         qc, kc, iq, ik = self._inputs(ops)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         like = raw_rows(ops.q)[0]
         args = head.kernel_args()
-        first, second, _ = row_lse(qc, kc, iq, ik, ops.scale, args.exclude_self, args.offset, cfg, args.kernel,
-                                   args.bias, args.excluded)
+        first, second, _ = row_lse(
+            qc, kc, iq, ik, ops.scale, args.exclude_self, args.offset, cfg, args.kernel, args.bias, args.excluded
+        )
         if head.has_columns:
             second = row_lse(kc, qc, ik, iq, ops.scale, False, 0, cfg)[0]
         head.kernel_state(st, first.to(like.dtype), None if second is None else second.to(like.dtype))
@@ -170,14 +235,29 @@ class TritonDriver(Driver):
         g_row, g_col = head.kernel_weights(st)
         args = head.kernel_args()
         lse_c = head.kernel_column_lse(st)
-        gq, gk, _ = gradients(qc, kc, iq, ik, ops.scale, args.exclude_self, args.offset, st.row.float(),
-                              g_row.float().contiguous(), None if lse_c is None else lse_c.float(),
-                              None if g_col is None else g_col.float().contiguous(), cfg, args.kernel, args.bias,
-                              args.excluded)
+        gq, gk, _ = gradients(
+            qc,
+            kc,
+            iq,
+            ik,
+            ops.scale,
+            args.exclude_self,
+            args.offset,
+            st.row.float(),
+            g_row.float().contiguous(),
+            None if lse_c is None else lse_c.float(),
+            None if g_col is None else g_col.float().contiguous(),
+            cfg,
+            args.kernel,
+            args.bias,
+            args.excluded,
+        )
         # sum_ij G_ij q^_i.k^_j = sum(q^ * G K^), and gq = scale G K^
         m = gq.shape[0]
-        dscale = sum((gq[r0:r0 + ops.block] * ops.q[r0:r0 + ops.block]).sum()
-                     for r0 in range(0, m, ops.block)) / ops.scale
+        dscale = (
+            sum((gq[r0 : r0 + ops.block] * ops.q[r0 : r0 + ops.block]).sum() for r0 in range(0, m, ops.block))
+            / ops.scale
+        )
         dq.add_(gq.to(dq.dtype))
         dk.add_(gk.to(dk.dtype))
         return dscale

@@ -2,7 +2,7 @@
 
 When the candidates are the anchors (``k is q``, the self mask on the diagonal)
 ``S = scale E E^T`` is symmetric, and so are the heads' tile values
-(:attr:`~flashcl.heads.Head.symmetric`): only the panels ``S[I, I:]`` on and
+(:attr:`~flashcl.heads.Head.symmetric_tiles`): only the panels ``S[I, I:]`` on and
 above the diagonal are computed. Each gives its rows' reductions and, through
 ``s_ji = s_ij``, those of the rows right of its diagonal block
 (:meth:`~flashcl.heads.Head.reduce_panel`). The reduction costs half a GEMM.
@@ -18,6 +18,7 @@ the fly (lazy rows), the GEMMs use the raw rows ``x`` and
 ``diag(inv) H diag(inv)``, and the gradient is accumulated as ``diag(inv) dE``
 and rescaled at the end.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterator, Optional, Tuple
@@ -28,17 +29,17 @@ from torch import Tensor
 from . import threads
 from .engine import Driver, Operands
 from .heads import Head, Tile
-from .linear import raw_rows
+from .positives import raw_rows
 
-__all__ = ["SymmetricPanels"]
+__all__ = ["UpperPanels"]
 
 
 def _panel(buf: Tensor, rows: int, cols: int) -> Tensor:
     """A contiguous (rows, cols) view at the start of a flat buffer."""
-    return buf[:rows * cols].view(rows, cols)
+    return buf[: rows * cols].view(rows, cols)
 
 
-class SymmetricPanels(Driver):
+class UpperPanels(Driver):
     """See the module docstring. Two flat panel buffers per call, shared by its passes."""
 
     lazy = True
@@ -51,8 +52,9 @@ class SymmetricPanels(Driver):
         """The panels' starts, the thread count chosen by :func:`flashcl.threads.blocks`."""
         m = ops.q.shape[0]
         kind = f"panels.{kind}.{type(head).__name__}.{ops.q.shape[1]}"  # blocks that cost alike per entry
-        return threads.blocks(kind, range(0, m, ops.block), lambda r0: min(ops.block, m - r0) * (m - r0),
-                              self._device_type)
+        return threads.blocks(
+            kind, range(0, m, ops.block), lambda r0: min(ops.block, m - r0) * (m - r0), self._device_type
+        )
 
     def _buffers(self, ops: Operands) -> Tuple[Tensor, Tensor]:
         if self._bufs is None:
@@ -76,8 +78,9 @@ class SymmetricPanels(Driver):
             s.mul_(inv[r0:].unsqueeze(0))
         return s
 
-    def forward(self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor],
-                dk: Optional[Tensor]) -> Optional[Tensor]:
+    def forward(
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+    ) -> Optional[Tensor]:
         buf, buf2 = self._buffers(ops)
         m = ops.q.shape[0]
         for p in range(head.passes):

@@ -1,4 +1,4 @@
-"""Linear terms of a loss: ``sum_j m_ij s_ij``, computed in embedding space.
+"""PositiveTerm terms of a loss: ``sum_j m_ij s_ij``, computed in embedding space.
 
 A positive term is bilinear in the embeddings: for labels it is
 ``q^_i . (sum of the k^_j of i's class)``, for explicit column indices a gather
@@ -8,10 +8,11 @@ O((M + N) D) work and memory.
 :class:`Positives` says which pairs ``(i, j)`` are positive, with multiplicity
 ``m_ij``: same class id (``labels``; never the anchor itself when
 ``self_pairs``), or the columns ``index[i]`` (repeats count). A
-:class:`Linear` term adds ``-weight_i * sum_j m_ij s_ij`` to row ``i``'s loss
+:class:`PositiveTerm` term adds ``-weight_i * sum_j m_ij s_ij`` to row ``i``'s loss
 (or, ``target="col"``, ``-weight_j * sum_i m_ji s_ij`` to column ``j``'s, with the
 positives given from the columns' side: CLIP's column direction).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["RowScaled", "Positives", "Linear", "class_sums"]
+__all__ = ["RowScaled", "Positives", "PositiveTerm", "class_sums"]
 
 Rows = Any  # a Tensor or a RowScaled
 
@@ -52,8 +53,8 @@ def class_sums(x: Rows, ids: Tensor, num_classes: int, block: int, weight: Optio
     blocks so that no temporary of x's size is made."""
     out = raw_rows(x)[0].new_zeros(num_classes, x.shape[1])
     for r0 in range(0, x.shape[0], block):
-        rows = x[r0:r0 + block]
-        out.index_add_(0, ids[r0:r0 + block], rows if weight is None else rows * weight[r0:r0 + block].unsqueeze(1))
+        rows = x[r0 : r0 + block]
+        out.index_add_(0, ids[r0 : r0 + block], rows if weight is None else rows * weight[r0 : r0 + block].unsqueeze(1))
     return out
 
 
@@ -114,11 +115,15 @@ class Positives:
             return (q.unsqueeze(1) * k[self.index]).sum(-1).sum(1)
         assert self.row_labels is not None and self.col_labels is not None
         sums = torch.zeros(self.num_classes, k.shape[1], dtype=k.dtype, device=k.device).index_add(
-            0, self.col_labels, k)
+            0, self.col_labels, k
+        )
         out = (q * sums[self.row_labels]).sum(1)
         if self.self_pairs:
-            own = self.self_index if self.self_index is not None else (
-                torch.arange(q.shape[0], device=q.device) + self.offset)
+            own = (
+                self.self_index
+                if self.self_index is not None
+                else (torch.arange(q.shape[0], device=q.device) + self.offset)
+            )
             valid = (own >= 0) & (own < k.shape[0])
             valid = valid & (self.col_labels[own.clamp(0, k.shape[0] - 1)] == self.row_labels)
             out = out - torch.where(valid, (q * k[own.clamp(0, k.shape[0] - 1)]).sum(1), torch.zeros_like(out))
@@ -145,7 +150,7 @@ class Positives:
 
 
 @dataclass(frozen=True, eq=False)
-class Linear:
+class PositiveTerm:
     """``-weight_i * sum_j m_ij s_ij`` added to row ``i``'s loss (``target="row"``), or
     ``-weight_j * sum_i m_ji s_ij`` to column ``j``'s (``target="col"``: the positives
     and the weights are given from the columns' side, and the engine computes the
@@ -175,15 +180,24 @@ class Linear:
             out[r0:r1] = (qb * k_sums[pos.row_labels[r0:r1]]).sum(1)
             if pos.self_pairs and pos.self_index is None:
                 a, b = pos.self_rows(r0, r1, n)
-                out[a:b] -= (q[a:b] * k[a + pos.offset:b + pos.offset]).sum(1)
+                out[a:b] -= (q[a:b] * k[a + pos.offset : b + pos.offset]).sum(1)
         if pos.self_pairs and pos.self_index is not None:
             rows = pos.self_hits().nonzero().squeeze(1)
             if rows.numel():
                 out[rows] -= (q[rows] * k[pos.self_index[rows]]).sum(1)
         return out
 
-    def grad_(self, q: Rows, k: Rows, scale: float, w: Tensor, dq: Tensor, dk: Tensor, block: int,
-              sums: ClassSums = class_sums) -> None:
+    def grad_(
+        self,
+        q: Rows,
+        k: Rows,
+        scale: float,
+        w: Tensor,
+        dq: Tensor,
+        dk: Tensor,
+        block: int,
+        sums: ClassSums = class_sums,
+    ) -> None:
         """Adds the gradient of ``-sum_i w_i sum_j m_ij s_ij`` (``s = scale q^.k^``) to
         dq, dk (gradients with respect to the normalised rows; dk may be dq)."""
         pos = self.positives
@@ -216,8 +230,8 @@ class Linear:
             for r0 in range(0, m, block):
                 a, b = pos.self_rows(r0, min(r0 + block, m), n)
                 ws = (w[a:b] * scale).unsqueeze(1)
-                dq[a:b].add_(k[a + pos.offset:b + pos.offset] * ws)
-                dk[a + pos.offset:b + pos.offset].add_(q[a:b] * ws)
+                dq[a:b].add_(k[a + pos.offset : b + pos.offset] * ws)
+                dk[a + pos.offset : b + pos.offset].add_(q[a:b] * ws)
 
     def dense(self, s: Tensor) -> Tensor:
         """``sum_j m_ij s_ij`` per row from the whole score matrix, by differentiable ops."""
