@@ -14,8 +14,13 @@ venv="${FLASHCL_VENV:-.venv}"
 if [ "$cmd" = test-floor ]; then
   venv=.venv-floor
   torch_pin=torch==2.4.1
-  base_python="$(command -v python3.9 || ls "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.9*/bin/python3.9 2>/dev/null \
-    | head -n 1 || true)"
+  # a pyenv shim named python3.9 may fail to run: take an interpreter that answers
+  base_python=""
+  for candidate in python3.9 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.9*/bin/python3.9; do
+    if "$candidate" -c "import sys; assert sys.version_info[:2] == (3, 9)" 2>/dev/null; then
+      base_python="$candidate"; break
+    fi
+  done
   [ -n "$base_python" ] || { echo "test-floor needs a python3.9 (on PATH or in pyenv)" >&2; exit 2; }
 fi
 [ -x "$venv/bin/python" ] || "$base_python" -m venv "$venv"

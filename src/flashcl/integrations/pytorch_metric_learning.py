@@ -44,7 +44,7 @@ from .. import functional as Fn
 from ..core import CoreSpec
 from ..engine import Problem
 from ..heads import Head, Tile, mask_columns_
-from ..linear import Positives
+from ..positives import Positives
 from ..utils import compute_dtype
 
 try:

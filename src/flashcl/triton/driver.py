@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..engine import Driver, Operands
 from ..heads import Head
-from ..linear import raw_rows
+from ..positives import raw_rows
 from .kernels import dk_kernel, dq_kernel, lse_kernel
 
 __all__ = ["Config", "HEADS", "default_config", "precision", "row_lse", "gradients", "TritonDriver"]
