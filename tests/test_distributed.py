@@ -237,6 +237,22 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             results[f"double_{strategy}"] = "no error"
         except RuntimeError as err:
             results[f"double_{strategy}"] = str(err)
+    if world == 3:  # a group of some ranks (0 and 2), not the world: ranks and peers are the group's
+        sub = dist.new_group([0, 2])
+        if rank in (0, 2):
+            for strategy in ("all_gather", "ring"):
+                x = d["emb"][_shard(sizes, rank)].clone().requires_grad_(True)
+                keys = d["keys"][_shard([2 * s for s in sizes], rank)].clone().requires_grad_(True)
+                pos = torch.arange(x.shape[0]) * 2
+                loss = flashcl.supcon_loss(
+                    x, d["labels"][_shard(sizes, rank)], process_group=sub, strategy=strategy, grad_scale="sum"
+                ) + flashcl.info_nce_loss(
+                    x, keys, pos, negatives=d["negatives"], process_group=sub, strategy=strategy, grad_scale="sum"
+                )
+                results[f"subgroup_{strategy}"] = (
+                    loss.detach(),
+                    [g.detach() for g in torch.autograd.grad(loss, [x, keys])],
+                )
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     del model  # the DDP module holds the process group
     close_group()
@@ -281,6 +297,24 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
         assert "different calls" in ranks[r]["ref_mismatch"], ranks[r]["ref_mismatch"]
         for strategy in ("all_gather", "ring"):
             assert "second derivatives" in ranks[r][f"double_{strategy}"], ranks[r][f"double_{strategy}"]
+    if world == 3:  # the group of ranks 0 and 2: one process on their rows
+        members = (0, 2)
+        rows = torch.cat([torch.arange(sum(sizes))[_shard(sizes, r)] for r in members])
+        key_rows = torch.cat([torch.arange(2 * sum(sizes))[_shard([2 * s for s in sizes], r)] for r in members])
+        x = d["emb"][rows].clone().requires_grad_(True)
+        keys = d["keys"][key_rows].clone().requires_grad_(True)
+        pos = torch.cat(
+            [torch.arange(sizes[r]) * 2 + 2 * sum(sizes[m] for m in members[:i]) for i, r in enumerate(members)]
+        )
+        want = flashcl.supcon_loss(x, d["labels"][rows], backend="reference") + flashcl.info_nce_loss(
+            x, keys, pos, negatives=d["negatives"], backend="reference"
+        )
+        gx, gk = torch.autograd.grad(want, [x, keys])
+        for strategy in ("all_gather", "ring"):
+            got = [ranks[r][f"subgroup_{strategy}"] for r in members]
+            assert_close(sum(v for v, _ in got), want, f"subgroup {strategy}: value", *TOL)
+            assert_close(torch.cat([g[0] for _, g in got]), gx, f"subgroup {strategy}: rows' grad", *TOL)
+            assert_close(torch.cat([g[1] for _, g in got]), gk, f"subgroup {strategy}: keys' grad", *TOL)
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 5).double()
     flashcl.supcon_loss(model(d["emb"]), d["labels"], temperature=0.3, backend="reference").backward()
