@@ -90,15 +90,7 @@ class InterleavedLoss(LossModule):
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
     ) -> None:
-        super().__init__(
-            temperature=temperature,
-            reduction=reduction,
-            backend=backend,
-            block_size=block_size,
-            process_group=process_group,
-            strategy=strategy,
-            grad_scale=grad_scale,
-        )
+        super().__init__(**self.given(locals()))
 
     def forward(self, x: Tensor) -> Tensor:
         return interleaved_loss(x, **self.loss_options())

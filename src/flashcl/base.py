@@ -80,6 +80,15 @@ class LossModule(nn.Module):
         for name, value in options.items():
             setattr(self, name, value)
 
+    @staticmethod
+    def given(local: Dict[str, Any], *leave_out: str) -> Dict[str, Any]:
+        """A twin's options from its constructor's ``locals()``: its named arguments
+        (``self``, the ``super()`` cell and the names in ``leave_out``, such as a
+        ``**kwargs`` catch-all, left out), so that a twin's constructor is its
+        signature and one line: ``super().__init__(**self.given(locals()))``."""
+        skip = {"self", "__class__", *leave_out}
+        return {name: value for name, value in local.items() if name not in skip}
+
     def loss_options(self) -> Dict[str, Any]:
         """The stored options, as the function's keyword arguments."""
         return {name: getattr(self, name) for name in self._option_names}

@@ -411,17 +411,7 @@ class ClipLoss(LossModule):
         **open_clip: Any,
     ) -> None:
         reject_open_clip_keywords("ClipLoss", open_clip)
-        super().__init__(
-            normalize=normalize,
-            reduction=reduction,
-            backend=backend,
-            block_size=block_size,
-            matryoshka_dims=matryoshka_dims,
-            matryoshka_weights=matryoshka_weights,
-            process_group=process_group,
-            strategy=strategy,
-            grad_scale=grad_scale,
-        )
+        super().__init__(**self.given(locals(), "open_clip"))
 
     def forward(
         self,
@@ -460,16 +450,7 @@ class SigLipLoss(LossModule):
         **open_clip: Any,
     ) -> None:
         reject_open_clip_keywords("SigLipLoss", open_clip)
-        super().__init__(
-            normalize=normalize,
-            reduction=reduction,
-            backend=backend,
-            block_size=block_size,
-            process_group=process_group,
-            strategy=strategy,
-            grad_scale=grad_scale,
-            normalize_by=normalize_by,
-        )
+        super().__init__(**self.given(locals(), "open_clip"))
 
     def forward(
         self,

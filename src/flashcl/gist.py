@@ -283,19 +283,7 @@ class GistLoss(LossModule):
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
     ) -> None:
-        super().__init__(
-            temperature=temperature,
-            margin=margin,
-            margin_strategy=margin_strategy,
-            contrast_anchors=contrast_anchors,
-            contrast_positives=contrast_positives,
-            reduction=reduction,
-            backend=backend,
-            block_size=block_size,
-            process_group=process_group,
-            strategy=strategy,
-            grad_scale=grad_scale,
-        )
+        super().__init__(**self.given(locals()))
 
     def forward(
         self, anchor: Tensor, positive: Tensor, negative: Optional[Tensor] = None, *, guide: Tuple[Tensor, ...]

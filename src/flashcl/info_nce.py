@@ -292,20 +292,7 @@ class InfoNCELoss(LossModule):
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
     ) -> None:
-        super().__init__(
-            temperature=temperature,
-            normalize=normalize,
-            reduction=reduction,
-            backend=backend,
-            block_size=block_size,
-            in_batch_negatives=in_batch_negatives,
-            duplicates=duplicates,
-            matryoshka_dims=matryoshka_dims,
-            matryoshka_weights=matryoshka_weights,
-            process_group=process_group,
-            strategy=strategy,
-            grad_scale=grad_scale,
-        )
+        super().__init__(**self.given(locals()))
 
     def forward(
         self,

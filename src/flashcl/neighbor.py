@@ -213,15 +213,7 @@ class NeighborLoss(LossModule):
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
     ) -> None:
-        super().__init__(
-            exclude_diagonal=exclude_diagonal,
-            reduction=reduction,
-            backend=backend,
-            block_size=block_size,
-            process_group=process_group,
-            strategy=strategy,
-            grad_scale=grad_scale,
-        )
+        super().__init__(**self.given(locals()))
 
     def forward(self, scores: Tensor, neighbors: Tensor) -> Tensor:
         return neighbor_loss(scores, neighbors, **self.loss_options())

@@ -285,22 +285,7 @@ class NTXentLoss(LossModule):
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
     ) -> None:
-        super().__init__(
-            temperature=temperature,
-            normalize=normalize,
-            reduction=reduction,
-            backend=backend,
-            block_size=block_size,
-            estimator=estimator,
-            tau_plus=tau_plus,
-            beta=beta,
-            decoupled=decoupled,
-            weighting=weighting,
-            sigma=sigma,
-            process_group=process_group,
-            strategy=strategy,
-            grad_scale=grad_scale,
-        )
+        super().__init__(**self.given(locals()))
 
     def forward(self, z1: Tensor, z2: Tensor, **pml: Any) -> Tensor:
         reject_pml_call("NTXentLoss", pml)

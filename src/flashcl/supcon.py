@@ -356,20 +356,7 @@ class SupConLoss(LossModule):
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
     ) -> None:
-        super().__init__(
-            temperature=temperature,
-            positives=positives,
-            include_self=include_self,
-            normalize=normalize,
-            reduction=reduction,
-            backend=backend,
-            block_size=block_size,
-            matryoshka_dims=matryoshka_dims,
-            matryoshka_weights=matryoshka_weights,
-            process_group=process_group,
-            strategy=strategy,
-            grad_scale=grad_scale,
-        )
+        super().__init__(**self.given(locals()))
 
     def forward(
         self,
