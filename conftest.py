@@ -16,6 +16,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+# the examples in an integration's docstrings need its peer library: without it
+# (a set-up with the test tools only, as ./run.sh test-floor's) they are not collected
+collect_ignore = [
+    path
+    for path, peer in (
+        ("src/flashcl/integrations/pytorch_metric_learning.py", "pytorch_metric_learning"),
+        ("src/flashcl/integrations/sentence_transformers.py", "sentence_transformers"),
+    )
+    if _missing(peer)
+]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _doctest_names(doctest_namespace: Dict[str, Any]) -> None:
     import flashcl

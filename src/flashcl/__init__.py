@@ -16,6 +16,7 @@ from .functional import (
 )
 from .memory import MemoryBank
 from .modules import ClipLoss, GistLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SigLipLoss, SupConLoss
+from .scale import LogitScale
 
 __version__ = "0.2.0.dev0"
 
@@ -36,6 +37,7 @@ __all__ = [
     "GistLoss",
     "NeighborLoss",
     "MemoryBank",
+    "LogitScale",
     "cached_step",
     "AUTO_TILED_MIN_ENTRIES",
     "doctor",
