@@ -174,6 +174,11 @@ def _cases(
         ),
         [emb, keys, t],
     )
+    cases["info_nce_smoothing"] = (
+        lambda q, k, tt: lib.info_nce_loss(q, k, pos, temperature=tt, negatives=negatives, label_smoothing=0.1, **kw),
+        [emb, keys, t],
+    )
+    cases["clip_smoothing"] = (lambda a, b, s: lib.clip_loss(a, b, s, label_smoothing=0.2, **kw), [emb, z2, 1.0 / t])
     nb = d["neighbors"][sl]
     cases["neighbor_mean"] = (lambda s: lib.neighbor_loss(s, nb, reduction="mean", **kw), [d["scores"][sl]])
     return cases

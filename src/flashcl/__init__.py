@@ -1,6 +1,6 @@
 """flashcl: exact, numerically stable, O(batch)-memory contrastive losses for PyTorch."""
 
-from . import distributed
+from . import distributed, metrics
 from .cached import cached_step
 from .doctor import doctor
 from .functional import (
@@ -42,4 +42,5 @@ __all__ = [
     "AUTO_TILED_MIN_ENTRIES",
     "doctor",
     "distributed",
+    "metrics",
 ]

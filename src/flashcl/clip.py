@@ -14,16 +14,20 @@ from .core import CoreSpec
 from .dispatch import (
     Scalar,
     check_across_ranks,
+    check_smoothing,
     class_ids,
     dense_ids,
+    no_matryoshka,
     run_with_widths,
     scale_dtype,
+    smoothing_rows,
     warn_small_logit_scale,
 )
 from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import SoftplusHead
 from .positives import Positives, PositiveTerm
+from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
 
@@ -44,6 +48,7 @@ def clip_loss(
     process_group: Any = None,
     strategy: str = "all_gather",
     grad_scale: str = "ddp",
+    label_smoothing: float = 0.0,
 ) -> Tensor:
     r"""The symmetric CLIP loss (open_clip's ``ClipLoss`` on one process).
 
@@ -77,6 +82,9 @@ def clip_loss(
         @backend@
         @matryoshka@
         @process_group@
+        label_smoothing: ``eps`` in [0, 1): each direction's target spread over every
+            column, as ``F.cross_entropy(logits, arange(B), label_smoothing=eps)``
+            in both directions. Default: 0. Not with labels or Matryoshka.
 
     Shape:
         - image_embeds, text_embeds: (B, D); labels: (B,)
@@ -98,6 +106,36 @@ def clip_loss(
     )
     if labels is not None:
         _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
+    eps = check_smoothing(label_smoothing)
+    if eps:
+        if labels is not None:
+            raise ValueError(
+                "label_smoothing spreads the target over every column: it takes no labels (several positives)"
+            )
+        no_matryoshka(matryoshka_dims, matryoshka_weights, "label_smoothing")
+        core = clip_loss(
+            image_embeds,
+            text_embeds,
+            logit_scale,
+            logit_bias,
+            normalize=normalize,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
+        pairs = torch.arange(image_embeds.shape[0], device=image_embeds.device)
+        rows = 0.5 * (
+            smoothing_rows(image_embeds, text_embeds, pairs, scale, normalize, group=process_group)
+            + smoothing_rows(text_embeds, image_embeds, pairs, scale, normalize, group=process_group)
+        )
+        if process_group is not None:
+            return core + eps * distributed.reduce_across(
+                rows, torch.ones_like(rows), reduction, grad_scale, process_group
+            )
+        return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
     if process_group is not None:
         check_across_ranks("clip_loss", strategy, grad_scale, backend=backend != "auto")
         loss = _clip_across(
@@ -408,6 +446,7 @@ class ClipLoss(LossModule):
         process_group: Any = None,
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
+        label_smoothing: float = 0.0,
         **open_clip: Any,
     ) -> None:
         reject_open_clip_keywords("ClipLoss", open_clip)

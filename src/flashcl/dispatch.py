@@ -42,7 +42,7 @@ path only. :mod:`flashcl.distributed` raises a clear error instead.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -264,3 +264,35 @@ def check_across_ranks(loss: str, strategy: str, grad_scale: str, **given: bool)
             "call it without process_group (this process's batch), or without "
             f"{' / '.join(missing)}"
         )
+
+
+def check_smoothing(value: object) -> float:
+    """``label_smoothing``: a float in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):
+        raise ValueError(f"label_smoothing must be a float in [0, 1), got {value!r}")
+    return float(value)
+
+
+def smoothing_rows(
+    q: Tensor,
+    keys: Tensor,
+    index: Tensor,
+    scale: Tensor,
+    normalize: bool,
+    extra: Optional[Tensor] = None,
+    group: Any = None,
+) -> Tensor:
+    """Per row ``s_it - mean_j s_ij`` over every column (the keys of every rank of
+    ``group``, then ``extra`` once), by a mean key in O((M + N) D): label smoothing
+    ``eps`` adds ``eps`` times it to the cross-entropy, since
+    ``(1 - eps) CE + eps mean_j (-log p_ij) = CE + eps (s_it - mean_j s_ij)``."""
+    qn, kn = unit_rows(q, normalize), unit_rows(keys, normalize)
+    total, count = kn.sum(0), kn.shape[0]
+    if group is not None:
+        from . import distributed
+
+        sums, _ = distributed.all_gather_with_grad(total.unsqueeze(0), group)
+        total, count = sums.sum(0), sum(distributed.row_counts(count, q.device, group))
+    if extra is not None:
+        total, count = total + unit_rows(extra, normalize).sum(0), count + extra.shape[0]
+    return scale.to(qn.dtype) * ((qn * kn[index]).sum(1) - qn @ (total / count))

@@ -373,6 +373,13 @@ def rank_of(group: Any) -> int:
     return _world(group)[0]
 
 
+def sum_across(x: Tensor, group: Any) -> Tensor:
+    """The sum over ranks of ``x`` (a copy; no gradient)."""
+    x = x.detach().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
 def gather_plain(x: Tensor, group: Any) -> Tensor:
     """Every rank's rows of ``x`` in rank order, without gradient (labels, counts)."""
     return _all_gather_plain(x.detach(), group)

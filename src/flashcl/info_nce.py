@@ -14,11 +14,13 @@ from .dispatch import (
     Scalar,
     check_across_ranks,
     check_keys,
+    check_smoothing,
     class_ids,
     no_matryoshka,
     row_lse,
     run_with_widths,
     scale_dtype,
+    smoothing_rows,
     unit_rows,
 )
 from .distributed import same_call_across_ranks
@@ -124,6 +126,7 @@ def info_nce_loss(
     query_labels: Optional[Tensor] = None,
     key_labels: Optional[Tensor] = None,
     duplicates: str = "mask",
+    label_smoothing: float = 0.0,
     matryoshka_dims: Optional[Sequence[int]] = None,
     matryoshka_weights: Optional[Sequence[float]] = None,
     process_group: Any = None,
@@ -161,6 +164,10 @@ def info_nce_loss(
         duplicates: what becomes of those keys: ``"mask"`` (default): left out of
             the denominator; ``"positive"``: positives, the loss subtracting the mean
             of the positives' scores (as SupCon).
+        label_smoothing: ``eps`` in [0, 1): the target spread over every column (the
+            keys and ``negatives``, the positive's included), as
+            ``F.cross_entropy(logits, target, label_smoothing=eps)``. Default: 0.
+            Not with labels, ``in_batch_negatives=False`` or Matryoshka.
         @matryoshka@
         @process_group@
 
@@ -194,6 +201,34 @@ def info_nce_loss(
     if negatives is not None:
         no_matryoshka(matryoshka_dims, matryoshka_weights, "negatives (keys without gradient)")
         negatives = check_keys(negatives, "negatives", query).detach()
+    eps = check_smoothing(label_smoothing)
+    if eps:
+        if query_labels is not None or not in_batch_negatives:
+            raise ValueError(
+                "label_smoothing spreads the target over every key: it takes neither labels (several "
+                "positives) nor in_batch_negatives=False"
+            )
+        no_matryoshka(matryoshka_dims, matryoshka_weights, "label_smoothing")
+        core = info_nce_loss(
+            query,
+            keys,
+            index,
+            temperature=temperature,
+            normalize=normalize,
+            reduction=reduction,
+            backend=backend,
+            block_size=block_size,
+            negatives=negatives,
+            process_group=process_group,
+            strategy=strategy,
+            grad_scale=grad_scale,
+        )
+        rows = smoothing_rows(query, keys, index, scale, normalize, negatives, process_group)
+        if process_group is not None:
+            return core + eps * distributed.reduce_across(
+                rows, torch.ones_like(rows), reduction, grad_scale, process_group
+            )
+        return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
     if process_group is not None:
         check_across_ranks("info_nce_loss", strategy, grad_scale, backend=backend != "auto")
         return _info_nce_across(
@@ -286,6 +321,7 @@ class InfoNCELoss(LossModule):
         block_size: Optional[int] = None,
         in_batch_negatives: bool = True,
         duplicates: str = "mask",
+        label_smoothing: float = 0.0,
         matryoshka_dims: Optional[Sequence[int]] = None,
         matryoshka_weights: Optional[Sequence[float]] = None,
         process_group: Any = None,
