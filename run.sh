@@ -33,8 +33,8 @@ py="$venv/bin/python"
 # add their extras when asked for; the tests take every peer they compare with.
 case "$cmd" in
   test) extras="test,integrations,bench,triton" ;;
-  test-floor)  # the package and its test tools only; numpy 1 beside torch 2.4
-    "$py" -m pip install -q -e ".[test]" "numpy<2"
+  test-floor)  # the package, its test tools and the benchmark peers; numpy 1 beside torch 2.4
+    "$py" -m pip install -q -e ".[test,bench]" "numpy<2"
     exec "$py" -m pytest -p no:cacheprovider "$@" ;;
   bench)
     extras="bench"

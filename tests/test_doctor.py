@@ -13,7 +13,7 @@ from seeds import naive_supervised_simcse_loss, vectorized_supervised_simcse_los
 
 import flashcl
 from flashcl.__main__ import main
-from flashcl.doctor import scale_inputs
+from flashcl.doctor import counts_gradient_elements, scale_inputs
 
 
 def seed1_as_function(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,8 @@ def test_seed1_program_is_diagnosed() -> None:
     # ~ 6 nodes per row (n^1), and every indexed element sends back a gradient of the
     # whole n x n input, so the gradient elements backward writes grow as n^3.
     assert report.nodes_exponent is not None and abs(report.nodes_exponent - 1.0) < 0.05, report.text()
-    assert report.backward_elements_exponent is not None and report.backward_elements_exponent > 2.9, report.text()
+    if counts_gradient_elements():  # a torch whose nodes give their inputs' shapes (not torch 2.4)
+        assert report.backward_elements_exponent is not None and report.backward_elements_exponent > 2.9, report.text()
     assert report.runs[-1].backward_elements > 2 * 400**3  # two selected elements per row, n^2 each
     assert report.replacement is not None and "flashcl.neighbor_loss" in report.replacement.call
     assert "(400, 2)" in report.replacement.call and "random.randrange" in report.replacement.call

@@ -146,10 +146,14 @@ class Report:
                 f"{r.graph_nodes:>10}  {r.backward_elements:>22}"
             )
         if self.backward_exponent is not None:
+
+            def power(value: Optional[float]) -> str:
+                return "n/a" if value is None else f"n^{value:.1f}"
+
             lines.append(
-                f"growth over the last size step: forward ~ n^{self.forward_exponent:.1f}, backward ~ "
-                f"n^{self.backward_exponent:.1f}, graph nodes ~ n^{self.nodes_exponent:.1f}, backward "
-                f"gradient elements ~ n^{self.backward_elements_exponent:.1f}"
+                f"growth over the last size step: forward ~ {power(self.forward_exponent)}, backward ~ "
+                f"{power(self.backward_exponent)}, graph nodes ~ {power(self.nodes_exponent)}, backward "
+                f"gradient elements ~ {power(self.backward_elements_exponent)}"
             )
         top = sorted(self.nodes_by_type.items(), key=lambda kv: -kv[1])[:8]
         lines += ["", "autograd graph at the largest size, nodes by type: " + ", ".join(f"{k} x{v}" for k, v in top)]
@@ -227,6 +231,15 @@ def _walk(root: Any) -> List[Any]:
         nodes.append(node)
         stack.extend(fn for fn, _ in getattr(node, "next_functions", ()))
     return nodes
+
+
+def counts_gradient_elements() -> bool:
+    """Whether this torch's autograd nodes give their inputs' shapes (``_input_metadata``,
+    newer releases): without them the gradient elements of a backward pass are not
+    counted (reported as n/a)."""
+    x = torch.ones(2, requires_grad=True)
+    node = (x * 2).sum().grad_fn
+    return node is not None and hasattr(node, "_input_metadata")
 
 
 def _backward_elements(nodes: List[Any]) -> int:
