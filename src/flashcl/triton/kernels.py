@@ -34,7 +34,7 @@ precision with float32 accumulation. Under the CPU interpreter, whose bfloat16
 dot is wrong, tiles are cast to float32 (precision 0).
 """
 
-# No ``from __future__ import annotations`` here: Triton before 3.2 reads a kernel's
+# No ``from __future__ import annotations`` here: Triton 3.0 and 3.1 read a kernel's
 # ``BLOCK: tl.constexpr`` from the annotation object, and a string annotation makes
 # it an ordinary argument (``arange's arguments must be of type tl.constexpr``).
 import triton
