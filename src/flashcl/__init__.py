@@ -2,6 +2,7 @@
 
 from . import distributed, metrics
 from .cached import cached_step
+from .distill import DistillLoss, distill_loss
 from .doctor import doctor
 from .functional import (
     AUTO_TILED_MIN_ENTRIES,
@@ -28,6 +29,7 @@ __all__ = [
     "siglip_loss",
     "gist_loss",
     "neighbor_loss",
+    "distill_loss",
     "sample_neighbors",
     "SupConLoss",
     "NTXentLoss",
@@ -36,6 +38,7 @@ __all__ = [
     "SigLipLoss",
     "GistLoss",
     "NeighborLoss",
+    "DistillLoss",
     "MemoryBank",
     "LogitScale",
     "cached_step",

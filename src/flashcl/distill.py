@@ -1,0 +1,295 @@
+"""Distillation from a teacher's similarities, in O(B) memory: :func:`distill_loss`
+and :class:`DistillLoss`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import backends, checks, distributed
+from .base import LossModule, shared_docs
+from .dispatch import Scalar, check_across_ranks, scale_dtype, unit_rows
+from .distributed import same_call_across_ranks
+from .engine import Problem
+from .heads import Head, SoftmaxHead, Tile
+from .reduction import reduce_rows
+from .utils import autocast_off, compute_dtype
+
+__all__ = ["distill_loss", "DistillLoss", "SoftTargetHead"]
+
+
+class _SoftTargetState:
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.lse = like.new_full((m,), float("-inf"))  # the teacher's row logsumexp
+        self.cross = like.new_zeros(m)  # A_i = sum_j p_ij S_ij
+        self.g_row: Optional[Tensor] = None
+        self.g_col: Optional[Tensor] = None
+
+
+class SoftTargetHead(Head):
+    """The cross term of distillation, per row ``-sum_j p_ij S_ij`` with the teacher's
+    ``p_ij = softmax_j(T_ij)``: the engine's tiles are one side's scores, the other
+    side's tiles are formed here from ``other_q``, ``other_k`` (normalised, without
+    gradient) times ``other_scale``. Pass 0: the teacher's row logsumexp; pass 1: the
+    sum. ``own_is_teacher``: the engine's tiles are the teacher's ``T``, whose
+    gradient is ``-p_ij (S_ij - A_i)`` (the student's scores held fixed); else they are
+    the student's ``S``, whose gradient is ``-p_ij`` (the teacher held fixed)."""
+
+    passes = 2
+
+    def __init__(
+        self, other_q: Tensor, other_k: Tensor, other_scale: float, own_is_teacher: bool, offset: int = 0
+    ) -> None:
+        self.other_q, self.other_k, self.other_scale = other_q, other_k, other_scale
+        self.own_is_teacher = own_is_teacher
+        self.offset = offset
+
+    def _other(self, tile: Tile, like: Tensor) -> Tensor:
+        oq = self.other_q[tile.r0 : tile.r1].to(like.dtype)
+        return (oq @ self.other_k[tile.c0 : tile.c1].to(like.dtype).T) * self.other_scale
+
+    def _pair(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Tensor]:
+        """(teacher tile T, student tile S)."""
+        other = self._other(tile, s)
+        return (s, other) if self.own_is_teacher else (other, s)
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
+        return _SoftTargetState(m, like)
+
+    def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
+        t, sv = self._pair(s, tile)
+        rows = slice(tile.r0, tile.r1)
+        if p == 0:
+            st.lse[rows] = torch.logaddexp(st.lse[rows], torch.logsumexp(t, dim=1))
+        else:
+            st.cross[rows] += (torch.exp(t - st.lse[rows].unsqueeze(1)) * sv).sum(1)
+
+    def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
+        return -st.cross, None
+
+    def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
+        t, sv = self._pair(s, tile)
+        rows = slice(tile.r0, tile.r1)
+        prob = torch.exp(t - st.lse[rows].unsqueeze(1))
+        g = st.g_row[rows].unsqueeze(1)
+        if self.own_is_teacher:
+            return -g * prob * (sv - st.cross[rows].unsqueeze(1))
+        return -g * prob
+
+    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        t, sv = self._pair(s, tile)
+        return -(torch.softmax(t, dim=1) * sv).sum(1), None
+
+
+@shared_docs
+def distill_loss(
+    q: Tensor,
+    k: Tensor,
+    teacher_q: Tensor,
+    teacher_k: Tensor,
+    *,
+    scale: Scalar,
+    teacher_scale: Scalar,
+    symmetric: bool = False,
+    normalize: bool = True,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
+) -> Tensor:
+    r"""Distillation from a teacher's similarities: the student's softmax over each
+    row's candidates trained toward the teacher's, per row::
+
+        -sum_j softmax_j(teacher_scale * tq_i . tk_j) * log_softmax_j(scale * q_i . k_j)
+
+    that is ``F.cross_entropy(student_logits, teacher_logits.softmax(1))``, and with
+    ``symmetric=True`` the mean of the row and column directions: open_clip's
+    ``DistillClipLoss`` distillation term (its features normalised, here
+    ``normalize=False``). The teacher's softmax is formed tile by tile (its row
+    logsumexp first): O(B D) memory where the peers build both B x N logits. The
+    student gets its gradient, and so do the teacher's inputs when they require it.
+
+    Args:
+        q, k: (B, D), (N, D) the student's queries and candidates.
+        teacher_q, teacher_k: (B, D_t), (N, D_t) the teacher's (any width).
+        scale, teacher_scale: the multipliers of the two score matrices (floats or
+            0-dim tensors; learnable ones get their gradients).
+        symmetric: also the column direction (N = B), the mean of the two.
+        normalize: L2-normalise the rows of all four first. Default: True.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        @backend@
+        @process_group@
+
+    Shape:
+        - q: (B, D); k: (N, D); teacher_q: (B, D_t); teacher_k: (N, D_t)
+        - output: scalar, or (B,) with ``reduction="none"``
+
+    Examples::
+
+        >>> img, txt = torch.randn(8, 16, requires_grad=True), torch.randn(8, 16)
+        >>> t_img, t_txt = torch.randn(8, 32), torch.randn(8, 32)
+        >>> loss = flashcl.distill_loss(img, txt, t_img, t_txt, scale=20.0, teacher_scale=50.0, symmetric=True)
+        >>> loss.backward()
+    """
+    q = checks.check_float_tensor(q, "q", (2,))
+    names = ("k", "teacher_q", "teacher_k")
+    k, teacher_q, teacher_k = (checks.check_float_tensor(x, n, (2,)) for x, n in zip((k, teacher_q, teacher_k), names))
+    for x, n in ((k, "k"), (teacher_q, "teacher_q"), (teacher_k, "teacher_k")):
+        checks.same_device(x, q, n, "q")
+    if k.shape[1] != q.shape[1] or k.dtype != q.dtype:
+        raise ValueError(
+            f"k must match q's width and dtype: got {tuple(k.shape)} {k.dtype} and {tuple(q.shape)} {q.dtype}"
+        )
+    if teacher_q.shape[0] != q.shape[0] or teacher_k.shape[0] != k.shape[0] or teacher_q.shape[1] != teacher_k.shape[1]:
+        raise ValueError(
+            f"the teacher's rows must match the student's: teacher_q ({q.shape[0]}, D_t) and teacher_k "
+            f"({k.shape[0]}, D_t), got {tuple(teacher_q.shape)} and {tuple(teacher_k.shape)}"
+        )
+    checks.check_bool(symmetric, "symmetric")
+    checks.Options(normalize, reduction, backend, block_size)
+    if symmetric and k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"symmetric=True needs as many candidates as queries (pairs), got {q.shape[0]} and {k.shape[0]}"
+        )
+    if backend == "triton":
+        raise ValueError("distill_loss has no Triton kernel: use backend='tiled'")
+    sc = checks.check_positive_scalar(scale, "scale", q.device, scale_dtype(q))
+    tsc = checks.check_positive_scalar(teacher_scale, "teacher_scale", q.device, scale_dtype(teacher_q))
+    if process_group is not None:
+        check_across_ranks("distill_loss", strategy, grad_scale, backend=backend != "auto")
+        return _distill_across(
+            q,
+            k,
+            teacher_q,
+            teacher_k,
+            sc,
+            tsc,
+            symmetric,
+            normalize,
+            reduction,
+            grad_scale,
+            strategy,
+            process_group,
+            block_size,
+        )
+    name = backends.resolve(backend, q.shape[0] * k.shape[0], q.device, q.dtype, q.shape[1], kernel=None)
+    with autocast_off(q.device.type):
+        if name == "reference":
+            rows = _formula(q, k, teacher_q, teacher_k, sc, tsc, normalize)
+            if symmetric:
+                rows = 0.5 * (rows + _formula(k, q, teacher_k, teacher_q, sc, tsc, normalize))
+        else:
+
+            def run(a: Tensor, b: Tensor, s: Tensor, problem: Problem) -> Tensor:
+                return backends.run(a, b, s, problem, name, None, block_size)
+
+            rows = _direction(q, k, teacher_q, teacher_k, sc, tsc, normalize, run)
+            if symmetric:
+                rows = 0.5 * (rows + _direction(k, q, teacher_k, teacher_q, sc, tsc, normalize, run))
+    return reduce_rows(rows, torch.ones_like(rows), reduction)
+
+
+def _formula(q: Tensor, k: Tensor, tq: Tensor, tk: Tensor, sc: Tensor, tsc: Tensor, normalize: bool) -> Tensor:
+    """The per-row loss by the plain formula on the whole matrices (the reference)."""
+    dtype = compute_dtype(q.dtype)
+    s = sc.to(dtype) * unit_rows(q, normalize) @ unit_rows(k, normalize).T
+    t = tsc.to(dtype) * unit_rows(tq, normalize) @ unit_rows(tk, normalize).T
+    return -(torch.softmax(t, dim=1) * F.log_softmax(s, dim=1)).sum(1)
+
+
+def _direction(
+    q: Tensor,
+    k: Tensor,
+    tq: Tensor,
+    tk: Tensor,
+    sc: Tensor,
+    tsc: Tensor,
+    normalize: bool,
+    run: Callable[[Tensor, Tensor, Tensor, Problem], Tensor],
+    offset: int = 0,
+    other: Optional[Callable[[Tensor], Tensor]] = None,
+) -> Tensor:
+    """One direction's per-row losses ``LSE_j S_ij - sum_j p_ij S_ij``: the student's
+    logsumexp, the cross term with the gradient to the student (teacher fixed) and,
+    when the teacher's inputs require it, the same term with the gradient to the
+    teacher (student fixed), whose value cancels. ``run(a, b, scale, problem)``: the
+    engine on this process's rows ``a`` against the columns of ``b``; ``other``: the
+    other side's columns (gathered across processes)."""
+    every = other or (lambda x: x)
+    ones = torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
+    lse = run(q, k, sc, Problem(SoftmaxHead(ones, offset=offset), (), normalize, offset))
+    tqn, tkn = unit_rows(tq.detach(), normalize), every(unit_rows(tk.detach(), normalize))
+    student = SoftTargetHead(tqn, tkn, float(tsc.detach()), own_is_teacher=False, offset=offset)
+    rows = lse + run(q, k, sc, Problem(student, (), normalize, offset))
+    if tq.requires_grad or tk.requires_grad or tsc.requires_grad:
+        qn, kn = unit_rows(q.detach(), normalize), every(unit_rows(k.detach(), normalize))
+        teacher = SoftTargetHead(qn, kn, float(sc.detach()), own_is_teacher=True, offset=offset)
+        cross = run(tq, tk, tsc, Problem(teacher, (), normalize, offset))
+        rows = rows + (cross - cross.detach())
+    return rows
+
+
+@same_call_across_ranks
+def _distill_across(
+    q: Tensor,
+    k: Tensor,
+    tq: Tensor,
+    tk: Tensor,
+    sc: Tensor,
+    tsc: Tensor,
+    symmetric: bool,
+    normalize: bool,
+    reduction: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+) -> Tensor:
+    """:func:`distill_loss` over the global batch: each rank's rows against every
+    rank's candidates (the other side's, without gradient, gathered)."""
+
+    def one_way(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor) -> Tensor:
+        offset = distributed.columns(b, strategy, group).offset
+
+        def run(x: Tensor, y: Tensor, s: Tensor, problem: Problem) -> Tensor:
+            return distributed.columns(y, strategy, group).run(x, s, problem, None, block_size)
+
+        return _direction(a, b, ta, tb, sc, tsc, normalize, run, offset, lambda x: distributed.gather_plain(x, group))
+
+    rows = one_way(q, k, tq, tk)
+    if symmetric:
+        rows = 0.5 * (rows + one_way(k, q, tk, tq))
+    return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
+
+
+class DistillLoss(LossModule):
+    """Module form of :func:`distill_loss` (the scales are the call's).
+
+    Examples::
+
+        >>> loss = flashcl.DistillLoss(symmetric=True)(torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 6),
+        ...                                            torch.randn(4, 6), scale=10.0, teacher_scale=20.0)
+    """
+
+    def __init__(
+        self,
+        symmetric: bool = False,
+        normalize: bool = True,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(**self.given(locals()))
+
+    def forward(
+        self, q: Tensor, k: Tensor, teacher_q: Tensor, teacher_k: Tensor, *, scale: Scalar, teacher_scale: Scalar
+    ) -> Tensor:
+        return distill_loss(q, k, teacher_q, teacher_k, scale=scale, teacher_scale=teacher_scale, **self.loss_options())
