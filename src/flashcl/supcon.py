@@ -26,6 +26,7 @@ from .dispatch import (
 )
 from .distributed import same_call_across_ranks
 from .heads import SoftmaxHead
+from .multilabel import multilabel_supcon
 from .positives import Positives
 from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
@@ -132,6 +133,7 @@ def supcon_loss(
     ref_self: Optional[Tensor] = None,
     matryoshka_dims: Optional[Sequence[int]] = None,
     matryoshka_weights: Optional[Sequence[float]] = None,
+    overlap_threshold: float = 0.3,
     process_group: Any = None,
     strategy: str = "all_gather",
     grad_scale: str = "ddp",
@@ -162,7 +164,16 @@ def supcon_loss(
     Args:
         embeddings: (B, D), or (B, V, D) for V views of each sample that share
             its label (SupContrast's convention: the B * V views are all anchors).
-        labels: (B,) integer class labels.
+        labels: (B,) integer class labels, or (B, C) multi-hot label sets (bool or
+            0/1): then ``j != i`` is a positive of ``i`` when the Jaccard similarity
+            ``J_ij = |y_i & y_j| / |y_i | y_j|`` exceeds ``overlap_threshold``,
+            weighted by it, and the anchor's term is
+            ``-(1/|P(i)|) sum_{p in P(i)} J_ip log softmax_p`` (``positives="sum"``:
+            without the ``1/|P(i)|``) over the same denominator: the
+            ``MultiSupConLoss`` of pytorch-metric-learning's pull request #667
+            (multi-label SupCon), ``J`` formed tile by tile from the label rows.
+        overlap_threshold: multi-hot labels only: the Jaccard similarity a positive
+            must exceed, in [0, 1). Default: 0.3.
         temperature: float or 0-dim tensor (a learnable temperature gets its
             gradient). Default: 0.1.
         positives: ``"mean"`` (default) or ``"sum"`` over each anchor's positives.
@@ -195,6 +206,49 @@ def supcon_loss(
         >>> loss = flashcl.supcon_loss(emb, labels, temperature=0.1)
         >>> loss.backward()
     """
+    if isinstance(labels, Tensor) and labels.dim() not in (1, 2):
+        raise ValueError(f"labels must be (B,) class ids or (B, C) multi-hot sets, got shape {tuple(labels.shape)}")
+    if isinstance(labels, Tensor) and labels.dim() == 2 and labels.shape[1] < 2:
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)}: pass class ids as (B,) (labels.squeeze(1)), or "
+            "multi-hot sets of C >= 2 classes as (B, C)"
+        )
+    if isinstance(labels, Tensor) and labels.dim() == 2:  # multi-hot label sets
+        embeddings = checks.check_float_tensor(embeddings, "embeddings", (2, 3))
+        checks.check_choice(positives, "positives", ("mean", "sum"))
+        checks.check_bool(include_self, "include_self")
+        checks.Options(normalize, reduction, backend, block_size)
+        threshold = _check_threshold(overlap_threshold)
+        no_matryoshka(matryoshka_dims, matryoshka_weights, "multi-hot labels")
+        if ref_self is not None:
+            raise ValueError("ref_self takes class-id labels; with multi-hot labels, pass the queue as ref alone")
+        if ref is not None:
+            ref = check_keys(ref, "ref", embeddings).detach()
+        if process_group is not None:
+            check_across_ranks("supcon_loss", strategy, grad_scale, backend=backend != "auto")
+        scale = 1.0 / checks.check_positive_scalar(
+            temperature, "temperature", embeddings.device, scale_dtype(embeddings)
+        )
+        return multilabel_supcon(
+            embeddings,
+            labels,
+            scale,
+            threshold,
+            positives,
+            include_self,
+            normalize,
+            reduction,
+            backend,
+            block_size,
+            ref,
+            ref_labels,
+            process_group,
+            strategy,
+            grad_scale,
+        )
+    if overlap_threshold != 0.3:
+        _check_threshold(overlap_threshold)
+        raise ValueError("overlap_threshold is for multi-hot (B, C) labels; these labels are class ids (B,)")
     embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3))
     checks.check_choice(positives, "positives", ("mean", "sum"))
     checks.check_bool(include_self, "include_self")
@@ -270,6 +324,12 @@ def supcon_loss(
     if reduction == "none" and embeddings.dim() == 3:
         out = out.reshape(views, b).T
     return out
+
+
+def _check_threshold(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):
+        raise ValueError(f"overlap_threshold must be a float in [0, 1), got {value!r}")
+    return float(value)
 
 
 @same_call_across_ranks
@@ -352,6 +412,7 @@ class SupConLoss(LossModule):
         block_size: Optional[int] = None,
         matryoshka_dims: Optional[Sequence[int]] = None,
         matryoshka_weights: Optional[Sequence[float]] = None,
+        overlap_threshold: float = 0.3,
         process_group: Any = None,
         strategy: str = "all_gather",
         grad_scale: str = "ddp",

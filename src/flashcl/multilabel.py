@@ -1,0 +1,261 @@
+"""Multi-label SupCon: positives weighted by the Jaccard similarity of multi-hot label
+sets, formed tile by tile from the label rows (never B x B): :class:`JaccardHead` and
+the body of :func:`flashcl.supcon_loss` with (B, C) labels."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import backends, checks, distributed
+from .distributed import same_call_across_ranks
+from .engine import Problem
+from .heads import Head, Tile, mask_self_
+from .reduction import reduce_rows
+from .utils import autocast_off, compute_dtype
+
+__all__ = ["JaccardHead", "jaccard", "multilabel_supcon"]
+
+
+def jaccard(yq: Tensor, yk: Tensor) -> Tensor:
+    """``|y_i & y_j| / |y_i | y_j|`` of multi-hot rows (0 where both sets are empty)."""
+    inter = yq @ yk.T
+    union = yq.sum(1, keepdim=True) + yk.sum(1).unsqueeze(0) - inter
+    return torch.where(union > 0, inter / union.clamp_min(1), torch.zeros_like(inter))
+
+
+def _weights(yq: Tensor, yk: Tensor, tile: Tile, threshold: float, self_column: bool) -> Tensor:
+    """The tile's positive weights ``J_ij [J_ij > threshold]``, the anchor's own column 0."""
+    j = jaccard(yq[tile.r0 : tile.r1], yk[tile.c0 : tile.c1])
+    w = torch.where(j > threshold, j, torch.zeros_like(j))
+    if self_column:
+        mask_self_(w, tile, 0.0)
+    return w
+
+
+class _JaccardState:
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.lse = like.new_full((m,), float("-inf"))
+        self.ws = like.new_zeros(m)  # sum_j w_ij s_ij
+        self.g_row: Optional[Tensor] = None
+        self.g_col: Optional[Tensor] = None
+
+
+class JaccardHead(Head):
+    """Multi-label SupCon's row loss ``c_i LSE_{j in Den(i)} s_ij - a_i sum_j w_ij s_ij``
+    with ``w_ij = J_ij [J_ij > threshold]`` (``j != i``) formed in each tile from the
+    label rows, ``c_i = a_i sum_j w_ij`` and ``a_i = 1 / |P(i)|`` (``positives="mean"``)
+    or 1 (``"sum"``): ``c``, ``a`` precomputed (:func:`row_weights`)."""
+
+    def __init__(
+        self, yq: Tensor, yk: Tensor, threshold: float, c: Tensor, a: Tensor, exclude_self: bool, offset: int = 0
+    ) -> None:
+        self.yq, self.yk, self.threshold = yq, yk, threshold
+        self.c, self.a = c, a
+        self.exclude_self, self.offset = exclude_self, offset
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
+        return _JaccardState(m, like)
+
+    def _masked(self, s: Tensor, tile: Tile) -> Tensor:
+        if self.exclude_self:
+            s = s.clone()
+            mask_self_(s, tile, float("-inf"))
+        return s
+
+    def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
+        rows = slice(tile.r0, tile.r1)
+        w = _weights(self.yq, self.yk, tile, self.threshold, True).to(s.dtype)
+        st.ws[rows] += (w * s).sum(1)
+        st.lse[rows] = torch.logaddexp(st.lse[rows], torch.logsumexp(self._masked(s, tile), dim=1))
+
+    def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
+        return torch.where(self.c > 0, self.c * st.lse, torch.zeros_like(st.lse)) - self.a * st.ws, None
+
+    def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
+        rows = slice(tile.r0, tile.r1)
+        g = st.g_row[rows].unsqueeze(1)
+        soft = torch.exp(self._masked(s, tile) - st.lse[rows].unsqueeze(1))
+        w = _weights(self.yq, self.yk, tile, self.threshold, True).to(s.dtype)
+        return g * (self.c[rows].unsqueeze(1) * soft - self.a[rows].unsqueeze(1) * w)
+
+    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        w = _weights(self.yq, self.yk, tile, self.threshold, True).to(s.dtype)
+        lse = torch.logsumexp(self._masked(s, tile), dim=1)
+        return torch.where(self.c > 0, self.c * lse, torch.zeros_like(lse)) - self.a * (w * s).sum(1), None
+
+
+def row_weights(
+    yq: Tensor, yk: Tensor, threshold: float, positives: str, offset: int, block: int, dtype: torch.dtype
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(c, a, has a positive) per anchor, from the label rows by row blocks."""
+    m, n = yq.shape[0], yk.shape[0]
+    count = torch.zeros(m, dtype=dtype, device=yq.device)
+    wsum = torch.zeros(m, dtype=dtype, device=yq.device)
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        w = _weights(yq, yk, Tile(r0, r1, 0, n, offset), threshold, True)
+        count[r0:r1] = (w > 0).sum(1).to(dtype)
+        wsum[r0:r1] = w.sum(1).to(dtype)
+    valid = count > 0
+    a = 1.0 / count.clamp_min(1) if positives == "mean" else torch.ones_like(count)
+    a = torch.where(valid, a, torch.zeros_like(a))
+    return a * wsum, a, valid
+
+
+def check_multi_hot(labels: Tensor, like: Tensor, name: str) -> Tensor:
+    """(B, C) multi-hot labels (bool or 0/1) as the compute dtype."""
+    if labels.dim() != 2 or labels.shape[0] != like.shape[0]:
+        raise ValueError(
+            f"{name} must be (B,) class ids or (B, C) multi-hot sets with B = {like.shape[0]}, got "
+            f"shape {tuple(labels.shape)}"
+        )
+    checks.same_device(labels, like, name, "embeddings")
+    if labels.dtype != torch.bool and not bool(((labels == 0) | (labels == 1)).all()):
+        raise ValueError(f"{name} of shape (B, C) must be multi-hot: 0/1 or bool entries")
+    return labels.to(compute_dtype(like.dtype))
+
+
+def _reference(
+    q: Tensor,
+    k: Tensor,
+    yq: Tensor,
+    yk: Tensor,
+    scale: Tensor,
+    threshold: float,
+    positives: str,
+    include_self: bool,
+    normalize: bool,
+) -> Tuple[Tensor, Tensor]:
+    """The per-anchor losses by the formula on the whole matrices (the oracle): the
+    self column at ``i`` (k's first rows are the anchors)."""
+    dtype = compute_dtype(q.dtype)
+    q, k = q.to(dtype), k.to(dtype)
+    if normalize:
+        q, k = torch.nn.functional.normalize(q, dim=1), torch.nn.functional.normalize(k, dim=1)
+    s = scale.to(dtype) * q @ k.T
+    j = jaccard(yq, yk)
+    own = torch.zeros_like(s, dtype=torch.bool)
+    own[torch.arange(q.shape[0]), torch.arange(q.shape[0])] = True
+    pos = (j > threshold) & ~own
+    den = s.masked_fill(own, float("-inf")) if not include_self else s
+    log_prob = s - torch.logsumexp(den, dim=1, keepdim=True)
+    terms = torch.where(pos, j * log_prob, torch.zeros_like(s)).sum(1)
+    count = pos.sum(1).to(dtype)
+    rows = -terms / count.clamp_min(1) if positives == "mean" else -terms
+    return torch.where(count > 0, rows, torch.zeros_like(rows)), (count > 0).to(dtype)
+
+
+def multilabel_supcon(
+    embeddings: Tensor,
+    labels: Tensor,
+    scale: Tensor,
+    threshold: float,
+    positives: str,
+    include_self: bool,
+    normalize: bool,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+    ref: Optional[Tensor],
+    ref_labels: Optional[Tensor],
+    process_group: Any,
+    strategy: str,
+    grad_scale: str,
+) -> Tensor:
+    """:func:`flashcl.supcon_loss` with (B, C) multi-hot labels (checked by the caller
+    but for the labels' values); ``embeddings`` (B, D) or (B, V, D)."""
+    b = embeddings.shape[0]
+    views = 1 if embeddings.dim() == 2 else embeddings.shape[1]
+    flat = embeddings if views == 1 and embeddings.dim() == 2 else embeddings.transpose(0, 1).reshape(b * views, -1)
+    y = check_multi_hot(labels, embeddings, "labels").repeat(views, 1)
+    y_ref = None
+    if ref is not None:
+        if ref_labels is None:
+            raise ValueError("ref_labels is None: the keys of ref need their label sets")
+        y_ref = check_multi_hot(ref_labels, ref, "ref_labels")
+        if y_ref.shape[1] != y.shape[1]:
+            raise ValueError(f"ref_labels must have the labels' {y.shape[1]} classes, got {y_ref.shape[1]}")
+    if process_group is not None:
+        out = _across(
+            flat,
+            y,
+            ref,
+            y_ref,
+            scale,
+            threshold,
+            positives,
+            include_self,
+            normalize,
+            reduction,
+            grad_scale,
+            strategy,
+            process_group,
+            block_size,
+        )
+    else:
+        k = flat if ref is None else torch.cat([flat, ref.detach().to(flat.dtype)])
+        yk = y if y_ref is None else torch.cat([y, y_ref])
+        if k.shape[0] < 2 and not include_self:
+            raise ValueError("supcon_loss needs at least 2 samples when include_self=False")
+        name = backends.resolve(
+            backend, flat.shape[0] * k.shape[0], flat.device, flat.dtype, flat.shape[1], kernel=None
+        )
+        if name == "triton":
+            raise ValueError("multi-label supcon_loss has no Triton kernel: use backend='tiled'")
+        with autocast_off(flat.device.type):
+            if name == "reference":
+                rows, valid = _reference(flat, k, y, yk, scale, threshold, positives, include_self, normalize)
+                out = reduce_rows(rows, valid, reduction)
+            else:
+                dtype = compute_dtype(flat.dtype)
+                c, a, valid_b = row_weights(y, yk, threshold, positives, 0, 1024, dtype)
+                head = JaccardHead(y, yk, threshold, c, a, not include_self)
+                valid = valid_b.to(dtype)
+                weights = None
+                if reduction != "none":
+                    weights = (valid / valid.sum().clamp_min(1) if reduction == "mean" else valid, None)
+                out = backends.run(flat, k, scale, Problem(head, (), normalize), name, weights, block_size)
+    if reduction == "none" and embeddings.dim() == 3:
+        out = out.reshape(views, b).T
+    return out
+
+
+@same_call_across_ranks
+def _across(
+    flat: Tensor,
+    y: Tensor,
+    ref: Optional[Tensor],
+    y_ref: Optional[Tensor],
+    scale: Tensor,
+    threshold: float,
+    positives: str,
+    include_self: bool,
+    normalize: bool,
+    reduction: str,
+    grad_scale: str,
+    strategy: str,
+    group: Any,
+    block_size: Optional[int],
+) -> Tensor:
+    """Multi-label SupCon over the global batch: this rank's rows against every
+    rank's (and the queue's keys once)."""
+    cols = distributed.columns(flat, strategy, group, shared=ref)
+    yk = cols.gather(y, y_ref)
+    if cols.total - cols.shared < 2 and not include_self and ref is None:
+        raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
+    dtype = compute_dtype(flat.dtype)
+    c, a, valid_b = row_weights(y, yk, threshold, positives, cols.offset, 1024, dtype)
+    head = JaccardHead(y, yk, threshold, c, a, not include_self, cols.offset)
+    valid = valid_b.to(dtype)
+    weights = None
+    if reduction != "none":
+        factor = distributed.grad_factor(grad_scale, group)
+        if reduction == "mean":
+            total = distributed.sum_across(valid.sum().reshape(1), group).clamp_min(1)
+            weights = (valid * (factor / total), None)
+        else:
+            weights = (valid * factor, None)
+    return cols.run(flat, scale, Problem(head, (), normalize, cols.offset), weights, block_size)
