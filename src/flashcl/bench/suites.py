@@ -282,6 +282,30 @@ def scale(mode: str, device: str) -> List[Case]:
                     "cap_s": 30.0 if mode != "full" else None,
                 }
             )
+    return cases + (requested(mode, device) if mode == "full" else [])
+
+
+def requested(mode: str, device: str) -> List[Case]:
+    """The losses users ask the peers for (multi-label SupCon, distillation,
+    uniformity, retrieval metrics), D = 64: the tiled path at B = 4096 and 65536
+    against the dense formula at 4096, time and peak memory. Part of the scale
+    suite with ``--full``; alone: ``flashcl bench --suite requested``."""
+    small, big = _size(mode, (256, 1024), (4096, 65536), (4096, 65536))
+    cases: List[Case] = []
+    for loss in ("multilabel", "distill", "uniformity", "retrieval"):
+        for b in (small, big):
+            impls = ("flashcl-tiled",) if b == big or loss == "retrieval" else ("flashcl-tiled", "dense formula")
+            for impl in impls:
+                cases.append(
+                    {
+                        "group": f"requested: {loss}",
+                        "label": impl,
+                        "workload": "requested",
+                        "repeats": 0,
+                        "params": {"B": b, "D": 64, "impl": impl, "loss": loss, "device": device},
+                        "cap_s": 900.0,
+                    }
+                )
     return cases
 
 
@@ -477,6 +501,7 @@ SUITES = {
     "peers": peers,
     "scale": scale,
     "dist": dist,
+    "requested": requested,
     "gpu": gpu,
     "beyond": beyond,
     "train": train,

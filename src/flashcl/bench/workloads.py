@@ -497,6 +497,52 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, [x], dev), n * n * 4
 
 
+def requested(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """The losses users ask the peers for, on B x D embeddings: multi-label SupCon
+    (C = 20 classes, about 3 per sample), distillation from a teacher of the same
+    width (symmetric, the teacher without gradient), uniformity, and the retrieval
+    metrics (no gradient: the step's value is the MRR). ``impl``: ``flashcl-tiled``,
+    or ``dense formula``, the B x B matrices as the peers and the papers' code build them."""
+    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
+    g = _gen(p)
+    e = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    e2 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    tiled = impl == "flashcl-tiled"
+    if not tiled and impl != "dense formula":
+        raise ValueError(f"unknown requested impl {impl!r}")
+    loss = p["loss"]
+    if loss == "multilabel":
+        y = torch.rand(b, 20, generator=g) < 0.15
+        y[torch.arange(b), torch.randint(0, 20, (b,), generator=g)] = True
+        y = y.to(dev)
+        fn = lambda: flashcl.supcon_loss(e, y, backend="tiled" if tiled else "reference")  # noqa: E731
+        leaves = [e]
+    elif loss == "distill":
+        tq, tk = torch.randn(b, d, generator=g).to(dev), torch.randn(b, d, generator=g).to(dev)
+        kw: Dict[str, Any] = dict(scale=20.0, teacher_scale=50.0, symmetric=True)
+        fn = lambda: flashcl.distill_loss(e, e2, tq, tk, backend="tiled" if tiled else "reference", **kw)  # noqa: E731
+        leaves = [e, e2]
+    elif loss == "uniformity":
+        fn = (
+            (lambda: flashcl.metrics.uniformity(e))
+            if tiled
+            # noqa: E731
+            else (lambda: torch.pdist(F.normalize(e, dim=1)).pow(2).mul(-2).exp().mean().log())
+        )
+        leaves = [e]
+    elif loss == "retrieval":
+        if not tiled:
+            raise ValueError("the retrieval metrics are measured for flashcl-tiled only")
+
+        def fn() -> torch.Tensor:
+            return torch.tensor(flashcl.metrics.retrieval(e, e2)["mrr"], requires_grad=True)
+
+        leaves = []
+    else:
+        raise ValueError(f"unknown requested loss {loss!r}")
+    return _stepper(fn, leaves, dev), sum(x.numel() * x.element_size() for x in leaves)
+
+
 WORKLOADS: Dict[str, Workload] = {
     "gemm3": gemm3,
     "supcon": supcon,
@@ -509,4 +555,5 @@ WORKLOADS: Dict[str, Workload] = {
     "gist": gist,
     "train_step": train_step,
     "matryoshka": matryoshka_widths,
+    "requested": requested,
 }
