@@ -523,12 +523,11 @@ def requested(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: flashcl.distill_loss(e, e2, tq, tk, backend="tiled" if tiled else "reference", **kw)  # noqa: E731
         leaves = [e, e2]
     elif loss == "uniformity":
-        fn = (
-            (lambda: flashcl.metrics.uniformity(e))
-            if tiled
-            # noqa: E731
-            else (lambda: torch.pdist(F.normalize(e, dim=1)).pow(2).mul(-2).exp().mean().log())
-        )
+
+        def fn() -> torch.Tensor:
+            x = F.normalize(e, dim=1)
+            return flashcl.metrics.uniformity(x) if tiled else torch.pdist(x).pow(2).mul(-2).exp().mean().log()
+
         leaves = [e]
     elif loss == "retrieval":
         if not tiled:
