@@ -165,3 +165,23 @@ def test_across_processes_equals_one_process(tmp_path) -> None:
             assert_close(sum(r[i] for r in ranks), want, f"{strategy} queue={queue is not None}: value", *TOL)
             assert_close(torch.cat([r[i + 1] for r in ranks]), grad, f"{strategy}: grad", *TOL)
             i += 2
+
+
+def test_a_memory_bank_of_label_sets_is_the_queue() -> None:
+    bank = flashcl.MemoryBank(size=16, dim=6, labels=4, dtype=torch.float64)
+    old, y_old = _data(9, 4, 6)
+    bank.push(old, y_old)
+    emb, y = _data(7, 4, 7)
+    keys, key_labels = bank.keys()
+    assert key_labels.dtype == torch.bool and key_labels.shape == (9, 4)
+    got = flashcl.supcon_loss(emb, y, ref=keys, ref_labels=key_labels, backend="tiled")
+    assert_close(got, pr667(emb, y, ref_emb=old, ref_labels=y_old), "bank as queue", *TOL)
+    restored = flashcl.MemoryBank(size=16, dim=6, labels=4, dtype=torch.float64)
+    restored.load_state_dict(bank.state_dict())
+    assert restored.keys()[1].equal(key_labels)
+    with pytest.raises(ValueError, match="multi-hot"):
+        bank.push(emb, torch.full((7, 4), 2))
+    with pytest.raises(ValueError, match=r"\(7, 4\)"):
+        bank.push(emb, y[:, :3])
+    with pytest.raises(ValueError, match="classes"):
+        flashcl.MemoryBank(size=4, dim=2, labels=1)

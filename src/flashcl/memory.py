@@ -4,7 +4,7 @@ the keys of queue-based losses (MoCo's negatives, cross-batch memory).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -29,15 +29,18 @@ class MemoryBank(nn.Module):
     Args:
         size: the number of entries kept.
         dim: the embedding width.
-        labels: keep a label per entry. Default: True.
+        labels: keep a class id per entry (True, the default), a multi-hot label
+            set of ``labels`` classes per entry (an int C >= 2: multi-label SupCon's
+            queue), or none (False).
         dtype, device: of the buffers (default float32, CPU; ``.to()`` moves them).
         group: the process group whose batches are enqueued (default: the world,
             when one is initialised; else this process alone).
 
     Shape:
-        - push: embeddings (B, dim), labels (B,); returns (B,) int64 slots of this
-          process's rows
+        - push: embeddings (B, dim), labels (B,) (or (B, C) multi-hot); returns (B,)
+          int64 slots of this process's rows
         - keys(): (min(pushed, size), dim) embeddings and (min(pushed, size),) labels
+          (or (min(pushed, size), C) bool)
 
     Examples::
 
@@ -56,7 +59,7 @@ class MemoryBank(nn.Module):
         self,
         size: int,
         dim: int,
-        labels: bool = True,
+        labels: Union[bool, int] = True,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device] = None,
         group: Any = None,
@@ -65,10 +68,16 @@ class MemoryBank(nn.Module):
         for value, name in ((size, "size"), (dim, "dim")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        checks.check_bool(labels, "labels")
+        if not isinstance(labels, bool) and not (isinstance(labels, int) and labels >= 2):
+            raise ValueError(f"labels must be True, False or a number of classes >= 2 (multi-hot sets), got {labels!r}")
         self.size, self.dim, self.group = size, dim, group
+        #: classes of the multi-hot label sets, or None (class ids, or no labels)
+        self.classes = None if isinstance(labels, bool) else labels
         self.register_buffer("embeddings", torch.zeros(size, dim, dtype=dtype, device=device))
-        self.register_buffer("labels", torch.zeros(size, dtype=torch.int64, device=device) if labels else None)
+        if self.classes is not None:
+            self.register_buffer("labels", torch.zeros(size, self.classes, dtype=torch.bool, device=device))
+        else:
+            self.register_buffer("labels", torch.zeros(size, dtype=torch.int64, device=device) if labels else None)
         self.position = 0  # the next slot to write
         self.count = 0  # entries filled so far (<= size)
         self._lent = False  # keys() handed out views of the buffers since the last push
@@ -105,6 +114,20 @@ class MemoryBank(nn.Module):
 
         return gather(embeddings), None if labels is None else gather(labels), sum(counts[:rank])
 
+    def _checked_labels(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        if self.classes is None:
+            return checks.validate_labelled(embeddings, labels)[1]
+        if not isinstance(labels, Tensor) or tuple(labels.shape) != (embeddings.shape[0], self.classes):
+            shape = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(
+                f"labels must be ({embeddings.shape[0]}, {self.classes}) multi-hot sets (the bank's "
+                f"classes), got {shape}"
+            )
+        if labels.dtype != torch.bool and not bool(((labels == 0) | (labels == 1)).all()):
+            raise ValueError("labels must be multi-hot: 0/1 or bool entries")
+        checks.same_device(labels, embeddings, "labels", "embeddings")
+        return labels.bool()
+
     @torch.no_grad()
     def push(self, embeddings: Tensor, labels: Optional[Tensor] = None) -> Tensor:
         """Enqueues the batch (detached; in a process group, the global batch) over the
@@ -115,7 +138,7 @@ class MemoryBank(nn.Module):
         if self.labels is not None:
             if labels is None:
                 raise ValueError("labels is None, but the bank keeps a label per entry (labels=True)")
-            _, labels = checks.validate_labelled(embeddings, labels)
+            labels = self._checked_labels(embeddings, labels)
         elif labels is not None:
             raise ValueError("the bank keeps no labels (labels=False): pass labels=None")
         rows, row_labels, first = self._global(embeddings.detach(), labels)
