@@ -19,7 +19,7 @@ from torch import Tensor
 from flashcl import checks, distributed
 from flashcl.base import LossModule, shared_docs
 from flashcl.core import CoreSpec
-from flashcl.dispatch import Scalar, check_across_ranks, run_core, scale_dtype
+from flashcl.dispatch import Scalar, run_core, scale_dtype
 from flashcl.distributed import same_call_across_ranks
 
 
@@ -60,21 +60,18 @@ def interleaved_loss(
     x = checks.check_float_tensor(x, "x", (2,))
     if x.shape[0] < 2 or x.shape[0] % 2:
         raise ValueError(f"x must hold pairs of views (an even number of rows >= 2), got {x.shape[0]} rows")
-    checks.Options(True, reduction, backend, block_size)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", x.device, scale_dtype(x))
-    if process_group is not None:
-        check_across_ranks("interleaved_loss", strategy, grad_scale, backend=backend != "auto")
-        return _interleaved_across(x, scale, reduction, grad_scale, strategy, process_group, block_size)
+    if opts.across:
+        return _interleaved_across(x, scale, opts)
     return run_core(x, None, scale, interleaved_spec(x.shape[0], 0, x.device), reduction, backend, block_size)
 
 
 @same_call_across_ranks
-def _interleaved_across(
-    x: Tensor, scale: Tensor, reduction: str, grad_scale: str, strategy: str, group: Any, block_size: Optional[int]
-) -> Tensor:
-    cols = distributed.columns(x, strategy, group)
+def _interleaved_across(x: Tensor, scale: Tensor, opts: checks.Options) -> Tensor:
+    cols = distributed.columns(x, opts.strategy, opts.process_group)
     spec = interleaved_spec(x.shape[0], cols.offset, x.device)
-    return distributed.run_across(x, cols, scale, spec, reduction, grad_scale, block_size)
+    return distributed.run_across(x, cols, scale, spec, opts)
 
 
 class InterleavedLoss(LossModule):

@@ -14,8 +14,8 @@ Examples::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -40,31 +40,55 @@ __all__ = [
 REDUCTIONS = ("mean", "sum", "none")
 #: The backends every embedding loss takes (``"auto"`` picks one; see :mod:`flashcl.functional`).
 BACKENDS = ("auto", "reference", "dense", "tiled", "triton")
+STRATEGIES = ("all_gather", "ring")
+GRAD_SCALES = ("ddp", "sum")
 
 
 @dataclass(frozen=True)
 class Options:
     """The options every loss takes, checked in one place when made: a loss calls
-    ``Options(normalize, reduction, backend, block_size)`` and every bad value gets
-    a ValueError that names its argument.
+    ``Options(normalize, reduction, backend, block_size, process_group, strategy,
+    grad_scale)`` and every bad value gets an error that names its argument. The
+    bodies of the losses across processes take it whole; its ``repr`` (the process
+    group left out) is part of what every rank must call alike.
 
     Attributes:
         normalize: L2-normalise the embeddings first.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``.
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
+            (across processes only ``"auto"``: the tiled core runs there).
         block_size: rows per block of the tiled backend; None picks one.
+        process_group: None (this process's inputs) or a process group.
+        strategy: across processes, ``"all_gather"`` | ``"ring"``.
+        grad_scale: across processes, ``"ddp"`` | ``"sum"``.
     """
 
     normalize: bool = True
     reduction: str = "mean"
     backend: str = "auto"
     block_size: Optional[int] = None
+    process_group: Any = field(default=None, repr=False, compare=False)
+    strategy: str = "all_gather"
+    grad_scale: str = "ddp"
 
     def __post_init__(self) -> None:
         check_bool(self.normalize, "normalize")
         check_choice(self.reduction, "reduction", REDUCTIONS)
         check_choice(self.backend, "backend", BACKENDS)
         check_block(self.block_size)
+        check_choice(self.strategy, "strategy", STRATEGIES)
+        check_choice(self.grad_scale, "grad_scale", GRAD_SCALES)
+        if self.process_group is not None:
+            if self.backend != "auto":
+                raise ValueError(
+                    f"backend={self.backend!r} with process_group: across processes the tiled core runs (gathered "
+                    "or round the ring); pass backend='auto', or call without process_group"
+                )
+
+    @property
+    def across(self) -> bool:
+        """The loss is over every rank's inputs."""
+        return self.process_group is not None
 
 
 def check_bool(value: object, name: str) -> bool:

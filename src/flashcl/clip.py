@@ -13,7 +13,6 @@ from .base import LossModule, reject_open_clip_keywords, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
-    check_across_ranks,
     check_smoothing,
     class_ids,
     dense_ids,
@@ -97,7 +96,7 @@ def clip_loss(
         >>> loss = flashcl.clip_loss(img, txt, 100.0, labels=torch.tensor([0, 1, 1, 2]))
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    checks.Options(normalize, reduction, backend, block_size)
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
@@ -137,21 +136,7 @@ def clip_loss(
             )
         return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
     if process_group is not None:
-        check_across_ranks("clip_loss", strategy, grad_scale, backend=backend != "auto")
-        loss = _clip_across(
-            image_embeds,
-            text_embeds,
-            scale,
-            normalize,
-            reduction,
-            grad_scale,
-            strategy,
-            process_group,
-            block_size,
-            labels,
-            matryoshka_dims,
-            matryoshka_weights,
-        )
+        loss = _clip_across(image_embeds, text_embeds, scale, opts, labels, matryoshka_dims, matryoshka_weights)
     else:
         loss = _clip_one(
             image_embeds,
@@ -205,12 +190,7 @@ def _clip_across(
     image_embeds: Tensor,
     text_embeds: Tensor,
     scale: Tensor,
-    normalize: bool,
-    reduction: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
+    opts: checks.Options,
     labels: Optional[Tensor],
     dims: Any,
     weights: Any,
@@ -218,14 +198,14 @@ def _clip_across(
     """:func:`clip_loss` over the global batch (:mod:`flashcl.distributed`): both
     directions against the image and text towers of every rank (open_clip's
     ``gather_with_grad=True, local_loss=True`` arrangement, exact)."""
-    texts = distributed.columns(text_embeds, strategy, group)
-    images = distributed.columns(image_embeds, strategy, group)
+    texts = distributed.columns(text_embeds, opts.strategy, opts.process_group)
+    images = distributed.columns(image_embeds, opts.strategy, opts.process_group)
     b, offset = image_embeds.shape[0], texts.offset
     if labels is None:
         spec = CoreSpec(
             index=(torch.arange(b, device=image_embeds.device) + offset).unsqueeze(1),
             pos_mode="sum",
-            normalize=normalize,
+            normalize=opts.normalize,
         )
     else:  # every same-label pair of the global batch, the mean over them, in both directions
         (ids,), num_classes = class_ids(texts.gather(labels.long()))
@@ -234,15 +214,15 @@ def _clip_across(
             col_labels=ids,
             num_classes=num_classes,
             pos_mode="mean",
-            normalize=normalize,
+            normalize=opts.normalize,
         )
     widths = None if dims is None and weights is None else (dims, weights)
     half = torch.full((b,), 0.5, dtype=compute_dtype(image_embeds.dtype), device=image_embeds.device)
     rows, cols = (
-        distributed.run_across(q, c, scale, spec, reduction, grad_scale, block_size, half, widths)
+        distributed.run_across(q, c, scale, spec, opts, half, widths)
         for q, c in ((image_embeds, texts), (text_embeds, images))
     )
-    return 0.5 * (rows + cols) if reduction == "none" else rows + cols
+    return 0.5 * (rows + cols) if opts.reduction == "none" else rows + cols
 
 
 def siglip_problem(
@@ -337,7 +317,7 @@ def siglip_loss(
         >>> loss = flashcl.siglip_loss(img, txt, logit_scale=10.0, logit_bias=-10.0)
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    checks.Options(normalize, reduction, backend, block_size)
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     checks.check_choice(normalize_by, "normalize_by", ("global", "local"))
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
@@ -348,21 +328,7 @@ def siglip_loss(
         _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
         labels = labels.long()
     if process_group is not None:
-        check_across_ranks("siglip_loss", strategy, grad_scale, backend=backend != "auto")
-        return _siglip_across(
-            image_embeds,
-            text_embeds,
-            scale,
-            bias,
-            labels,
-            normalize,
-            reduction,
-            normalize_by,
-            grad_scale,
-            strategy,
-            process_group,
-            block_size,
-        )
+        return _siglip_across(image_embeds, text_embeds, scale, bias, labels, opts, normalize_by)
     name = backends.resolve(
         backend, b * b, image_embeds.device, image_embeds.dtype, image_embeds.shape[1], kernel="softplus"
     )
@@ -387,17 +353,12 @@ def _siglip_across(
     scale: Tensor,
     bias: Tensor,
     labels: Optional[Tensor],
-    normalize: bool,
-    reduction: str,
+    opts: checks.Options,
     normalize_by: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
 ) -> Tensor:
     """:func:`siglip_loss` over the global batch (:mod:`flashcl.distributed`): each
     rank's images against the texts of every rank."""
-    texts = distributed.columns(text_embeds, strategy, group)
+    texts = distributed.columns(text_embeds, opts.strategy, opts.process_group)
     b, dtype = image_embeds.shape[0], compute_dtype(image_embeds.dtype)
     all_labels = None if labels is None else texts.gather(labels)
     problem = siglip_problem(
@@ -407,22 +368,25 @@ def _siglip_across(
         image_embeds.device,
         dtype,
         float(bias.detach()),
-        normalize,
+        opts.normalize,
         offset=texts.offset,
         col_labels=all_labels,
     )
     weights = None
-    if reduction != "none":
+    if opts.reduction != "none":
         count = 1.0
-        if reduction == "mean":
+        if opts.reduction == "mean":
             count = float(texts.total) if normalize_by == "global" else float(b)
         weights = (
             torch.full(
-                (b,), distributed.grad_factor(grad_scale, group) / count, dtype=dtype, device=image_embeds.device
+                (b,),
+                distributed.grad_factor(opts.grad_scale, opts.process_group) / count,
+                dtype=dtype,
+                device=image_embeds.device,
             ),
             None,
         )
-    return texts.run(image_embeds, scale, problem, weights, block_size, param=bias)
+    return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias)
 
 
 class ClipLoss(LossModule):

@@ -251,21 +251,6 @@ def check_keys(keys: object, name: str, like: Tensor) -> Tensor:
     return keys
 
 
-def check_across_ranks(loss: str, strategy: str, grad_scale: str, **given: bool) -> None:
-    """With ``process_group``: the strategy and gradient convention checked, and a
-    ValueError naming each option given (``given[name]`` true) that the loss does not
-    take across processes yet, rather than a loss that would ignore it."""
-    checks.check_choice(strategy, "strategy", ("ring", "all_gather"))
-    checks.check_choice(grad_scale, "grad_scale", ("ddp", "sum"))
-    missing = [name for name, used in given.items() if used]
-    if missing:
-        raise ValueError(
-            f"{loss}(process_group=...) does not take {', '.join(missing)} across processes yet: "
-            "call it without process_group (this process's batch), or without "
-            f"{' / '.join(missing)}"
-        )
-
-
 def check_smoothing(value: object) -> float:
     """``label_smoothing``: a float in [0, 1)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):

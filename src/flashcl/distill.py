@@ -11,7 +11,7 @@ from torch import Tensor
 
 from . import backends, checks, distributed
 from .base import LossModule, shared_docs
-from .dispatch import Scalar, check_across_ranks, scale_dtype, unit_rows
+from .dispatch import Scalar, scale_dtype, unit_rows
 from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import Head, SoftmaxHead, Tile
@@ -151,7 +151,7 @@ def distill_loss(
             f"({k.shape[0]}, D_t), got {tuple(teacher_q.shape)} and {tuple(teacher_k.shape)}"
         )
     checks.check_bool(symmetric, "symmetric")
-    checks.Options(normalize, reduction, backend, block_size)
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     if symmetric and k.shape[0] != q.shape[0]:
         raise ValueError(
             f"symmetric=True needs as many candidates as queries (pairs), got {q.shape[0]} and {k.shape[0]}"
@@ -161,22 +161,7 @@ def distill_loss(
     sc = checks.check_positive_scalar(scale, "scale", q.device, scale_dtype(q))
     tsc = checks.check_positive_scalar(teacher_scale, "teacher_scale", q.device, scale_dtype(teacher_q))
     if process_group is not None:
-        check_across_ranks("distill_loss", strategy, grad_scale, backend=backend != "auto")
-        return _distill_across(
-            q,
-            k,
-            teacher_q,
-            teacher_k,
-            sc,
-            tsc,
-            symmetric,
-            normalize,
-            reduction,
-            grad_scale,
-            strategy,
-            process_group,
-            block_size,
-        )
+        return _distill_across(q, k, teacher_q, teacher_k, sc, tsc, symmetric, opts)
     name = backends.resolve(backend, q.shape[0] * k.shape[0], q.device, q.dtype, q.shape[1], kernel=None)
     with autocast_off(q.device.type):
         if name == "reference":
@@ -243,28 +228,34 @@ def _distill_across(
     sc: Tensor,
     tsc: Tensor,
     symmetric: bool,
-    normalize: bool,
-    reduction: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
+    opts: checks.Options,
 ) -> Tensor:
     """:func:`distill_loss` over the global batch: each rank's rows against every
     rank's candidates (the other side's, without gradient, gathered)."""
 
     def one_way(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor) -> Tensor:
-        offset = distributed.columns(b, strategy, group).offset
+        offset = distributed.columns(b, opts.strategy, opts.process_group).offset
 
         def run(x: Tensor, y: Tensor, s: Tensor, problem: Problem) -> Tensor:
-            return distributed.columns(y, strategy, group).run(x, s, problem, None, block_size)
+            return distributed.columns(y, opts.strategy, opts.process_group).run(x, s, problem, None, opts.block_size)
 
-        return _direction(a, b, ta, tb, sc, tsc, normalize, run, offset, lambda x: distributed.gather_plain(x, group))
+        return _direction(
+            a,
+            b,
+            ta,
+            tb,
+            sc,
+            tsc,
+            opts.normalize,
+            run,
+            offset,
+            lambda x: distributed.gather_plain(x, opts.process_group),
+        )
 
     rows = one_way(q, k, tq, tk)
     if symmetric:
         rows = 0.5 * (rows + one_way(k, q, tk, tq))
-    return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
+    return distributed.reduce_across(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group)
 
 
 class DistillLoss(LossModule):

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import backends, engine
+from . import backends, checks, engine
 from .core import CoreSpec
 from .engine import Problem
 from .ring import RingDriver
@@ -113,9 +113,12 @@ def same_call_across_ranks(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         bound = params.bind(*args, **kwargs)
         bound.apply_defaults()
         parts, device = [fn.__name__], None
+        group = bound.arguments.get("group")
         for name, value in bound.arguments.items():
             if name == "group":
                 continue
+            if isinstance(value, checks.Options):  # its repr leaves the group out
+                group = value.process_group
             if isinstance(value, Tensor):
                 device = device or value.device
                 detail = f"{float(value.detach()):.12g}" if value.dim() == 0 else str(tuple(value.shape[1:]))
@@ -130,9 +133,7 @@ def same_call_across_ranks(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
                 )
             else:
                 parts.append(f"{name}={value!r}")
-        _check_same_call(
-            "|".join(parts), device if device is not None else torch.device("cpu"), bound.arguments.get("group")
-        )
+        _check_same_call("|".join(parts), device if device is not None else torch.device("cpu"), group)
         return fn(*args, **kwargs)
 
     return checked
@@ -305,14 +306,12 @@ def run_across(
     cols: Columns,
     scale: Tensor,
     spec: CoreSpec,
-    reduction: str,
-    grad_scale: str,
-    block_size: Optional[int],
+    opts: checks.Options,
     valid_weight: Optional[Tensor] = None,
     widths: Optional[Tuple[Any, Any]] = None,
 ) -> Tensor:
     """This rank's rows of the core against the global columns, reduced with the
-    global count (the ``grad_scale`` convention). ``widths``: Matryoshka's
+    global count (the ``opts.grad_scale`` convention). ``widths``: Matryoshka's
     ``(matryoshka_dims, matryoshka_weights)``: one pass over every width on
     gathered columns, one ring round per width on the ring."""
     group = cols.group
@@ -323,23 +322,23 @@ def run_across(
         if cols.ring:
             ds, ws = check_dims(widths[0], widths[1], q.shape[-1])
             parts = [
-                w * run_across(q[:, :d], cols.narrow(d), scale, spec, "none", grad_scale, block_size)
+                w * run_across(q[:, :d], cols.narrow(d), scale, spec, replace(opts, reduction="none"))
                 for d, w in zip(ds, ws)
             ]
             rows = torch.stack(parts).sum(0)
         else:
-            rows = matryoshka_core(q, cols.keys, scale, spec, widths[0], widths[1], "none", "tiled", block_size)
+            rows = matryoshka_core(q, cols.keys, scale, spec, widths[0], widths[1], "none", "tiled", opts.block_size)
         valid = spec.valid_rows(q.shape[0]).to(device=q.device, dtype=rows.dtype)
         if valid_weight is not None:
             valid = valid * valid_weight
-        return reduce_across(rows, valid, reduction, grad_scale, group)
+        return reduce_across(rows, valid, opts.reduction, opts.grad_scale, group)
     m = q.shape[0]
     dtype = compute_dtype(q.dtype)
-    factor = grad_factor(grad_scale, group)
+    factor = grad_factor(opts.grad_scale, group)
     weights = None
-    if reduction != "none":
+    if opts.reduction != "none":
         valid = spec.valid_rows(m).to(device=q.device, dtype=dtype)
-        if reduction == "mean":
+        if opts.reduction == "mean":
             total = _global_count(valid.sum().reshape(1), group).clamp_min(1)
             r = valid * (factor / total)
         else:
@@ -347,7 +346,7 @@ def run_across(
         if valid_weight is not None:
             r = r * valid_weight
         weights = (r, None)
-    return cols.run(q, scale, spec.problem(m, cols.total, dtype), weights, block_size)
+    return cols.run(q, scale, spec.problem(m, cols.total, dtype), weights, opts.block_size)
 
 
 def reduce_across(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, group: Any) -> Tensor:

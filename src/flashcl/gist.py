@@ -12,7 +12,6 @@ from . import backends, checks, distributed, reference
 from .base import LossModule, shared_docs
 from .dispatch import (
     Scalar,
-    check_across_ranks,
     check_keys,
     row_lse,
     scale_dtype,
@@ -109,7 +108,7 @@ def gist_loss(
     for flag, flag_name in ((contrast_anchors, "contrast_anchors"), (contrast_positives, "contrast_positives")):
         checks.check_bool(flag, flag_name)
     checks.check_choice(margin_strategy, "margin_strategy", ("absolute", "relative"))
-    checks.Options(True, reduction, backend, block_size)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
         raise ValueError(f"margin must be a float, got {margin!r}")
     if not isinstance(guide, (tuple, list)) or len(guide) != (2 if negative is None else 3):
@@ -133,7 +132,6 @@ def gist_loss(
         raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
     if process_group is not None:
-        check_across_ranks("gist_loss", strategy, grad_scale, backend=backend != "auto")
         return _gist_across(
             anchor,
             positive,
@@ -144,11 +142,7 @@ def gist_loss(
             margin_strategy == "relative",
             contrast_anchors,
             contrast_positives,
-            reduction,
-            grad_scale,
-            strategy,
-            process_group,
-            block_size,
+            opts,
         )
     b = anchor.shape[0]
     k = 0 if negative is None else negative.shape[0]
@@ -234,11 +228,7 @@ def _gist_across(
     relative: bool,
     contrast_anchors: bool,
     contrast_positives: bool,
-    reduction: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
+    opts: checks.Options,
 ) -> Tensor:
     """:func:`gist_loss` over the global batch (:mod:`flashcl.distributed`): each
     rank's anchors against every rank's candidates of each set."""
@@ -253,10 +243,10 @@ def _gist_across(
         contrast_anchors,
         contrast_positives,
         "tiled",
-        block_size,
-        lambda keys: distributed.columns(keys, strategy, group),
+        opts.block_size,
+        lambda keys: distributed.columns(keys, opts.strategy, opts.process_group),
     )
-    return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
+    return distributed.reduce_across(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group)
 
 
 class GistLoss(LossModule):

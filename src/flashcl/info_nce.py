@@ -12,7 +12,6 @@ from .base import LossModule, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
-    check_across_ranks,
     check_keys,
     check_smoothing,
     class_ids,
@@ -183,7 +182,7 @@ def info_nce_loss(
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05, matryoshka_dims=[16, 8, 4])
     """
     index = checks.validate_info_nce(query, keys, positive_index)
-    checks.Options(normalize, reduction, backend, block_size)
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
@@ -230,18 +229,12 @@ def info_nce_loss(
             )
         return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
     if process_group is not None:
-        check_across_ranks("info_nce_loss", strategy, grad_scale, backend=backend != "auto")
         return _info_nce_across(
             query,
             keys,
             index,
             scale,
-            normalize,
-            reduction,
-            grad_scale,
-            strategy,
-            process_group,
-            block_size,
+            opts,
             negatives,
             in_batch_negatives,
             query_labels,
@@ -265,12 +258,7 @@ def _info_nce_across(
     keys: Tensor,
     index: Tensor,
     scale: Tensor,
-    normalize: bool,
-    reduction: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
+    opts: checks.Options,
     negatives: Optional[Tensor],
     in_batch_negatives: bool,
     query_labels: Optional[Tensor],
@@ -282,26 +270,28 @@ def _info_nce_across(
     """:func:`info_nce_loss` over the global batch (:mod:`flashcl.distributed`): each
     query against every rank's keys (``index`` into this rank's) and the shared
     ``negatives`` once; MoCo's (``in_batch_negatives=False``) against its own key and
-    the negatives, the ranks meeting in the reduction."""
+    the negatives, the ranks meeting in the opts.reduction."""
     if not in_batch_negatives:
         assert negatives is not None
         rows = _info_nce_with_negatives(
-            query, keys, negatives, scale, info_nce_spec(index, normalize), False, "none", "tiled", block_size
+            query, keys, negatives, scale, info_nce_spec(index, opts.normalize), False, "none", "tiled", opts.block_size
         )
-        return distributed.reduce_across(rows, torch.ones_like(rows), reduction, grad_scale, group)
-    cols = distributed.columns(keys, strategy, group, shared=negatives)
+        return distributed.reduce_across(
+            rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group
+        )
+    cols = distributed.columns(keys, opts.strategy, opts.process_group, shared=negatives)
     all_key_labels = None
     if query_labels is not None and key_labels is not None:
         fresh = None
         if negatives is not None:  # the shared negatives take a label no query and no key has
             top = distributed.global_max(
-                int(torch.cat([query_labels.long(), key_labels.long()]).max()), query.device, group
+                int(torch.cat([query_labels.long(), key_labels.long()]).max()), query.device, opts.process_group
             )
             fresh = torch.full((negatives.shape[0],), top + 1, dtype=torch.long, device=query.device)
         all_key_labels = cols.gather(key_labels.long(), fresh)
-    spec = info_nce_spec(index + cols.offset, normalize, query_labels, all_key_labels, duplicates)
+    spec = info_nce_spec(index + cols.offset, opts.normalize, query_labels, all_key_labels, duplicates)
     widths = None if dims is None and weights is None else (dims, weights)
-    return distributed.run_across(query, cols, scale, spec, reduction, grad_scale, block_size, widths=widths)
+    return distributed.run_across(query, cols, scale, spec, opts, widths=widths)
 
 
 class InfoNCELoss(LossModule):

@@ -155,15 +155,9 @@ def multilabel_supcon(
     threshold: float,
     positives: str,
     include_self: bool,
-    normalize: bool,
-    reduction: str,
-    backend: str,
-    block_size: Optional[int],
+    opts: checks.Options,
     ref: Optional[Tensor],
     ref_labels: Optional[Tensor],
-    process_group: Any,
-    strategy: str,
-    grad_scale: str,
 ) -> Tensor:
     """:func:`flashcl.supcon_loss` with (B, C) multi-hot labels (checked by the caller
     but for the labels' values); ``embeddings`` (B, D) or (B, V, D)."""
@@ -178,47 +172,32 @@ def multilabel_supcon(
         y_ref = check_multi_hot(ref_labels, ref, "ref_labels")
         if y_ref.shape[1] != y.shape[1]:
             raise ValueError(f"ref_labels must have the labels' {y.shape[1]} classes, got {y_ref.shape[1]}")
-    if process_group is not None:
-        out = _across(
-            flat,
-            y,
-            ref,
-            y_ref,
-            scale,
-            threshold,
-            positives,
-            include_self,
-            normalize,
-            reduction,
-            grad_scale,
-            strategy,
-            process_group,
-            block_size,
-        )
+    if opts.process_group is not None:
+        out = _across(flat, y, ref, y_ref, scale, threshold, positives, include_self, opts)
     else:
         k = flat if ref is None else torch.cat([flat, ref.detach().to(flat.dtype)])
         yk = y if y_ref is None else torch.cat([y, y_ref])
         if k.shape[0] < 2 and not include_self:
             raise ValueError("supcon_loss needs at least 2 samples when include_self=False")
         name = backends.resolve(
-            backend, flat.shape[0] * k.shape[0], flat.device, flat.dtype, flat.shape[1], kernel=None
+            opts.backend, flat.shape[0] * k.shape[0], flat.device, flat.dtype, flat.shape[1], kernel=None
         )
         if name == "triton":
             raise ValueError("multi-label supcon_loss has no Triton kernel: use backend='tiled'")
         with autocast_off(flat.device.type):
             if name == "reference":
-                rows, valid = _reference(flat, k, y, yk, scale, threshold, positives, include_self, normalize)
-                out = reduce_rows(rows, valid, reduction)
+                rows, valid = _reference(flat, k, y, yk, scale, threshold, positives, include_self, opts.normalize)
+                out = reduce_rows(rows, valid, opts.reduction)
             else:
                 dtype = compute_dtype(flat.dtype)
                 c, a, valid_b = row_weights(y, yk, threshold, positives, 0, 1024, dtype)
                 head = JaccardHead(y, yk, threshold, c, a, not include_self)
                 valid = valid_b.to(dtype)
                 weights = None
-                if reduction != "none":
-                    weights = (valid / valid.sum().clamp_min(1) if reduction == "mean" else valid, None)
-                out = backends.run(flat, k, scale, Problem(head, (), normalize), name, weights, block_size)
-    if reduction == "none" and embeddings.dim() == 3:
+                if opts.reduction != "none":
+                    weights = (valid / valid.sum().clamp_min(1) if opts.reduction == "mean" else valid, None)
+                out = backends.run(flat, k, scale, Problem(head, (), opts.normalize), name, weights, opts.block_size)
+    if opts.reduction == "none" and embeddings.dim() == 3:
         out = out.reshape(views, b).T
     return out
 
@@ -228,22 +207,17 @@ def _across(
     flat: Tensor,
     y: Tensor,
     ref: Optional[Tensor],
-    y_ref: Optional[Tensor],
+    ref_labels: Optional[Tensor],
     scale: Tensor,
     threshold: float,
     positives: str,
     include_self: bool,
-    normalize: bool,
-    reduction: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
+    opts: checks.Options,
 ) -> Tensor:
     """Multi-label SupCon over the global batch: this rank's rows against every
     rank's (and the queue's keys once)."""
-    cols = distributed.columns(flat, strategy, group, shared=ref)
-    yk = cols.gather(y, y_ref)
+    cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref)
+    yk = cols.gather(y, ref_labels)
     if cols.total - cols.shared < 2 and not include_self and ref is None:
         raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
     dtype = compute_dtype(flat.dtype)
@@ -251,11 +225,11 @@ def _across(
     head = JaccardHead(y, yk, threshold, c, a, not include_self, cols.offset)
     valid = valid_b.to(dtype)
     weights = None
-    if reduction != "none":
-        factor = distributed.grad_factor(grad_scale, group)
-        if reduction == "mean":
-            total = distributed.sum_across(valid.sum().reshape(1), group).clamp_min(1)
+    if opts.reduction != "none":
+        factor = distributed.grad_factor(opts.grad_scale, opts.process_group)
+        if opts.reduction == "mean":
+            total = distributed.sum_across(valid.sum().reshape(1), opts.process_group).clamp_min(1)
             weights = (valid * (factor / total), None)
         else:
             weights = (valid * factor, None)
-    return cols.run(flat, scale, Problem(head, (), normalize, cols.offset), weights, block_size)
+    return cols.run(flat, scale, Problem(head, (), opts.normalize, cols.offset), weights, opts.block_size)

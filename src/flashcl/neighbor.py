@@ -11,7 +11,6 @@ from torch import Tensor
 from . import checks, distributed, reference
 from .base import LossModule
 from .core import CoreSpec
-from .dispatch import check_across_ranks
 from .distributed import same_call_across_ranks
 from .reduction import reduce_core, reduce_weights
 from .scores import TiledScores, auto_scores_block, dense_rows
@@ -83,7 +82,7 @@ def neighbor_loss(
     checks.check_float_tensor(scores, "scores", (2,))
     neighbors = checks.check_index_tensor(neighbors, "neighbors")
     checks.check_bool(exclude_diagonal, "exclude_diagonal")
-    checks.Options(True, reduction, backend, block_size)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     rows, n = scores.shape
     if scores.shape[1] != rows and process_group is None:
         raise ValueError(f"scores must be square (n, n), got shape {tuple(scores.shape)}")
@@ -101,10 +100,7 @@ def neighbor_loss(
             "that already exists: use backend='tiled' (its only n x n allocation is the gradient)"
         )
     if process_group is not None:
-        check_across_ranks("neighbor_loss", strategy, grad_scale, backend=backend != "auto")
-        return _neighbor_across(
-            scores, neighbors.long(), exclude_diagonal, reduction, grad_scale, strategy, process_group, block_size
-        )
+        return _neighbor_across(scores, neighbors.long(), exclude_diagonal, opts)
     spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors.long(), pos_mode="pairs", normalize=False)
     with autocast_off(scores.device.type):
         return _run_scores(scores, spec, name, reduction, block_size)
@@ -127,27 +123,23 @@ def _neighbor_across(
     scores: Tensor,
     neighbors: Tensor,
     exclude_diagonal: bool,
-    reduction: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
+    opts: checks.Options,
 ) -> Tensor:
     """:func:`neighbor_loss` of the global matrix whose rows the ranks hold."""
     rows, n = scores.shape
-    sizes = distributed.row_counts(rows, scores.device, group)
+    sizes = distributed.row_counts(rows, scores.device, opts.process_group)
     if sum(sizes) != n:
         raise ValueError(
             f"with process_group, scores holds this rank's rows of the global (n, n) matrix: the ranks "
             f"hold {sum(sizes)} rows of {n} columns"
         )
-    offset = sum(sizes[: distributed.rank_of(group)])
+    offset = sum(sizes[: distributed.rank_of(opts.process_group)])
     spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors, pos_mode="pairs", normalize=False, offset=offset)
-    block = block_size or auto_scores_block(n)
+    block = opts.block_size or auto_scores_block(n)
     with autocast_off(scores.device.type):
-        if reduction == "none":
+        if opts.reduction == "none":
             return TiledScores.apply(scores, spec, None, block)
-        share = distributed.grad_factor(grad_scale, group) / (n if reduction == "mean" else 1)
+        share = distributed.grad_factor(opts.grad_scale, opts.process_group) / (n if opts.reduction == "mean" else 1)
         return TiledScores.apply(
             scores, spec, torch.full((rows,), share, dtype=compute_dtype(scores.dtype), device=scores.device), block
         )

@@ -13,7 +13,6 @@ from .base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
-    check_across_ranks,
     run_core,
     scale_dtype,
     unit_rows,
@@ -101,7 +100,7 @@ def nt_xent_loss(
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, decoupled=True, weighting="vmf")
     """
     z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
-    checks.Options(normalize, reduction, backend, block_size)
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     checks.check_choice(estimator, "estimator", ("standard", "debiased", "hard"))
     checks.check_bool(decoupled, "decoupled")
     if weighting is not None:
@@ -124,23 +123,8 @@ def nt_xent_loss(
         )
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, scale_dtype(z1))
     if process_group is not None:
-        check_across_ranks("nt_xent_loss", strategy, grad_scale, backend=backend != "auto")
         return _nt_xent_across(
-            z1,
-            z2,
-            scale,
-            normalize,
-            reduction,
-            grad_scale,
-            strategy,
-            process_group,
-            block_size,
-            decoupled,
-            weighting,
-            float(sigma),
-            estimator,
-            float(tau_plus),
-            float(beta),
+            z1, z2, scale, opts, decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta)
         )
     n = z1.shape[0]
     if estimator != "standard" and n < 2:
@@ -196,12 +180,7 @@ def _nt_xent_across(
     z1: Tensor,
     z2: Tensor,
     scale: Tensor,
-    normalize: bool,
-    reduction: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
+    opts: checks.Options,
     decoupled: bool,
     weighting: Optional[str],
     sigma: float,
@@ -214,7 +193,7 @@ def _nt_xent_across(
     with ``weighting="vmf"``, the pairs weighed) over the global batch."""
     n = z1.shape[0]
     z = torch.cat([z1, z2])
-    cols = distributed.columns(z, strategy, group)
+    cols = distributed.columns(z, opts.strategy, opts.process_group)
     if (decoupled or estimator != "standard") and cols.total < 4:
         raise ValueError(
             "decoupled=True and the debiased / hard estimators need at least 2 pairs in the global "
@@ -232,10 +211,12 @@ def _nt_xent_across(
             offset=cols.offset,
         )
         weights = None
-        if reduction != "none":
-            share = distributed.grad_factor(grad_scale, group) / (cols.total if reduction == "mean" else 1)
+        if opts.reduction != "none":
+            share = distributed.grad_factor(opts.grad_scale, opts.process_group) / (
+                cols.total if opts.reduction == "mean" else 1
+            )
             weights = (torch.full((2 * n,), share, dtype=dtype, device=z.device), None)
-        return cols.run(z, scale, Problem(head, (), normalize, cols.offset), weights, block_size)
+        return cols.run(z, scale, Problem(head, (), opts.normalize, cols.offset), weights, opts.block_size)
     index = partner.unsqueeze(1)
     weight: Optional[Tensor] = None
     exclude: Optional[Exclusions] = None
@@ -244,7 +225,7 @@ def _nt_xent_across(
         if weighting == "vmf":  # the positives' weights from a softmax over every rank's pairs
             with torch.no_grad():
                 sim = (unit_rows(z1.detach(), True) * unit_rows(z2.detach(), True)).sum(1) / sigma
-                every = distributed.gather_plain(sim, group)
+                every = distributed.gather_plain(sim, opts.process_group)
                 w = 2.0 - every.shape[0] * torch.exp(sim - torch.logsumexp(every, dim=0))
             weight = torch.cat([w, w]).to(dtype)
     spec = CoreSpec(
@@ -253,11 +234,11 @@ def _nt_xent_across(
         offset=cols.offset,
         index=index,
         pos_mode="sum",
-        normalize=normalize,
+        normalize=opts.normalize,
         exclude=exclude,
         positive_weight=weight,
     )
-    return distributed.run_across(z, cols, scale, spec, reduction, grad_scale, block_size)
+    return distributed.run_across(z, cols, scale, spec, opts)
 
 
 class NTXentLoss(LossModule):

@@ -13,7 +13,6 @@ from .base import LossModule, reject_pml_call, shared_docs
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
-    check_across_ranks,
     check_keys,
     class_ids,
     dense_ids,
@@ -217,44 +216,25 @@ def supcon_loss(
         embeddings = checks.check_float_tensor(embeddings, "embeddings", (2, 3))
         checks.check_choice(positives, "positives", ("mean", "sum"))
         checks.check_bool(include_self, "include_self")
-        checks.Options(normalize, reduction, backend, block_size)
+        opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
         threshold = _check_threshold(overlap_threshold)
         no_matryoshka(matryoshka_dims, matryoshka_weights, "multi-hot labels")
         if ref_self is not None:
             raise ValueError("ref_self takes class-id labels; with multi-hot labels, pass the queue as ref alone")
         if ref is not None:
             ref = check_keys(ref, "ref", embeddings).detach()
-        if process_group is not None:
-            check_across_ranks("supcon_loss", strategy, grad_scale, backend=backend != "auto")
         scale = 1.0 / checks.check_positive_scalar(
             temperature, "temperature", embeddings.device, scale_dtype(embeddings)
         )
-        return multilabel_supcon(
-            embeddings,
-            labels,
-            scale,
-            threshold,
-            positives,
-            include_self,
-            normalize,
-            reduction,
-            backend,
-            block_size,
-            ref,
-            ref_labels,
-            process_group,
-            strategy,
-            grad_scale,
-        )
+        return multilabel_supcon(embeddings, labels, scale, threshold, positives, include_self, opts, ref, ref_labels)
     if overlap_threshold != 0.3:
         _check_threshold(overlap_threshold)
         raise ValueError("overlap_threshold is for multi-hot (B, C) labels; these labels are class ids (B,)")
     embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3))
     checks.check_choice(positives, "positives", ("mean", "sum"))
     checks.check_bool(include_self, "include_self")
-    checks.Options(normalize, reduction, backend, block_size)
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     if process_group is not None:
-        check_across_ranks("supcon_loss", strategy, grad_scale, backend=backend != "auto")
         if ref is not None or ref_labels is not None or ref_self is not None:
             no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
             ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
@@ -267,12 +247,7 @@ def supcon_loss(
             scale,
             positives,
             include_self,
-            normalize,
-            reduction,
-            grad_scale,
-            strategy,
-            process_group,
-            block_size,
+            opts,
             ref,
             ref_labels,
             ref_self,
@@ -339,12 +314,7 @@ def _supcon_across(
     scale: Tensor,
     positives: str,
     include_self: bool,
-    normalize: bool,
-    reduction: str,
-    grad_scale: str,
-    strategy: str,
-    group: Any,
-    block_size: Optional[int],
+    opts: checks.Options,
     ref: Optional[Tensor],
     ref_labels: Optional[Tensor],
     ref_self: Optional[Tensor],
@@ -368,12 +338,12 @@ def _supcon_across(
             col_labels=col_ids,
             num_classes=num_classes,
             pos_mode=positives,
-            normalize=normalize,
+            normalize=opts.normalize,
             self_index=ref_self,
         )
-        local = distributed.Columns(ref, 0, [ref.shape[0]], False, group)
-        return distributed.run_across(flat, local, scale, spec, reduction, grad_scale, block_size)
-    cols = distributed.columns(flat, strategy, group, shared=ref)
+        local = distributed.Columns(ref, 0, [ref.shape[0]], False, opts.process_group)
+        return distributed.run_across(flat, local, scale, spec, opts)
+    cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref)
     all_labels = cols.gather(labels, None if ref_labels is None else ref_labels.long())
     if cols.total - cols.shared < 2 and not include_self and ref is None:
         raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
@@ -386,10 +356,10 @@ def _supcon_across(
         col_labels=ids,
         num_classes=num_classes,
         pos_mode=positives,
-        normalize=normalize,
+        normalize=opts.normalize,
     )
-    out = distributed.run_across(flat, cols, scale, spec, reduction, grad_scale, block_size, widths=widths)
-    return out.reshape(views, b).T if reduction == "none" and embeddings.dim() == 3 else out
+    out = distributed.run_across(flat, cols, scale, spec, opts, widths=widths)
+    return out.reshape(views, b).T if opts.reduction == "none" and embeddings.dim() == 3 else out
 
 
 class SupConLoss(LossModule):
