@@ -23,27 +23,24 @@ every anchor row ``i``::
 
 ``both_directions`` adds the column direction of CLIP: for every column ``j``,
 ``col_loss_j = LSE_i s_ij - a'_j sum_{i in Pos'(j)} s_ij`` (M == N), with the
-positives seen from the columns (:meth:`CoreSpec.column_spec`): the diagonal, or
+positives seen from the columns (:func:`flashcl.lowering.column_spec`): the diagonal, or
 with labels every row of the same label (``pos_mode="mean"``: their mean).
 
-:meth:`CoreSpec.problem` turns the configuration into the engine's form
-(:mod:`flashcl.engine`): a softmax head and a positive (linear) term; the
-reference backend (:mod:`flashcl.reference`) reads the spec directly.
+:mod:`flashcl.lowering` turns the configuration into the engine's form
+(:mod:`flashcl.engine`): a softmax head and a positive (linear) term. The
+reference backend (:mod:`flashcl.reference`) reads the configuration directly:
+this module imports nothing of the engine, so that the oracle shares no code
+with what it checks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .engine import Problem
-from .heads import Exclusions, SoftmaxHead
-from .positives import Positives, PositiveTerm
-from .utils import compute_dtype
+from .tile import Exclusions
 
 POS_MODES = ("mean", "sum", "pairs")
 
@@ -69,7 +66,7 @@ class CoreSpec:
             ``i + offset`` (a queue's slot of the anchor), -1 for none; it is left out
             of the denominator (``exclude_self``) and of the positives (``self_pairs``).
         exclude: further entries out of the denominators
-            (:class:`~flashcl.heads.Exclusions`: per-row columns, or a mask function).
+            (:class:`~flashcl.tile.Exclusions`: per-row columns, or a mask function).
         positive_weight: (M,) a factor on each row's positive term (decoupled DCLW's
             weights), or None.
     """
@@ -87,99 +84,3 @@ class CoreSpec:
     self_index: Optional[Tensor] = None
     exclude: Optional[Exclusions] = None
     positive_weight: Optional[Tensor] = None
-
-    def self_column(self, i: int) -> int:
-        """The column of anchor ``i`` itself (may lie outside the candidates)."""
-        return int(self.self_index[i]) if self.self_index is not None else i + self.offset
-
-    def self_mask(self, m: int, n: int, device: torch.device) -> Tensor:
-        """(m, n) bool: True at the column of each anchor itself."""
-        cols = self.self_index if self.self_index is not None else torch.arange(m, device=device) + self.offset
-        return cols.to(device).unsqueeze(1) == torch.arange(n, device=device).unsqueeze(0)
-
-    def positive_counts(self, m: int) -> Tensor:
-        """|Pos(i)| with multiplicity, shape (m,), int64; computed in O(M + N)."""
-        n = self.col_labels.shape[0] if self.col_labels is not None else 0
-        return self.positives().counts(m, n)
-
-    def weights(self, m: int, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-        """The per-row weights ``(c, a)`` of the LSE term and of the positive sum."""
-        counts = self.positive_counts(m).to(dtype)
-        ones = torch.ones_like(counts)
-        if self.pos_mode == "mean":
-            has = counts > 0
-            return has.to(dtype), torch.where(has, 1.0 / counts.clamp_min(1), torch.zeros_like(counts))
-        if self.pos_mode == "pairs":
-            return counts, ones
-        return ones, ones
-
-    def valid_rows(self, m: int) -> Tensor:
-        """Rows that take part in a ``"mean"`` reduction: all, except rows without
-        a positive under ``pos_mode="mean"`` (their term is undefined)."""
-        if self.pos_mode == "mean":
-            return self.positive_counts(m) > 0
-        return torch.ones(m, dtype=torch.bool, device=self._device())
-
-    def _device(self) -> torch.device:
-        for t in (self.index, self.row_labels):
-            if t is not None:
-                return t.device
-        return torch.device("cpu")
-
-    def positives(self) -> Positives:
-        return Positives(
-            index=self.index,
-            row_labels=self.row_labels,
-            col_labels=self.col_labels,
-            num_classes=self.num_classes,
-            self_pairs=self.self_pairs,
-            offset=self.offset,
-            self_index=self.self_index,
-        )
-
-    def column_spec(self) -> CoreSpec:
-        """The column direction of ``both_directions`` seen from the columns: the same
-        positives with rows and columns swapped (the diagonal stays the diagonal)."""
-        return CoreSpec(
-            row_labels=self.col_labels,
-            col_labels=self.row_labels,
-            num_classes=self.num_classes,
-            index=self.index,
-            pos_mode=self.pos_mode,
-            normalize=self.normalize,
-        )
-
-    def problem(self, m: int, n: int, dtype: torch.dtype) -> Problem:
-        """The engine's form: a :class:`~flashcl.heads.SoftmaxHead` with the LSE weights
-        ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``both_directions``, the
-        column direction's positive term too: ``-s_jj``, or with labels the mean of
-        column ``j``'s same-label scores)."""
-        c, a = self.weights(m, dtype)
-        if self.positive_weight is not None:
-            a = a * self.positive_weight
-        head = SoftmaxHead(
-            c,
-            exclude_self=self.exclude_self,
-            offset=self.offset,
-            columns=self.both_directions,
-            self_index=self.self_index,
-            exclude=self.exclude,
-        )
-        linears = [PositiveTerm(self.positives(), a)]
-        if self.both_directions:
-            cols = self.column_spec()
-            linears.append(PositiveTerm(cols.positives(), cols.weights(n, dtype)[1], target="col"))
-        return Problem(head, tuple(linears), self.normalize, self.offset)
-
-
-def prepare(q: Tensor, k: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Tensor]:
-    """Cast to the compute dtype and L2-normalise rows (autograd-tracked, never in
-    place); ``k=None`` means ``k = q`` (normalised once)."""
-    dtype = compute_dtype(q.dtype)
-    q = q.to(dtype)
-    same = k is None
-    k = q if k is None else k.to(dtype)
-    if normalize:
-        q = F.normalize(q, dim=1)
-        k = q if same else F.normalize(k, dim=1)
-    return q, k

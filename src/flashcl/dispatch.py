@@ -47,7 +47,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import backends, checks, matryoshka, reference
+from . import backends, checks, lowering, matryoshka, reference
 from .core import CoreSpec
 from .engine import Problem
 from .heads import SoftmaxHead
@@ -89,7 +89,7 @@ def run_core(
     m = q.shape[0]
     n = m if k is None else k.shape[0]
     dtype = compute_dtype(q.dtype)
-    problem = spec.problem(m, n, dtype)
+    problem = lowering.problem(spec, m, n, dtype)
     name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=problem.head.kernel)
     if name == "reference":
         with autocast_off(q.device.type):
@@ -145,7 +145,7 @@ def matryoshka_core(
     ds, ws = matryoshka.check_dims(dims, weights, q.shape[-1])
     m = q.shape[0]
     n = m if k is None else k.shape[0]
-    problem = spec.problem(m, n, compute_dtype(q.dtype))
+    problem = lowering.problem(spec, m, n, compute_dtype(q.dtype))
     name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
     if name == "triton":
         raise ValueError(

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import backends, checks, engine
+from . import backends, checks, engine, lowering
 from .core import CoreSpec
 from .engine import Problem
 from .ring import RingDriver
@@ -328,7 +328,7 @@ def run_across(
             rows = torch.stack(parts).sum(0)
         else:
             rows = matryoshka_core(q, cols.keys, scale, spec, widths[0], widths[1], "none", "tiled", opts.block_size)
-        valid = spec.valid_rows(q.shape[0]).to(device=q.device, dtype=rows.dtype)
+        valid = lowering.valid_rows(spec, q.shape[0]).to(device=q.device, dtype=rows.dtype)
         if valid_weight is not None:
             valid = valid * valid_weight
         return reduce_across(rows, valid, opts.reduction, opts.grad_scale, group)
@@ -337,7 +337,7 @@ def run_across(
     factor = grad_factor(opts.grad_scale, group)
     weights = None
     if opts.reduction != "none":
-        valid = spec.valid_rows(m).to(device=q.device, dtype=dtype)
+        valid = lowering.valid_rows(spec, m).to(device=q.device, dtype=dtype)
         if opts.reduction == "mean":
             total = _global_count(valid.sum().reshape(1), group).clamp_min(1)
             r = valid * (factor / total)
@@ -346,7 +346,7 @@ def run_across(
         if valid_weight is not None:
             r = r * valid_weight
         weights = (r, None)
-    return cols.run(q, scale, spec.problem(m, cols.total, dtype), weights, opts.block_size)
+    return cols.run(q, scale, lowering.problem(spec, m, cols.total, dtype), weights, opts.block_size)
 
 
 def reduce_across(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, group: Any) -> Tensor:

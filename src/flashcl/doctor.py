@@ -518,8 +518,6 @@ def _close(a: float, b: float) -> bool:
 def _grads(make_loss: Callable[[], Tensor], inputs: Sequence[Any]) -> Tuple[float, List[Tensor]]:
     """(value, gradients of the floating inputs that require grad)."""
     leaves = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
-    for t in leaves:
-        t.grad = None
     loss = make_loss()
     grads = list(torch.autograd.grad(loss, leaves, allow_unused=True)) if loss.requires_grad and leaves else []
     return float(loss.detach()), [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]

@@ -19,8 +19,9 @@ from .dispatch import (
 )
 from .distributed import same_call_across_ranks
 from .engine import Problem
-from .heads import Exclusions, SoftmaxHead, Tile
+from .heads import SoftmaxHead, Tile
 from .reduction import reduce_rows
+from .tile import Exclusions
 from .utils import autocast_off, compute_dtype
 
 

@@ -42,7 +42,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .tile import Tile
+from .tile import Exclusions, Tile
 
 __all__ = [
     "Tile",
@@ -76,27 +76,6 @@ def mask_columns_(s: Tensor, tile: Tile, index: Tensor, value: float) -> None:
     inside = (idx >= 0) & (local >= 0) & (local < tile.c1 - tile.c0)
     rows = torch.arange(idx.shape[0], device=s.device).unsqueeze(1).expand_as(idx)
     s[rows[inside], local[inside]] = value
-
-
-class Exclusions:
-    """Entries left out of each row's denominator, beyond the self entry: per-row
-    columns ``index`` (M, k) (a key that is the anchor itself in a queue, a positive
-    kept out of the denominator), and/or ``fn(tile) -> bool mask`` of the tile's
-    entries to leave out (same-label keys, a guide model's false negatives).
-
-    Args:
-        index: (M, k) or (M,) int64 columns, -1 for none; or None.
-        fn: a function of a :class:`Tile` returning a (rows, cols) boolean mask; or None.
-    """
-
-    def __init__(self, index: Optional[Tensor] = None, fn: Optional[Any] = None) -> None:
-        self.index, self.fn = index, fn
-
-    def apply_(self, s: Tensor, tile: Tile, value: float) -> None:
-        if self.index is not None:
-            mask_columns_(s, tile, self.index, value)
-        if self.fn is not None:
-            s.masked_fill_(self.fn(tile), value)
 
 
 def scratch(buf: Tensor, like: Tensor) -> Tensor:
@@ -338,7 +317,10 @@ class SoftmaxHead(Head):
             else:
                 mask_columns_(s, tile, self.self_index, value)
         if self.exclude is not None:
-            self.exclude.apply_(s, tile, value)
+            if self.exclude.index is not None:
+                mask_columns_(s, tile, self.exclude.index, value)
+            if self.exclude.fn is not None:
+                s.masked_fill_(self.exclude.fn(tile), value)
 
     @property
     def masks(self) -> bool:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference
+from . import backends, checks, distributed, lowering, reference
 from .base import LossModule, shared_docs
 from .core import CoreSpec
 from .dispatch import (
@@ -23,8 +23,9 @@ from .dispatch import (
     unit_rows,
 )
 from .distributed import same_call_across_ranks
-from .heads import Exclusions, SoftmaxHead, Tile
+from .heads import SoftmaxHead, Tile
 from .reduction import reduce_rows
+from .tile import Exclusions
 from .utils import autocast_off, compute_dtype
 
 
@@ -92,7 +93,7 @@ def _info_nce_with_negatives(
         return reduce_rows(rows, valid, reduction)
     with autocast_off(query.device.type):
         q, kk = unit_rows(query, spec.normalize), unit_rows(keys, spec.normalize)
-        pos_spec = spec.positives()
+        pos_spec = lowering.positives(spec)
         pos = pos_spec.sums(q, kk)
         counts = pos_spec.counts(b, n).to(dtype)
         ones = torch.ones(b, dtype=dtype, device=query.device)

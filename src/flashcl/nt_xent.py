@@ -20,8 +20,8 @@ from .dispatch import (
 from .distributed import same_call_across_ranks
 from .engine import Problem
 from .estimators import DebiasedHead
-from .heads import Exclusions
 from .reduction import reduce_rows
+from .tile import Exclusions
 from .utils import autocast_off, compute_dtype
 
 

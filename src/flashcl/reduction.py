@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import lowering
 from .core import CoreSpec
 
 
@@ -21,7 +22,7 @@ def reduce_weights(
         return full, full
     if reduction == "sum":
         return torch.ones(m, dtype=dtype, device=device), None
-    valid = spec.valid_rows(m).to(device=device, dtype=dtype)
+    valid = lowering.valid_rows(spec, m).to(device=device, dtype=dtype)
     return valid / valid.sum().clamp_min(1), None
 
 

@@ -3,7 +3,9 @@
 Slow (a Python loop over anchors and over their positives) and obviously
 correct: it is the oracle that every other backend is tested against, and the
 "naive" line of the benchmarks. It counts each anchor's positives itself rather
-than trusting :meth:`CoreSpec.weights`, so that it checks that code too.
+than trusting :mod:`flashcl.lowering`'s weights, so that it checks that code too;
+it imports nothing of the engine, its heads or its preparation (a mistake there
+would otherwise be made twice and agree).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _excluded(spec: CoreSpec, i: int, n: int, device: torch.device) -> List[bool
 def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
     """Loss of anchor ``i`` from its row of scores ``sims`` (N,)."""
     n = sims.shape[0]
-    own = spec.self_column(i)
+    own = int(spec.self_index[i]) if spec.self_index is not None else i + spec.offset
     out = _excluded(spec, i, n, sims.device)
     den: List[int] = [j for j in range(n) if not (spec.exclude_self and j == own) and not out[j]]
     lse = torch.logsumexp(sims[den], dim=0)
@@ -77,6 +79,25 @@ def _row_loss(sims: Tensor, i: int, spec: CoreSpec) -> Tensor:
     return lse - pos_sum
 
 
+def _column_loss(sims: Tensor, j: int, spec: CoreSpec) -> Tensor:
+    """Loss of column ``j`` in the column direction (CLIP's text-to-image) from its
+    column of scores ``sims`` (M,): the LSE over every row, less the positives seen
+    from the column: the rows whose positive columns hold ``j``, or with labels the
+    rows of ``j``'s label."""
+    lse = torch.logsumexp(sims, dim=0)
+    if spec.index is not None:
+        pos = [i for i in range(sims.shape[0]) for c in spec.index[i].tolist() if c == j]
+    else:
+        assert spec.row_labels is not None and spec.col_labels is not None
+        pos = [i for i in range(sims.shape[0]) if int(spec.row_labels[i]) == int(spec.col_labels[j])]
+    pos_sum = sum((sims[i] for i in pos), sims.new_zeros(()))
+    if spec.pos_mode == "mean":
+        return lse - pos_sum / len(pos) if pos else 0.0 * lse
+    if spec.pos_mode == "pairs":
+        return len(pos) * lse - pos_sum
+    return lse - pos_sum
+
+
 def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> Tuple[Tensor, Optional[Tensor]]:
     """Row losses (M,) and, for ``spec.both_directions``, column losses (N,); ``k=None`` means ``k = q``."""
     q, k = prepare(q, k, spec.normalize)
@@ -88,8 +109,7 @@ def core_loss(q: Tensor, k: Optional[Tensor], scale: Tensor, spec: CoreSpec) -> 
     row_loss = torch.stack(rows)
     col_loss = None
     if spec.both_directions:
-        col_spec = spec.column_spec()
-        col_loss = torch.stack([_row_loss((q @ k[j]) * scale, j, col_spec) for j in range(k.shape[0])])
+        col_loss = torch.stack([_column_loss((q @ k[j]) * scale, j, spec) for j in range(k.shape[0])])
     return row_loss, col_loss
 
 

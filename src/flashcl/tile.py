@@ -5,8 +5,11 @@ reference backend all speak."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
-__all__ = ["Tile"]
+from torch import Tensor
+
+__all__ = ["Tile", "Exclusions"]
 
 
 @dataclass(frozen=True)
@@ -33,3 +36,18 @@ class Tile:
         columns are the same samples, offset 0), tile ``(c, r)`` of the transposed
         scores is tile ``(c, r)`` of the problem, since ``s_ji = s_ij``."""
         return Tile(self.c0, self.c1, self.r0, self.r1, -self.offset)
+
+
+class Exclusions:
+    """Entries left out of each row's denominator, beyond the self entry: per-row
+    columns ``index`` (M, k) (a key that is the anchor itself in a queue, a positive
+    kept out of the denominator), and/or ``fn(tile) -> bool mask`` of the tile's
+    entries to leave out (same-label keys, a guide model's false negatives).
+
+    Args:
+        index: (M, k) or (M,) int64 columns, -1 for none; or None.
+        fn: a function of a :class:`Tile` returning a (rows, cols) boolean mask; or None.
+    """
+
+    def __init__(self, index: Optional[Tensor] = None, fn: Optional[Any] = None) -> None:
+        self.index, self.fn = index, fn

@@ -51,7 +51,8 @@ from torch import Tensor, nn
 from .. import backends, distributed, matryoshka
 from .. import functional as Fn
 from ..engine import Problem
-from ..heads import Exclusions, SoftmaxHead, Tile
+from ..heads import SoftmaxHead, Tile
+from ..tile import Exclusions
 from ..utils import compute_dtype
 
 try:
