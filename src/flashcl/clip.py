@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import backends, checks, distributed, reference
 from .base import LossModule, reject_open_clip_keywords, shared_docs
+from .compiled import compiles
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
@@ -31,6 +32,7 @@ from .utils import autocast_off, compute_dtype
 
 
 @shared_docs
+@compiles()
 def clip_loss(
     image_embeds: Tensor,
     text_embeds: Tensor,
@@ -252,6 +254,7 @@ def siglip_problem(
 
 
 @shared_docs
+@compiles()
 def siglip_loss(
     image_embeds: Tensor,
     text_embeds: Tensor,

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from . import backends, checks, distributed
 from .base import LossModule, shared_docs
+from .compiled import compiles
 from .dispatch import Scalar, scale_dtype, unit_rows
 from .distributed import same_call_across_ranks
 from .engine import Problem
@@ -85,6 +86,7 @@ class SoftTargetHead(Head):
 
 
 @shared_docs
+@compiles()
 def distill_loss(
     q: Tensor,
     k: Tensor,

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import backends, checks, distributed, reference
 from .base import LossModule, shared_docs
+from .compiled import compiles
 from .dispatch import (
     Scalar,
     check_keys,
@@ -39,6 +40,7 @@ def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) 
 
 
 @shared_docs
+@compiles()
 def gist_loss(
     anchor: Tensor,
     positive: Tensor,

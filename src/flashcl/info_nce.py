@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import backends, checks, distributed, lowering, reference
 from .base import LossModule, shared_docs
+from .compiled import compiles
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
@@ -111,6 +112,7 @@ def _info_nce_with_negatives(
 
 
 @shared_docs
+@compiles()
 def info_nce_loss(
     query: Tensor,
     keys: Tensor,

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from . import checks, distributed
 from .base import DOCS, shared_docs
+from .compiled import compiles
 from .dispatch import check_keys, row_lse, unit_rows
 from .heads import SoftmaxHead
 from .tiled import auto_block
@@ -27,6 +28,7 @@ DOCS["metric_process_group"] = """process_group: None, or a group of ``torch.dis
 
 
 @shared_docs
+@compiles()
 def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, process_group: Any = None) -> Tensor:
     """Alignment of positive pairs (Wang & Isola, 2020): ``mean_i |x_i - y_i|^alpha``,
     their ``align_loss``; differentiable, usable as a loss. Pass L2-normalised
@@ -57,6 +59,7 @@ def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, process_group: Any = 
 
 
 @shared_docs
+@compiles()
 def uniformity(x: Tensor, t: float = 2.0, *, block_size: Optional[int] = None, process_group: Any = None) -> Tensor:
     """Uniformity (Wang & Isola, 2020): ``log mean_{i<j} exp(-t |x_i - x_j|^2)``, their
     ``uniform_loss``, without the B(B-1)/2 distances ``torch.pdist`` holds: a

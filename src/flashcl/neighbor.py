@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import checks, distributed, reference
 from .base import LossModule
+from .compiled import compiles
 from .core import CoreSpec
 from .distributed import same_call_across_ranks
 from .reduction import reduce_core, reduce_weights
@@ -22,6 +23,7 @@ _SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
 }
 
 
+@compiles()
 def neighbor_loss(
     scores: Tensor,
     neighbors: Tensor,

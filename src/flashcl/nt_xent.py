@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import backends, checks, distributed, reference
 from .base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
+from .compiled import compiles
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
@@ -26,6 +27,7 @@ from .utils import autocast_off, compute_dtype
 
 
 @shared_docs
+@compiles(rows=lambda z1: (2 * z1.shape[0],))
 def nt_xent_loss(
     z1: Tensor,
     z2: Tensor,

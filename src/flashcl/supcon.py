@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import backends, checks, distributed, reference
 from .base import LossModule, reject_pml_call, shared_docs
+from .compiled import compiles
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
@@ -116,6 +117,7 @@ def _supcon_with_ref(
 
 
 @shared_docs
+@compiles()
 def supcon_loss(
     embeddings: Tensor,
     labels: Tensor,

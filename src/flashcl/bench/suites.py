@@ -309,6 +309,26 @@ def requested(mode: str, device: str) -> List[Case]:
     return cases
 
 
+def compile_suite(mode: str, device: str) -> List[Case]:
+    """A training step (small MLP encoder, SupCon or CLIP, backward, SGD step) eager
+    against ``torch.compile(fullgraph=True)`` of the encoder and the loss, B = 4096,
+    D = 256: time per step (the best of 3 after the first, which compiles) and peak
+    memory."""
+    b, d = _size(mode, (256, 32), (4096, 256), (4096, 256))
+    return [
+        {
+            "group": f"compile: {loss}",
+            "label": impl,
+            "workload": "compiled_step",
+            "repeats": 3,
+            "cap_s": 900.0,
+            "params": {"B": b, "D": d, "loss": loss, "impl": impl, "device": device},
+        }
+        for loss in ("supcon", "clip")
+        for impl in ("eager", "compiled")
+    ]
+
+
 def dist(mode: str, device: str) -> List[Case]:
     """flashcl.distributed SupCon across processes (gloo, one machine): per-rank
     time and peak memory against the world size at a fixed global batch, and
@@ -502,6 +522,7 @@ SUITES = {
     "scale": scale,
     "dist": dist,
     "requested": requested,
+    "compile": compile_suite,
     "gpu": gpu,
     "beyond": beyond,
     "train": train,

@@ -542,6 +542,46 @@ def requested(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, leaves, dev), sum(x.numel() * x.element_size() for x in leaves)
 
 
+def compiled_step(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """A training step of a small MLP encoder (D -> 2D -> D) on B inputs with a
+    flashcl loss (``loss``: ``supcon``, 10 classes, or ``clip``, two towers through
+    the same encoder): the forward through the loss, its backward and an SGD step.
+    ``impl``: ``eager``, or ``compiled`` (the encoder and the loss under
+    ``torch.compile(fullgraph=True)``: one graph, the loss one operator in it; the
+    first step's time holds the compilation)."""
+    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
+    g = _gen(p)
+    torch.manual_seed(int(p.get("seed", 0)))
+    encoder = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d)).to(dev)
+    opt = torch.optim.SGD(encoder.parameters(), lr=0.01)
+    x, x2 = torch.randn(b, d, generator=g).to(dev), torch.randn(b, d, generator=g).to(dev)
+    labels = torch.randint(0, 10, (b,), generator=g).to(dev)
+    if p["loss"] == "supcon":
+        forward = lambda: flashcl.supcon_loss(encoder(x), labels, temperature=0.1)  # noqa: E731
+    elif p["loss"] == "clip":
+        forward = lambda: flashcl.clip_loss(encoder(x), encoder(x2), logit_scale=14.3)  # noqa: E731
+    else:
+        raise ValueError(f"unknown compiled_step loss {p['loss']!r}")
+    if impl == "compiled":
+        forward = torch.compile(forward, fullgraph=True)
+    elif impl != "eager":
+        raise ValueError(f"unknown compiled_step impl {impl!r}")
+
+    def step() -> Tuple[float, float]:
+        opt.zero_grad(set_to_none=True)
+        _sync(dev)
+        t0 = time.perf_counter()
+        loss = forward()
+        _sync(dev)
+        fwd = time.perf_counter() - t0
+        loss.backward()
+        opt.step()
+        _sync(dev)
+        return float(loss.detach()), fwd
+
+    return step, sum(q.numel() * q.element_size() for q in encoder.parameters())
+
+
 WORKLOADS: Dict[str, Workload] = {
     "gemm3": gemm3,
     "supcon": supcon,
@@ -555,4 +595,5 @@ WORKLOADS: Dict[str, Workload] = {
     "train_step": train_step,
     "matryoshka": matryoshka_widths,
     "requested": requested,
+    "compiled_step": compiled_step,
 }
