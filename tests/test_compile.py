@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import flashcl
-from helpers import CASES, TOL, assert_close
+from flashcl.compiled import operator_args
+from helpers import CASES, TOL, assert_close, moved
 
 AOT = "aot_eager"  # dynamo + AOTAutograd (the forward and backward graphs) without inductor's codegen
 
@@ -122,6 +123,49 @@ def _eager_gist(module, a, p, ga, gp):
     return want.detach(), torch.autograd.grad(want, a)
 
 
+def _multi_hot(b: int, c: int) -> torch.Tensor:
+    return torch.rand(b, c, generator=torch.Generator().manual_seed(1)) < 0.4
+
+
+# The losses and metrics outside the case table: (name, function, differentiable
+# inputs, other positional inputs, keyword arguments).
+MORE = [
+    (
+        "distill",
+        flashcl.distill_loss,
+        [(10, 8), (10, 8)],
+        [torch.randn(10, 5), torch.randn(10, 5)],
+        {"scale": 10.0, "teacher_scale": 20.0},
+    ),
+    (
+        "distill_symmetric",
+        flashcl.distill_loss,
+        [(10, 8), (10, 8), (10, 5), (10, 5)],
+        [],
+        {"scale": 10.0, "teacher_scale": 20.0, "symmetric": True},
+    ),
+    ("supcon_multi_label", flashcl.supcon_loss, [(12, 8)], [_multi_hot(12, 5)], {"overlap_threshold": 0.2}),
+    ("info_nce_label_smoothing", flashcl.info_nce_loss, [(10, 8), (10, 8)], [], {"label_smoothing": 0.1}),
+    ("clip_label_smoothing", flashcl.clip_loss, [(10, 8), (10, 8)], [], {"logit_scale": 14.0, "label_smoothing": 0.1}),
+    ("alignment", flashcl.metrics.alignment, [(10, 8), (10, 8)], [], {"alpha": 2.0}),
+    ("uniformity", flashcl.metrics.uniformity, [(10, 8)], [], {"t": 2.0, "block_size": 4}),
+]
+
+
+@pytest.mark.parametrize("name, fn, shapes, extra, kwargs", MORE, ids=[m[0] for m in MORE])
+def test_other_losses_and_metrics_compile_whole(name, fn, shapes, extra, kwargs) -> None:
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(*shape, generator=g) for shape in shapes]
+
+    def run(f):
+        leaves = [x.clone().requires_grad_(True) for x in xs]
+        out = f(*leaves, *extra, **kwargs)
+        return out.detach(), torch.autograd.grad(out, leaves)
+
+    _assert_same(run(torch.compile(fn, fullgraph=True, backend=AOT)), run(fn), name)
+
+
 def test_learnable_scale_and_tensor_options_get_gradients() -> None:
     torch._dynamo.reset()
     scale = flashcl.LogitScale()
@@ -191,14 +235,16 @@ def test_second_derivative_through_compiled_loss_is_refused() -> None:
     assert torch.autograd.grad(g.square().sum(), x)[0].abs().sum() > 0
 
 
-def test_operator_fake_matches_real() -> None:
-    x = torch.randn(10, 6, requires_grad=True)
-    labels = torch.arange(10) % 3
-    for reduction in ("mean", "none"):
-        spec = repr(([("__flashcl_tensor__", 0), ("__flashcl_tensor__", 1)], {"reduction": reduction}))
-        torch.library.opcheck(
-            torch.ops.flashcl.loss.default, ("supcon_loss", spec, [x, labels], [True, False], reduction != "none")
-        )
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_operator_fake_matches_real(name: str, reduction: str) -> None:
+    """The fake implementation's shapes, dtypes and strides are the real outputs'
+    (torch.library.opcheck), for every case of the table."""
+    case = CASES[name]
+    inputs = [t.detach().float().requires_grad_(True) for t in case.tensors]
+    kwargs = {k: moved(v, "cpu", torch.float32) for k, v in case.kwargs.items()}
+    args = operator_args(case.fn.__name__, [*inputs, *case.extra], dict(kwargs, reduction=reduction))
+    torch.library.opcheck(torch.ops.flashcl.loss.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.slow
@@ -207,3 +253,28 @@ def test_inductor_fullgraph(name: str) -> None:
     case = CASES[name]
     eager = case.run("auto", "mean", dtype=torch.float32)
     _assert_same(_compiled(case, backend="inductor").run("auto", "mean", dtype=torch.float32), eager, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["supcon", "clip", "info_nce_hard_neg"])
+def test_half_precision_compiled_equals_eager(name: str, dtype: torch.dtype) -> None:
+    case = CASES[name]
+    inputs = [t.detach().to(dtype).requires_grad_(True) for t in case.tensors]
+    kwargs = {k: moved(v, "cpu", dtype) for k, v in case.kwargs.items()}
+    torch.library.opcheck(
+        torch.ops.flashcl.loss.default,
+        operator_args(case.fn.__name__, [*inputs, *case.extra], kwargs),
+        test_utils=("test_faketensor",),
+    )
+    torch._dynamo.reset()
+
+    def run(f):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        out = f(*leaves, *case.extra, **kwargs)
+        return out.detach(), torch.autograd.grad(out, leaves)
+
+    got, want = run(torch.compile(case.fn, fullgraph=True, backend=AOT)), run(case.fn)
+    assert got[0].dtype == want[0].dtype
+    assert torch.equal(got[0], want[0])  # the same eager computation inside the operator
+    for a, e in zip(got[1], want[1]):
+        assert a.dtype == e.dtype and torch.equal(a, e)

@@ -33,13 +33,14 @@ from torch import Tensor
 
 from .utils import compute_dtype
 
-__all__ = ["compiles", "LOSSES"]
+__all__ = ["compiles", "operator_args", "LOSSES"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: The public losses by name, as the operators find them.
 LOSSES: Dict[str, Callable[..., Tensor]] = {}
 _ROWS: Dict[str, Callable[[Tensor], Sequence[Any]]] = {}
+_DEFAULT_REDUCTION: Dict[str, str] = {}
 
 _TENSOR = "__flashcl_tensor__"
 _NUMBER = "__flashcl_number__"
@@ -128,16 +129,22 @@ def _gradients(out: Tensor, leaves: Sequence[Tensor], needs_grad: Sequence[bool]
 
 
 def _unaliased(outputs: List[Tensor], inputs: Sequence[Tensor]) -> List[Tensor]:
-    """``outputs`` with a copy of each one that shares memory with an input or an
-    earlier output (an operator's outputs may not alias; two inputs' gradients can
-    be views of one buffer, as NT-Xent's two views are of one batch)."""
+    """``outputs`` contiguous (the strides the fake implementation promises), with
+    a copy of each one that shares memory with an input or an earlier output (an
+    operator's outputs may not alias; two inputs' gradients can be views of one
+    buffer, as NT-Xent's two views are of one batch)."""
     seen = {t.untyped_storage().data_ptr() for t in inputs}
     result = []
     for t in outputs:
+        t = t.contiguous()
         ptr = t.untyped_storage().data_ptr()
         result.append(t.clone() if ptr in seen else t)
         seen.add(ptr)
     return result
+
+
+def _contiguous_like(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 @torch.library.custom_op("flashcl::loss", mutates_args=())
@@ -155,7 +162,7 @@ def _loss_fake(name: str, spec: str, tensors: List[Tensor], needs_grad: List[boo
     dtype = compute_dtype(first.dtype)
     if not fused:  # reduction="none": one loss per row
         return [first.new_empty(_ROWS[name](first), dtype=dtype)]
-    return [first.new_empty((), dtype=dtype), *[torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]]
+    return [first.new_empty((), dtype=dtype), *[_contiguous_like(t) for t, need in zip(tensors, needs_grad) if need]]
 
 
 @torch.library.custom_op("flashcl::loss_backward", mutates_args=())
@@ -171,7 +178,7 @@ def _loss_backward_op(
 def _loss_backward_fake(
     name: str, spec: str, tensors: List[Tensor], needs_grad: List[bool], grad_out: Tensor
 ) -> List[Tensor]:
-    return [torch.empty_like(t) for t, need in zip(tensors, needs_grad) if need]
+    return [_contiguous_like(t) for t, need in zip(tensors, needs_grad) if need]
 
 
 def _setup(ctx: Any, inputs: Tuple[Any, ...], output: List[Tensor]) -> None:
@@ -201,8 +208,7 @@ def compiles(rows: Callable[[Tensor], Sequence[Any]] = lambda x: x.shape[:-1]) -
 
     def wrap(fn: F) -> F:
         name = fn.__name__
-        LOSSES[name], _ROWS[name] = fn, rows
-        default = _default_reduction(fn)
+        LOSSES[name], _ROWS[name], _DEFAULT_REDUCTION[name] = fn, rows, _default_reduction(fn)
 
         @functools.wraps(fn)
         def loss(*args: Any, **kwargs: Any) -> Tensor:
@@ -213,16 +219,24 @@ def compiles(rows: Callable[[Tensor], Sequence[Any]] = lambda x: x.shape[:-1]) -
                     f"{name}: process_group cannot run inside torch.compile (its collectives run outside "
                     "the graph); compile the encoder and call the loss eagerly"
                 )
-            tensors: List[Tensor] = []
-            spec = repr((_encode(list(args), tensors, name), {k: _encode(v, tensors, name) for k, v in kwargs.items()}))
-            needs_grad = [t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in tensors]
-            fused = kwargs.get("reduction", default) != "none"
-            out = torch.ops.flashcl.loss(name, spec, tensors, needs_grad, fused)
+            out = torch.ops.flashcl.loss(*operator_args(name, args, kwargs))
             return out[0]
 
         return loss  # type: ignore[return-value]
 
     return wrap
+
+
+def operator_args(name: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    """The arguments of ``flashcl::loss`` for the call ``LOSSES[name](*args, **kwargs)``:
+    the options as text with each tensor and number replaced by its place in a list
+    of tensors, which of those the gradient is for, and whether the loss is a
+    scalar (its gradients formed in the same call)."""
+    tensors: List[Tensor] = []
+    spec = repr((_encode(list(args), tensors, name), {k: _encode(v, tensors, name) for k, v in kwargs.items()}))
+    needs_grad = [t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in tensors]
+    fused = kwargs.get("reduction", _DEFAULT_REDUCTION[name]) != "none"
+    return name, spec, tensors, needs_grad, fused
 
 
 def _default_reduction(fn: Callable[..., Any]) -> str:
