@@ -6,8 +6,8 @@ dynamo, each of those would break the graph. Under compilation a loss therefore
 enters the graph as one call of the custom operator ``flashcl::loss`` (registered
 with :func:`torch.library.custom_op`, with a fake implementation that gives the
 output's shape and dtype and a registered backward), and its whole eager
-computation (option checks included: a bad input still raises its ``ValueError``,
-on the first compiled step) runs inside that call. A scalar loss's gradients are
+computation (option checks included: a bad input still raises its ``ValueError``
+when the compiled step runs) runs inside that call. A scalar loss's gradients are
 formed in the same call, as the eager engine forms them in its forward pass; the
 backward only scales them by the upstream gradient. A per-row loss
 (``reduction="none"``) is differentiated by a second operator,
@@ -57,8 +57,7 @@ def _encode(value: Any, tensors: List[Tensor], name: str) -> Any:
         return tuple(items) if isinstance(value, tuple) else items
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         # A number travels as a 0-dim tensor, read back inside the operator: under
-        # dynamic=True dynamo holds it as a symbol, which has no text form, and
-        # another temperature needs no recompilation.
+        # dynamic=True dynamo holds it as a symbol, which has no text form.
         tensors.append(torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64))
         return (_NUMBER, len(tensors) - 1, "float" if isinstance(value, float) else "int")
     if isinstance(value, _PLAIN):

@@ -43,6 +43,7 @@ class UpperPanels(Driver):
     """See the module docstring. Two flat panel buffers per call, shared by its passes."""
 
     lazy = True
+    uses_grad_operands = True
 
     def __init__(self, device_type: str = "cpu") -> None:
         self._bufs: Optional[Tuple[Tensor, Tensor]] = None

@@ -59,6 +59,8 @@ class RowBlocks(Driver):
     """Blocks of complete rows against every column (see the module docstring).
     The block buffers are made once per call and shared by its passes."""
 
+    uses_grad_operands = True
+
     def __init__(self, device_type: str = "cpu") -> None:
         self._s: Optional[Tensor] = None
         self._s2: Optional[Tensor] = None
