@@ -203,3 +203,18 @@ def test_test_only_head_on_the_distributed_ring(tmp_path: Any) -> None:
     for i, (name, expected) in enumerate((("q", gq), ("k", gk))):
         assert_close(torch.cat([p[1][i] for p in parts]), expected, f"grad of {name}, by rank", 1e-10, 1e-10)
     assert_close(parts[0][1][2] + parts[1][1][2], gs, "grad of the scale, summed over ranks", 1e-10, 1e-10)
+
+
+def test_all_finite_sees_every_non_finite_entry() -> None:
+    from flashcl.engine import all_finite
+
+    x = torch.full((64, 8), 3e38)  # float32's largest magnitudes: their float32 sum would overflow
+    assert all_finite(x) and all_finite(-x) and all_finite(torch.empty(0, 8))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[17, 3] = bad
+        assert not all_finite(y), bad
+    y = torch.zeros(5, 3)
+    y[0, 0], y[4, 2] = float("inf"), float("-inf")  # opposite infinities: their sum is NaN, still caught
+    assert not all_finite(y)
+    assert not all_finite(torch.tensor([1.0, float("nan")], dtype=torch.bfloat16))

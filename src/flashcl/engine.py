@@ -49,6 +49,7 @@ __all__ = [
     "run",
     "NORM_EPS",
     "finite_rows",
+    "all_finite",
     "scores_product",
 ]
 
@@ -187,11 +188,20 @@ def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype, lazy: bool) -> Tupl
     return x / norms.unsqueeze(1), norms
 
 
+def all_finite(x: Tensor) -> bool:
+    """No NaN or infinite entry in ``x``, without a temporary of its size (as
+    ``torch.isfinite(x).all()`` makes): a NaN or an infinity makes the sum
+    non-finite, and a float64 sum of finite float32 entries cannot overflow. (A
+    float64 input's finite entries might: then the answer is False, and the caller
+    only copies what it did not need to.)"""
+    return bool(torch.isfinite(x.sum(dtype=torch.float64)))
+
+
 def finite_rows(rows: Rows) -> Rows:
     """``rows`` with non-finite entries replaced by 0 (a copy), or ``rows`` itself
     when every entry is finite."""
     raw, inv = raw_rows(rows)
-    if bool(torch.isfinite(raw).all()) and (inv is None or bool(torch.isfinite(inv).all())):
+    if all_finite(raw) and (inv is None or all_finite(inv)):
         return rows
     clean = torch.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0)
     if inv is None:
@@ -217,7 +227,7 @@ class _FiniteGradProduct(torch.autograd.Function):
 def scores_product(q: Tensor, k: Tensor) -> Tensor:
     """``q @ k.T``; where an input holds a non-finite entry, through a backward that
     keeps it out of the gradients of the entries it does not reach (a masked NaN key)."""
-    if bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()):
+    if all_finite(q) and all_finite(k):
         return q @ k.T
     return _FiniteGradProduct.apply(q, k)
 
