@@ -15,7 +15,7 @@ from .compiled import compiles
 from .dispatch import Scalar, scale_dtype, unit_rows
 from .distributed import same_call_across_ranks
 from .engine import Problem
-from .heads import Head, SoftmaxHead, Tile
+from .heads import Head, Tile, lse_inplace, scratch
 from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
@@ -25,21 +25,37 @@ __all__ = ["distill_loss", "DistillLoss", "SoftTargetHead"]
 class _SoftTargetState:
     def __init__(self, m: int, like: Tensor) -> None:
         self.lse = like.new_full((m,), float("-inf"))  # the teacher's row logsumexp
+        self.own_lse = like.new_full((m,), float("-inf"))  # the student's (student side only)
         self.cross = like.new_zeros(m)  # A_i = sum_j p_ij S_ij
         self.g_row: Optional[Tensor] = None
         self.g_col: Optional[Tensor] = None
+        self.work: Optional[Tensor] = None
+
+    def scratch(self, like: Tensor) -> Tensor:
+        """A work buffer of ``like``'s shape, made once per call."""
+        if self.work is None or self.work.numel() < like.numel():
+            self.work = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return scratch(self.work, like)
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(1)`` without a temporary of the tile's size."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(-1)
 
 
 class SoftTargetHead(Head):
-    """The cross term of distillation, per row ``-sum_j p_ij S_ij`` with the teacher's
-    ``p_ij = softmax_j(T_ij)``: the engine's tiles are one side's scores, the other
-    side's tiles are formed here from ``other_q``, ``other_k`` (normalised, without
-    gradient) times ``other_scale``. Pass 0: the teacher's row logsumexp; pass 1: the
-    sum. ``own_is_teacher``: the engine's tiles are the teacher's ``T``, whose
-    gradient is ``-p_ij (S_ij - A_i)`` (the student's scores held fixed); else they are
-    the student's ``S``, whose gradient is ``-p_ij`` (the teacher held fixed)."""
+    """Distillation's row loss with the teacher's ``p_ij = softmax_j(T_ij)``: the
+    engine's tiles are one side's scores, the other side's tiles are formed here (in
+    one work buffer) from ``other_q``, ``other_k`` (normalised, without gradient)
+    times ``other_scale``. ``own_is_teacher=False``: the tiles are the student's
+    ``S``, the loss ``LSE_j S_ij - sum_j p_ij S_ij`` and its gradient
+    ``softmax_j(S_ij) - p_ij`` (the teacher held fixed). ``own_is_teacher=True``: the
+    tiles are the teacher's ``T``, the loss the cross term ``-sum_j p_ij S_ij`` and its
+    gradient ``-p_ij (S_ij - A_i)`` (the student's scores held fixed). On complete rows
+    one visit (:meth:`rows_fused`); otherwise pass 0 the logsumexps, pass 1 the sum."""
 
     passes = 2
+    fuses_rows = True
 
     def __init__(
         self, other_q: Tensor, other_k: Tensor, other_scale: float, own_is_teacher: bool, offset: int = 0
@@ -48,41 +64,62 @@ class SoftTargetHead(Head):
         self.own_is_teacher = own_is_teacher
         self.offset = offset
 
-    def _other(self, tile: Tile, like: Tensor) -> Tensor:
+    def _other(self, tile: Tile, like: Tensor, out: Optional[Tensor]) -> Tensor:
         oq = self.other_q[tile.r0 : tile.r1].to(like.dtype)
-        return (oq @ self.other_k[tile.c0 : tile.c1].to(like.dtype).T) * self.other_scale
+        return torch.mm(oq, self.other_k[tile.c0 : tile.c1].to(like.dtype).T, out=out).mul_(self.other_scale)
 
-    def _pair(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Tensor]:
-        """(teacher tile T, student tile S)."""
-        other = self._other(tile, s)
+    def _pair(self, s: Tensor, tile: Tile, st: Any) -> Tuple[Tensor, Tensor]:
+        """(teacher tile T, student tile S): ``s`` and the other side's in the work buffer."""
+        other = self._other(tile, s, st.scratch(s))
         return (s, other) if self.own_is_teacher else (other, s)
 
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
         return _SoftTargetState(m, like)
 
     def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
-        t, sv = self._pair(s, tile)
         rows = slice(tile.r0, tile.r1)
+        t, sv = self._pair(s, tile, st)
         if p == 0:
-            st.lse[rows] = torch.logaddexp(st.lse[rows], torch.logsumexp(t, dim=1))
+            st.lse[rows] = torch.logaddexp(st.lse[rows], lse_inplace(t)[0])
+            if not self.own_is_teacher:  # sv is s, which reduce may overwrite
+                st.own_lse[rows] = torch.logaddexp(st.own_lse[rows], lse_inplace(sv)[0])
         else:
-            st.cross[rows] += (torch.exp(t - st.lse[rows].unsqueeze(1)) * sv).sum(1)
+            st.cross[rows] += _row_dot(t.sub_(st.lse[rows].unsqueeze(1)).exp_(), sv)
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: Any, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        rows = slice(tile.r0, tile.r1)
+        t, sv = self._pair(s, tile, st)
+        st.lse[rows], total = lse_inplace(t)  # t: the teacher's probabilities times total
+        cross = _row_dot(t, sv) / total.squeeze(1)
+        st.cross[rows] = cross
+        if self.own_is_teacher:  # s is t
+            if g_row is None:
+                return None
+            return s.mul_(sv.sub_(cross.unsqueeze(1))).mul_(-g_row[rows].unsqueeze(1) / total)
+        st.own_lse[rows], own_total = lse_inplace(s)
+        if g_row is None:
+            return None
+        g = g_row[rows].unsqueeze(1)
+        return s.mul_(g / own_total).sub_(t.mul_(g / total))
 
     def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
-        return -st.cross, None
+        return (-st.cross if self.own_is_teacher else st.own_lse - st.cross), None
 
     def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
-        t, sv = self._pair(s, tile)
         rows = slice(tile.r0, tile.r1)
-        prob = torch.exp(t - st.lse[rows].unsqueeze(1))
         g = st.g_row[rows].unsqueeze(1)
         if self.own_is_teacher:
-            return -g * prob * (sv - st.cross[rows].unsqueeze(1))
-        return -g * prob
+            t, sv = self._pair(s, tile, st)  # s is t
+            prob = t.sub_(st.lse[rows].unsqueeze(1)).exp_()
+            return prob.mul_(sv.sub_(st.cross[rows].unsqueeze(1))).mul_(-g)
+        prob = self._other(tile, s, st.scratch(s)).sub_(st.lse[rows].unsqueeze(1)).exp_()
+        return s.sub_(st.own_lse[rows].unsqueeze(1)).exp_().sub_(prob).mul_(g)
 
     def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-        t, sv = self._pair(s, tile)
-        return -(torch.softmax(t, dim=1) * sv).sum(1), None
+        other = self._other(tile, s, None)
+        t, sv = (s, other) if self.own_is_teacher else (other, s)
+        cross = (torch.softmax(t, dim=1) * sv).sum(1)
+        return (-cross if self.own_is_teacher else torch.logsumexp(s, dim=1) - cross), None
 
 
 @shared_docs
@@ -208,11 +245,9 @@ def _direction(
     engine on this process's rows ``a`` against the columns of ``b``; ``other``: the
     other side's columns (gathered across processes)."""
     every = other or (lambda x: x)
-    ones = torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
-    lse = run(q, k, sc, Problem(SoftmaxHead(ones, offset=offset), (), normalize, offset))
     tqn, tkn = unit_rows(tq.detach(), normalize), every(unit_rows(tk.detach(), normalize))
     student = SoftTargetHead(tqn, tkn, float(tsc.detach()), own_is_teacher=False, offset=offset)
-    rows = lse + run(q, k, sc, Problem(student, (), normalize, offset))
+    rows = run(q, k, sc, Problem(student, (), normalize, offset))
     if tq.requires_grad or tk.requires_grad or tsc.requires_grad:
         qn, kn = unit_rows(q.detach(), normalize), every(unit_rows(k.detach(), normalize))
         teacher = SoftTargetHead(qn, kn, float(sc.detach()), own_is_teacher=True, offset=offset)
