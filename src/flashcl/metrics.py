@@ -217,21 +217,33 @@ def _first_relevant_ranks(
     ranks = torch.zeros(b, dtype=torch.long, device=q.device)
     found = torch.zeros(b, dtype=torch.bool, device=q.device)
     cols = torch.arange(k.shape[0], device=q.device)
+    rows = min(block, b)
+    # one score buffer, one for the relevant keys' scores, two masks: reused by every block
+    buf, work = q.new_empty(rows, k.shape[0]), q.new_empty(rows, k.shape[0])
+    rel_buf = torch.empty(rows, k.shape[0], dtype=torch.bool, device=q.device)
+    above_buf = torch.empty_like(rel_buf)
     for r0 in range(0, b, block):
         r1 = min(r0 + block, b)
-        s = q[r0:r1] @ k.T
+        s = torch.mm(q[r0:r1], k.T, out=buf[: r1 - r0])
+        relevant = rel_buf[: r1 - r0]
         if index is None:
             assert labels is not None and key_labels is not None
-            relevant = labels[r0:r1].long().unsqueeze(1) == key_labels.long().unsqueeze(0)
+            torch.eq(labels[r0:r1].long().unsqueeze(1), key_labels.long().unsqueeze(0), out=relevant)
         else:
-            relevant = cols.unsqueeze(0) == (index[r0:r1] + offset).unsqueeze(1)
+            torch.eq(cols.unsqueeze(0), (index[r0:r1] + offset).unsqueeze(1), out=relevant)
         if self_keys:  # the query itself is no answer
-            own = cols.unsqueeze(0) == (torch.arange(r0, r1, device=q.device) + self_offset).unsqueeze(1)
-            relevant &= ~own
-            s = s.masked_fill(own, float("-inf"))
-        best = s.masked_fill(~relevant, float("-inf")).amax(1)
+            own = (torch.arange(r0, r1, device=q.device) + self_offset).unsqueeze(1)
+            inside = (own >= 0) & (own < k.shape[0])
+            at = own.clamp(0, k.shape[0] - 1)
+            relevant.scatter_(1, at, relevant.gather(1, at) & ~inside)
+            s.scatter_(1, at, torch.where(inside, torch.full_like(s[:, :1], float("-inf")), s.gather(1, at)))
+        best = torch.where(
+            relevant, s, torch.tensor(float("-inf"), dtype=s.dtype, device=s.device), out=work[: r1 - r0]
+        )
+        best = best.amax(1, keepdim=True)
         found[r0:r1] = relevant.any(1)
-        ranks[r0:r1] = 1 + ((s > best.unsqueeze(1)) & ~relevant).sum(1)
+        above = torch.gt(s, best, out=above_buf[: r1 - r0])
+        ranks[r0:r1] = 1 + above.logical_and_(relevant.logical_not_()).sum(1)
     return ranks, found
 
 
