@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import flashcl
 from helpers import assert_close, close_group
 
-SIZES = {2: [5, 8], 3: [4, 7, 2]}
+SIZES = {2: [5, 8], 3: [4, 1, 7]}  # uneven, and a rank with a single row
 TOL = (1e-10, 1e-9)
 
 
