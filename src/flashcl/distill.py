@@ -15,7 +15,7 @@ from .compiled import compiles
 from .dispatch import Scalar, scale_dtype, unit_rows
 from .distributed import same_call_across_ranks
 from .engine import Problem
-from .heads import Head, Tile, lse_inplace, scratch
+from .heads import Head, Tile, WorkBuffer, lse_inplace, row_dot
 from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
@@ -29,18 +29,7 @@ class _SoftTargetState:
         self.cross = like.new_zeros(m)  # A_i = sum_j p_ij S_ij
         self.g_row: Optional[Tensor] = None
         self.g_col: Optional[Tensor] = None
-        self.work: Optional[Tensor] = None
-
-    def scratch(self, like: Tensor) -> Tensor:
-        """A work buffer of ``like``'s shape, made once per call."""
-        if self.work is None or self.work.numel() < like.numel():
-            self.work = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        return scratch(self.work, like)
-
-
-def _row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``(a * b).sum(1)`` without a temporary of the tile's size."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(-1)
+        self.work = WorkBuffer()
 
 
 class SoftTargetHead(Head):
@@ -70,7 +59,7 @@ class SoftTargetHead(Head):
 
     def _pair(self, s: Tensor, tile: Tile, st: Any) -> Tuple[Tensor, Tensor]:
         """(teacher tile T, student tile S): ``s`` and the other side's in the work buffer."""
-        other = self._other(tile, s, st.scratch(s))
+        other = self._other(tile, s, st.work.like(s))
         return (s, other) if self.own_is_teacher else (other, s)
 
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
@@ -84,13 +73,13 @@ class SoftTargetHead(Head):
             if not self.own_is_teacher:  # sv is s, which reduce may overwrite
                 st.own_lse[rows] = torch.logaddexp(st.own_lse[rows], lse_inplace(sv)[0])
         else:
-            st.cross[rows] += _row_dot(t.sub_(st.lse[rows].unsqueeze(1)).exp_(), sv)
+            st.cross[rows] += row_dot(t.sub_(st.lse[rows].unsqueeze(1)).exp_(), sv)
 
     def rows_fused(self, s: Tensor, tile: Tile, st: Any, g_row: Optional[Tensor]) -> Optional[Tensor]:
         rows = slice(tile.r0, tile.r1)
         t, sv = self._pair(s, tile, st)
         st.lse[rows], total = lse_inplace(t)  # t: the teacher's probabilities times total
-        cross = _row_dot(t, sv) / total.squeeze(1)
+        cross = row_dot(t, sv) / total.squeeze(1)
         st.cross[rows] = cross
         if self.own_is_teacher:  # s is t
             if g_row is None:
@@ -112,7 +101,7 @@ class SoftTargetHead(Head):
             t, sv = self._pair(s, tile, st)  # s is t
             prob = t.sub_(st.lse[rows].unsqueeze(1)).exp_()
             return prob.mul_(sv.sub_(st.cross[rows].unsqueeze(1))).mul_(-g)
-        prob = self._other(tile, s, st.scratch(s)).sub_(st.lse[rows].unsqueeze(1)).exp_()
+        prob = self._other(tile, s, st.work.like(s)).sub_(st.lse[rows].unsqueeze(1)).exp_()
         return s.sub_(st.own_lse[rows].unsqueeze(1)).exp_().sub_(prob).mul_(g)
 
     def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:

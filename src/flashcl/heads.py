@@ -84,6 +84,25 @@ def scratch(buf: Tensor, like: Tensor) -> Tensor:
     return buf.view(-1)[: like.numel()].view(like.shape)
 
 
+class WorkBuffer:
+    """A buffer made on first use in a call and handed out in the shape of each
+    tile after (a fresh tile-sized allocation per tile costs page faults)."""
+
+    def __init__(self) -> None:
+        self.buf: Optional[Tensor] = None
+
+    def like(self, t: Tensor) -> Tensor:
+        """A free view of ``t``'s shape, dtype and device."""
+        if self.buf is None or self.buf.numel() < t.numel() or self.buf.dtype != t.dtype:
+            self.buf = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+        return scratch(self.buf, t)
+
+
+def row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(1)`` of two tiles without a temporary of their size."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(-1)
+
+
 def lse_inplace(s: Tensor) -> Tuple[Tensor, Tensor]:
     """Row logsumexp of ``s``; leaves ``exp(s - rowmax)`` in it; returns (lse, row sums)."""
     mx = s.amax(1, keepdim=True)
@@ -518,15 +537,9 @@ class _SoftplusState:
     def __init__(self, m: int, like: Tensor) -> None:
         self.row = like.new_zeros(m)  # sum_j softplus(s_ij + b)
         self.sig = like.new_zeros(m)  # sum_j sigmoid(s_ij + b): the bias's gradient
-        self.work: Optional[Tensor] = None
+        self.work = WorkBuffer()
         self.g_row: Optional[Tensor] = None
         self.g_col: Optional[Tensor] = None
-
-    def scratch(self, like: Tensor) -> Tensor:
-        """A work buffer of ``like``'s shape, made once per call."""
-        if self.work is None or self.work.numel() < like.numel():
-            self.work = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        return scratch(self.work, like)
 
 
 class SoftplusHead(Head):
@@ -556,7 +569,7 @@ class SoftplusHead(Head):
         return _SoftplusState(m, like)
 
     def reduce(self, s: Tensor, tile: Tile, st: _SoftplusState, p: int = 0) -> None:
-        sp, sig = softplus_rows_(s.add_(self.bias), st.scratch(s))
+        sp, sig = softplus_rows_(s.add_(self.bias), st.work.like(s))
         st.row[tile.r0 : tile.r1] += sp
         st.sig[tile.r0 : tile.r1] += sig
 
@@ -571,7 +584,7 @@ class SoftplusHead(Head):
         return torch.sigmoid(s.add_(self.bias), out=s).mul_(st.g_row[tile.r0 : tile.r1].unsqueeze(1))
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _SoftplusState, g_row: Optional[Tensor]) -> Optional[Tensor]:
-        st.row[tile.r0 : tile.r1], st.sig[tile.r0 : tile.r1] = softplus_rows_(s.add_(self.bias), st.scratch(s))
+        st.row[tile.r0 : tile.r1], st.sig[tile.r0 : tile.r1] = softplus_rows_(s.add_(self.bias), st.work.like(s))
         if g_row is None:
             return None
         st.g_row = g_row  # for param_grad

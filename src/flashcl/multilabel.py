@@ -4,7 +4,7 @@ the body of :func:`flashcl.supcon_loss` with (B, C) labels."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -12,7 +12,7 @@ from torch import Tensor
 from . import backends, checks, distributed
 from .distributed import same_call_across_ranks
 from .engine import Problem
-from .heads import Head, Tile, lse_inplace, mask_self_, scratch
+from .heads import Head, Tile, WorkBuffer, lse_inplace, mask_self_, row_dot
 from .reduction import reduce_rows
 from .tiled import auto_block
 from .utils import autocast_off, compute_dtype
@@ -56,19 +56,7 @@ class _JaccardState:
         self.ws = like.new_zeros(m)  # sum_j w_ij s_ij
         self.g_row: Optional[Tensor] = None
         self.g_col: Optional[Tensor] = None
-        self.work: List[Optional[Tensor]] = [None, None]
-
-    def scratch(self, i: int, like: Tensor) -> Tensor:
-        """Work buffer ``i`` in ``like``'s shape, made once per call."""
-        buf = self.work[i]
-        if buf is None or buf.numel() < like.numel():
-            buf = self.work[i] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        return scratch(buf, like)
-
-
-def _row_dot(w: Tensor, s: Tensor) -> Tensor:
-    """``(w * s).sum(1)`` without a temporary of the tile's size."""
-    return torch.bmm(w.unsqueeze(1), s.unsqueeze(2)).reshape(-1)
+        self.work = (WorkBuffer(), WorkBuffer())
 
 
 class JaccardHead(Head):
@@ -94,7 +82,7 @@ class JaccardHead(Head):
         return _JaccardState(m, like)
 
     def _tile_weights(self, s: Tensor, tile: Tile, st: Any) -> Tensor:
-        w = _weights(self.yq, self.yk, self.nq, self.nk, tile, self.threshold, st.scratch(0, s), st.scratch(1, s))
+        w = _weights(self.yq, self.yk, self.nq, self.nk, tile, self.threshold, st.work[0].like(s), st.work[1].like(s))
         return w if w.dtype == s.dtype else w.to(s.dtype)
 
     def _lse_(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Tensor]:
@@ -105,13 +93,13 @@ class JaccardHead(Head):
 
     def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
         rows = slice(tile.r0, tile.r1)
-        st.ws[rows] += _row_dot(self._tile_weights(s, tile, st), s)
+        st.ws[rows] += row_dot(self._tile_weights(s, tile, st), s)
         st.lse[rows] = torch.logaddexp(st.lse[rows], self._lse_(s, tile)[0])
 
     def rows_fused(self, s: Tensor, tile: Tile, st: Any, g_row: Optional[Tensor]) -> Optional[Tensor]:
         rows = slice(tile.r0, tile.r1)
         w = self._tile_weights(s, tile, st)
-        st.ws[rows] = _row_dot(w, s)
+        st.ws[rows] = row_dot(w, s)
         lse, total = self._lse_(s, tile)
         st.lse[rows] = lse
         if g_row is None:
