@@ -248,7 +248,7 @@ def test_operator_fake_matches_real(name: str, reduction: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["supcon", "clip"])
+@pytest.mark.parametrize("name", ["supcon", "clip", "nt_xent", "info_nce_hard_neg", "siglip", "gist", "neighbor"])
 def test_inductor_fullgraph(name: str) -> None:
     case = CASES[name]
     eager = case.run("auto", "mean", dtype=torch.float32)
