@@ -147,6 +147,8 @@ MORE = [
     ("supcon_multi_label", flashcl.supcon_loss, [(12, 8)], [_multi_hot(12, 5)], {"overlap_threshold": 0.2}),
     ("info_nce_label_smoothing", flashcl.info_nce_loss, [(10, 8), (10, 8)], [], {"label_smoothing": 0.1}),
     ("clip_label_smoothing", flashcl.clip_loss, [(10, 8), (10, 8)], [], {"logit_scale": 14.0, "label_smoothing": 0.1}),
+    ("cosent", flashcl.cosent_loss, [(10, 8), (10, 8)], [torch.rand(10)], {"scale": 20.0}),
+    ("angle", flashcl.cosent_loss, [(10, 8), (10, 8)], [torch.rand(10)], {"similarity": "angle"}),
     ("alignment", flashcl.metrics.alignment, [(10, 8), (10, 8)], [], {"alpha": 2.0}),
     ("uniformity", flashcl.metrics.uniformity, [(10, 8)], [], {"t": 2.0, "block_size": 4}),
 ]

@@ -19,7 +19,14 @@ TWINS = [
     (flashcl.SigLipLoss, flashcl.siglip_loss),
     (flashcl.GistLoss, flashcl.gist_loss),
     (flashcl.NeighborLoss, flashcl.neighbor_loss),
+    (flashcl.DistillLoss, flashcl.distill_loss),
+    (flashcl.CoSENTLoss, flashcl.cosent_loss),
 ]
+
+
+def test_every_public_loss_is_in_the_twin_table() -> None:
+    functions = {name for name in flashcl.__all__ if name.endswith("_loss")}
+    assert functions == {fn.__name__ for _, fn in TWINS}
 
 
 @pytest.mark.parametrize("module,fn", TWINS, ids=[m.__name__ for m, _ in TWINS])

@@ -498,3 +498,50 @@ def test_adapters_made_without_init_have_flashcl_defaults(cls: Any) -> None:
     """sentence-transformers' own tests make losses with ``cls.__new__(cls)``."""
     loss = cls.__new__(cls)
     assert loss.backend == "auto" and loss.block_size is None
+
+
+@pytest.mark.parametrize("name, columns", [("CoSENTLoss", 2), ("AnglELoss", 2), ("AnglELoss", 3)])
+def test_cosent_and_angle_equal_sentence_transformers(name: str, columns: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    embeddings = [torch.randn(10, 6, dtype=torch.float64, generator=g) for _ in range(columns)]
+    labels = None if columns == 3 else torch.randint(0, 5, (10,), generator=g).double() / 4
+    grads, values = [], []
+    for cls in (getattr(fst, name), getattr(st_losses, name)):
+        xs = [e.clone().requires_grad_(True) for e in embeddings]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # flashcl computes every case here: no fallback warning
+            value = cls(None, scale=13.0).compute_loss_from_embeddings(xs, labels)
+        values.append(value.detach())
+        grads.append(torch.autograd.grad(value, xs))
+    assert_close(values[0], values[1], f"{name}: value", *TOL[torch.float64])
+    for i, (a, e) in enumerate(zip(*grads)):
+        assert_close(a, e, f"{name}: grad {i}", *TOL[torch.float64])
+
+
+def test_cosent_other_similarity_falls_back_with_a_warning() -> None:
+    from sentence_transformers.util import pairwise_dot_score
+
+    a, b, y = torch.randn(8, 4), torch.randn(8, 4), torch.rand(8)
+    ours = fst.CoSENTLoss(None, similarity_fct=pairwise_dot_score)
+    with pytest.warns(UserWarning, match="similarity_fct='pairwise_dot_score'"):
+        got = ours.compute_loss_from_embeddings([a, b], y)
+    want = st_losses.CoSENTLoss(None, similarity_fct=pairwise_dot_score).compute_loss_from_embeddings([a, b], y)
+    assert_close(got, want, "fallback value", *TOL[torch.float32])
+    with pytest.raises(ValueError, match="labels"):
+        fst.CoSENTLoss(None).compute_loss_from_embeddings([a, b], torch.rand(7))
+
+
+def test_cosent_trains_through_a_model(tiny_model: Any) -> None:
+    texts = [_sentences(12, s) for s in (5, 6)]
+    labels = torch.rand(12, generator=torch.Generator().manual_seed(0))
+    grads, values = [], []
+    for cls in (fst.CoSENTLoss, st_losses.CoSENTLoss):
+        model = _load(tiny_model)
+        value = cls(model)([model.tokenize(t) for t in texts], labels)
+        value.backward()
+        values.append(value.detach())
+        grads.append(_param_grads(model))
+    assert_close(values[0], values[1], "CoSENT through a model", 1e-5, 1e-5)
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, e in zip(*grads):
+        assert_close(a, e, "CoSENT: parameter gradient", 1e-4 * float(e.abs().max()) + 1e-7, 1e-4)

@@ -2,6 +2,7 @@
 
 from . import distributed, metrics
 from .cached import cached_step
+from .cosent import CoSENTLoss, cosent_loss
 from .distill import DistillLoss, distill_loss
 from .doctor import doctor
 from .functional import (
@@ -30,6 +31,7 @@ __all__ = [
     "gist_loss",
     "neighbor_loss",
     "distill_loss",
+    "cosent_loss",
     "sample_neighbors",
     "SupConLoss",
     "NTXentLoss",
@@ -39,6 +41,7 @@ __all__ = [
     "GistLoss",
     "NeighborLoss",
     "DistillLoss",
+    "CoSENTLoss",
     "MemoryBank",
     "LogitScale",
     "cached_step",

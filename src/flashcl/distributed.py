@@ -62,7 +62,9 @@ __all__ = [
     "siglip_loss",
     "gist_loss",
     "neighbor_loss",
+    "cosent_loss",
     "all_gather_with_grad",
+    "world_size",
     "reduce_across",
     "same_call_across_ranks",
     "columns",
@@ -367,6 +369,11 @@ def row_counts(n: int, device: torch.device, group: Any) -> List[int]:
     return _sizes(n, device, group)
 
 
+def world_size(group: Any) -> int:
+    """The number of ranks of ``group``."""
+    return _world(group)[1]
+
+
 def rank_of(group: Any) -> int:
     """This process's rank in ``group``."""
     return _world(group)[0]
@@ -433,3 +440,4 @@ clip_loss = _alias("clip_loss")
 siglip_loss = _alias("siglip_loss")
 gist_loss = _alias("gist_loss")
 neighbor_loss = _alias("neighbor_loss")
+cosent_loss = _alias("cosent_loss")

@@ -14,6 +14,11 @@ sentence-transformers``; imported only when this module is).
   two classes above, every width in one pass.
 * :class:`GISTEmbedLoss` and :class:`CachedGISTEmbedLoss`: a guide model's false
   negatives leave the denominator (:func:`flashcl.gist_loss`).
+* :class:`CoSENTLoss` and :class:`AnglELoss`: subclasses of sentence-transformers'
+  classes (plus ``backend``), the pairwise ranking of scored pairs by
+  :func:`flashcl.cosent_loss` (a running log-sum-exp over the pairs sorted by
+  label); another ``similarity_fct`` is computed by sentence-transformers' code,
+  with a warning.
 * :class:`SupConLoss`: the labelled loss sentence-transformers lacks: one text
   column and an integer label per text, :func:`flashcl.supcon_loss` on the
   embeddings (Khosla et al. L_out, or the supervised-SimCSE ``"sum"`` form).
@@ -60,7 +65,7 @@ try:
         from sentence_transformers.sentence_transformer import losses as _st_losses
     except ImportError:
         from sentence_transformers import losses as _st_losses  # type: ignore[attr-defined,no-redef]
-    from sentence_transformers.util import cos_sim, dot_score
+    from sentence_transformers.util import cos_sim, dot_score, pairwise_angle_sim, pairwise_cos_sim
 
     try:  # sentence-transformers >= 6: one forward pass over the columns
         from sentence_transformers.base.losses.merged_forward import embed_columns as _embed_columns
@@ -658,3 +663,98 @@ class SupConLoss(nn.Module):
 
     def get_config_dict(self) -> Dict[str, Any]:
         return {"temperature": self.temperature, "positives": self.positives, "include_self": self.include_self}
+
+
+_COSENT_SIMILARITIES = {pairwise_cos_sim: "cosine", pairwise_angle_sim: "angle"}
+
+
+class _CoSENT(_st_losses.CoSENTLoss):
+    """The CoSENT computation of :class:`CoSENTLoss` and :class:`AnglELoss`."""
+
+    _warned = False
+    backend: str = "auto"
+
+    def compute_loss_from_embeddings(self, embeddings: List[Tensor], labels: Tensor) -> Tensor:
+        similarity = _COSENT_SIMILARITIES.get(self.similarity_fct)
+        if similarity is None or len(embeddings) != 2:
+            if not self._warned:
+                why = f"similarity_fct={getattr(self.similarity_fct, '__name__', self.similarity_fct)!r}"
+                warnings.warn(
+                    f"flashcl does not compute {type(self).__name__} with "
+                    f"{why if similarity is None else f'{len(embeddings)} columns'}; sentence-transformers' "
+                    "own implementation is used (same value)",
+                    stacklevel=2,
+                )
+                self._warned = True
+            return super().compute_loss_from_embeddings(embeddings, labels)
+        from ..cosent import cosent_loss
+
+        if labels.numel() != embeddings[0].shape[0]:
+            raise ValueError(
+                f"{type(self).__name__} expects {embeddings[0].shape[0]} labels (one per example), "
+                f"but got {labels.numel()} labels with shape {tuple(labels.shape)}."
+            )
+        return cosent_loss(
+            embeddings[0],
+            embeddings[1],
+            labels.reshape(-1),
+            scale=self.scale,
+            similarity=similarity,
+            backend=self.backend,
+        )
+
+
+class CoSENTLoss(_CoSENT):
+    """sentence-transformers' ``CoSENTLoss``, computed by :func:`flashcl.cosent_loss`
+    (the same value and gradients, including for ``pairwise_angle_sim``).
+
+    Args:
+        model: the SentenceTransformer being trained.
+        scale: the inverse temperature. Default 20.
+        similarity_fct: ``pairwise_cos_sim`` (default) or ``pairwise_angle_sim``;
+            another function is computed by sentence-transformers' code.
+        backend: ``"auto"`` | ``"tiled"`` | ``"dense"`` | ``"reference"``.
+
+    Shape:
+        Input columns (sentence1, sentence2) and a float score per pair; the loss is
+        a scalar.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import CoSENTLoss
+        >>> # loss = CoSENTLoss(model)   # model: a SentenceTransformer
+        >>> # SentenceTransformerTrainer(model=model, train_dataset=scored_pairs, loss=loss).train()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = pairwise_cos_sim,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct)  # type: ignore[arg-type]
+        self.backend = backend
+
+
+class AnglELoss(_st_losses.AnglELoss, _CoSENT):
+    """sentence-transformers' ``AnglELoss`` (CoSENT on ``pairwise_angle_sim``),
+    computed by :func:`flashcl.cosent_loss` with ``similarity="angle"``; its
+    (anchor, positive, negative, ...) columns are turned into pairs by
+    sentence-transformers' own code first.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        scale: the inverse temperature. Default 20.
+        backend: ``"auto"`` | ``"tiled"`` | ``"dense"`` | ``"reference"``.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import AnglELoss
+        >>> # loss = AnglELoss(model)
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0, *, backend: str = "auto") -> None:
+        super().__init__(model, scale=scale)  # type: ignore[arg-type]
+        self.backend = backend
