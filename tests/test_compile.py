@@ -149,6 +149,14 @@ MORE = [
     ("clip_label_smoothing", flashcl.clip_loss, [(10, 8), (10, 8)], [], {"logit_scale": 14.0, "label_smoothing": 0.1}),
     ("cosent", flashcl.cosent_loss, [(10, 8), (10, 8)], [torch.rand(10)], {"scale": 20.0}),
     ("angle", flashcl.cosent_loss, [(10, 8), (10, 8)], [torch.rand(10)], {"similarity": "angle"}),
+    ("triplet_all", flashcl.triplet_loss, [(12, 8)], [torch.arange(12) % 3], {"margin": 0.5}),
+    (
+        "triplet_semi_hard",
+        flashcl.triplet_loss,
+        [(12, 8)],
+        [torch.arange(12) % 3],
+        {"margin": 0.5, "mining": "semi-hard"},
+    ),
     ("alignment", flashcl.metrics.alignment, [(10, 8), (10, 8)], [], {"alpha": 2.0}),
     ("uniformity", flashcl.metrics.uniformity, [(10, 8)], [], {"t": 2.0, "block_size": 4}),
 ]

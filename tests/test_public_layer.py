@@ -21,6 +21,7 @@ TWINS = [
     (flashcl.NeighborLoss, flashcl.neighbor_loss),
     (flashcl.DistillLoss, flashcl.distill_loss),
     (flashcl.CoSENTLoss, flashcl.cosent_loss),
+    (flashcl.TripletLoss, flashcl.triplet_loss),
 ]
 
 
@@ -45,7 +46,15 @@ def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
             continue
         assert name in twin, f"{module.__name__} lacks {name}"
         assert twin[name] == default, f"{module.__name__}.{name}: {twin[name]!r} != {default!r}"
-    assert set(module().loss_options()) == set(twin)
+    # options the function requires (a triplet margin) the twin requires too
+    required = [
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty and name in twin
+    ]
+    for name in required:
+        assert twin[name] is inspect.Parameter.empty, f"{module.__name__}.{name} should be required"
+    assert set(module(**{name: 1.0 for name in required}).loss_options()) == set(twin)
 
 
 UNSUPPORTED = [

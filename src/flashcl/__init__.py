@@ -19,6 +19,7 @@ from .functional import (
 from .memory import MemoryBank
 from .modules import ClipLoss, GistLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SigLipLoss, SupConLoss
 from .scale import LogitScale
+from .triplet import TripletLoss, triplet_loss
 
 __version__ = "0.2.0.dev0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "neighbor_loss",
     "distill_loss",
     "cosent_loss",
+    "triplet_loss",
     "sample_neighbors",
     "SupConLoss",
     "NTXentLoss",
@@ -42,6 +44,7 @@ __all__ = [
     "NeighborLoss",
     "DistillLoss",
     "CoSENTLoss",
+    "TripletLoss",
     "MemoryBank",
     "LogitScale",
     "cached_step",

@@ -63,6 +63,7 @@ __all__ = [
     "gist_loss",
     "neighbor_loss",
     "cosent_loss",
+    "triplet_loss",
     "all_gather_with_grad",
     "world_size",
     "reduce_across",
@@ -441,3 +442,4 @@ siglip_loss = _alias("siglip_loss")
 gist_loss = _alias("gist_loss")
 neighbor_loss = _alias("neighbor_loss")
 cosent_loss = _alias("cosent_loss")
+triplet_loss = _alias("triplet_loss")

@@ -19,6 +19,12 @@ sentence-transformers``; imported only when this module is).
   :func:`flashcl.cosent_loss` (a running log-sum-exp over the pairs sorted by
   label); another ``similarity_fct`` is computed by sentence-transformers' code,
   with a warning.
+* :class:`BatchAllTripletLoss`, :class:`BatchHardTripletLoss`,
+  :class:`BatchSemiHardTripletLoss`, :class:`BatchHardSoftMarginTripletLoss`:
+  subclasses of sentence-transformers' classes (plus ``backend`` and
+  ``block_size``), computed by :func:`flashcl.triplet_loss` in row blocks of
+  distances; another ``distance_metric`` is computed by sentence-transformers' code,
+  with a warning.
 * :class:`SupConLoss`: the labelled loss sentence-transformers lacks: one text
   column and an integer label per text, :func:`flashcl.supcon_loss` on the
   embeddings (Khosla et al. L_out, or the supervised-SimCSE ``"sum"`` form).
@@ -758,3 +764,184 @@ class AnglELoss(_st_losses.AnglELoss, _CoSENT):
     def __init__(self, model: nn.Module, scale: float = 20.0, *, backend: str = "auto") -> None:
         super().__init__(model, scale=scale)  # type: ignore[arg-type]
         self.backend = backend
+
+
+def _triplet_distances() -> Dict[Any, str]:
+    from sentence_transformers.sentence_transformer.losses.batch_hard_triplet import (
+        BatchHardTripletLossDistanceFunction as functions,
+    )
+
+    return {functions.euclidean_distance: "euclidean", functions.cosine_distance: "cosine"}
+
+
+class _Triplet:
+    """The batch triplet losses' computation by :func:`flashcl.triplet_loss`."""
+
+    _warned = False
+    backend: str = "auto"
+    block_size: Optional[int] = None
+    _mining = "all"
+    _soft = False
+
+    def _flashcl_triplet(self, labels: Tensor, embeddings: Tensor, fallback: Callable[..., Tensor]) -> Tensor:
+        from ..triplet import triplet_loss
+
+        metric = getattr(self, "distance_metric")
+        distance = _triplet_distances().get(metric)
+        if distance is None:
+            if not self._warned:
+                warnings.warn(
+                    f"flashcl does not compute {type(self).__name__} with distance_metric="
+                    f"{getattr(metric, '__name__', metric)!r}; sentence-transformers' own implementation is "
+                    "used (same value, its B^2 memory)",
+                    stacklevel=3,
+                )
+                self._warned = True
+            return fallback(labels, embeddings)
+        margin = 0.0 if self._soft else float(getattr(self, "triplet_margin", getattr(self, "margin", 0.0)))
+        return triplet_loss(
+            embeddings,
+            labels.reshape(-1),
+            margin=margin,
+            mining=self._mining,
+            soft_margin=self._soft,
+            distance=distance,
+            backend=self.backend,
+            block_size=self.block_size,
+        )
+
+
+class BatchAllTripletLoss(_Triplet, _st_losses.BatchAllTripletLoss):
+    """sentence-transformers' ``BatchAllTripletLoss`` (every valid triplet; the mean
+    over those with a positive loss), computed by :func:`flashcl.triplet_loss`
+    without the triplets: the same value and gradients in O(block x B) memory.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        distance_metric: sentence-transformers' euclidean (default) or cosine distance.
+        margin: Default 5.
+        backend, block_size: :func:`flashcl.triplet_loss`'s.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import BatchAllTripletLoss
+        >>> # loss = BatchAllTripletLoss(model)   # a SentenceTransformer; texts with integer labels
+    """
+
+    _mining = "all"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        distance_metric: Any = None,
+        margin: float = 5,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        kw = {} if distance_metric is None else {"distance_metric": distance_metric}
+        super().__init__(model, margin=margin, **kw)  # type: ignore[arg-type]
+        self.backend, self.block_size = backend, block_size
+
+    def batch_all_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
+        return self._flashcl_triplet(labels, embeddings, super().batch_all_triplet_loss)
+
+
+class BatchHardTripletLoss(_Triplet, _st_losses.BatchHardTripletLoss):
+    """sentence-transformers' ``BatchHardTripletLoss`` (each anchor's hardest
+    positive and negative), computed by :func:`flashcl.triplet_loss`.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        distance_metric: sentence-transformers' euclidean (default) or cosine distance.
+        margin: Default 5.
+        backend, block_size: :func:`flashcl.triplet_loss`'s.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import BatchHardTripletLoss
+        >>> # loss = BatchHardTripletLoss(model, margin=1.0)
+    """
+
+    _mining = "hard"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        distance_metric: Any = None,
+        margin: float = 5,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        kw = {} if distance_metric is None else {"distance_metric": distance_metric}
+        super().__init__(model, margin=margin, **kw)  # type: ignore[arg-type]
+        self.backend, self.block_size = backend, block_size
+
+    def batch_hard_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
+        return self._flashcl_triplet(labels, embeddings, super().batch_hard_triplet_loss)
+
+
+class BatchSemiHardTripletLoss(_Triplet, _st_losses.BatchSemiHardTripletLoss):
+    """sentence-transformers' ``BatchSemiHardTripletLoss`` (per positive pair, the
+    closest negative farther than the positive), computed by :func:`flashcl.triplet_loss`.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        distance_metric: sentence-transformers' euclidean (default) or cosine distance.
+        margin: Default 5.
+        backend, block_size: :func:`flashcl.triplet_loss`'s.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import BatchSemiHardTripletLoss
+        >>> # loss = BatchSemiHardTripletLoss(model)
+    """
+
+    _mining = "semi-hard"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        distance_metric: Any = None,
+        margin: float = 5,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        kw = {} if distance_metric is None else {"distance_metric": distance_metric}
+        super().__init__(model, margin=margin, **kw)  # type: ignore[arg-type]
+        self.backend, self.block_size = backend, block_size
+
+    def batch_semi_hard_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
+        return self._flashcl_triplet(labels, embeddings, super().batch_semi_hard_triplet_loss)
+
+
+class BatchHardSoftMarginTripletLoss(_Triplet, _st_losses.BatchHardSoftMarginTripletLoss):
+    """sentence-transformers' ``BatchHardSoftMarginTripletLoss`` (``softplus`` of the
+    hardest positive's distance minus the hardest negative's), computed by
+    :func:`flashcl.triplet_loss` (``mining="hard", soft_margin=True, margin=0``).
+
+    Args:
+        model: the SentenceTransformer being trained.
+        distance_metric: sentence-transformers' euclidean (default) or cosine distance.
+        backend, block_size: :func:`flashcl.triplet_loss`'s.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import BatchHardSoftMarginTripletLoss
+        >>> # loss = BatchHardSoftMarginTripletLoss(model)
+    """
+
+    _mining = "hard"
+    _soft = True
+
+    def __init__(
+        self, model: nn.Module, distance_metric: Any = None, *, backend: str = "auto", block_size: Optional[int] = None
+    ) -> None:
+        kw = {} if distance_metric is None else {"distance_metric": distance_metric}
+        super().__init__(model, **kw)  # type: ignore[arg-type]
+        self.backend, self.block_size = backend, block_size
+
+    def batch_hard_triplet_soft_margin_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
+        return self._flashcl_triplet(labels, embeddings, super().batch_hard_triplet_soft_margin_loss)

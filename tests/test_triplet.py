@@ -1,0 +1,292 @@
+"""triplet_loss against sentence-transformers' four batch triplet losses and
+pytorch-metric-learning's TripletMarginLoss (their own code), every backend,
+float64 values and gradients: every mining and distance, the degenerate batches
+(one sample, one label, every label distinct), reductions with a non-uniform
+upstream gradient, second derivatives, half precision, bad input, and across 2
+and 3 gloo processes."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from typing import List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashcl
+from helpers import assert_close, close_group
+
+TOL = (1e-10, 1e-9)
+BACKENDS = ["reference", "dense", "tiled"]
+LABELS = {
+    "mixed": torch.tensor([0, 0, 1, 2, 2, 2, 3, 1, 5, 1, 0]),  # a singleton class: an anchor without positives
+    "one_label": torch.zeros(7, dtype=torch.long),  # no negatives
+    "all_distinct": torch.arange(6),  # no positives
+    "one_sample": torch.tensor([4]),
+}
+
+
+def _st():
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer import losses
+    from sentence_transformers.sentence_transformer.losses.batch_hard_triplet import (
+        BatchHardTripletLossDistanceFunction as distance_functions,
+    )
+
+    return losses, {
+        "euclidean": distance_functions.euclidean_distance,
+        "squared": lambda e: distance_functions.euclidean_distance(e, squared=True),
+        "cosine": distance_functions.cosine_distance,
+    }
+
+
+def _st_loss(mining: str, soft: bool, distance: str, margin: float):
+    losses, fns = _st()
+    if soft:
+        peer = losses.BatchHardSoftMarginTripletLoss(model=None, distance_metric=fns[distance])
+        return peer.batch_hard_triplet_soft_margin_loss
+    cls, method = {
+        "all": (losses.BatchAllTripletLoss, "batch_all_triplet_loss"),
+        "hard": (losses.BatchHardTripletLoss, "batch_hard_triplet_loss"),
+        "semi-hard": (losses.BatchSemiHardTripletLoss, "batch_semi_hard_triplet_loss"),
+    }[mining]
+    return getattr(cls(model=None, distance_metric=fns[distance], margin=margin), method)
+
+
+def _value_and_grad(fn, x):
+    x = x.clone().requires_grad_(True)
+    out = fn(x)
+    if not out.requires_grad:  # a peer's constant zero
+        return out.detach(), torch.zeros_like(x)
+    (g,) = torch.autograd.grad(out, x, allow_unused=True)
+    return out.detach(), torch.zeros_like(x) if g is None else g
+
+
+PEER_CASES = [(m, False) for m in ("all", "hard", "semi-hard")] + [("hard", True)]
+
+
+@pytest.mark.parametrize("mining, soft", PEER_CASES, ids=[f"{m}{'-soft' if s else ''}" for m, s in PEER_CASES])
+@pytest.mark.parametrize("distance", ["euclidean", "squared", "cosine"])
+@pytest.mark.parametrize("labels", list(LABELS), ids=list(LABELS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_equals_sentence_transformers(mining: str, soft: bool, distance: str, labels: str, backend: str) -> None:
+    y = LABELS[labels]
+    x = torch.randn(len(y), 5, dtype=torch.float64, generator=torch.Generator().manual_seed(len(y)))
+    margin = 0.0 if soft else 1.5
+    want, want_grad = _value_and_grad(lambda e: _st_loss(mining, soft, distance, margin)(y, e), x)
+    got, got_grad = _value_and_grad(
+        lambda e: flashcl.triplet_loss(
+            e, y, margin=margin, mining=mining, soft_margin=soft, distance=distance, backend=backend, block_size=3
+        ),
+        x,
+    )
+    assert_close(got, want, f"{backend}: value", *TOL)
+    assert_close(got_grad, want_grad, f"{backend}: gradient", *TOL)
+
+
+@pytest.mark.parametrize("labels", list(LABELS), ids=list(LABELS))
+@pytest.mark.parametrize("margin", [0.05, 0.4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_equals_pml_triplet_margin_loss(labels: str, margin: float, backend: str) -> None:
+    pml = pytest.importorskip("pytorch_metric_learning.losses")
+    y = LABELS[labels]
+    x = torch.randn(len(y), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    want, want_grad = _value_and_grad(lambda e: pml.TripletMarginLoss(margin=margin)(e, y), x)
+    got, got_grad = _value_and_grad(
+        lambda e: flashcl.triplet_loss(e, y, margin=margin, normalize=True, backend=backend, block_size=2), x
+    )
+    assert_close(got, want, f"{backend}: value", *TOL)
+    assert_close(got_grad, want_grad, f"{backend}: gradient", *TOL)
+
+
+@pytest.mark.parametrize("mining", ["all", "hard", "semi-hard"])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_reductions_with_a_non_uniform_upstream_gradient(mining: str, reduction: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(23, 6, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 4, (23,), generator=g)
+    w = torch.rand(23, dtype=torch.float64, generator=g) + 0.5
+    results = []
+    for backend in BACKENDS:
+        xs = x.clone().requires_grad_(True)
+        out = flashcl.triplet_loss(xs, y, margin=0.7, mining=mining, reduction=reduction, backend=backend, block_size=5)
+        weighted = (out * w).sum() if reduction == "none" else out
+        results.append((out.detach(), torch.autograd.grad(weighted, xs)[0]))
+    for backend, (value, grad) in zip(BACKENDS[1:], results[1:]):
+        assert_close(value, results[0][0], f"{backend}: value", *TOL)
+        assert_close(grad, results[0][1], f"{backend}: gradient", *TOL)
+
+
+def test_batch_all_at_a_larger_batch_equals_dense_and_counts_triplets() -> None:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 8, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 6, (300,), generator=g)
+    got, got_grad = _value_and_grad(lambda e: flashcl.triplet_loss(e, y, margin=0.5, backend="tiled"), x)
+    want, want_grad = _value_and_grad(lambda e: flashcl.triplet_loss(e, y, margin=0.5, backend="dense"), x)
+    assert_close(got, want, "value", *TOL)
+    assert_close(got_grad, want_grad, "gradient", *TOL)
+    # the mean's divisor: the triplets with a positive loss, counted by brute force
+    d = torch.cdist(x, x)
+    same = y.unsqueeze(0) == y.unsqueeze(1)
+    pos = same & ~torch.eye(300, dtype=torch.bool)
+    cube = (d.unsqueeze(2) - d.unsqueeze(1) + 0.5) * (pos.unsqueeze(2) & ~same.unsqueeze(1))
+    assert_close(got, cube.clamp_min(0).sum() / (cube > 0).sum(), "the B^3 formula", 1e-9, 1e-9)
+
+
+def test_second_derivatives_equal_dense() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 3, dtype=torch.float64, generator=g)
+    y = torch.tensor([0, 0, 1, 1, 1, 2, 2, 0, 1])
+    out = []
+    for backend in ("dense", "tiled"):
+        xs = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(
+            flashcl.triplet_loss(xs, y, margin=3.0, mining="semi-hard", backend=backend), xs, create_graph=True
+        )
+        out.append(torch.autograd.grad(gx.square().sum(), xs)[0])
+    assert_close(out[1], out[0], "second derivative", *TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_no_worse_than_dense(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 16, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 5, (64,), generator=g)
+    exact = flashcl.triplet_loss(x, y, margin=1.0, backend="dense")
+    got = flashcl.triplet_loss(x.to(dtype), y, margin=1.0, backend="tiled")
+    dense = flashcl.triplet_loss(x.to(dtype), y, margin=1.0, backend="dense")
+    assert got.dtype == torch.float32
+    assert abs(got.double() - exact) <= abs(dense.double() - exact) + 1e-5 * abs(exact)
+
+
+def test_module_inputs_unmodified_and_strided() -> None:
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    x0 = x.clone()
+    module = flashcl.TripletLoss(margin=0.3, mining="hard", distance="cosine")
+    assert_close(module(x, y), flashcl.triplet_loss(x, y, margin=0.3, mining="hard", distance="cosine"), "module", *TOL)
+    assert torch.equal(x, x0)
+    wide = torch.randn(10, 8)[:, ::2]
+    assert_close(
+        flashcl.triplet_loss(wide, y, margin=0.3),
+        flashcl.triplet_loss(wide.contiguous(), y, margin=0.3),
+        "strided input",
+        1e-6,
+        1e-6,
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"labels": torch.zeros(5, dtype=torch.long)}, "labels"),
+        ({"margin": -0.1}, "margin"),
+        ({"margin": float("nan")}, "margin"),
+        ({"margin": "1"}, "margin"),
+        ({"mining": "easy"}, "mining"),
+        ({"distance": "manhattan"}, "distance"),
+        ({"backend": "triton"}, "backend"),
+        ({"soft_margin": True}, "soft_margin"),
+        ({"reduction": "avg"}, "reduction"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs, match: str) -> None:
+    call = {"embeddings": torch.randn(6, 4), "labels": torch.randint(0, 2, (6,)), "margin": 0.5, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=match):
+        flashcl.triplet_loss(call.pop("embeddings"), call.pop("labels"), **call)
+
+
+def test_sentence_transformers_drop_ins() -> None:
+    losses, _ = _st()
+    from flashcl.integrations import sentence_transformers as fst
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(12, 5, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (12,), generator=g)
+    for name, method in [
+        ("BatchAllTripletLoss", "batch_all_triplet_loss"),
+        ("BatchHardTripletLoss", "batch_hard_triplet_loss"),
+        ("BatchSemiHardTripletLoss", "batch_semi_hard_triplet_loss"),
+        ("BatchHardSoftMarginTripletLoss", "batch_hard_triplet_soft_margin_loss"),
+    ]:
+        ours, theirs = getattr(fst, name)(None), getattr(losses, name)(None)
+        assert isinstance(ours, getattr(losses, name))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = _value_and_grad(lambda e: getattr(ours, method)(y, e), x)
+        want = _value_and_grad(lambda e: getattr(theirs, method)(y, e), x)
+        assert_close(got[0], want[0], f"{name}: value", *TOL)
+        assert_close(got[1], want[1], f"{name}: gradient", *TOL)
+
+
+SIZES = {2: [5, 8], 3: [4, 1, 7]}
+
+
+def _data(n: int):
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 4, dtype=torch.float64, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+    sizes = SIZES[world]
+    x, y = _data(sum(sizes))
+    sl = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    out: List = []
+    for mining in ("all", "hard", "semi-hard"):
+        for reduction in ("mean", "sum"):
+            xs = x[sl].clone().requires_grad_(True)
+            loss = flashcl.triplet_loss(
+                xs,
+                y[sl],
+                margin=1.0,
+                mining=mining,
+                reduction=reduction,
+                process_group=dist.group.WORLD,
+                grad_scale="sum",
+            )
+            out.append((loss.detach(), torch.autograd.grad(loss, xs)[0]))
+    errors = {}
+    try:
+        flashcl.triplet_loss(x[sl], y[sl], margin=1.0, process_group=dist.group.WORLD, strategy="ring")
+    except ValueError as e:
+        errors["ring"] = str(e)
+    try:
+        flashcl.triplet_loss(x[sl], y[sl], margin=1.0 + rank, process_group=dist.group.WORLD)
+    except ValueError as e:
+        errors["mismatch"] = str(e)
+    torch.save({"out": out, "errors": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
+    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    x, y = _data(sum(SIZES[world]))
+    i = 0
+    for mining in ("all", "hard", "semi-hard"):
+        for reduction in ("mean", "sum"):
+            want, want_grad = _value_and_grad(
+                lambda e: flashcl.triplet_loss(
+                    e, y, margin=1.0, mining=mining, reduction=reduction, backend="reference"
+                ),
+                x,
+            )
+            name = f"{mining}/{reduction}"
+            assert_close(sum(r["out"][i][0] for r in ranks), want, f"{name}: sum of rank values", *TOL)
+            assert_close(torch.cat([r["out"][i][1] for r in ranks]), want_grad, f"{name}: gradient rows", *TOL)
+            i += 1
+    for r in ranks:
+        assert "strategy='all_gather'" in r["errors"]["ring"]
+        assert "different calls" in r["errors"]["mismatch"]
