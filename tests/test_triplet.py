@@ -216,8 +216,8 @@ def test_sentence_transformers_drop_ins() -> None:
         assert isinstance(ours, getattr(losses, name))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            got = _value_and_grad(lambda e: getattr(ours, method)(y, e), x)
-        want = _value_and_grad(lambda e: getattr(theirs, method)(y, e), x)
+            got = _value_and_grad(lambda e, f=getattr(ours, method): f(y, e), x)
+        want = _value_and_grad(lambda e, f=getattr(theirs, method): f(y, e), x)
         assert_close(got[0], want[0], f"{name}: value", *TOL)
         assert_close(got[1], want[1], f"{name}: gradient", *TOL)
 
@@ -278,7 +278,7 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
     for mining in ("all", "hard", "semi-hard"):
         for reduction in ("mean", "sum"):
             want, want_grad = _value_and_grad(
-                lambda e: flashcl.triplet_loss(
+                lambda e, mining=mining, reduction=reduction: flashcl.triplet_loss(
                     e, y, margin=1.0, mining=mining, reduction=reduction, backend="reference"
                 ),
                 x,

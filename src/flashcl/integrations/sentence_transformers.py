@@ -786,7 +786,7 @@ class _Triplet:
     def _flashcl_triplet(self, labels: Tensor, embeddings: Tensor, fallback: Callable[..., Tensor]) -> Tensor:
         from ..triplet import triplet_loss
 
-        metric = getattr(self, "distance_metric")
+        metric = self.distance_metric  # type: ignore[attr-defined]
         distance = _triplet_distances().get(metric)
         if distance is None:
             if not self._warned:
