@@ -214,10 +214,11 @@ def test_sentence_transformers_drop_ins() -> None:
     ]:
         ours, theirs = getattr(fst, name)(None), getattr(losses, name)(None)
         assert isinstance(ours, getattr(losses, name))
+        ours_fn, theirs_fn = getattr(ours, method), getattr(theirs, method)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            got = _value_and_grad(lambda e, f=getattr(ours, method): f(y, e), x)
-        want = _value_and_grad(lambda e, f=getattr(theirs, method): f(y, e), x)
+            got = _value_and_grad(lambda e, f=ours_fn: f(y, e), x)
+        want = _value_and_grad(lambda e, f=theirs_fn: f(y, e), x)
         assert_close(got[0], want[0], f"{name}: value", *TOL)
         assert_close(got[1], want[1], f"{name}: gradient", *TOL)
 
