@@ -157,6 +157,20 @@ MORE = [
         [torch.arange(12) % 3],
         {"margin": 0.5, "mining": "semi-hard"},
     ),
+    (
+        "cosface",
+        lambda e, w, **kw: flashcl.cosface_loss(e, torch.arange(10) % 20, w, **kw),
+        [(10, 8), (20, 8)],
+        [],
+        {"scale": 16.0},
+    ),
+    (
+        "arcface",
+        lambda e, w, **kw: flashcl.arcface_loss(e, torch.arange(10) * 2, w, **kw),
+        [(10, 8), (20, 8)],
+        [],
+        {"margin": 0.4},
+    ),
     ("alignment", flashcl.metrics.alignment, [(10, 8), (10, 8)], [], {"alpha": 2.0}),
     ("uniformity", flashcl.metrics.uniformity, [(10, 8)], [], {"t": 2.0, "block_size": 4}),
 ]

@@ -22,6 +22,8 @@ TWINS = [
     (flashcl.DistillLoss, flashcl.distill_loss),
     (flashcl.CoSENTLoss, flashcl.cosent_loss),
     (flashcl.TripletLoss, flashcl.triplet_loss),
+    (flashcl.CosFaceLoss, flashcl.cosface_loss),
+    (flashcl.ArcFaceLoss, flashcl.arcface_loss),
 ]
 
 

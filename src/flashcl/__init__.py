@@ -16,6 +16,7 @@ from .functional import (
     siglip_loss,
     supcon_loss,
 )
+from .margin import ArcFaceLoss, CosFaceLoss, arcface_loss, cosface_loss
 from .memory import MemoryBank
 from .modules import ClipLoss, GistLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SigLipLoss, SupConLoss
 from .scale import LogitScale
@@ -34,6 +35,8 @@ __all__ = [
     "distill_loss",
     "cosent_loss",
     "triplet_loss",
+    "cosface_loss",
+    "arcface_loss",
     "sample_neighbors",
     "SupConLoss",
     "NTXentLoss",
@@ -45,6 +48,8 @@ __all__ = [
     "DistillLoss",
     "CoSENTLoss",
     "TripletLoss",
+    "CosFaceLoss",
+    "ArcFaceLoss",
     "MemoryBank",
     "LogitScale",
     "cached_step",

@@ -23,6 +23,16 @@ block_size: rows per block of the tiled backend; None picks one.""",
     each width normalised on its own, all widths in one pass on the tiled
     backend. Default: None (the full width only).
 matryoshka_weights: the weights ``w_m`` (default 1 each).""",
+    "margin_args": """embeddings: (B, D) (normalised inside).
+labels: (B,) class indices in ``[0, C)``.
+class_weights: (C, D) the class proxies, like ``nn.Linear(D, C).weight``
+    (normalised inside); its gradient is formed block by block.
+scale: ``s``, a float or a (learnable) 0-dim tensor. Default: 64.
+reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+backend: ``"auto"`` | ``"tiled"`` (blocks of classes) | ``"dense"`` (the B x C
+    logits) | ``"reference"`` (row by row).
+block_size: classes per block of the tiled backend; None picks one (a B x
+    block tile of about 16 MB).""",
     "process_group": """process_group: None (default: this process's inputs) or a process group of
     ``torch.distributed``: the loss over the concatenation of every rank's inputs in
     rank order (local batch sizes may differ), as :mod:`flashcl.distributed`

@@ -64,6 +64,8 @@ __all__ = [
     "neighbor_loss",
     "cosent_loss",
     "triplet_loss",
+    "cosface_loss",
+    "arcface_loss",
     "all_gather_with_grad",
     "world_size",
     "reduce_across",
@@ -443,3 +445,5 @@ gist_loss = _alias("gist_loss")
 neighbor_loss = _alias("neighbor_loss")
 cosent_loss = _alias("cosent_loss")
 triplet_loss = _alias("triplet_loss")
+cosface_loss = _alias("cosface_loss")
+arcface_loss = _alias("arcface_loss")

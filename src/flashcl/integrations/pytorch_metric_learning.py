@@ -18,6 +18,11 @@ labels are all equal.
   per-anchor losses go through PML's reducer (its default ``AvgNonZeroReducer``
   averages the anchors whose loss is > 0: not those without a positive, nor
   those whose loss PML's arithmetic rounds to 0).
+* :class:`CosFaceLoss` and :class:`ArcFaceLoss`: PML's margin softmax over its
+  class weights ``W`` (D, C), computed by :func:`flashcl.cosface_loss` /
+  :func:`flashcl.arcface_loss` over blocks of classes (never the B x C logits);
+  the per-sample losses go through PML's reducer, miner weights and weight
+  regularizer as in PML.
 * :class:`NTXentLoss`: PML's formula, which differs from
   :func:`flashcl.nt_xent_loss` when an anchor has several positives: every
   positive pair ``(a, p)`` is its own softmax against ``a``'s negatives::
@@ -57,7 +62,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the packag
         "(pip install pytorch-metric-learning)"
     ) from e
 
-__all__ = ["SupConLoss", "NTXentLoss", "CrossBatchMemory"]
+__all__ = ["SupConLoss", "NTXentLoss", "CrossBatchMemory", "CosFaceLoss", "ArcFaceLoss"]
 
 
 def _dot_similarity(distance: Any) -> Optional[bool]:
@@ -479,3 +484,98 @@ class CrossBatchMemory(_pml_losses.CrossBatchMemory):
         # a snapshot of the queue (as PML's normalised copy of it): the next step writes into the buffer
         # before this step's backward may run
         return self.loss.compute(embeddings, labels, keys.detach().clone(), key_labels.clone(), pairs)
+
+
+class _MarginAdapter:
+    """PML's ``compute_loss`` for its large-margin softmax losses, with the logits'
+    cross-entropy computed by flashcl over blocks of classes."""
+
+    backend: str = "auto"
+    block_size: Optional[int] = None
+
+    def _per_sample(self, embeddings: Tensor, labels: Tensor, class_weights: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def compute_loss(
+        self, embeddings: Tensor, labels: Tensor, indices_tuple: Any, ref_emb: Any, ref_labels: Any
+    ) -> Dict[str, Any]:
+        from pytorch_metric_learning.utils import common_functions as c_f
+        from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+
+        c_f.labels_required(labels)
+        c_f.ref_not_supported(embeddings, labels, ref_emb, ref_labels)
+        self.cast_types(embeddings.dtype, embeddings.device)  # type: ignore[attr-defined]
+        miner_weights = lmu.convert_to_weights(indices_tuple, labels, dtype=embeddings.dtype)
+        w = self.W.t()  # type: ignore[attr-defined]
+        losses = self._per_sample(embeddings, labels.long(), w)
+        loss_dict = {
+            "loss": {
+                "losses": losses * miner_weights,
+                "indices": c_f.torch_arange_from_size(embeddings),
+                "reduction_type": "element",
+            }
+        }
+        self.add_weight_regularization_to_loss_dict(loss_dict, w)  # type: ignore[attr-defined]
+        return loss_dict
+
+
+class CosFaceLoss(_MarginAdapter, _pml_losses.CosFaceLoss):
+    """PML's ``CosFaceLoss`` (its constructor: ``num_classes``, ``embedding_size``,
+    ``margin=0.35``, ``scale=64`` and PML's keyword arguments, plus ``backend`` and
+    ``block_size``), the loss computed by :func:`flashcl.cosface_loss`.
+
+    Examples::
+
+        >>> from flashcl.integrations.pytorch_metric_learning import CosFaceLoss
+        >>> loss_fn = CosFaceLoss(num_classes=1000, embedding_size=64)
+        >>> loss = loss_fn(torch.randn(8, 64), torch.randint(0, 1000, (8,)))
+    """
+
+    def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend, self.block_size = backend, block_size
+
+    def _per_sample(self, embeddings: Tensor, labels: Tensor, class_weights: Tensor) -> Tensor:
+        from ..margin import cosface_loss
+
+        return cosface_loss(
+            embeddings,
+            labels,
+            class_weights,
+            margin=float(self.margin),
+            scale=float(self.scale),
+            reduction="none",
+            backend=self.backend,
+            block_size=self.block_size,
+        )
+
+
+class ArcFaceLoss(_MarginAdapter, _pml_losses.ArcFaceLoss):
+    """PML's ``ArcFaceLoss`` (its constructor: ``num_classes``, ``embedding_size``,
+    ``margin=28.6`` degrees, ``scale=64``, plus ``backend`` and ``block_size``), the
+    loss computed by :func:`flashcl.arcface_loss` (with the margin in radians).
+
+    Examples::
+
+        >>> from flashcl.integrations.pytorch_metric_learning import ArcFaceLoss
+        >>> loss_fn = ArcFaceLoss(num_classes=1000, embedding_size=64)
+        >>> loss = loss_fn(torch.randn(8, 64), torch.randint(0, 1000, (8,)))
+    """
+
+    def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend, self.block_size = backend, block_size
+
+    def _per_sample(self, embeddings: Tensor, labels: Tensor, class_weights: Tensor) -> Tensor:
+        from ..margin import arcface_loss
+
+        return arcface_loss(
+            embeddings,
+            labels,
+            class_weights,
+            margin=float(self.margin),
+            scale=float(self.scale),
+            reduction="none",
+            backend=self.backend,
+            block_size=self.block_size,
+        )
