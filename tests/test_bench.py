@@ -56,6 +56,18 @@ def test_neighbor_implementations_agree() -> None:
     [
         ("queue", ("flashcl-tiled", "flashcl-pml-adapter", "pml"), {"B": 16, "D": 8, "Q": 64, "classes": 4}),
         ("gist", ("flashcl-tiled", "flashcl-dense", "sentence-transformers"), {"B": 24, "D": 8, "G": 6}),
+        ("ranking", ("flashcl-tiled", "sentence-transformers"), {"B": 40, "D": 8, "loss": "cosent"}),
+        (
+            "ranking",
+            ("flashcl-tiled", "sentence-transformers"),
+            {"B": 40, "D": 8, "loss": "triplet", "mining": "hard", "formula": "st"},
+        ),
+        (
+            "ranking",
+            ("flashcl-tiled", "pml"),
+            {"B": 40, "D": 8, "loss": "triplet", "mining": "all", "formula": "pml"},
+        ),
+        ("ranking", ("flashcl-tiled", "pml"), {"B": 16, "D": 8, "C": 300, "loss": "cosface"}),
     ],
 )
 def test_beyond_the_batch_workloads_agree(workload: str, impls: tuple, params: dict) -> None:

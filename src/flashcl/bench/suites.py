@@ -309,6 +309,57 @@ def requested(mode: str, device: str) -> List[Case]:
     return cases
 
 
+def ranking(mode: str, device: str) -> List[Case]:
+    """CoSENT against sentence-transformers' CoSENTLoss (B = 4096 .. 65536, D = 256),
+    batch-all and batch-hard triplets against sentence-transformers and
+    pytorch-metric-learning (B = 2048 .. 16384, D = 128, 64 classes), CosFace over
+    C = 100k and 1M classes against PML's CosFaceLoss (B = 1024, D = 512): time and
+    peak memory, out of memory past the limit."""
+    cosent_bs = _size(mode, (256, 1024), (4096, 16384, 65536), (4096, 16384, 65536))
+    triplet_bs = _size(mode, (128, 256), (2048, 4096, 8192, 16384), (2048, 4096, 8192, 16384))
+    classes = _size(mode, (1000, 5000), (100_000, 1_000_000), (100_000, 1_000_000))
+    cases: List[Case] = []
+
+    def add(group: str, label: str, params: Dict[str, Any]) -> None:
+        cases.append(
+            {
+                "group": group,
+                "label": label,
+                "workload": "ranking",
+                "repeats": 1,
+                "cap_s": 600.0,
+                "params": dict(params, impl=label, device=device),
+            }
+        )
+
+    for b in cosent_bs:
+        for impl in ("flashcl-tiled", "sentence-transformers"):
+            add("ranking: CoSENT", impl, {"B": b, "D": _size(mode, 32, 256, 256), "loss": "cosent"})
+    for mining in ("all", "hard"):
+        for b in triplet_bs:
+            for impl in ("flashcl-tiled", "sentence-transformers"):
+                add(
+                    f"ranking: batch-{mining} triplets",
+                    impl,
+                    {"B": b, "D": _size(mode, 32, 128, 128), "loss": "triplet", "mining": mining, "formula": "st"},
+                )
+    for b in triplet_bs:
+        for impl in ("flashcl-tiled", "pml"):
+            add(
+                "ranking: triplets, PML's TripletMarginLoss",
+                impl,
+                {"B": b, "D": _size(mode, 32, 128, 128), "loss": "triplet", "mining": "all", "formula": "pml"},
+            )
+    for c in classes:
+        for impl in ("flashcl-tiled", "pml"):
+            add(
+                "ranking: CosFace",
+                impl,
+                {"B": _size(mode, 64, 1024, 1024), "D": _size(mode, 32, 512, 512), "C": c, "loss": "cosface"},
+            )
+    return cases
+
+
 def compile_suite(mode: str, device: str) -> List[Case]:
     """A training step (small MLP encoder, SupCon or CLIP, backward, SGD step) eager
     against ``torch.compile(fullgraph=True)`` of the encoder and the loss, B = 4096,
@@ -523,6 +574,7 @@ SUITES = {
     "dist": dist,
     "requested": requested,
     "compile": compile_suite,
+    "ranking": ranking,
     "gpu": gpu,
     "beyond": beyond,
     "train": train,

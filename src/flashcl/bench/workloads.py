@@ -542,6 +542,77 @@ def requested(p: Dict[str, Any]) -> Tuple[Step, int]:
     return _stepper(fn, leaves, dev), sum(x.numel() * x.element_size() for x in leaves)
 
 
+def ranking(p: Dict[str, Any]) -> Tuple[Step, int]:
+    """The ranking, triplet and margin losses against their peers. ``loss``:
+    ``cosent`` (B scored pairs, D), ``triplet`` (B embeddings of 64 classes; ``mining``
+    ``all`` or ``hard``; ``formula`` ``st`` (raw embeddings, margin 5) or ``pml``
+    (normalised, margin 0.05)), ``cosface`` (B embeddings against C class weights,
+    margin 0.35, scale 64). ``impl``: ``flashcl-tiled``, ``sentence-transformers``,
+    ``pml``."""
+    b, d, impl, dev, loss = p["B"], p["D"], p["impl"], _device(p), p["loss"]
+    g = _gen(p)
+    if loss == "cosent":
+        x = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+        x2 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+        y = torch.rand(b, generator=g).to(dev)
+        leaves = [x, x2]
+        if impl == "flashcl-tiled":
+            fn = lambda: flashcl.cosent_loss(x, x2, y)  # noqa: E731
+        elif impl == "sentence-transformers":
+            st, why = peers.sentence_transformers_losses()
+            if st is None:
+                raise NotInstalled(why)
+            peer = st.CoSENTLoss(None)
+            fn = lambda: peer.compute_loss_from_embeddings([x, x2], y)  # noqa: E731
+        else:
+            raise ValueError(f"unknown cosent impl {impl!r}")
+    elif loss == "triplet":
+        x = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+        y = torch.randint(0, 64, (b,), generator=g).to(dev)
+        leaves = [x]
+        mining, pml_formula = p["mining"], p["formula"] == "pml"
+        margin = 0.05 if pml_formula else 5.0
+        if impl == "flashcl-tiled":
+            fn = lambda: flashcl.triplet_loss(x, y, margin=margin, mining=mining, normalize=pml_formula)  # noqa: E731
+        elif impl == "sentence-transformers":
+            st, why = peers.sentence_transformers_losses()
+            if st is None:
+                raise NotInstalled(why)
+            if mining == "all":
+                fn = lambda: st.BatchAllTripletLoss(None, margin=margin).batch_all_triplet_loss(y, x)  # noqa: E731
+            else:
+                fn = lambda: st.BatchHardTripletLoss(None, margin=margin).batch_hard_triplet_loss(y, x)  # noqa: E731
+        elif impl == "pml":
+            pml, why = peers.pml_losses()
+            if pml is None:
+                raise NotInstalled(why)
+            peer = pml.TripletMarginLoss(margin=margin)
+            fn = lambda: peer(x, y)  # noqa: E731
+        else:
+            raise ValueError(f"unknown triplet impl {impl!r}")
+    elif loss == "cosface":
+        c = p["C"]
+        x = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+        w = torch.randn(c, d, generator=g).to(dev).requires_grad_(True)
+        y = torch.randint(0, c, (b,), generator=g).to(dev)
+        leaves = [x, w]
+        if impl == "flashcl-tiled":
+            fn = lambda: flashcl.cosface_loss(x, y, w)  # noqa: E731
+        elif impl == "pml":
+            pml, why = peers.pml_losses()
+            if pml is None:
+                raise NotInstalled(why)
+            peer = pml.CosFaceLoss(c, d).to(dev)
+            peer.W = torch.nn.Parameter(w.detach().T)  # the same weights, in PML's (D, C) layout (a view)
+            leaves = [x, peer.W]
+            fn = lambda: peer(x, y)  # noqa: E731
+        else:
+            raise ValueError(f"unknown cosface impl {impl!r}")
+    else:
+        raise ValueError(f"unknown ranking loss {loss!r}")
+    return _stepper(fn, leaves, dev), sum(t.numel() * t.element_size() for t in leaves)
+
+
 def compiled_step(p: Dict[str, Any]) -> Tuple[Step, int]:
     """A training step of a small MLP encoder (D -> 2D -> D) on B inputs with a
     flashcl loss (``loss``: ``supcon``, 10 classes, or ``clip``, two towers through
@@ -596,4 +667,5 @@ WORKLOADS: Dict[str, Workload] = {
     "matryoshka": matryoshka_widths,
     "requested": requested,
     "compiled_step": compiled_step,
+    "ranking": ranking,
 }
