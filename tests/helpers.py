@@ -21,6 +21,24 @@ BACKENDS = ("dense", "tiled")
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def init_gloo(rank: int, world: int, out_dir: str) -> None:
+    """A test worker's gloo process group, rendezvous through a file in ``out_dir``
+    (no port to pick), one thread per process."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+
+
 def close_group() -> None:
     """Ends a test's process group on every rank together, after freeing what no
     longer refers to it: a gloo group freed during interpreter shutdown, or while a

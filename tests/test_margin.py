@@ -7,7 +7,6 @@ adapters; across 2 and 3 gloo processes."""
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 from typing import List
@@ -19,7 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashcl
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, init_gloo
 
 TOL = (1e-10, 1e-9)
 BACKENDS = ["reference", "dense", "tiled"]
@@ -209,14 +208,7 @@ SIZES = {2: [5, 8], 3: [4, 1, 7]}
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
+    init_gloo(rank, world, out_dir)
     sizes = SIZES[world]
     e, y, w = _data(b=sum(sizes), c=17, seed=world)
     sl = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))

@@ -7,7 +7,6 @@ and 3 gloo processes."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import warnings
 from typing import List
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashcl
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, init_gloo
 
 TOL = (1e-10, 1e-9)
 BACKENDS = ["reference", "dense", "tiled"]
@@ -232,14 +231,7 @@ def _data(n: int):
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
+    init_gloo(rank, world, out_dir)
     sizes = SIZES[world]
     x, y = _data(sum(sizes))
     sl = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))

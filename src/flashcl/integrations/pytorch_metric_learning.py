@@ -488,13 +488,16 @@ class CrossBatchMemory(_pml_losses.CrossBatchMemory):
 
 class _MarginAdapter:
     """PML's ``compute_loss`` for its large-margin softmax losses, with the logits'
-    cross-entropy computed by flashcl over blocks of classes."""
+    cross-entropy computed by flashcl over blocks of classes (``_loss``: the
+    flashcl function's name); PML's constructor plus ``backend`` and ``block_size``."""
 
     backend: str = "auto"
     block_size: Optional[int] = None
+    _loss = ""
 
-    def _per_sample(self, embeddings: Tensor, labels: Tensor, class_weights: Tensor) -> Tensor:
-        raise NotImplementedError
+    def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend, self.block_size = backend, block_size
 
     def compute_loss(
         self, embeddings: Tensor, labels: Tensor, indices_tuple: Any, ref_emb: Any, ref_labels: Any
@@ -502,12 +505,23 @@ class _MarginAdapter:
         from pytorch_metric_learning.utils import common_functions as c_f
         from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
+        from .. import margin
+
         c_f.labels_required(labels)
         c_f.ref_not_supported(embeddings, labels, ref_emb, ref_labels)
         self.cast_types(embeddings.dtype, embeddings.device)  # type: ignore[attr-defined]
         miner_weights = lmu.convert_to_weights(indices_tuple, labels, dtype=embeddings.dtype)
         w = self.W.t()  # type: ignore[attr-defined]
-        losses = self._per_sample(embeddings, labels.long(), w)
+        losses = getattr(margin, self._loss)(
+            embeddings,
+            labels.long(),
+            w,
+            margin=float(self.margin),  # type: ignore[attr-defined]
+            scale=float(self.scale),  # type: ignore[attr-defined]
+            reduction="none",
+            backend=self.backend,
+            block_size=self.block_size,
+        )
         loss_dict = {
             "loss": {
                 "losses": losses * miner_weights,
@@ -531,29 +545,14 @@ class CosFaceLoss(_MarginAdapter, _pml_losses.CosFaceLoss):
         >>> loss = loss_fn(torch.randn(8, 64), torch.randint(0, 1000, (8,)))
     """
 
-    def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.backend, self.block_size = backend, block_size
-
-    def _per_sample(self, embeddings: Tensor, labels: Tensor, class_weights: Tensor) -> Tensor:
-        from ..margin import cosface_loss
-
-        return cosface_loss(
-            embeddings,
-            labels,
-            class_weights,
-            margin=float(self.margin),
-            scale=float(self.scale),
-            reduction="none",
-            backend=self.backend,
-            block_size=self.block_size,
-        )
+    _loss = "cosface_loss"
 
 
 class ArcFaceLoss(_MarginAdapter, _pml_losses.ArcFaceLoss):
     """PML's ``ArcFaceLoss`` (its constructor: ``num_classes``, ``embedding_size``,
     ``margin=28.6`` degrees, ``scale=64``, plus ``backend`` and ``block_size``), the
-    loss computed by :func:`flashcl.arcface_loss` (with the margin in radians).
+    loss computed by :func:`flashcl.arcface_loss` (PML keeps the margin in radians
+    after construction, as flashcl takes it).
 
     Examples::
 
@@ -562,20 +561,4 @@ class ArcFaceLoss(_MarginAdapter, _pml_losses.ArcFaceLoss):
         >>> loss = loss_fn(torch.randn(8, 64), torch.randint(0, 1000, (8,)))
     """
 
-    def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.backend, self.block_size = backend, block_size
-
-    def _per_sample(self, embeddings: Tensor, labels: Tensor, class_weights: Tensor) -> Tensor:
-        from ..margin import arcface_loss
-
-        return arcface_loss(
-            embeddings,
-            labels,
-            class_weights,
-            margin=float(self.margin),
-            scale=float(self.scale),
-            reduction="none",
-            backend=self.backend,
-            block_size=self.block_size,
-        )
+    _loss = "arcface_loss"

@@ -775,13 +775,30 @@ def _triplet_distances() -> Dict[Any, str]:
 
 
 class _Triplet:
-    """The batch triplet losses' computation by :func:`flashcl.triplet_loss`."""
+    """The batch triplet losses' computation by :func:`flashcl.triplet_loss`, and
+    their constructor: sentence-transformers' arguments (``margin`` where the loss
+    has one) plus ``backend`` and ``block_size``."""
 
     _warned = False
     backend: str = "auto"
     block_size: Optional[int] = None
     _mining = "all"
     _soft = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        distance_metric: Any = None,
+        margin: float = 5,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        kw: Dict[str, Any] = {} if distance_metric is None else {"distance_metric": distance_metric}
+        if not self._soft:
+            kw["margin"] = margin
+        super().__init__(model, **kw)  # type: ignore[call-arg]
+        self.backend, self.block_size = backend, block_size
 
     def _flashcl_triplet(self, labels: Tensor, embeddings: Tensor, fallback: Callable[..., Tensor]) -> Tensor:
         from ..triplet import triplet_loss
@@ -811,137 +828,94 @@ class _Triplet:
         )
 
 
-class BatchAllTripletLoss(_Triplet, _st_losses.BatchAllTripletLoss):
-    """sentence-transformers' ``BatchAllTripletLoss`` (every valid triplet; the mean
-    over those with a positive loss), computed by :func:`flashcl.triplet_loss`
-    without the triplets: the same value and gradients in O(block x B) memory.
-
+_TRIPLET_ARGS = """
     Args:
         model: the SentenceTransformer being trained.
-        distance_metric: sentence-transformers' euclidean (default) or cosine distance.
-        margin: Default 5.
+        distance_metric: sentence-transformers' euclidean (default) or cosine
+            distance; another is computed by sentence-transformers' code.
+        margin: Default 5 (not for the soft-margin loss).
         backend, block_size: :func:`flashcl.triplet_loss`'s.
+"""
 
+
+class BatchAllTripletLoss(_Triplet, _st_losses.BatchAllTripletLoss):
+    __doc__ = (
+        """sentence-transformers' ``BatchAllTripletLoss`` (every valid triplet; the mean
+    over those with a positive loss), computed by :func:`flashcl.triplet_loss`
+    without the triplets: the same value and gradients in O(block x B) memory.
+"""
+        + _TRIPLET_ARGS
+        + """
     Examples::
 
         >>> from flashcl.integrations.sentence_transformers import BatchAllTripletLoss
         >>> # loss = BatchAllTripletLoss(model)   # a SentenceTransformer; texts with integer labels
     """
+    )
 
     _mining = "all"
-
-    def __init__(
-        self,
-        model: nn.Module,
-        distance_metric: Any = None,
-        margin: float = 5,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        kw = {} if distance_metric is None else {"distance_metric": distance_metric}
-        super().__init__(model, margin=margin, **kw)  # type: ignore[arg-type]
-        self.backend, self.block_size = backend, block_size
 
     def batch_all_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
         return self._flashcl_triplet(labels, embeddings, super().batch_all_triplet_loss)
 
 
 class BatchHardTripletLoss(_Triplet, _st_losses.BatchHardTripletLoss):
-    """sentence-transformers' ``BatchHardTripletLoss`` (each anchor's hardest
+    __doc__ = (
+        """sentence-transformers' ``BatchHardTripletLoss`` (each anchor's hardest
     positive and negative), computed by :func:`flashcl.triplet_loss`.
-
-    Args:
-        model: the SentenceTransformer being trained.
-        distance_metric: sentence-transformers' euclidean (default) or cosine distance.
-        margin: Default 5.
-        backend, block_size: :func:`flashcl.triplet_loss`'s.
-
+"""
+        + _TRIPLET_ARGS
+        + """
     Examples::
 
         >>> from flashcl.integrations.sentence_transformers import BatchHardTripletLoss
         >>> # loss = BatchHardTripletLoss(model, margin=1.0)
     """
+    )
 
     _mining = "hard"
-
-    def __init__(
-        self,
-        model: nn.Module,
-        distance_metric: Any = None,
-        margin: float = 5,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        kw = {} if distance_metric is None else {"distance_metric": distance_metric}
-        super().__init__(model, margin=margin, **kw)  # type: ignore[arg-type]
-        self.backend, self.block_size = backend, block_size
 
     def batch_hard_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
         return self._flashcl_triplet(labels, embeddings, super().batch_hard_triplet_loss)
 
 
 class BatchSemiHardTripletLoss(_Triplet, _st_losses.BatchSemiHardTripletLoss):
-    """sentence-transformers' ``BatchSemiHardTripletLoss`` (per positive pair, the
+    __doc__ = (
+        """sentence-transformers' ``BatchSemiHardTripletLoss`` (per positive pair, the
     closest negative farther than the positive), computed by :func:`flashcl.triplet_loss`.
-
-    Args:
-        model: the SentenceTransformer being trained.
-        distance_metric: sentence-transformers' euclidean (default) or cosine distance.
-        margin: Default 5.
-        backend, block_size: :func:`flashcl.triplet_loss`'s.
-
+"""
+        + _TRIPLET_ARGS
+        + """
     Examples::
 
         >>> from flashcl.integrations.sentence_transformers import BatchSemiHardTripletLoss
         >>> # loss = BatchSemiHardTripletLoss(model)
     """
+    )
 
     _mining = "semi-hard"
-
-    def __init__(
-        self,
-        model: nn.Module,
-        distance_metric: Any = None,
-        margin: float = 5,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        kw = {} if distance_metric is None else {"distance_metric": distance_metric}
-        super().__init__(model, margin=margin, **kw)  # type: ignore[arg-type]
-        self.backend, self.block_size = backend, block_size
 
     def batch_semi_hard_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
         return self._flashcl_triplet(labels, embeddings, super().batch_semi_hard_triplet_loss)
 
 
 class BatchHardSoftMarginTripletLoss(_Triplet, _st_losses.BatchHardSoftMarginTripletLoss):
-    """sentence-transformers' ``BatchHardSoftMarginTripletLoss`` (``softplus`` of the
+    __doc__ = (
+        """sentence-transformers' ``BatchHardSoftMarginTripletLoss`` (``softplus`` of the
     hardest positive's distance minus the hardest negative's), computed by
     :func:`flashcl.triplet_loss` (``mining="hard", soft_margin=True, margin=0``).
-
-    Args:
-        model: the SentenceTransformer being trained.
-        distance_metric: sentence-transformers' euclidean (default) or cosine distance.
-        backend, block_size: :func:`flashcl.triplet_loss`'s.
-
+"""
+        + _TRIPLET_ARGS
+        + """
     Examples::
 
         >>> from flashcl.integrations.sentence_transformers import BatchHardSoftMarginTripletLoss
         >>> # loss = BatchHardSoftMarginTripletLoss(model)
     """
+    )
 
     _mining = "hard"
     _soft = True
-
-    def __init__(
-        self, model: nn.Module, distance_metric: Any = None, *, backend: str = "auto", block_size: Optional[int] = None
-    ) -> None:
-        kw = {} if distance_metric is None else {"distance_metric": distance_metric}
-        super().__init__(model, **kw)  # type: ignore[arg-type]
-        self.backend, self.block_size = backend, block_size
 
     def batch_hard_triplet_soft_margin_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
         return self._flashcl_triplet(labels, embeddings, super().batch_hard_triplet_soft_margin_loss)
