@@ -56,6 +56,10 @@ def size_label(r: Row) -> str:
     return ", ".join(f"{k}={v}" for k, v in r["params"].items() if k not in hidden)
 
 
+#: the plot's x axis for a case's ``x`` parameter
+AXIS_LABELS = {"world": "world size", "C": "classes C"}
+
+
 def size_value(r: Row) -> int:
     """The plot's x: the case's ``x`` parameter (e.g. the world size), else B or n."""
     p = r["params"]
@@ -273,9 +277,10 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                     ax.set_xticks(sizes)  # the sizes run, as plain numbers
                     ax.set_xticklabels([str(x) for x in sizes], fontsize=7)
                     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                    x_param = next((r["x"] for r in good if r.get("x")), None)
                     ax.set_xlabel(
-                        "world size"
-                        if any(r.get("x") for r in good)
+                        AXIS_LABELS.get(x_param, str(x_param))
+                        if x_param
                         else "n"
                         if good[0]["workload"] == "neighbor"
                         else "batch size B"

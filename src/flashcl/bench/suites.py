@@ -282,6 +282,24 @@ def scale(mode: str, device: str) -> List[Case]:
                     "cap_s": 30.0 if mode != "full" else None,
                 }
             )
+    if mode == "full":  # a million classes: the margin softmax's memory beyond the weights and their gradient
+        cases.append(
+            {
+                "group": "scale: CosFace, C = 1M",
+                "label": "flashcl-tiled",
+                "workload": "ranking",
+                "repeats": 0,
+                "cap_s": 900.0,
+                "params": {
+                    "B": 1024,
+                    "D": 512,
+                    "C": 1_000_000,
+                    "loss": "cosface",
+                    "impl": "flashcl-tiled",
+                    "device": device,
+                },
+            }
+        )
     return cases + (requested(mode, device) if mode == "full" else [])
 
 
@@ -321,16 +339,17 @@ def ranking(mode: str, device: str) -> List[Case]:
     cases: List[Case] = []
 
     def add(group: str, label: str, params: Dict[str, Any]) -> None:
-        cases.append(
-            {
-                "group": group,
-                "label": label,
-                "workload": "ranking",
-                "repeats": 1,
-                "cap_s": 600.0,
-                "params": dict(params, impl=label, device=device),
-            }
-        )
+        case: Case = {
+            "group": group,
+            "label": label,
+            "workload": "ranking",
+            "repeats": 1,
+            "cap_s": 600.0,
+            "params": dict(params, impl=label, device=device),
+        }
+        if "C" in params:
+            case["x"] = "C"  # CosFace's panel: against the number of classes
+        cases.append(case)
 
     for b in cosent_bs:
         for impl in ("flashcl-tiled", "sentence-transformers"):
