@@ -308,10 +308,6 @@ class _TripletRows(FusedFunction):
         rows, _ = _dense_rows(q, k, yq, yk, offset, mining, margin, soft, distance)
         return rows if ctx.weights is None else (ctx.weights * rows).sum()
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, grad_counts: Any) -> Any:  # type: ignore[override]
-        return FusedFunction.backward.__func__(_TripletRows, ctx, grad_out)  # type: ignore[attr-defined]
-
     @classmethod
     def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
         q, k, yq, yk = saved

@@ -131,7 +131,8 @@ class FusedFunction(torch.autograd.Function):
         return None
 
     @classmethod
-    def backward(cls, ctx: Any, grad_out: Tensor):  # type: ignore[override]
+    def backward(cls, ctx: Any, grad_out: Tensor, *non_differentiable: Any):  # type: ignore[override]
+        # further outputs (counts) are marked non-differentiable: their gradients are None
         saved = ctx.saved_tensors
         n = ctx.n_inputs
         inputs = saved[:n]
