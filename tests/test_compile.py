@@ -302,3 +302,16 @@ def test_half_precision_compiled_equals_eager(name: str, dtype: torch.dtype) -> 
     assert torch.equal(got[0], want[0])  # the same eager computation inside the operator
     for a, e in zip(got[1], want[1]):
         assert a.dtype == e.dtype and torch.equal(a, e)
+
+
+def test_no_grad_forms_no_gradient_and_equals_eager() -> None:
+    torch._dynamo.reset()
+    x = torch.randn(12, 6, requires_grad=True)
+    labels = torch.arange(12) % 3
+    loss = torch.compile(flashcl.supcon_loss, fullgraph=True, backend=AOT)
+    with torch.no_grad():
+        got = loss(x, labels)
+        args = operator_args("supcon_loss", [x, labels], {})
+    assert not got.requires_grad
+    assert args[3] == [False, False]  # no input is marked for a gradient inside the operator
+    assert_close(got, flashcl.supcon_loss(x.detach(), labels), "no_grad value", *TOL[torch.float32])

@@ -233,7 +233,8 @@ def operator_args(name: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tup
     scalar (its gradients formed in the same call)."""
     tensors: List[Tensor] = []
     spec = repr((_encode(list(args), tensors, name), {k: _encode(v, tensors, name) for k, v in kwargs.items()}))
-    needs_grad = [t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in tensors]
+    grad_mode = torch.is_grad_enabled()  # under no_grad no gradient is formed
+    needs_grad = [grad_mode and t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in tensors]
     fused = kwargs.get("reduction", _DEFAULT_REDUCTION[name]) != "none"
     return name, spec, tensors, needs_grad, fused
 
