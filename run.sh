@@ -4,6 +4,9 @@
 # linter and the tests (`./run.sh test [pytest args]`).
 # `./run.sh test-floor [pytest args]` runs the tests on the declared floor (Python 3.9,
 # torch 2.4.1) in .venv-floor: a python3.9 on PATH or pyenv's, and a download of torch.
+# `./run.sh package` builds the wheel and the sdist and installs the wheel into a fresh
+# environment (scripts/check_package.sh); `./run.sh docs` builds the documentation
+# site into site/ (mkdocs, strict). `./run.sh test` runs both checks before the tests.
 set -euo pipefail
 cd "$(dirname "$0")"
 cmd="${1:-test}"
@@ -32,7 +35,9 @@ py="$venv/bin/python"
 # the suites that train a sentence encoder (train, beyond) or run on a GPU (gpu)
 # add their extras when asked for; the tests take every peer they compare with.
 case "$cmd" in
-  test) extras="test,integrations,bench,triton" ;;
+  test) extras="test,integrations,bench,triton,docs" ;;
+  package) extras="test" ;;
+  docs) extras="docs" ;;
   test-floor)  # the package, its test tools and the benchmark peers; numpy 1 beside torch 2.4
     "$py" -m pip install -q -e ".[test,bench]" "numpy<2"
     exec "$py" -m pytest -p no:cacheprovider "$@" ;;
@@ -41,7 +46,7 @@ case "$cmd" in
     case " $* " in *" --full "*|*train*|*beyond*) extras="$extras,integrations" ;; esac
     case " $* " in *gpu*|*cuda*) extras="$extras,triton" ;; esac
     ;;
-  *) echo "usage: ./run.sh test|test-floor|bench [args]" >&2; exit 2 ;;
+  *) echo "usage: ./run.sh test|test-floor|bench|package|docs [args]" >&2; exit 2 ;;
 esac
 "$py" -m pip install -q -e ".[$extras]"
 # open_clip's loss module is a peer in the benchmark and an oracle in the tests;
@@ -54,6 +59,10 @@ case "$cmd" in
     "$py" -m ruff check src tests examples scripts conftest.py
     "$py" -m ruff format --check src tests examples scripts conftest.py
     "$py" -m mypy
+    PYTHON="$py" bash scripts/check_package.sh
+    NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
     exec "$py" -m pytest "$@" ;;
+  package) PYTHON="$py" exec bash scripts/check_package.sh ;;
+  docs) NO_MKDOCS_2_WARNING=1 exec "$py" -m mkdocs build --strict "$@" ;;
   bench) exec "$py" -m flashcl bench "$@" ;;
 esac

@@ -60,6 +60,10 @@ def shared_docs(fn: F) -> F:
         else:
             lines.append(line)
     fn.__doc__ = "\n".join(lines)
+    inner = getattr(fn, "__wrapped__", None)  # a wrapper's function (torch.compile's operator) shows the same text
+    while inner is not None:
+        inner.__doc__ = fn.__doc__
+        inner = getattr(inner, "__wrapped__", None)
     return fn
 
 

@@ -91,9 +91,9 @@ def cosent_loss(
     graded similarity label ``y_i``; the loss asks every pair with a larger label
     for a larger similarity score ``s_i``:
 
-    .. math::
-
-        \log\Big(1 + \sum_{i, j:\ y_i < y_j} e^{\,\lambda (s_i - s_j)}\Big)
+    $$
+    \log\Big(1 + \sum_{i, j:\ y_i < y_j} e^{\,\lambda (s_i - s_j)}\Big)
+    $$
 
     with ``s`` the pair's cosine (``similarity="cosine"``: sentence-transformers'
     ``CoSENTLoss``) or AnglE's angle similarity ``|cos + sin|``

@@ -319,32 +319,31 @@ def cosface_loss(
     grad_scale: str = "ddp",
 ) -> Tensor:
     r"""CosFace (Wang et al. 2018, large margin cosine loss): softmax cross-entropy
-        over class proxies with the target class's cosine lowered by a margin, so that
-        each class is separated from the others by ``m`` in cosine:
+    over class proxies with the target class's cosine lowered by a margin, so that
+    each class is separated from the others by ``m`` in cosine:
 
-        .. math::
+    $$
+    -\log \frac{e^{s (\cos\theta_{y_i} - m)}}{e^{s (\cos\theta_{y_i} - m)} + \sum_{j \ne y_i} e^{s \cos\theta_j}}
+    $$
 
-            -\log rac{e^{s (\cos	heta_{y_i} - m)}}{e^{s (\cos	heta_{y_i} - m)} + \sum_{j
-    e y_i} e^{s \cos	heta_j}}
+    Equal to pytorch-metric-learning's ``CosFaceLoss`` (its weights are ``W.T``) and
+    insightface's CosFace. The classes are visited in blocks: with a million
+    classes the B x C logits (4 GB at B = 1024) are never formed; memory beyond the
+    weights and their gradient is O(B D + B x block).
 
-        Equal to pytorch-metric-learning's ``CosFaceLoss`` (its weights are ``W.T``) and
-        insightface's CosFace. The classes are visited in blocks: with a million
-        classes the B x C logits (4 GB at B = 1024) are never formed; memory beyond the
-        weights and their gradient is O(B D + B x block).
+    Args:
+        @margin_args@
+        margin: ``m``, subtracted from the target cosine (>= 0). Default: 0.35.
+        @process_group@
 
-        Args:
-            @margin_args@
-            margin: ``m``, subtracted from the target cosine (>= 0). Default: 0.35.
-            @process_group@
+    Shape:
+        - embeddings: (B, D); labels: (B,); class_weights: (C, D); output: scalar, or (B,)
 
-        Shape:
-            - embeddings: (B, D); labels: (B,); class_weights: (C, D); output: scalar, or (B,)
+    Examples::
 
-        Examples::
-
-            >>> w = torch.nn.Parameter(torch.randn(1000, 64))
-            >>> loss = flashcl.cosface_loss(torch.randn(32, 64), torch.randint(0, 1000, (32,)), w)
-            >>> loss.backward()
+        >>> w = torch.nn.Parameter(torch.randn(1000, 64))
+        >>> loss = flashcl.cosface_loss(torch.randn(32, 64), torch.randint(0, 1000, (32,)), w)
+        >>> loss.backward()
     """
     return _margin_loss(
         "cosface_loss",
@@ -382,33 +381,32 @@ def arcface_loss(
     grad_scale: str = "ddp",
 ) -> Tensor:
     r"""ArcFace (Deng et al. 2019, additive angular margin): softmax cross-entropy over
-        class proxies with the target's angle widened by ``m``:
+    class proxies with the target's angle widened by ``m``:
 
-        .. math::
+    $$
+    -\log \frac{e^{s \cos(\theta_{y_i} + m)}}{e^{s \cos(\theta_{y_i} + m)} + \sum_{j \ne y_i} e^{s \cos\theta_j}}
+    $$
 
-            -\log rac{e^{s \cos(	heta_{y_i} + m)}}{e^{s \cos(	heta_{y_i} + m)} + \sum_{j
-    e y_i} e^{s \cos	heta_j}}
+    Past ``theta > pi - m``, where ``cos(theta + m)`` would increase again, the target
+    logit is ``cos(theta) - m sin(m)`` (insightface's and pytorch-metric-learning's
+    rule); ``easy_margin=True`` keeps ``cos(theta)`` wherever ``cos(theta) <= 0``
+    (insightface's option). Equal to pytorch-metric-learning's ``ArcFaceLoss`` (whose
+    margin is in degrees: ``margin=28.6`` there is ``0.5`` here) and to insightface's
+    formula. Classes in blocks, as :func:`cosface_loss`.
 
-        Past ``theta > pi - m``, where ``cos(theta + m)`` would increase again, the target
-        logit is ``cos(theta) - m sin(m)`` (insightface's and pytorch-metric-learning's
-        rule); ``easy_margin=True`` keeps ``cos(theta)`` wherever ``cos(theta) <= 0``
-        (insightface's option). Equal to pytorch-metric-learning's ``ArcFaceLoss`` (whose
-        margin is in degrees: ``margin=28.6`` there is ``0.5`` here) and to insightface's
-        formula. Classes in blocks, as :func:`cosface_loss`.
+    Args:
+        @margin_args@
+        margin: ``m`` in radians, in ``[0, pi)``. Default: 0.5.
+        easy_margin: see above. Default: False.
+        @process_group@
 
-        Args:
-            @margin_args@
-            margin: ``m`` in radians, in ``[0, pi)``. Default: 0.5.
-            easy_margin: see above. Default: False.
-            @process_group@
+    Shape:
+        - embeddings: (B, D); labels: (B,); class_weights: (C, D); output: scalar, or (B,)
 
-        Shape:
-            - embeddings: (B, D); labels: (B,); class_weights: (C, D); output: scalar, or (B,)
+    Examples::
 
-        Examples::
-
-            >>> w = torch.nn.Parameter(torch.randn(1000, 64))
-            >>> loss = flashcl.arcface_loss(torch.randn(32, 64), torch.randint(0, 1000, (32,)), w)
+        >>> w = torch.nn.Parameter(torch.randn(1000, 64))
+        >>> loss = flashcl.arcface_loss(torch.randn(32, 64), torch.randint(0, 1000, (32,)), w)
     """
     return _margin_loss(
         "arcface_loss",

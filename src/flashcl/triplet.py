@@ -385,11 +385,11 @@ def triplet_loss(
     an anchor should be closer to each sample of its label than to every sample of
     another label by ``margin``.
 
-    .. math::
-
-        \text{all: } \sum_i \sum_{p \in P(i)} \sum_{n \in N(i)} [d_{ip} - d_{in} + m]_+ ,\qquad
-        \text{hard: } [\max_{P(i)} d - \min_{N(i)} d + m]_+ ,\qquad
-        \text{semi-hard: } \sum_{p} [d_{ip} - d_{in^*(p)} + m]_+
+    $$
+    \text{all: } \sum_i \sum_{p \in P(i)} \sum_{n \in N(i)} [d_{ip} - d_{in} + m]_+ ,\qquad
+    \text{hard: } [\max_{P(i)} d - \min_{N(i)} d + m]_+ ,\qquad
+    \text{semi-hard: } \sum_{p} [d_{ip} - d_{in^*(p)} + m]_+
+    $$
 
     with ``P(i)`` the other samples of ``i``'s label, ``N(i)`` the samples of other
     labels and ``n*(p)`` the closest negative farther than ``p`` (else the farthest).

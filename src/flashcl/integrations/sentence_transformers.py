@@ -241,9 +241,9 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
         model: the SentenceTransformer being trained.
         scale: similarity multiplier (1 / temperature). Default 20.
         similarity_fct: ``cos_sim`` (default) or ``dot_score``.
-        gather_across_devices, directions, partition_mode, hardness_mode,
-            hardness_strength: as in sentence-transformers; see the module
-            docstring for which configurations flashcl computes.
+        others: ``gather_across_devices``, ``directions``, ``partition_mode``,
+            ``hardness_mode``, ``hardness_strength`` as in sentence-transformers; see
+            the module docstring for which configurations flashcl computes.
         backend: flashcl backend ("auto", "dense", "tiled", "triton").
         block_size: rows per block of the tiled backend (None: automatic).
 
@@ -299,9 +299,10 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
     with the loss computed by flashcl over the whole batch at once.
 
     Args:
-        model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens,
-            gather_across_devices, directions, partition_mode, show_progress_bar,
-            hardness_mode, hardness_strength: as in sentence-transformers.
+        others: ``model``, ``scale``, ``similarity_fct``, ``mini_batch_size``,
+            ``mini_batch_num_tokens``, ``gather_across_devices``, ``directions``,
+            ``partition_mode``, ``show_progress_bar``, ``hardness_mode``,
+            ``hardness_strength`` as in sentence-transformers.
         backend: flashcl backend. block_size: rows per block (None: automatic).
 
     Shape:
@@ -471,8 +472,8 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
     Args:
         model: the SentenceTransformer being trained.
         guide: the SentenceTransformer that scores the candidates.
-        temperature, margin_strategy, margin, contrast_anchors, contrast_positives,
-            gather_across_devices: as in sentence-transformers
+        others: ``temperature``, ``margin_strategy``, ``margin``, ``contrast_anchors``,
+            ``contrast_positives``, ``gather_across_devices`` as in sentence-transformers
             (``gather_across_devices=True`` runs sentence-transformers' code, with a
             warning).
         backend: flashcl backend ("auto", "dense", "tiled").
@@ -555,9 +556,10 @@ class CachedGISTEmbedLoss(_GistFallback, _st_losses.CachedGISTEmbedLoss):
     loss; ``mini_batch_size`` sets the size of the embedding passes.
 
     Args:
-        model, guide, temperature, mini_batch_size, mini_batch_num_tokens,
-            show_progress_bar, margin_strategy, margin, contrast_anchors,
-            contrast_positives, gather_across_devices: as in sentence-transformers.
+        others: ``model``, ``guide``, ``temperature``, ``mini_batch_size``,
+            ``mini_batch_num_tokens``, ``show_progress_bar``, ``margin_strategy``,
+            ``margin``, ``contrast_anchors``, ``contrast_positives``,
+            ``gather_across_devices`` as in sentence-transformers.
         backend: flashcl backend. block_size: rows per block (None: automatic).
 
     Shape:
