@@ -1,6 +1,6 @@
 """flashcl.integrations.open_clip against open_clip's own loss.py (loaded from its
-file), float64: every constructor combination of ClipLoss and DistillClipLoss
-(local_loss x gather_with_grad) and SigLipLoss (every dist_impl), on 1, 2 and 3
+file), float64: every constructor combination of ClipLoss, DistillClipLoss and
+CoCaLoss (local_loss x gather_with_grad) and SigLipLoss (every dist_impl), on 1, 2 and 3
 gloo processes: each rank's value, its features' gradients and the logit scale's
 (and bias's) gradient, with and without output_dict; uneven batches against one
 process; horovod refused."""
@@ -55,6 +55,14 @@ def _run(loss: Any, kind: str, feats: List[torch.Tensor], output_dict: bool) -> 
     }
 
 
+def _run_coca(loss: Any, feats: List[torch.Tensor], logits: torch.Tensor, tokens: torch.Tensor) -> Dict[str, Any]:
+    xs = [f.clone().requires_grad_(True) for f in feats[:2]] + [logits.clone().requires_grad_(True)]
+    s = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+    out = loss(xs[0], xs[1], xs[2], tokens, s, output_dict=True)
+    grads = torch.autograd.grad(sum(out.values()), [*xs, s])
+    return {"values": [out[k].detach() for k in sorted(out)], "grads": list(grads), "keys": sorted(out)}
+
+
 def _cases(rank: int, world: int) -> Dict[Any, Any]:
     feats = [f[rank * B : (rank + 1) * B] for f in _features(world)]
     results = {}
@@ -69,6 +77,21 @@ def _cases(rank: int, world: int) -> Dict[Any, Any]:
                     _run(cls_ours(**kw), kind, feats, output_dict),
                     _run(cls_theirs(**kw), kind, feats, output_dict),
                 )
+    g = torch.Generator().manual_seed(world)
+    logits = torch.randn(world * B, 7, 11, dtype=torch.float64, generator=g)[rank * B : (rank + 1) * B]
+    tokens = torch.randint(0, 11, (world * B, 7), generator=g)[rank * B : (rank + 1) * B]  # 0: padding
+    for local_loss, gwg in COMBOS:
+        kw = dict(
+            caption_loss_weight=2.0,
+            clip_loss_weight=1.5,
+            local_loss=local_loss,
+            gather_with_grad=gwg,
+            rank=rank,
+            world_size=world,
+        )
+        results[("coca", local_loss, gwg)] = tuple(
+            _run_coca(cls(**kw), feats, logits, tokens) for cls in (ours.CoCaLoss, oc.CoCaLoss)
+        )
     for impl in ("bidir", "shift", "reduce", "gather"):
         kw = dict(rank=rank, world_size=world, dist_impl=impl)
         results[("siglip", impl)] = (

@@ -1,5 +1,5 @@
 """open_clip's losses with open_clip's constructors and calls, computed by flashcl:
-replacing ``from open_clip.loss import ClipLoss, SigLipLoss, DistillClipLoss`` by
+replacing ``from open_clip.loss import ClipLoss, SigLipLoss, DistillClipLoss, CoCaLoss`` by
 ``from flashcl.integrations.open_clip import ...`` is the whole change. The B x B
 logits are never formed; open_clip itself need not be installed.
 
@@ -44,7 +44,7 @@ from ..clip import clip_loss, siglip_loss
 from ..distill import distill_loss
 from ..info_nce import info_nce_loss
 
-__all__ = ["ClipLoss", "SigLipLoss", "DistillClipLoss"]
+__all__ = ["ClipLoss", "SigLipLoss", "DistillClipLoss", "CoCaLoss"]
 
 
 class _SumGradAcrossRanks(torch.autograd.Function):
@@ -243,6 +243,59 @@ class DistillClipLoss(ClipLoss):
         per_image = distill_loss(img, a_txt, t_img, a_ttxt, scale=s, teacher_scale=ts, **kw)
         per_text = distill_loss(txt, a_img, t_txt, a_timg, scale=s, teacher_scale=ts, **kw)
         return (per_image + per_text) / 2
+
+
+class CoCaLoss(ClipLoss):
+    """open_clip's ``CoCaLoss``: ``clip_loss_weight`` x the CLIP loss (computed by
+    flashcl, as :class:`ClipLoss`) and ``caption_loss_weight`` x the captioner's
+    token cross-entropy (``nn.CrossEntropyLoss(ignore_index=pad_id)`` over
+    ``logits.permute(0, 2, 1)``, as open_clip computes it: that term is per token,
+    not a B x B matrix). Returns ``(contrastive_loss, caption_loss)`` or, with
+    ``output_dict=True``, their dict.
+
+    Examples::
+
+        >>> from flashcl.integrations.open_clip import CoCaLoss
+        >>> f = [torch.nn.functional.normalize(torch.randn(4, 16), dim=1) for _ in range(2)]
+        >>> logits, tokens = torch.randn(4, 7, 50), torch.randint(1, 50, (4, 7))
+        >>> c, cap = CoCaLoss(caption_loss_weight=2.0, clip_loss_weight=1.0)(f[0], f[1], logits, tokens, 14.3)
+    """
+
+    def __init__(
+        self,
+        caption_loss_weight: float,
+        clip_loss_weight: float,
+        pad_id: int = 0,
+        local_loss: bool = False,
+        gather_with_grad: bool = False,
+        cache_labels: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        use_horovod: bool = False,
+    ) -> None:
+        super().__init__(local_loss, gather_with_grad, cache_labels, rank, world_size, use_horovod)
+        self.clip_loss_weight, self.caption_loss_weight = clip_loss_weight, caption_loss_weight
+        self.caption_loss = nn.CrossEntropyLoss(ignore_index=pad_id)
+
+    def forward(  # type: ignore[override]
+        self,
+        image_features: Tensor,
+        text_features: Tensor,
+        logits: Tensor,
+        labels: Tensor,
+        logit_scale: Any,
+        output_dict: bool = False,
+    ) -> Union[Tuple[Tensor, Tensor], Dict[str, Tensor]]:
+        if self.clip_loss_weight:
+            group = _world(self)
+            clip = _clip_terms(self, image_features, text_features, logit_scale, None, group)
+            contrastive = self.clip_loss_weight * clip
+        else:
+            contrastive = torch.tensor(0, device=logits.device)
+        caption = self.caption_loss(logits.permute(0, 2, 1), labels) * self.caption_loss_weight
+        if output_dict:
+            return {"contrastive_loss": contrastive, "caption_loss": caption}
+        return contrastive, caption
 
 
 class SigLipLoss(nn.Module):
