@@ -183,3 +183,76 @@ def test_plots_one_panel_per_k_with_a_title_that_states_the_result(tmp_path) -> 
         "flashcl-tiled 500x faster than python-loops (2000); 2.0x faster than gather-fix (2000)"
     )
     assert plot(rows, str(tmp_path)) == [str(tmp_path / "neighbors.png")]
+
+
+def _fake_rows(cases, failed_group: str, suite: str) -> list:
+    """Rows shaped as run_cases makes them for ``cases``: every case measured, except
+    every implementation of ``failed_group`` in ``suite``, capped."""
+    rows = []
+    for i, case in enumerate(cases):
+        if case["suite"] == suite and case["group"] == failed_group:
+            rows.append({**case, "status": "capped", "cap_s": 10.0, "wall_s": 10.0})
+            continue
+        t = 0.01 * (1 + i % 7)
+        rows.append(
+            {
+                **case,
+                "status": "ok",
+                "fwd_s": t / 2,
+                "bwd_s": t / 2,
+                "time_s": t,
+                "bound_s": t / 2,
+                "ratio": 2.0,
+                "peak_mb": 10.0 + i,
+                "steady_peak_mb": 5.0,
+                "grad_mb": 1.0,
+                "loss": 1.5,
+                "wall_s": 1.0,
+            }
+        )
+    return rows
+
+
+def test_default_run_writes_its_whole_report_when_a_panel_has_no_result(tmp_path, monkeypatch) -> None:
+    """The default suites' report, results and plots, from rows shaped as the default
+    run makes them, where every implementation of one panel (SigLIP) was capped: the
+    report, results.json and every plot are written, and the empty panel says why."""
+    from flashcl.bench import cli
+    from flashcl.bench.suites import DEFAULT_SUITES, SUITES
+
+    cases = [{**c, "suite": name} for name in DEFAULT_SUITES for c in SUITES[name]("default", "cpu")]
+    assert any(c["suite"] == "peers" and c["group"] == "siglip" for c in cases)
+    rows = _fake_rows(cases, "siglip", "peers")
+    monkeypatch.setattr(cli, "run_cases", lambda *a, **k: rows)
+    assert main(["bench", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["rows"]) == len(rows) and data["plot_errors"] == {}
+    report = (tmp_path / "report.md").read_text()
+    assert "**siglip**: no result: flashcl-tiled capped at 10.0 s; open_clip capped at 10.0 s" in report
+    for suite in DEFAULT_SUITES:
+        assert (tmp_path / f"{suite}.png").stat().st_size > 1000, suite
+
+
+def test_a_failing_plot_loses_neither_the_report_nor_the_other_plots(tmp_path, monkeypatch) -> None:
+    from flashcl.bench import cli
+
+    cases = [
+        {"suite": s, "group": "g", "label": "flashcl-tiled", "workload": "supcon", "params": {"B": b, "D": 4}}
+        for s in ("one", "two")
+        for b in (8, 16)
+    ]
+    rows = _fake_rows(cases, "", "")
+    real = cli.plot
+
+    def plot(rows, out):
+        if rows[0]["suite"] == "one":
+            raise RuntimeError("broken plot")
+        return real(rows, out)
+
+    monkeypatch.setattr(cli, "run_cases", lambda *a, **k: rows)
+    monkeypatch.setattr(cli, "plot", plot)
+    assert main(["bench", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["plot_errors"] == {"one": "RuntimeError: broken plot"}
+    assert data["plots"] == [str(tmp_path / "two.png")] and len(data["rows"]) == 4
+    assert (tmp_path / "report.md").read_text().startswith("Measured")

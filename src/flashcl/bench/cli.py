@@ -12,7 +12,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -196,24 +196,41 @@ def run(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         flags.append(f"--device {args.device}")
     command = " ".join(["flashcl bench"] + flags)
+    results: Dict[str, Any] = {
+        "machine": machine,
+        "command": command,
+        "cap_s": cap,
+        "mem_limit_mb": args.mem_limit_mb,
+        "rows": rows,
+        "plots": [],
+    }
+    # the figures first: a failure in the report or the plots never loses a measured row
+    write_results(args.out, results)
     report = markdown(rows, machine, command)
     print(report)
-    os.makedirs(args.out, exist_ok=True)
-    pngs = plot(rows, args.out)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(
-            {
-                "machine": machine,
-                "command": command,
-                "cap_s": cap,
-                "mem_limit_mb": args.mem_limit_mb,
-                "rows": rows,
-                "plots": pngs,
-            },
-            f,
-            indent=1,
-        )
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(report + "\n")
-    print(f"\nwrote {args.out}/results.json, {args.out}/report.md" + "".join(f", {p}" for p in pngs))
+    results["plots"], results["plot_errors"] = plot_each(rows, args.out)
+    write_results(args.out, results)
+    print(f"\nwrote {args.out}/results.json, {args.out}/report.md" + "".join(f", {p}" for p in results["plots"]))
+    for suite, error in results["plot_errors"].items():
+        print(f"the {suite} plot failed: {error}", file=sys.stderr)
     return 0
+
+
+def write_results(out: str, results: Dict[str, Any]) -> None:
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def plot_each(rows: List[Row], out: str) -> Tuple[List[str], Dict[str, str]]:
+    """Each suite's plot on its own: one that fails is named with its error, the
+    others are still drawn."""
+    pngs: List[str] = []
+    errors: Dict[str, str] = {}
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        try:
+            pngs += plot([r for r in rows if r["suite"] == suite], out)
+        except Exception as e:  # a plot is never worth the run
+            errors[suite] = f"{type(e).__name__}: {e}"
+    return pngs, errors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 Row = Dict[str, Any]
 
@@ -70,18 +70,22 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
 
 
+def failure(r: Row) -> str:
+    """Why a row has no figures, in words ("capped at 10.0 s", "out of memory (limit)", ...)."""
+    status = r.get("status")
+    return {
+        "capped": f"capped at {r.get('cap_s', '?')} s",
+        "oom": "out of memory (limit)",
+        "not installed": "not installed",
+        "skipped": "skipped (failed at a smaller size)",
+    }.get(status or "", status or "?")
+
+
 def fmt_row(r: Row) -> List[str]:
     head = [r["group"], r["label"], size_label(r)]
-    status = r.get("status")
-    if status != "ok":
-        why = {
-            "capped": f"capped at {r.get('cap_s', '?')} s",
-            "oom": "out of memory (limit)",
-            "not installed": "not installed",
-            "skipped": "skipped (failed at a smaller size)",
-        }.get(status or "", status or "?")
+    if r.get("status") != "ok":
         detail = r.get("error", "")
-        return head + [why, "", "", "", "", str(detail)[:80], "", ""]
+        return head + [failure(r), "", "", "", "", str(detail)[:80], "", ""]
     ratio = f"{r['ratio']:.2f}x ({_ms(r['bound_s'])})" if "ratio" in r else ""
     steady = f" / {r['steady_peak_mb']:.0f}" if r.get("steady_peak_mb") is not None else ""
     if r["workload"] == "neighbor":
@@ -139,6 +143,9 @@ def markdown(rows: List[Row], machine: Dict[str, Any], command: str) -> str:
     for suite in dict.fromkeys(r["suite"] for r in rows):
         lines += ["", f"### {suite}", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(fmt_row(r)) + " |" for r in rows if r["suite"] == suite]
+        empty = no_result(r for r in rows if r["suite"] == suite)
+        if empty:
+            lines += [""] + [f"- **{panel}**: {why}" for panel, why in empty.items()]
     lines += ["", NOTES]
     return "\n".join(lines)
 
@@ -149,6 +156,20 @@ def panel_key(r: Row) -> str:
     if r["workload"] == "neighbor":
         return f"k = {r['params'].get('k', '?')} neighbours"
     return str(r["group"])
+
+
+def no_result(rows: Iterable[Row]) -> Dict[str, str]:
+    """The panels without one successful row, each with why: ``{panel: "no result:
+    flashcl-tiled capped at 10.0 s; open_clip not installed"}``."""
+    panels: Dict[str, List[Row]] = {}
+    for r in rows:
+        panels.setdefault(panel_key(r), []).append(r)
+    return {
+        panel: "no result: "
+        + "; ".join(dict.fromkeys(f"{r['label']} {failure(r)}" for r in inside if "bound" not in r["label"].lower()))
+        for panel, inside in panels.items()
+        if not any(r.get("status") == "ok" for r in inside)
+    }
 
 
 def _is_flashcl(label: str) -> bool:
@@ -230,6 +251,18 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
             inside = [r for r in mine if panel_key(r) == panel]
             good = [r for r in inside if r.get("status") == "ok"]
             block, col = divmod(p, cols)
+            if not good:  # a panel with no result says why, in place of its figures
+                why = no_result(inside).get(panel, "no result")
+                for m in range(rows_per_block if not side else 2):
+                    ax = axes[0][m] if side else axes[block * rows_per_block + m][col]
+                    ax.set_xticks([])
+                    ax.set_yticks([])
+                    if m > 0:
+                        ax.axis("off")
+                    else:
+                        ax.set_title(panel, fontsize=8)
+                        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(why, 40)), ha="center", va="center", fontsize=8)
+                continue
             metrics = [("time_s", "forward + backward (s)")] + ([("peak_mb", "peak memory (MB)")] if memory else [])
             for m, (key, ylabel) in enumerate(metrics):
                 ax = axes[0][m] if side else axes[block * rows_per_block + m][col]
