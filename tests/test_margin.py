@@ -247,3 +247,93 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
             assert_close(torch.cat([r[i][1][0] for r in ranks]), want[1][0], f"{name}: embedding rows", *TOL)
             assert_close(sum(r[i][1][1] for r in ranks), want[1][1], f"{name}: class-weight gradient summed", *TOL)
             i += 1
+
+
+def _along(e, y, w, rows, sign, delta):
+    """``e`` with ``rows`` set to ``2 w_y`` rotated by ``delta`` radians towards a fixed
+    direction orthogonal to ``w_y`` (``sign = -1``: exactly opposite, rotated the same way)."""
+    e = e.clone()
+    g = torch.Generator().manual_seed(11)
+    for i in rows:
+        wy = w[y[i]] / w[y[i]].norm()
+        v = torch.randn(w.shape[1], dtype=torch.float64, generator=g)
+        v = v - (v @ wy) * wy
+        v = v / v.norm()
+        e[i] = 2.0 * (sign * wy * math.cos(delta) + v * math.sin(delta))
+    return e
+
+
+ALL_BACKENDS = BACKENDS + ["auto"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sign", [1, -1], ids=["cos=1", "cos=-1"])
+@pytest.mark.parametrize("arc", [True, False], ids=["arcface", "cosface"])
+def test_at_the_edges_of_arccos_the_gradient_is_the_mean_of_both_sides(arc, sign, dtype) -> None:
+    """Embeddings exactly along (or against) their class weight: at the tip of the
+    cone the gradient is that of either side without the margin term's direction,
+    which rounding cannot tell: the mean of insightface's gradients at +-delta (each
+    finite there), on every backend; never NaN or huge."""
+    e, y, w = _data(b=8, d=5, c=6, seed=12)
+    rows = [0, 3, 5]
+    m = 0.5 if arc else 0.35
+    fn = flashcl.arcface_loss if arc else flashcl.cosface_loss
+    oracle = {
+        d: _grads(lambda e_, w_: _insightface(e_, y, w_, 8.0, m, False, arc), _along(e, y, w, rows, sign, d), w)[1]
+        for d in (1e-4, -1e-4, 2e-4, -2e-4)
+    }
+    # the mean of the two sides is the tip's gradient plus O(delta) (the margin term's
+    # direction turns with the embedding): extrapolated from delta and 2 delta, O(delta^2)
+    mean = [(oracle[1e-4][i] + oracle[-1e-4][i]) - (oracle[2e-4][i] + oracle[-2e-4][i]) / 2 for i in range(2)]
+    tip = _along(e, y, w, rows, sign, 0.0)
+    value = _insightface(tip, y, w, 8.0, m, False, arc)  # finite at the tip; its gradient is not
+    tip = tip.to(dtype)
+    tol = (1e-7, 1e-6) if dtype == torch.float64 else (2e-5, 1e-4)
+    for backend in ALL_BACKENDS:
+        got = _grads(
+            lambda e_, w_, b=backend: fn(e_, y, w_, margin=m, scale=8.0, backend=b, block_size=4), tip, w.to(dtype)
+        )
+        assert all(torch.isfinite(g).all() for g in got[1]), backend
+        assert_close(got[0], value, f"{backend}: value", 1e-6 if dtype == torch.float64 else 1e-5, 1e-6)
+        assert_close(got[1][0], mean[0], f"{backend}: embedding gradient", *tol)
+        assert_close(got[1][1], mean[1], f"{backend}: class-weight gradient", *tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("easy", [False, True])
+def test_one_dimensional_embeddings_have_zero_gradient(dtype, easy) -> None:
+    """D = 1: every cosine is +-1 whatever the inputs' sizes, so the exact gradient is 0."""
+    g = torch.Generator().manual_seed(13)
+    e = torch.randn(7, 1, dtype=dtype, generator=g)
+    w = torch.randn(4, 1, dtype=dtype, generator=g)
+    y = torch.tensor([0, 1, 2, 3, 0, 1, 2])
+    for backend in ALL_BACKENDS:
+        for fn, kw in ((flashcl.arcface_loss, {"easy_margin": easy}), (flashcl.cosface_loss, {})):
+            s = torch.tensor(4.0, dtype=dtype, requires_grad=True)
+            leaves = [e.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+            out = fn(leaves[0], y, leaves[1], scale=s, backend=backend, block_size=3, **kw)
+            ge, gw, gs = torch.autograd.grad(out, leaves + [s])
+            assert torch.isfinite(out) and torch.isfinite(gs), (backend, fn.__name__)
+            # zero up to rounding (w * (1 / |w|) is not always exactly +-1)
+            tol = 100 * torch.finfo(dtype).eps
+            assert float(ge.abs().max()) <= tol and float(gw.abs().max()) <= tol, (backend, fn.__name__, ge, gw)
+
+
+@pytest.mark.parametrize("arc", [False, True], ids=["cosface", "arcface"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
+def test_embeddings_and_class_weights_of_different_dtypes(arc, dtypes) -> None:
+    """float32 embeddings with float64 class weights (and the reverse): the same value
+    and gradients on every backend, each gradient in its input's dtype, within the
+    narrower dtype's accuracy of the float64 oracle."""
+    e, y, w = _data(b=9, d=6, c=13, seed=14)
+    m = 0.5 if arc else 0.35
+    fn = flashcl.arcface_loss if arc else flashcl.cosface_loss
+    want = _grads(lambda e_, w_: _insightface(e_, y, w_, 8.0, m, False, arc), e, w)
+    for backend in ALL_BACKENDS:
+        leaves = [e.to(dtypes[0]).requires_grad_(True), w.to(dtypes[1]).requires_grad_(True)]
+        out = fn(leaves[0], y, leaves[1], margin=m, scale=8.0, backend=backend, block_size=4)
+        ge, gw = torch.autograd.grad(out, leaves)
+        assert ge.dtype == dtypes[0] and gw.dtype == dtypes[1], backend
+        assert_close(out, want[0], f"{backend}: value", 1e-5, 1e-5)
+        assert_close(ge, want[1][0], f"{backend}: embedding gradient", 1e-5, 1e-4)
+        assert_close(gw, want[1][1], f"{backend}: class-weight gradient", 1e-5, 1e-4)

@@ -28,28 +28,55 @@ __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
 MARGIN_BACKENDS = ("auto", "reference", "dense", "tiled")
 
 
-def _cosface(c: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
-    """CosFace's target logit ``cos - m`` and its derivative in ``cos``."""
-    return c - margin, torch.ones_like(c)
+def _cosface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
+    """CosFace's target logit ``cos - m`` and its derivative in ``cos`` times ``sin``
+    (see :func:`_arcface`)."""
+    return c - margin, sin
 
 
-def _arcface(c: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
-    """ArcFace's target logit ``cos(theta + m)`` with ``theta = acos(cos)``; past
-    ``theta > pi - m`` (where it would stop decreasing) ``cos - m sin(m)``, as
-    insightface and pytorch-metric-learning; ``easy``: ``cos`` itself where
-    ``cos <= 0``. Returns the logit and its derivative in ``cos``."""
-    theta = torch.acos(c.clamp(-1.0, 1.0))
-    phi = torch.cos(theta + margin)
-    # d cos(theta + m) / d cos = sin(theta + m) / sin(theta)
-    slope = torch.sin(theta + margin) / torch.sin(theta).clamp_min(torch.finfo(c.dtype).tiny)
-    if easy:
-        keep = c > 0
-        return torch.where(keep, phi, c), torch.where(keep, slope, torch.ones_like(c))
-    inside = theta <= math.pi - margin
-    return torch.where(inside, phi, c - margin * math.sin(margin)), torch.where(inside, slope, torch.ones_like(c))
+def _arcface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
+    """ArcFace's target logit ``cos(theta + m)``, with ``theta`` the angle whose cosine
+    is ``c`` and whose sine is ``sin`` (the norm of the class direction's part
+    orthogonal to the embedding, formed from the vectors: accurate at ``theta`` near 0
+    and pi, where ``acos`` has an infinite derivative); past ``theta > pi - m``
+    (where it would stop decreasing) ``cos - m sin(m)``, as insightface and
+    pytorch-metric-learning; ``easy``: ``cos`` itself where ``cos <= 0``.
+
+    Returns the logit and ``d logit / d cos * sin(theta)``: the gradient's
+    coefficient on the unit vector orthogonal to the embedding, bounded where the
+    derivative in ``cos`` alone is not (``sin(theta + m)``, ``sin(m)`` at
+    ``theta = 0``). Written without ``acos``, so that autograd through it (the dense
+    and reference backends) is finite at ``cos = +-1`` as well."""
+    cos_m, sin_m = math.cos(margin), math.sin(margin)
+    phi = c * cos_m - sin * sin_m  # cos(theta + m)
+    slope = sin * cos_m + c * sin_m  # sin(theta + m) = d cos(theta + m) / d cos * sin(theta)
+    keep = c > 0 if easy else c >= -cos_m  # theta <= pi - m
+    other = c if easy else c - margin * sin_m
+    return torch.where(keep, phi, other), torch.where(keep, slope, sin)
 
 
-TargetFn = Callable[[Tensor, float, bool], Tuple[Tensor, Tensor]]
+def _orthogonal(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """``a - c b`` for unit rows ``a``, ``b`` with ``c = a . b``: ``a``'s part
+    orthogonal to ``b``, whose norm is the sine of their angle."""
+    return a - c.unsqueeze(1) * b
+
+
+def _noise(dtype: torch.dtype) -> float:
+    """The largest norm :func:`_orthogonal` gives from rounding alone (unit rows along
+    one line): below it the angle is 0 or pi and the direction is noise."""
+    return 64 * torch.finfo(dtype).eps
+
+
+def _sine(across: Tensor) -> Tensor:
+    """The norms of ``across``'s rows (the sines of angles, see :func:`_orthogonal`).
+    Below the rounding noise no gradient flows through them: at an angle of 0 the
+    margin's term is the tip of a cone whose direction rounding cannot tell, and 0 is
+    its subgradient (the mean of the gradients on either side), as on the tiled path."""
+    sin = torch.linalg.vector_norm(across, dim=1)
+    return torch.where(sin > _noise(sin.dtype), sin, sin.detach())
+
+
+TargetFn = Callable[[Tensor, Tensor, float, bool], Tuple[Tensor, Tensor]]
 #: the target logits by name (a name, not a function, crosses processes in the call check)
 TARGETS = {"cosface": _cosface, "arcface": _arcface}
 
@@ -59,9 +86,11 @@ def _dense_rows(
 ) -> Tensor:
     """Per-row losses on the B x C logits (differentiable): the dense backend and
     the second-derivative path."""
-    cos = normalize_rows(e) @ normalize_rows(w).T
+    eh, wh = normalize_rows(e), normalize_rows(w)
+    cos = eh @ wh.T
     rows = torch.arange(e.shape[0], device=e.device)
-    t, _ = target(cos[rows, labels], margin, easy)
+    c = cos[rows, labels]
+    t, _ = target(c, _sine(_orthogonal(wh[labels], eh, c)), margin, easy)
     logits = cos.index_put((rows, labels), t) * scale
     return torch.logsumexp(logits, dim=1) - logits[rows, labels]
 
@@ -74,9 +103,11 @@ def _reference_rows(
     wn = w / w.norm(dim=1, keepdim=True).clamp_min(1e-12)
     out = []
     for i in range(e.shape[0]):
-        cos = wn @ (e[i] / e[i].norm().clamp_min(1e-12))
+        eh = e[i] / e[i].norm().clamp_min(1e-12)
+        cos = wn @ eh
         y = int(labels[i])
-        t, _ = target(cos[y : y + 1], margin, easy)
+        sin = _sine((wn[y] - cos[y] * eh).unsqueeze(0))  # the sine of the angle between e_i and w_y
+        t, _ = target(cos[y : y + 1], sin, margin, easy)
         others = torch.cat([cos[:y], cos[y + 1 :]]) * scale
         top = t[0] * scale
         out.append(torch.logsumexp(torch.cat([top.reshape(1), others]), dim=0) - top)
@@ -153,11 +184,19 @@ def _visit(
     e_norm = torch.linalg.vector_norm(ed, dim=1).clamp_min(1e-12)
     eh = ed / e_norm.unsqueeze(1)
     wd = w.detach()
-    w_inv = 1.0 / torch.linalg.vector_norm(wd, dim=1, dtype=dtype).clamp_min(1e-12)
+    # the norms in the wider of the two dtypes (class weights may be wider than the embeddings)
+    norm_dtype = torch.promote_types(wd.dtype, dtype)
+    w_inv = 1.0 / torch.linalg.vector_norm(wd, dim=1, dtype=norm_dtype).to(dtype).clamp_min(1e-12)
     rows_idx = torch.arange(b, device=e.device)
     # the target cosines and logits, from the labels' rows of W
     wy = wd[labels].to(dtype) * w_inv[labels].unsqueeze(1)
-    t, t_slope = target((eh * wy).sum(1), margin, easy)
+    c_y = (eh * wy).sum(1)
+    # the target's gradient runs along the unit vectors orthogonal to e^ (for e) and to
+    # w^_y (for w), formed from the vectors: through the projections it would carry
+    # d logit / d cos, unbounded at cos = +-1 for ArcFace, times a difference of rounding
+    across_e = _orthogonal(wy, eh, c_y)
+    sin = torch.linalg.vector_norm(across_e, dim=1)
+    t, t_slope = target(c_y, sin, margin, easy)
     width = min(block, c)
     buf = eh.new_empty(b, width)
 
@@ -186,6 +225,13 @@ def _visit(
     # d rows / d s = sum_j p_ij a_ij - a_iy with logit = s a: the logits are kept for it
     logits = eh.new_empty(b, width) if need_scale else None
     dscale = -(weights * t).sum()
+    # d sum(weights * rows) / d logit_y = weighted softmax - weight; times s and the slope;
+    # nothing along a direction that is rounding noise (see _sine)
+    coef = (torch.exp(s * t - lse) * weights - weights) * s * t_slope
+    coef = torch.where(sin > _noise(dtype), coef, torch.zeros_like(coef))
+    unit_e = across_e / sin.clamp_min(_noise(dtype)).unsqueeze(1)
+    across_w = _orthogonal(eh, wy, c_y)
+    unit_w = across_w / torch.linalg.vector_norm(across_w, dim=1).clamp_min(_noise(dtype)).unsqueeze(1)
     for c0 in range(0, c, block):
         c1 = min(c0 + block, c)
         z = tile(c0, c1)
@@ -194,10 +240,9 @@ def _visit(
         p = z.sub_(lse.unsqueeze(1)).exp_().mul_(weights.unsqueeze(1))  # weighted softmax of the block
         if logits is not None:
             dscale += torch.bmm(p.unsqueeze(1), kept.unsqueeze(2)).sum() / s
-        # d rows_i / d logit_ij = softmax_ij - [j = y_i]; d logit / d cos = s, s f'(cos_y) at the target
+        # d rows_i / d logit_ij = softmax_ij, d logit / d cos = s; the targets' terms apart (coef)
         inside = (labels >= c0) & (labels < c1)
-        at = (rows_idx[inside], labels[inside] - c0)
-        p[at] = (p[at] - weights[inside]) * t_slope[inside]
+        p[rows_idx[inside], labels[inside] - c0] = 0.0
         g = p.mul_(s)
         wb = wd[c0:c1].to(dtype) * w_inv[c0:c1].unsqueeze(1)
         if de_hat is not None:
@@ -205,10 +250,12 @@ def _visit(
         if dw is not None:
             dwh = g.T @ eh  # d / d w^ of the block's classes; through w^ = w / |w|:
             dwh.sub_(wb * (wb * dwh).sum(1, keepdim=True)).mul_(w_inv[c0:c1].unsqueeze(1))
+            ys = labels[inside]
+            dwh.index_add_(0, ys - c0, (coef[inside] * w_inv[ys]).unsqueeze(1) * unit_w[inside])
             dw[c0:c1] = dwh
     de = None
     if de_hat is not None:  # through e^ = e / |e|
-        de = (de_hat - eh * (eh * de_hat).sum(1, keepdim=True)) / e_norm.unsqueeze(1)
+        de = (de_hat - eh * (eh * de_hat).sum(1, keepdim=True) + coef.unsqueeze(1) * unit_e) / e_norm.unsqueeze(1)
     return rows, lse, [de, dw, dscale if need_scale else None]
 
 
