@@ -93,6 +93,45 @@ def test_retrieval_with_labels_and_the_query_itself_left_out() -> None:
     assert got == pytest.approx(_dense_retrieval(s, relevant, (1, 5)))
 
 
+@pytest.mark.parametrize("where", ["query", "relevant key", "other key", "every row", "inf"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_retrieval_with_nan_scores_is_nan_never_perfect(where: str, normalize: bool) -> None:
+    """A NaN score of a counted query (NaN in it or in a key it is scored against)
+    makes every metric NaN: no comparison with NaN is true, so it would rank first."""
+    q = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    k = q + 0.01 * torch.randn(6, 4, generator=torch.Generator().manual_seed(6))
+    assert metrics.retrieval(q, k, topk=(1,))["top1"] == 1.0
+    q, k = q.clone(), k.clone()
+    if where == "query":
+        q[2, 1] = float("nan")
+    elif where == "relevant key":
+        k[2] = float("nan")
+    elif where == "other key":
+        k[4, 0] = float("nan")
+    elif where == "inf":
+        q[2, 1] = float("inf")
+    else:
+        q[:] = float("nan")
+    got = metrics.retrieval(q, k, topk=(1, 5), normalize=normalize, block_size=4)
+    if where == "inf" and not normalize:  # an inf score is a score: the key ranks first or last
+        assert not any(v != v for v in got.values())
+        return
+    assert all(got[name] != got[name] for name in ("top1", "top5", "mrr")), got
+    assert got["queries"] == 6.0
+
+
+def test_retrieval_nan_query_left_out_changes_nothing() -> None:
+    """With labels, a query without any relevant key is left out of the means: its
+    NaN changes nothing."""
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(7, 4, generator=g), torch.randn(9, 4, generator=g)
+    labels, key_labels = torch.tensor([0, 0, 1, 1, 2, 2, 3]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0])
+    want = metrics.retrieval(q, k, labels=labels, key_labels=key_labels, topk=(1, 3))
+    q_nan = torch.cat([q, torch.full((1, 4), float("nan"))])
+    got = metrics.retrieval(q_nan, k, labels=torch.cat([labels, torch.tensor([9])]), key_labels=key_labels, topk=(1, 3))
+    assert got == want and want["top1"] == want["top1"]
+
+
 @pytest.mark.parametrize(
     "call,match",
     [

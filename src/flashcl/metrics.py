@@ -124,7 +124,8 @@ def retrieval(
     ``normalize=False``): ``top{k}``, the fraction of queries whose relevant key is
     among the k highest scores, and ``mrr``, the mean reciprocal rank of the first
     relevant key. Ties are broken in favour of the relevant key. Row blocks of
-    scores: O(B D) memory.
+    scores: O(B D) memory. A NaN score of a counted query (a NaN in it or in any
+    key but itself) makes every metric NaN: a model that diverged gets no score.
 
     Relevant keys: ``keys[positive_index[i]]`` (default ``i``), or with ``labels``
     and ``key_labels`` every key of the query's label, the query itself left out
@@ -186,14 +187,20 @@ def retrieval(
     if max(ks) > k.shape[0]:
         raise ValueError(f"topk {max(ks)} is larger than the number of keys ({k.shape[0]})")
     block = block_size or auto_block(b, k.shape[0], q.dtype)
-    ranks, found = _first_relevant_ranks(q, k, index, offset, labels, key_labels, self_keys, self_offset, block)
+    ranks, found, nan = _first_relevant_ranks(
+        q, k, index, offset, labels, key_labels, self_keys, self_offset, block
+    )
     sums = torch.stack(
         [((ranks <= kk) & found).sum().to(torch.float64) for kk in ks]
-        + [torch.where(found, 1.0 / ranks.to(torch.float64), 0.0).sum(), found.sum().to(torch.float64)]
+        + [torch.where(found, 1.0 / ranks.to(torch.float64), 0.0).sum()]
+        + [(nan & found).sum().to(torch.float64), found.sum().to(torch.float64)]
     )
     if process_group is not None:
         sums = distributed.sum_across(sums, process_group)
     count = float(sums[-1])
+    # no comparison with NaN is true: a NaN query would rank its key first
+    if float(sums[-2]) > 0:
+        sums[:-2] = float("nan")
     out = {f"top{kk}": float(sums[i]) / max(count, 1.0) for i, kk in enumerate(ks)}
     out["mrr"] = float(sums[len(ks)]) / max(count, 1.0)
     out["queries"] = count
@@ -210,12 +217,14 @@ def _first_relevant_ranks(
     self_keys: bool,
     self_offset: int,
     block: int,
-) -> Tuple[Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor]:
     """Per query, 1 + the number of irrelevant keys scored above its best relevant
-    key, and whether it has one; row blocks of scores."""
+    key, whether it has one, and whether any of its scores is NaN; row blocks of
+    scores."""
     b = q.shape[0]
     ranks = torch.zeros(b, dtype=torch.long, device=q.device)
     found = torch.zeros(b, dtype=torch.bool, device=q.device)
+    nan = torch.zeros(b, dtype=torch.bool, device=q.device)
     cols = torch.arange(k.shape[0], device=q.device)
     rows = min(block, b)
     # one score buffer, one for the relevant keys' scores, two masks: reused by every block
@@ -237,6 +246,7 @@ def _first_relevant_ranks(
             at = own.clamp(0, k.shape[0] - 1)
             relevant.scatter_(1, at, relevant.gather(1, at) & ~inside)
             s.scatter_(1, at, torch.where(inside, torch.full_like(s[:, :1], float("-inf")), s.gather(1, at)))
+        nan[r0:r1] = s.isnan().any(1)
         best = torch.where(
             relevant, s, torch.tensor(float("-inf"), dtype=s.dtype, device=s.device), out=work[: r1 - r0]
         )
@@ -244,7 +254,7 @@ def _first_relevant_ranks(
         found[r0:r1] = relevant.any(1)
         above = torch.gt(s, best, out=above_buf[: r1 - r0])
         ranks[r0:r1] = 1 + above.logical_and_(relevant.logical_not_()).sum(1)
-    return ranks, found
+    return ranks, found, nan
 
 
 def _check_topk(topk: object) -> Tuple[int, ...]:
