@@ -44,3 +44,35 @@ def test_trains_clip_temperature_and_unbounded() -> None:
 def test_bad_arguments_are_errors(kwargs) -> None:
     with pytest.raises(ValueError):
         flashcl.LogitScale(**kwargs)
+
+
+@pytest.mark.parametrize("start", ["init at max", "after clamp_"])
+def test_a_scale_at_its_bound_can_come_down_as_open_clip_s(start: str) -> None:
+    """At max (init = max, or clamp_ after it grew past), a loss that wants a smaller
+    scale brings it down as open_clip's convention does (the log-scale parameter,
+    exp in the forward, clamp_ after each step): five SGD steps of a CLIP loss whose
+    logits are too sharp."""
+    g = torch.Generator().manual_seed(0)
+    img, txt = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)  # unrelated pairs
+    ours = flashcl.LogitScale(init=100.0 if start == "init at max" else 50.0, max=100.0)
+    if start == "after clamp_":
+        with torch.no_grad():
+            ours.log_scale.fill_(math.log(300.0))
+        ours.clamp_()
+    theirs = torch.nn.Parameter(torch.tensor(math.log(100.0)))  # open_clip's logit_scale
+    opt = torch.optim.SGD([ours.log_scale, theirs], lr=0.05)
+    history = []
+    for _ in range(5):
+        value = ours()
+        assert float(value) <= 100.0
+        loss = flashcl.clip_loss(img, txt, value) + flashcl.clip_loss(img, txt, theirs.exp())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ours.clamp_()
+        with torch.no_grad():
+            theirs.clamp_(0, math.log(100))
+        history.append((float(ours.log_scale.exp()), float(theirs.exp())))
+    assert history[-1][1] < 50.0, history  # the loss wants a smaller scale
+    for mine, peer in history:
+        assert mine == pytest.approx(peer, rel=1e-4), history

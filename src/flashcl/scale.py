@@ -18,7 +18,8 @@ class LogitScale(nn.Module):
     (open_clip clamps at 100: past it a training run's scale can grow until the
     softmax saturates).
 
-    Past ``max`` the returned scale is constant and its gradient 0; :meth:`clamp_`
+    Past ``max`` the returned scale is constant and its gradient 0 (at ``max`` itself
+    the gradient passes, so that a scale at its bound can come down); :meth:`clamp_`
     pulls the parameter itself back (open_clip's ``logit_scale.clamp_(0, log(100))``
     after the optimizer step), so that it does not drift where no gradient reaches.
 
@@ -55,8 +56,14 @@ class LogitScale(nn.Module):
         self.log_scale = nn.Parameter(torch.tensor(math.log(init)))
 
     def forward(self) -> Tensor:
-        scale = self.log_scale.exp()
-        return scale if self.max is None else scale.clamp(max=self.max)
+        if self.max is None:
+            return self.log_scale.exp()
+        # clamped in the log domain, where the bound is inclusive: at the bound (after
+        # clamp_, or with init = max) the gradient passes and the scale can come down;
+        # exp(log(max)) rounds just above max, so the value is brought to max without
+        # touching the gradient
+        scale = self.log_scale.clamp(max=math.log(self.max)).exp()
+        return scale - (scale - self.max).clamp(min=0.0).detach()
 
     @torch.no_grad()
     def clamp_(self) -> LogitScale:
