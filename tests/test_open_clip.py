@@ -42,6 +42,8 @@ def _run(loss: Any, kind: str, feats: List[torch.Tensor], output_dict: bool) -> 
     elif kind == "siglip":
         bias = torch.tensor(-3.0, dtype=torch.float64, requires_grad=True)
         args = [xs[0], xs[1], s, bias]
+    elif kind == "siglip without bias":  # open_clip adds no bias for None
+        args = [xs[0], xs[1], s, None]
     else:
         args = [xs[0], xs[1], s, xs[2], xs[3], torch.tensor(11.0, dtype=torch.float64)]
     out = loss(*args, output_dict=output_dict)
@@ -98,6 +100,11 @@ def _cases(rank: int, world: int) -> Dict[Any, Any]:
             _run(ours.SigLipLoss(**kw), "siglip", feats[:2], False),
             _run(oc.SigLipLoss(**kw), "siglip", feats[:2], False),
         )
+    kw = dict(rank=rank, world_size=world)
+    results[("siglip", "logit_bias=None")] = (
+        _run(ours.SigLipLoss(**kw), "siglip without bias", feats[:2], True),
+        _run(oc.SigLipLoss(**kw), "siglip without bias", feats[:2], True),
+    )
     return results
 
 
@@ -160,6 +167,28 @@ def test_uneven_batches_give_the_global_loss(tmp_path) -> None:
     for i in range(2):
         got = torch.cat([rank[1][i] for rank in ranks])
         assert_close(got, world * grads[i], f"gradient {i}", *TOL)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 1, 2, 7])
+def test_siglip_chunk_size_is_accepted_and_changes_nothing(chunk_size: int) -> None:
+    """open_clip's newer ``chunk_size`` keyword (rows of logits at a time): the same
+    loss as open_clip's (with the keyword where its version has it)."""
+    import inspect
+
+    feats = _features(1)[:2]
+    theirs_kw = {"chunk_size": chunk_size} if "chunk_size" in inspect.signature(oc.SigLipLoss).parameters else {}
+    for kind in ("siglip", "siglip without bias"):
+        _compare(
+            {
+                (kind, chunk_size): (
+                    _run(ours.SigLipLoss(chunk_size=chunk_size), kind, feats, False),
+                    _run(oc.SigLipLoss(**theirs_kw), kind, feats, False),
+                )
+            },
+            "world 1",
+        )
+    with pytest.raises(TypeError, match="chunk_size"):
+        ours.SigLipLoss(chunk_size=2.5)  # type: ignore[arg-type]
 
 
 def test_horovod_and_a_wrong_world_are_clear_errors() -> None:

@@ -308,6 +308,10 @@ class SigLipLoss(nn.Module):
 
     Args:
         cache_labels, rank, world_size, dist_impl: open_clip's.
+        chunk_size: open_clip's (rows of logits formed at a time; 0: all at once).
+            Any value gives the same loss here: flashcl never forms the B x B logits.
+
+    The call takes ``logit_bias=None`` as open_clip does: no bias is added.
 
     Examples::
 
@@ -320,10 +324,18 @@ class SigLipLoss(nn.Module):
     use_horovod = False
 
     def __init__(
-        self, cache_labels: bool = False, rank: int = 0, world_size: int = 1, dist_impl: Optional[str] = None
+        self,
+        cache_labels: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_impl: Optional[str] = None,
+        chunk_size: int = 0,
     ) -> None:
         super().__init__()
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+            raise TypeError(f"chunk_size must be an int (0: no chunking), got {chunk_size!r}")
         self.cache_labels, self.rank, self.world_size = cache_labels, rank, world_size
+        self.chunk_size = chunk_size
         self.dist_impl = dist_impl or "bidir"
         if self.dist_impl not in ("bidir", "shift", "reduce", "gather"):
             raise ValueError(f"dist_impl must be 'bidir', 'shift', 'reduce' or 'gather', got {dist_impl!r}")
@@ -340,5 +352,6 @@ class SigLipLoss(nn.Module):
         kw: Dict[str, Any] = {"normalize": False}
         if group is not None:
             kw.update(process_group=group, normalize_by="local", grad_scale="sum", strategy="ring")
-        loss = siglip_loss(image_features, text_features, logit_scale, logit_bias, **kw)
+        bias = 0.0 if logit_bias is None else logit_bias  # open_clip adds no bias for None
+        loss = siglip_loss(image_features, text_features, logit_scale, bias, **kw)
         return {"contrastive_loss": loss} if output_dict else loss
