@@ -99,6 +99,23 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     except ValueError as err:
         results["uneven"] = str(err)  # type: ignore[assignment]
     del model
+    # two separately sharded towers, the same total of chunks on each rank (2 + 3 and
+    # 3 + 2: uneven hard negatives per rank): a ValueError on every rank, not a hang
+    towers = [_model(), _model()]
+    for tower in towers:
+        fully_shard(tower)
+    q, d = torch.randn([4, 6][rank], 6, dtype=torch.float64), torch.randn([12, 8][rank], 6, dtype=torch.float64)
+    try:
+        flashcl.cached_step(
+            towers,
+            [q, d],
+            lambda a, b: flashcl.info_nce_loss(a, b, process_group=dist.group.WORLD),
+            chunk_size=[2, 4],
+        )
+        results["towers"] = "no error"  # type: ignore[assignment]
+    except ValueError as err:
+        results["towers"] = str(err)  # type: ignore[assignment]
+    del towers
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -109,6 +126,7 @@ def test_fully_shard_gradients_equal_one_process(tmp_path) -> None:
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for r in range(world):
         assert "same number of chunks" in ranks[r]["uneven"], ranks[r]["uneven"]
+        assert "encoder 0: 2 to 3, encoder 1: 2 to 3" in ranks[r]["towers"], ranks[r]["towers"]
     whole = _data()
     for name, step in _steps(None).items():
         model = _model()

@@ -274,29 +274,47 @@ def cached_step(
 
 
 def _same_chunk_counts_when_sharded(encoders: Sequence[Encoder], chunks: Sequence[Sequence[Any]]) -> None:
-    """Under ``fully_shard`` each forward pass is a collective: every rank must make
-    as many; a ValueError on every rank, not a hang, when they would not."""
+    """Under ``fully_shard`` each forward pass is a collective of the encoder that
+    makes it: every rank must make as many through each sharded encoder; a ValueError
+    on every rank, not a hang, when they would not (per encoder: totals can agree
+    while the passes of two towers go out of step)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
         return
     import torch.distributed as dist
 
-    passes = sum(len(parts) for enc, parts in zip(encoders, chunks) if isinstance(enc, FSDPModule))
+    passes: Dict[int, int] = {}  # per sharded encoder (one module may embed several inputs)
+    for enc, parts in zip(encoders, chunks):
+        if isinstance(enc, FSDPModule):
+            passes[id(enc)] = passes.get(id(enc), 0) + len(parts)
     if not passes or not (dist.is_available() and dist.is_initialized()):
         return
-    counts = torch.tensor([passes, -passes], dtype=torch.int64)
     device = next((p.device for enc in encoders if isinstance(enc, nn.Module) for p in enc.parameters()), None)
-    if device is not None and device.type == "cuda":
-        counts = counts.to(device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    most, fewest = int(counts[0]), -int(counts[1])
-    if most != fewest:
+
+    def spread(values: List[int]) -> Tuple[List[int], List[int]]:
+        """Each value's smallest and largest over the ranks (one all-reduce)."""
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+        if device is not None and device.type == "cuda":
+            t = t.to(device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        n = len(values)
+        return [-int(v) for v in t[n:]], [int(v) for v in t[:n]]
+
+    (fewest_encoders,), (most_encoders,) = spread([len(passes)])
+    if fewest_encoders != most_encoders:
         raise ValueError(
-            f"cached_step under fully_shard: every rank must embed the same number of chunks (each "
-            f"forward pass gathers the parameters with a collective); the ranks make {fewest} to {most}: "
-            "give every rank a batch with as many chunks (the local batch size over chunk_size, "
-            "rounded up)"
+            f"cached_step under fully_shard: every rank must pass the same sharded encoders; the ranks "
+            f"pass {fewest_encoders} to {most_encoders}"
+        )
+    fewest, most = spread(list(passes.values()))
+    if fewest != most:
+        which = ", ".join(f"encoder {i}: {lo} to {hi}" for i, (lo, hi) in enumerate(zip(fewest, most)) if lo != hi)
+        raise ValueError(
+            f"cached_step under fully_shard: every rank must embed the same number of chunks with each "
+            f"sharded encoder (each forward pass gathers its parameters with a collective); the ranks make "
+            f"{which}: give every rank a batch with as many chunks per input (the local batch size over "
+            "chunk_size, rounded up)"
         )
 
 

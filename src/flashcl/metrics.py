@@ -187,9 +187,7 @@ def retrieval(
     if max(ks) > k.shape[0]:
         raise ValueError(f"topk {max(ks)} is larger than the number of keys ({k.shape[0]})")
     block = block_size or auto_block(b, k.shape[0], q.dtype)
-    ranks, found, nan = _first_relevant_ranks(
-        q, k, index, offset, labels, key_labels, self_keys, self_offset, block
-    )
+    ranks, found, nan = _first_relevant_ranks(q, k, index, offset, labels, key_labels, self_keys, self_offset, block)
     sums = torch.stack(
         [((ranks <= kk) & found).sum().to(torch.float64) for kk in ks]
         + [torch.where(found, 1.0 / ranks.to(torch.float64), 0.0).sum()]
