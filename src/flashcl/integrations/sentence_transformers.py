@@ -71,7 +71,7 @@ try:
         from sentence_transformers.sentence_transformer import losses as _st_losses
     except ImportError:
         from sentence_transformers import losses as _st_losses  # type: ignore[attr-defined,no-redef]
-    from sentence_transformers.util import cos_sim, dot_score, pairwise_angle_sim, pairwise_cos_sim
+    from sentence_transformers.util import cos_sim, dot_score
 
     try:  # sentence-transformers >= 6: one forward pass over the columns
         from sentence_transformers.base.losses.merged_forward import embed_columns as _embed_columns
@@ -673,251 +673,27 @@ class SupConLoss(nn.Module):
         return {"temperature": self.temperature, "positives": self.positives, "include_self": self.include_self}
 
 
-_COSENT_SIMILARITIES = {pairwise_cos_sim: "cosine", pairwise_angle_sim: "angle"}
+# the ranking and triplet drop-ins live in their own module; importable from here as well
+from .sentence_transformers_ranking import (  # noqa: E402
+    AnglELoss,
+    BatchAllTripletLoss,
+    BatchHardSoftMarginTripletLoss,
+    BatchHardTripletLoss,
+    BatchSemiHardTripletLoss,
+    CoSENTLoss,
+)
 
-
-class _CoSENT(_st_losses.CoSENTLoss):
-    """The CoSENT computation of :class:`CoSENTLoss` and :class:`AnglELoss`."""
-
-    _warned = False
-    backend: str = "auto"
-
-    def compute_loss_from_embeddings(self, embeddings: List[Tensor], labels: Tensor) -> Tensor:
-        similarity = _COSENT_SIMILARITIES.get(self.similarity_fct)
-        if similarity is None or len(embeddings) != 2:
-            if not self._warned:
-                why = f"similarity_fct={getattr(self.similarity_fct, '__name__', self.similarity_fct)!r}"
-                warnings.warn(
-                    f"flashcl does not compute {type(self).__name__} with "
-                    f"{why if similarity is None else f'{len(embeddings)} columns'}; sentence-transformers' "
-                    "own implementation is used (same value)",
-                    stacklevel=2,
-                )
-                self._warned = True
-            return super().compute_loss_from_embeddings(embeddings, labels)
-        from ..cosent import cosent_loss
-
-        if labels.numel() != embeddings[0].shape[0]:
-            raise ValueError(
-                f"{type(self).__name__} expects {embeddings[0].shape[0]} labels (one per example), "
-                f"but got {labels.numel()} labels with shape {tuple(labels.shape)}."
-            )
-        return cosent_loss(
-            embeddings[0],
-            embeddings[1],
-            labels.reshape(-1),
-            scale=self.scale,
-            similarity=similarity,
-            backend=self.backend,
-        )
-
-
-class CoSENTLoss(_CoSENT):
-    """sentence-transformers' ``CoSENTLoss``, computed by :func:`flashcl.cosent_loss`
-    (the same value and gradients, including for ``pairwise_angle_sim``).
-
-    Args:
-        model: the SentenceTransformer being trained.
-        scale: the inverse temperature. Default 20.
-        similarity_fct: ``pairwise_cos_sim`` (default) or ``pairwise_angle_sim``;
-            another function is computed by sentence-transformers' code.
-        backend: ``"auto"`` | ``"tiled"`` | ``"dense"`` | ``"reference"``.
-
-    Shape:
-        Input columns (sentence1, sentence2) and a float score per pair; the loss is
-        a scalar.
-
-    Examples::
-
-        >>> from flashcl.integrations.sentence_transformers import CoSENTLoss
-        >>> # loss = CoSENTLoss(model)   # model: a SentenceTransformer
-        >>> # SentenceTransformerTrainer(model=model, train_dataset=scored_pairs, loss=loss).train()
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        scale: float = 20.0,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = pairwise_cos_sim,
-        *,
-        backend: str = "auto",
-    ) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct)  # type: ignore[arg-type]
-        self.backend = backend
-
-
-class AnglELoss(_st_losses.AnglELoss, _CoSENT):
-    """sentence-transformers' ``AnglELoss`` (CoSENT on ``pairwise_angle_sim``),
-    computed by :func:`flashcl.cosent_loss` with ``similarity="angle"``; its
-    (anchor, positive, negative, ...) columns are turned into pairs by
-    sentence-transformers' own code first.
-
-    Args:
-        model: the SentenceTransformer being trained.
-        scale: the inverse temperature. Default 20.
-        backend: ``"auto"`` | ``"tiled"`` | ``"dense"`` | ``"reference"``.
-
-    Examples::
-
-        >>> from flashcl.integrations.sentence_transformers import AnglELoss
-        >>> # loss = AnglELoss(model)
-    """
-
-    def __init__(self, model: nn.Module, scale: float = 20.0, *, backend: str = "auto") -> None:
-        super().__init__(model, scale=scale)  # type: ignore[arg-type]
-        self.backend = backend
-
-
-def _triplet_distances() -> Dict[Any, str]:
-    from sentence_transformers.sentence_transformer.losses.batch_hard_triplet import (
-        BatchHardTripletLossDistanceFunction as functions,
-    )
-
-    return {functions.euclidean_distance: "euclidean", functions.cosine_distance: "cosine"}
-
-
-class _Triplet:
-    """The batch triplet losses' computation by :func:`flashcl.triplet_loss`, and
-    their constructor: sentence-transformers' arguments (``margin`` where the loss
-    has one) plus ``backend`` and ``block_size``."""
-
-    _warned = False
-    backend: str = "auto"
-    block_size: Optional[int] = None
-    _mining = "all"
-    _soft = False
-
-    def __init__(
-        self,
-        model: nn.Module,
-        distance_metric: Any = None,
-        margin: float = 5,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        kw: Dict[str, Any] = {} if distance_metric is None else {"distance_metric": distance_metric}
-        if not self._soft:
-            kw["margin"] = margin
-        super().__init__(model, **kw)  # type: ignore[call-arg]
-        self.backend, self.block_size = backend, block_size
-
-    def _flashcl_triplet(self, labels: Tensor, embeddings: Tensor, fallback: Callable[..., Tensor]) -> Tensor:
-        from ..triplet import triplet_loss
-
-        metric = self.distance_metric  # type: ignore[attr-defined]
-        distance = _triplet_distances().get(metric)
-        if distance is None:
-            if not self._warned:
-                warnings.warn(
-                    f"flashcl does not compute {type(self).__name__} with distance_metric="
-                    f"{getattr(metric, '__name__', metric)!r}; sentence-transformers' own implementation is "
-                    "used (same value, its B^2 memory)",
-                    stacklevel=3,
-                )
-                self._warned = True
-            return fallback(labels, embeddings)
-        margin = 0.0 if self._soft else float(getattr(self, "triplet_margin", getattr(self, "margin", 0.0)))
-        return triplet_loss(
-            embeddings,
-            labels.reshape(-1),
-            margin=margin,
-            mining=self._mining,
-            soft_margin=self._soft,
-            distance=distance,
-            backend=self.backend,
-            block_size=self.block_size,
-        )
-
-
-_TRIPLET_ARGS = """
-    Args:
-        model: the SentenceTransformer being trained.
-        distance_metric: sentence-transformers' euclidean (default) or cosine
-            distance; another is computed by sentence-transformers' code.
-        margin: Default 5 (not for the soft-margin loss).
-        backend, block_size: :func:`flashcl.triplet_loss`'s.
-"""
-
-
-class BatchAllTripletLoss(_Triplet, _st_losses.BatchAllTripletLoss):
-    __doc__ = (
-        """sentence-transformers' ``BatchAllTripletLoss`` (every valid triplet; the mean
-    over those with a positive loss), computed by :func:`flashcl.triplet_loss`
-    without the triplets: the same value and gradients in O(block x B) memory.
-"""
-        + _TRIPLET_ARGS
-        + """
-    Examples::
-
-        >>> from flashcl.integrations.sentence_transformers import BatchAllTripletLoss
-        >>> # loss = BatchAllTripletLoss(model)   # a SentenceTransformer; texts with integer labels
-    """
-    )
-
-    _mining = "all"
-
-    def batch_all_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
-        return self._flashcl_triplet(labels, embeddings, super().batch_all_triplet_loss)
-
-
-class BatchHardTripletLoss(_Triplet, _st_losses.BatchHardTripletLoss):
-    __doc__ = (
-        """sentence-transformers' ``BatchHardTripletLoss`` (each anchor's hardest
-    positive and negative), computed by :func:`flashcl.triplet_loss`.
-"""
-        + _TRIPLET_ARGS
-        + """
-    Examples::
-
-        >>> from flashcl.integrations.sentence_transformers import BatchHardTripletLoss
-        >>> # loss = BatchHardTripletLoss(model, margin=1.0)
-    """
-    )
-
-    _mining = "hard"
-
-    def batch_hard_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
-        return self._flashcl_triplet(labels, embeddings, super().batch_hard_triplet_loss)
-
-
-class BatchSemiHardTripletLoss(_Triplet, _st_losses.BatchSemiHardTripletLoss):
-    __doc__ = (
-        """sentence-transformers' ``BatchSemiHardTripletLoss`` (per positive pair, the
-    closest negative farther than the positive), computed by :func:`flashcl.triplet_loss`.
-"""
-        + _TRIPLET_ARGS
-        + """
-    Examples::
-
-        >>> from flashcl.integrations.sentence_transformers import BatchSemiHardTripletLoss
-        >>> # loss = BatchSemiHardTripletLoss(model)
-    """
-    )
-
-    _mining = "semi-hard"
-
-    def batch_semi_hard_triplet_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
-        return self._flashcl_triplet(labels, embeddings, super().batch_semi_hard_triplet_loss)
-
-
-class BatchHardSoftMarginTripletLoss(_Triplet, _st_losses.BatchHardSoftMarginTripletLoss):
-    __doc__ = (
-        """sentence-transformers' ``BatchHardSoftMarginTripletLoss`` (``softplus`` of the
-    hardest positive's distance minus the hardest negative's), computed by
-    :func:`flashcl.triplet_loss` (``mining="hard", soft_margin=True, margin=0``).
-"""
-        + _TRIPLET_ARGS
-        + """
-    Examples::
-
-        >>> from flashcl.integrations.sentence_transformers import BatchHardSoftMarginTripletLoss
-        >>> # loss = BatchHardSoftMarginTripletLoss(model)
-    """
-    )
-
-    _mining = "hard"
-    _soft = True
-
-    def batch_hard_triplet_soft_margin_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
-        return self._flashcl_triplet(labels, embeddings, super().batch_hard_triplet_soft_margin_loss)
+__all__ = [
+    "MultipleNegativesRankingLoss",
+    "CachedMultipleNegativesRankingLoss",
+    "MatryoshkaLoss",
+    "GISTEmbedLoss",
+    "CachedGISTEmbedLoss",
+    "SupConLoss",
+    "CoSENTLoss",
+    "AnglELoss",
+    "BatchAllTripletLoss",
+    "BatchHardTripletLoss",
+    "BatchSemiHardTripletLoss",
+    "BatchHardSoftMarginTripletLoss",
+]
