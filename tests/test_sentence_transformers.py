@@ -307,16 +307,6 @@ def test_gist_losses_equal_sentence_transformers_through_a_model(
         assert_close(a, e, "GIST: parameter gradient", 1e-9 * float(e.abs().max()) + 1e-12, 1e-8)
 
 
-def test_gist_gather_across_devices_falls_back_with_a_warning(tiny_model: Any) -> None:
-    model = _load(tiny_model)
-    loss = fst.GISTEmbedLoss(model, _guide(tiny_model, 3), gather_across_devices=True)
-    texts = [_sentences(6, s) for s in (1, 2)]
-    with pytest.warns(UserWarning, match="sentence-transformers' own implementation"):
-        value = loss([model.tokenize(t) for t in texts], None)
-    expected = st_losses.GISTEmbedLoss(model, loss.guide)([model.tokenize(t) for t in texts], None)
-    assert_close(value, expected, "fallback GIST", 1e-6, 1e-6)
-
-
 # ---------------------------------------------------------------- gather_across_devices on 2 processes
 
 
@@ -362,6 +352,86 @@ def _gather_worker(rank: int, world: int, out_dir: str) -> None:
         results[f"cached-{i}"] = tuple(cached)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
+
+
+GIST_GATHER_CONFIGS: List[Dict[str, Any]] = [
+    {"columns": 2},
+    {"columns": 3, "margin": 0.05, "margin_strategy": "relative", "contrast_anchors": False},
+    {"columns": 4, "temperature": 0.05, "contrast_positives": False},
+    {"columns": 3, "margin": 0.1},
+]
+
+
+def _bare(cls: Any, **attrs: Any) -> Any:
+    """An instance made without ``__init__`` (no models), as sentence-transformers'
+    own tests make them, with the loss's attributes set."""
+    obj = cls.__new__(cls)
+    nn.Module.__init__(obj)
+    defaults = dict(temperature=0.01, margin=0.0, margin_strategy="absolute", contrast_anchors=True)
+    defaults.update(contrast_positives=True, mini_batch_size=3, show_progress_bar=False)
+    for k, v in {**defaults, **attrs, "gather_across_devices": True}.items():
+        setattr(obj, k, v)
+    obj.similarity_fct = nn.CosineSimilarity(dim=-1)
+    obj.cross_entropy_loss = nn.CrossEntropyLoss()
+    return obj
+
+
+def _gist_gather_worker(rank: int, world: int, out_dir: str) -> None:
+    import os
+
+    from helpers import init_gloo
+
+    init_gloo(rank, world, out_dir)
+    torch.set_num_threads(1)
+    results = {}
+    for i, config in enumerate(GIST_GATHER_CONFIGS):
+        config = dict(config)
+        n = config.pop("columns")
+        # guides close to the model's embeddings: some in-batch candidates are false negatives
+        columns = _columns(2 * 5, 6, n - 2, seed=31 + i)
+        g = torch.Generator().manual_seed(41 + i)
+        guides = [c[:, :4] + 0.3 * torch.randn(10, 4, generator=g, dtype=torch.float64) for c in columns]
+        local = [c[5 * rank : 5 * rank + 5] for c in columns]
+        local_guides = [c[5 * rank : 5 * rank + 5] for c in guides]
+        out = []
+        for cls in (fst.CachedGISTEmbedLoss, st_losses.CachedGISTEmbedLoss, fst.GISTEmbedLoss):
+            if cls is fst.GISTEmbedLoss and n > 3:
+                continue
+            loss = _bare(cls, **config)
+            leaves = [c.clone().requires_grad_(True) for c in local]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error" if cls is not st_losses.CachedGISTEmbedLoss else "ignore")
+                if cls is fst.GISTEmbedLoss:
+                    value = loss.compute_loss_from_embeddings(leaves, local_guides)
+                else:
+                    value = loss.calculate_loss(
+                        [list(x.split(3)) for x in leaves], [list(x.split(3)) for x in local_guides]
+                    )
+            out.append((value.detach(), list(torch.autograd.grad(value, leaves))))
+        results[i] = out
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+def test_gist_gather_across_devices_equals_sentence_transformers(tmp_path: Any) -> None:
+    """gather_across_devices=True on 2 processes: this process's anchors against every
+    process's positives and negatives (the anchors' own candidates local), each rank's
+    value and the gradient of every column equal to sentence-transformers' own, for
+    GISTEmbedLoss and CachedGISTEmbedLoss; no fallback."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gist_gather_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for i, out in results.items():
+            (v_ref, g_ref) = out[1]
+            for name, (v, g) in zip(("cached", "", "plain"), out):
+                if name == "":
+                    continue
+                what = f"rank {rank}, {name} {GIST_GATHER_CONFIGS[i]}"
+                assert_close(v, v_ref, f"{what}: loss", 1e-10, 1e-10)
+                for j, (a, e) in enumerate(zip(g, g_ref)):
+                    assert_close(a, e, f"{what}: grad of column {j}", 1e-10, 1e-10)
 
 
 GATHER_CONFIGS: List[Dict[str, Any]] = [

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -174,6 +174,18 @@ def gist_loss(
     return reduce_rows(rows, torch.ones_like(rows), reduction)
 
 
+class Gathered(NamedTuple):
+    """Candidates gathered by the caller for :func:`gist_rows`: every process's
+    positives (with their gradient) and negatives, the guide's embeddings of both,
+    and this process's first row among them."""
+
+    positive: Tensor
+    negative: Optional[Tensor]
+    guide_positive: Tensor
+    guide_negative: Optional[Tensor]
+    offset: int
+
+
 def gist_rows(
     anchor: Tensor,
     positive: Tensor,
@@ -187,35 +199,54 @@ def gist_rows(
     name: str,
     block_size: Optional[int],
     across: Optional[Callable[[Tensor], distributed.Columns]] = None,
+    gathered: Optional[Gathered] = None,
 ) -> Tensor:
     """GIST's per-anchor losses (backend ``name``), each a logsumexp over tiles per
     candidate set; with ``across`` (``keys -> their global columns``), the
     candidates are the global batch's (across processes; the guide's embeddings,
-    without gradient, gathered)."""
+    without gradient, gathered). With ``gathered``, the positive and negative
+    candidates (and their guides) are those rows, gathered by the caller, and the
+    anchors are this process's only (sentence-transformers' ``gather_across_devices``)."""
     b = anchor.shape[0]
     ga, gp = unit_rows(guides[0], True), unit_rows(guides[1], True)
+    gn = None if negative is None else unit_rows(guides[2], True)
     g_pos = (ga * gp).sum(1)
     threshold = g_pos - (g_pos.abs() * margin if relative else margin)
     dtype = compute_dtype(anchor.dtype)
     ones = torch.ones(b, dtype=dtype, device=anchor.device)
 
-    def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, keep_positive: bool) -> Tensor:
+    def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, keep_positive: bool, offset: int = 0) -> Tensor:
         if across is None:
-            head = SoftmaxHead(ones, exclude=Exclusions(fn=_guide_mask(gq, gk, threshold, keep_positive)))
-            return row_lse(q, keys, scale, head, True, name, block_size)
+            mask = _guide_mask(gq, gk, threshold, keep_positive)
+            return row_lse(
+                q,
+                keys,
+                scale,
+                SoftmaxHead(ones, offset=offset, exclude=Exclusions(fn=mask)),
+                True,
+                name,
+                block_size,
+                offset,
+            )
         cols = across(keys)
         head = SoftmaxHead(
             ones, offset=cols.offset, exclude=Exclusions(fn=_guide_mask(gq, cols.gather(gk), threshold, keep_positive))
         )
         return cols.run(q, scale, Problem(head, (), True, cols.offset), None, block_size)
 
-    lse = part(anchor, positive, ga, gp, True)
+    p_all, n_all, gp_all, gn_all, offset = positive, negative, gp, gn, 0
+    if gathered is not None:
+        p_all, n_all, offset = gathered.positive, gathered.negative, gathered.offset
+        gp_all = unit_rows(gathered.guide_positive, True)
+        gn_all = None if gathered.guide_negative is None else unit_rows(gathered.guide_negative, True)
+    lse = part(anchor, p_all, ga, gp_all, True, offset)
     if contrast_anchors:
         lse = torch.logaddexp(lse, part(anchor, anchor, ga, ga, False))
     if contrast_positives:
-        lse = torch.logaddexp(lse, part(positive, positive, gp, gp, False))
-    if negative is not None:
-        lse = torch.logaddexp(lse, part(anchor, negative, ga, unit_rows(guides[2], True), False))
+        lse = torch.logaddexp(lse, part(positive, p_all, gp, gp_all, False, offset))
+    if n_all is not None:
+        assert gn_all is not None
+        lse = torch.logaddexp(lse, part(anchor, n_all, ga, gn_all, False))
     pos = (unit_rows(anchor, True) * unit_rows(positive, True)).sum(1)
     return lse - scale.to(dtype) * pos
 

@@ -423,10 +423,22 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
         return super().forward(sentence_features, labels)  # type: ignore[arg-type]
 
 
+def _gathering(loss: Any) -> bool:
+    """Whether sentence-transformers would gather the candidates across processes."""
+    return bool(
+        getattr(loss, "gather_across_devices", False)
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    )
+
+
 def _gist(loss: Any, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
     """GIST's value on embeddings (anchor, positive, negatives...) and the guide's."""
     negative = torch.cat(embeddings[2:]) if len(embeddings) > 2 else None
     guide = tuple(guides[:2]) + ((torch.cat(guides[2:]),) if len(guides) > 2 else ())
+    if _gathering(loss):
+        return _gist_gathered(loss, embeddings, guides, negative, list(guide))
     return Fn.gist_loss(
         embeddings[0],
         embeddings[1],
@@ -442,19 +454,45 @@ def _gist(loss: Any, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
     )
 
 
-class _GistFallback(_Fallback):
-    """GIST configurations flashcl computes: all but ``gather_across_devices``."""
+def _gist_gathered(
+    loss: Any, embeddings: List[Tensor], guides: List[Tensor], negative: Optional[Tensor], guide: List[Tensor]
+) -> Tensor:
+    """sentence-transformers' ``gather_across_devices=True``: this process's anchors
+    against every process's positives and negatives (gathered with their gradient,
+    each negative column on its own as sentence-transformers gathers them), the
+    anchor-anchor candidates this process's only; the mean over this process's
+    anchors. DDP's averaging of the gradients then gives the global batch's."""
+    from ..dispatch import scale_dtype
+    from ..gist import Gathered, gist_rows
 
-    def _flashcl_or_none(self) -> Optional[str]:
-        why = "gather_across_devices=True" if getattr(self, "gather_across_devices", False) else None
-        if why is not None and not self._warned:
-            warnings.warn(
-                f"flashcl does not compute {type(self).__name__} with {why}; sentence-transformers' "
-                "own implementation is used (same value, its B^2 memory)",
-                stacklevel=3,
-            )
-            self._warned = True
-        return why
+    anchor, positive = embeddings[0], embeddings[1]
+    p_all, offset = distributed.all_gather_with_grad(positive)
+    gp_all = distributed.all_gather_with_grad(guides[1].detach())[0]
+    n_all = gn_all = None
+    if len(embeddings) > 2:
+        n_all = torch.cat([distributed.all_gather_with_grad(n)[0] for n in embeddings[2:]])
+        gn_all = torch.cat([distributed.all_gather_with_grad(g.detach())[0] for g in guides[2:]])
+    if not (0.0 < float(loss.temperature) < float("inf")):
+        raise ValueError(f"temperature must be a positive finite float, got {loss.temperature!r}")
+    scale = torch.tensor(1.0 / float(loss.temperature), dtype=scale_dtype(anchor), device=anchor.device)
+    b = anchor.shape[0]
+    entries = b * (p_all.shape[0] * (1 + int(loss.contrast_positives)) + b * int(loss.contrast_anchors))
+    name = backends.resolve(loss.backend, entries, anchor.device, anchor.dtype, anchor.shape[1], kernel=None)
+    rows = gist_rows(
+        anchor,
+        positive,
+        negative,
+        [g.detach() for g in guide],
+        scale,
+        float(loss.margin),
+        loss.margin_strategy == "relative",
+        bool(loss.contrast_anchors),
+        bool(loss.contrast_positives),
+        "dense" if name == "reference" else name,  # the per-row oracle has no gathered form
+        loss.block_size,
+        gathered=Gathered(p_all, n_all, gp_all, gn_all, offset),
+    )
+    return rows.mean()
 
 
 def _embed(model: Any, features: List[Dict[str, Tensor]]) -> List[Tensor]:
@@ -464,7 +502,7 @@ def _embed(model: Any, features: List[Dict[str, Tensor]]) -> List[Tensor]:
     return [model(f)["sentence_embedding"] for f in features]
 
 
-class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
+class GISTEmbedLoss(_Fallback, _st_losses.GISTEmbedLoss):
     """sentence-transformers' ``GISTEmbedLoss`` (a guide model removes in-batch
     false negatives), computed by flashcl (:func:`flashcl.gist_loss`): the same
     value and gradients without the B x B x D broadcast and the B x B matrices.
@@ -474,8 +512,8 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
         guide: the SentenceTransformer that scores the candidates.
         others: ``temperature``, ``margin_strategy``, ``margin``, ``contrast_anchors``,
             ``contrast_positives``, ``gather_across_devices`` as in sentence-transformers
-            (``gather_across_devices=True`` runs sentence-transformers' code, with a
-            warning).
+            (``gather_across_devices=True``: this process's anchors against every
+            process's positives and negatives, as sentence-transformers computes it).
         backend: flashcl backend ("auto", "dense", "tiled").
         block_size: rows per block of the tiled backend (None: automatic).
 
@@ -531,8 +569,6 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
         return out
 
     def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Optional[Tensor]) -> Tensor:
-        if self._flashcl_or_none() is not None:
-            return super().forward(sentence_features, labels)  # type: ignore[arg-type]
         features = list(sentence_features)
         guide_features = self._guide_features(features)
         embeddings = _embed(self.model, features)
@@ -549,7 +585,7 @@ class GISTEmbedLoss(_GistFallback, _st_losses.GISTEmbedLoss):
         return _gist(self, embeddings, guides)
 
 
-class CachedGISTEmbedLoss(_GistFallback, _st_losses.CachedGISTEmbedLoss):
+class CachedGISTEmbedLoss(_Fallback, _st_losses.CachedGISTEmbedLoss):
     """sentence-transformers' ``CachedGISTEmbedLoss`` (GISTEmbed with GradCache),
     with the loss computed by flashcl over the whole batch at once
     (:func:`flashcl.gist_loss`, O(B D) memory), so no mini-batch loop over the
@@ -606,8 +642,6 @@ class CachedGISTEmbedLoss(_GistFallback, _st_losses.CachedGISTEmbedLoss):
     def calculate_loss(
         self, reps: List[List[Tensor]], reps_guided: List[List[Tensor]], *, with_backward: bool = False
     ) -> Tensor:
-        if self._flashcl_or_none() is not None:
-            return super().calculate_loss(reps, reps_guided, with_backward=with_backward)
         if len(reps) != len(reps_guided):
             raise ValueError("reps and reps_guided must have the same number of columns")
         guides = [torch.cat(r) for r in reps_guided]
