@@ -102,6 +102,91 @@ def test_equals_pml_triplet_margin_loss(labels: str, margin: float, backend: str
     assert_close(got_grad, want_grad, f"{backend}: gradient", *TOL)
 
 
+def _pml_configs():
+    from pytorch_metric_learning import distances, reducers, regularizers
+
+    return {
+        "default": {},
+        "squared": {"distance": distances.LpDistance(power=2)},
+        "raw euclidean": {"distance": distances.LpDistance(normalize_embeddings=False)},
+        "cosine": {"distance": distances.CosineSimilarity()},
+        "mean": {"reducer": reducers.MeanReducer()},
+        "cosine mean": {"distance": distances.CosineSimilarity(), "reducer": reducers.MeanReducer()},
+        "sum": {
+            "reducer": reducers.SumReducer(),
+            "distance": distances.LpDistance(power=2, normalize_embeddings=False),
+        },
+        "regularized": {"embedding_regularizer": regularizers.LpRegularizer()},
+    }
+
+
+PML_CONFIGS = ["default", "squared", "raw euclidean", "cosine", "mean", "cosine mean", "sum", "regularized"]
+
+
+@pytest.mark.parametrize("config", PML_CONFIGS)
+@pytest.mark.parametrize("labels", list(LABELS), ids=list(LABELS))
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_pml_triplet_margin_loss_adapter_equals_pml(config: str, labels: str, backend: str) -> None:
+    """flashcl.integrations.pytorch_metric_learning.TripletMarginLoss against PML's own
+    class: every distance and reducer flashcl serves, a regularizer, the degenerate
+    batches; values and gradients, no fallback."""
+    pml = pytest.importorskip("pytorch_metric_learning.losses")
+    from flashcl.integrations.pytorch_metric_learning import TripletMarginLoss
+
+    y = LABELS[labels]
+    x = torch.randn(len(y), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    kw = _pml_configs()[config]
+    want, want_grad = _value_and_grad(lambda e: pml.TripletMarginLoss(margin=0.3, **kw)(e, y), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # flashcl computes it
+        ours = TripletMarginLoss(margin=0.3, backend=backend, block_size=3, **_pml_configs()[config])
+        got, got_grad = _value_and_grad(lambda e: ours(e, y), x)
+    assert_close(got, want, f"{config}: value", *TOL)
+    assert_close(got_grad, want_grad, f"{config}: gradient", *TOL)
+
+
+def test_pml_triplet_margin_loss_adapter_names_what_it_leaves_to_pml() -> None:
+    """The cases flashcl leaves to PML's own code: a warning that names each, PML's value."""
+    pml = pytest.importorskip("pytorch_metric_learning")
+    from pytorch_metric_learning import distances, miners, reducers
+
+    from flashcl.integrations.pytorch_metric_learning import TripletMarginLoss
+
+    x = torch.randn(12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    y = LABELS["mixed"][:12].repeat(2)[:12]
+    triplets = miners.TripletMarginMiner(margin=0.5)(x, y)
+    cases = [
+        ({"swap": True}, {}, "swap=True"),
+        ({"smooth_loss": True}, {}, "smooth_loss=True"),
+        ({"distance": distances.DotProductSimilarity()}, {}, "distance=DotProductSimilarity"),
+        ({"distance": distances.LpDistance(p=1)}, {}, "p=1"),
+        ({"reducer": reducers.ThresholdReducer(low=0.1)}, {}, "reducer=ThresholdReducer"),
+        ({}, {"indices_tuple": triplets}, "indices_tuple"),
+        ({}, {"ref_emb": x[:5], "ref_labels": y[:5]}, "ref_emb"),
+    ]
+    for ctor, call, match in cases:
+        want = pml.losses.TripletMarginLoss(margin=0.3, **ctor)(x, y, **call)
+        with pytest.warns(UserWarning, match=match):
+            got = TripletMarginLoss(margin=0.3, **ctor)(x, y, **call)
+        assert_close(got, want, match, *TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pml_triplet_margin_loss_adapter_in_half_precision(dtype: torch.dtype) -> None:
+    """Half inputs: the loss in their dtype as PML returns it, accumulated in float32:
+    no further from the float64 value than PML's own in that dtype."""
+    pml = pytest.importorskip("pytorch_metric_learning.losses")
+    from flashcl.integrations.pytorch_metric_learning import TripletMarginLoss
+
+    y = torch.randint(0, 4, (40,), generator=torch.Generator().manual_seed(10))
+    x = torch.randn(40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    exact = pml.TripletMarginLoss(margin=0.2)(x, y)
+    got = TripletMarginLoss(margin=0.2)(x.to(dtype), y)
+    assert got.dtype == dtype
+    theirs = pml.TripletMarginLoss(margin=0.2)(x.to(dtype).float(), y).to(dtype)  # PML's cdist has no half on CPU
+    assert abs(float(got) - float(exact)) <= abs(float(theirs) - float(exact)) + 2 * float(torch.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("mining", ["all", "hard", "semi-hard"])
 @pytest.mark.parametrize("reduction", ["sum", "none"])
 def test_reductions_with_a_non_uniform_upstream_gradient(mining: str, reduction: str) -> None:

@@ -23,6 +23,11 @@ labels are all equal.
   :func:`flashcl.arcface_loss` over blocks of classes (never the B x C logits);
   the per-sample losses go through PML's reducer, miner weights and weight
   regularizer as in PML.
+* :class:`TripletMarginLoss`: every triplet of the batch (PML's default
+  ``triplets_per_anchor="all"``), computed by :func:`flashcl.triplet_loss` from each
+  row's sorted distances (never the B^3 triplets nor, with the tiled backend, the
+  B x B matrix); PML's reducer for the mean over the triplets with a positive loss
+  (its default), over all triplets, or their sum; PML's embedding regularizers.
 * :class:`NTXentLoss`: PML's formula, which differs from
   :func:`flashcl.nt_xent_loss` when an anchor has several positives: every
   positive pair ``(a, p)`` is its own softmax against ``a``'s negatives::
@@ -62,7 +67,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the packag
         "(pip install pytorch-metric-learning)"
     ) from e
 
-__all__ = ["SupConLoss", "NTXentLoss", "CrossBatchMemory", "CosFaceLoss", "ArcFaceLoss"]
+__all__ = ["SupConLoss", "NTXentLoss", "CrossBatchMemory", "CosFaceLoss", "ArcFaceLoss", "TripletMarginLoss"]
 
 
 def _dot_similarity(distance: Any) -> Optional[bool]:
@@ -562,3 +567,108 @@ class ArcFaceLoss(_MarginAdapter, _pml_losses.ArcFaceLoss):
     """
 
     _loss = "arcface_loss"
+
+
+def _triplet_distance(distance: Any) -> Optional[Tuple[str, bool]]:
+    """flashcl's ``(distance, normalize)`` for a PML distance, or None: ``LpDistance``
+    with ``p=2`` (``power`` 1: euclidean, 2: squared) and ``CosineSimilarity``
+    (``s_an - s_ap`` is ``(1 - s_ap) - (1 - s_an)``)."""
+    if type(distance) is _pml_distances.LpDistance and distance.p == 2 and distance.power in (1, 2):
+        return ("euclidean" if distance.power == 1 else "squared"), bool(distance.normalize_embeddings)
+    if type(distance) is _pml_distances.CosineSimilarity and distance.p == 2 and distance.power == 1:
+        return ("cosine", True) if distance.normalize_embeddings else None
+    return None
+
+
+#: PML's reducers of triplet losses, as flashcl's reductions ("all" mining: "mean"
+#: over the triplets with a positive loss; "every": the mean over every triplet)
+_TRIPLET_REDUCERS = {"AvgNonZeroReducer": "mean", "MeanReducer": "every", "SumReducer": "sum"}
+
+
+class TripletMarginLoss(_pml_losses.TripletMarginLoss):
+    """PML's ``TripletMarginLoss`` (its constructor: ``margin=0.05``, ``swap``,
+    ``smooth_loss``, ``triplets_per_anchor``, ``distance``, ``reducer``,
+    ``embedding_regularizer``, plus ``backend`` and ``block_size``), computed by
+    :func:`flashcl.triplet_loss` over every triplet of the batch without forming them.
+
+    flashcl computes it with PML's default and ``LpDistance(p=2)`` (``power`` 1 or 2,
+    normalised or not) or ``CosineSimilarity``, the reducers ``AvgNonZeroReducer``
+    (the default), ``MeanReducer`` and ``SumReducer``, labels and no ``indices_tuple``
+    nor ``ref_emb``; ``swap=True``, ``smooth_loss=True`` (a softplus per triplet),
+    ``triplets_per_anchor`` other than ``"all"`` (PML samples them at random), a
+    miner's ``indices_tuple``, ``ref_emb``, another distance or reducer are computed by
+    PML's own code, with a warning that names the case.
+
+    Examples::
+
+        >>> from flashcl.integrations.pytorch_metric_learning import TripletMarginLoss
+        >>> loss_fn = TripletMarginLoss(margin=0.1)
+        >>> loss = loss_fn(torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    """
+
+    backend: str = "auto"
+    block_size: Optional[int] = None
+
+    def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend, self.block_size = backend, block_size
+
+    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
+        if indices_tuple is not None:
+            return "indices_tuple (a miner's triplets or pairs) is given"
+        if labels is None:
+            return "labels is None"
+        if ref_emb is not None:
+            return "ref_emb is given"
+        if self.swap:
+            return "swap=True"
+        if self.smooth_loss:
+            return "smooth_loss=True (a softplus per triplet)"
+        if self.triplets_per_anchor != "all":
+            return f"triplets_per_anchor={self.triplets_per_anchor!r} (PML samples them at random)"
+        d = self.distance
+        if _triplet_distance(d) is None:
+            return (
+                f"distance={type(d).__name__} (p={d.p}, power={d.power}, normalize_embeddings={d.normalize_embeddings})"
+            )
+        reducer = _loss_reducer(self)
+        if type(reducer).__name__ not in _TRIPLET_REDUCERS or getattr(reducer, "collect_stats", False):
+            return f"reducer={type(reducer).__name__}"
+        return None
+
+    def compute_loss(
+        self, embeddings: Tensor, labels: Tensor, indices_tuple: Any, ref_emb: Any, ref_labels: Any
+    ) -> Dict[str, Any]:
+        # PML's forward sets ref_emb to the embeddings themselves when none is given
+        own_ref = ref_emb is embeddings and (ref_labels is labels)
+        why = self._why_not(labels, indices_tuple, None if own_ref else ref_emb)
+        if why is not None:
+            warnings.warn(
+                f"flashcl TripletMarginLoss: {why}; computed by pytorch-metric-learning's own code "
+                "(its B x B distances and B^3 triplet indices)",
+                stacklevel=3,
+            )
+            return super().compute_loss(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        from ..triplet import triplet_loss
+
+        distance = _triplet_distance(self.distance)
+        assert distance is not None
+        reduction = _TRIPLET_REDUCERS[type(_loss_reducer(self)).__name__]
+        value = triplet_loss(
+            embeddings,
+            labels.reshape(-1),
+            margin=float(self.margin),
+            mining="all",
+            distance=distance[0],
+            normalize=distance[1],
+            reduction="sum" if reduction == "every" else reduction,
+            backend=self.backend,
+            block_size=self.block_size,
+        )
+        if reduction == "every":  # PML's MeanReducer: over every triplet, zeros included
+            counts = torch.bincount(torch.unique(labels.reshape(-1), return_inverse=True)[1])
+            triplets = float((counts * (counts - 1) * (labels.numel() - counts)).sum())
+            value = value / max(triplets, 1.0)
+        # accumulated in float32 for half inputs; returned in their dtype, as PML returns it
+        value = value.to(embeddings.dtype)
+        return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
