@@ -162,3 +162,69 @@ def test_cli_too_few_shapes_is_a_clear_error(tmp_path: pytest.TempPathFactory, c
     path.write_text("def loss(e, y):\n    return e.sum()\n")
     with pytest.raises(SystemExit, match="takes 2 input.*got 1 --shape: give one --shape per input"):
         main(["doctor", f"{path}:loss", "--shape", "n,8", "--sizes", "10,20"])
+
+
+def batch_hard_triplet_loops(emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A batch-hard triplet loss as users write it: torch.cdist, then Python loops for
+    each anchor's hardest positive and hardest negative (margin 0.3)."""
+    d = torch.cdist(emb, emb)
+    losses = []
+    for i in range(emb.shape[0]):
+        pos = [d[i, j] for j in range(emb.shape[0]) if j != i and labels[j] == labels[i]]
+        neg = [d[i, j] for j in range(emb.shape[0]) if labels[j] != labels[i]]
+        if pos and neg:
+            losses.append(torch.relu(torch.stack(pos).max() - torch.stack(neg).min() + 0.3))
+        else:
+            losses.append(emb.sum() * 0)
+    return torch.stack(losses).mean()
+
+
+def cosent_loops(a: torch.Tensor, b: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """CoSENT as first written: loops over the ordered pairs (scale 20)."""
+    s = F.cosine_similarity(a, b) * 20.0
+    terms = [torch.zeros((), dtype=a.dtype)]
+    for i in range(a.shape[0]):
+        for j in range(a.shape[0]):
+            if scores[i] < scores[j]:
+                terms.append(s[i] - s[j])
+    return torch.logsumexp(torch.stack(terms), 0)
+
+
+def cosface_by_hand(emb: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """CosFace with the class weights held (D, C) as pytorch-metric-learning holds them."""
+    cos = F.normalize(emb, dim=1) @ F.normalize(w, dim=0)
+    logits = 30.0 * (cos - 0.35 * F.one_hot(labels, w.shape[1]))
+    return F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize(
+    "fn, make, want",
+    [
+        (
+            batch_hard_triplet_loops,
+            lambda: (torch.randn(48, 8, requires_grad=True), torch.randint(0, 6, (48,))),
+            ["flashcl.triplet_loss(", "margin=0.3", "mining='hard'", "distance='euclidean'", "normalize=False"],
+        ),
+        (
+            cosent_loops,
+            lambda: (torch.randn(24, 8, requires_grad=True), torch.randn(24, 8, requires_grad=True), torch.rand(24)),
+            ["flashcl.cosent_loss(", "scale=20", "similarity='cosine'"],
+        ),
+        (
+            cosface_by_hand,
+            lambda: (torch.randn(32, 8, requires_grad=True), torch.randint(0, 10, (32,)), torch.randn(8, 10)),
+            ["flashcl.cosface_loss(", "class_weights.T", "margin=0.35", "scale=30"],
+        ),
+    ],
+    ids=["batch-hard triplet", "CoSENT", "CosFace"],
+)
+def test_doctor_names_a_replacement_in_every_family(fn, make, want) -> None:
+    """The triplet, pairwise-ranking and margin families are candidates too: the call
+    with the parameters the user wrote, matched in value and gradient at every size."""
+    inputs = make()
+    base = inputs[0].shape[0]
+    report = flashcl.doctor(fn, *inputs, sizes=[base, 2 * base], repeats=3)
+    assert report.replacement is not None, report.text()
+    for part in want:
+        assert part in report.replacement.call, report.replacement.call
+    assert "a Python loop over the batch" in {f.pattern for f in report.findings} or fn is cosface_by_hand
