@@ -47,12 +47,13 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import backends, checks, lowering, matryoshka, reference
-from .core import CoreSpec
+from . import backends, checks
 from .engine import Problem
 from .heads import SoftmaxHead
-from .reduction import reduce_core, reduce_weights
-from .utils import autocast_off, compute_dtype, normalize_rows
+from .runner import matryoshka_core as matryoshka_core
+from .runner import run_core as run_core
+from .runner import run_with_widths as run_with_widths
+from .utils import compute_dtype, normalize_rows
 
 Scalar = Union[float, Tensor]
 
@@ -61,131 +62,9 @@ def scale_dtype(x: Tensor) -> torch.dtype:
     return compute_dtype(x.dtype)
 
 
-def run_core(
-    q: Tensor,
-    k: Optional[Tensor],
-    scale: Tensor,
-    spec: CoreSpec,
-    reduction: str = "mean",
-    backend: str = "auto",
-    block_size: Optional[int] = None,
-) -> Tensor:
-    """The masked-softmax core (:class:`flashcl.core.CoreSpec`) on embeddings,
-    reduced: the entry point that every loss here (and the integrations) goes
-    through. ``k=None`` means the candidates are the anchors; ``scale`` is a
-    0-dim tensor (1 / temperature).
-
-    Args:
-        q: (M, D) anchors. k: (N, D) candidates, or None.
-        scale: 0-dim floating tensor; a learnable one gets its gradient.
-        spec: the core's configuration.
-        reduction: ``"mean"`` (over the rows :meth:`CoreSpec.valid_rows` keeps) |
-            ``"sum"`` | ``"none"`` (per-row losses; for ``spec.both_directions`` the mean
-            of each row's and its column's).
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
-            (see :mod:`flashcl.backends`).
-        block_size: rows per block of the tiled backend; None picks one.
-    """
-    m = q.shape[0]
-    n = m if k is None else k.shape[0]
-    dtype = compute_dtype(q.dtype)
-    problem = lowering.problem(spec, m, n, dtype)
-    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=problem.head.kernel)
-    if name == "reference":
-        with autocast_off(q.device.type):
-            row, col = reference.core_loss(q, k, scale, spec)
-        return reduce_core(row, col, spec, reduction)
-    weights = None if reduction == "none" else reduce_weights(spec, m, reduction, dtype, q.device)
-    out = backends.run(q, k, scale, problem, name, weights, block_size)
-    if reduction == "none":
-        return reduce_core(out[:m], out[m:] if spec.both_directions else None, spec, "none")
-    return out
-
-
-def run_with_widths(
-    q: Tensor,
-    k: Optional[Tensor],
-    scale: Tensor,
-    spec: CoreSpec,
-    reduction: str,
-    backend: str,
-    block_size: Optional[int],
-    dims: object,
-    weights: object,
-) -> Tensor:
-    """:func:`run_core`, or :func:`matryoshka_core` with ``matryoshka_dims``."""
-    if dims is None:
-        if weights is not None:
-            raise ValueError("matryoshka_weights needs matryoshka_dims")
-        return run_core(q, k, scale, spec, reduction, backend, block_size)
-    return matryoshka_core(q, k, scale, spec, dims, weights, reduction, backend, block_size)
-
-
 def no_matryoshka(dims: object, weights: object, what: str) -> None:
     if dims is not None or weights is not None:
         raise ValueError(f"matryoshka_dims does not combine with {what}")
-
-
-def matryoshka_core(
-    q: Tensor,
-    k: Optional[Tensor],
-    scale: Tensor,
-    spec: CoreSpec,
-    dims: object,
-    weights: object,
-    reduction: str = "mean",
-    backend: str = "auto",
-    block_size: Optional[int] = None,
-) -> Tensor:
-    """``sum_m w_m run_core(q[:, :d_m], k[:, :d_m], ...)``: the core at every prefix
-    width ``d_m`` of the embeddings (Matryoshka), each width normalised on its own.
-    The tiled backend computes every width in one pass over per-segment partial
-    scores (:mod:`flashcl.matryoshka`); ``"reference"`` and ``"dense"`` make one
-    call per width."""
-    ds, ws = matryoshka.check_dims(dims, weights, q.shape[-1])
-    m = q.shape[0]
-    n = m if k is None else k.shape[0]
-    problem = lowering.problem(spec, m, n, compute_dtype(q.dtype))
-    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
-    if name == "triton":
-        raise ValueError(
-            "matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) or 'auto'"
-        )
-    if name in ("reference", "dense"):
-        total: Optional[Tensor] = None
-        for d, w in zip(ds, ws):
-            part = w * run_core(q[:, :d], None if k is None else k[:, :d], scale, spec, reduction, name, block_size)
-            total = part if total is None else total + part
-        assert total is not None
-        return total
-    dtype = compute_dtype(q.dtype)
-    with autocast_off(q.device.type):
-        qc = q.to(dtype)
-        kc = None if k is None else k.to(dtype)
-        aq = matryoshka.prefix_scales(qc, ds, spec.normalize)
-        ak = aq if kc is None else matryoshka.prefix_scales(kc, ds, spec.normalize)
-        sc = scale.to(dtype)
-        out: Optional[Tensor] = None
-        if reduction != "none" and not problem.head.has_columns:
-            # a scalar: the heads' weighted rows in one call (its gradient formed in the
-            # same pass), then each width's positive terms
-            r, _ = reduce_weights(spec, m, reduction, dtype, q.device)
-            weights_t = torch.tensor(ws, dtype=dtype, device=q.device).unsqueeze(1) * r.unsqueeze(0)
-            out = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size, weights_t)
-            zeros = torch.zeros(m, dtype=dtype, device=q.device)
-            for i, d in enumerate(ds):
-                rows, _ = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, zeros, None)
-                out = out + (weights_t[i] * rows).sum()
-            return out
-        values = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size)
-        for i, (d, w) in enumerate(zip(ds, ws)):
-            rows = values[i, :m]
-            cols = values[i, m:] if problem.head.has_columns else None
-            rows, cols = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, rows, cols)
-            part = w * reduce_core(rows, cols, spec, reduction)
-            out = part if out is None else out + part
-    assert out is not None
-    return out
 
 
 def dense_ids(labels: Tensor) -> Tuple[Tensor, int]:

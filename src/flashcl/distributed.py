@@ -40,17 +40,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import backends, checks, engine, lowering
+from . import backends, checks, engine
 from .core import CoreSpec
 from .engine import Problem
 from .ring import RingDriver
+from .runner import Source, local, reduce, run
 from .tiled import auto_block
 from .utils import compute_dtype
 
@@ -117,6 +117,9 @@ def same_call_across_ranks(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
             return fn(*args, **kwargs)  # its checks first, then the error that names the missing group
         bound = params.bind(*args, **kwargs)
         bound.apply_defaults()
+        options = [v for v in bound.arguments.values() if isinstance(v, checks.Options)]
+        if options and options[0].process_group is None and "group" not in bound.arguments:
+            return fn(*args, **kwargs)  # one process (a world of one): no collective
         parts, device = [fn.__name__], None
         group = bound.arguments.get("group")
         for name, value in bound.arguments.items():
@@ -226,31 +229,11 @@ def _global_count(n: Tensor, group: Any) -> Tensor:
     return n
 
 
-@dataclass
-class Columns:
-    """The candidates one rank scores its rows against: every rank's block,
-    gathered (``ring=False``), or its own block, the others coming round the ring.
-
-    Attributes:
-        keys: the gathered blocks, or this rank's block.
-        offset: this rank's first column in the global order.
-        sizes: every rank's block size (rank 0's includes the shared keys).
-        ring: the strategy is ``"ring"``.
-        group: the process group.
-        shared: the number of shared keys at the end of rank 0's block.
-    """
-
-    keys: Tensor
-    offset: int
-    sizes: List[int]
-    ring: bool
-    group: Any
-    shared: int = 0
-
-    @property
-    def total(self) -> int:
-        """Columns of the global score matrix."""
-        return sum(self.sizes)
+class Columns(Source):
+    """The candidates one rank scores its rows against (a :class:`flashcl.runner.Source`
+    across processes): every rank's block, gathered (``ring=False``), or its own
+    block, the others coming round the ring; ``shared`` keys at the end of rank 0's
+    block."""
 
     def gather(self, x: Tensor, shared: Optional[Tensor] = None) -> Tensor:
         """Every rank's rows of ``x`` (one per key of its block; no gradient: labels,
@@ -262,10 +245,6 @@ class Columns:
             x = torch.cat([x, shared.to(x.dtype)])
         return _gather_rows(x.detach(), self.sizes, self.group)
 
-    def narrow(self, width: int) -> Columns:
-        """The same columns with the keys' first ``width`` coordinates (Matryoshka)."""
-        return replace(self, keys=self.keys[:, :width])
-
     def run(
         self,
         q: Tensor,
@@ -274,21 +253,32 @@ class Columns:
         weights: Any,
         block_size: Optional[int],
         param: Optional[Tensor] = None,
+        backend: str = "tiled",
     ) -> Tensor:
-        """``problem``'s losses of this rank's rows ``q`` against the global columns
-        (the tiled core on gathered keys, or the ring driver)."""
+        """``problem``'s losses of this rank's rows ``q`` against the global columns:
+        backend ``backend`` on the gathered keys, or the ring driver (tiled)."""
         if not self.ring:
-            return backends.run(q, self.keys, scale, problem, "tiled", weights, block_size, param=param)
+            return backends.run(q, self.keys, scale, problem, backend, weights, block_size, param=param)
         ring = RingDriver(self.sizes, self.group)
         block = block_size or auto_block(q.shape[0], max(self.sizes), compute_dtype(q.dtype), self_contrast=True)
         return engine.run(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, param=param)
 
+    def count(self, n: Tensor) -> Tensor:
+        return _global_count(n, self.group)
 
-def columns(k_local: Tensor, strategy: str, group: Any, shared: Optional[Tensor] = None) -> Columns:
+    def factor(self, grad_scale: str) -> float:
+        return grad_factor(grad_scale, self.group)
+
+
+def columns(k_local: Tensor, strategy: str, group: Any, shared: Optional[Tensor] = None, own: bool = False) -> Source:
     """The global candidates from this rank's block ``k_local``: gathered with a
     gradient (``strategy="all_gather"``) or left for the ring. ``shared``: keys
     without gradient that every rank holds alike (a queue): they join rank 0's
-    block after its own rows, so that they enter the global loss once."""
+    block after its own rows, so that they enter the global loss once. ``group=None``:
+    this process's block alone, no collective (``own``: the keys are the anchors
+    themselves)."""
+    if group is None:  # a world of one
+        return local(k_local, shared, own)
     rank, _ = _world(group)
     n_shared = 0
     if shared is not None:
@@ -302,69 +292,31 @@ def columns(k_local: Tensor, strategy: str, group: Any, shared: Optional[Tensor]
 
 
 def grad_factor(grad_scale: str, group: Any) -> float:
-    """The factor each rank's share is returned with: the world size for ``"ddp"``, 1 for ``"sum"``."""
-    return float(_world(group)[1]) if grad_scale == "ddp" else 1.0
+    """The factor each rank's share is returned with: the world size for ``"ddp"``, 1 for
+    ``"sum"`` and for one process (``group=None``)."""
+    return float(_world(group)[1]) if grad_scale == "ddp" and group is not None else 1.0
 
 
 def run_across(
     q: Tensor,
-    cols: Columns,
+    cols: Source,
     scale: Tensor,
     spec: CoreSpec,
     opts: checks.Options,
     valid_weight: Optional[Tensor] = None,
     widths: Optional[Tuple[Any, Any]] = None,
 ) -> Tensor:
-    """This rank's rows of the core against the global columns, reduced with the
-    global count (the ``opts.grad_scale`` convention). ``widths``: Matryoshka's
-    ``(matryoshka_dims, matryoshka_weights)``: one pass over every width on
-    gathered columns, one ring round per width on the ring."""
-    group = cols.group
-    if widths is not None:
-        from .dispatch import matryoshka_core
-        from .matryoshka import check_dims
-
-        if cols.ring:
-            ds, ws = check_dims(widths[0], widths[1], q.shape[-1])
-            parts = [
-                w * run_across(q[:, :d], cols.narrow(d), scale, spec, replace(opts, reduction="none"))
-                for d, w in zip(ds, ws)
-            ]
-            rows = torch.stack(parts).sum(0)
-        else:
-            rows = matryoshka_core(q, cols.keys, scale, spec, widths[0], widths[1], "none", "tiled", opts.block_size)
-        valid = lowering.valid_rows(spec, q.shape[0]).to(device=q.device, dtype=rows.dtype)
-        if valid_weight is not None:
-            valid = valid * valid_weight
-        return reduce_across(rows, valid, opts.reduction, opts.grad_scale, group)
-    m = q.shape[0]
-    dtype = compute_dtype(q.dtype)
-    factor = grad_factor(opts.grad_scale, group)
-    weights = None
-    if opts.reduction != "none":
-        valid = lowering.valid_rows(spec, m).to(device=q.device, dtype=dtype)
-        if opts.reduction == "mean":
-            total = _global_count(valid.sum().reshape(1), group).clamp_min(1)
-            r = valid * (factor / total)
-        else:
-            r = valid * factor
-        if valid_weight is not None:
-            r = r * valid_weight
-        weights = (r, None)
-    return cols.run(q, scale, lowering.problem(spec, m, cols.total, dtype), weights, opts.block_size)
+    """:func:`flashcl.runner.run`: the core of this rank's rows against the columns
+    ``cols``, reduced over the global batch."""
+    return run(q, cols, scale, spec, opts, valid_weight, widths)
 
 
 def reduce_across(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, group: Any) -> Tensor:
     """Local per-row losses reduced over the global batch (the ``grad_scale``
-    convention); ``valid``: each row's weight (0: a row without positives)."""
-    if reduction == "none":
-        return rows
-    factor = grad_factor(grad_scale, group)
-    if reduction == "sum":
-        return factor * (rows * valid).sum()
-    count = (valid > 0).to(rows.dtype).sum().reshape(1)
-    total = _global_count(count, group).clamp_min(1)
-    return (factor / total[0]) * (rows * valid).sum()
+    convention; ``group=None``: this process's rows); ``valid``: each row's weight
+    (0: a row without positives)."""
+    source = Source(rows, 0, [rows.shape[0]]) if group is None else Columns(rows, 0, [], False, group)
+    return reduce(rows, valid, reduction, grad_scale, source)
 
 
 def row_counts(n: int, device: torch.device, group: Any) -> List[int]:

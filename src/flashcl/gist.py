@@ -22,6 +22,7 @@ from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import SoftmaxHead, Tile
 from .reduction import reduce_rows
+from .runner import Source
 from .tile import Exclusions
 from .utils import autocast_off, compute_dtype
 
@@ -198,7 +199,7 @@ def gist_rows(
     contrast_positives: bool,
     name: str,
     block_size: Optional[int],
-    across: Optional[Callable[[Tensor], distributed.Columns]] = None,
+    across: Optional[Callable[[Tensor], Source]] = None,
     gathered: Optional[Gathered] = None,
 ) -> Tensor:
     """GIST's per-anchor losses (backend ``name``), each a logsumexp over tiles per

@@ -18,7 +18,6 @@ from .dispatch import (
     class_ids,
     no_matryoshka,
     row_lse,
-    run_with_widths,
     scale_dtype,
     smoothing_rows,
     unit_rows,
@@ -185,7 +184,9 @@ def info_nce_loss(
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05, matryoshka_dims=[16, 8, 4])
     """
     index = checks.validate_info_nce(query, keys, positive_index)
-    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(
+        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
+    )
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
@@ -231,32 +232,28 @@ def info_nce_loss(
                 rows, torch.ones_like(rows), reduction, grad_scale, process_group
             )
         return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
-    if process_group is not None:
-        return _info_nce_across(
-            query,
-            keys,
-            index,
-            scale,
-            opts,
-            negatives,
-            in_batch_negatives,
-            query_labels,
-            key_labels,
-            duplicates,
-            matryoshka_dims,
-            matryoshka_weights,
+    if process_group is None and negatives is not None:  # the queue as its own log-sum-exp: no copy of it
+        return _info_nce_with_negatives(
+            query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend, block_size
         )
-    if negatives is None:
-        return run_with_widths(
-            query, keys, scale, spec, reduction, backend, block_size, matryoshka_dims, matryoshka_weights
-        )
-    return _info_nce_with_negatives(
-        query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend, block_size
+    return _info_nce(
+        query,
+        keys,
+        index,
+        scale,
+        opts,
+        negatives,
+        in_batch_negatives,
+        query_labels,
+        key_labels,
+        duplicates,
+        matryoshka_dims,
+        matryoshka_weights,
     )
 
 
 @same_call_across_ranks
-def _info_nce_across(
+def _info_nce(
     query: Tensor,
     keys: Tensor,
     index: Tensor,
@@ -270,14 +267,22 @@ def _info_nce_across(
     dims: Any,
     weights: Any,
 ) -> Tensor:
-    """:func:`info_nce_loss` over the global batch (:mod:`flashcl.distributed`): each
-    query against every rank's keys (``index`` into this rank's) and the shared
-    ``negatives`` once; MoCo's (``in_batch_negatives=False``) against its own key and
-    the negatives, the ranks meeting in the opts.reduction."""
+    """:func:`info_nce_loss`'s body, one process being a world of one: each query
+    against every rank's keys (``index`` into this rank's; :mod:`flashcl.distributed`)
+    and the shared ``negatives`` once; MoCo's (``in_batch_negatives=False``) against
+    its own key and the negatives, the ranks meeting in the reduction."""
     if not in_batch_negatives:
         assert negatives is not None
         rows = _info_nce_with_negatives(
-            query, keys, negatives, scale, info_nce_spec(index, opts.normalize), False, "none", "tiled", opts.block_size
+            query,
+            keys,
+            negatives,
+            scale,
+            info_nce_spec(index, opts.normalize),
+            False,
+            "none",
+            opts.backend,
+            opts.block_size,
         )
         return distributed.reduce_across(
             rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group

@@ -16,11 +16,9 @@ from .dispatch import (
     Scalar,
     check_keys,
     class_ids,
-    dense_ids,
     no_matryoshka,
     row_lse,
     run_core,
-    run_with_widths,
     scale_dtype,
     unit_rows,
 )
@@ -235,72 +233,41 @@ def supcon_loss(
     embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3))
     checks.check_choice(positives, "positives", ("mean", "sum"))
     checks.check_bool(include_self, "include_self")
-    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
-    if process_group is not None:
-        if ref is not None or ref_labels is not None or ref_self is not None:
-            no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
-            ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
-        scale = 1.0 / checks.check_positive_scalar(
-            temperature, "temperature", embeddings.device, scale_dtype(embeddings)
-        )
-        return _supcon_across(
-            embeddings,
-            labels,
-            scale,
-            positives,
-            include_self,
-            opts,
-            ref,
-            ref_labels,
-            ref_self,
-            matryoshka_dims,
-            matryoshka_weights,
-        )
-    b = embeddings.shape[0]
+    opts = checks.Options(
+        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
+    )
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
     if ref is not None or ref_labels is not None or ref_self is not None:
         no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
-        return _supcon_with_ref(
-            embeddings,
-            labels,
-            scale,
-            positives,
-            include_self,
-            normalize,
-            reduction,
-            backend,
-            block_size,
-            ref,
-            ref_labels,
-            ref_self,
-        )
-    views = 1
-    flat = embeddings
-    if embeddings.dim() == 3:
-        views = embeddings.shape[1]
-        if views == 0:
-            raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
-        flat = embeddings.transpose(0, 1).reshape(b * views, embeddings.shape[2])
-    if flat.shape[0] < 2 and not include_self:
-        raise ValueError(
-            "supcon_loss needs at least 2 samples (views) when include_self=False: "
-            "the denominator of a single sample is empty"
-        )
-    ids, num_classes = dense_ids(labels)
-    ids = ids.repeat(views)
-    spec = CoreSpec(
-        exclude_self=not include_self,
-        self_pairs=True,
-        row_labels=ids,
-        col_labels=ids,
-        num_classes=num_classes,
-        pos_mode=positives,
-        normalize=normalize,
+        ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
+        if process_group is None:  # the queue as its own log-sum-exp: no copy of the keys
+            return _supcon_with_ref(
+                embeddings,
+                labels,
+                scale,
+                positives,
+                include_self,
+                normalize,
+                reduction,
+                backend,
+                block_size,
+                ref,
+                ref_labels,
+                ref_self,
+            )
+    return _supcon(
+        embeddings,
+        labels,
+        scale,
+        positives,
+        include_self,
+        opts,
+        ref,
+        ref_labels,
+        ref_self,
+        matryoshka_dims,
+        matryoshka_weights,
     )
-    out = run_with_widths(flat, None, scale, spec, reduction, backend, block_size, matryoshka_dims, matryoshka_weights)
-    if reduction == "none" and embeddings.dim() == 3:
-        out = out.reshape(views, b).T
-    return out
 
 
 def _check_threshold(value: object) -> float:
@@ -310,7 +277,7 @@ def _check_threshold(value: object) -> float:
 
 
 @same_call_across_ranks
-def _supcon_across(
+def _supcon(
     embeddings: Tensor,
     labels: Tensor,
     scale: Tensor,
@@ -323,8 +290,9 @@ def _supcon_across(
     dims: Any,
     weights: Any,
 ) -> Tensor:
-    """:func:`supcon_loss` over the global batch (:mod:`flashcl.distributed`): this
-    rank's rows against every rank's and, with ``ref``, the queue's keys once."""
+    """:func:`supcon_loss`'s body, one process being a world of one: this rank's rows
+    against every rank's (:mod:`flashcl.distributed`) and, with ``ref``, the queue's
+    keys once."""
     b = embeddings.shape[0]
     views = 1 if embeddings.dim() == 2 else embeddings.shape[1]
     flat = embeddings if embeddings.dim() == 2 else embeddings.transpose(0, 1).reshape(b * views, -1)
@@ -345,10 +313,15 @@ def _supcon_across(
         )
         local = distributed.Columns(ref, 0, [ref.shape[0]], False, opts.process_group)
         return distributed.run_across(flat, local, scale, spec, opts)
-    cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref)
+    if flat.shape[0] == 0:
+        raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
+    cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref, own=True)
     all_labels = cols.gather(labels, None if ref_labels is None else ref_labels.long())
     if cols.total - cols.shared < 2 and not include_self and ref is None:
-        raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
+        raise ValueError(
+            "supcon_loss needs at least 2 samples (views) when include_self=False (across processes: in the "
+            "global batch): the denominator of a single sample is empty"
+        )
     (ids,), num_classes = class_ids(all_labels)
     spec = CoreSpec(
         exclude_self=not include_self,

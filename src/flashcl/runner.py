@@ -1,0 +1,311 @@
+"""The one runner of the core losses: a call's anchor rows against its column
+source, on the backend it asks for, reduced.
+
+A loss forms its anchor rows and a :class:`Source`: the candidates it scores them
+against. One process is a world of one: the source holds this process's block (or,
+for self-contrast, the anchors themselves) and makes no collective;
+:func:`flashcl.distributed.columns` gives, with a process group, every rank's block
+(gathered with its gradient, or visited round the ring) and the shared keys once.
+The loss then writes ONE body in global coordinates (its anchors' first column is
+the source's ``offset``) and :func:`run` does the rest for every scale:
+
+* the backend: ``"reference"`` (the oracle's loops on the source's keys),
+  ``"dense"``, ``"tiled"``, ``"triton"``, ``"auto"`` resolved by
+  :func:`flashcl.backends.resolve` (round the ring only the tiled core);
+* Matryoshka (every prefix width in one pass);
+* the reduction over the global batch: ``"mean"`` over every rank's valid rows, the
+  ``grad_scale`` factor (1 for a world of one);
+* float32 accumulation for half inputs and autocast off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import backends, checks, lowering, matryoshka, reference
+from .core import CoreSpec
+from .engine import Problem
+from .reduction import reduce_core, reduce_weights
+from .utils import autocast_off, compute_dtype
+
+__all__ = ["Source", "local", "run", "reduce", "backend_for", "run_core", "run_with_widths", "matryoshka_core"]
+
+
+@dataclass
+class Source:
+    """The candidates a call scores its anchor rows against; this class: one process
+    (a world of one). :class:`flashcl.distributed.Columns` is the same across
+    processes.
+
+    Attributes:
+        keys: the candidates' rows (the anchors themselves when ``own``).
+        offset: the anchors' first column in the global order (0 for one process).
+        sizes: each rank's block size (one block for one process).
+        ring: the blocks travel round the ranks (strategy ``"ring"``).
+        group: the process group; None for one process.
+        shared: the number of shared keys (a queue) at the end of rank 0's block.
+        own: the keys are the anchor rows themselves (self-contrast: the drivers
+            visit the symmetric upper panels).
+    """
+
+    keys: Tensor
+    offset: int
+    sizes: List[int]
+    ring: bool = False
+    group: Any = None
+    shared: int = 0
+    own: bool = False
+
+    @property
+    def total(self) -> int:
+        """Columns of the global score matrix."""
+        return sum(self.sizes)
+
+    def gather(self, x: Tensor, shared: Optional[Tensor] = None) -> Tensor:
+        """Per-column rows of ``x`` (one per key of this block; no gradient: labels,
+        a guide's embeddings) in the columns' order; ``shared``: those of the shared
+        keys."""
+        if (shared is None) != (self.shared == 0) or (shared is not None and shared.shape[0] != self.shared):
+            raise ValueError("the shared keys' rows must come with the shared keys")
+        return x.detach() if shared is None else torch.cat([x.detach(), shared.to(x.dtype)])
+
+    def narrow(self, width: int) -> Source:
+        """The same columns with the keys' first ``width`` coordinates (Matryoshka)."""
+        return replace(self, keys=self.keys[:, :width])
+
+    def run(
+        self,
+        q: Tensor,
+        scale: Tensor,
+        problem: Problem,
+        weights: Any,
+        block_size: Optional[int],
+        param: Optional[Tensor] = None,
+        backend: str = "tiled",
+    ) -> Tensor:
+        """``problem``'s losses of the rows ``q`` against these columns on ``backend``."""
+        return backends.run(q, None if self.own else self.keys, scale, problem, backend, weights, block_size, param)
+
+    def count(self, n: Tensor) -> Tensor:
+        """``n`` summed over the ranks (a world of one: ``n``)."""
+        return n
+
+    def factor(self, grad_scale: str) -> float:
+        """The factor each rank's share is returned with (``grad_scale``); 1 for one process."""
+        return 1.0
+
+
+def local(keys: Tensor, shared: Optional[Tensor] = None, own: bool = False) -> Source:
+    """One process's source: ``keys`` (``own``: the anchors themselves), then
+    ``shared`` keys without gradient."""
+    if shared is None:
+        return Source(keys, 0, [keys.shape[0]], own=own)
+    joined = torch.cat([keys, shared.detach().to(keys.dtype)])
+    return Source(joined, 0, [joined.shape[0]], shared=shared.shape[0])
+
+
+def backend_for(opts: checks.Options, source: Source, q: Tensor, kernel: Optional[str]) -> str:
+    """The backend a call runs on: ``opts.backend``, ``"auto"`` resolved from the
+    rows against the global columns; round the ring only the tiled core."""
+    if source.ring:
+        if opts.backend not in ("auto", "tiled"):
+            raise ValueError(
+                f"backend={opts.backend!r} with strategy='ring': the blocks travel round the ranks through "
+                "the tiled core; pass backend='auto' or 'tiled', or strategy='all_gather'"
+            )
+        return "tiled"
+    return backends.resolve(opts.backend, q.shape[0] * source.total, q.device, q.dtype, q.shape[-1], kernel=kernel)
+
+
+def _scalar_weights(
+    spec: CoreSpec, m: int, opts: checks.Options, source: Source, dtype: torch.dtype, device: torch.device, extra: Any
+) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """The weights ``(r, u)`` of a scalar reduction over the global batch: ``"mean"``
+    over every rank's valid rows, times the ``grad_scale`` factor; ``extra``: a
+    further per-row factor. None for ``reduction="none"``."""
+    if opts.reduction == "none":
+        return None
+    if spec.both_directions:  # one process: CLIP's column direction in the same pass
+        return reduce_weights(spec, m, opts.reduction, dtype, device)
+    valid = lowering.valid_rows(spec, m).to(device=device, dtype=dtype)
+    factor = source.factor(opts.grad_scale)
+    if opts.reduction == "mean":
+        r = valid * (factor / source.count(valid.sum().reshape(1)).clamp_min(1))
+    else:
+        r = valid * factor
+    return (r if extra is None else r * extra), None
+
+
+def run(
+    q: Tensor,
+    source: Source,
+    scale: Tensor,
+    spec: CoreSpec,
+    opts: checks.Options,
+    valid_weight: Optional[Tensor] = None,
+    widths: Optional[Tuple[Any, Any]] = None,
+) -> Tensor:
+    """The core (``spec``, in global coordinates) of the rows ``q`` against ``source``,
+    reduced over the global batch, on the backend ``opts.backend`` stands for.
+    ``widths``: Matryoshka's ``(matryoshka_dims, matryoshka_weights)``: one pass over
+    every width (one ring round per width on the ring). ``valid_weight``: a further
+    factor on each row's share."""
+    m = q.shape[0]
+    dtype = compute_dtype(q.dtype)
+    k = None if source.own else source.keys
+    problem = lowering.problem(spec, m, source.total, dtype)
+    name = backend_for(opts, source, q, problem.head.kernel if widths is None else None)
+    if widths is not None:
+        if source.ring:
+            ds, ws = matryoshka.check_dims(widths[0], widths[1], q.shape[-1])
+            parts = [
+                w * run(q[:, :d], source.narrow(d), scale, spec, replace(opts, reduction="none"))
+                for d, w in zip(ds, ws)
+            ]
+            rows = torch.stack(parts).sum(0)
+        elif source.group is None and valid_weight is None:
+            return matryoshka_core(q, k, scale, spec, widths[0], widths[1], opts.reduction, name, opts.block_size)
+        else:
+            rows = matryoshka_core(q, k, scale, spec, widths[0], widths[1], "none", name, opts.block_size)
+        valid = lowering.valid_rows(spec, m).to(device=q.device, dtype=rows.dtype)
+        if valid_weight is not None:
+            valid = valid * valid_weight
+        return reduce(rows, valid, opts.reduction, opts.grad_scale, source)
+    weights = _scalar_weights(spec, m, opts, source, dtype, q.device, valid_weight)
+    if name == "reference":
+        with autocast_off(q.device.type):
+            row, col = reference.core_loss(q, k, scale, spec)
+        if weights is None:
+            return reduce_core(row, col, spec, "none")
+        r, u = weights
+        out = (r * row).sum()
+        return out if col is None or u is None else out + (u * col).sum()
+    out = source.run(q, scale, problem, weights, opts.block_size, backend=name)
+    if weights is None and spec.both_directions:
+        return reduce_core(out[:m], out[m:], spec, "none")
+    return out
+
+
+def reduce(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, source: Source) -> Tensor:
+    """Per-row losses reduced over the global batch (the ``grad_scale`` convention);
+    ``valid``: each row's weight (0: a row without positives)."""
+    if reduction == "none":
+        return rows
+    factor = source.factor(grad_scale)
+    if reduction == "sum":
+        return factor * (rows * valid).sum()
+    count = (valid > 0).to(rows.dtype).sum().reshape(1)
+    total = source.count(count).clamp_min(1)
+    return (factor / total[0]) * (rows * valid).sum()
+
+
+def run_core(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    spec: CoreSpec,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+) -> Tensor:
+    """The masked-softmax core (:class:`flashcl.core.CoreSpec`) on one process's
+    embeddings, reduced: :func:`run` on a world of one. ``k=None`` means the
+    candidates are the anchors; ``scale`` is a 0-dim tensor (1 / temperature).
+
+    Args:
+        q: (M, D) anchors. k: (N, D) candidates, or None.
+        scale: 0-dim floating tensor; a learnable one gets its gradient.
+        spec: the core's configuration.
+        reduction: ``"mean"`` (over the rows :meth:`CoreSpec.valid_rows` keeps) |
+            ``"sum"`` | ``"none"`` (per-row losses; for ``spec.both_directions`` the mean
+            of each row's and its column's).
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
+            (see :mod:`flashcl.backends`).
+        block_size: rows per block of the tiled backend; None picks one.
+    """
+    return run_with_widths(q, k, scale, spec, reduction, backend, block_size, None, None)
+
+
+def run_with_widths(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    spec: CoreSpec,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+    dims: object,
+    weights: object,
+) -> Tensor:
+    """:func:`run_core`, at every width of ``matryoshka_dims`` when given."""
+    if dims is None and weights is not None:
+        raise ValueError("matryoshka_weights needs matryoshka_dims")
+    opts = checks.Options(spec.normalize, reduction, backend, block_size)
+    source = local(q, own=True) if k is None else local(k)
+    return run(q, source, scale, spec, opts, widths=None if dims is None else (dims, weights))
+
+
+def matryoshka_core(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    spec: CoreSpec,
+    dims: object,
+    weights: object,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+) -> Tensor:
+    """``sum_m w_m run_core(q[:, :d_m], k[:, :d_m], ...)``: the core at every prefix
+    width ``d_m`` of the embeddings (Matryoshka), each width normalised on its own.
+    The tiled backend computes every width in one pass over per-segment partial
+    scores (:mod:`flashcl.matryoshka`); ``"reference"`` and ``"dense"`` make one
+    call per width."""
+    ds, ws = matryoshka.check_dims(dims, weights, q.shape[-1])
+    m = q.shape[0]
+    n = m if k is None else k.shape[0]
+    problem = lowering.problem(spec, m, n, compute_dtype(q.dtype))
+    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
+    if name == "triton":
+        raise ValueError(
+            "matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) or 'auto'"
+        )
+    if name in ("reference", "dense"):
+        total: Optional[Tensor] = None
+        for d, w in zip(ds, ws):
+            part = w * run_core(q[:, :d], None if k is None else k[:, :d], scale, spec, reduction, name, block_size)
+            total = part if total is None else total + part
+        assert total is not None
+        return total
+    dtype = compute_dtype(q.dtype)
+    with autocast_off(q.device.type):
+        qc = q.to(dtype)
+        kc = None if k is None else k.to(dtype)
+        aq = matryoshka.prefix_scales(qc, ds, spec.normalize)
+        ak = aq if kc is None else matryoshka.prefix_scales(kc, ds, spec.normalize)
+        sc = scale.to(dtype)
+        out: Optional[Tensor] = None
+        if reduction != "none" and not problem.head.has_columns:
+            # a scalar: the heads' weighted rows in one call (its gradient formed in the
+            # same pass), then each width's positive terms
+            r, _ = reduce_weights(spec, m, reduction, dtype, q.device)
+            weights_t = torch.tensor(ws, dtype=dtype, device=q.device).unsqueeze(1) * r.unsqueeze(0)
+            out = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size, weights_t)
+            zeros = torch.zeros(m, dtype=dtype, device=q.device)
+            for i, d in enumerate(ds):
+                rows, _ = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, zeros, None)
+                out = out + (weights_t[i] * rows).sum()
+            return out
+        values = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size)
+        for i, (d, w) in enumerate(zip(ds, ws)):
+            rows = values[i, :m]
+            cols = values[i, m:] if problem.head.has_columns else None
+            rows, cols = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, rows, cols)
+            part = w * reduce_core(rows, cols, spec, reduction)
+            out = part if out is None else out + part
+    assert out is not None
+    return out

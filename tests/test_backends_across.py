@@ -1,0 +1,164 @@
+"""Every backend across processes: the losses whose one body runs through the runner
+(flashcl.runner.run) take ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a
+process group (the reference and dense backends on the gathered keys: the oracle of
+the multi-process tests), on 2 and 3 gloo processes with uneven batches, equal in
+float64 to one process on the concatenated batch; round the ring only the tiled core,
+any other backend a ValueError on every rank."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashcl
+from helpers import assert_close, close_group, init_gloo
+
+SIZES = {2: [5, 8], 3: [4, 1, 7]}
+BACKENDS = ("reference", "dense", "tiled")
+TOL = (1e-10, 1e-9)
+
+
+def _data(total: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(total + 100)
+    return {
+        "emb": torch.randn(total, 6, dtype=torch.float64, generator=g),
+        "views": torch.randn(total, 6, dtype=torch.float64, generator=g),
+        "labels": torch.randint(0, 4, (total,), generator=g),
+        "keys": torch.randn(2 * total, 6, dtype=torch.float64, generator=g),
+        "ref": torch.randn(7, 6, dtype=torch.float64, generator=g),
+        "ref_labels": torch.randint(0, 4, (7,), generator=g),
+        "ref_self": torch.where(torch.arange(total) % 3 == 2, -1, torch.arange(total) % 7),
+        "negatives": torch.randn(5, 6, dtype=torch.float64, generator=g),
+    }
+
+
+def _shard(sizes: List[int], rank: int, per: int = 1) -> slice:
+    return slice(per * sum(sizes[:rank]), per * sum(sizes[: rank + 1]))
+
+
+Case = Tuple[Callable[..., torch.Tensor], List[torch.Tensor]]
+
+
+def _cases(
+    d: Dict[str, torch.Tensor], sizes: List[int], rank: int, kw: Dict[str, Any], single: bool
+) -> Dict[str, Case]:
+    sl = slice(None) if single else _shard(sizes, rank)
+    emb, views, labels = d["emb"][sl], d["views"][sl], d["labels"][sl]
+    keys = d["keys"][slice(None) if single else _shard(sizes, rank, 2)]
+    if single:
+        pos = torch.cat([torch.arange(s) * 2 + 2 * sum(sizes[:r]) for r, s in enumerate(sizes)])
+    else:
+        pos = torch.arange(emb.shape[0]) * 2
+    key_labels = d["labels"].repeat_interleave(2)[slice(None) if single else _shard(sizes, rank, 2)]
+    ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
+    t = torch.tensor(0.4, dtype=torch.float64)
+    return {
+        "supcon": (lambda e, tt: flashcl.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
+        "supcon_sum_self": (
+            lambda e, tt: flashcl.supcon_loss(
+                e, labels, temperature=tt, positives="sum", include_self=True, reduction="sum", **kw
+            ),
+            [emb, t],
+        ),
+        "supcon_views": (
+            lambda e, f, tt: flashcl.supcon_loss(torch.stack([e, f], 1), labels, temperature=tt, **kw),
+            [emb, views, t],
+        ),
+        "supcon_matryoshka": (
+            lambda e, tt: flashcl.supcon_loss(e, labels, temperature=tt, matryoshka_dims=[2, 6], **kw),
+            [emb, t],
+        ),
+        "supcon_ref": (
+            lambda e, tt: flashcl.supcon_loss(e, labels, temperature=tt, ref=ref, ref_labels=ref_labels, **kw),
+            [emb, t],
+        ),
+        "supcon_ref_self": (
+            lambda e, tt: flashcl.supcon_loss(
+                e, labels, temperature=tt, ref=ref, ref_labels=ref_labels, ref_self=ref_self, **kw
+            ),
+            [emb, t],
+        ),
+        "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
+        "info_nce_labels": (
+            lambda q, k, tt: flashcl.info_nce_loss(
+                q, k, pos, temperature=tt, query_labels=labels, key_labels=key_labels, **kw
+            ),
+            [emb, keys, t],
+        ),
+        "info_nce_duplicates_positive": (
+            lambda q, k, tt: flashcl.info_nce_loss(
+                q, k, pos, temperature=tt, query_labels=labels, key_labels=key_labels, duplicates="positive", **kw
+            ),
+            [emb, keys, t],
+        ),
+        "info_nce_matryoshka": (
+            lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, matryoshka_dims=[3, 6], **kw),
+            [emb, keys, t],
+        ),
+        "info_nce_negatives": (
+            lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, negatives=d["negatives"], **kw),
+            [emb, keys, t],
+        ),
+        "info_nce_moco": (
+            lambda q, k, tt: flashcl.info_nce_loss(
+                q, k, pos, temperature=tt, negatives=d["negatives"], in_batch_negatives=False, **kw
+            ),
+            [emb, keys, t],
+        ),
+    }
+
+
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    init_gloo(rank, world, out_dir)
+    sizes = SIZES[world]
+    d = _data(sum(sizes))
+    results: Dict[Any, Any] = {}
+    for backend in BACKENDS:
+        kw = {"backend": backend, "process_group": dist.group.WORLD, "grad_scale": "sum"}
+        for name, (fn, inputs) in _cases(d, sizes, rank, kw, single=False).items():
+            leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+            loss = fn(*leaves)
+            results[(backend, name)] = (loss.detach(), [g.detach() for g in torch.autograd.grad(loss, leaves)])
+    try:  # round the ring only the tiled core: every rank gets the error
+        flashcl.supcon_loss(
+            d["emb"][_shard(sizes, rank)],
+            d["labels"][_shard(sizes, rank)],
+            backend="dense",
+            strategy="ring",
+            process_group=dist.group.WORLD,
+        )
+        results["ring_dense"] = "no error"
+    except ValueError as err:
+        results["ring_dense"] = str(err)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_backend_across_processes_equals_one_process(world: int, tmp_path) -> None:
+    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    sizes = SIZES[world]
+    d = _data(sum(sizes))
+    for name, (fn, inputs) in _cases(d, sizes, 0, {"backend": "reference"}, single=True).items():
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+        want = fn(*leaves)
+        want_grads = torch.autograd.grad(want, leaves)
+        for backend in BACKENDS:
+            what = f"{backend}/{name}"
+            got = [r[(backend, name)] for r in ranks]
+            assert_close(sum(v for v, _ in got), want, f"{what}: sum of the ranks' values", *TOL)
+            for i, g in enumerate(want_grads):
+                if g.dim() == 0:
+                    assert_close(sum(r[1][i] for r in got), g, f"{what}: summed temperature grad", *TOL)
+                    continue
+                per = 1 if g.shape[0] == sum(sizes) else 2
+                for r in range(world):
+                    assert_close(got[r][1][i], g[_shard(sizes, r, per)], f"{what}: rank {r} grad {i}", *TOL)
+    for r in range(world):
+        assert "strategy='ring'" in ranks[r]["ring_dense"], ranks[r]["ring_dense"]
