@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner.run) take ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a
+(flashcl.runner.run: supcon_loss, nt_xent_loss, info_nce_loss) take ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a
 process group (the reference and dense backends on the gathered keys: the oracle of
 the multi-process tests), on 2 and 3 gloo processes with uneven batches, equal in
 float64 to one process on the concatenated batch; round the ring only the tiled core,
@@ -82,6 +82,17 @@ def _cases(
                 e, labels, temperature=tt, ref=ref, ref_labels=ref_labels, ref_self=ref_self, **kw
             ),
             [emb, t],
+        ),
+        "nt_xent": (lambda a, b, tt: flashcl.nt_xent_loss(a, b, temperature=tt, **kw), [emb, views, t]),
+        "nt_xent_decoupled_vmf": (
+            lambda a, b, tt: flashcl.nt_xent_loss(
+                a, b, temperature=tt, decoupled=True, weighting="vmf", sigma=0.7, **kw
+            ),
+            [emb, views, t],
+        ),
+        "nt_xent_hard": (
+            lambda a, b, tt: flashcl.nt_xent_loss(a, b, temperature=tt, estimator="hard", tau_plus=0.1, beta=0.5, **kw),
+            [emb, views, t],
         ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "info_nce_labels": (

@@ -266,6 +266,9 @@ class Columns(Source):
     def count(self, n: Tensor) -> Tensor:
         return _global_count(n, self.group)
 
+    def rows_of_every_rank(self, x: Tensor) -> Tensor:
+        return _all_gather_plain(x.detach(), self.group)
+
     def factor(self, grad_scale: str) -> float:
         return grad_factor(grad_scale, self.group)
 
@@ -278,7 +281,9 @@ def columns(k_local: Tensor, strategy: str, group: Any, shared: Optional[Tensor]
     this process's block alone, no collective (``own``: the keys are the anchors
     themselves)."""
     if group is None:  # a world of one
-        return local(k_local, shared, own)
+        if shared is None:
+            return Source(k_local, 0, [k_local.shape[0]], own=own)
+        return local(k_local, shared)
     rank, _ = _world(group)
     n_shared = 0
     if shared is not None:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, lowering, reference
+from . import backends, checks, distributed, lowering, reference, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -18,7 +18,6 @@ from .dispatch import (
     class_ids,
     no_matryoshka,
     row_lse,
-    scale_dtype,
     smoothing_rows,
     unit_rows,
 )
@@ -187,7 +186,7 @@ def info_nce_loss(
     opts = checks.Options(
         normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
     )
-    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, scale_dtype(query))
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
     index = index.long()
@@ -299,7 +298,7 @@ def _info_nce(
         all_key_labels = cols.gather(key_labels.long(), fresh)
     spec = info_nce_spec(index + cols.offset, opts.normalize, query_labels, all_key_labels, duplicates)
     widths = None if dims is None and weights is None else (dims, weights)
-    return distributed.run_across(query, cols, scale, spec, opts, widths=widths)
+    return runner.run(query, cols, scale, spec, opts, widths=widths)
 
 
 class InfoNCELoss(LossModule):

@@ -8,20 +8,17 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference
+from . import checks, distributed, reference, runner
 from .base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
 from .dispatch import (
     Scalar,
-    run_core,
-    scale_dtype,
     unit_rows,
 )
 from .distributed import same_call_across_ranks
 from .engine import Problem
 from .estimators import DebiasedHead
-from .reduction import reduce_rows
 from .tile import Exclusions
 from .utils import autocast_off, compute_dtype
 
@@ -102,7 +99,9 @@ def nt_xent_loss(
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, decoupled=True, weighting="vmf")
     """
     z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
-    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(
+        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
+    )
     checks.check_choice(estimator, "estimator", ("standard", "debiased", "hard"))
     checks.check_bool(decoupled, "decoupled")
     if weighting is not None:
@@ -123,62 +122,12 @@ def nt_xent_loss(
             "the debiased and hard estimators reweigh the negatives of the standard denominator: "
             "use them with decoupled=False"
         )
-    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, scale_dtype(z1))
-    if process_group is not None:
-        return _nt_xent_across(
-            z1, z2, scale, opts, decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta)
-        )
-    n = z1.shape[0]
-    if estimator != "standard" and n < 2:
-        raise ValueError("the debiased and hard estimators need at least 2 pairs (2 negatives per anchor)")
-    if decoupled and n < 2:
-        raise ValueError(
-            "decoupled=True needs at least 2 pairs: with one pair the denominator without the "
-            "positive is empty (the loss would be -inf)"
-        )
-    z = torch.cat([z1, z2])
-    partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n)
-    index = partner.unsqueeze(1)
-    if estimator == "standard" and not decoupled:
-        spec = CoreSpec(exclude_self=True, self_pairs=True, index=index, pos_mode="sum", normalize=normalize)
-        return run_core(z, None, scale, spec, reduction, backend, block_size)
-    dtype = compute_dtype(z.dtype)
-    if decoupled:
-        weight = None
-        if weighting == "vmf":
-            with torch.no_grad():
-                sim = (unit_rows(z1.detach(), True) * unit_rows(z2.detach(), True)).sum(1) / sigma
-                w = 2.0 - n * torch.softmax(sim, dim=0)
-            weight = torch.cat([w, w]).to(dtype)
-        spec = CoreSpec(
-            exclude_self=True,
-            self_pairs=True,
-            index=index,
-            pos_mode="sum",
-            normalize=normalize,
-            exclude=Exclusions(index=index),
-            positive_weight=weight,
-        )
-        return run_core(z, None, scale, spec, reduction, backend, block_size)
-    beta_ = 0.0 if estimator == "debiased" else float(beta)
-    name = backends.resolve(backend, 4 * n * n, z.device, z.dtype, z.shape[1], kernel=None)
-    if name == "reference":
-        with autocast_off(z.device.type):
-            rows = reference.nt_xent_estimator(z, partner, scale, float(tau_plus), beta_, normalize)
-        return reduce_rows(rows, torch.ones_like(rows), reduction)
-    head = DebiasedHead(partner, float(tau_plus), beta_, 2 * n - 2, float(scale.detach()))
-    weights = None
-    if reduction != "none":
-        weights = (
-            torch.full((2 * n,), 1.0 / (2 * n) if reduction == "mean" else 1.0, dtype=dtype, device=z.device),
-            None,
-        )
-    # the rows against every view: the candidates as a second tensor, not the symmetric path
-    return backends.run(z, z, scale, Problem(head, (), normalize), name, weights, block_size)
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
+    return _nt_xent(z1, z2, scale, opts, decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta))
 
 
 @same_call_across_ranks
-def _nt_xent_across(
+def _nt_xent(
     z1: Tensor,
     z2: Tensor,
     scale: Tensor,
@@ -190,35 +139,42 @@ def _nt_xent_across(
     tau_plus: float,
     beta: float,
 ) -> Tensor:
-    """:func:`nt_xent_loss` over the global batch (:mod:`flashcl.distributed`): each
-    rank's rows ``[z1; z2]`` against every rank's; the negatives are counted (and,
-    with ``weighting="vmf"``, the pairs weighed) over the global batch."""
+    """:func:`nt_xent_loss`'s body, one process being a world of one: each rank's rows
+    ``[z1; z2]`` against every rank's (:mod:`flashcl.distributed`); the negatives are
+    counted (and, with ``weighting="vmf"``, the pairs weighed) over the global batch."""
     n = z1.shape[0]
     z = torch.cat([z1, z2])
-    cols = distributed.columns(z, opts.strategy, opts.process_group)
-    if (decoupled or estimator != "standard") and cols.total < 4:
+    standard = estimator == "standard"
+    # the estimators score the rows against every view as a second tensor, not the symmetric path
+    cols = distributed.columns(z, opts.strategy, opts.process_group, own=standard)
+    if cols.total < 4 and decoupled:
         raise ValueError(
-            "decoupled=True and the debiased / hard estimators need at least 2 pairs in the global "
-            "batch: with one pair an anchor has no negative"
+            "decoupled=True needs at least 2 pairs (across processes: in the global batch): with one pair the "
+            "denominator without the positive is empty (the loss would be -inf)"
+        )
+    if cols.total < 4 and not standard:
+        raise ValueError(
+            "the debiased and hard estimators need at least 2 pairs (2 negatives per anchor; across processes: "
+            "in the global batch)"
         )
     partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n) + cols.offset
     dtype = compute_dtype(z.dtype)
-    if estimator != "standard":
-        head = DebiasedHead(
-            partner,
-            tau_plus,
-            0.0 if estimator == "debiased" else beta,
-            cols.total - 2,
-            float(scale.detach()),
-            offset=cols.offset,
-        )
+    if not standard:
+        beta_ = 0.0 if estimator == "debiased" else beta
+        name = runner.backend_for(opts, cols, z, None)
+        if name == "reference":
+            with autocast_off(z.device.type):
+                rows = reference.nt_xent_estimator(
+                    z, partner, scale, tau_plus, beta_, opts.normalize, cols.keys, cols.offset
+                )
+            return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
+        head = DebiasedHead(partner, tau_plus, beta_, cols.total - 2, float(scale.detach()), offset=cols.offset)
         weights = None
         if opts.reduction != "none":
-            share = distributed.grad_factor(opts.grad_scale, opts.process_group) / (
-                cols.total if opts.reduction == "mean" else 1
-            )
+            share = cols.factor(opts.grad_scale) / (cols.total if opts.reduction == "mean" else 1)
             weights = (torch.full((2 * n,), share, dtype=dtype, device=z.device), None)
-        return cols.run(z, scale, Problem(head, (), opts.normalize, cols.offset), weights, opts.block_size)
+        problem = Problem(head, (), opts.normalize, cols.offset)
+        return cols.run(z, scale, problem, weights, opts.block_size, backend=name)
     index = partner.unsqueeze(1)
     weight: Optional[Tensor] = None
     exclude: Optional[Exclusions] = None
@@ -227,7 +183,7 @@ def _nt_xent_across(
         if weighting == "vmf":  # the positives' weights from a softmax over every rank's pairs
             with torch.no_grad():
                 sim = (unit_rows(z1.detach(), True) * unit_rows(z2.detach(), True)).sum(1) / sigma
-                every = distributed.gather_plain(sim, opts.process_group)
+                every = cols.rows_of_every_rank(sim)
                 w = 2.0 - every.shape[0] * torch.exp(sim - torch.logsumexp(every, dim=0))
             weight = torch.cat([w, w]).to(dtype)
     spec = CoreSpec(
@@ -240,7 +196,7 @@ def _nt_xent_across(
         exclude=exclude,
         positive_weight=weight,
     )
-    return distributed.run_across(z, cols, scale, spec, opts)
+    return runner.run(z, cols, scale, spec, opts)
 
 
 class NTXentLoss(LossModule):

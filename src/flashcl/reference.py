@@ -210,18 +210,28 @@ def info_nce_with_negatives(
 
 
 def nt_xent_estimator(
-    z: Tensor, partner: Tensor, scale: Tensor, tau_plus: float, beta: float, normalize: bool
+    z: Tensor,
+    partner: Tensor,
+    scale: Tensor,
+    tau_plus: float,
+    beta: float,
+    normalize: bool,
+    keys: Optional[Tensor] = None,
+    offset: int = 0,
 ) -> Tensor:
     """The debiased / hard-negative NT-Xent of each anchor, one anchor at a time, in
-    exp space as published (Robinson et al.'s criterion with its clamp)."""
-    zz, _ = prepare(z, None, normalize)
+    exp space as published (Robinson et al.'s criterion with its clamp). ``keys``:
+    every view of the batch when the anchors ``z`` are a slice of them starting at
+    column ``offset`` (``partner``: columns of ``keys``)."""
+    zz, kk = prepare(z, keys, normalize)
     scale = scale.to(zz.dtype)
-    n_neg = zz.shape[0] - 2
+    n_neg = kk.shape[0] - 2
     rows = []
     for i in range(zz.shape[0]):
-        sims = (zz @ zz[i]) * scale
+        sims = (kk @ zz[i]) * scale
         p = int(partner[i])
-        neg = torch.exp(torch.stack([sims[j] for j in range(zz.shape[0]) if j != i and j != p]))
+        me = i + offset
+        neg = torch.exp(torch.stack([sims[j] for j in range(kk.shape[0]) if j != me and j != p]))
         pos = torch.exp(sims[p])
         imp = neg**beta
         reweight = (imp * neg).sum() / imp.mean()

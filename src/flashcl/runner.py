@@ -94,6 +94,10 @@ class Source:
         """``n`` summed over the ranks (a world of one: ``n``)."""
         return n
 
+    def rows_of_every_rank(self, x: Tensor) -> Tensor:
+        """Every rank's rows of ``x`` in rank order, without gradient (a world of one: ``x``)."""
+        return x.detach()
+
     def factor(self, grad_scale: str) -> float:
         """The factor each rank's share is returned with (``grad_scale``); 1 for one process."""
         return 1.0

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference
+from . import backends, checks, distributed, reference, runner
 from .base import LossModule, reject_pml_call, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -19,7 +19,6 @@ from .dispatch import (
     no_matryoshka,
     row_lse,
     run_core,
-    scale_dtype,
     unit_rows,
 )
 from .distributed import same_call_across_ranks
@@ -224,7 +223,7 @@ def supcon_loss(
         if ref is not None:
             ref = check_keys(ref, "ref", embeddings).detach()
         scale = 1.0 / checks.check_positive_scalar(
-            temperature, "temperature", embeddings.device, scale_dtype(embeddings)
+            temperature, "temperature", embeddings.device, compute_dtype(embeddings.dtype)
         )
         return multilabel_supcon(embeddings, labels, scale, threshold, positives, include_self, opts, ref, ref_labels)
     if overlap_threshold != 0.3:
@@ -236,7 +235,9 @@ def supcon_loss(
     opts = checks.Options(
         normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
     )
-    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", embeddings.device, scale_dtype(embeddings))
+    scale = 1.0 / checks.check_positive_scalar(
+        temperature, "temperature", embeddings.device, compute_dtype(embeddings.dtype)
+    )
     if ref is not None or ref_labels is not None or ref_self is not None:
         no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
         ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
@@ -312,7 +313,7 @@ def _supcon(
             self_index=ref_self,
         )
         local = distributed.Columns(ref, 0, [ref.shape[0]], False, opts.process_group)
-        return distributed.run_across(flat, local, scale, spec, opts)
+        return runner.run(flat, local, scale, spec, opts)
     if flat.shape[0] == 0:
         raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
     cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref, own=True)
@@ -333,7 +334,7 @@ def _supcon(
         pos_mode=positives,
         normalize=opts.normalize,
     )
-    out = distributed.run_across(flat, cols, scale, spec, opts, widths=widths)
+    out = runner.run(flat, cols, scale, spec, opts, widths=widths)
     return out.reshape(views, b).T if opts.reduction == "none" and embeddings.dim() == 3 else out
 
 
