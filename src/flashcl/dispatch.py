@@ -47,7 +47,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import backends, checks
+from . import backends, checks, distributed
 from .engine import Problem
 from .heads import SoftmaxHead
 from .runner import matryoshka_core as matryoshka_core
@@ -153,8 +153,6 @@ def smoothing_rows(
     qn, kn = unit_rows(q, normalize), unit_rows(keys, normalize)
     total, count = kn.sum(0), kn.shape[0]
     if group is not None:
-        from . import distributed
-
         sums, _ = distributed.all_gather_with_grad(total.unsqueeze(0), group)
         total, count = sums.sum(0), sum(distributed.row_counts(count, q.device, group))
     if extra is not None:
