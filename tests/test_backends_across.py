@@ -1,9 +1,10 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner.run: supcon_loss, nt_xent_loss, info_nce_loss) take ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a
-process group (the reference and dense backends on the gathered keys: the oracle of
-the multi-process tests), on 2 and 3 gloo processes with uneven batches, equal in
-float64 to one process on the concatenated batch; round the ring only the tiled core,
-any other backend a ValueError on every rank."""
+(flashcl.runner.run: supcon_loss, nt_xent_loss, info_nce_loss) take
+``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
+reference and dense backends on the gathered keys: the oracle of the multi-process
+tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
+process on the concatenated batch; round the ring only the tiled core, any other
+backend a ValueError on every rank."""
 
 from __future__ import annotations
 

@@ -125,3 +125,26 @@ def test_the_oracle_imports_nothing_of_the_engine() -> None:
     # heads or lowering would let one mistake agree with itself
     assert _package_imports("reference") <= {"core", "tile", "utils"}
     assert "engine" in _package_imports("lowering")  # the walk does see a real dependency
+
+
+def test_every_registered_loss_is_in_every_namespace() -> None:
+    """flashcl, flashcl.functional, flashcl.modules and flashcl.distributed take their
+    names from the registry (flashcl.registry): each registered function and Module
+    is in each that should hold it, nothing else ends in _loss / Loss there."""
+    import flashcl.functional
+    import flashcl.modules
+    from flashcl import registry
+
+    fns, mods = registry.functions(), registry.modules()
+    assert len(fns) == len(mods) == 12
+    for name, fn in fns.items():
+        assert getattr(flashcl, name) is fn and getattr(flashcl.functional, name) is fn, name
+        assert name in flashcl.__all__ and name in flashcl.functional.__all__, name
+        assert registry.takes_process_group(fn) and name in flashcl.distributed.__all__, name
+        assert flashcl.distributed.__dict__[name].__name__ == name
+    for name, cls in mods.items():
+        assert getattr(flashcl, name) is cls and getattr(flashcl.modules, name) is cls, name
+        assert name in flashcl.__all__ and name in flashcl.modules.__all__, name
+    public = {n for n in flashcl.__all__ if n.endswith(("_loss", "Loss"))}
+    assert public == set(fns) | set(mods)
+    assert {n for n in flashcl.distributed.__all__ if n.endswith("_loss")} == set(fns)

@@ -93,3 +93,43 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
         for r in range(world):
             start = sum(sizes[:r])
             assert_close(ranks[r][3 * s + 1], gx[start : start + sizes[r]], f"{strategy}: rank {r} rows' grad", *TOL)
+
+
+def test_registered_it_is_in_every_namespace() -> None:
+    """Registered as a family module registers its loss (flashcl.registry), the toy
+    loss is in flashcl, flashcl.functional, flashcl.modules and flashcl.distributed
+    (its alias: flashcl.interleaved_loss with process_group), and in their __all__;
+    removed, in none."""
+    import flashcl.functional
+    import flashcl.modules
+    from flashcl import registry
+
+    registry.loss(interleaved_loss)
+    registry.module(InterleavedLoss)
+    try:
+        for namespace, name, want in (
+            (flashcl, "interleaved_loss", interleaved_loss),
+            (flashcl, "InterleavedLoss", InterleavedLoss),
+            (flashcl.functional, "interleaved_loss", interleaved_loss),
+            (flashcl.modules, "InterleavedLoss", InterleavedLoss),
+        ):
+            assert getattr(namespace, name) is want and name in namespace.__all__, (namespace.__name__, name)
+        alias = flashcl.distributed.interleaved_loss
+        assert "interleaved_loss" in flashcl.distributed.__all__
+        with pytest.raises(RuntimeError, match="initialised process group"):
+            alias(torch.randn(4, 3))  # the alias passes process_group: the world, which does not exist here
+        with pytest.raises(ValueError, match="registered already"):
+            registry.loss(_other_function_named_interleaved_loss())
+    finally:
+        registry.remove("interleaved_loss")
+        registry.remove("InterleavedLoss")
+    for namespace in (flashcl, flashcl.functional, flashcl.modules, flashcl.distributed):
+        assert "interleaved_loss" not in namespace.__all__ and "InterleavedLoss" not in namespace.__all__
+        assert "interleaved_loss" not in vars(namespace)
+
+
+def _other_function_named_interleaved_loss():
+    def interleaved_loss(x: torch.Tensor) -> torch.Tensor:
+        return x.sum()
+
+    return interleaved_loss

@@ -1,8 +1,12 @@
 """A loss written for the tests only, as a new loss is added to flashcl: one family
 module (this file: the function, its Module twin and its problem) built on the
-public layer's shared pieces, and one test file (test_toy_loss.py). Nothing else
-in the package changes for it, yet it takes every backend, ``process_group=`` on
-both strategies and a learnable temperature.
+public layer's shared pieces, with ONE body for one process and every rank (the
+column source and the runner, :mod:`flashcl.runner`), and one test file
+(test_toy_loss.py). Nothing else in the package changes for it, yet it takes every
+backend on one process and across processes, ``process_group=`` on both strategies
+and a learnable temperature; registered (:mod:`flashcl.registry`: what a family
+module does with ``@registry.loss`` / ``@registry.module``), it is in ``flashcl``,
+``flashcl.functional``, ``flashcl.modules`` and ``flashcl.distributed``.
 
 The loss: InfoNCE over one batch of interleaved views, rows ``2j`` and ``2j + 1``
 each other's positive, every other row a negative (NT-Xent with the two views
@@ -16,10 +20,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from flashcl import checks, distributed
+from flashcl import checks, distributed, runner
 from flashcl.base import LossModule, shared_docs
 from flashcl.core import CoreSpec
-from flashcl.dispatch import Scalar, run_core, scale_dtype
+from flashcl.dispatch import Scalar, scale_dtype
 from flashcl.distributed import same_call_across_ranks
 
 
@@ -60,18 +64,16 @@ def interleaved_loss(
     x = checks.check_float_tensor(x, "x", (2,))
     if x.shape[0] < 2 or x.shape[0] % 2:
         raise ValueError(f"x must hold pairs of views (an even number of rows >= 2), got {x.shape[0]} rows")
-    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", x.device, scale_dtype(x))
-    if opts.across:
-        return _interleaved_across(x, scale, opts)
-    return run_core(x, None, scale, interleaved_spec(x.shape[0], 0, x.device), reduction, backend, block_size)
+    return _interleaved(x, scale, opts)
 
 
 @same_call_across_ranks
-def _interleaved_across(x: Tensor, scale: Tensor, opts: checks.Options) -> Tensor:
-    cols = distributed.columns(x, opts.strategy, opts.process_group)
-    spec = interleaved_spec(x.shape[0], cols.offset, x.device)
-    return distributed.run_across(x, cols, scale, spec, opts)
+def _interleaved(x: Tensor, scale: Tensor, opts: checks.Options) -> Tensor:
+    """The one body: this process's rows against every rank's (one process: its own)."""
+    cols = distributed.columns(x, opts.strategy, opts.process_group, own=True)
+    return runner.run(x, cols, scale, interleaved_spec(x.shape[0], cols.offset, x.device), opts)
 
 
 class InterleavedLoss(LossModule):

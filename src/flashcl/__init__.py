@@ -1,55 +1,33 @@
 """flashcl: exact, numerically stable, O(batch)-memory contrastive losses for PyTorch."""
 
-from . import distributed, metrics
+import sys as _sys
+from typing import Any as _Any
+
+# the families (each registers its loss and its Module twin: flashcl.registry); their
+# names imported here as well, so that static checkers see them
+from . import distributed, metrics, registry
+from .backends import AUTO_TILED_MIN_ENTRIES
 from .cached import cached_step
+from .clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .cosent import CoSENTLoss, cosent_loss
 from .distill import DistillLoss, distill_loss
 from .doctor import doctor
-from .functional import (
-    AUTO_TILED_MIN_ENTRIES,
-    clip_loss,
-    gist_loss,
-    info_nce_loss,
-    neighbor_loss,
-    nt_xent_loss,
-    sample_neighbors,
-    siglip_loss,
-    supcon_loss,
-)
+from .gist import GistLoss, gist_loss
+from .info_nce import InfoNCELoss, info_nce_loss
 from .margin import ArcFaceLoss, CosFaceLoss, arcface_loss, cosface_loss
 from .memory import MemoryBank
-from .modules import ClipLoss, GistLoss, InfoNCELoss, NeighborLoss, NTXentLoss, SigLipLoss, SupConLoss
+from .neighbor import NeighborLoss, neighbor_loss, sample_neighbors
+from .nt_xent import NTXentLoss, nt_xent_loss
 from .scale import LogitScale
+from .supcon import SupConLoss, supcon_loss
 from .triplet import TripletLoss, triplet_loss
 
 __version__ = "0.2.0.dev0"
 
+#: every registered loss and Module twin (flashcl.registry.publish adds them, also
+#: those registered later), then the tools
 __all__ = [
-    "supcon_loss",
-    "nt_xent_loss",
-    "info_nce_loss",
-    "clip_loss",
-    "siglip_loss",
-    "gist_loss",
-    "neighbor_loss",
-    "distill_loss",
-    "cosent_loss",
-    "triplet_loss",
-    "cosface_loss",
-    "arcface_loss",
     "sample_neighbors",
-    "SupConLoss",
-    "NTXentLoss",
-    "InfoNCELoss",
-    "ClipLoss",
-    "SigLipLoss",
-    "GistLoss",
-    "NeighborLoss",
-    "DistillLoss",
-    "CoSENTLoss",
-    "TripletLoss",
-    "CosFaceLoss",
-    "ArcFaceLoss",
     "MemoryBank",
     "LogitScale",
     "cached_step",
@@ -58,3 +36,12 @@ __all__ = [
     "distributed",
     "metrics",
 ]
+registry.publish(_sys.modules[__name__], ("function", "module"))
+
+
+def __getattr__(name: str) -> _Any:
+    """A loss or Module registered after import (typed for static checkers)."""
+    found = registry.functions().get(name) or registry.modules().get(name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return found

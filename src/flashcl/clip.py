@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference
+from . import backends, checks, distributed, reference, registry
 from .base import LossModule, reject_open_clip_keywords, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -31,6 +31,7 @@ from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def clip_loss(
@@ -253,6 +254,7 @@ def siglip_problem(
     return Problem(head, (PositiveTerm(pos, torch.ones(b, dtype=dtype, device=device)),), normalize)
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def siglip_loss(
@@ -392,6 +394,7 @@ def _siglip_across(
     return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias)
 
 
+@registry.module
 class ClipLoss(LossModule):
     """Module form of :func:`clip_loss`; called as open_clip's ``ClipLoss`` is:
     ``loss_fn(image_features, text_features, logit_scale, logit_bias=None, output_dict=False)``
@@ -432,6 +435,7 @@ class ClipLoss(LossModule):
         return {"contrastive_loss": loss} if output_dict else loss
 
 
+@registry.module
 class SigLipLoss(LossModule):
     """Module form of :func:`siglip_loss`; called as open_clip's ``SigLipLoss``
     is: ``loss_fn(image_features, text_features, logit_scale, logit_bias)``

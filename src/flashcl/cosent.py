@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import checks, distributed
+from . import checks, distributed, registry
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .dispatch import Scalar
@@ -73,6 +73,7 @@ def _reference_loss(z: Tensor, labels: Tensor) -> Tensor:
 _LOSSES = {"reference": _reference_loss, "dense": _dense_loss, "tiled": _sorted_loss}
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def cosent_loss(
@@ -167,6 +168,7 @@ def _cosent_across(
     return loss * (distributed.grad_factor(opts.grad_scale, group) / world)
 
 
+@registry.module
 class CoSENTLoss(LossModule):
     """Module form of :func:`cosent_loss`; see it for the math and arguments.
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backends, checks, distributed
+from . import backends, checks, distributed, registry
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .dispatch import Scalar, scale_dtype, unit_rows
@@ -111,6 +111,7 @@ class SoftTargetHead(Head):
         return (-cross if self.own_is_teacher else torch.logsumexp(s, dim=1) - cross), None
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def distill_loss(
@@ -284,6 +285,7 @@ def _distill_across(
     return distributed.reduce_across(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group)
 
 
+@registry.module
 class DistillLoss(LossModule):
     """Module form of :func:`distill_loss` (the scales are the call's).
 

@@ -40,13 +40,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import sys
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import backends, checks, engine
+from . import backends, checks, engine, registry
 from .core import CoreSpec
 from .engine import Problem
 from .ring import RingDriver
@@ -55,17 +56,7 @@ from .tiled import auto_block
 from .utils import compute_dtype
 
 __all__ = [
-    "supcon_loss",
-    "nt_xent_loss",
-    "info_nce_loss",
-    "clip_loss",
-    "siglip_loss",
-    "gist_loss",
-    "neighbor_loss",
-    "cosent_loss",
-    "triplet_loss",
-    "cosface_loss",
-    "arcface_loss",
+    # and the alias of every registered loss that takes process_group (flashcl.registry)
     "all_gather_with_grad",
     "world_size",
     "reduce_across",
@@ -393,14 +384,17 @@ def _alias(name: str) -> Callable[..., Tensor]:
     return loss
 
 
-supcon_loss = _alias("supcon_loss")
-nt_xent_loss = _alias("nt_xent_loss")
-info_nce_loss = _alias("info_nce_loss")
-clip_loss = _alias("clip_loss")
-siglip_loss = _alias("siglip_loss")
-gist_loss = _alias("gist_loss")
-neighbor_loss = _alias("neighbor_loss")
-cosent_loss = _alias("cosent_loss")
-triplet_loss = _alias("triplet_loss")
-cosface_loss = _alias("cosface_loss")
-arcface_loss = _alias("arcface_loss")
+def _alias_of(name: str, fn: Callable[..., Tensor]) -> Optional[Callable[..., Tensor]]:
+    return _alias(name) if registry.takes_process_group(fn) else None
+
+
+registry.publish(sys.modules[__name__], ("function",), _alias_of)
+
+
+def __getattr__(name: str) -> Callable[..., Tensor]:
+    """The alias of a registered loss that takes ``process_group`` (typed for static
+    checkers; normally set by :func:`flashcl.registry.publish`)."""
+    fn = registry.functions().get(name)
+    if fn is None or not registry.takes_process_group(fn):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _alias(name)

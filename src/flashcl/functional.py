@@ -1,28 +1,20 @@
-"""The loss functions, by the names they have always had here; each lives in the
-module of its family (:mod:`flashcl.supcon`, :mod:`flashcl.nt_xent`,
-:mod:`flashcl.info_nce`, :mod:`flashcl.clip`, :mod:`flashcl.gist`,
-:mod:`flashcl.neighbor`), beside its Module twin; the backends are described in
-:mod:`flashcl.dispatch`."""
+"""The loss functions, each from the module of its family (:mod:`flashcl.supcon`,
+:mod:`flashcl.nt_xent`, :mod:`flashcl.info_nce`, ...), where it registers itself
+(:mod:`flashcl.registry`): every registered loss is here; the backends are
+described in :mod:`flashcl.dispatch`."""
 
 from __future__ import annotations
 
-from .backends import AUTO_TILED_MIN_ENTRIES
-from .clip import clip_loss, siglip_loss, siglip_problem
-from .dispatch import Scalar, matryoshka_core, run_core
-from .gist import gist_loss
-from .info_nce import info_nce_loss
-from .neighbor import neighbor_loss, sample_neighbors
-from .nt_xent import nt_xent_loss
-from .supcon import supcon_loss
+import sys
+from typing import Any, List
 
-__all__ = [
-    "supcon_loss",
-    "nt_xent_loss",
-    "info_nce_loss",
-    "clip_loss",
-    "siglip_loss",
-    "gist_loss",
-    "neighbor_loss",
+from . import registry
+from .backends import AUTO_TILED_MIN_ENTRIES
+from .clip import siglip_problem
+from .dispatch import Scalar, matryoshka_core, run_core
+from .neighbor import sample_neighbors
+
+__all__: List[str] = [
     "sample_neighbors",
     "run_core",
     "matryoshka_core",
@@ -30,3 +22,12 @@ __all__ = [
     "Scalar",
     "AUTO_TILED_MIN_ENTRIES",
 ]
+registry.publish(sys.modules[__name__], ("function",))
+
+
+def __getattr__(name: str) -> Any:
+    """A registered loss function (typed for static checkers; normally set by publish)."""
+    found = registry.functions().get(name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return found

@@ -8,7 +8,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference
+from . import backends, checks, distributed, reference, registry
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .dispatch import (
@@ -40,6 +40,7 @@ def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) 
     return mask
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def gist_loss(
@@ -284,6 +285,7 @@ def _gist_across(
     return distributed.reduce_across(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group)
 
 
+@registry.module
 class GistLoss(LossModule):
     """Module form of :func:`gist_loss`: the model's embeddings and the guide's are
     given to the call.

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, lowering, reference, runner
+from . import backends, checks, distributed, lowering, reference, registry, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -109,6 +109,7 @@ def _info_nce_with_negatives(
         return reduce_rows(rows, (counts > 0).to(dtype), reduction)
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def info_nce_loss(
@@ -301,6 +302,7 @@ def _info_nce(
     return runner.run(query, cols, scale, spec, opts, widths=widths)
 
 
+@registry.module
 class InfoNCELoss(LossModule):
     """Module form of :func:`info_nce_loss`.
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, distributed
+from . import checks, distributed, registry
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .distributed import same_call_across_ranks
@@ -349,6 +349,7 @@ def _margin_across(
     return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block)
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def cosface_loss(
@@ -410,6 +411,7 @@ def cosface_loss(
     )
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def arcface_loss(
@@ -473,6 +475,7 @@ def arcface_loss(
     )
 
 
+@registry.module
 class CosFaceLoss(LossModule):
     """Module form of :func:`cosface_loss` (the class weights passed to each call,
     as a model's parameter; see :class:`torch.nn.Linear`).
@@ -500,6 +503,7 @@ class CosFaceLoss(LossModule):
         return cosface_loss(embeddings, labels, class_weights, **self.loss_options())
 
 
+@registry.module
 class ArcFaceLoss(LossModule):
     """Module form of :func:`arcface_loss` (the class weights passed to each call).
 

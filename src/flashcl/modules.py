@@ -1,13 +1,21 @@
-"""The loss Modules, by the names they have always had here; each lives in the
-module of its family beside its function, all on :class:`flashcl.base.LossModule`."""
+"""The loss Modules, each from the module of its family beside its function, where
+it registers itself (:mod:`flashcl.registry`): every registered Module twin is here,
+all on :class:`flashcl.base.LossModule`."""
 
 from __future__ import annotations
 
-from .clip import ClipLoss, SigLipLoss
-from .gist import GistLoss
-from .info_nce import InfoNCELoss
-from .neighbor import NeighborLoss
-from .nt_xent import NTXentLoss
-from .supcon import SupConLoss
+import sys
+from typing import Any, List
 
-__all__ = ["SupConLoss", "NTXentLoss", "InfoNCELoss", "ClipLoss", "SigLipLoss", "GistLoss", "NeighborLoss"]
+from . import registry
+
+__all__: List[str] = []
+registry.publish(sys.modules[__name__], ("module",))
+
+
+def __getattr__(name: str) -> Any:
+    """A registered Module twin (typed for static checkers; normally set by publish)."""
+    found = registry.modules().get(name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return found

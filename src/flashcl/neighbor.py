@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 from torch import Tensor
 
-from . import checks, distributed, reference
+from . import checks, distributed, reference, registry
 from .base import LossModule
 from .compiled import compiles
 from .core import CoreSpec
@@ -23,6 +23,7 @@ _SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
 }
 
 
+@registry.loss
 @compiles()
 def neighbor_loss(
     scores: Tensor,
@@ -188,6 +189,7 @@ def sample_neighbors(
     return draw
 
 
+@registry.module
 class NeighborLoss(LossModule):
     """Module form of :func:`neighbor_loss`.
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import checks, distributed, reference, runner
+from . import checks, distributed, reference, registry, runner
 from .base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -23,6 +23,7 @@ from .tile import Exclusions
 from .utils import autocast_off, compute_dtype
 
 
+@registry.loss
 @shared_docs
 @compiles(rows=lambda z1: (2 * z1.shape[0],))
 def nt_xent_loss(
@@ -199,6 +200,7 @@ def _nt_xent(
     return runner.run(z, cols, scale, spec, opts)
 
 
+@registry.module
 class NTXentLoss(LossModule):
     """Module form of :func:`nt_xent_loss`.
 

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference, runner
+from . import backends, checks, distributed, reference, registry, runner
 from .base import LossModule, reject_pml_call, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -113,6 +113,7 @@ def _supcon_with_ref(
         return reduce_rows(rows, valid.to(dtype), reduction)
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def supcon_loss(
@@ -338,6 +339,7 @@ def _supcon(
     return out.reshape(views, b).T if opts.reduction == "none" and embeddings.dim() == 3 else out
 
 
+@registry.module
 class SupConLoss(LossModule):
     """Module form of :func:`supcon_loss`; see it for the math and arguments.
 

@@ -32,7 +32,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, distributed
+from . import checks, distributed, registry
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .distributed import same_call_across_ranks
@@ -363,6 +363,7 @@ def _visit(
 # ---------------------------------------------------------------- public
 
 
+@registry.loss
 @shared_docs
 @compiles()
 def triplet_loss(
@@ -527,6 +528,7 @@ def _triplet_across(
     return total * (factor / divisor[0])
 
 
+@registry.module
 class TripletLoss(LossModule):
     """Module form of :func:`triplet_loss`; see it for the math and arguments.
 
