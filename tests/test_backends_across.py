@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner.run: supcon_loss, nt_xent_loss, info_nce_loss) take
+(flashcl.runner.run: supcon_loss, nt_xent_loss, info_nce_loss, clip_loss) take
 ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
 reference and dense backends on the gathered keys: the oracle of the multi-process
 tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
@@ -93,6 +93,12 @@ def _cases(
         ),
         "nt_xent_hard": (
             lambda a, b, tt: flashcl.nt_xent_loss(a, b, temperature=tt, estimator="hard", tau_plus=0.1, beta=0.5, **kw),
+            [emb, views, t],
+        ),
+        "clip": (lambda a, b, tt: flashcl.clip_loss(a, b, 1.0 / tt, **kw), [emb, views, t]),
+        "clip_labels": (lambda a, b, tt: flashcl.clip_loss(a, b, 1.0 / tt, labels=labels, **kw), [emb, views, t]),
+        "clip_matryoshka_sum": (
+            lambda a, b, tt: flashcl.clip_loss(a, b, 1.0 / tt, matryoshka_dims=[2, 6], reduction="sum", **kw),
             [emb, views, t],
         ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference, registry
+from . import backends, checks, distributed, reference, registry, runner
 from .base import LossModule, reject_open_clip_keywords, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -16,9 +16,7 @@ from .dispatch import (
     Scalar,
     check_smoothing,
     class_ids,
-    dense_ids,
     no_matryoshka,
-    run_with_widths,
     scale_dtype,
     smoothing_rows,
     warn_small_logit_scale,
@@ -99,7 +97,9 @@ def clip_loss(
         >>> loss = flashcl.clip_loss(img, txt, 100.0, labels=torch.tensor([0, 1, 1, 2]))
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(
+        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
+    )
     dtype = scale_dtype(image_embeds)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
@@ -138,58 +138,14 @@ def clip_loss(
                 rows, torch.ones_like(rows), reduction, grad_scale, process_group
             )
         return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
-    if process_group is not None:
-        loss = _clip_across(image_embeds, text_embeds, scale, opts, labels, matryoshka_dims, matryoshka_weights)
-    else:
-        loss = _clip_one(
-            image_embeds,
-            text_embeds,
-            scale,
-            normalize,
-            reduction,
-            backend,
-            block_size,
-            labels,
-            matryoshka_dims,
-            matryoshka_weights,
-        )
+    loss = _clip(image_embeds, text_embeds, scale, opts, labels, matryoshka_dims, matryoshka_weights)
     if bias is not None and bias.requires_grad:
         loss = loss + 0.0 * bias  # the bias's gradient: exactly 0, as the formula's
     return loss
 
 
-def _clip_one(
-    image_embeds: Tensor,
-    text_embeds: Tensor,
-    scale: Tensor,
-    normalize: bool,
-    reduction: str,
-    backend: str,
-    block_size: Optional[int],
-    labels: Optional[Tensor],
-    dims: Any,
-    weights: Any,
-) -> Tensor:
-    """:func:`clip_loss` on this process's batch."""
-    b = image_embeds.shape[0]
-    if labels is None:
-        index = torch.arange(b, device=image_embeds.device).unsqueeze(1)
-        spec = CoreSpec(index=index, pos_mode="sum", both_directions=True, normalize=normalize)
-    else:
-        ids, num_classes = dense_ids(labels)
-        spec = CoreSpec(
-            row_labels=ids,
-            col_labels=ids,
-            num_classes=num_classes,
-            pos_mode="mean",
-            both_directions=True,
-            normalize=normalize,
-        )
-    return run_with_widths(image_embeds, text_embeds, scale, spec, reduction, backend, block_size, dims, weights)
-
-
 @same_call_across_ranks
-def _clip_across(
+def _clip(
     image_embeds: Tensor,
     text_embeds: Tensor,
     scale: Tensor,
@@ -198,9 +154,10 @@ def _clip_across(
     dims: Any,
     weights: Any,
 ) -> Tensor:
-    """:func:`clip_loss` over the global batch (:mod:`flashcl.distributed`): both
-    directions against the image and text towers of every rank (open_clip's
-    ``gather_with_grad=True, local_loss=True`` arrangement, exact)."""
+    """:func:`clip_loss`'s body, one process being a world of one: both directions
+    against the image and text towers of every rank (:mod:`flashcl.distributed`;
+    open_clip's ``gather_with_grad=True, local_loss=True`` arrangement, exact); on
+    one process both directions in one pass."""
     texts = distributed.columns(text_embeds, opts.strategy, opts.process_group)
     images = distributed.columns(image_embeds, opts.strategy, opts.process_group)
     b, offset = image_embeds.shape[0], texts.offset
@@ -220,12 +177,7 @@ def _clip_across(
             normalize=opts.normalize,
         )
     widths = None if dims is None and weights is None else (dims, weights)
-    half = torch.full((b,), 0.5, dtype=compute_dtype(image_embeds.dtype), device=image_embeds.device)
-    rows, cols = (
-        distributed.run_across(q, c, scale, spec, opts, half, widths)
-        for q, c in ((image_embeds, texts), (text_embeds, images))
-    )
-    return 0.5 * (rows + cols) if opts.reduction == "none" else rows + cols
+    return runner.run_both_ways(image_embeds, text_embeds, images, texts, scale, spec, opts, widths)
 
 
 def siglip_problem(

@@ -32,7 +32,17 @@ from .engine import Problem
 from .reduction import reduce_core, reduce_weights
 from .utils import autocast_off, compute_dtype
 
-__all__ = ["Source", "local", "run", "reduce", "backend_for", "run_core", "run_with_widths", "matryoshka_core"]
+__all__ = [
+    "Source",
+    "local",
+    "run",
+    "run_both_ways",
+    "reduce",
+    "backend_for",
+    "run_core",
+    "run_with_widths",
+    "matryoshka_core",
+]
 
 
 @dataclass
@@ -192,6 +202,28 @@ def run(
     if weights is None and spec.both_directions:
         return reduce_core(out[:m], out[m:], spec, "none")
     return out
+
+
+def run_both_ways(
+    a: Tensor,
+    b: Tensor,
+    a_source: Source,
+    b_source: Source,
+    scale: Tensor,
+    spec: CoreSpec,
+    opts: checks.Options,
+    widths: Optional[Tuple[Any, Any]] = None,
+) -> Tensor:
+    """The core in both directions, each weighing half (CLIP): the rows of ``a``
+    against ``b_source`` and the rows of ``b`` against ``a_source``, the positives of
+    ``spec`` seen from either side (``spec`` in global coordinates, as from ``a``).
+    One process: both directions in one pass over the tiles (the column direction
+    of the same scores); across processes: one run per direction."""
+    if a_source.group is None and b_source.group is None:
+        return run(a, b_source, scale, replace(spec, both_directions=True), opts, widths=widths)
+    half = torch.full((a.shape[0],), 0.5, dtype=compute_dtype(a.dtype), device=a.device)
+    rows, cols = (run(q, s, scale, spec, opts, half, widths) for q, s in ((a, b_source), (b, a_source)))
+    return 0.5 * (rows + cols) if opts.reduction == "none" else rows + cols
 
 
 def reduce(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, source: Source) -> Tensor:
