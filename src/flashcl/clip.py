@@ -17,7 +17,6 @@ from .dispatch import (
     check_smoothing,
     class_ids,
     no_matryoshka,
-    scale_dtype,
     smoothing_rows,
     warn_small_logit_scale,
 )
@@ -100,7 +99,7 @@ def clip_loss(
     opts = checks.Options(
         normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
     )
-    dtype = scale_dtype(image_embeds)
+    dtype = compute_dtype(image_embeds.dtype)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
     bias = (
@@ -138,13 +137,14 @@ def clip_loss(
                 rows, torch.ones_like(rows), reduction, grad_scale, process_group
             )
         return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
-    loss = _clip(image_embeds, text_embeds, scale, opts, labels, matryoshka_dims, matryoshka_weights)
+    loss = (_clip if opts.process_group is None else _clip_across_ranks)(
+        image_embeds, text_embeds, scale, opts, labels, matryoshka_dims, matryoshka_weights
+    )
     if bias is not None and bias.requires_grad:
         loss = loss + 0.0 * bias  # the bias's gradient: exactly 0, as the formula's
     return loss
 
 
-@same_call_across_ranks
 def _clip(
     image_embeds: Tensor,
     text_embeds: Tensor,
@@ -178,6 +178,10 @@ def _clip(
         )
     widths = None if dims is None and weights is None else (dims, weights)
     return runner.run_both_ways(image_embeds, text_embeds, images, texts, scale, spec, opts, widths)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_clip_across_ranks = same_call_across_ranks(_clip)
 
 
 def siglip_problem(
@@ -276,7 +280,7 @@ def siglip_loss(
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
     opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     checks.check_choice(normalize_by, "normalize_by", ("global", "local"))
-    dtype = scale_dtype(image_embeds)
+    dtype = compute_dtype(image_embeds.dtype)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
     bias = checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device, dtype)

@@ -196,7 +196,9 @@ def info_nce_loss(
     if query_labels is not None:
         _, query_labels = checks.validate_labelled(query, query_labels, names=("query", "query_labels"))
         _, key_labels = checks.validate_labelled(keys, key_labels, names=("keys", "key_labels"))
-    spec = info_nce_spec(index, normalize, query_labels, key_labels, duplicates)
+    if process_group is not None or negatives is not None:
+        # the labels checked on this rank before any collective (one process: in the body)
+        spec = info_nce_spec(index, normalize, query_labels, key_labels, duplicates)
     if not in_batch_negatives and negatives is None:
         raise ValueError("in_batch_negatives=False leaves each query its positive alone: pass negatives")
     if not in_batch_negatives and query_labels is not None:
@@ -236,7 +238,7 @@ def info_nce_loss(
         return _info_nce_with_negatives(
             query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend, block_size
         )
-    return _info_nce(
+    return (_info_nce if opts.process_group is None else _info_nce_across_ranks)(
         query,
         keys,
         index,
@@ -252,7 +254,6 @@ def info_nce_loss(
     )
 
 
-@same_call_across_ranks
 def _info_nce(
     query: Tensor,
     keys: Tensor,
@@ -300,6 +301,10 @@ def _info_nce(
     spec = info_nce_spec(index + cols.offset, opts.normalize, query_labels, all_key_labels, duplicates)
     widths = None if dims is None and weights is None else (dims, weights)
     return runner.run(query, cols, scale, spec, opts, widths=widths)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_info_nce_across_ranks = same_call_across_ranks(_info_nce)
 
 
 @registry.module

@@ -124,10 +124,11 @@ def nt_xent_loss(
             "use them with decoupled=False"
         )
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
-    return _nt_xent(z1, z2, scale, opts, decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta))
+    return (_nt_xent if opts.process_group is None else _nt_xent_across_ranks)(
+        z1, z2, scale, opts, decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta)
+    )
 
 
-@same_call_across_ranks
 def _nt_xent(
     z1: Tensor,
     z2: Tensor,
@@ -198,6 +199,10 @@ def _nt_xent(
         positive_weight=weight,
     )
     return runner.run(z, cols, scale, spec, opts)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_nt_xent_across_ranks = same_call_across_ranks(_nt_xent)
 
 
 @registry.module

@@ -75,6 +75,12 @@ class Source:
         """Columns of the global score matrix."""
         return sum(self.sizes)
 
+    def class_ids(self, labels: Tensor, shared: Optional[Tensor] = None) -> Tuple[Tensor, int]:
+        """Dense class ids (from 0) of every column's label (:meth:`gather` of the
+        labels, ``shared``: the shared keys'), and the number of classes."""
+        uniq, ids = torch.unique(self.gather(labels, shared), return_inverse=True)
+        return ids.reshape(-1), int(uniq.numel())
+
     def gather(self, x: Tensor, shared: Optional[Tensor] = None) -> Tensor:
         """Per-column rows of ``x`` (one per key of this block; no gradient: labels,
         a guide's embeddings) in the columns' order; ``shared``: those of the shared
@@ -135,17 +141,37 @@ def backend_for(opts: checks.Options, source: Source, q: Tensor, kernel: Optiona
     return backends.resolve(opts.backend, q.shape[0] * source.total, q.device, q.dtype, q.shape[-1], kernel=kernel)
 
 
+def _valid(spec: CoreSpec, problem: Problem, m: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The rows a ``"mean"`` counts (:func:`flashcl.lowering.valid_rows`), from the
+    problem's LSE weights (``pos_mode="mean"``: 1 where a row has a positive), not
+    counted again."""
+    if spec.pos_mode != "mean":
+        return torch.ones(m, dtype=dtype, device=device)  # every row counts
+    weight = getattr(problem.head, "row_weight", None)
+    if isinstance(weight, Tensor):
+        return (weight > 0).to(device=device, dtype=dtype)
+    return lowering.valid_rows(spec, m).to(device=device, dtype=dtype)
+
+
 def _scalar_weights(
-    spec: CoreSpec, m: int, opts: checks.Options, source: Source, dtype: torch.dtype, device: torch.device, extra: Any
+    spec: CoreSpec,
+    problem: Problem,
+    m: int,
+    opts: checks.Options,
+    source: Source,
+    dtype: torch.dtype,
+    device: torch.device,
+    extra: Any,
 ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """The weights ``(r, u)`` of a scalar reduction over the global batch: ``"mean"``
     over every rank's valid rows, times the ``grad_scale`` factor; ``extra``: a
     further per-row factor. None for ``reduction="none"``."""
     if opts.reduction == "none":
         return None
-    if spec.both_directions:  # one process: CLIP's column direction in the same pass
-        return reduce_weights(spec, m, opts.reduction, dtype, device)
-    valid = lowering.valid_rows(spec, m).to(device=device, dtype=dtype)
+    if spec.both_directions:  # one process: CLIP's column direction in the same pass, each half
+        full = torch.full((m,), 0.5 / m if opts.reduction == "mean" else 0.5, dtype=dtype, device=device)
+        return full, full
+    valid = _valid(spec, problem, m, dtype, device)
     factor = source.factor(opts.grad_scale)
     if opts.reduction == "mean":
         r = valid * (factor / source.count(valid.sum().reshape(1)).clamp_min(1))
@@ -168,10 +194,10 @@ def run(
     ``widths``: Matryoshka's ``(matryoshka_dims, matryoshka_weights)``: one pass over
     every width (one ring round per width on the ring). ``valid_weight``: a further
     factor on each row's share."""
-    m = q.shape[0]
-    dtype = compute_dtype(q.dtype)
+    m, n = q.shape[0], source.total
     k = None if source.own else source.keys
-    problem = lowering.problem(spec, m, source.total, dtype)
+    dtype = compute_dtype(q.dtype)
+    problem = lowering.problem(spec, m, n, dtype)
     name = backend_for(opts, source, q, problem.head.kernel if widths is None else None)
     if widths is not None:
         if source.ring:
@@ -189,7 +215,7 @@ def run(
         if valid_weight is not None:
             valid = valid * valid_weight
         return reduce(rows, valid, opts.reduction, opts.grad_scale, source)
-    weights = _scalar_weights(spec, m, opts, source, dtype, q.device, valid_weight)
+    weights = _scalar_weights(spec, problem, m, opts, source, dtype, q.device, valid_weight)
     if name == "reference":
         with autocast_off(q.device.type):
             row, col = reference.core_loss(q, k, scale, spec)

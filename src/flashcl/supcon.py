@@ -257,7 +257,7 @@ def supcon_loss(
                 ref_labels,
                 ref_self,
             )
-    return _supcon(
+    return (_supcon if opts.process_group is None else _supcon_across_ranks)(
         embeddings,
         labels,
         scale,
@@ -278,7 +278,6 @@ def _check_threshold(value: object) -> float:
     return float(value)
 
 
-@same_call_across_ranks
 def _supcon(
     embeddings: Tensor,
     labels: Tensor,
@@ -318,13 +317,12 @@ def _supcon(
     if flat.shape[0] == 0:
         raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
     cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref, own=True)
-    all_labels = cols.gather(labels, None if ref_labels is None else ref_labels.long())
+    ids, num_classes = cols.class_ids(labels, None if ref_labels is None else ref_labels.long())
     if cols.total - cols.shared < 2 and not include_self and ref is None:
         raise ValueError(
             "supcon_loss needs at least 2 samples (views) when include_self=False (across processes: in the "
             "global batch): the denominator of a single sample is empty"
         )
-    (ids,), num_classes = class_ids(all_labels)
     spec = CoreSpec(
         exclude_self=not include_self,
         self_pairs=True,
@@ -337,6 +335,10 @@ def _supcon(
     )
     out = runner.run(flat, cols, scale, spec, opts, widths=widths)
     return out.reshape(views, b).T if opts.reduction == "none" and embeddings.dim() == 3 else out
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_supcon_across_ranks = same_call_across_ranks(_supcon)
 
 
 @registry.module
