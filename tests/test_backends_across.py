@@ -180,3 +180,52 @@ def test_every_backend_across_processes_equals_one_process(world: int, tmp_path)
                     assert_close(got[r][1][i], g[_shard(sizes, r, per)], f"{what}: rank {r} grad {i}", *TOL)
     for r in range(world):
         assert "strategy='ring'" in ranks[r]["ring_dense"], ranks[r]["ring_dense"]
+
+
+def _triton_worker(rank: int, world: int, out_dir: str) -> None:
+    init_gloo(rank, world, out_dir)
+    sizes = SIZES[world]
+    d = {k: v.float() if v.is_floating_point() else v for k, v in _data(sum(sizes)).items()}
+    kw = {"backend": "triton", "process_group": dist.group.WORLD, "grad_scale": "sum"}
+    results: Dict[Any, Any] = {}
+    for name in TRITON_CASES:
+        fn, inputs = _cases(d, sizes, rank, kw, single=False)[name]
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+        loss = fn(*leaves)
+        results[name] = (loss.detach(), [g.detach() for g in torch.autograd.grad(loss, leaves)])
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+TRITON_CASES = ("supcon", "nt_xent", "clip", "clip_labels", "info_nce", "info_nce_duplicates_positive")
+
+
+def test_triton_across_processes_equals_one_process(tmp_path) -> None:
+    """The Triton kernels on the gathered keys (what ``auto`` picks on CUDA), here under
+    Triton's CPU interpreter in float32, on 2 processes: equal to one process (float64
+    reference) within float32's tolerance."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton and TRITON_INTERPRET=1 (set by conftest before triton is imported)")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter test runs where there is no GPU")
+    world = 2
+    mp.spawn(_triton_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    sizes = SIZES[world]
+    d = _data(sum(sizes))
+    for name in TRITON_CASES:
+        fn, inputs = _cases(d, sizes, 0, {"backend": "reference"}, single=True)[name]
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+        want = fn(*leaves)
+        want_grads = torch.autograd.grad(want, leaves)
+        got = [r[name] for r in ranks]
+        assert_close(sum(v for v, _ in got), want, f"triton/{name}: value", 2e-5, 2e-5)
+        for i, g in enumerate(want_grads):
+            if g.dim() == 0:
+                assert_close(sum(r[1][i] for r in got), g, f"triton/{name}: temperature grad", 2e-5, 2e-5)
+                continue
+            per = 1 if g.shape[0] == sum(sizes) else 2
+            for r in range(world):
+                assert_close(got[r][1][i], g[_shard(sizes, r, per)], f"triton/{name}: rank {r} grad {i}", 2e-5, 2e-4)
