@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner.run: supcon_loss, nt_xent_loss, info_nce_loss, clip_loss) take
+(flashcl.runner: supcon_loss, nt_xent_loss, info_nce_loss, clip_loss, siglip_loss) take
 ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
 reference and dense backends on the gathered keys: the oracle of the multi-process
 tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
@@ -58,6 +58,7 @@ def _cases(
     key_labels = d["labels"].repeat_interleave(2)[slice(None) if single else _shard(sizes, rank, 2)]
     ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
     t = torch.tensor(0.4, dtype=torch.float64)
+    gather = {} if single else {"strategy": "all_gather"}
     return {
         "supcon": (lambda e, tt: flashcl.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
         "supcon_sum_self": (
@@ -99,6 +100,15 @@ def _cases(
         "clip_labels": (lambda a, b, tt: flashcl.clip_loss(a, b, 1.0 / tt, labels=labels, **kw), [emb, views, t]),
         "clip_matryoshka_sum": (
             lambda a, b, tt: flashcl.clip_loss(a, b, 1.0 / tt, matryoshka_dims=[2, 6], reduction="sum", **kw),
+            [emb, views, t],
+        ),
+        # SigLIP's default strategy is the ring (open_clip's neighbour exchange): the other backends gather
+        "siglip": (
+            lambda a, b, tt: flashcl.siglip_loss(a, b, 1.0 / tt, -2.0 * tt, **kw, **gather),
+            [emb, views, t],
+        ),
+        "siglip_labels": (
+            lambda a, b, tt: flashcl.siglip_loss(a, b, 1.0 / tt, -1.0, labels=labels, normalize=True, **kw, **gather),
             [emb, views, t],
         ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),

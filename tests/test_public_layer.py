@@ -60,12 +60,12 @@ def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
 
 
 UNSUPPORTED = [
-    # a loss whose body does not yet run through the runner takes only the tiled core across processes: another
-    # backend is an error, not ignored (supcon_loss and info_nce_loss take every backend: test_backends_across.py)
+    # a loss whose body does not yet run through the runner takes only its own core across processes: another
+    # backend is an error, not ignored (the losses that take every backend: test_backends_across.py)
     (
         "backend",
-        lambda g: flashcl.siglip_loss(
-            torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, backend="dense", process_group=g
+        lambda g: flashcl.neighbor_loss(
+            torch.randn(4, 4), torch.randint(0, 4, (4, 2)), backend="dense", process_group=g
         ),
     ),
     (

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference, registry, runner
+from . import checks, distributed, reference, registry, runner
 from .base import LossModule, reject_open_clip_keywords, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -278,37 +278,22 @@ def siglip_loss(
         >>> loss = flashcl.siglip_loss(img, txt, logit_scale=10.0, logit_bias=-10.0)
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(
+        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
+    )
     checks.check_choice(normalize_by, "normalize_by", ("global", "local"))
     dtype = compute_dtype(image_embeds.dtype)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
     bias = checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device, dtype)
-    b = image_embeds.shape[0]
     if labels is not None:
         _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
         labels = labels.long()
-    if process_group is not None:
-        return _siglip_across(image_embeds, text_embeds, scale, bias, labels, opts, normalize_by)
-    name = backends.resolve(
-        backend, b * b, image_embeds.device, image_embeds.dtype, image_embeds.shape[1], kernel="softplus"
-    )
-    if name == "reference":
-        with autocast_off(image_embeds.device.type):
-            rows = reference.siglip_loss(image_embeds, text_embeds, scale, bias, labels, normalize)
-        return rows if reduction == "none" else (rows.sum() / b if reduction == "mean" else rows.sum())
-    problem = siglip_problem(b, b, labels, image_embeds.device, dtype, float(bias.detach()), normalize)
-    weights = None
-    if reduction != "none":
-        weights = (
-            torch.full((b,), 1.0 / b if reduction == "mean" else 1.0, dtype=dtype, device=image_embeds.device),
-            None,
-        )
-    return backends.run(image_embeds, text_embeds, scale, problem, name, weights, block_size, param=bias)
+    body = _siglip if process_group is None else _siglip_across_ranks
+    return body(image_embeds, text_embeds, scale, bias, labels, opts, normalize_by)
 
 
-@same_call_across_ranks
-def _siglip_across(
+def _siglip(
     image_embeds: Tensor,
     text_embeds: Tensor,
     scale: Tensor,
@@ -317,11 +302,22 @@ def _siglip_across(
     opts: checks.Options,
     normalize_by: str,
 ) -> Tensor:
-    """:func:`siglip_loss` over the global batch (:mod:`flashcl.distributed`): each
-    rank's images against the texts of every rank."""
+    """:func:`siglip_loss`'s body, one process being a world of one: each rank's
+    images against the texts of every rank (:mod:`flashcl.distributed`)."""
     texts = distributed.columns(text_embeds, opts.strategy, opts.process_group)
     b, dtype = image_embeds.shape[0], compute_dtype(image_embeds.dtype)
     all_labels = None if labels is None else texts.gather(labels)
+    name = runner.backend_for(opts, texts, image_embeds, "softplus")
+    count = 1.0
+    if opts.reduction == "mean":
+        count = float(texts.total) if normalize_by == "global" else float(b)
+    share = texts.factor(opts.grad_scale) / count
+    if name == "reference":
+        with autocast_off(image_embeds.device.type):
+            rows = reference.siglip_loss(
+                image_embeds, texts.keys, scale, bias, labels, opts.normalize, texts.offset, all_labels
+            )
+        return rows if opts.reduction == "none" else share * rows.sum()
     problem = siglip_problem(
         b,
         texts.total,
@@ -335,19 +331,12 @@ def _siglip_across(
     )
     weights = None
     if opts.reduction != "none":
-        count = 1.0
-        if opts.reduction == "mean":
-            count = float(texts.total) if normalize_by == "global" else float(b)
-        weights = (
-            torch.full(
-                (b,),
-                distributed.grad_factor(opts.grad_scale, opts.process_group) / count,
-                dtype=dtype,
-                device=image_embeds.device,
-            ),
-            None,
-        )
-    return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias)
+        weights = (torch.full((b,), share, dtype=dtype, device=image_embeds.device), None)
+    return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias, backend=name)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_siglip_across_ranks = same_call_across_ranks(_siglip)
 
 
 @registry.module

@@ -119,19 +119,30 @@ def scores_loss(scores: Tensor, spec: CoreSpec) -> Tensor:
     return torch.stack([_row_loss(scores[i], i, spec) for i in range(scores.shape[0])])
 
 
-def siglip_loss(q: Tensor, k: Tensor, scale: Tensor, bias: Tensor, labels: Optional[Tensor], normalize: bool) -> Tensor:
+def siglip_loss(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    bias: Tensor,
+    labels: Optional[Tensor],
+    normalize: bool,
+    offset: int = 0,
+    col_labels: Optional[Tensor] = None,
+) -> Tensor:
     """Per-image SigLIP losses (B,), one image at a time: ``sum_j -log sigmoid(z_ij
     (scale q_i . k_j + bias))`` with ``z_ij = +1`` for the matching pairs (the
-    diagonal, or the same label), -1 elsewhere."""
+    diagonal: text ``i + offset``, or the same label; ``col_labels``: the texts'
+    labels, default ``labels``), -1 elsewhere."""
     q, k = prepare(q, k, normalize)
+    cols = labels if col_labels is None else col_labels
     rows = []
     for i in range(q.shape[0]):
         logits = (k @ q[i]) * scale.to(q.dtype) + bias.to(q.dtype)
-        if labels is None:
+        if labels is None or cols is None:
             z = -torch.ones_like(logits)
-            z[i] = 1.0
+            z[i + offset] = 1.0
         else:
-            z = torch.where(labels == labels[i], 1.0, -1.0).to(q.dtype)
+            z = torch.where(cols == labels[i], 1.0, -1.0).to(q.dtype)
         rows.append(-torch.nn.functional.logsigmoid(z * logits).sum())
     return torch.stack(rows)
 
