@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner: supcon_loss, nt_xent_loss, info_nce_loss, clip_loss, siglip_loss) take
+(flashcl.runner: supcon, nt_xent, info_nce, clip, siglip and gist losses) take
 ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
 reference and dense backends on the gathered keys: the oracle of the multi-process
 tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
@@ -59,6 +59,9 @@ def _cases(
     ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
     t = torch.tensor(0.4, dtype=torch.float64)
     gather = {} if single else {"strategy": "all_gather"}
+    # the guide close to the model: some in-batch candidates are its false negatives
+    guide_a, guide_p = emb[:, :4] + 0.3 * views[:, :4], views[:, :4] + 0.3 * emb[:, :4]
+    guide_n = keys[::2, :4]
     return {
         "supcon": (lambda e, tt: flashcl.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
         "supcon_sum_self": (
@@ -110,6 +113,24 @@ def _cases(
         "siglip_labels": (
             lambda a, b, tt: flashcl.siglip_loss(a, b, 1.0 / tt, -1.0, labels=labels, normalize=True, **kw, **gather),
             [emb, views, t],
+        ),
+        "gist": (
+            lambda a, p, tt: flashcl.gist_loss(a, p, guide=(guide_a, guide_p), temperature=tt, margin=0.05, **kw),
+            [emb, views, t],
+        ),
+        "gist_negatives_relative": (
+            lambda a, p, n, tt: flashcl.gist_loss(
+                a,
+                p,
+                n,
+                guide=(guide_a, guide_p, guide_n),
+                temperature=tt,
+                margin=0.1,
+                margin_strategy="relative",
+                contrast_anchors=False,
+                **kw,
+            ),
+            [emb, views, keys[::2], t],
         ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "info_nce_labels": (

@@ -70,10 +70,13 @@ UNSUPPORTED = [
     ),
     (
         "backend",
-        lambda g: flashcl.gist_loss(
+        lambda g: flashcl.distill_loss(
             torch.randn(4, 3),
             torch.randn(4, 3),
-            guide=(torch.randn(4, 2), torch.randn(4, 2)),
+            torch.randn(4, 2),
+            torch.randn(4, 2),
+            scale=10.0,
+            teacher_scale=10.0,
             backend="reference",
             process_group=g,
         ),

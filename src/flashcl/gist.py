@@ -8,7 +8,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference, registry
+from . import checks, distributed, reference, registry, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .dispatch import (
@@ -21,7 +21,6 @@ from .dispatch import (
 from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import SoftmaxHead, Tile
-from .reduction import reduce_rows
 from .runner import Source
 from .tile import Exclusions
 from .utils import autocast_off, compute_dtype
@@ -113,7 +112,7 @@ def gist_loss(
     for flag, flag_name in ((contrast_anchors, "contrast_anchors"), (contrast_positives, "contrast_positives")):
         checks.check_bool(flag, flag_name)
     checks.check_choice(margin_strategy, "margin_strategy", ("absolute", "relative"))
-    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
         raise ValueError(f"margin must be a float, got {margin!r}")
     if not isinstance(guide, (tuple, list)) or len(guide) != (2 if negative is None else 3):
@@ -136,44 +135,75 @@ def gist_loss(
     if backend == "triton":
         raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
-    if process_group is not None:
-        return _gist_across(
-            anchor,
-            positive,
-            negative,
-            guides,
-            scale,
-            float(margin),
-            margin_strategy == "relative",
-            contrast_anchors,
-            contrast_positives,
-            opts,
-        )
+    body = _gist if process_group is None else _gist_across_ranks
+    return body(
+        anchor,
+        positive,
+        negative,
+        guides,
+        scale,
+        float(margin),
+        margin_strategy == "relative",
+        contrast_anchors,
+        contrast_positives,
+        opts,
+    )
+
+
+def _gist(
+    anchor: Tensor,
+    positive: Tensor,
+    negative: Optional[Tensor],
+    guides: List[Tensor],
+    scale: Tensor,
+    margin: float,
+    relative: bool,
+    contrast_anchors: bool,
+    contrast_positives: bool,
+    opts: checks.Options,
+) -> Tensor:
+    """:func:`gist_loss`'s body, one process being a world of one: each rank's anchors
+    against every rank's candidates of each set (:mod:`flashcl.distributed`; the
+    guide's embeddings, without gradient, gathered with them)."""
+    group = opts.process_group
+    positives = distributed.columns(positive, opts.strategy, group)
     b = anchor.shape[0]
     k = 0 if negative is None else negative.shape[0]
-    entries = b * (b * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
-    name = backends.resolve(backend, entries, anchor.device, anchor.dtype, anchor.shape[1], kernel=None)
-    relative = margin_strategy == "relative"
+    entries = b * (positives.total * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
+    name = runner.backend_for(opts, positives, anchor, None, entries)
     with autocast_off(anchor.device.type):
         if name == "reference":
+            every = None
+            if group is not None:  # the oracle on every rank's candidates
+                sets = [distributed.columns(x, "all_gather", group) for x in (anchor, positive)]
+                if negative is not None:
+                    sets.append(distributed.columns(negative, "all_gather", group))
+                cands: List[Optional[Tensor]] = [c.keys for c in sets] + [None] * (3 - len(sets))
+                g_cands: List[Optional[Tensor]] = [c.gather(g) for c, g in zip(sets, guides)]
+                every = (cands, g_cands + [None] * (3 - len(g_cands)), sets[1].offset)
             rows = reference.gist_rows(
-                anchor, positive, negative, guides, scale, float(margin), relative, contrast_anchors, contrast_positives
+                anchor, positive, negative, guides, scale, margin, relative, contrast_anchors, contrast_positives, every
             )
-            return reduce_rows(rows, torch.ones_like(rows), reduction)
-        rows = gist_rows(
-            anchor,
-            positive,
-            negative,
-            guides,
-            scale,
-            float(margin),
-            relative,
-            contrast_anchors,
-            contrast_positives,
-            name,
-            block_size,
-        )
-    return reduce_rows(rows, torch.ones_like(rows), reduction)
+        else:
+            rows = gist_rows(
+                anchor,
+                positive,
+                negative,
+                guides,
+                scale,
+                margin,
+                relative,
+                contrast_anchors,
+                contrast_positives,
+                name,
+                opts.block_size,
+                lambda keys: positives if keys is positive else distributed.columns(keys, opts.strategy, group),
+            )
+    return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, positives)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_gist_across_ranks = same_call_across_ranks(_gist)
 
 
 class Gathered(NamedTuple):
@@ -234,7 +264,7 @@ def gist_rows(
         head = SoftmaxHead(
             ones, offset=cols.offset, exclude=Exclusions(fn=_guide_mask(gq, cols.gather(gk), threshold, keep_positive))
         )
-        return cols.run(q, scale, Problem(head, (), True, cols.offset), None, block_size)
+        return cols.run(q, scale, Problem(head, (), True, cols.offset), None, block_size, backend=name)
 
     p_all, n_all, gp_all, gn_all, offset = positive, negative, gp, gn, 0
     if gathered is not None:
@@ -251,38 +281,6 @@ def gist_rows(
         lse = torch.logaddexp(lse, part(anchor, n_all, ga, gn_all, False))
     pos = (unit_rows(anchor, True) * unit_rows(positive, True)).sum(1)
     return lse - scale.to(dtype) * pos
-
-
-@same_call_across_ranks
-def _gist_across(
-    anchor: Tensor,
-    positive: Tensor,
-    negative: Optional[Tensor],
-    guides: List[Tensor],
-    scale: Tensor,
-    margin: float,
-    relative: bool,
-    contrast_anchors: bool,
-    contrast_positives: bool,
-    opts: checks.Options,
-) -> Tensor:
-    """:func:`gist_loss` over the global batch (:mod:`flashcl.distributed`): each
-    rank's anchors against every rank's candidates of each set."""
-    rows = gist_rows(
-        anchor,
-        positive,
-        negative,
-        guides,
-        scale,
-        margin,
-        relative,
-        contrast_anchors,
-        contrast_positives,
-        "tiled",
-        opts.block_size,
-        lambda keys: distributed.columns(keys, opts.strategy, opts.process_group),
-    )
-    return distributed.reduce_across(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group)
 
 
 @registry.module

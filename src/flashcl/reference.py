@@ -262,31 +262,42 @@ def gist_rows(
     relative: bool,
     contrast_anchors: bool,
     contrast_positives: bool,
+    every: Optional[Tuple[List[Optional[Tensor]], List[Optional[Tensor]], int]] = None,
 ) -> Tensor:
     """GIST's per-anchor losses, one anchor at a time: each candidate set (anchor to
     positives, anchors, negatives; positive to positives) loses the candidates whose
     guide similarity exceeds the anchor's guided positive similarity minus the margin
-    (the positive itself kept); cosine similarities."""
+    (the positive itself kept); cosine similarities. ``every``: the candidates of the
+    whole batch when these rows are a slice of it (``[anchors, positives, negatives]``,
+    their guides' embeddings, the rows' first column): the anchors' own positive is
+    column ``i + offset``."""
     a, p = prepare(anchor, positive, True)
-    n = None if negative is None else prepare(anchor, negative, True)[1]
     ga, gp = prepare(guides[0], guides[1], True)
-    gn = None if negative is None else prepare(guides[0], guides[2], True)[1]
+    if every is None:
+        cands = [anchor, positive, negative]
+        g_cands: List[Optional[Tensor]] = [guides[0], guides[1], guides[2] if negative is not None else None]
+        offset = 0
+    else:
+        cands, g_cands, offset = every
+    keys = [None if x is None else prepare(x, None, True)[0] for x in cands]
+    g_keys = [None if x is None else prepare(x, None, True)[0] for x in g_cands]
     scale = scale.to(a.dtype)
-    sets = [(a, p, ga, gp, True)]
+    sets = [(a, keys[1], ga, g_keys[1], True)]
     if contrast_anchors:
-        sets.append((a, a, ga, ga, False))
+        sets.append((a, keys[0], ga, g_keys[0], False))
     if contrast_positives:
-        sets.append((p, p, gp, gp, False))
-    if n is not None and gn is not None:
-        sets.append((a, n, ga, gn, False))
+        sets.append((p, keys[1], gp, g_keys[1], False))
+    if keys[2] is not None and g_keys[2] is not None:
+        sets.append((a, keys[2], ga, g_keys[2], False))
     rows = []
     for i in range(a.shape[0]):
         g_pos = ga[i] @ gp[i]
         threshold = g_pos - (g_pos.abs() * margin if relative else margin)
         den = []
         for q, k, gq, gk, keep_positive in sets:
+            assert k is not None and gk is not None
             for j in range(k.shape[0]):
-                if (gq[i] @ gk[j]) > threshold and not (keep_positive and j == i):
+                if (gq[i] @ gk[j]) > threshold and not (keep_positive and j == i + offset):
                     continue
                 den.append((q[i] @ k[j]) * scale)
         rows.append(torch.logsumexp(torch.stack(den), dim=0) - (a[i] @ p[i]) * scale)

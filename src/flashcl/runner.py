@@ -128,9 +128,12 @@ def local(keys: Tensor, shared: Optional[Tensor] = None, own: bool = False) -> S
     return Source(joined, 0, [joined.shape[0]], shared=shared.shape[0])
 
 
-def backend_for(opts: checks.Options, source: Source, q: Tensor, kernel: Optional[str]) -> str:
+def backend_for(
+    opts: checks.Options, source: Source, q: Tensor, kernel: Optional[str], entries: Optional[int] = None
+) -> str:
     """The backend a call runs on: ``opts.backend``, ``"auto"`` resolved from the
-    rows against the global columns; round the ring only the tiled core."""
+    rows against the global columns (``entries``: the score entries of a loss made
+    of several candidate sets); round the ring only the tiled core."""
     if source.ring:
         if opts.backend not in ("auto", "tiled"):
             raise ValueError(
@@ -138,7 +141,8 @@ def backend_for(opts: checks.Options, source: Source, q: Tensor, kernel: Optiona
                 "the tiled core; pass backend='auto' or 'tiled', or strategy='all_gather'"
             )
         return "tiled"
-    return backends.resolve(opts.backend, q.shape[0] * source.total, q.device, q.dtype, q.shape[-1], kernel=kernel)
+    n = q.shape[0] * source.total if entries is None else entries
+    return backends.resolve(opts.backend, n, q.device, q.dtype, q.shape[-1], kernel=kernel)
 
 
 def _valid(spec: CoreSpec, problem: Problem, m: int, dtype: torch.dtype, device: torch.device) -> Tensor:
