@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner: supcon, nt_xent, info_nce, clip, siglip and gist losses) take
+(flashcl.runner: supcon, nt_xent, info_nce, clip, siglip, gist and neighbor losses) take
 ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
 reference and dense backends on the gathered keys: the oracle of the multi-process
 tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
@@ -35,6 +35,9 @@ def _data(total: int) -> Dict[str, torch.Tensor]:
         "ref_labels": torch.randint(0, 4, (7,), generator=g),
         "ref_self": torch.where(torch.arange(total) % 3 == 2, -1, torch.arange(total) % 7),
         "negatives": torch.randn(5, 6, dtype=torch.float64, generator=g),
+        # a given score matrix (the ranks hold its rows) and each row's sampled neighbours
+        "scores": 3.0 * torch.randn(total, total, dtype=torch.float64, generator=g),
+        "neighbors": torch.randint(0, total, (total, 2), generator=g),
     }
 
 
@@ -131,6 +134,14 @@ def _cases(
                 **kw,
             ),
             [emb, views, keys[::2], t],
+        ),
+        "neighbor": (
+            lambda sc: flashcl.neighbor_loss(sc, d["neighbors"][sl], reduction="mean", **kw),
+            [d["scores"][sl]],
+        ),
+        "neighbor_keep_diagonal_sum": (
+            lambda sc: flashcl.neighbor_loss(sc, d["neighbors"][sl], exclude_diagonal=False, reduction="sum", **kw),
+            [d["scores"][sl]],
         ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "info_nce_labels": (

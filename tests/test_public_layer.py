@@ -64,8 +64,8 @@ UNSUPPORTED = [
     # backend is an error, not ignored (the losses that take every backend: test_backends_across.py)
     (
         "backend",
-        lambda g: flashcl.neighbor_loss(
-            torch.randn(4, 4), torch.randint(0, 4, (4, 2)), backend="dense", process_group=g
+        lambda g: flashcl.supcon_loss(  # multi-hot labels
+            torch.randn(4, 3), torch.eye(4, 3, dtype=torch.bool), backend="dense", process_group=g
         ),
     ),
     (

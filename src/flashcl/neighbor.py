@@ -8,12 +8,11 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 from torch import Tensor
 
-from . import checks, distributed, reference, registry
+from . import checks, distributed, reference, registry, runner
 from .base import LossModule
 from .compiled import compiles
 from .core import CoreSpec
 from .distributed import same_call_across_ranks
-from .reduction import reduce_core, reduce_weights
 from .scores import TiledScores, auto_scores_block, dense_rows
 from .utils import autocast_off, compute_dtype
 
@@ -85,7 +84,7 @@ def neighbor_loss(
     checks.check_float_tensor(scores, "scores", (2,))
     neighbors = checks.check_index_tensor(neighbors, "neighbors")
     checks.check_bool(exclude_diagonal, "exclude_diagonal")
-    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True)
     rows, n = scores.shape
     if scores.shape[1] != rows and process_group is None:
         raise ValueError(f"scores must be square (n, n), got shape {tuple(scores.shape)}")
@@ -102,50 +101,41 @@ def neighbor_loss(
             "backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
             "that already exists: use backend='tiled' (its only n x n allocation is the gradient)"
         )
-    if process_group is not None:
-        return _neighbor_across(scores, neighbors.long(), exclude_diagonal, opts)
-    spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors.long(), pos_mode="pairs", normalize=False)
-    with autocast_off(scores.device.type):
-        return _run_scores(scores, spec, name, reduction, block_size)
+    body = _neighbor if process_group is None else _neighbor_across_ranks
+    return body(scores, neighbors.long(), exclude_diagonal, name, opts)
 
 
-def _run_scores(scores: Tensor, spec: CoreSpec, name: str, reduction: str, block_size: Optional[int]) -> Tensor:
-    n = scores.shape[0]
-    if name != "tiled":
-        return reduce_core(_SCORE_BACKENDS[name](scores, spec), None, spec, reduction)
-    dtype = compute_dtype(scores.dtype)
-    block = block_size or auto_scores_block(n)
-    if reduction == "none":
-        return TiledScores.apply(scores, spec, None, block)
-    r, _ = reduce_weights(spec, n, reduction, dtype, scores.device)
-    return TiledScores.apply(scores, spec, r, block)
-
-
-@same_call_across_ranks
-def _neighbor_across(
-    scores: Tensor,
-    neighbors: Tensor,
-    exclude_diagonal: bool,
-    opts: checks.Options,
-) -> Tensor:
-    """:func:`neighbor_loss` of the global matrix whose rows the ranks hold."""
+def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, name: str, opts: checks.Options) -> Tensor:
+    """:func:`neighbor_loss`'s body, one process being a world of one: this rank's rows
+    of the global score matrix (one process: the whole matrix)."""
     rows, n = scores.shape
-    sizes = distributed.row_counts(rows, scores.device, opts.process_group)
-    if sum(sizes) != n:
-        raise ValueError(
-            f"with process_group, scores holds this rank's rows of the global (n, n) matrix: the ranks "
-            f"hold {sum(sizes)} rows of {n} columns"
-        )
-    offset = sum(sizes[: distributed.rank_of(opts.process_group)])
-    spec = CoreSpec(exclude_self=exclude_diagonal, index=neighbors, pos_mode="pairs", normalize=False, offset=offset)
-    block = opts.block_size or auto_scores_block(n)
+    source: runner.Source = runner.Source(scores, 0, [rows])
+    if opts.process_group is not None:
+        sizes = distributed.row_counts(rows, scores.device, opts.process_group)
+        if sum(sizes) != n:
+            raise ValueError(
+                f"with process_group, scores holds this rank's rows of the global (n, n) matrix: the ranks "
+                f"hold {sum(sizes)} rows of {n} columns"
+            )
+        offset = sum(sizes[: distributed.rank_of(opts.process_group)])
+        source = distributed.Columns(scores, offset, sizes, False, opts.process_group)
+    spec = CoreSpec(
+        exclude_self=exclude_diagonal, index=neighbors, pos_mode="pairs", normalize=False, offset=source.offset
+    )
     with autocast_off(scores.device.type):
+        if name != "tiled":
+            losses = _SCORE_BACKENDS[name](scores, spec)
+            return runner.reduce(losses, torch.ones_like(losses), opts.reduction, opts.grad_scale, source)
+        block = opts.block_size or auto_scores_block(n)
         if opts.reduction == "none":
             return TiledScores.apply(scores, spec, None, block)
-        share = distributed.grad_factor(opts.grad_scale, opts.process_group) / (n if opts.reduction == "mean" else 1)
-        return TiledScores.apply(
-            scores, spec, torch.full((rows,), share, dtype=compute_dtype(scores.dtype), device=scores.device), block
-        )
+        share = source.factor(opts.grad_scale) / (n if opts.reduction == "mean" else 1)
+        weights = torch.full((rows,), share, dtype=compute_dtype(scores.dtype), device=scores.device)
+        return TiledScores.apply(scores, spec, weights, block)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_neighbor_across_ranks = same_call_across_ranks(_neighbor)
 
 
 def sample_neighbors(
