@@ -41,7 +41,4 @@ registry.publish(_sys.modules[__name__], ("function", "module"))
 
 def __getattr__(name: str) -> _Any:
     """A loss or Module registered after import (typed for static checkers)."""
-    found = registry.functions().get(name) or registry.modules().get(name)
-    if found is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return found
+    return registry.lookup(__name__, name, ("function", "module"))

@@ -27,7 +27,4 @@ registry.publish(sys.modules[__name__], ("function",))
 
 def __getattr__(name: str) -> Any:
     """A registered loss function (typed for static checkers; normally set by publish)."""
-    found = registry.functions().get(name)
-    if found is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return found
+    return registry.lookup(__name__, name, ("function",))

@@ -15,7 +15,4 @@ registry.publish(sys.modules[__name__], ("module",))
 
 def __getattr__(name: str) -> Any:
     """A registered Module twin (typed for static checkers; normally set by publish)."""
-    found = registry.modules().get(name)
-    if found is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return found
+    return registry.lookup(__name__, name, ("module",))

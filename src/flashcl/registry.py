@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, List, Tuple, TypeVar
 
-__all__ = ["loss", "module", "remove", "publish", "functions", "modules", "takes_process_group"]
+__all__ = ["loss", "module", "remove", "publish", "lookup", "functions", "modules", "takes_process_group"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=type)
@@ -86,6 +86,15 @@ def publish(namespace: Any, kinds: Tuple[str, ...], make: Callable[[str, Any], A
     for kind, table in (("function", _FUNCTIONS), ("module", _MODULES)):
         for name, obj in list(table.items()):
             _put(namespace, kinds, make, kind, name, obj)
+
+
+def lookup(namespace: str, name: str, kinds: Tuple[str, ...]) -> Any:
+    """A registered object of ``kinds`` named ``name``, for a namespace's module
+    ``__getattr__`` (an AttributeError that names ``namespace`` otherwise)."""
+    for kind, table in (("function", _FUNCTIONS), ("module", _MODULES)):
+        if kind in kinds and name in table:
+            return table[name]
+    raise AttributeError(f"module {namespace!r} has no attribute {name!r}")
 
 
 def functions() -> Dict[str, Callable[..., Any]]:
