@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner: supcon, nt_xent, info_nce, clip, siglip, gist and neighbor losses) take
+(flashcl.runner: supcon, nt_xent, info_nce, clip, siglip, gist, neighbor and distill losses) take
 ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
 reference and dense backends on the gathered keys: the oracle of the multi-process
 tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
@@ -142,6 +142,18 @@ def _cases(
         "neighbor_keep_diagonal_sum": (
             lambda sc: flashcl.neighbor_loss(sc, d["neighbors"][sl], exclude_diagonal=False, reduction="sum", **kw),
             [d["scores"][sl]],
+        ),
+        "distill": (
+            lambda a, b, ta, tt: flashcl.distill_loss(
+                a, b, ta, keys[::2, :4] if single else d["keys"][::2, :4][sl], scale=1.0 / tt, teacher_scale=6.0, **kw
+            ),
+            [emb, views, emb[:, :4] + 0.5 * views[:, :4], t],
+        ),
+        "distill_symmetric": (
+            lambda a, b, tt: flashcl.distill_loss(
+                a, b, guide_a, guide_p, scale=1.0 / tt, teacher_scale=4.0, symmetric=True, **kw
+            ),
+            [emb, views, t],
         ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "info_nce_labels": (

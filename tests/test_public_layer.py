@@ -70,15 +70,14 @@ UNSUPPORTED = [
     ),
     (
         "backend",
-        lambda g: flashcl.distill_loss(
-            torch.randn(4, 3),
-            torch.randn(4, 3),
-            torch.randn(4, 2),
-            torch.randn(4, 2),
-            scale=10.0,
-            teacher_scale=10.0,
-            backend="reference",
-            process_group=g,
+        lambda g: flashcl.triplet_loss(
+            torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), margin=0.2, backend="dense", process_group=g
+        ),
+    ),
+    (
+        "backend",
+        lambda g: flashcl.cosface_loss(
+            torch.randn(4, 3), torch.tensor([0, 1, 2, 0]), torch.randn(3, 3), backend="reference", process_group=g
         ),
     ),
     (

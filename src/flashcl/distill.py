@@ -9,14 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backends, checks, distributed, registry
+from . import checks, distributed, registry, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .dispatch import Scalar, scale_dtype, unit_rows
 from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import Head, Tile, WorkBuffer, lse_inplace, row_dot
-from .reduction import reduce_rows
 from .utils import autocast_off, compute_dtype
 
 __all__ = ["distill_loss", "DistillLoss", "SoftTargetHead"]
@@ -180,7 +179,9 @@ def distill_loss(
             f"({k.shape[0]}, D_t), got {tuple(teacher_q.shape)} and {tuple(teacher_k.shape)}"
         )
     checks.check_bool(symmetric, "symmetric")
-    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(
+        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
+    )
     if symmetric and k.shape[0] != q.shape[0]:
         raise ValueError(
             f"symmetric=True needs as many candidates as queries (pairs), got {q.shape[0]} and {k.shape[0]}"
@@ -189,23 +190,8 @@ def distill_loss(
         raise ValueError("distill_loss has no Triton kernel: use backend='tiled'")
     sc = checks.check_positive_scalar(scale, "scale", q.device, scale_dtype(q))
     tsc = checks.check_positive_scalar(teacher_scale, "teacher_scale", q.device, scale_dtype(teacher_q))
-    if process_group is not None:
-        return _distill_across(q, k, teacher_q, teacher_k, sc, tsc, symmetric, opts)
-    name = backends.resolve(backend, q.shape[0] * k.shape[0], q.device, q.dtype, q.shape[1], kernel=None)
-    with autocast_off(q.device.type):
-        if name == "reference":
-            rows = _formula(q, k, teacher_q, teacher_k, sc, tsc, normalize)
-            if symmetric:
-                rows = 0.5 * (rows + _formula(k, q, teacher_k, teacher_q, sc, tsc, normalize))
-        else:
-
-            def run(a: Tensor, b: Tensor, s: Tensor, problem: Problem) -> Tensor:
-                return backends.run(a, b, s, problem, name, None, block_size)
-
-            rows = _direction(q, k, teacher_q, teacher_k, sc, tsc, normalize, run)
-            if symmetric:
-                rows = 0.5 * (rows + _direction(k, q, teacher_k, teacher_q, sc, tsc, normalize, run))
-    return reduce_rows(rows, torch.ones_like(rows), reduction)
+    body = _distill if process_group is None else _distill_across_ranks
+    return body(q, k, teacher_q, teacher_k, sc, tsc, symmetric, opts)
 
 
 def _formula(q: Tensor, k: Tensor, tq: Tensor, tk: Tensor, sc: Tensor, tsc: Tensor, normalize: bool) -> Tensor:
@@ -246,8 +232,7 @@ def _direction(
     return rows
 
 
-@same_call_across_ranks
-def _distill_across(
+def _distill(
     q: Tensor,
     k: Tensor,
     tq: Tensor,
@@ -257,32 +242,35 @@ def _distill_across(
     symmetric: bool,
     opts: checks.Options,
 ) -> Tensor:
-    """:func:`distill_loss` over the global batch: each rank's rows against every
-    rank's candidates (the other side's, without gradient, gathered)."""
+    """:func:`distill_loss`'s body, one process being a world of one: each rank's rows
+    against every rank's candidates (the other side's, without gradient, gathered)."""
+    group = opts.process_group
+    cols = distributed.columns(k, opts.strategy, group)
+    name = runner.backend_for(opts, cols, q, None)
 
     def one_way(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor) -> Tensor:
-        offset = distributed.columns(b, opts.strategy, opts.process_group).offset
+        if name == "reference":  # the plain formula on every rank's columns
+            if group is None:
+                return _formula(a, b, ta, tb, sc, tsc, opts.normalize)
+            b_all, tb_all = (distributed.columns(x, "all_gather", group).keys for x in (b, tb))
+            return _formula(a, b_all, ta, tb_all, sc, tsc, opts.normalize)
+        source = distributed.columns(b, opts.strategy, group)
 
         def run(x: Tensor, y: Tensor, s: Tensor, problem: Problem) -> Tensor:
-            return distributed.columns(y, opts.strategy, opts.process_group).run(x, s, problem, None, opts.block_size)
+            ys = source if y is b else distributed.columns(y, opts.strategy, group)
+            return ys.run(x, s, problem, None, opts.block_size, backend=name)
 
-        return _direction(
-            a,
-            b,
-            ta,
-            tb,
-            sc,
-            tsc,
-            opts.normalize,
-            run,
-            offset,
-            lambda x: distributed.gather_plain(x, opts.process_group),
-        )
+        return _direction(a, b, ta, tb, sc, tsc, opts.normalize, run, source.offset, source.rows_of_every_rank)
 
-    rows = one_way(q, k, tq, tk)
-    if symmetric:
-        rows = 0.5 * (rows + one_way(k, q, tk, tq))
-    return distributed.reduce_across(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group)
+    with autocast_off(q.device.type):
+        rows = one_way(q, k, tq, tk)
+        if symmetric:
+            rows = 0.5 * (rows + one_way(k, q, tk, tq))
+    return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_distill_across_ranks = same_call_across_ranks(_distill)
 
 
 @registry.module

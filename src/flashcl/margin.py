@@ -291,7 +291,8 @@ def _margin_loss(
     checks.check_choice(backend, "backend", MARGIN_BACKENDS)
     m = _check_margin(margin, name)
     checks.check_bool(easy, "easy_margin")
-    opts = checks.Options(True, reduction, "auto", block_size, process_group, strategy, grad_scale)
+    # across processes the class blocks run: another backend there is an error, not ignored
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     sc = checks.check_positive_scalar(scale, "scale", embeddings.device, compute_dtype(embeddings.dtype))
     labels = labels.long()
     with autocast_off(embeddings.device.type):

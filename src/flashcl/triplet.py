@@ -437,7 +437,8 @@ def triplet_loss(
     m = _check_margin(margin)
     if soft_margin and mining == "all":
         raise ValueError("soft_margin goes with mining='hard' or 'semi-hard' (the batch-all sum is of hinges)")
-    opts = checks.Options(normalize, reduction, "auto", block_size, process_group, strategy, grad_scale)
+    # across processes the row blocks run: another backend there is an error, not ignored
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     with autocast_off(embeddings.device.type):
         x = embeddings.to(compute_dtype(embeddings.dtype))
         if normalize or distance == "cosine":
