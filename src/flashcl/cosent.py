@@ -132,9 +132,8 @@ def cosent_loss(
     lam = checks.check_positive_scalar(scale, "scale", a.device, compute_dtype(a.dtype))
     with autocast_off(a.device.type):
         scores = pair_scores(a, b, similarity)
-        if opts.across:
-            return _cosent_across(scores, lam, labels, similarity, backend, opts)
-        return _LOSSES["tiled" if backend == "auto" else backend](lam * scores, labels)
+        body = _cosent if process_group is None else _cosent_across_ranks
+        return body(scores, lam, labels, similarity, backend, opts)
 
 
 def _check_labels(labels: object, a: Tensor) -> Tensor:
@@ -152,20 +151,22 @@ def _check_labels(labels: object, a: Tensor) -> Tensor:
     return labels.detach()
 
 
-@same_call_across_ranks
-def _cosent_across(
-    scores: Tensor, lam: Tensor, labels: Tensor, similarity: str, backend: str, opts: checks.Options
-) -> Tensor:
-    """The loss over every rank's pairs: the scores (B scalars a rank) gathered with
-    their gradient; each rank returns its share (the global loss over the world
-    size, times the world size for ``grad_scale="ddp"``). ``similarity`` is here
-    for the check that every rank makes the same call."""
-    group = opts.process_group
-    everyone, _ = distributed.all_gather_with_grad((lam * scores).unsqueeze(1), group)
-    all_labels = distributed.gather_plain(labels.unsqueeze(1), group).squeeze(1)
-    world = distributed.world_size(group)
-    loss = _LOSSES["tiled" if backend == "auto" else backend](everyone.squeeze(1), all_labels)
-    return loss * (distributed.grad_factor(opts.grad_scale, group) / world)
+def _cosent(scores: Tensor, lam: Tensor, labels: Tensor, similarity: str, backend: str, opts: checks.Options) -> Tensor:
+    """:func:`cosent_loss`'s body, one process being a world of one: the loss over
+    every rank's pairs, the scores (B scalars a rank) gathered with their gradient;
+    each rank returns its share (the global loss over the world size, times the world
+    size for ``grad_scale="ddp"``). ``similarity`` is here for the check that every
+    rank makes the same call."""
+    pairs = distributed.columns((lam * scores).unsqueeze(1), "all_gather", opts.process_group)
+    all_labels = pairs.gather(labels.unsqueeze(1)).squeeze(1)
+    loss = _LOSSES["tiled" if backend == "auto" else backend](pairs.keys.squeeze(1), all_labels)
+    if opts.process_group is None:
+        return loss
+    return loss * (pairs.factor(opts.grad_scale) / len(pairs.sizes))
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_cosent_across_ranks = same_call_across_ranks(_cosent)
 
 
 @registry.module
