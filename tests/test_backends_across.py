@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner: supcon, nt_xent, info_nce, clip, siglip, gist, neighbor and distill losses) take
+(flashcl.runner: supcon, nt_xent, info_nce, clip, siglip, gist, neighbor, distill and margin losses) take
 ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
 reference and dense backends on the gathered keys: the oracle of the multi-process
 tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
@@ -35,6 +35,7 @@ def _data(total: int) -> Dict[str, torch.Tensor]:
         "ref_labels": torch.randint(0, 4, (7,), generator=g),
         "ref_self": torch.where(torch.arange(total) % 3 == 2, -1, torch.arange(total) % 7),
         "negatives": torch.randn(5, 6, dtype=torch.float64, generator=g),
+        "classes": torch.randn(4, 6, dtype=torch.float64, generator=g),
         # a given score matrix (the ranks hold its rows) and each row's sampled neighbours
         "scores": 3.0 * torch.randn(total, total, dtype=torch.float64, generator=g),
         "neighbors": torch.randint(0, total, (total, 2), generator=g),
@@ -155,6 +156,15 @@ def _cases(
             ),
             [emb, views, t],
         ),
+        # class weights: a parameter every rank holds alike (its gradient summed over the ranks)
+        "cosface": (
+            lambda e, w, tt: flashcl.cosface_loss(e, labels, w, margin=0.2, scale=1.0 / tt, **kw),
+            [emb, d["classes"], t],
+        ),
+        "arcface_sum": (
+            lambda e, w, tt: flashcl.arcface_loss(e, labels, w, margin=0.3, scale=1.0 / tt, reduction="sum", **kw),
+            [emb, d["classes"], t],
+        ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "info_nce_labels": (
             lambda q, k, tt: flashcl.info_nce_loss(
@@ -211,6 +221,10 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     close_group()
 
 
+#: (input, case): inputs every rank holds alike (class weights), their gradients summed over the ranks
+REPLICATED = {(1, "cosface"), (1, "arcface_sum")}
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_backend_across_processes_equals_one_process(world: int, tmp_path) -> None:
     mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
@@ -226,7 +240,7 @@ def test_every_backend_across_processes_equals_one_process(world: int, tmp_path)
             got = [r[(backend, name)] for r in ranks]
             assert_close(sum(v for v, _ in got), want, f"{what}: sum of the ranks' values", *TOL)
             for i, g in enumerate(want_grads):
-                if g.dim() == 0:
+                if g.dim() == 0 or (i, name) in REPLICATED:
                     assert_close(sum(r[1][i] for r in got), g, f"{what}: summed temperature grad", *TOL)
                     continue
                 per = 1 if g.shape[0] == sum(sizes) else 2

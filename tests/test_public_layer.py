@@ -75,12 +75,6 @@ UNSUPPORTED = [
         ),
     ),
     (
-        "backend",
-        lambda g: flashcl.cosface_loss(
-            torch.randn(4, 3), torch.tensor([0, 1, 2, 0]), torch.randn(3, 3), backend="reference", process_group=g
-        ),
-    ),
-    (
         "strategy",
         lambda g: flashcl.siglip_loss(
             torch.randn(4, 3), torch.randn(4, 3), 10.0, -10.0, strategy="tree", process_group=g

@@ -16,11 +16,10 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, distributed, registry
+from . import checks, distributed, registry, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .distributed import same_call_across_ranks
-from .reduction import reduce_rows
 from .utils import FusedFunction, autocast_off, compute_dtype, normalize_rows
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
@@ -291,27 +290,50 @@ def _margin_loss(
     checks.check_choice(backend, "backend", MARGIN_BACKENDS)
     m = _check_margin(margin, name)
     checks.check_bool(easy, "easy_margin")
-    # across processes the class blocks run: another backend there is an error, not ignored
-    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True)
     sc = checks.check_positive_scalar(scale, "scale", embeddings.device, compute_dtype(embeddings.dtype))
-    labels = labels.long()
+    body = _margin if process_group is None else _margin_across_ranks
     with autocast_off(embeddings.device.type):
-        if opts.across:
-            return _margin_across(embeddings, labels, w, sc, target, m, easy, opts)
-        if backend == "reference":
-            rows = _reference_rows(embeddings.to(sc.dtype), w.to(sc.dtype), labels, TARGETS[target], m, sc, easy)
-        elif backend == "dense":
-            rows = _dense_rows(embeddings.to(sc.dtype), w.to(sc.dtype), labels, TARGETS[target], m, sc, easy)
-        else:
-            block = block_size or auto_class_block(embeddings.shape[0], w.shape[0])
-            if reduction == "none":
-                return _MarginRows.apply(embeddings, w, sc, labels, target, m, easy, None, block)
-            b = embeddings.shape[0]
-            weights = torch.full(
-                (b,), 1.0 / max(b, 1) if reduction == "mean" else 1.0, dtype=sc.dtype, device=embeddings.device
-            )
-            return _MarginRows.apply(embeddings, w, sc, labels, target, m, easy, weights, block)
-    return reduce_rows(rows, torch.ones_like(rows), reduction)
+        return body(embeddings, labels.long(), w, sc, target, m, easy, backend, opts)
+
+
+def _margin(
+    embeddings: Tensor,
+    labels: Tensor,
+    class_weights: Tensor,
+    scale: Tensor,
+    target: str,
+    margin: float,
+    easy: bool,
+    backend: str,
+    opts: checks.Options,
+) -> Tensor:
+    """The body, one process being a world of one: this rank's rows against every
+    class (the class weights the same on every rank, as a replicated parameter),
+    reduced over every rank's rows."""
+    b = embeddings.shape[0]
+    group = opts.process_group
+    rows_of: runner.Source = runner.Source(embeddings, 0, [b])
+    if group is not None:
+        rows_of = distributed.Columns(embeddings, 0, [b], False, group)
+    if backend in ("reference", "dense"):
+        fn = _reference_rows if backend == "reference" else _dense_rows
+        e, w = embeddings.to(scale.dtype), class_weights.to(scale.dtype)
+        rows = fn(e, w, labels, TARGETS[target], margin, scale, easy)
+        return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, rows_of)
+    block = opts.block_size or auto_class_block(b, class_weights.shape[0])
+    if opts.reduction == "none":
+        return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, None, block)
+    factor = rows_of.factor(opts.grad_scale)
+    if opts.reduction == "mean":
+        total = rows_of.count(torch.tensor([float(b)], device=embeddings.device))
+        factor = factor / max(float(total[0]), 1.0)
+    weights = torch.full((b,), factor, dtype=scale.dtype, device=embeddings.device)
+    return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_margin_across_ranks = same_call_across_ranks(_margin)
 
 
 def _check_margin(margin: object, name: str) -> float:
@@ -323,31 +345,6 @@ def _check_margin(margin: object, name: str) -> float:
         bound = "[0, pi) radians" if name == "arcface_loss" else "a finite number >= 0"
         raise ValueError(f"{name}: margin must be {bound}, got {margin!r}")
     return value
-
-
-@same_call_across_ranks
-def _margin_across(
-    embeddings: Tensor,
-    labels: Tensor,
-    class_weights: Tensor,
-    scale: Tensor,
-    target: str,
-    margin: float,
-    easy: bool,
-    opts: checks.Options,
-) -> Tensor:
-    """This rank's rows against every class (the class weights the same on every
-    rank, as a replicated parameter): the mean over every rank's rows."""
-    group = opts.process_group
-    block = opts.block_size or auto_class_block(embeddings.shape[0], class_weights.shape[0])
-    if opts.reduction == "none":
-        return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, None, block)
-    factor = distributed.grad_factor(opts.grad_scale, group)
-    if opts.reduction == "mean":
-        total = distributed.sum_across(torch.tensor([float(embeddings.shape[0])], device=embeddings.device), group)
-        factor = factor / max(float(total[0]), 1.0)
-    weights = torch.full((embeddings.shape[0],), factor, dtype=scale.dtype, device=embeddings.device)
-    return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block)
 
 
 @registry.loss
