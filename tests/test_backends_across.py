@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner: supcon, nt_xent, info_nce, clip, siglip, gist, neighbor, distill and margin losses) take
+(flashcl.runner: every loss but the triplets) take
 ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
 reference and dense backends on the gathered keys: the oracle of the multi-process
 tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
@@ -66,6 +66,9 @@ def _cases(
     # the guide close to the model: some in-batch candidates are its false negatives
     guide_a, guide_p = emb[:, :4] + 0.3 * views[:, :4], views[:, :4] + 0.3 * emb[:, :4]
     guide_n = keys[::2, :4]
+    # multi-hot label sets: each sample's class and the next one
+    multi_hot = torch.nn.functional.one_hot(labels, 5).bool() | torch.nn.functional.one_hot(labels + 1, 5).bool()
+    ref_multi_hot = torch.nn.functional.one_hot(ref_labels, 5).bool()
     return {
         "supcon": (lambda e, tt: flashcl.supcon_loss(e, labels, temperature=tt, **kw), [emb, t]),
         "supcon_sum_self": (
@@ -164,6 +167,16 @@ def _cases(
         "arcface_sum": (
             lambda e, w, tt: flashcl.arcface_loss(e, labels, w, margin=0.3, scale=1.0 / tt, reduction="sum", **kw),
             [emb, d["classes"], t],
+        ),
+        "supcon_multi_hot": (
+            lambda e, tt: flashcl.supcon_loss(e, multi_hot, temperature=tt, overlap_threshold=0.2, **kw),
+            [emb, t],
+        ),
+        "supcon_multi_hot_queue": (
+            lambda e, tt: flashcl.supcon_loss(
+                e, multi_hot, temperature=tt, ref=ref, ref_labels=ref_multi_hot, positives="sum", **kw
+            ),
+            [emb, t],
         ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "info_nce_labels": (

@@ -64,12 +64,6 @@ UNSUPPORTED = [
     # backend is an error, not ignored (the losses that take every backend: test_backends_across.py)
     (
         "backend",
-        lambda g: flashcl.supcon_loss(  # multi-hot labels
-            torch.randn(4, 3), torch.eye(4, 3, dtype=torch.bool), backend="dense", process_group=g
-        ),
-    ),
-    (
-        "backend",
         lambda g: flashcl.triplet_loss(
             torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), margin=0.2, backend="dense", process_group=g
         ),

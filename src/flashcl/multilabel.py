@@ -9,11 +9,10 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed
+from . import checks, distributed, runner
 from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import Head, Tile, WorkBuffer, lse_inplace, mask_self_, row_dot
-from .reduction import reduce_rows
 from .tiled import auto_block
 from .utils import autocast_off, compute_dtype
 
@@ -175,9 +174,10 @@ def _reference(
     positives: str,
     include_self: bool,
     normalize: bool,
+    offset: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """The per-anchor losses by the formula on the whole matrices (the oracle): the
-    self column at ``i`` (k's first rows are the anchors)."""
+    self column at ``i + offset`` (the anchors are k's rows from ``offset``)."""
     dtype = compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
     if normalize:
@@ -185,7 +185,7 @@ def _reference(
     s = scale.to(dtype) * q @ k.T
     j = jaccard(yq, yk)
     own = torch.zeros_like(s, dtype=torch.bool)
-    own[torch.arange(q.shape[0]), torch.arange(q.shape[0])] = True
+    own[torch.arange(q.shape[0]), torch.arange(q.shape[0]) + offset] = True
     pos = (j > threshold) & ~own
     den = s.masked_fill(own, float("-inf")) if not include_self else s
     log_prob = s - torch.logsumexp(den, dim=1, keepdim=True)
@@ -219,40 +219,14 @@ def multilabel_supcon(
         y_ref = check_multi_hot(ref_labels, ref, "ref_labels")
         if y_ref.shape[1] != y.shape[1]:
             raise ValueError(f"ref_labels must have the labels' {y.shape[1]} classes, got {y_ref.shape[1]}")
-    if opts.process_group is not None:
-        out = _across(flat, y, ref, y_ref, scale, threshold, positives, include_self, opts)
-    else:
-        k = flat if ref is None else torch.cat([flat, ref.detach().to(flat.dtype)])
-        yk = y if y_ref is None else torch.cat([y, y_ref])
-        if k.shape[0] < 2 and not include_self:
-            raise ValueError("supcon_loss needs at least 2 samples when include_self=False")
-        name = backends.resolve(
-            opts.backend, flat.shape[0] * k.shape[0], flat.device, flat.dtype, flat.shape[1], kernel=None
-        )
-        if name == "triton":
-            raise ValueError("multi-label supcon_loss has no Triton kernel: use backend='tiled'")
-        with autocast_off(flat.device.type):
-            if name == "reference":
-                rows, valid = _reference(flat, k, y, yk, scale, threshold, positives, include_self, opts.normalize)
-                out = reduce_rows(rows, valid, opts.reduction)
-            else:
-                dtype = compute_dtype(flat.dtype)
-                c, a, valid_b = row_weights(
-                    y, yk, threshold, positives, 0, auto_block(y.shape[0], yk.shape[0], dtype), dtype
-                )
-                head = JaccardHead(y, yk, threshold, c, a, not include_self)
-                valid = valid_b.to(dtype)
-                weights = None
-                if opts.reduction != "none":
-                    weights = (valid / valid.sum().clamp_min(1) if opts.reduction == "mean" else valid, None)
-                out = backends.run(flat, k, scale, Problem(head, (), opts.normalize), name, weights, opts.block_size)
+    body = _multilabel if opts.process_group is None else _multilabel_across_ranks
+    out = body(flat, y, ref, y_ref, scale, threshold, positives, include_self, opts)
     if opts.reduction == "none" and embeddings.dim() == 3:
         out = out.reshape(views, b).T
     return out
 
 
-@same_call_across_ranks
-def _across(
+def _multilabel(
     flat: Tensor,
     y: Tensor,
     ref: Optional[Tensor],
@@ -263,23 +237,38 @@ def _across(
     include_self: bool,
     opts: checks.Options,
 ) -> Tensor:
-    """Multi-label SupCon over the global batch: this rank's rows against every
-    rank's (and the queue's keys once)."""
+    """Multi-label SupCon's body, one process being a world of one: this rank's rows
+    against every rank's (and the queue's keys once)."""
     cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref)
     yk = cols.gather(y, ref_labels)
     if cols.total - cols.shared < 2 and not include_self and ref is None:
-        raise ValueError("supcon_loss needs at least 2 samples in the global batch when include_self=False")
+        raise ValueError(
+            "supcon_loss needs at least 2 samples when include_self=False (across processes: in the global batch)"
+        )
+    name = runner.backend_for(opts, cols, flat, None)
+    if name == "triton":
+        raise ValueError("multi-label supcon_loss has no Triton kernel: use backend='tiled'")
     dtype = compute_dtype(flat.dtype)
-    block = auto_block(y.shape[0], yk.shape[0], dtype)
-    c, a, valid_b = row_weights(y, yk, threshold, positives, cols.offset, block, dtype)
-    head = JaccardHead(y, yk, threshold, c, a, not include_self, cols.offset)
-    valid = valid_b.to(dtype)
-    weights = None
-    if opts.reduction != "none":
-        factor = distributed.grad_factor(opts.grad_scale, opts.process_group)
-        if opts.reduction == "mean":
-            total = distributed.sum_across(valid.sum().reshape(1), opts.process_group).clamp_min(1)
-            weights = (valid * (factor / total), None)
-        else:
-            weights = (valid * factor, None)
-    return cols.run(flat, scale, Problem(head, (), opts.normalize, cols.offset), weights, opts.block_size)
+    with autocast_off(flat.device.type):
+        if name == "reference":
+            rows, valid = _reference(
+                flat, cols.keys, y, yk, scale, threshold, positives, include_self, opts.normalize, cols.offset
+            )
+            return runner.reduce(rows, valid, opts.reduction, opts.grad_scale, cols)
+        block = auto_block(y.shape[0], yk.shape[0], dtype)
+        c, a, valid_b = row_weights(y, yk, threshold, positives, cols.offset, block, dtype)
+        head = JaccardHead(y, yk, threshold, c, a, not include_self, cols.offset)
+        valid = valid_b.to(dtype)
+        weights = None
+        if opts.reduction != "none":
+            factor = cols.factor(opts.grad_scale)
+            if opts.reduction == "mean":
+                weights = (valid * (factor / cols.count(valid.sum().reshape(1)).clamp_min(1)), None)
+            else:
+                weights = (valid * factor, None)
+        problem = Problem(head, (), opts.normalize, cols.offset)
+        return cols.run(flat, scale, problem, weights, opts.block_size, backend=name)
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_multilabel_across_ranks = same_call_across_ranks(_multilabel)

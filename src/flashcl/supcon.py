@@ -216,7 +216,9 @@ def supcon_loss(
         embeddings = checks.check_float_tensor(embeddings, "embeddings", (2, 3))
         checks.check_choice(positives, "positives", ("mean", "sum"))
         checks.check_bool(include_self, "include_self")
-        opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+        opts = checks.Options(
+            normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
+        )
         threshold = _check_threshold(overlap_threshold)
         no_matryoshka(matryoshka_dims, matryoshka_weights, "multi-hot labels")
         if ref_self is not None:
