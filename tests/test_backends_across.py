@@ -1,5 +1,5 @@
 """Every backend across processes: the losses whose one body runs through the runner
-(flashcl.runner: every loss but the triplets) take
+(flashcl.runner: every loss) take
 ``backend="reference"``, ``"dense"`` and ``"tiled"`` with a process group (the
 reference and dense backends on the gathered keys: the oracle of the multi-process
 tests), on 2 and 3 gloo processes with uneven batches, equal in float64 to one
@@ -177,6 +177,17 @@ def _cases(
                 e, multi_hot, temperature=tt, ref=ref, ref_labels=ref_multi_hot, positives="sum", **kw
             ),
             [emb, t],
+        ),
+        "triplet_all": (lambda e: flashcl.triplet_loss(e, labels, margin=0.4, normalize=True, **kw), [emb]),
+        "triplet_hard_sum": (
+            lambda e: flashcl.triplet_loss(e, labels, margin=0.3, mining="hard", reduction="sum", **kw),
+            [emb],
+        ),
+        "triplet_semi_hard_soft_cosine": (
+            lambda e: flashcl.triplet_loss(
+                e, labels, margin=0.0, mining="semi-hard", soft_margin=True, distance="cosine", **kw
+            ),
+            [emb],
         ),
         "info_nce": (lambda q, k, tt: flashcl.info_nce_loss(q, k, pos, temperature=tt, **kw), [emb, keys, t]),
         "info_nce_labels": (

@@ -60,14 +60,8 @@ def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
 
 
 UNSUPPORTED = [
-    # a loss whose body does not yet run through the runner takes only its own core across processes: another
-    # backend is an error, not ignored (the losses that take every backend: test_backends_across.py)
-    (
-        "backend",
-        lambda g: flashcl.triplet_loss(
-            torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), margin=0.2, backend="dense", process_group=g
-        ),
-    ),
+    # every loss takes every backend across processes (test_backends_across.py); a bad strategy or
+    # grad_scale is an error before any collective
     (
         "strategy",
         lambda g: flashcl.siglip_loss(

@@ -184,34 +184,46 @@ def _value(t: Tensor) -> float:
 
 
 def _reference_rows(
-    x: Tensor, y: Tensor, mining: str, margin: float, soft: bool, distance: str
+    x: Tensor,
+    y: Tensor,
+    mining: str,
+    margin: float,
+    soft: bool,
+    distance: str,
+    k: Optional[Tensor] = None,
+    yk: Optional[Tensor] = None,
+    offset: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Per-anchor losses and counts by loops over the anchors, positives and
-    negatives, each distance formed on its own (the oracle)."""
+    negatives, each distance formed on its own (the oracle). ``k``, ``yk``: every
+    sample of the batch and its label when the anchors ``x`` are its rows from
+    ``offset`` (default: the anchors themselves)."""
+    k = x if k is None else k
+    yk = y if yk is None else yk
 
     def dist(i: int, j: int) -> Tensor:
-        if i == j:
+        if j == i + offset:
             return x[i, :0].sum()
         if distance == "cosine":
-            return 1.0 - (x[i] * x[j]).sum()
-        sq = (x[j] * x[j]).sum() - 2.0 * (x[i] * x[j]).sum() + (x[i] * x[i]).sum()
+            return 1.0 - (x[i] * k[j]).sum()
+        sq = (k[j] * k[j]).sum() - 2.0 * (x[i] * k[j]).sum() + (x[i] * x[i]).sum()
         sq = sq.clamp_min(0.0)
         return sq if distance == "squared" or bool(sq == 0) else sq.sqrt()
 
     def hinge(v: Tensor) -> Tensor:
         return torch.nn.functional.softplus(v) if soft else v.clamp_min(0.0)
 
-    b = x.shape[0]
+    b, n = x.shape[0], k.shape[0]
     rows, counts = [], []
     for i in range(b):
-        ps = [j for j in range(b) if j != i and bool(y[j] == y[i])]
-        ns = [j for j in range(b) if bool(y[j] != y[i])]
+        ps = [j for j in range(n) if j != i + offset and bool(yk[j] == y[i])]
+        ns = [j for j in range(n) if bool(yk[j] != y[i])]
         if mining == "all":
             terms = [hinge(dist(i, p) - dist(i, n) + margin) for p in ps for n in ns]
             rows.append(sum(terms, x[i, :0].sum()))
             counts.append(sum(int(_value(t) > 0) for t in terms))
         elif mining == "hard":
-            every = [dist(i, j) for j in range(b)]
+            every = [dist(i, j) for j in range(n)]
             hp = max([every[p] for p in ps], key=_value) if ps else x[i, :0].sum()
             if ns:
                 hn = min([every[n] for n in ns], key=_value)
@@ -220,7 +232,7 @@ def _reference_rows(
             rows.append(hinge(hp - hn + margin))
             counts.append(1)
         else:
-            every = [dist(i, j) for j in range(b)]
+            every = [dist(i, j) for j in range(n)]
             total = x[i, :0].sum()
             for p in ps:
                 farther = [every[n] for n in ns if _value(every[n]) > _value(every[p])]
@@ -437,32 +449,15 @@ def triplet_loss(
     m = _check_margin(margin)
     if soft_margin and mining == "all":
         raise ValueError("soft_margin goes with mining='hard' or 'semi-hard' (the batch-all sum is of hinges)")
-    # across processes the row blocks run: another backend there is an error, not ignored
-    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+    opts = checks.Options(
+        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
+    )
     with autocast_off(embeddings.device.type):
         x = embeddings.to(compute_dtype(embeddings.dtype))
         if normalize or distance == "cosine":
             x = normalize_rows(x)
-        if opts.across:
-            return _triplet_across(x, labels, mining, m, soft_margin, distance, opts)
-        if backend == "reference":
-            rows, counts = _reference_rows(x, labels, mining, m, soft_margin, distance)
-            return _reduce(rows, counts, reduction)
-        if backend == "dense":
-            rows, counts = _dense_rows(x, x, labels, labels, 0, mining, m, soft_margin, distance)
-            return _reduce(rows, counts, reduction)
-        block = block_size or auto_triplet_block(x.shape[0], x.shape[0])
-        if reduction == "none":
-            rows, _ = _TripletRows.apply(x, x, labels, labels, 0, mining, m, soft_margin, distance, None, block)
-            return rows
-        weights = _weights_before(x, labels, mining, reduction, block)
-        if weights is None:  # the mean over the triplets with a positive loss: their count comes with the sum
-            total, counts = _TripletRows.apply(
-                x, x, labels, labels, 0, mining, m, soft_margin, distance, torch.ones_like(x[:, 0]), block
-            )
-            return total / counts.sum().clamp_min(1).to(total.dtype)
-        total, _ = _TripletRows.apply(x, x, labels, labels, 0, mining, m, soft_margin, distance, weights, block)
-        return total
+        body = _triplet if process_group is None else _triplet_across_ranks
+        return body(x, labels, mining, m, soft_margin, distance, backend, opts)
 
 
 def _check_margin(margin: object) -> float:
@@ -474,59 +469,57 @@ def _check_margin(margin: object) -> float:
     return value
 
 
-def _weights_before(x: Tensor, labels: Tensor, mining: str, reduction: str, block: int) -> Optional[Tensor]:
-    """Each row's weight of a scalar reduction when it is known before the visit;
-    None for batch-all's mean (its divisor is counted during the visit)."""
-    ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    if reduction == "sum":
-        return ones
-    if mining == "hard":
-        return ones / x.shape[0]
-    if mining == "semi-hard":
-        pairs = _positive_pairs(labels)
-        return ones / max(pairs, 1)
-    return None
-
-
 def _positive_pairs(labels: Tensor) -> int:
     """The (anchor, positive) pairs: sum over classes of n (n - 1)."""
     _, counts = torch.unique(labels, return_counts=True)
     return int((counts * (counts - 1)).sum())
 
 
-def _reduce(rows: Tensor, counts: Tensor, reduction: str) -> Tensor:
-    if reduction == "none":
-        return rows
-    if reduction == "sum":
-        return rows.sum()
-    return rows.sum() / counts.sum().clamp_min(1).to(rows.dtype)
-
-
-@same_call_across_ranks
-def _triplet_across(
-    x: Tensor, labels: Tensor, mining: str, margin: float, soft: bool, distance: str, opts: checks.Options
+def _triplet(
+    x: Tensor,
+    labels: Tensor,
+    mining: str,
+    margin: float,
+    soft: bool,
+    distance: str,
+    backend: str,
+    opts: checks.Options,
 ) -> Tensor:
-    """This rank's anchors against every rank's samples (gathered with their
-    gradient); the mean's divisor counted over every rank."""
-    if opts.strategy == "ring":
+    """The body, one process being a world of one: this rank's anchors against every
+    rank's samples (gathered with their gradient); the mean's divisor counted over
+    every rank."""
+    group = opts.process_group
+    if group is not None and opts.strategy == "ring":
         raise ValueError(
             "triplet_loss needs every distance of an anchor's row at once (its sorted negatives): "
             "use strategy='all_gather'"
         )
-    group = opts.process_group
-    k, offset = distributed.all_gather_with_grad(x, group)
-    yk = distributed.gather_plain(labels.unsqueeze(1), group).squeeze(1)
-    block = opts.block_size or auto_triplet_block(x.shape[0], k.shape[0])
-    factor = distributed.grad_factor(opts.grad_scale, group)
-    if opts.reduction == "none":
-        rows, _ = _TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, None, block)
-        return rows
-    ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    total, counts = _TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
+    cols = distributed.columns(x, "all_gather", group, own=True)
+    k, yk, offset = cols.keys, cols.gather(labels), cols.offset
+    if backend in ("reference", "dense"):
+        if backend == "reference":
+            rows, counts = _reference_rows(x, labels, mining, margin, soft, distance, k, yk, offset)
+        else:
+            rows, counts = _dense_rows(x, k, labels, yk, offset, mining, margin, soft, distance)
+        if opts.reduction == "none":
+            return rows
+        total = rows.sum()
+    else:
+        block = opts.block_size or auto_triplet_block(x.shape[0], k.shape[0])
+        if opts.reduction == "none":
+            rows, _ = _TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, None, block)
+            return rows
+        ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+        total, counts = _TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
+    factor = cols.factor(opts.grad_scale)
     if opts.reduction == "sum":
         return total * factor
-    divisor = distributed.sum_across(counts.sum().reshape(1).to(total.dtype), group).clamp_min(1)
+    divisor = cols.count(counts.sum().reshape(1).to(total.dtype)).clamp_min(1)
     return total * (factor / divisor[0])
+
+
+#: the body across processes: every rank must make the same call (a ValueError, not a hang)
+_triplet_across_ranks = same_call_across_ranks(_triplet)
 
 
 @registry.module
