@@ -197,7 +197,11 @@ def _gist(
                 contrast_positives,
                 name,
                 opts.block_size,
-                lambda keys: positives if keys is positive else distributed.columns(keys, opts.strategy, group),
+                # one process: each part against its keys directly (through a Source it measured
+                # 15-25% slower at B = 2048, D = 128)
+                None
+                if group is None
+                else lambda keys: positives if keys is positive else distributed.columns(keys, opts.strategy, group),
             )
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, positives)
 
