@@ -287,6 +287,18 @@ def columns(k_local: Tensor, strategy: str, group: Any, shared: Optional[Tensor]
     return Columns(keys, offset, sizes, strategy == "ring", group, n_shared)
 
 
+def replicated(keys: Tensor, group: Any, shared: Optional[Tensor] = None) -> Source:
+    """Keys each rank scores its own rows against, not gathered (a queue that holds
+    the batch, a query's own key), then ``shared`` keys: the ranks meet in the
+    reduction only. ``group=None``: one process."""
+    if shared is not None:
+        keys = torch.cat([keys, shared.detach().to(keys.dtype)])
+    n_shared = 0 if shared is None else shared.shape[0]
+    if group is None:
+        return Source(keys, 0, [keys.shape[0]], shared=n_shared)
+    return Columns(keys, 0, [keys.shape[0]], False, group, n_shared)
+
+
 def grad_factor(grad_scale: str, group: Any) -> float:
     """The factor each rank's share is returned with: the world size for ``"ddp"``, 1 for
     ``"sum"`` and for one process (``group=None``)."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, lowering, reference, registry, runner
+from . import checks, distributed, registry, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -17,15 +18,14 @@ from .dispatch import (
     check_smoothing,
     class_ids,
     no_matryoshka,
-    row_lse,
     smoothing_rows,
     unit_rows,
 )
 from .distributed import same_call_across_ranks
-from .heads import SoftmaxHead, Tile
+from .heads import Tile
 from .reduction import reduce_rows
 from .tile import Exclusions
-from .utils import autocast_off, compute_dtype
+from .utils import compute_dtype
 
 
 def _same_label_mask(q_ids: Tensor, k_ids: Tensor, index: Tensor) -> Callable[[Tile], Tensor]:
@@ -65,48 +65,6 @@ def info_nce_spec(
         normalize=normalize,
         exclude=Exclusions(fn=_same_label_mask(q_ids, k_ids, index)),
     )
-
-
-def _info_nce_with_negatives(
-    query: Tensor,
-    keys: Tensor,
-    negatives: Tensor,
-    scale: Tensor,
-    spec: CoreSpec,
-    in_batch: bool,
-    reduction: str,
-    backend: str,
-    block_size: Optional[int],
-) -> Tensor:
-    """InfoNCE whose denominators also hold ``negatives`` (no gradient): the keys' part
-    and the negatives' part, each a logsumexp over tiles, merged per row."""
-    b, n, k = query.shape[0], keys.shape[0], negatives.shape[0]
-    masks_from_data = spec.exclude is not None and spec.exclude.fn is not None
-    name = backends.resolve(
-        backend, b * (n + k), query.device, query.dtype, query.shape[1], kernel=None if masks_from_data else "softmax"
-    )
-    dtype = compute_dtype(query.dtype)
-    if name == "reference":
-        with autocast_off(query.device.type):
-            rows, valid = reference.info_nce_with_negatives(query, keys, negatives, scale, spec, in_batch)
-        return reduce_rows(rows, valid, reduction)
-    with autocast_off(query.device.type):
-        q, kk = unit_rows(query, spec.normalize), unit_rows(keys, spec.normalize)
-        pos_spec = lowering.positives(spec)
-        pos = pos_spec.sums(q, kk)
-        counts = pos_spec.counts(b, n).to(dtype)
-        ones = torch.ones(b, dtype=dtype, device=query.device)
-        lse_neg = row_lse(query, negatives, scale, SoftmaxHead(ones), spec.normalize, name, block_size)
-        if in_batch:
-            lse_keys = row_lse(
-                query, keys, scale, SoftmaxHead(ones, exclude=spec.exclude), spec.normalize, name, block_size
-            )
-        else:  # MoCo: the keys' part is each query's positive alone
-            lse_keys = scale.to(dtype) * pos
-        lse = torch.logaddexp(lse_keys, lse_neg)
-        a = 1.0 / counts.clamp_min(1) if spec.pos_mode == "mean" else torch.ones_like(counts)
-        rows = lse - scale.to(dtype) * a * pos
-        return reduce_rows(rows, (counts > 0).to(dtype), reduction)
 
 
 @registry.loss
@@ -196,9 +154,8 @@ def info_nce_loss(
     if query_labels is not None:
         _, query_labels = checks.validate_labelled(query, query_labels, names=("query", "query_labels"))
         _, key_labels = checks.validate_labelled(keys, key_labels, names=("keys", "key_labels"))
-    if process_group is not None or negatives is not None:
-        # the labels checked on this rank before any collective (one process: in the body)
-        spec = info_nce_spec(index, normalize, query_labels, key_labels, duplicates)
+    if process_group is not None:  # the labels checked on this rank before any collective
+        info_nce_spec(index, normalize, query_labels, key_labels, duplicates)
     if not in_batch_negatives and negatives is None:
         raise ValueError("in_batch_negatives=False leaves each query its positive alone: pass negatives")
     if not in_batch_negatives and query_labels is not None:
@@ -234,10 +191,6 @@ def info_nce_loss(
                 rows, torch.ones_like(rows), reduction, grad_scale, process_group
             )
         return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
-    if process_group is None and negatives is not None:  # the queue as its own log-sum-exp: no copy of it
-        return _info_nce_with_negatives(
-            query, keys, negatives, scale, spec, in_batch_negatives, reduction, backend, block_size
-        )
     return (_info_nce if opts.process_group is None else _info_nce_across_ranks)(
         query,
         keys,
@@ -272,22 +225,14 @@ def _info_nce(
     against every rank's keys (``index`` into this rank's; :mod:`flashcl.distributed`)
     and the shared ``negatives`` once; MoCo's (``in_batch_negatives=False``) against
     its own key and the negatives, the ranks meeting in the reduction."""
-    if not in_batch_negatives:
-        assert negatives is not None
-        rows = _info_nce_with_negatives(
-            query,
-            keys,
-            negatives,
-            scale,
-            info_nce_spec(index, opts.normalize),
-            False,
-            "none",
-            opts.backend,
-            opts.block_size,
-        )
-        return distributed.reduce_across(
-            rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, opts.process_group
-        )
+    if not in_batch_negatives:  # MoCo: LSE over its own key and the queue; the ranks meet in the reduction
+        cols = distributed.replicated(negatives[:0], opts.process_group, shared=negatives)
+        alone = CoreSpec(index=index.new_empty((query.shape[0], 0)), normalize=opts.normalize)  # no positive: the LSE
+        lse = runner.run(query, cols, scale, alone, replace(opts, reduction="none"))
+        q, k = unit_rows(query, opts.normalize), unit_rows(keys[index], opts.normalize)
+        pos = scale.to(q.dtype) * (q * k).sum(1)
+        rows = torch.nn.functional.softplus(lse - pos)
+        return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
     cols = distributed.columns(keys, opts.strategy, opts.process_group, shared=negatives)
     all_key_labels = None
     if query_labels is not None and key_labels is not None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor
 
-from . import backends, checks, distributed, reference, registry, runner
+from . import checks, distributed, registry, runner
 from .base import LossModule, reject_pml_call, shared_docs
 from .compiled import compiles
 from .core import CoreSpec
@@ -17,16 +16,10 @@ from .dispatch import (
     check_keys,
     class_ids,
     no_matryoshka,
-    row_lse,
-    run_core,
-    unit_rows,
 )
 from .distributed import same_call_across_ranks
-from .heads import SoftmaxHead
 from .multilabel import multilabel_supcon
-from .positives import Positives
-from .reduction import reduce_rows
-from .utils import autocast_off, compute_dtype
+from .utils import compute_dtype
 
 
 def validate_ref(
@@ -51,66 +44,6 @@ def validate_ref(
             raise ValueError(f"ref_self values must be rows of ref in [0, {n}), or -1")
         ref_self = ref_self.long()
     return ref, ref_labels, ref_self
-
-
-def _supcon_with_ref(
-    embeddings: Tensor,
-    labels: Tensor,
-    scale: Tensor,
-    positives: str,
-    include_self: bool,
-    normalize: bool,
-    reduction: str,
-    backend: str,
-    block_size: Optional[int],
-    ref: Optional[Tensor],
-    ref_labels: Optional[Tensor],
-    ref_self: Optional[Tensor],
-) -> Tensor:
-    """:func:`supcon_loss` with keys without gradient (see its ``ref`` arguments)."""
-    ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
-    b, n = embeddings.shape[0], ref.shape[0]
-    (row_ids, col_ids), num_classes = class_ids(labels, ref_labels)
-    dtype = compute_dtype(embeddings.dtype)
-    if ref_self is not None:
-        spec = CoreSpec(
-            exclude_self=not include_self,
-            self_pairs=True,
-            row_labels=row_ids,
-            col_labels=col_ids,
-            num_classes=num_classes,
-            pos_mode=positives,
-            normalize=normalize,
-            self_index=ref_self,
-        )
-        return run_core(embeddings, ref, scale, spec, reduction, backend, block_size)
-    name = backends.resolve(backend, b * (b + n), embeddings.device, embeddings.dtype, embeddings.shape[1])
-    if name == "reference":
-        with autocast_off(embeddings.device.type):
-            rows, valid = reference.supcon_with_keys(
-                embeddings, labels, ref, ref_labels, scale, positives, include_self, normalize
-            )
-        return reduce_rows(rows, valid, reduction)
-    with autocast_off(embeddings.device.type):
-        own = Positives(row_labels=row_ids, col_labels=row_ids, num_classes=num_classes, self_pairs=True)
-        keys = Positives(row_labels=row_ids, col_labels=col_ids, num_classes=num_classes)
-        ones = torch.ones(b, dtype=dtype, device=embeddings.device)
-        lse = torch.logaddexp(
-            row_lse(
-                embeddings, None, scale, SoftmaxHead(ones, exclude_self=not include_self), normalize, name, block_size
-            ),
-            row_lse(embeddings, ref, scale, SoftmaxHead(ones), normalize, name, block_size),
-        )
-        q, r = unit_rows(embeddings, normalize), unit_rows(ref, normalize)
-        pos = own.sums(q, q) + keys.sums(q, r)
-        counts = (own.counts(b, b) + keys.counts(b, n)).to(dtype)
-        if positives == "mean":
-            valid = counts > 0
-            rows = torch.where(valid, lse - scale.to(dtype) * pos / counts.clamp_min(1), torch.zeros_like(lse))
-        else:
-            valid = torch.ones_like(counts, dtype=torch.bool)
-            rows = lse - scale.to(dtype) * pos
-        return reduce_rows(rows, valid.to(dtype), reduction)
 
 
 @registry.loss
@@ -244,21 +177,6 @@ def supcon_loss(
     if ref is not None or ref_labels is not None or ref_self is not None:
         no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
         ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
-        if process_group is None:  # the queue as its own log-sum-exp: no copy of the keys
-            return _supcon_with_ref(
-                embeddings,
-                labels,
-                scale,
-                positives,
-                include_self,
-                normalize,
-                reduction,
-                backend,
-                block_size,
-                ref,
-                ref_labels,
-                ref_self,
-            )
     return (_supcon if opts.process_group is None else _supcon_across_ranks)(
         embeddings,
         labels,
@@ -314,8 +232,7 @@ def _supcon(
             normalize=opts.normalize,
             self_index=ref_self,
         )
-        local = distributed.Columns(ref, 0, [ref.shape[0]], False, opts.process_group)
-        return runner.run(flat, local, scale, spec, opts)
+        return runner.run(flat, distributed.replicated(ref, opts.process_group), scale, spec, opts)
     if flat.shape[0] == 0:
         raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
     cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref, own=True)
