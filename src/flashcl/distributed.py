@@ -355,7 +355,9 @@ def gather_plain(x: Tensor, group: Any) -> Tensor:
 
 
 def global_max(value: int, device: torch.device, group: Any) -> int:
-    """The largest of every rank's ``value``."""
+    """The largest of every rank's ``value`` (``group=None``: one process's)."""
+    if group is None:
+        return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t)
