@@ -22,9 +22,9 @@ from torch import Tensor
 
 from flashcl import checks, distributed, runner
 from flashcl.base import LossModule, shared_docs
+from flashcl.compiled import compiles
 from flashcl.core import CoreSpec
 from flashcl.dispatch import Scalar, scale_dtype
-from flashcl.distributed import same_call_across_ranks
 
 
 def interleaved_spec(n: int, offset: int, device: torch.device) -> CoreSpec:
@@ -34,6 +34,7 @@ def interleaved_spec(n: int, offset: int, device: torch.device) -> CoreSpec:
 
 
 @shared_docs
+@compiles()
 def interleaved_loss(
     x: Tensor,
     *,
@@ -64,12 +65,11 @@ def interleaved_loss(
     x = checks.check_float_tensor(x, "x", (2,))
     if x.shape[0] < 2 or x.shape[0] % 2:
         raise ValueError(f"x must hold pairs of views (an even number of rows >= 2), got {x.shape[0]} rows")
-    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", x.device, scale_dtype(x))
     return _interleaved(x, scale, opts)
 
 
-@same_call_across_ranks
 def _interleaved(x: Tensor, scale: Tensor, opts: checks.Options) -> Tensor:
     """The one body: this process's rows against every rank's (one process: its own)."""
     cols = distributed.columns(x, opts.strategy, opts.process_group, own=True)

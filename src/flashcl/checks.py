@@ -56,8 +56,7 @@ class Options:
         normalize: L2-normalise the embeddings first.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
         backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
-            (across processes every one for the losses that run through the runner,
-            ``every_backend``; else only ``"auto"``: the tiled core runs there).
+            (on one process and across processes alike).
         block_size: rows per block of the tiled backend; None picks one.
         process_group: None (this process's inputs) or a process group.
         strategy: across processes, ``"all_gather"`` | ``"ring"``.
@@ -71,9 +70,6 @@ class Options:
     process_group: Any = field(default=None, repr=False, compare=False)
     strategy: str = "all_gather"
     grad_scale: str = "ddp"
-    #: the loss runs every backend across processes (its one body goes through the
-    #: runner, :func:`flashcl.distributed.run_across`); else only ``"auto"`` there
-    every_backend: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_bool(self.normalize, "normalize")
@@ -82,17 +78,6 @@ class Options:
         check_block(self.block_size)
         check_choice(self.strategy, "strategy", STRATEGIES)
         check_choice(self.grad_scale, "grad_scale", GRAD_SCALES)
-        if self.process_group is not None and not self.every_backend:
-            if self.backend != "auto":
-                raise ValueError(
-                    f"backend={self.backend!r} with process_group: across processes the tiled core runs (gathered "
-                    "or round the ring); pass backend='auto', or call without process_group"
-                )
-
-    @property
-    def across(self) -> bool:
-        """The loss is over every rank's inputs."""
-        return self.process_group is not None
 
 
 def check_bool(value: object, name: str) -> bool:

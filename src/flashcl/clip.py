@@ -20,7 +20,6 @@ from .dispatch import (
     smoothing_rows,
     warn_small_logit_scale,
 )
-from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import SoftplusHead
 from .positives import Positives, PositiveTerm
@@ -96,9 +95,7 @@ def clip_loss(
         >>> loss = flashcl.clip_loss(img, txt, 100.0, labels=torch.tensor([0, 1, 1, 2]))
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    opts = checks.Options(
-        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
-    )
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     dtype = compute_dtype(image_embeds.dtype)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
     warn_small_logit_scale(scale)
@@ -137,9 +134,7 @@ def clip_loss(
                 rows, torch.ones_like(rows), reduction, grad_scale, process_group
             )
         return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
-    loss = (_clip if opts.process_group is None else _clip_across_ranks)(
-        image_embeds, text_embeds, scale, opts, labels, matryoshka_dims, matryoshka_weights
-    )
+    loss = _clip(image_embeds, text_embeds, scale, opts, labels, matryoshka_dims, matryoshka_weights)
     if bias is not None and bias.requires_grad:
         loss = loss + 0.0 * bias  # the bias's gradient: exactly 0, as the formula's
     return loss
@@ -178,10 +173,6 @@ def _clip(
         )
     widths = None if dims is None and weights is None else (dims, weights)
     return runner.run_both_ways(image_embeds, text_embeds, images, texts, scale, spec, opts, widths)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_clip_across_ranks = same_call_across_ranks(_clip)
 
 
 def siglip_problem(
@@ -278,9 +269,7 @@ def siglip_loss(
         >>> loss = flashcl.siglip_loss(img, txt, logit_scale=10.0, logit_bias=-10.0)
     """
     image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
-    opts = checks.Options(
-        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
-    )
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     checks.check_choice(normalize_by, "normalize_by", ("global", "local"))
     dtype = compute_dtype(image_embeds.dtype)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
@@ -289,7 +278,7 @@ def siglip_loss(
     if labels is not None:
         _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
         labels = labels.long()
-    body = _siglip if process_group is None else _siglip_across_ranks
+    body = _siglip
     return body(image_embeds, text_embeds, scale, bias, labels, opts, normalize_by)
 
 
@@ -333,10 +322,6 @@ def _siglip(
     if opts.reduction != "none":
         weights = (torch.full((b,), share, dtype=dtype, device=image_embeds.device), None)
     return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias, backend=name)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_siglip_across_ranks = same_call_across_ranks(_siglip)
 
 
 @registry.module

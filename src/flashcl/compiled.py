@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, TypeVar
 import torch
 from torch import Tensor
 
+from . import distributed
 from .utils import compute_dtype
 
 __all__ = ["compiles", "operator_args", "LOSSES"]
@@ -212,6 +213,8 @@ def compiles(rows: Callable[[Tensor], Sequence[Any]] = lambda x: x.shape[:-1]) -
         @functools.wraps(fn)
         def loss(*args: Any, **kwargs: Any) -> Tensor:
             if not torch.compiler.is_compiling():
+                if kwargs.get("process_group") is not None:
+                    distributed.same_call(fn, args, kwargs)
                 return fn(*args, **kwargs)
             if kwargs.get("process_group") is not None:
                 raise RuntimeError(

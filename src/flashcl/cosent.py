@@ -12,7 +12,6 @@ from . import checks, distributed, registry
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .dispatch import Scalar
-from .distributed import same_call_across_ranks
 from .utils import autocast_off, compute_dtype, normalize_rows
 
 __all__ = ["cosent_loss", "CoSENTLoss", "pair_scores"]
@@ -132,7 +131,7 @@ def cosent_loss(
     lam = checks.check_positive_scalar(scale, "scale", a.device, compute_dtype(a.dtype))
     with autocast_off(a.device.type):
         scores = pair_scores(a, b, similarity)
-        body = _cosent if process_group is None else _cosent_across_ranks
+        body = _cosent
         return body(scores, lam, labels, similarity, backend, opts)
 
 
@@ -163,10 +162,6 @@ def _cosent(scores: Tensor, lam: Tensor, labels: Tensor, similarity: str, backen
     if opts.process_group is None:
         return loss
     return loss * (pairs.factor(opts.grad_scale) / len(pairs.sizes))
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_cosent_across_ranks = same_call_across_ranks(_cosent)
 
 
 @registry.module

@@ -13,7 +13,6 @@ from . import checks, distributed, registry, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
 from .dispatch import Scalar, scale_dtype, unit_rows
-from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import Head, Tile, WorkBuffer, lse_inplace, row_dot
 from .utils import autocast_off, compute_dtype
@@ -179,9 +178,7 @@ def distill_loss(
             f"({k.shape[0]}, D_t), got {tuple(teacher_q.shape)} and {tuple(teacher_k.shape)}"
         )
     checks.check_bool(symmetric, "symmetric")
-    opts = checks.Options(
-        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
-    )
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     if symmetric and k.shape[0] != q.shape[0]:
         raise ValueError(
             f"symmetric=True needs as many candidates as queries (pairs), got {q.shape[0]} and {k.shape[0]}"
@@ -190,7 +187,7 @@ def distill_loss(
         raise ValueError("distill_loss has no Triton kernel: use backend='tiled'")
     sc = checks.check_positive_scalar(scale, "scale", q.device, scale_dtype(q))
     tsc = checks.check_positive_scalar(teacher_scale, "teacher_scale", q.device, scale_dtype(teacher_q))
-    body = _distill if process_group is None else _distill_across_ranks
+    body = _distill
     return body(q, k, teacher_q, teacher_k, sc, tsc, symmetric, opts)
 
 
@@ -267,10 +264,6 @@ def _distill(
         if symmetric:
             rows = 0.5 * (rows + one_way(k, q, tk, tq))
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_distill_across_ranks = same_call_across_ranks(_distill)
 
 
 @registry.module

@@ -37,11 +37,10 @@ collectives use the process group's timeout (``init_process_group(timeout=...)``
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import sys
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,7 +59,7 @@ __all__ = [
     "all_gather_with_grad",
     "world_size",
     "reduce_across",
-    "same_call_across_ranks",
+    "same_call",
     "columns",
     "Columns",
     "run_across",
@@ -90,60 +89,57 @@ def _check_same_call(signature: str, device: torch.device, group: Any) -> None:
         )
 
 
-#: inputs that every rank passes alike (a queue's keys and their labels): compared by value
-SHARED_INPUTS = ("ref", "ref_labels", "negatives")
+def same_call(fn: Callable[..., Tensor], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Every rank must make the same call of the public loss ``fn``: a digest of it is
+    compared across ``process_group``'s ranks (a ValueError on each, not a hang). It
+    is formed from every argument (the options; of a tensor, its dtype and its shape
+    past the batch dimension, and of a 0-dim tensor its value), so that no option can
+    be left out of it. Keys that every rank holds alike (a queue) are compared by
+    value where they join the column source (:func:`columns`, :func:`replicated`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the loss's checks, then the error that names the missing group
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    parts, device = [fn.__name__], None
+    for name, value in bound.arguments.items():
+        if name == "process_group":
+            continue
+        if isinstance(value, Tensor):
+            device = device or value.device
+            detail = f"{float(value.detach()):.12g}" if value.dim() == 0 else str(tuple(value.shape[1:]))
+            parts.append(f"{name}:{value.dtype}:{detail}")
+        elif isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+            parts.append(
+                f"{name}:"
+                + ",".join(f"{v.dtype}:{tuple(v.shape[1:])}" if isinstance(v, Tensor) else repr(v) for v in value)
+            )
+        else:
+            parts.append(f"{name}={value!r}")
+    _check_same_call("|".join(parts), device if device is not None else torch.device("cpu"), kwargs["process_group"])
 
 
-def same_call_across_ranks(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """Decorates a loss so that every rank must make the same call: the signature
-    compared across ranks is formed from every argument of the call (all the
-    options; of a tensor, its dtype and its shape past the batch dimension, and of
-    a 0-dim tensor its value), so that no option can be left out of it. Ranks that
-    differ get a ValueError each, not a hang."""
-    params = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def checked(*args: Any, **kwargs: Any) -> Tensor:
-        if not (dist.is_available() and dist.is_initialized()):
-            return fn(*args, **kwargs)  # its checks first, then the error that names the missing group
-        bound = params.bind(*args, **kwargs)
-        bound.apply_defaults()
-        options = [v for v in bound.arguments.values() if isinstance(v, checks.Options)]
-        if options and options[0].process_group is None and "group" not in bound.arguments:
-            return fn(*args, **kwargs)  # one process (a world of one): no collective
-        parts, device = [fn.__name__], None
-        group = bound.arguments.get("group")
-        for name, value in bound.arguments.items():
-            if name == "group":
-                continue
-            if isinstance(value, checks.Options):  # its repr leaves the group out
-                group = value.process_group
-            if isinstance(value, Tensor):
-                device = device or value.device
-                detail = f"{float(value.detach()):.12g}" if value.dim() == 0 else str(tuple(value.shape[1:]))
-                if name in SHARED_INPUTS:  # the same on every rank: its size and a fingerprint of its values
-                    v = value.detach().double()
-                    detail = f"{tuple(value.shape)}:{float(v.sum()):.12g}:{float((v * v).sum()):.12g}"
-                parts.append(f"{name}:{value.dtype}:{detail}")
-            elif isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
-                parts.append(
-                    f"{name}:"
-                    + ",".join(f"{v.dtype}:{tuple(v.shape[1:])}" if isinstance(v, Tensor) else repr(v) for v in value)
-                )
-            else:
-                parts.append(f"{name}={value!r}")
-        _check_same_call("|".join(parts), device if device is not None else torch.device("cpu"), group)
-        return fn(*args, **kwargs)
-
-    return checked
+def _fingerprint(x: Optional[Tensor]) -> int:
+    """A digest of ``x``'s shape and values (keys every rank must hold alike)."""
+    if x is None:
+        return 0
+    v = x.detach().double()
+    text = f"{tuple(x.shape)}:{float(v.sum()):.12g}:{float((v * v).sum()):.12g}"
+    return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
 
 
-def _sizes(n: int, device: torch.device, group: Any) -> List[int]:
+def _sizes(n: int, device: torch.device, group: Any, alike: Optional[Tensor] = None) -> List[int]:
+    """Every rank's ``n``; ``alike``: keys every rank must hold alike, compared in the
+    same collective (a ValueError on every rank if they differ)."""
     _, world = _world(group)
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    mine = torch.tensor([n, _fingerprint(alike)], dtype=torch.int64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
-    return [int(t) for t in everyone]
+    if any(int(t[1]) != int(mine[1]) for t in everyone):
+        raise ValueError(
+            "flashcl.distributed: the ranks made different calls: the keys every rank must hold alike (a "
+            "queue, extra negatives, their labels) differ between them"
+        )
+    return [int(t[0]) for t in everyone]
 
 
 def _gather_rows(x: Tensor, sizes: List[int], group: Any) -> Tensor:
@@ -232,8 +228,10 @@ class Columns(Source):
         shared keys, the same on every rank."""
         if (shared is None) != (self.shared == 0) or (shared is not None and shared.shape[0] != self.shared):
             raise ValueError("the shared keys' rows must come with the shared keys")
-        if shared is not None and _world(self.group)[0] == 0:
-            x = torch.cat([x, shared.to(x.dtype)])
+        if shared is not None:
+            _sizes(0, x.device, self.group, alike=shared)
+            if _world(self.group)[0] == 0:
+                x = torch.cat([x, shared.to(x.dtype)])
         return _gather_rows(x.detach(), self.sizes, self.group)
 
     def run(
@@ -281,7 +279,7 @@ def columns(k_local: Tensor, strategy: str, group: Any, shared: Optional[Tensor]
         n_shared = shared.shape[0]
         if rank == 0:
             k_local = torch.cat([k_local, shared.detach().to(k_local.dtype)])
-    sizes = _sizes(k_local.shape[0], k_local.device, group)
+    sizes = _sizes(k_local.shape[0], k_local.device, group, alike=shared)
     offset = sum(sizes[:rank])
     keys = k_local if strategy == "ring" else _AllGather.apply(k_local, sizes, group)
     return Columns(keys, offset, sizes, strategy == "ring", group, n_shared)
@@ -296,6 +294,7 @@ def replicated(keys: Tensor, group: Any, shared: Optional[Tensor] = None) -> Sou
     n_shared = 0 if shared is None else shared.shape[0]
     if group is None:
         return Source(keys, 0, [keys.shape[0]], shared=n_shared)
+    _sizes(keys.shape[0], keys.device, group, alike=keys)
     return Columns(keys, 0, [keys.shape[0]], False, group, n_shared)
 
 

@@ -18,7 +18,6 @@ from .dispatch import (
     scale_dtype,
     unit_rows,
 )
-from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import SoftmaxHead, Tile
 from .runner import Source
@@ -112,7 +111,7 @@ def gist_loss(
     for flag, flag_name in ((contrast_anchors, "contrast_anchors"), (contrast_positives, "contrast_positives")):
         checks.check_bool(flag, flag_name)
     checks.check_choice(margin_strategy, "margin_strategy", ("absolute", "relative"))
-    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
         raise ValueError(f"margin must be a float, got {margin!r}")
     if not isinstance(guide, (tuple, list)) or len(guide) != (2 if negative is None else 3):
@@ -135,7 +134,7 @@ def gist_loss(
     if backend == "triton":
         raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
-    body = _gist if process_group is None else _gist_across_ranks
+    body = _gist
     return body(
         anchor,
         positive,
@@ -204,10 +203,6 @@ def _gist(
                 else lambda keys: positives if keys is positive else distributed.columns(keys, opts.strategy, group),
             )
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, positives)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_gist_across_ranks = same_call_across_ranks(_gist)
 
 
 class Gathered(NamedTuple):

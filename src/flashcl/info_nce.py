@@ -21,7 +21,6 @@ from .dispatch import (
     smoothing_rows,
     unit_rows,
 )
-from .distributed import same_call_across_ranks
 from .heads import Tile
 from .reduction import reduce_rows
 from .tile import Exclusions
@@ -142,9 +141,7 @@ def info_nce_loss(
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05, matryoshka_dims=[16, 8, 4])
     """
     index = checks.validate_info_nce(query, keys, positive_index)
-    opts = checks.Options(
-        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
-    )
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
     checks.check_choice(duplicates, "duplicates", ("mask", "positive"))
@@ -191,7 +188,7 @@ def info_nce_loss(
                 rows, torch.ones_like(rows), reduction, grad_scale, process_group
             )
         return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
-    return (_info_nce if opts.process_group is None else _info_nce_across_ranks)(
+    return _info_nce(
         query,
         keys,
         index,
@@ -246,10 +243,6 @@ def _info_nce(
     spec = info_nce_spec(index + cols.offset, opts.normalize, query_labels, all_key_labels, duplicates)
     widths = None if dims is None and weights is None else (dims, weights)
     return runner.run(query, cols, scale, spec, opts, widths=widths)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_info_nce_across_ranks = same_call_across_ranks(_info_nce)
 
 
 @registry.module

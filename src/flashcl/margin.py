@@ -19,7 +19,6 @@ from torch import Tensor
 from . import checks, distributed, registry, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
-from .distributed import same_call_across_ranks
 from .utils import FusedFunction, autocast_off, compute_dtype, normalize_rows
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
@@ -290,9 +289,9 @@ def _margin_loss(
     checks.check_choice(backend, "backend", MARGIN_BACKENDS)
     m = _check_margin(margin, name)
     checks.check_bool(easy, "easy_margin")
-    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     sc = checks.check_positive_scalar(scale, "scale", embeddings.device, compute_dtype(embeddings.dtype))
-    body = _margin if process_group is None else _margin_across_ranks
+    body = _margin
     with autocast_off(embeddings.device.type):
         return body(embeddings, labels.long(), w, sc, target, m, easy, backend, opts)
 
@@ -330,10 +329,6 @@ def _margin(
         factor = factor / max(float(total[0]), 1.0)
     weights = torch.full((b,), factor, dtype=scale.dtype, device=embeddings.device)
     return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_margin_across_ranks = same_call_across_ranks(_margin)
 
 
 def _check_margin(margin: object, name: str) -> float:

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from . import checks, distributed, runner
-from .distributed import same_call_across_ranks
 from .engine import Problem
 from .heads import Head, Tile, WorkBuffer, lse_inplace, mask_self_, row_dot
 from .tiled import auto_block
@@ -219,7 +218,7 @@ def multilabel_supcon(
         y_ref = check_multi_hot(ref_labels, ref, "ref_labels")
         if y_ref.shape[1] != y.shape[1]:
             raise ValueError(f"ref_labels must have the labels' {y.shape[1]} classes, got {y_ref.shape[1]}")
-    body = _multilabel if opts.process_group is None else _multilabel_across_ranks
+    body = _multilabel
     out = body(flat, y, ref, y_ref, scale, threshold, positives, include_self, opts)
     if opts.reduction == "none" and embeddings.dim() == 3:
         out = out.reshape(views, b).T
@@ -268,7 +267,3 @@ def _multilabel(
                 weights = (valid * factor, None)
         problem = Problem(head, (), opts.normalize, cols.offset)
         return cols.run(flat, scale, problem, weights, opts.block_size, backend=name)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_multilabel_across_ranks = same_call_across_ranks(_multilabel)

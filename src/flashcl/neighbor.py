@@ -12,7 +12,6 @@ from . import checks, distributed, reference, registry, runner
 from .base import LossModule
 from .compiled import compiles
 from .core import CoreSpec
-from .distributed import same_call_across_ranks
 from .scores import TiledScores, auto_scores_block, dense_rows
 from .utils import autocast_off, compute_dtype
 
@@ -84,7 +83,7 @@ def neighbor_loss(
     checks.check_float_tensor(scores, "scores", (2,))
     neighbors = checks.check_index_tensor(neighbors, "neighbors")
     checks.check_bool(exclude_diagonal, "exclude_diagonal")
-    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True)
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     rows, n = scores.shape
     if scores.shape[1] != rows and process_group is None:
         raise ValueError(f"scores must be square (n, n), got shape {tuple(scores.shape)}")
@@ -101,7 +100,7 @@ def neighbor_loss(
             "backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
             "that already exists: use backend='tiled' (its only n x n allocation is the gradient)"
         )
-    body = _neighbor if process_group is None else _neighbor_across_ranks
+    body = _neighbor
     return body(scores, neighbors.long(), exclude_diagonal, name, opts)
 
 
@@ -132,10 +131,6 @@ def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, name: s
         share = source.factor(opts.grad_scale) / (n if opts.reduction == "mean" else 1)
         weights = torch.full((rows,), share, dtype=compute_dtype(scores.dtype), device=scores.device)
         return TiledScores.apply(scores, spec, weights, block)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_neighbor_across_ranks = same_call_across_ranks(_neighbor)
 
 
 def sample_neighbors(

@@ -16,7 +16,6 @@ from .dispatch import (
     Scalar,
     unit_rows,
 )
-from .distributed import same_call_across_ranks
 from .engine import Problem
 from .estimators import DebiasedHead
 from .tile import Exclusions
@@ -100,9 +99,7 @@ def nt_xent_loss(
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, decoupled=True, weighting="vmf")
     """
     z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
-    opts = checks.Options(
-        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
-    )
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     checks.check_choice(estimator, "estimator", ("standard", "debiased", "hard"))
     checks.check_bool(decoupled, "decoupled")
     if weighting is not None:
@@ -124,9 +121,7 @@ def nt_xent_loss(
             "use them with decoupled=False"
         )
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", z1.device, compute_dtype(z1.dtype))
-    return (_nt_xent if opts.process_group is None else _nt_xent_across_ranks)(
-        z1, z2, scale, opts, decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta)
-    )
+    return _nt_xent(z1, z2, scale, opts, decoupled, weighting, float(sigma), estimator, float(tau_plus), float(beta))
 
 
 def _nt_xent(
@@ -199,10 +194,6 @@ def _nt_xent(
         positive_weight=weight,
     )
     return runner.run(z, cols, scale, spec, opts)
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_nt_xent_across_ranks = same_call_across_ranks(_nt_xent)
 
 
 @registry.module

@@ -17,7 +17,6 @@ from .dispatch import (
     class_ids,
     no_matryoshka,
 )
-from .distributed import same_call_across_ranks
 from .multilabel import multilabel_supcon
 from .utils import compute_dtype
 
@@ -149,9 +148,7 @@ def supcon_loss(
         embeddings = checks.check_float_tensor(embeddings, "embeddings", (2, 3))
         checks.check_choice(positives, "positives", ("mean", "sum"))
         checks.check_bool(include_self, "include_self")
-        opts = checks.Options(
-            normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
-        )
+        opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
         threshold = _check_threshold(overlap_threshold)
         no_matryoshka(matryoshka_dims, matryoshka_weights, "multi-hot labels")
         if ref_self is not None:
@@ -168,16 +165,14 @@ def supcon_loss(
     embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3))
     checks.check_choice(positives, "positives", ("mean", "sum"))
     checks.check_bool(include_self, "include_self")
-    opts = checks.Options(
-        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
-    )
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     scale = 1.0 / checks.check_positive_scalar(
         temperature, "temperature", embeddings.device, compute_dtype(embeddings.dtype)
     )
     if ref is not None or ref_labels is not None or ref_self is not None:
         no_matryoshka(matryoshka_dims, matryoshka_weights, "ref (keys without gradient)")
         ref, ref_labels, ref_self = validate_ref(embeddings, ref, ref_labels, ref_self)
-    return (_supcon if opts.process_group is None else _supcon_across_ranks)(
+    return _supcon(
         embeddings,
         labels,
         scale,
@@ -254,10 +249,6 @@ def _supcon(
     )
     out = runner.run(flat, cols, scale, spec, opts, widths=widths)
     return out.reshape(views, b).T if opts.reduction == "none" and embeddings.dim() == 3 else out
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_supcon_across_ranks = same_call_across_ranks(_supcon)
 
 
 @registry.module

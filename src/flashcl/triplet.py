@@ -35,7 +35,6 @@ from torch import Tensor
 from . import checks, distributed, registry
 from .base import LossModule, shared_docs
 from .compiled import compiles
-from .distributed import same_call_across_ranks
 from .heads import Tile, mask_self_
 from .utils import FusedFunction, autocast_off, compute_dtype, normalize_rows
 
@@ -449,14 +448,12 @@ def triplet_loss(
     m = _check_margin(margin)
     if soft_margin and mining == "all":
         raise ValueError("soft_margin goes with mining='hard' or 'semi-hard' (the batch-all sum is of hinges)")
-    opts = checks.Options(
-        normalize, reduction, backend, block_size, process_group, strategy, grad_scale, every_backend=True
-    )
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     with autocast_off(embeddings.device.type):
         x = embeddings.to(compute_dtype(embeddings.dtype))
         if normalize or distance == "cosine":
             x = normalize_rows(x)
-        body = _triplet if process_group is None else _triplet_across_ranks
+        body = _triplet
         return body(x, labels, mining, m, soft_margin, distance, backend, opts)
 
 
@@ -516,10 +513,6 @@ def _triplet(
         return total * factor
     divisor = cols.count(counts.sum().reshape(1).to(total.dtype)).clamp_min(1)
     return total * (factor / divisor[0])
-
-
-#: the body across processes: every rank must make the same call (a ValueError, not a hang)
-_triplet_across_ranks = same_call_across_ranks(_triplet)
 
 
 @registry.module
