@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashcl import backends, engine
+from flashcl import engine
+from flashcl import runner as backends
 from flashcl.engine import Problem
 from flashcl.heads import Head, Tile
 from helpers import assert_close, close_group
@@ -106,7 +107,7 @@ def _check(backend: str, self_contrast: bool, reduce: bool, block: int) -> None:
             out = (w * rows).sum() if reduce else rows
         else:
             problem = Problem(SigmoidPairsHead(lq, lk, bias, symmetric=self_contrast))
-            out = backends.run(
+            out = backends.run_problem(
                 qq, None if self_contrast else kk, sc, problem, backend, (w, None) if reduce else None, block
             )
         loss = out if reduce else (out * w).sum()
@@ -142,7 +143,7 @@ def test_second_derivatives_of_the_head() -> None:
     out = []
     for backend in ("dense", "tiled"):
         qq = q.clone().requires_grad_(True)
-        loss = backends.run(
+        loss = backends.run_problem(
             qq,
             k,
             torch.tensor(2.0, dtype=F64),
@@ -160,7 +161,7 @@ def test_a_head_without_kernels_is_refused_by_triton() -> None:
     pytest.importorskip("triton")
     q, k, lq, lk = _data()
     with pytest.raises(ValueError, match="softmax and softplus heads only"):
-        backends.run(
+        backends.run_problem(
             q.float(), k.float(), torch.tensor(2.0), Problem(SigmoidPairsHead(lq, lk, 0.5, False)), "triton", None, 4
         )
 

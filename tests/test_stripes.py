@@ -78,7 +78,7 @@ def test_stripes_deterministic() -> None:
 
 
 def test_tiled_on_cuda_half_takes_stripes() -> None:
-    from flashcl import backends
+    from flashcl import runner as backends
     from flashcl.engine import Problem
     from flashcl.heads import SoftmaxHead
 

@@ -22,9 +22,9 @@ from torch import Tensor
 
 from flashcl import checks, distributed, runner
 from flashcl.base import LossModule, shared_docs
+from flashcl.checks import Scalar, scale_dtype
 from flashcl.compiled import compiles
 from flashcl.core import CoreSpec
-from flashcl.dispatch import Scalar, scale_dtype
 
 
 def interleaved_spec(n: int, offset: int, device: torch.device) -> CoreSpec:

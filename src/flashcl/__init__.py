@@ -6,7 +6,6 @@ from typing import Any as _Any
 # the families (each registers its loss and its Module twin: flashcl.registry); their
 # names imported here as well, so that static checkers see them
 from . import distributed, metrics, registry
-from .backends import AUTO_TILED_MIN_ENTRIES
 from .cached import cached_step
 from .clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .cosent import CoSENTLoss, cosent_loss
@@ -18,6 +17,7 @@ from .margin import ArcFaceLoss, CosFaceLoss, arcface_loss, cosface_loss
 from .memory import MemoryBank
 from .neighbor import NeighborLoss, neighbor_loss, sample_neighbors
 from .nt_xent import NTXentLoss, nt_xent_loss
+from .runner import AUTO_TILED_MIN_ENTRIES
 from .scale import LogitScale
 from .supcon import SupConLoss, supcon_loss
 from .triplet import TripletLoss, triplet_loss

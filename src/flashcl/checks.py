@@ -14,11 +14,14 @@ Examples::
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from .core import compute_dtype
 
 __all__ = [
     "REDUCTIONS",
@@ -42,6 +45,9 @@ REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "reference", "dense", "tiled", "triton")
 STRATEGIES = ("all_gather", "ring")
 GRAD_SCALES = ("ddp", "sum")
+
+
+Scalar = Union[float, Tensor]
 
 
 @dataclass(frozen=True)
@@ -213,3 +219,61 @@ def validate_info_nce(query: object, keys: object, positive_index: Optional[Tens
     if bool(((index < 0) | (index >= n)).any()):
         raise ValueError(f"positive_index values must be in [0, {n}) (rows of keys)")
     return index
+
+
+def scale_dtype(x: Tensor) -> torch.dtype:
+    return compute_dtype(x.dtype)
+
+
+def no_matryoshka(dims: object, weights: object, what: str) -> None:
+    if dims is not None or weights is not None:
+        raise ValueError(f"matryoshka_dims does not combine with {what}")
+
+
+def dense_ids(labels: Tensor) -> Tuple[Tensor, int]:
+    uniq, ids = torch.unique(labels, return_inverse=True)
+    return ids.reshape(-1), int(uniq.numel())
+
+
+def class_ids(*label_sets: Tensor) -> Tuple[List[Tensor], int]:
+    """Dense class ids over several label tensors at once (one id space)."""
+    uniq, ids = torch.unique(torch.cat([x.reshape(-1) for x in label_sets]), return_inverse=True)
+    out, start = [], 0
+    for x in label_sets:
+        out.append(ids[start : start + x.numel()])
+        start += x.numel()
+    return out, int(uniq.numel())
+
+
+_warned_small_scale = False
+
+
+def warn_small_logit_scale(scale: Tensor) -> None:
+    """Warns once when a logit scale is below 1: the multiplier is meant (open_clip
+    passes ``logit_scale.exp()``, about 14 to 100), not its log nor a temperature."""
+    global _warned_small_scale
+    if not _warned_small_scale and float(scale.detach()) < 1.0:
+        _warned_small_scale = True
+        warnings.warn(
+            f"logit_scale={float(scale):.4g} is below 1: it multiplies the cosine similarities (1 / "
+            "temperature; open_clip passes model.logit_scale.exp()). Pass the multiplier, not its log "
+            "nor a temperature. (This warning is shown once.)",
+            stacklevel=3,
+        )
+
+
+def check_keys(keys: object, name: str, like: Tensor) -> Tensor:
+    keys = check_float_tensor(keys, name, (2,))
+    if keys.shape[1] != like.shape[-1]:
+        raise ValueError(f"{name} must be {like.shape[-1]} wide (the embeddings' width), got {keys.shape[1]}")
+    if keys.dtype != like.dtype:
+        raise TypeError(f"{name} must have the embeddings' dtype {like.dtype}, got {keys.dtype}")
+    same_device(keys, like, name, "embeddings")
+    return keys
+
+
+def check_smoothing(value: object) -> float:
+    """``label_smoothing``: a float in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):
+        raise ValueError(f"label_smoothing must be a float in [0, 1), got {value!r}")
+    return float(value)

@@ -10,21 +10,14 @@ from torch import Tensor
 
 from . import checks, distributed, reference, registry, runner
 from .base import LossModule, reject_open_clip_keywords, shared_docs
+from .checks import Scalar, check_smoothing, class_ids, no_matryoshka, warn_small_logit_scale
 from .compiled import compiles
-from .core import CoreSpec
-from .dispatch import (
-    Scalar,
-    check_smoothing,
-    class_ids,
-    no_matryoshka,
-    smoothing_rows,
-    warn_small_logit_scale,
-)
-from .engine import Problem
+from .core import CoreSpec, compute_dtype
+from .engine import Problem, autocast_off
 from .heads import SoftplusHead
+from .info_nce import smoothing_rows
 from .positives import Positives, PositiveTerm
-from .reduction import reduce_rows
-from .utils import autocast_off, compute_dtype
+from .runner import reduce_rows
 
 
 @registry.loss

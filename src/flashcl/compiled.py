@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .utils import compute_dtype
+from .core import compute_dtype
 
 __all__ = ["compiles", "operator_args", "LOSSES"]
 

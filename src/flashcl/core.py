@@ -23,10 +23,10 @@ every anchor row ``i``::
 
 ``both_directions`` adds the column direction of CLIP: for every column ``j``,
 ``col_loss_j = LSE_i s_ij - a'_j sum_{i in Pos'(j)} s_ij`` (M == N), with the
-positives seen from the columns (:func:`flashcl.lowering.column_spec`): the diagonal, or
+positives seen from the columns (:func:`flashcl.positives.column_spec`): the diagonal, or
 with labels every row of the same label (``pos_mode="mean"``: their mean).
 
-:mod:`flashcl.lowering` turns the configuration into the engine's form
+:mod:`flashcl.positives` turns the configuration into the engine's form
 (:mod:`flashcl.engine`): a softmax head and a positive (linear) term. The
 reference backend (:mod:`flashcl.reference`) reads the configuration directly:
 this module imports nothing of the engine, so that the oracle shares no code
@@ -36,11 +36,13 @@ with what it checks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
-from .tile import Exclusions
+__all__ = ["Tile", "Exclusions"]
+
 
 POS_MODES = ("mean", "sum", "pairs")
 
@@ -66,7 +68,7 @@ class CoreSpec:
             ``i + offset`` (a queue's slot of the anchor), -1 for none; it is left out
             of the denominator (``exclude_self``) and of the positives (``self_pairs``).
         exclude: further entries out of the denominators
-            (:class:`~flashcl.tile.Exclusions`: per-row columns, or a mask function).
+            (:class:`~flashcl.core.Exclusions`: per-row columns, or a mask function).
         positive_weight: (M,) a factor on each row's positive term (decoupled DCLW's
             weights), or None.
     """
@@ -84,3 +86,49 @@ class CoreSpec:
     self_index: Optional[Tensor] = None
     exclude: Optional[Exclusions] = None
     positive_weight: Optional[Tensor] = None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half and bfloat16 inputs (accumulation precision), else unchanged."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Rows ``r0:r1`` and columns ``c0:c1`` of the problem's score matrix.
+
+    ``offset``: column of anchor 0 (the self column of row ``i`` is ``i + offset``).
+    """
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    offset: int = 0
+
+    @property
+    def self_diagonal(self) -> int:
+        """The diagonal of the tile (``tensor.diagonal(offset=...)``) that holds
+        the self entries ``(i, i + offset)``; it is empty when none is in the tile."""
+        return self.r0 + self.offset - self.c0
+
+    def transposed(self) -> Tile:
+        """The same entries seen from the columns: for self-contrast (rows and
+        columns are the same samples, offset 0), tile ``(c, r)`` of the transposed
+        scores is tile ``(c, r)`` of the problem, since ``s_ji = s_ij``."""
+        return Tile(self.c0, self.c1, self.r0, self.r1, -self.offset)
+
+
+class Exclusions:
+    """Entries left out of each row's denominator, beyond the self entry: per-row
+    columns ``index`` (M, k) (a key that is the anchor itself in a queue, a positive
+    kept out of the denominator), and/or ``fn(tile) -> bool mask`` of the tile's
+    entries to leave out (same-label keys, a guide model's false negatives).
+
+    Args:
+        index: (M, k) or (M,) int64 columns, -1 for none; or None.
+        fn: a function of a :class:`Tile` returning a (rows, cols) boolean mask; or None.
+    """
+
+    def __init__(self, index: Optional[Tensor] = None, fn: Optional[Any] = None) -> None:
+        self.index, self.fn = index, fn

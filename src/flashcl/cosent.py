@@ -10,9 +10,10 @@ from torch import Tensor
 
 from . import checks, distributed, registry
 from .base import LossModule, shared_docs
+from .checks import Scalar
 from .compiled import compiles
-from .dispatch import Scalar
-from .utils import autocast_off, compute_dtype, normalize_rows
+from .core import compute_dtype
+from .engine import autocast_off, normalize_rows
 
 __all__ = ["cosent_loss", "CoSENTLoss", "pair_scores"]
 

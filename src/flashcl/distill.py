@@ -11,11 +11,12 @@ from torch import Tensor
 
 from . import checks, distributed, registry, runner
 from .base import LossModule, shared_docs
+from .checks import Scalar, scale_dtype
 from .compiled import compiles
-from .dispatch import Scalar, scale_dtype, unit_rows
-from .engine import Problem
+from .core import compute_dtype
+from .engine import Problem, autocast_off
 from .heads import Head, Tile, WorkBuffer, lse_inplace, row_dot
-from .utils import autocast_off, compute_dtype
+from .runner import unit_rows
 
 __all__ = ["distill_loss", "DistillLoss", "SoftTargetHead"]
 

@@ -46,13 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import backends, checks, engine, registry
-from .core import CoreSpec
+from . import checks, engine, registry, runner
+from .core import CoreSpec, compute_dtype
 from .engine import Problem
 from .ring import RingDriver
-from .runner import Source, local, reduce, run
-from .tiled import auto_block
-from .utils import compute_dtype
+from .runner import Source, auto_block, local, reduce, run
 
 __all__ = [
     # and the alias of every registered loss that takes process_group (flashcl.registry)
@@ -247,7 +245,7 @@ class Columns(Source):
         """``problem``'s losses of this rank's rows ``q`` against the global columns:
         backend ``backend`` on the gathered keys, or the ring driver (tiled)."""
         if not self.ring:
-            return backends.run(q, self.keys, scale, problem, backend, weights, block_size, param=param)
+            return runner.run_problem(q, self.keys, scale, problem, backend, weights, block_size, param=param)
         ring = RingDriver(self.sizes, self.group)
         block = block_size or auto_block(q.shape[0], max(self.sizes), compute_dtype(q.dtype), self_contrast=True)
         return engine.run(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, param=param)

@@ -9,8 +9,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .core import Tile
 from .heads import Head, mask_columns_, mask_self_
-from .tile import Tile
 
 __all__ = ["DebiasedHead"]
 

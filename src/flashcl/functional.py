@@ -1,7 +1,7 @@
 """The loss functions, each from the module of its family (:mod:`flashcl.supcon`,
 :mod:`flashcl.nt_xent`, :mod:`flashcl.info_nce`, ...), where it registers itself
 (:mod:`flashcl.registry`): every registered loss is here; the backends are
-described in :mod:`flashcl.dispatch`."""
+described in :mod:`flashcl.runner`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 from typing import Any, List
 
 from . import registry
-from .backends import AUTO_TILED_MIN_ENTRIES
+from .checks import Scalar
 from .clip import siglip_problem
-from .dispatch import Scalar, matryoshka_core, run_core
 from .neighbor import sample_neighbors
+from .runner import AUTO_TILED_MIN_ENTRIES, matryoshka_core, run_core
 
 __all__: List[str] = [
     "sample_neighbors",

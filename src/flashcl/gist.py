@@ -10,19 +10,12 @@ from torch import Tensor
 
 from . import checks, distributed, reference, registry, runner
 from .base import LossModule, shared_docs
+from .checks import Scalar, check_keys, scale_dtype
 from .compiled import compiles
-from .dispatch import (
-    Scalar,
-    check_keys,
-    row_lse,
-    scale_dtype,
-    unit_rows,
-)
-from .engine import Problem
+from .core import Exclusions, compute_dtype
+from .engine import Problem, autocast_off
 from .heads import SoftmaxHead, Tile
-from .runner import Source
-from .tile import Exclusions
-from .utils import autocast_off, compute_dtype
+from .runner import Source, row_lse, unit_rows
 
 
 def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) -> Callable[[Tile], Tensor]:

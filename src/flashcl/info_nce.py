@@ -10,21 +10,11 @@ from torch import Tensor
 
 from . import checks, distributed, registry, runner
 from .base import LossModule, shared_docs
+from .checks import Scalar, check_keys, check_smoothing, class_ids, no_matryoshka
 from .compiled import compiles
-from .core import CoreSpec
-from .dispatch import (
-    Scalar,
-    check_keys,
-    check_smoothing,
-    class_ids,
-    no_matryoshka,
-    smoothing_rows,
-    unit_rows,
-)
+from .core import CoreSpec, Exclusions, compute_dtype
 from .heads import Tile
-from .reduction import reduce_rows
-from .tile import Exclusions
-from .utils import compute_dtype
+from .runner import reduce_rows, unit_rows
 
 
 def _same_label_mask(q_ids: Tensor, k_ids: Tensor, index: Tensor) -> Callable[[Tile], Tensor]:
@@ -290,3 +280,26 @@ class InfoNCELoss(LossModule):
             key_labels=key_labels,
             **self.loss_options(),
         )
+
+
+def smoothing_rows(
+    q: Tensor,
+    keys: Tensor,
+    index: Tensor,
+    scale: Tensor,
+    normalize: bool,
+    extra: Optional[Tensor] = None,
+    group: Any = None,
+) -> Tensor:
+    """Per row ``s_it - mean_j s_ij`` over every column (the keys of every rank of
+    ``group``, then ``extra`` once), by a mean key in O((M + N) D): label smoothing
+    ``eps`` adds ``eps`` times it to the cross-entropy, since
+    ``(1 - eps) CE + eps mean_j (-log p_ij) = CE + eps (s_it - mean_j s_ij)``."""
+    qn, kn = unit_rows(q, normalize), unit_rows(keys, normalize)
+    total, count = kn.sum(0), kn.shape[0]
+    if group is not None:
+        sums, _ = distributed.all_gather_with_grad(total.unsqueeze(0), group)
+        total, count = sums.sum(0), sum(distributed.row_counts(count, q.device, group))
+    if extra is not None:
+        total, count = total + unit_rows(extra, normalize).sum(0), count + extra.shape[0]
+    return scale.to(qn.dtype) * ((qn * kn[index]).sum(1) - qn @ (total / count))

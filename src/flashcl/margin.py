@@ -19,7 +19,8 @@ from torch import Tensor
 from . import checks, distributed, registry, runner
 from .base import LossModule, shared_docs
 from .compiled import compiles
-from .utils import FusedFunction, autocast_off, compute_dtype, normalize_rows
+from .core import compute_dtype
+from .engine import FusedFunction, autocast_off, normalize_rows
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
 

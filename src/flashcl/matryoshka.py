@@ -29,9 +29,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .engine import NORM_EPS, Problem, finite_rows
+from .engine import NORM_EPS, FusedFunction, Problem, autocast_off, finite_rows, normalize_rows
 from .heads import Tile
-from .utils import FusedFunction, autocast_off, normalize_rows
 
 __all__ = ["check_dims", "prefix_scales", "head_values", "linear_terms"]
 
@@ -97,7 +96,7 @@ class _HeadValues(FusedFunction):
     ``weights`` (M, m), the scalar ``sum weights * rows``, whose gradient is then
     formed in the same visit as the values when the head's rows are complete in
     one tile. ``k=None``: the candidates are the anchors. Its backward's rules are
-    :class:`~flashcl.utils.FusedFunction`'s."""
+    :class:`~flashcl.engine.FusedFunction`'s."""
 
     @staticmethod
     def forward(

@@ -12,11 +12,11 @@ from torch import Tensor
 
 from . import checks, distributed
 from .base import DOCS, shared_docs
+from .checks import check_keys
 from .compiled import compiles
-from .dispatch import check_keys, row_lse, unit_rows
+from .core import compute_dtype
 from .heads import SoftmaxHead
-from .tiled import auto_block
-from .utils import compute_dtype
+from .runner import auto_block, row_lse, unit_rows
 
 __all__ = ["alignment", "uniformity", "retrieval"]
 

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 
 from . import checks, distributed, runner
-from .engine import Problem
+from .core import compute_dtype
+from .engine import Problem, autocast_off
 from .heads import Head, Tile, WorkBuffer, lse_inplace, mask_self_, row_dot
-from .tiled import auto_block
-from .utils import autocast_off, compute_dtype
+from .runner import auto_block
 
 __all__ = ["JaccardHead", "jaccard", "multilabel_supcon"]
 

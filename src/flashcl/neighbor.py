@@ -11,9 +11,9 @@ from torch import Tensor
 from . import checks, distributed, reference, registry, runner
 from .base import LossModule
 from .compiled import compiles
-from .core import CoreSpec
+from .core import CoreSpec, compute_dtype
+from .engine import autocast_off
 from .scores import TiledScores, auto_scores_block, dense_rows
-from .utils import autocast_off, compute_dtype
 
 _SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
     "reference": reference.scores_loss,

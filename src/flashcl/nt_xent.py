@@ -10,16 +10,12 @@ from torch import Tensor
 
 from . import checks, distributed, reference, registry, runner
 from .base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
+from .checks import Scalar
 from .compiled import compiles
-from .core import CoreSpec
-from .dispatch import (
-    Scalar,
-    unit_rows,
-)
-from .engine import Problem
+from .core import CoreSpec, Exclusions, compute_dtype
+from .engine import Problem, autocast_off
 from .estimators import DebiasedHead
-from .tile import Exclusions
-from .utils import autocast_off, compute_dtype
+from .runner import unit_rows
 
 
 @registry.loss

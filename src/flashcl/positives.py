@@ -21,7 +21,21 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["RowScaled", "Positives", "PositiveTerm", "class_sums"]
+from .core import CoreSpec
+
+__all__ = [
+    "RowScaled",
+    "Positives",
+    "PositiveTerm",
+    "class_sums",
+    "positives",
+    "positive_counts",
+    "row_weights",
+    "valid_rows",
+    "self_mask",
+    "column_spec",
+]
+
 
 Rows = Any  # a Tensor or a RowScaled
 
@@ -242,3 +256,64 @@ class PositiveTerm:
         mask = pos.mask(0, m, 0, n, s.device) > 0
         # where(), not s * mask: a masked -inf or NaN must not leak into rows that do not select it
         return torch.where(mask, s, torch.zeros((), dtype=s.dtype, device=s.device)).sum(1)
+
+
+def positives(spec: CoreSpec) -> Positives:
+    """The positive pairs of ``spec`` (explicit columns or shared labels), never as a mask."""
+    return Positives(
+        index=spec.index,
+        row_labels=spec.row_labels,
+        col_labels=spec.col_labels,
+        num_classes=spec.num_classes,
+        self_pairs=spec.self_pairs,
+        offset=spec.offset,
+        self_index=spec.self_index,
+    )
+
+
+def positive_counts(spec: CoreSpec, m: int) -> Tensor:
+    """|Pos(i)| with multiplicity, shape (m,), int64; computed in O(M + N)."""
+    n = spec.col_labels.shape[0] if spec.col_labels is not None else 0
+    return positives(spec).counts(m, n)
+
+
+def row_weights(spec: CoreSpec, m: int, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """The per-row weights ``(c, a)`` of the LSE term and of the positive sum."""
+    counts = positive_counts(spec, m).to(dtype)
+    ones = torch.ones_like(counts)
+    if spec.pos_mode == "mean":
+        has = counts > 0
+        return has.to(dtype), torch.where(has, 1.0 / counts.clamp_min(1), torch.zeros_like(counts))
+    if spec.pos_mode == "pairs":
+        return counts, ones
+    return ones, ones
+
+
+def valid_rows(spec: CoreSpec, m: int) -> Tensor:
+    """Rows that take part in a ``"mean"`` reduction: all, except rows without a
+    positive under ``pos_mode="mean"`` (their term is undefined)."""
+    if spec.pos_mode == "mean":
+        return positive_counts(spec, m) > 0
+    device = next((t.device for t in (spec.index, spec.row_labels) if t is not None), torch.device("cpu"))
+    return torch.ones(m, dtype=torch.bool, device=device)
+
+
+def self_mask(spec: CoreSpec, m: int, n: int, device: torch.device) -> Tensor:
+    """(m, n) bool: True at the column of each anchor itself (a dense mask: for the
+    paths that hold the whole score matrix)."""
+    cols = spec.self_index if spec.self_index is not None else torch.arange(m, device=device) + spec.offset
+    return cols.to(device).unsqueeze(1) == torch.arange(n, device=device).unsqueeze(0)
+
+
+def column_spec(spec: CoreSpec) -> CoreSpec:
+    """The column direction of ``both_directions`` seen from the columns: the same
+    positives with rows and columns swapped (the diagonal ``index`` stays the
+    diagonal; labels swap sides)."""
+    return CoreSpec(
+        row_labels=spec.col_labels,
+        col_labels=spec.row_labels,
+        num_classes=spec.num_classes,
+        index=spec.index,
+        pos_mode=spec.pos_mode,
+        normalize=spec.normalize,
+    )

@@ -3,7 +3,7 @@
 Slow (a Python loop over anchors and over their positives) and obviously
 correct: it is the oracle that every other backend is tested against, and the
 "naive" line of the benchmarks. It counts each anchor's positives itself rather
-than trusting :mod:`flashcl.lowering`'s weights, so that it checks that code too;
+than trusting :mod:`flashcl.positives`'s weights, so that it checks that code too;
 it imports nothing of the engine, its heads or its preparation (a mistake there
 would otherwise be made twice and agree).
 """
@@ -15,9 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .core import CoreSpec
-from .tile import Tile
-from .utils import compute_dtype
+from .core import CoreSpec, Tile, compute_dtype
 
 
 def prepare(q: Tensor, k: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Tensor]:

@@ -11,26 +11,67 @@ the source's ``offset``) and :func:`run` does the rest for every scale:
 
 * the backend: ``"reference"`` (the oracle's loops on the source's keys),
   ``"dense"``, ``"tiled"``, ``"triton"``, ``"auto"`` resolved by
-  :func:`flashcl.backends.resolve` (round the ring only the tiled core);
+  :func:`flashcl.runner.resolve` (round the ring only the tiled core);
 * Matryoshka (every prefix width in one pass);
 * the reduction over the global batch: ``"mean"`` over every rank's valid rows, the
   ``grad_scale`` factor (1 for a world of one);
 * float32 accumulation for half inputs and autocast off.
+
+Every loss is one configuration of the masked-softmax core of
+:mod:`flashcl.core`::
+
+    loss_i = c_i * LSE_{j in Den(i)} s_ij  -  a_i * sum_{j in Pos(i)} m_ij * s_ij
+
+Backends (argument ``backend``):
+
+* ``"reference"``: per-anchor loops, as a loss is first written by hand. Slow; the tests' oracle.
+* ``"dense"``: vectorised, materialises the M x N score matrix.
+* ``"tiled"``: blocks of rows, O((M + N) D + block x N) memory, exact.
+* ``"triton"``: the tiled algorithm in Triton kernels (CUDA; on a CPU only
+  under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
+* ``"auto"``: ``"triton"`` for CUDA tensors when Triton is importable, the
+  dtype is float32/float16/bfloat16 and the embedding at most
+  :data:`flashcl.runner.AUTO_TRITON_MAX_WIDTH` (256) wide; else ``"tiled"``
+  (on CUDA in half precision: stripes of tensor-core GEMMs) when the score
+  matrix has at least :data:`AUTO_TILED_MIN_ENTRIES` entries (M x N),
+  ``"dense"`` below; the neighbour loss, whose score matrix is given, always
+  uses ``"tiled"`` (it allocates nothing of the matrix's size but the gradient
+  itself).
+
+Inputs in float16/bfloat16 are computed with float32 accumulation and the loss
+is returned in float32; gradients come back in the input's dtype. A 0-dim
+temperature (or logit scale) in a lower precision than the embeddings is
+promoted to theirs; its gradient comes back in its own dtype.
+
+Under ``torch.autocast`` the losses run with autocast disabled, in the dtype of
+the embeddings they are given (float32 accumulation for half precision), as
+torch's own losses do; call ``backward()`` after the autocast region, as torch
+recommends (flashcl's own backward passes run without autocast either way).
+
+Second derivatives (``backward(create_graph=True)``: gradient penalties,
+Hessian-vector products) are exact on every backend: the tiled and triton
+backends compute them through the dense formula, whose memory is O(M N) on that
+path only. :mod:`flashcl.distributed` raises a clear error instead.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import backends, checks, lowering, matryoshka, reference
-from .core import CoreSpec
-from .engine import Problem
-from .reduction import reduce_core, reduce_weights
-from .utils import autocast_off, compute_dtype
+from . import checks, engine, matryoshka, reference
+from .core import CoreSpec, compute_dtype
+from .engine import Driver, Problem, ReduceWeights, autocast_off, normalize_rows
+from .heads import SoftmaxHead
+from .panels import UpperPanels
+from .positives import PositiveTerm, column_spec, positives, row_weights, valid_rows
+from .stripes import Stripes
+from .tiled import RowBlocks
+from .triton import DTYPES as TRITON_DTYPES
 
 __all__ = [
     "Source",
@@ -42,6 +83,12 @@ __all__ = [
     "run_core",
     "run_with_widths",
     "matryoshka_core",
+    "AUTO_TILED_MIN_ENTRIES",
+    "AUTO_TRITON_MAX_WIDTH",
+    "resolve",
+    "driver",
+    "run_problem",
+    "auto_block",
 ]
 
 
@@ -104,7 +151,7 @@ class Source:
         backend: str = "tiled",
     ) -> Tensor:
         """``problem``'s losses of the rows ``q`` against these columns on ``backend``."""
-        return backends.run(q, None if self.own else self.keys, scale, problem, backend, weights, block_size, param)
+        return run_problem(q, None if self.own else self.keys, scale, problem, backend, weights, block_size, param)
 
     def count(self, n: Tensor) -> Tensor:
         """``n`` summed over the ranks (a world of one: ``n``)."""
@@ -142,11 +189,11 @@ def backend_for(
             )
         return "tiled"
     n = q.shape[0] * source.total if entries is None else entries
-    return backends.resolve(opts.backend, n, q.device, q.dtype, q.shape[-1], kernel=kernel)
+    return resolve(opts.backend, n, q.device, q.dtype, q.shape[-1], kernel=kernel)
 
 
 def _valid(spec: CoreSpec, problem: Problem, m: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The rows a ``"mean"`` counts (:func:`flashcl.lowering.valid_rows`), from the
+    """The rows a ``"mean"`` counts (:func:`flashcl.positives.valid_rows`), from the
     problem's LSE weights (``pos_mode="mean"``: 1 where a row has a positive), not
     counted again."""
     if spec.pos_mode != "mean":
@@ -154,7 +201,7 @@ def _valid(spec: CoreSpec, problem: Problem, m: int, dtype: torch.dtype, device:
     weight = getattr(problem.head, "row_weight", None)
     if isinstance(weight, Tensor):
         return (weight > 0).to(device=device, dtype=dtype)
-    return lowering.valid_rows(spec, m).to(device=device, dtype=dtype)
+    return valid_rows(spec, m).to(device=device, dtype=dtype)
 
 
 def _scalar_weights(
@@ -184,6 +231,29 @@ def _scalar_weights(
     return (r if extra is None else r * extra), None
 
 
+def problem_of(spec: CoreSpec, m: int, n: int, dtype: torch.dtype) -> Problem:
+    """The engine's form: a :class:`~flashcl.heads.SoftmaxHead` with the LSE weights
+    ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``both_directions``, the
+    column direction's positive term too: ``-s_jj``, or with labels the mean of
+    column ``j``'s same-label scores)."""
+    c, a = row_weights(spec, m, dtype)
+    if spec.positive_weight is not None:
+        a = a * spec.positive_weight
+    head = SoftmaxHead(
+        c,
+        exclude_self=spec.exclude_self,
+        offset=spec.offset,
+        columns=spec.both_directions,
+        self_index=spec.self_index,
+        exclude=spec.exclude,
+    )
+    terms = [PositiveTerm(positives(spec), a)]
+    if spec.both_directions:
+        cols = column_spec(spec)
+        terms.append(PositiveTerm(positives(cols), row_weights(cols, n, dtype)[1], target="col"))
+    return Problem(head, tuple(terms), spec.normalize, spec.offset)
+
+
 def run(
     q: Tensor,
     source: Source,
@@ -201,7 +271,7 @@ def run(
     m, n = q.shape[0], source.total
     k = None if source.own else source.keys
     dtype = compute_dtype(q.dtype)
-    problem = lowering.problem(spec, m, n, dtype)
+    problem = problem_of(spec, m, n, dtype)
     name = backend_for(opts, source, q, problem.head.kernel if widths is None else None)
     if widths is not None:
         if source.ring:
@@ -215,7 +285,7 @@ def run(
             return matryoshka_core(q, k, scale, spec, widths[0], widths[1], opts.reduction, name, opts.block_size)
         else:
             rows = matryoshka_core(q, k, scale, spec, widths[0], widths[1], "none", name, opts.block_size)
-        valid = lowering.valid_rows(spec, m).to(device=q.device, dtype=rows.dtype)
+        valid = valid_rows(spec, m).to(device=q.device, dtype=rows.dtype)
         if valid_weight is not None:
             valid = valid * valid_weight
         return reduce(rows, valid, opts.reduction, opts.grad_scale, source)
@@ -290,7 +360,7 @@ def run_core(
             ``"sum"`` | ``"none"`` (per-row losses; for ``spec.both_directions`` the mean
             of each row's and its column's).
         backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
-            (see :mod:`flashcl.backends`).
+            (see :mod:`flashcl.runner`).
         block_size: rows per block of the tiled backend; None picks one.
     """
     return run_with_widths(q, k, scale, spec, reduction, backend, block_size, None, None)
@@ -334,8 +404,8 @@ def matryoshka_core(
     ds, ws = matryoshka.check_dims(dims, weights, q.shape[-1])
     m = q.shape[0]
     n = m if k is None else k.shape[0]
-    problem = lowering.problem(spec, m, n, compute_dtype(q.dtype))
-    name = backends.resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
+    problem = problem_of(spec, m, n, compute_dtype(q.dtype))
+    name = resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
     if name == "triton":
         raise ValueError(
             "matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) or 'auto'"
@@ -375,3 +445,177 @@ def matryoshka_core(
             out = part if out is None else out + part
     assert out is not None
     return out
+
+
+#: ``backend="auto"`` switches from dense to tiled at this many score-matrix
+#: entries (M x N). Measured on the 2-core CPU (``flashcl bench --suite simcse``,
+#: D = 768): at B = 256 both took 4.7-4.8 ms; at B = 1024 (2^20 entries) tiled
+#: took 33 ms and dense 59 ms, and above that tiled's memory stays O(B).
+AUTO_TILED_MIN_ENTRIES = 1 << 20
+
+
+#: On CUDA, ``auto`` takes the Triton kernels up to this embedding width and the
+#: tiled backend's stripes of cuBLAS GEMMs above it. Provisional, from the H200 run
+#: of the previous kernels (whole-width tiles; docs/bench/gpu-report.md): 2.7-4.4x
+#: the three cuBLAS GEMMs at D = 256 but 17-23x at D = 768, where GEMMs on row
+#: stripes cost about 1.5x by the estimate in the GPU notes. The crossover of the
+#: present kernels (a loop over D) and the stripes has not been measured on a GPU.
+AUTO_TRITON_MAX_WIDTH = 256
+
+
+def resolve(
+    backend: str,
+    entries: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    width: int = 0,
+    kernel: Optional[str] = "softmax",
+) -> str:
+    """The backend ``"auto"`` stands for: ``"triton"`` for CUDA tensors when Triton is
+    importable, the head has kernels (``kernel``), the dtype is one they take and the
+    embedding at most :data:`AUTO_TRITON_MAX_WIDTH` wide; else ``"tiled"`` from
+    :data:`AUTO_TILED_MIN_ENTRIES` score entries, ``"dense"`` below. Any other name
+    is returned as is."""
+    if backend != "auto":
+        return backend
+    if (
+        device.type == "cuda"
+        and kernel is not None
+        and dtype in TRITON_DTYPES
+        and width <= AUTO_TRITON_MAX_WIDTH
+        and importlib.util.find_spec("triton") is not None
+    ):
+        return "triton"
+    return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
+
+
+def _self_contrast(k: Optional[Tensor], problem: Problem) -> bool:
+    return k is None and problem.offset == 0 and problem.head.symmetric_tiles
+
+
+def _stripes(device_type: str, dtype: torch.dtype) -> bool:
+    """Half precision on CUDA: the tiled backend's tensor-core stripes."""
+    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
+def driver(
+    name: str, problem: Problem, k: Optional[Tensor], device_type: str, dtype: torch.dtype = torch.float32
+) -> Optional[Driver]:
+    """The driver for backend ``name`` (None: the dense formula)."""
+    if name == "dense":
+        return None
+    if name == "tiled":
+        if _stripes(device_type, dtype):
+            return Stripes()
+        return UpperPanels(device_type) if _self_contrast(k, problem) else RowBlocks(device_type)
+    if name == "triton":
+        from .triton import availability
+
+        ok, why = availability(device_type)
+        if not ok:
+            raise ValueError(f"backend='triton' is not usable here: {why}")
+        from .triton.driver import TritonDriver
+
+        return TritonDriver(problem.head)
+    raise ValueError(f"backend {name!r} does not run engine problems")
+
+
+def auto_block(
+    m: int, n: int, dtype: torch.dtype = torch.float32, self_contrast: bool = False, device_type: str = "cpu"
+) -> int:
+    """Rows per block, from measurements on the 2-core CPU at B = 8192, D = 768.
+
+    Self-contrast (SupCon, NT-Xent: the symmetric upper-panel path): buffers
+    near 8 MB, at least 128 rows. Its GEMM work is already two thirds of the
+    unsymmetric path's, 256-row panels ran as fast as 512 (0.82-0.94x of the
+    three-GEMM bound) with half the buffer memory.
+    Otherwise (CLIP, InfoNCE): buffers near 16 MB, at least 256 rows: the block
+    GEMMs (inner dimension = block rows for ``G^T Q_blk``) lose ~30% of their
+    speed at 256 rows and CLIP went from ~1.65x to ~1.4x of the bound at 512.
+    On CUDA the stripes' GEMMs want many rows and device memory is large: 256 MB
+    of score buffer per stripe (provisional: not yet timed on a GPU).
+    """
+    if device_type == "cuda":
+        budget, floor = 256 * 2**20, 256
+    else:
+        budget, floor = (8 * 2**20, 128) if self_contrast else (16 * 2**20, 256)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = max(budget // max(1, n * itemsize), floor)
+    return int(max(1, min(m, rows)))
+
+
+def run_problem(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    problem: Problem,
+    name: str,
+    reduce_weights: ReduceWeights,
+    block_size: Optional[int],
+    param: Optional[Tensor] = None,
+) -> Tensor:
+    """:func:`flashcl.engine.run` with backend ``name``'s driver; ``block_size=None``
+    picks the rows per block (:func:`flashcl.runner.auto_block`); ``param``: the
+    head's learnable scalar, if it has one."""
+    m = q.shape[0]
+    n = m if k is None else k.shape[0]
+    chosen = driver(name, problem, k, q.device.type, q.dtype)
+    block = block_size or auto_block(
+        m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, UpperPanels), device_type=q.device.type
+    )
+    return engine.run(q, k, scale, problem, chosen, reduce_weights, block, param)
+
+
+def reduce_weights(
+    spec: CoreSpec, m: int, reduction: str, dtype: torch.dtype, device: torch.device
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """(r, u) with loss = sum r * row_loss + sum u * col_loss, for a scalar"""
+    if spec.both_directions:
+        w = 0.5 / m if reduction == "mean" else 0.5
+        full = torch.full((m,), w, dtype=dtype, device=device)
+        return full, full
+    if reduction == "sum":
+        return torch.ones(m, dtype=dtype, device=device), None
+    valid = valid_rows(spec, m).to(device=device, dtype=dtype)
+    return valid / valid.sum().clamp_min(1), None
+
+
+def reduce_core(row: Tensor, col: Optional[Tensor], spec: CoreSpec, reduction: str) -> Tensor:
+    if reduction == "none":
+        return row if col is None else 0.5 * (row + col)
+    r, u = reduce_weights(spec, row.shape[0], reduction, row.dtype, row.device)
+    out = (r * row).sum()
+    if col is not None:
+        assert u is not None
+        out = out + (u * col).sum()
+    return out
+
+
+def reduce_rows(rows: Tensor, valid: Tensor, reduction: str) -> Tensor:
+    """Per-row losses reduced: ``"mean"`` over the rows that ``valid`` (0/1) keeps."""
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return (rows * valid).sum() / valid.sum().clamp_min(1)
+
+
+def row_lse(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    head: SoftmaxHead,
+    normalize: bool,
+    name: str,
+    block_size: Optional[int],
+    offset: int = 0,
+) -> Tensor:
+    """Each row's logsumexp over its denominator (the head's exclusions), (M,),
+    differentiable: one part of a loss composed of several candidate sets
+    (``offset``: the column of row 0, as the head's)."""
+    return run_problem(q, k, scale, Problem(head, (), normalize, offset), name, None, block_size)
+
+
+def unit_rows(x: Tensor, normalize: bool) -> Tensor:
+    x = x.to(compute_dtype(x.dtype))
+    return normalize_rows(x) if normalize else x

@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import lowering
-from .core import CoreSpec
+from . import positives as lowering
+from .core import CoreSpec, compute_dtype
+from .engine import FusedFunction
 from .heads import Tile, mask_self_
-from .utils import FusedFunction, compute_dtype
 
 __all__ = ["TiledScores", "auto_scores_block", "dense_rows", "dense_output"]
 
@@ -39,7 +39,7 @@ class TiledScores(FusedFunction):
     the per-row losses (n,); a weight vector ``r`` returns ``sum r * row_loss`` and
     computes the gradient during the forward pass, straight into the one n x n
     tensor that becomes ``scores.grad``. Its backward's rules are
-    :class:`~flashcl.utils.FusedFunction`'s.
+    :class:`~flashcl.engine.FusedFunction`'s.
     """
 
     @staticmethod

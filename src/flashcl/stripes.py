@@ -15,7 +15,7 @@ does for its logits):
 Three GEMMs for a row-only loss (four for CLIP, whose column reductions need a
 second pass), no atomics: the same inputs give bitwise the same result. Memory:
 the gradients' float32 accumulators and one stripe's buffers, ``block x N`` x
-(4 + 2 + 2) bytes; ``block_size`` sets it (default: :func:`flashcl.tiled.auto_block`,
+(4 + 2 + 2) bytes; ``block_size`` sets it (default: :func:`flashcl.runner.auto_block`,
 256 MB on CUDA). On a CPU (tests) the half GEMMs are emulated by float32 GEMMs of
 the same half values, which is what tensor cores compute.
 """

@@ -9,16 +9,10 @@ from torch import Tensor
 
 from . import checks, distributed, registry, runner
 from .base import LossModule, reject_pml_call, shared_docs
+from .checks import Scalar, check_keys, class_ids, no_matryoshka
 from .compiled import compiles
-from .core import CoreSpec
-from .dispatch import (
-    Scalar,
-    check_keys,
-    class_ids,
-    no_matryoshka,
-)
+from .core import CoreSpec, compute_dtype
 from .multilabel import multilabel_supcon
-from .utils import compute_dtype
 
 
 def validate_ref(

@@ -28,31 +28,7 @@ from . import threads
 from .engine import Driver, Operands
 from .heads import Head, Tile
 
-__all__ = ["RowBlocks", "auto_block"]
-
-
-def auto_block(
-    m: int, n: int, dtype: torch.dtype = torch.float32, self_contrast: bool = False, device_type: str = "cpu"
-) -> int:
-    """Rows per block, from measurements on the 2-core CPU at B = 8192, D = 768.
-
-    Self-contrast (SupCon, NT-Xent: the symmetric upper-panel path): buffers
-    near 8 MB, at least 128 rows. Its GEMM work is already two thirds of the
-    unsymmetric path's, 256-row panels ran as fast as 512 (0.82-0.94x of the
-    three-GEMM bound) with half the buffer memory.
-    Otherwise (CLIP, InfoNCE): buffers near 16 MB, at least 256 rows: the block
-    GEMMs (inner dimension = block rows for ``G^T Q_blk``) lose ~30% of their
-    speed at 256 rows and CLIP went from ~1.65x to ~1.4x of the bound at 512.
-    On CUDA the stripes' GEMMs want many rows and device memory is large: 256 MB
-    of score buffer per stripe (provisional: not yet timed on a GPU).
-    """
-    if device_type == "cuda":
-        budget, floor = 256 * 2**20, 256
-    else:
-        budget, floor = (8 * 2**20, 128) if self_contrast else (16 * 2**20, 256)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    rows = max(budget // max(1, n * itemsize), floor)
-    return int(max(1, min(m, rows)))
+__all__ = ["RowBlocks"]
 
 
 class RowBlocks(Driver):

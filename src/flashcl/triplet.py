@@ -35,8 +35,9 @@ from torch import Tensor
 from . import checks, distributed, registry
 from .base import LossModule, shared_docs
 from .compiled import compiles
+from .core import compute_dtype
+from .engine import FusedFunction, autocast_off, normalize_rows
 from .heads import Tile, mask_self_
-from .utils import FusedFunction, autocast_off, compute_dtype, normalize_rows
 
 __all__ = ["triplet_loss", "TripletLoss", "distances"]
 

@@ -49,13 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import backends, checks
+from .. import checks, runner
 from .. import functional as Fn
-from ..core import CoreSpec
+from ..core import CoreSpec, compute_dtype
 from ..engine import Problem
 from ..heads import Head, Tile, mask_columns_
 from ..positives import Positives
-from ..utils import compute_dtype
 
 try:
     from pytorch_metric_learning import distances as _pml_distances
@@ -438,7 +437,7 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
         weights = torch.full(
             (emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype), device=emb.device
         )
-        value = backends.run(
+        value = runner.run_problem(
             emb, None if ref is emb else ref, 1.0 / temperature, problem, "tiled", (weights, None), self.block_size
         ).to(emb.dtype)
         return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}

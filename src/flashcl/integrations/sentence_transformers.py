@@ -59,12 +59,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import backends, distributed, matryoshka
+from .. import distributed, matryoshka, runner
 from .. import functional as Fn
+from ..core import Exclusions, compute_dtype
 from ..engine import Problem
 from ..heads import SoftmaxHead, Tile
-from ..tile import Exclusions
-from ..utils import compute_dtype
 
 try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -140,7 +139,7 @@ def _mnrl(
     dtype = compute_dtype(queries.dtype)
     scale = torch.tensor(float(loss.scale), dtype=dtype, device=queries.device)
     ones = torch.ones(b, dtype=dtype, device=queries.device)
-    name = backends.resolve(backend, b * d_all.shape[0], queries.device, queries.dtype, queries.shape[1], kernel=None)
+    name = runner.resolve(backend, b * d_all.shape[0], queries.device, queries.dtype, queries.shape[1], kernel=None)
     widths: List[int] = []
     width_weights = None
     if dims is not None:
@@ -151,7 +150,7 @@ def _mnrl(
         """(B,) the rows' logsumexp; (M, B) with widths."""
         problem = Problem(head, (), normalize, offset)
         if not widths:
-            return backends.run(q, k, scale, problem, name, None, block_size)
+            return runner.run_problem(q, k, scale, problem, name, None, block_size)
         qc, kc = q.to(dtype), k.to(dtype)
         return matryoshka.head_values(
             qc,
@@ -462,7 +461,7 @@ def _gist_gathered(
     each negative column on its own as sentence-transformers gathers them), the
     anchor-anchor candidates this process's only; the mean over this process's
     anchors. DDP's averaging of the gradients then gives the global batch's."""
-    from ..dispatch import scale_dtype
+    from ..checks import scale_dtype
     from ..gist import Gathered, gist_rows
 
     anchor, positive = embeddings[0], embeddings[1]
@@ -477,7 +476,7 @@ def _gist_gathered(
     scale = torch.tensor(1.0 / float(loss.temperature), dtype=scale_dtype(anchor), device=anchor.device)
     b = anchor.shape[0]
     entries = b * (p_all.shape[0] * (1 + int(loss.contrast_positives)) + b * int(loss.contrast_anchors))
-    name = backends.resolve(loss.backend, entries, anchor.device, anchor.dtype, anchor.shape[1], kernel=None)
+    name = runner.resolve(loss.backend, entries, anchor.device, anchor.dtype, anchor.shape[1], kernel=None)
     rows = gist_rows(
         anchor,
         positive,

@@ -26,7 +26,7 @@ forward's, bit for bit.
 Each program writes its own output block: no atomics, deterministic. With D
 wider than ``BLOCK_DO`` the gradient kernels recompute the scores once per output
 chunk: at wide D the stripe path of the tiled backend (cuBLAS GEMMs) is the
-faster one, and ``auto`` picks it (see :mod:`flashcl.backends`).
+faster one, and ``auto`` picks it (see :mod:`flashcl.runner`).
 
 ``PRECISION``: 0 = float32 ("ieee" dot, no TF32), 1 = TF32 (float32 inputs, when
 torch's ``float32_matmul_precision`` allows it), 2 = the inputs' own half
