@@ -15,6 +15,7 @@ trap 'rm -rf "$work"' EXIT
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 need = ["flashcl/__init__.py", "flashcl/py.typed", "flashcl/triton/kernels.py", "flashcl/integrations/open_clip.py"]
+need += [f"flashcl/{p}/__init__.py" for p in ("losses", "engine", "parallel", "training", "tools")]
 missing = [n for n in need if n not in names]
 licences = [n for n in names if n.endswith((".dist-info/LICENSE", ".dist-info/licenses/LICENSE"))]
 assert not missing, f"the wheel lacks {missing}"

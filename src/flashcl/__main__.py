@@ -39,7 +39,7 @@ def _positional_parameters(fn: Callable[..., Any]) -> Optional[int]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import doctor, inputs_from_shapes
+    from .tools.doctor import doctor, inputs_from_shapes
 
     fn = _load_function(args.target)
     try:

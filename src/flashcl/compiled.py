@@ -31,8 +31,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, TypeVar
 import torch
 from torch import Tensor
 
-from . import distributed
 from .core import compute_dtype
+from .parallel import collectives
 
 __all__ = ["compiles", "operator_args", "LOSSES"]
 
@@ -214,7 +214,7 @@ def compiles(rows: Callable[[Tensor], Sequence[Any]] = lambda x: x.shape[:-1]) -
         def loss(*args: Any, **kwargs: Any) -> Tensor:
             if not torch.compiler.is_compiling():
                 if kwargs.get("process_group") is not None:
-                    distributed.same_call(fn, args, kwargs)
+                    collectives.same_call(fn, args, kwargs)
                 return fn(*args, **kwargs)
             if kwargs.get("process_group") is not None:
                 raise RuntimeError(

@@ -10,8 +10,8 @@ from typing import Any, List
 
 from . import registry
 from .checks import Scalar
-from .clip import siglip_problem
-from .neighbor import sample_neighbors
+from .losses.clip import siglip_problem
+from .losses.neighbor import sample_neighbors
 from .runner import AUTO_TILED_MIN_ENTRIES, matryoshka_core, run_core
 
 __all__: List[str] = [

@@ -63,14 +63,15 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, engine, matryoshka, reference
+from . import checks, reference
 from .core import CoreSpec, compute_dtype
-from .engine import Driver, Problem, ReduceWeights, autocast_off, normalize_rows
-from .heads import SoftmaxHead
-from .panels import UpperPanels
-from .positives import PositiveTerm, column_spec, positives, row_weights, valid_rows
-from .stripes import Stripes
-from .tiled import RowBlocks
+from .engine import engine, matryoshka
+from .engine.engine import Driver, Problem, ReduceWeights, autocast_off, normalize_rows
+from .engine.heads import SoftmaxHead
+from .engine.panels import UpperPanels
+from .engine.positives import PositiveTerm, column_spec, positives, row_weights, valid_rows
+from .engine.stripes import Stripes
+from .engine.tiled import RowBlocks
 from .triton import DTYPES as TRITON_DTYPES
 
 __all__ = [

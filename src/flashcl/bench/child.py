@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..procmem import reset_peak, status_mb
+from ..tools.procmem import reset_peak, status_mb
 
 
 class _Memory:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..procmem import reset_peak, status_mb
+from ..tools.procmem import reset_peak, status_mb
 
 
 def _rank_main(rank: int, world: int, params: Dict[str, Any], out_dir: str) -> None:

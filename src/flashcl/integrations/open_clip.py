@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import distributed
-from ..clip import clip_loss, siglip_loss
-from ..distill import distill_loss
-from ..info_nce import info_nce_loss
+from .. import parallel
+from ..losses.clip import clip_loss, siglip_loss
+from ..losses.distill import distill_loss
+from ..losses.info_nce import info_nce_loss
 
 __all__ = ["ClipLoss", "SigLipLoss", "DistillClipLoss", "CoCaLoss"]
 
@@ -87,9 +87,9 @@ def _gathered(x: Tensor, group: Any, keep_own: bool) -> Tuple[Tensor, int]:
     """Every rank's rows of ``x`` without gradient, in rank order, with this rank's
     own rows (and their gradient) in their place when ``keep_own``; and this rank's
     first row."""
-    everyone = distributed.gather_plain(x, group)
-    sizes = distributed.row_counts(x.shape[0], x.device, group)
-    start = sum(sizes[: distributed.rank_of(group)])
+    everyone = parallel.gather_plain(x, group)
+    sizes = parallel.row_counts(x.shape[0], x.device, group)
+    start = sum(sizes[: parallel.rank_of(group)])
     if not keep_own:
         return everyone, start
     return torch.cat([everyone[:start], x, everyone[start + x.shape[0] :]]), start
@@ -98,7 +98,7 @@ def _gathered(x: Tensor, group: Any, keep_own: bool) -> Tuple[Tensor, int]:
 def _global_value(share: Tensor, value: Tensor, group: Any) -> Tensor:
     """``share``'s graph (its gradient) with the value of the global loss: the sum of
     every rank's ``value``."""
-    total = distributed.sum_across(value.detach().reshape(1), group)[0]
+    total = parallel.sum_across(value.detach().reshape(1), group)[0]
     return share + (total - share).detach()
 
 
@@ -108,7 +108,7 @@ def _scale_for(logit_scale: Any, group: Any, local_loss: bool) -> Any:
     over ranks, over the world size: their shares carry the world size)."""
     if local_loss or not isinstance(logit_scale, Tensor) or not logit_scale.requires_grad:
         return logit_scale
-    return _SumGradAcrossRanks.apply(logit_scale, 1.0 / distributed.world_size(group), group)
+    return _SumGradAcrossRanks.apply(logit_scale, 1.0 / parallel.world_size(group), group)
 
 
 def _clip_terms(
@@ -123,7 +123,7 @@ def _clip_terms(
         share = clip_loss(image_features, text_features, s, process_group=group, grad_scale="ddp", **kw)
         if loss.local_loss:  # each rank's rows' mean: the ddp share itself (equal batches)
             return share
-        return _global_value(share, share / distributed.world_size(group), group)
+        return _global_value(share, share / parallel.world_size(group), group)
     if not loss.local_loss:  # the global loss with this rank's features live, the others constants
         img, _ = _gathered(image_features, group, keep_own=True)
         txt, _ = _gathered(text_features, group, keep_own=True)
@@ -235,7 +235,7 @@ class DistillClipLoss(ClipLoss):
             )
             if self.local_loss:
                 return share
-            return _global_value(share, share / distributed.world_size(group), group)
+            return _global_value(share, share / parallel.world_size(group), group)
         if not self.local_loss:
             parts = [_gathered(x, group, keep_own=True)[0] for x in (img, txt, t_img, t_txt)]
             return distill_loss(*parts, scale=s, teacher_scale=ts, symmetric=True, **kw)

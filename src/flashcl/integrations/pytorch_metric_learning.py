@@ -52,9 +52,9 @@ from torch import Tensor
 from .. import checks, runner
 from .. import functional as Fn
 from ..core import CoreSpec, compute_dtype
-from ..engine import Problem
-from ..heads import Head, Tile, mask_columns_
-from ..positives import Positives
+from ..engine.engine import Problem
+from ..engine.heads import Head, Tile, mask_columns_
+from ..engine.positives import Positives
 
 try:
     from pytorch_metric_learning import distances as _pml_distances
@@ -509,7 +509,7 @@ class _MarginAdapter:
         from pytorch_metric_learning.utils import common_functions as c_f
         from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-        from .. import margin
+        from ..losses import margin
 
         c_f.labels_required(labels)
         c_f.ref_not_supported(embeddings, labels, ref_emb, ref_labels)
@@ -648,7 +648,7 @@ class TripletMarginLoss(_pml_losses.TripletMarginLoss):
                 stacklevel=3,
             )
             return super().compute_loss(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        from ..triplet import triplet_loss
+        from ..losses.triplet import triplet_loss
 
         distance = _triplet_distance(self.distance)
         assert distance is not None

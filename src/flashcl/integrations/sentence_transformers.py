@@ -59,11 +59,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import distributed, matryoshka, runner
 from .. import functional as Fn
+from .. import parallel, runner
 from ..core import Exclusions, compute_dtype
-from ..engine import Problem
-from ..heads import SoftmaxHead, Tile
+from ..engine import matryoshka
+from ..engine.engine import Problem
+from ..engine.heads import SoftmaxHead, Tile
 
 try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -131,8 +132,8 @@ def _mnrl(
     b = queries.shape[0]
     q_all, docs_all_list, offset = queries, list(docs), 0
     if loss.gather_across_devices and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        q_all, offset = distributed.all_gather_with_grad(queries)
-        docs_all_list = [distributed.all_gather_with_grad(d)[0] for d in docs]
+        q_all, offset = parallel.all_gather_with_grad(queries)
+        docs_all_list = [parallel.all_gather_with_grad(d)[0] for d in docs]
     world_batch = q_all.shape[0]
     d_all = torch.cat(docs_all_list) if len(docs_all_list) > 1 else docs_all_list[0]
     local_docs = docs[0]
@@ -462,15 +463,15 @@ def _gist_gathered(
     anchor-anchor candidates this process's only; the mean over this process's
     anchors. DDP's averaging of the gradients then gives the global batch's."""
     from ..checks import scale_dtype
-    from ..gist import Gathered, gist_rows
+    from ..losses.gist import Gathered, gist_rows
 
     anchor, positive = embeddings[0], embeddings[1]
-    p_all, offset = distributed.all_gather_with_grad(positive)
-    gp_all = distributed.all_gather_with_grad(guides[1].detach())[0]
+    p_all, offset = parallel.all_gather_with_grad(positive)
+    gp_all = parallel.all_gather_with_grad(guides[1].detach())[0]
     n_all = gn_all = None
     if len(embeddings) > 2:
-        n_all = torch.cat([distributed.all_gather_with_grad(n)[0] for n in embeddings[2:]])
-        gn_all = torch.cat([distributed.all_gather_with_grad(g.detach())[0] for g in guides[2:]])
+        n_all = torch.cat([parallel.all_gather_with_grad(n)[0] for n in embeddings[2:]])
+        gn_all = torch.cat([parallel.all_gather_with_grad(g.detach())[0] for g in guides[2:]])
     if not (0.0 < float(loss.temperature) < float("inf")):
         raise ValueError(f"temperature must be a positive finite float, got {loss.temperature!r}")
     scale = torch.tensor(1.0 / float(loss.temperature), dtype=scale_dtype(anchor), device=anchor.device)

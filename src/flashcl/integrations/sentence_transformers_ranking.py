@@ -65,7 +65,7 @@ class _CoSENT(_st_losses.CoSENTLoss):
                 )
                 self._warned = True
             return super().compute_loss_from_embeddings(embeddings, labels)
-        from ..cosent import cosent_loss
+        from ..losses.cosent import cosent_loss
 
         if labels.numel() != embeddings[0].shape[0]:
             raise ValueError(
@@ -173,7 +173,7 @@ class _Triplet:
         self.backend, self.block_size = backend, block_size
 
     def _flashcl_triplet(self, labels: Tensor, embeddings: Tensor, fallback: Callable[..., Tensor]) -> Tensor:
-        from ..triplet import triplet_loss
+        from ..losses.triplet import triplet_loss
 
         metric = self.distance_metric  # type: ignore[attr-defined]
         distance = _triplet_distances().get(metric)

@@ -11,9 +11,9 @@ import torch
 import triton
 from torch import Tensor
 
-from ..engine import Driver, Operands
-from ..heads import Head
-from ..positives import raw_rows
+from ..engine.engine import Driver, Operands
+from ..engine.heads import Head
+from ..engine.positives import raw_rows
 from .kernels import dk_kernel, dq_kernel, lse_kernel
 
 __all__ = ["Config", "HEADS", "default_config", "precision", "row_lse", "gradients", "TritonDriver"]

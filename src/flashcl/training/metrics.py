@@ -10,13 +10,13 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, distributed
-from .base import DOCS, shared_docs
-from .checks import check_keys
-from .compiled import compiles
-from .core import compute_dtype
-from .heads import SoftmaxHead
-from .runner import auto_block, row_lse, unit_rows
+from .. import checks, parallel
+from ..base import DOCS, shared_docs
+from ..checks import check_keys
+from ..compiled import compiles
+from ..core import compute_dtype
+from ..engine.heads import SoftmaxHead
+from ..runner import auto_block, row_lse, unit_rows
 
 __all__ = ["alignment", "uniformity", "retrieval"]
 
@@ -54,8 +54,8 @@ def alignment(x: Tensor, y: Tensor, alpha: float = 2.0, *, process_group: Any = 
     terms = (x - y).norm(p=2, dim=1).pow(alpha)
     if process_group is None:
         return terms.mean()
-    sums, _ = distributed.all_gather_with_grad(terms.sum().reshape(1), process_group)
-    return sums.sum() / sum(distributed.row_counts(x.shape[0], x.device, process_group))
+    sums, _ = parallel.all_gather_with_grad(terms.sum().reshape(1), process_group)
+    return sums.sum() / sum(parallel.row_counts(x.shape[0], x.device, process_group))
 
 
 @shared_docs
@@ -86,7 +86,7 @@ def uniformity(x: Tensor, t: float = 2.0, *, block_size: Optional[int] = None, p
     _positive_float(t, "t")
     checks.check_block(block_size)
     b = x.shape[0]
-    total = b if process_group is None else sum(distributed.row_counts(b, x.device, process_group))
+    total = b if process_group is None else sum(parallel.row_counts(b, x.device, process_group))
     if total < 2:
         raise ValueError(f"uniformity needs at least 2 rows (one pair), got {total}")
     xc = x.to(compute_dtype(x.dtype))
@@ -97,12 +97,12 @@ def uniformity(x: Tensor, t: float = 2.0, *, block_size: Optional[int] = None, p
     k = torch.cat([xc, ones, -t * sq], dim=1)
     offset = 0
     if process_group is not None:
-        k, offset = distributed.all_gather_with_grad(k, process_group)
+        k, offset = parallel.all_gather_with_grad(k, process_group)
     head = SoftmaxHead(torch.ones(b, dtype=xc.dtype, device=x.device), exclude_self=True, offset=offset)
     scale = torch.ones((), dtype=xc.dtype, device=x.device)
     lse = row_lse(q, k, scale, head, False, "tiled", block_size, offset)
     if process_group is not None:
-        lse, _ = distributed.all_gather_with_grad(lse, process_group)
+        lse, _ = parallel.all_gather_with_grad(lse, process_group)
     # every pair twice (i != j): the mean over i < j is the same mean
     return torch.logsumexp(lse, dim=0) - math.log(total * (total - 1))
 
@@ -177,13 +177,13 @@ def retrieval(
     q, k = unit_rows(query.detach(), normalize), unit_rows(keys.detach(), normalize)
     offset, self_offset = 0, 0
     if process_group is not None:
-        sizes = distributed.row_counts(k.shape[0], k.device, process_group)
-        rank = distributed.rank_of(process_group)
+        sizes = parallel.row_counts(k.shape[0], k.device, process_group)
+        rank = parallel.rank_of(process_group)
         offset = sum(sizes[:rank])
-        self_offset = sum(distributed.row_counts(b, q.device, process_group)[:rank])
-        k = distributed.gather_plain(k, process_group)
+        self_offset = sum(parallel.row_counts(b, q.device, process_group)[:rank])
+        k = parallel.gather_plain(k, process_group)
         if key_labels is not None:
-            key_labels = distributed.gather_plain(key_labels.long(), process_group)
+            key_labels = parallel.gather_plain(key_labels.long(), process_group)
     if max(ks) > k.shape[0]:
         raise ValueError(f"topk {max(ks)} is larger than the number of keys ({k.shape[0]})")
     block = block_size or auto_block(b, k.shape[0], q.dtype)
@@ -194,7 +194,7 @@ def retrieval(
         + [(nan & found).sum().to(torch.float64), found.sum().to(torch.float64)]
     )
     if process_group is not None:
-        sums = distributed.sum_across(sums, process_group)
+        sums = parallel.sum_across(sums, process_group)
     count = float(sums[-1])
     # no comparison with NaN is true: a NaN query would rank its key first
     if float(sums[-2]) > 0:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .core import CoreSpec
+from ..core import CoreSpec
 
 __all__ = [
     "RowScaled",

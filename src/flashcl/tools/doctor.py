@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .doctor_families import candidates as _candidates
-from .doctor_families import families as _families
+from .families import candidates as _candidates
+from .families import families as _families
 from .procmem import reset_peak, status_mb
 
 LossFn = Callable[..., Tensor]

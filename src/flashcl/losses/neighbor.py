@@ -8,12 +8,12 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 from torch import Tensor
 
-from . import checks, distributed, reference, registry, runner
-from .base import LossModule
-from .compiled import compiles
-from .core import CoreSpec, compute_dtype
-from .engine import autocast_off
-from .scores import TiledScores, auto_scores_block, dense_rows
+from .. import checks, parallel, reference, registry, runner
+from ..base import LossModule
+from ..compiled import compiles
+from ..core import CoreSpec, compute_dtype
+from ..engine.engine import autocast_off
+from ..engine.scores import TiledScores, auto_scores_block, dense_rows
 
 _SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
     "reference": reference.scores_loss,
@@ -110,14 +110,14 @@ def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, name: s
     rows, n = scores.shape
     source: runner.Source = runner.Source(scores, 0, [rows])
     if opts.process_group is not None:
-        sizes = distributed.row_counts(rows, scores.device, opts.process_group)
+        sizes = parallel.row_counts(rows, scores.device, opts.process_group)
         if sum(sizes) != n:
             raise ValueError(
                 f"with process_group, scores holds this rank's rows of the global (n, n) matrix: the ranks "
                 f"hold {sum(sizes)} rows of {n} columns"
             )
-        offset = sum(sizes[: distributed.rank_of(opts.process_group)])
-        source = distributed.Columns(scores, offset, sizes, False, opts.process_group)
+        offset = sum(sizes[: parallel.rank_of(opts.process_group)])
+        source = parallel.Columns(scores, offset, sizes, False, opts.process_group)
     spec = CoreSpec(
         exclude_self=exclude_diagonal, index=neighbors, pos_mode="pairs", normalize=False, offset=source.offset
     )

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import checks, distributed, registry, runner
-from .base import LossModule, shared_docs
-from .checks import Scalar, scale_dtype
-from .compiled import compiles
-from .core import compute_dtype
-from .engine import Problem, autocast_off
-from .heads import Head, Tile, WorkBuffer, lse_inplace, row_dot
-from .runner import unit_rows
+from .. import checks, parallel, registry, runner
+from ..base import LossModule, shared_docs
+from ..checks import Scalar, scale_dtype
+from ..compiled import compiles
+from ..core import compute_dtype
+from ..engine.engine import Problem, autocast_off
+from ..engine.heads import Head, Tile, WorkBuffer, lse_inplace, row_dot
+from ..runner import unit_rows
 
 __all__ = ["distill_loss", "DistillLoss", "SoftTargetHead"]
 
@@ -243,19 +243,19 @@ def _distill(
     """:func:`distill_loss`'s body, one process being a world of one: each rank's rows
     against every rank's candidates (the other side's, without gradient, gathered)."""
     group = opts.process_group
-    cols = distributed.columns(k, opts.strategy, group)
+    cols = parallel.columns(k, opts.strategy, group)
     name = runner.backend_for(opts, cols, q, None)
 
     def one_way(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor) -> Tensor:
         if name == "reference":  # the plain formula on every rank's columns
             if group is None:
                 return _formula(a, b, ta, tb, sc, tsc, opts.normalize)
-            b_all, tb_all = (distributed.columns(x, "all_gather", group).keys for x in (b, tb))
+            b_all, tb_all = (parallel.columns(x, "all_gather", group).keys for x in (b, tb))
             return _formula(a, b_all, ta, tb_all, sc, tsc, opts.normalize)
-        source = distributed.columns(b, opts.strategy, group)
+        source = parallel.columns(b, opts.strategy, group)
 
         def run(x: Tensor, y: Tensor, s: Tensor, problem: Problem) -> Tensor:
-            ys = source if y is b else distributed.columns(y, opts.strategy, group)
+            ys = source if y is b else parallel.columns(y, opts.strategy, group)
             return ys.run(x, s, problem, None, opts.block_size, backend=name)
 
         return _direction(a, b, ta, tb, sc, tsc, opts.normalize, run, source.offset, source.rows_of_every_rank)

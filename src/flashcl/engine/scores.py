@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..core import CoreSpec, compute_dtype
 from . import positives as lowering
-from .core import CoreSpec, compute_dtype
 from .engine import FusedFunction
 from .heads import Tile, mask_self_
 

@@ -9,11 +9,11 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, distributed, runner
-from .core import compute_dtype
-from .engine import Problem, autocast_off
-from .heads import Head, Tile, WorkBuffer, lse_inplace, mask_self_, row_dot
-from .runner import auto_block
+from .. import checks, parallel, runner
+from ..core import compute_dtype
+from ..engine.engine import Problem, autocast_off
+from ..engine.heads import Head, Tile, WorkBuffer, lse_inplace, mask_self_, row_dot
+from ..runner import auto_block
 
 __all__ = ["JaccardHead", "jaccard", "multilabel_supcon"]
 
@@ -238,7 +238,7 @@ def _multilabel(
 ) -> Tensor:
     """Multi-label SupCon's body, one process being a world of one: this rank's rows
     against every rank's (and the queue's keys once)."""
-    cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref)
+    cols = parallel.columns(flat, opts.strategy, opts.process_group, shared=ref)
     yk = cols.gather(y, ref_labels)
     if cols.total - cols.shared < 2 and not include_self and ref is None:
         raise ValueError(

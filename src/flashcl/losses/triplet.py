@@ -32,12 +32,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, distributed, registry
-from .base import LossModule, shared_docs
-from .compiled import compiles
-from .core import compute_dtype
-from .engine import FusedFunction, autocast_off, normalize_rows
-from .heads import Tile, mask_self_
+from .. import checks, parallel, registry
+from ..base import LossModule, shared_docs
+from ..compiled import compiles
+from ..core import compute_dtype
+from ..engine.engine import FusedFunction, autocast_off, normalize_rows
+from ..engine.heads import Tile, mask_self_
 
 __all__ = ["triplet_loss", "TripletLoss", "distances"]
 
@@ -492,7 +492,7 @@ def _triplet(
             "triplet_loss needs every distance of an anchor's row at once (its sorted negatives): "
             "use strategy='all_gather'"
         )
-    cols = distributed.columns(x, "all_gather", group, own=True)
+    cols = parallel.columns(x, "all_gather", group, own=True)
     k, yk, offset = cols.keys, cols.gather(labels), cols.offset
     if backend in ("reference", "dense"):
         if backend == "reference":

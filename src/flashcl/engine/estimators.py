@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .core import Tile
+from ..core import Tile
 from .heads import Head, mask_columns_, mask_self_
 
 __all__ = ["DebiasedHead"]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import checks
+from .. import checks
 
 __all__ = ["MemoryBank"]
 

@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import checks, distributed, registry
-from .base import LossModule, shared_docs
-from .checks import Scalar
-from .compiled import compiles
-from .core import compute_dtype
-from .engine import autocast_off, normalize_rows
+from .. import checks, parallel, registry
+from ..base import LossModule, shared_docs
+from ..checks import Scalar
+from ..compiled import compiles
+from ..core import compute_dtype
+from ..engine.engine import autocast_off, normalize_rows
 
 __all__ = ["cosent_loss", "CoSENTLoss", "pair_scores"]
 
@@ -157,7 +157,7 @@ def _cosent(scores: Tensor, lam: Tensor, labels: Tensor, similarity: str, backen
     each rank returns its share (the global loss over the world size, times the world
     size for ``grad_scale="ddp"``). ``similarity`` is here for the check that every
     rank makes the same call."""
-    pairs = distributed.columns((lam * scores).unsqueeze(1), "all_gather", opts.process_group)
+    pairs = parallel.columns((lam * scores).unsqueeze(1), "all_gather", opts.process_group)
     all_labels = pairs.gather(labels.unsqueeze(1)).squeeze(1)
     loss = _LOSSES["tiled" if backend == "auto" else backend](pairs.keys.squeeze(1), all_labels)
     if opts.process_group is None:

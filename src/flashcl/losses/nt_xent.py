@@ -8,14 +8,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from . import checks, distributed, reference, registry, runner
-from .base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
-from .checks import Scalar
-from .compiled import compiles
-from .core import CoreSpec, Exclusions, compute_dtype
-from .engine import Problem, autocast_off
-from .estimators import DebiasedHead
-from .runner import unit_rows
+from .. import checks, parallel, reference, registry, runner
+from ..base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
+from ..checks import Scalar
+from ..compiled import compiles
+from ..core import CoreSpec, Exclusions, compute_dtype
+from ..engine.engine import Problem, autocast_off
+from ..engine.estimators import DebiasedHead
+from ..runner import unit_rows
 
 
 @registry.loss
@@ -139,7 +139,7 @@ def _nt_xent(
     z = torch.cat([z1, z2])
     standard = estimator == "standard"
     # the estimators score the rows against every view as a second tensor, not the symmetric path
-    cols = distributed.columns(z, opts.strategy, opts.process_group, own=standard)
+    cols = parallel.columns(z, opts.strategy, opts.process_group, own=standard)
     if cols.total < 4 and decoupled:
         raise ValueError(
             "decoupled=True needs at least 2 pairs (across processes: in the global batch): with one pair the "

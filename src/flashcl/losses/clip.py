@@ -8,16 +8,15 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import checks, distributed, reference, registry, runner
-from .base import LossModule, reject_open_clip_keywords, shared_docs
-from .checks import Scalar, check_smoothing, class_ids, no_matryoshka, warn_small_logit_scale
-from .compiled import compiles
-from .core import CoreSpec, compute_dtype
-from .engine import Problem, autocast_off
-from .heads import SoftplusHead
+from .. import checks, parallel, reference, registry, runner
+from ..base import LossModule, reject_open_clip_keywords, shared_docs
+from ..checks import Scalar, check_smoothing, class_ids, no_matryoshka, warn_small_logit_scale
+from ..compiled import compiles
+from ..core import CoreSpec, compute_dtype
+from ..engine.engine import Problem, autocast_off
+from ..engine.heads import SoftplusHead
+from ..engine.positives import Positives, PositiveTerm
 from .info_nce import smoothing_rows
-from .positives import Positives, PositiveTerm
-from .runner import reduce_rows
 
 
 @registry.loss
@@ -122,11 +121,8 @@ def clip_loss(
             smoothing_rows(image_embeds, text_embeds, pairs, scale, normalize, group=process_group)
             + smoothing_rows(text_embeds, image_embeds, pairs, scale, normalize, group=process_group)
         )
-        if process_group is not None:
-            return core + eps * distributed.reduce_across(
-                rows, torch.ones_like(rows), reduction, grad_scale, process_group
-            )
-        return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
+        over = parallel.reduction_over(process_group)
+        return core + eps * runner.reduce(rows, torch.ones_like(rows), reduction, grad_scale, over)
     loss = _clip(image_embeds, text_embeds, scale, opts, labels, matryoshka_dims, matryoshka_weights)
     if bias is not None and bias.requires_grad:
         loss = loss + 0.0 * bias  # the bias's gradient: exactly 0, as the formula's
@@ -146,8 +142,8 @@ def _clip(
     against the image and text towers of every rank (:mod:`flashcl.distributed`;
     open_clip's ``gather_with_grad=True, local_loss=True`` arrangement, exact); on
     one process both directions in one pass."""
-    texts = distributed.columns(text_embeds, opts.strategy, opts.process_group)
-    images = distributed.columns(image_embeds, opts.strategy, opts.process_group)
+    texts = parallel.columns(text_embeds, opts.strategy, opts.process_group)
+    images = parallel.columns(image_embeds, opts.strategy, opts.process_group)
     b, offset = image_embeds.shape[0], texts.offset
     if labels is None:
         spec = CoreSpec(
@@ -286,7 +282,7 @@ def _siglip(
 ) -> Tensor:
     """:func:`siglip_loss`'s body, one process being a world of one: each rank's
     images against the texts of every rank (:mod:`flashcl.distributed`)."""
-    texts = distributed.columns(text_embeds, opts.strategy, opts.process_group)
+    texts = parallel.columns(text_embeds, opts.strategy, opts.process_group)
     b, dtype = image_embeds.shape[0], compute_dtype(image_embeds.dtype)
     all_labels = None if labels is None else texts.gather(labels)
     name = runner.backend_for(opts, texts, image_embeds, "softplus")

@@ -8,14 +8,14 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, distributed, reference, registry, runner
-from .base import LossModule, shared_docs
-from .checks import Scalar, check_keys, scale_dtype
-from .compiled import compiles
-from .core import Exclusions, compute_dtype
-from .engine import Problem, autocast_off
-from .heads import SoftmaxHead, Tile
-from .runner import Source, row_lse, unit_rows
+from .. import checks, parallel, reference, registry, runner
+from ..base import LossModule, shared_docs
+from ..checks import Scalar, check_keys, scale_dtype
+from ..compiled import compiles
+from ..core import Exclusions, compute_dtype
+from ..engine.engine import Problem, autocast_off
+from ..engine.heads import SoftmaxHead, Tile
+from ..runner import Source, row_lse, unit_rows
 
 
 def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) -> Callable[[Tile], Tensor]:
@@ -158,7 +158,7 @@ def _gist(
     against every rank's candidates of each set (:mod:`flashcl.distributed`; the
     guide's embeddings, without gradient, gathered with them)."""
     group = opts.process_group
-    positives = distributed.columns(positive, opts.strategy, group)
+    positives = parallel.columns(positive, opts.strategy, group)
     b = anchor.shape[0]
     k = 0 if negative is None else negative.shape[0]
     entries = b * (positives.total * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
@@ -167,9 +167,9 @@ def _gist(
         if name == "reference":
             every = None
             if group is not None:  # the oracle on every rank's candidates
-                sets = [distributed.columns(x, "all_gather", group) for x in (anchor, positive)]
+                sets = [parallel.columns(x, "all_gather", group) for x in (anchor, positive)]
                 if negative is not None:
-                    sets.append(distributed.columns(negative, "all_gather", group))
+                    sets.append(parallel.columns(negative, "all_gather", group))
                 cands: List[Optional[Tensor]] = [c.keys for c in sets] + [None] * (3 - len(sets))
                 g_cands: List[Optional[Tensor]] = [c.gather(g) for c, g in zip(sets, guides)]
                 every = (cands, g_cands + [None] * (3 - len(g_cands)), sets[1].offset)
@@ -193,7 +193,7 @@ def _gist(
                 # 15-25% slower at B = 2048, D = 128)
                 None
                 if group is None
-                else lambda keys: positives if keys is positive else distributed.columns(keys, opts.strategy, group),
+                else lambda keys: positives if keys is positive else parallel.columns(keys, opts.strategy, group),
             )
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, positives)
 

@@ -7,11 +7,11 @@ from typing import Any, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from . import checks, distributed, registry, runner
-from .base import LossModule, reject_pml_call, shared_docs
-from .checks import Scalar, check_keys, class_ids, no_matryoshka
-from .compiled import compiles
-from .core import CoreSpec, compute_dtype
+from .. import checks, parallel, registry, runner
+from ..base import LossModule, reject_pml_call, shared_docs
+from ..checks import Scalar, check_keys, class_ids, no_matryoshka
+from ..compiled import compiles
+from ..core import CoreSpec, compute_dtype
 from .multilabel import multilabel_supcon
 
 
@@ -221,10 +221,10 @@ def _supcon(
             normalize=opts.normalize,
             self_index=ref_self,
         )
-        return runner.run(flat, distributed.replicated(ref, opts.process_group), scale, spec, opts)
+        return runner.run(flat, parallel.replicated(ref, opts.process_group), scale, spec, opts)
     if flat.shape[0] == 0:
         raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
-    cols = distributed.columns(flat, opts.strategy, opts.process_group, shared=ref, own=True)
+    cols = parallel.columns(flat, opts.strategy, opts.process_group, shared=ref, own=True)
     ids, num_classes = cols.class_ids(labels, None if ref_labels is None else ref_labels.long())
     if cols.total - cols.shared < 2 and not include_self and ref is None:
         raise ValueError(

@@ -16,11 +16,11 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks, distributed, registry, runner
-from .base import LossModule, shared_docs
-from .compiled import compiles
-from .core import compute_dtype
-from .engine import FusedFunction, autocast_off, normalize_rows
+from .. import checks, parallel, registry, runner
+from ..base import LossModule, shared_docs
+from ..compiled import compiles
+from ..core import compute_dtype
+from ..engine.engine import FusedFunction, autocast_off, normalize_rows
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
 
@@ -315,7 +315,7 @@ def _margin(
     group = opts.process_group
     rows_of: runner.Source = runner.Source(embeddings, 0, [b])
     if group is not None:
-        rows_of = distributed.Columns(embeddings, 0, [b], False, group)
+        rows_of = parallel.Columns(embeddings, 0, [b], False, group)
     if backend in ("reference", "dense"):
         fn = _reference_rows if backend == "reference" else _dense_rows
         e, w = embeddings.to(scale.dtype), class_weights.to(scale.dtype)

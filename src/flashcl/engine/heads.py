@@ -42,7 +42,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .core import Exclusions, Tile
+from ..core import Exclusions, Tile
 
 __all__ = [
     "Tile",

@@ -8,13 +8,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import checks, distributed, registry, runner
-from .base import LossModule, shared_docs
-from .checks import Scalar, check_keys, check_smoothing, class_ids, no_matryoshka
-from .compiled import compiles
-from .core import CoreSpec, Exclusions, compute_dtype
-from .heads import Tile
-from .runner import reduce_rows, unit_rows
+from .. import checks, parallel, registry, runner
+from ..base import LossModule, shared_docs
+from ..checks import Scalar, check_keys, check_smoothing, class_ids, no_matryoshka
+from ..compiled import compiles
+from ..core import CoreSpec, Exclusions, compute_dtype
+from ..engine.heads import Tile
+from ..runner import unit_rows
 
 
 def _same_label_mask(q_ids: Tensor, k_ids: Tensor, index: Tensor) -> Callable[[Tile], Tensor]:
@@ -173,11 +173,8 @@ def info_nce_loss(
             grad_scale=grad_scale,
         )
         rows = smoothing_rows(query, keys, index, scale, normalize, negatives, process_group)
-        if process_group is not None:
-            return core + eps * distributed.reduce_across(
-                rows, torch.ones_like(rows), reduction, grad_scale, process_group
-            )
-        return core + eps * reduce_rows(rows, torch.ones_like(rows), reduction)
+        over = parallel.reduction_over(process_group)
+        return core + eps * runner.reduce(rows, torch.ones_like(rows), reduction, grad_scale, over)
     return _info_nce(
         query,
         keys,
@@ -213,19 +210,19 @@ def _info_nce(
     and the shared ``negatives`` once; MoCo's (``in_batch_negatives=False``) against
     its own key and the negatives, the ranks meeting in the reduction."""
     if not in_batch_negatives:  # MoCo: LSE over its own key and the queue; the ranks meet in the reduction
-        cols = distributed.replicated(negatives[:0], opts.process_group, shared=negatives)
+        cols = parallel.replicated(negatives[:0], opts.process_group, shared=negatives)
         alone = CoreSpec(index=index.new_empty((query.shape[0], 0)), normalize=opts.normalize)  # no positive: the LSE
         lse = runner.run(query, cols, scale, alone, replace(opts, reduction="none"))
         q, k = unit_rows(query, opts.normalize), unit_rows(keys[index], opts.normalize)
         pos = scale.to(q.dtype) * (q * k).sum(1)
         rows = torch.nn.functional.softplus(lse - pos)
         return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
-    cols = distributed.columns(keys, opts.strategy, opts.process_group, shared=negatives)
+    cols = parallel.columns(keys, opts.strategy, opts.process_group, shared=negatives)
     all_key_labels = None
     if query_labels is not None and key_labels is not None:
         fresh = None
         if negatives is not None:  # the shared negatives take a label no query and no key has
-            top = distributed.global_max(
+            top = parallel.global_max(
                 int(torch.cat([query_labels.long(), key_labels.long()]).max()), query.device, opts.process_group
             )
             fresh = torch.full((negatives.shape[0],), top + 1, dtype=torch.long, device=query.device)
@@ -298,8 +295,8 @@ def smoothing_rows(
     qn, kn = unit_rows(q, normalize), unit_rows(keys, normalize)
     total, count = kn.sum(0), kn.shape[0]
     if group is not None:
-        sums, _ = distributed.all_gather_with_grad(total.unsqueeze(0), group)
-        total, count = sums.sum(0), sum(distributed.row_counts(count, q.device, group))
+        sums, _ = parallel.all_gather_with_grad(total.unsqueeze(0), group)
+        total, count = sums.sum(0), sum(parallel.row_counts(count, q.device, group))
     if extra is not None:
         total, count = total + unit_rows(extra, normalize).sum(0), count + extra.shape[0]
     return scale.to(qn.dtype) * ((qn * kn[index]).sum(1) - qn @ (total / count))

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .core import compute_dtype
+from ..core import compute_dtype
 from .heads import Head, Tile
 from .positives import PositiveTerm, Rows, RowScaled, class_sums, raw_rows
 

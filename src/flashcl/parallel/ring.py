@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .engine import Driver, Operands, Problem
-from .heads import Head, Tile
-from .positives import Positives, PositiveTerm, Rows, class_sums, raw_rows
+from ..engine.engine import Driver, Operands, Problem
+from ..engine.heads import Head, Tile
+from ..engine.positives import Positives, PositiveTerm, Rows, class_sums, raw_rows
 
 __all__ = ["RingDriver"]
 
