@@ -80,6 +80,8 @@ __all__ = [
     "run",
     "run_both_ways",
     "reduce",
+    "share",
+    "reduce_total",
     "backend_for",
     "run_core",
     "run_with_widths",
@@ -223,12 +225,8 @@ def _scalar_weights(
     if spec.both_directions:  # one process: CLIP's column direction in the same pass, each half
         full = torch.full((m,), 0.5 / m if opts.reduction == "mean" else 0.5, dtype=dtype, device=device)
         return full, full
-    valid = _valid(spec, problem, m, dtype, device)
-    factor = source.factor(opts.grad_scale)
-    if opts.reduction == "mean":
-        r = valid * (factor / source.count(valid.sum().reshape(1)).clamp_min(1))
-    else:
-        r = valid * factor
+    r = share(opts.reduction, opts.grad_scale, source, _valid(spec, problem, m, dtype, device))
+    assert r is not None
     return (r if extra is None else r * extra), None
 
 
@@ -327,17 +325,37 @@ def run_both_ways(
     return 0.5 * (rows + cols) if opts.reduction == "none" else rows + cols
 
 
-def reduce(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, source: Source) -> Tensor:
-    """Per-row losses reduced over the global batch (the ``grad_scale`` convention);
-    ``valid``: each row's weight (0: a row without positives)."""
+def share(
+    reduction: str, grad_scale: str, source: Source, valid: Tensor, divisor: Optional[float] = None
+) -> Optional[Tensor]:
+    """The weights ``r`` of a scalar reduction ``sum_i r_i row_i`` over the global
+    batch, for the rows ``valid`` weighs (0: a row without positives): ``"mean"`` over
+    every rank's rows with a positive weight (``divisor``: the mean's divisor as
+    given), ``"sum"``, each times the ``grad_scale`` factor (1 for one process). None
+    for ``"none"``. Every loss's reduction is formed here."""
     if reduction == "none":
-        return rows
+        return None
     factor = source.factor(grad_scale)
     if reduction == "sum":
-        return factor * (rows * valid).sum()
-    count = (valid > 0).to(rows.dtype).sum().reshape(1)
-    total = source.count(count).clamp_min(1)
-    return (factor / total[0]) * (rows * valid).sum()
+        return valid * factor
+    if divisor is None:
+        return valid * (factor / source.count((valid > 0).to(valid.dtype).sum().reshape(1)).clamp_min(1)[0])
+    return valid * (factor / max(divisor, 1.0))
+
+
+def reduce(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, source: Source) -> Tensor:
+    """Per-row losses reduced over the global batch (:func:`share`)."""
+    r = share(reduction, grad_scale, source, valid)
+    return rows if r is None else (r * rows).sum()
+
+
+def reduce_total(total: Tensor, count: Tensor, reduction: str, grad_scale: str, source: Source) -> Tensor:
+    """A sum ``total`` of this rank's ``count`` terms reduced over the global batch:
+    ``"mean"`` over every rank's terms, ``"sum"``; each times the ``grad_scale`` factor."""
+    factor = source.factor(grad_scale)
+    if reduction == "sum":
+        return total * factor
+    return total * (factor / source.count(count.reshape(1).to(total.dtype)).clamp_min(1)[0])
 
 
 def run_core(

@@ -286,16 +286,16 @@ def _siglip(
     b, dtype = image_embeds.shape[0], compute_dtype(image_embeds.dtype)
     all_labels = None if labels is None else texts.gather(labels)
     name = runner.backend_for(opts, texts, image_embeds, "softplus")
-    count = 1.0
-    if opts.reduction == "mean":
-        count = float(texts.total) if normalize_by == "global" else float(b)
-    share = texts.factor(opts.grad_scale) / count
+    divisor = float(texts.total if normalize_by == "global" else b)
+    r = runner.share(
+        opts.reduction, opts.grad_scale, texts, torch.ones(b, dtype=dtype, device=image_embeds.device), divisor
+    )
     if name == "reference":
         with autocast_off(image_embeds.device.type):
             rows = reference.siglip_loss(
                 image_embeds, texts.keys, scale, bias, labels, opts.normalize, texts.offset, all_labels
             )
-        return rows if opts.reduction == "none" else share * rows.sum()
+        return rows if r is None else (r * rows).sum()
     problem = siglip_problem(
         b,
         texts.total,
@@ -307,9 +307,7 @@ def _siglip(
         offset=texts.offset,
         col_labels=all_labels,
     )
-    weights = None
-    if opts.reduction != "none":
-        weights = (torch.full((b,), share, dtype=dtype, device=image_embeds.device), None)
+    weights = None if r is None else (r, None)
     return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias, backend=name)
 
 

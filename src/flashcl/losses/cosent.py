@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry
+from .. import checks, parallel, registry, runner
 from ..base import LossModule, shared_docs
 from ..checks import Scalar
 from ..compiled import compiles
@@ -160,9 +160,8 @@ def _cosent(scores: Tensor, lam: Tensor, labels: Tensor, similarity: str, backen
     pairs = parallel.columns((lam * scores).unsqueeze(1), "all_gather", opts.process_group)
     all_labels = pairs.gather(labels.unsqueeze(1)).squeeze(1)
     loss = _LOSSES["tiled" if backend == "auto" else backend](pairs.keys.squeeze(1), all_labels)
-    if opts.process_group is None:
-        return loss
-    return loss * (pairs.factor(opts.grad_scale) / len(pairs.sizes))
+    # one term that every rank holds alike: the mean over the ranks' terms is the loss
+    return runner.reduce_total(loss, torch.ones((), device=loss.device), "mean", opts.grad_scale, pairs)
 
 
 @registry.module

@@ -322,13 +322,8 @@ def _margin(
         rows = fn(e, w, labels, TARGETS[target], margin, scale, easy)
         return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, rows_of)
     block = opts.block_size or auto_class_block(b, class_weights.shape[0])
-    if opts.reduction == "none":
-        return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, None, block)
-    factor = rows_of.factor(opts.grad_scale)
-    if opts.reduction == "mean":
-        total = rows_of.count(torch.tensor([float(b)], device=embeddings.device))
-        factor = factor / max(float(total[0]), 1.0)
-    weights = torch.full((b,), factor, dtype=scale.dtype, device=embeddings.device)
+    ones = torch.ones(b, dtype=scale.dtype, device=embeddings.device)
+    weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
     return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block)
 
 

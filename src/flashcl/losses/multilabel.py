@@ -258,12 +258,7 @@ def _multilabel(
         c, a, valid_b = row_weights(y, yk, threshold, positives, cols.offset, block, dtype)
         head = JaccardHead(y, yk, threshold, c, a, not include_self, cols.offset)
         valid = valid_b.to(dtype)
-        weights = None
-        if opts.reduction != "none":
-            factor = cols.factor(opts.grad_scale)
-            if opts.reduction == "mean":
-                weights = (valid * (factor / cols.count(valid.sum().reshape(1)).clamp_min(1)), None)
-            else:
-                weights = (valid * factor, None)
+        r = runner.share(opts.reduction, opts.grad_scale, cols, valid)
+        weights = None if r is None else (r, None)
         problem = Problem(head, (), opts.normalize, cols.offset)
         return cols.run(flat, scale, problem, weights, opts.block_size, backend=name)

@@ -126,11 +126,8 @@ def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, name: s
             losses = _SCORE_BACKENDS[name](scores, spec)
             return runner.reduce(losses, torch.ones_like(losses), opts.reduction, opts.grad_scale, source)
         block = opts.block_size or auto_scores_block(n)
-        if opts.reduction == "none":
-            return TiledScores.apply(scores, spec, None, block)
-        share = source.factor(opts.grad_scale) / (n if opts.reduction == "mean" else 1)
-        weights = torch.full((rows,), share, dtype=compute_dtype(scores.dtype), device=scores.device)
-        return TiledScores.apply(scores, spec, weights, block)
+        ones = torch.ones(rows, dtype=compute_dtype(scores.dtype), device=scores.device)
+        return TiledScores.apply(scores, spec, runner.share(opts.reduction, opts.grad_scale, source, ones), block)
 
 
 def sample_neighbors(

@@ -162,10 +162,8 @@ def _nt_xent(
                 )
             return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
         head = DebiasedHead(partner, tau_plus, beta_, cols.total - 2, float(scale.detach()), offset=cols.offset)
-        weights = None
-        if opts.reduction != "none":
-            share = cols.factor(opts.grad_scale) / (cols.total if opts.reduction == "mean" else 1)
-            weights = (torch.full((2 * n,), share, dtype=dtype, device=z.device), None)
+        r = runner.share(opts.reduction, opts.grad_scale, cols, torch.ones(2 * n, dtype=dtype, device=z.device))
+        weights = None if r is None else (r, None)
         problem = Problem(head, (), opts.normalize, cols.offset)
         return cols.run(z, scale, problem, weights, opts.block_size, backend=name)
     index = partner.unsqueeze(1)

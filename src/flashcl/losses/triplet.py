@@ -32,7 +32,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry
+from .. import checks, parallel, registry, runner
 from ..base import LossModule, shared_docs
 from ..compiled import compiles
 from ..core import compute_dtype
@@ -509,11 +509,7 @@ def _triplet(
             return rows
         ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
         total, counts = _TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
-    factor = cols.factor(opts.grad_scale)
-    if opts.reduction == "sum":
-        return total * factor
-    divisor = cols.count(counts.sum().reshape(1).to(total.dtype)).clamp_min(1)
-    return total * (factor / divisor[0])
+    return runner.reduce_total(total, counts.sum(), opts.reduction, opts.grad_scale, cols)
 
 
 @registry.module
