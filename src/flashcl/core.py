@@ -88,16 +88,26 @@ class CoreSpec:
     positive_weight: Optional[Tensor] = None
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half and bfloat16 inputs (accumulation precision), else unchanged."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+#: every torch dtype's compute dtype: float32 for half and bfloat16 (accumulation
+#: precision), else itself
+ACCUMULATE = {
+    d: torch.float32 if d in (torch.float16, torch.bfloat16) else d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
+
+#: ``compute_dtype(dtype)``: the dtype a computation on ``dtype`` inputs accumulates in
+#: (a table lookup: it runs on every call of every loss)
+compute_dtype = ACCUMULATE.__getitem__
 
 
 @dataclass(frozen=True)
 class Tile:
     """Rows ``r0:r1`` and columns ``c0:c1`` of the problem's score matrix.
 
-    ``offset``: column of anchor 0 (the self column of row ``i`` is ``i + offset``).
+    ``offset``: column of anchor 0 (the self column of row ``i`` is ``i + offset``): the
+    self entries ``(i, i + offset)`` lie on the tile's diagonal
+    ``r0 + offset - c0`` (``tensor.diagonal(offset=...)``), empty when none is in it.
     """
 
     r0: int
@@ -105,12 +115,6 @@ class Tile:
     c0: int
     c1: int
     offset: int = 0
-
-    @property
-    def self_diagonal(self) -> int:
-        """The diagonal of the tile (``tensor.diagonal(offset=...)``) that holds
-        the self entries ``(i, i + offset)``; it is empty when none is in the tile."""
-        return self.r0 + self.offset - self.c0
 
     def transposed(self) -> Tile:
         """The same entries seen from the columns: for self-contrast (rows and

@@ -238,6 +238,10 @@ def problem_of(spec: CoreSpec, m: int, n: int, dtype: torch.dtype) -> Problem:
     c, a = row_weights(spec, m, dtype)
     if spec.positive_weight is not None:
         a = a * spec.positive_weight
+    terms = [PositiveTerm(positives(spec), a)]
+    if spec.both_directions:
+        cols = column_spec(spec)
+        terms.append(PositiveTerm(positives(cols), row_weights(cols, n, dtype)[1], target="col"))
     head = SoftmaxHead(
         c,
         exclude_self=spec.exclude_self,
@@ -246,10 +250,6 @@ def problem_of(spec: CoreSpec, m: int, n: int, dtype: torch.dtype) -> Problem:
         self_index=spec.self_index,
         exclude=spec.exclude,
     )
-    terms = [PositiveTerm(positives(spec), a)]
-    if spec.both_directions:
-        cols = column_spec(spec)
-        terms.append(PositiveTerm(positives(cols), row_weights(cols, n, dtype)[1], target="col"))
     return Problem(head, tuple(terms), spec.normalize, spec.offset)
 
 

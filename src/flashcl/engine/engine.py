@@ -221,14 +221,6 @@ class Problem:
     normalize: bool = True
     offset: int = 0
 
-    def __post_init__(self) -> None:
-        head_offset = getattr(self.head, "offset", self.offset)
-        if head_offset != self.offset:
-            raise ValueError(
-                f"the head's offset ({head_offset}) and the problem's ({self.offset}) differ: the "
-                "tiles would mask other columns than the head's kernels"
-            )
-
 
 @dataclass
 class Operands:
@@ -627,6 +619,12 @@ def run(
     """The problem's losses: through ``driver`` (an :class:`EngineFunction`), or by
     the dense formula when ``driver`` is None; autocast off either way. ``param``:
     the head's learnable scalar, if it has one."""
+    head_offset = getattr(problem.head, "offset", problem.offset)
+    if head_offset != problem.offset:
+        raise ValueError(
+            f"the head's offset ({head_offset}) and the problem's ({problem.offset}) differ: the "
+            "tiles would mask other columns than the head's kernels"
+        )
     with autocast_off(q.device.type):
         if driver is None:
             return dense_output(q, k, scale, problem, reduce_weights, param)

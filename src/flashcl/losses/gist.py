@@ -25,7 +25,7 @@ def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) 
     def mask(tile: Tile) -> Tensor:
         out = (gq[tile.r0 : tile.r1] @ gk[tile.c0 : tile.c1].T) > threshold[tile.r0 : tile.r1].unsqueeze(1)
         if keep_positive:  # row i's positive: column i + offset (this process's first row in the global batch)
-            out.diagonal(offset=tile.self_diagonal).fill_(False)
+            out.diagonal(offset=tile.r0 + tile.offset - tile.c0).fill_(False)
         return out
 
     return mask

@@ -210,6 +210,7 @@ def _info_nce(
     and the shared ``negatives`` once; MoCo's (``in_batch_negatives=False``) against
     its own key and the negatives, the ranks meeting in the reduction."""
     if not in_batch_negatives:  # MoCo: LSE over its own key and the queue; the ranks meet in the reduction
+        assert negatives is not None
         cols = parallel.replicated(negatives[:0], opts.process_group, shared=negatives)
         alone = CoreSpec(index=index.new_empty((query.shape[0], 0)), normalize=opts.normalize)  # no positive: the LSE
         lse = runner.run(query, cols, scale, alone, replace(opts, reduction="none"))
