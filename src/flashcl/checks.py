@@ -230,11 +230,6 @@ def no_matryoshka(dims: object, weights: object, what: str) -> None:
         raise ValueError(f"matryoshka_dims does not combine with {what}")
 
 
-def dense_ids(labels: Tensor) -> Tuple[Tensor, int]:
-    uniq, ids = torch.unique(labels, return_inverse=True)
-    return ids.reshape(-1), int(uniq.numel())
-
-
 def class_ids(*label_sets: Tensor) -> Tuple[List[Tensor], int]:
     """Dense class ids over several label tensors at once (one id space)."""
     uniq, ids = torch.unique(torch.cat([x.reshape(-1) for x in label_sets]), return_inverse=True)

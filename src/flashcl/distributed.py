@@ -44,38 +44,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import registry
-from .parallel.collectives import (
-    Columns,
-    all_gather_with_grad,
-    columns,
-    gather_plain,
-    global_max,
-    grad_factor,
-    rank_of,
-    reduction_over,
-    replicated,
-    row_counts,
-    same_call,
-    sum_across,
-    world_size,
-)
+from .parallel import collectives
+from .parallel.collectives import *  # noqa: F403  (the collectives, for losses composed by hand)
 
-__all__ = [
-    # and the alias of every registered loss that takes process_group (flashcl.registry)
-    "all_gather_with_grad",
-    "world_size",
-    "rank_of",
-    "row_counts",
-    "sum_across",
-    "gather_plain",
-    "global_max",
-    "grad_factor",
-    "same_call",
-    "columns",
-    "replicated",
-    "reduction_over",
-    "Columns",
-]
+#: the collectives, and the alias of every registered loss that takes process_group
+#: (flashcl.registry)
+__all__ = list(collectives.__all__)
 
 
 #: stands for the world before any process group exists: the losses check their
@@ -92,9 +66,7 @@ def world_group(group: Any) -> Any:
 
 def _alias(name: str) -> Callable[..., Tensor]:
     def loss(*args: Any, group: Any = None, **options: Any) -> Tensor:
-        import flashcl
-
-        return getattr(flashcl, name)(*args, process_group=world_group(group), **options)
+        return registry.functions()[name](*args, process_group=world_group(group), **options)
 
     loss.__name__ = loss.__qualname__ = name
     loss.__doc__ = f""":func:`flashcl.{name}` over the global batch: ``flashcl.{name}(..., process_group=group)``

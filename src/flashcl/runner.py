@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -84,7 +84,6 @@ __all__ = [
     "reduce_total",
     "backend_for",
     "run_core",
-    "run_with_widths",
     "matryoshka_core",
     "AUTO_TILED_MIN_ENTRIES",
     "AUTO_TRITON_MAX_WIDTH",
@@ -272,35 +271,31 @@ def run(
     dtype = compute_dtype(q.dtype)
     problem = problem_of(spec, m, n, dtype)
     name = backend_for(opts, source, q, problem.head.kernel if widths is None else None)
-    if widths is not None:
-        if source.ring:
-            ds, ws = matryoshka.check_dims(widths[0], widths[1], q.shape[-1])
-            parts = [
-                w * run(q[:, :d], source.narrow(d), scale, spec, replace(opts, reduction="none"))
-                for d, w in zip(ds, ws)
-            ]
-            rows = torch.stack(parts).sum(0)
-        elif source.group is None and valid_weight is None:
-            return matryoshka_core(q, k, scale, spec, widths[0], widths[1], opts.reduction, name, opts.block_size)
-        else:
-            rows = matryoshka_core(q, k, scale, spec, widths[0], widths[1], "none", name, opts.block_size)
-        valid = valid_rows(spec, m).to(device=q.device, dtype=rows.dtype)
-        if valid_weight is not None:
-            valid = valid * valid_weight
-        return reduce(rows, valid, opts.reduction, opts.grad_scale, source)
     weights = _scalar_weights(spec, problem, m, opts, source, dtype, q.device, valid_weight)
-    if name == "reference":
+    if widths is not None:
+        ds, ws = matryoshka.check_dims(widths[0], widths[1], q.shape[-1])
+        if name == "triton":
+            raise ValueError(
+                "matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) or 'auto'"
+            )
+        if name == "tiled" and not source.ring:
+            return _matryoshka_pass(q, k, scale, spec, problem, ds, ws, weights, opts.block_size)
+        parts = [w * run(q[:, :d], source.narrow(d), scale, spec, opts, valid_weight) for d, w in zip(ds, ws)]
+        return torch.stack(parts).sum(0)
+    col: Optional[Tensor] = None
+    if name != "reference":
+        out = source.run(q, scale, problem, weights, opts.block_size, backend=name)
+        if weights is not None or not spec.both_directions:
+            return out
+        row, col = out[:m], out[m:]
+    else:
         with autocast_off(q.device.type):
             row, col = reference.core_loss(q, k, scale, spec)
-        if weights is None:
-            return reduce_core(row, col, spec, "none")
-        r, u = weights
-        out = (r * row).sum()
-        return out if col is None or u is None else out + (u * col).sum()
-    out = source.run(q, scale, problem, weights, opts.block_size, backend=name)
-    if weights is None and spec.both_directions:
-        return reduce_core(out[:m], out[m:], spec, "none")
-    return out
+    if weights is None:  # per row: for both directions the mean of each row's and its column's
+        return row if col is None else 0.5 * (row + col)
+    r, u = weights
+    out = (r * row).sum()
+    return out if col is None or u is None else out + (u * col).sum()
 
 
 def run_both_ways(
@@ -366,6 +361,8 @@ def run_core(
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
+    matryoshka_dims: Optional[Sequence[int]] = None,
+    matryoshka_weights: Optional[Sequence[float]] = None,
 ) -> Tensor:
     """The masked-softmax core (:class:`flashcl.core.CoreSpec`) on one process's
     embeddings, reduced: :func:`run` on a world of one. ``k=None`` means the
@@ -378,30 +375,18 @@ def run_core(
         reduction: ``"mean"`` (over the rows :meth:`CoreSpec.valid_rows` keeps) |
             ``"sum"`` | ``"none"`` (per-row losses; for ``spec.both_directions`` the mean
             of each row's and its column's).
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``
-            (see :mod:`flashcl.runner`).
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` | ``"triton"``.
         block_size: rows per block of the tiled backend; None picks one.
+        matryoshka_dims, matryoshka_weights: ``sum_m w_m`` of the core at every prefix
+            width ``d_m`` of the embeddings (Matryoshka), each width normalised on its
+            own; the tiled backend computes every width in one pass.
     """
-    return run_with_widths(q, k, scale, spec, reduction, backend, block_size, None, None)
-
-
-def run_with_widths(
-    q: Tensor,
-    k: Optional[Tensor],
-    scale: Tensor,
-    spec: CoreSpec,
-    reduction: str,
-    backend: str,
-    block_size: Optional[int],
-    dims: object,
-    weights: object,
-) -> Tensor:
-    """:func:`run_core`, at every width of ``matryoshka_dims`` when given."""
-    if dims is None and weights is not None:
+    if matryoshka_dims is None and matryoshka_weights is not None:
         raise ValueError("matryoshka_weights needs matryoshka_dims")
     opts = checks.Options(spec.normalize, reduction, backend, block_size)
     source = local(q, own=True) if k is None else local(k)
-    return run(q, source, scale, spec, opts, widths=None if dims is None else (dims, weights))
+    widths = None if matryoshka_dims is None else (matryoshka_dims, matryoshka_weights)
+    return run(q, source, scale, spec, opts, widths=widths)
 
 
 def matryoshka_core(
@@ -409,61 +394,61 @@ def matryoshka_core(
     k: Optional[Tensor],
     scale: Tensor,
     spec: CoreSpec,
-    dims: object,
-    weights: object,
+    dims: Sequence[int],
+    weights: Optional[Sequence[float]] = None,
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
 ) -> Tensor:
-    """``sum_m w_m run_core(q[:, :d_m], k[:, :d_m], ...)``: the core at every prefix
-    width ``d_m`` of the embeddings (Matryoshka), each width normalised on its own.
-    The tiled backend computes every width in one pass over per-segment partial
-    scores (:mod:`flashcl.matryoshka`); ``"reference"`` and ``"dense"`` make one
-    call per width."""
-    ds, ws = matryoshka.check_dims(dims, weights, q.shape[-1])
-    m = q.shape[0]
-    n = m if k is None else k.shape[0]
-    problem = problem_of(spec, m, n, compute_dtype(q.dtype))
-    name = resolve(backend, m * n, q.device, q.dtype, q.shape[-1], kernel=None)
-    if name == "triton":
-        raise ValueError(
-            "matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) or 'auto'"
-        )
-    if name in ("reference", "dense"):
-        total: Optional[Tensor] = None
-        for d, w in zip(ds, ws):
-            part = w * run_core(q[:, :d], None if k is None else k[:, :d], scale, spec, reduction, name, block_size)
-            total = part if total is None else total + part
-        assert total is not None
-        return total
-    dtype = compute_dtype(q.dtype)
+    """:func:`run_core` at every prefix width ``dims`` (Matryoshka)."""
+    return run_core(q, k, scale, spec, reduction, backend, block_size, dims, weights)
+
+
+def _matryoshka_pass(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    spec: CoreSpec,
+    problem: Problem,
+    ds: List[int],
+    ws: List[float],
+    weights: Optional[Tuple[Tensor, Optional[Tensor]]],
+    block_size: Optional[int],
+) -> Tensor:
+    """The tiled backend at every width in one pass over per-segment partial scores
+    (:mod:`flashcl.engine.matryoshka`); ``weights``: a scalar reduction's ``(r, u)``
+    (None: per-row losses)."""
+    m, dtype = q.shape[0], compute_dtype(q.dtype)
     with autocast_off(q.device.type):
         qc = q.to(dtype)
         kc = None if k is None else k.to(dtype)
         aq = matryoshka.prefix_scales(qc, ds, spec.normalize)
         ak = aq if kc is None else matryoshka.prefix_scales(kc, ds, spec.normalize)
         sc = scale.to(dtype)
-        out: Optional[Tensor] = None
-        if reduction != "none" and not problem.head.has_columns:
+        if weights is not None and not problem.head.has_columns:
             # a scalar: the heads' weighted rows in one call (its gradient formed in the
             # same pass), then each width's positive terms
-            r, _ = reduce_weights(spec, m, reduction, dtype, q.device)
-            weights_t = torch.tensor(ws, dtype=dtype, device=q.device).unsqueeze(1) * r.unsqueeze(0)
-            out = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size, weights_t)
+            per_width = torch.tensor(ws, dtype=dtype, device=q.device).unsqueeze(1) * weights[0].unsqueeze(0)
+            out = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size, per_width)
             zeros = torch.zeros(m, dtype=dtype, device=q.device)
             for i, d in enumerate(ds):
                 rows, _ = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, zeros, None)
-                out = out + (weights_t[i] * rows).sum()
+                out = out + (per_width[i] * rows).sum()
             return out
         values = matryoshka.head_values(qc, kc, aq, ak, scale, problem, ds, block_size)
+        total: Optional[Tensor] = None
         for i, (d, w) in enumerate(zip(ds, ws)):
-            rows = values[i, :m]
             cols = values[i, m:] if problem.head.has_columns else None
-            rows, cols = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, rows, cols)
-            part = w * reduce_core(rows, cols, spec, reduction)
-            out = part if out is None else out + part
-    assert out is not None
-    return out
+            rows, cols = matryoshka.linear_terms(qc, kc, aq, ak, sc, problem, i, d, values[i, :m], cols)
+            if weights is None:
+                part = rows if cols is None else 0.5 * (rows + cols)
+            else:
+                part = (weights[0] * rows).sum()
+                if cols is not None and weights[1] is not None:
+                    part = part + (weights[1] * cols).sum()
+            total = w * part if total is None else total + w * part
+    assert total is not None
+    return total
 
 
 #: ``backend="auto"`` switches from dense to tiled at this many score-matrix
@@ -583,40 +568,6 @@ def run_problem(
         m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, UpperPanels), device_type=q.device.type
     )
     return engine.run(q, k, scale, problem, chosen, reduce_weights, block, param)
-
-
-def reduce_weights(
-    spec: CoreSpec, m: int, reduction: str, dtype: torch.dtype, device: torch.device
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """(r, u) with loss = sum r * row_loss + sum u * col_loss, for a scalar"""
-    if spec.both_directions:
-        w = 0.5 / m if reduction == "mean" else 0.5
-        full = torch.full((m,), w, dtype=dtype, device=device)
-        return full, full
-    if reduction == "sum":
-        return torch.ones(m, dtype=dtype, device=device), None
-    valid = valid_rows(spec, m).to(device=device, dtype=dtype)
-    return valid / valid.sum().clamp_min(1), None
-
-
-def reduce_core(row: Tensor, col: Optional[Tensor], spec: CoreSpec, reduction: str) -> Tensor:
-    if reduction == "none":
-        return row if col is None else 0.5 * (row + col)
-    r, u = reduce_weights(spec, row.shape[0], reduction, row.dtype, row.device)
-    out = (r * row).sum()
-    if col is not None:
-        assert u is not None
-        out = out + (u * col).sum()
-    return out
-
-
-def reduce_rows(rows: Tensor, valid: Tensor, reduction: str) -> Tensor:
-    """Per-row losses reduced: ``"mean"`` over the rows that ``valid`` (0/1) keeps."""
-    if reduction == "none":
-        return rows
-    if reduction == "sum":
-        return rows.sum()
-    return (rows * valid).sum() / valid.sum().clamp_min(1)
 
 
 def row_lse(

@@ -467,12 +467,6 @@ def _check_margin(margin: object) -> float:
     return value
 
 
-def _positive_pairs(labels: Tensor) -> int:
-    """The (anchor, positive) pairs: sum over classes of n (n - 1)."""
-    _, counts = torch.unique(labels, return_counts=True)
-    return int((counts * (counts - 1)).sum())
-
-
 def _triplet(
     x: Tensor,
     labels: Tensor,

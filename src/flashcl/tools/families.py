@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-import flashcl
+from .. import functional
 
 __all__ = ["Candidate", "candidates", "families"]
 
@@ -57,7 +57,7 @@ def _neighbor(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Cand
                         f"flashcl.neighbor_loss(scores, neighbors, exclude_diagonal={excl}, reduction="
                         f"'{red}')  # neighbors: ({n}, {k}) drawn as your code does ({how})"
                     )
-                    fn = functools.partial(flashcl.neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red)
+                    fn = functools.partial(functional.neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red)
                     out.append((call, fn))
     words = (
         "neighbor_loss with k = 1..5 neighbours drawn by random.randrange or torch.randint, diagonal "
@@ -88,7 +88,7 @@ def _supcon(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candid
                         f"include_self={inc}, reduction='{red}')"
                     )
                     fn = functools.partial(
-                        flashcl.supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red
+                        functional.supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red
                     )
                     out.append((call, fn))
     words = f"supcon_loss at temperatures {_words(_TEMPERATURES)}, positives mean / sum, include_self, mean / sum"
@@ -113,7 +113,7 @@ def _triplet(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candi
                         + f", distance='{distance}', normalize={normalize}, reduction='{red}')"
                     )
                     fn = functools.partial(
-                        flashcl.triplet_loss,
+                        functional.triplet_loss,
                         e,
                         y,
                         margin=margin,
@@ -157,7 +157,7 @@ def _margin(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candid
                         f"flashcl.cosface_loss(embeddings, labels, {name}, margin={m}, scale={scale:g}, "
                         f"reduction='{red}')"
                     )
-                    fn = functools.partial(flashcl.cosface_loss, e, y, cw, margin=m, scale=scale, reduction=red)
+                    fn = functools.partial(functional.cosface_loss, e, y, cw, margin=m, scale=scale, reduction=red)
                     out.append((call, fn))
                 for m in _ARCFACE_MARGINS:
                     for easy in (False, True):
@@ -166,7 +166,7 @@ def _margin(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candid
                             f"easy_margin={easy}, reduction='{red}')"
                         )
                         fn = functools.partial(
-                            flashcl.arcface_loss, e, y, cw, margin=m, scale=scale, easy_margin=easy, reduction=red
+                            functional.arcface_loss, e, y, cw, margin=m, scale=scale, easy_margin=easy, reduction=red
                         )
                         out.append((call, fn))
     words = (
@@ -188,19 +188,19 @@ def _two_towers(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Ca
             out.append(
                 (
                     f"flashcl.nt_xent_loss(z1, z2, temperature={t})",
-                    functools.partial(flashcl.nt_xent_loss, a, b, temperature=t),
+                    functools.partial(functional.nt_xent_loss, a, b, temperature=t),
                 )
             )
             out.append(
                 (
                     f"flashcl.clip_loss(image, text, logit_scale={1 / t:g})",
-                    functools.partial(flashcl.clip_loss, a, b, 1 / t),
+                    functools.partial(functional.clip_loss, a, b, 1 / t),
                 )
             )
         out.append(
             (
                 f"flashcl.info_nce_loss(query, keys, temperature={t})",
-                functools.partial(flashcl.info_nce_loss, a, b, temperature=t),
+                functools.partial(functional.info_nce_loss, a, b, temperature=t),
             )
         )
     temps = _words(_TEMPERATURES)
@@ -226,7 +226,7 @@ def _cosent(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candid
     for scale in _COSENT_SCALES:
         for similarity in ("cosine", "angle"):
             call = f"flashcl.cosent_loss(a, b, scores, scale={scale:g}, similarity='{similarity}')"
-            out.append((call, functools.partial(flashcl.cosent_loss, a, b, y, scale=scale, similarity=similarity)))
+            out.append((call, functools.partial(functional.cosent_loss, a, b, y, scale=scale, similarity=similarity)))
     return f"cosent_loss at scales {_words(_COSENT_SCALES)}, cosine or AnglE's angle similarity", out
 
 
