@@ -82,35 +82,6 @@ def test_options_not_taken_across_processes_are_errors(option: str, call: Any) -
         call(object())
 
 
-def _package_imports(module: str) -> set:
-    """The flashcl modules ``module`` imports, directly or through them (its source read
-    with ``ast``: imports at any depth, TYPE_CHECKING blocks included)."""
-    import ast
-    import pathlib
-
-    root = pathlib.Path(flashcl.__file__).parent
-    seen, todo = set(), [module]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                if node.module:
-                    todo.append(node.module.split(".")[0])
-                else:
-                    todo += [alias.name for alias in node.names]
-    return seen - {module}
-
-
-def test_the_oracle_imports_nothing_of_the_engine() -> None:
-    # the reference backend checks every other backend: sharing their preparation,
-    # heads or lowering would let one mistake agree with itself
-    assert _package_imports("reference") <= {"core"}
-    assert "engine" in _package_imports("runner")  # the walk does see a real dependency
-
-
 def test_every_registered_loss_is_in_every_namespace() -> None:
     """flashcl, flashcl.functional, flashcl.modules and flashcl.distributed take their
     names from the registry (flashcl.registry): each registered function and Module

@@ -36,7 +36,9 @@ MOVED = {
     **{name: f"flashcl.engine.{name}" for name in ("heads", "positives", "tiled", "panels", "stripes", "scores")},
     **{name: f"flashcl.engine.{name}" for name in ("threads", "matryoshka", "estimators")},
     **{name: f"flashcl.training.{name}" for name in ("memory", "cached", "scale", "metrics")},
-    **{name: "flashcl.runner" for name in ("backends", "lowering", "reduction", "dispatch")},
+    **{name: "flashcl.runner" for name in ("backends", "reduction")},
+    "lowering": "flashcl.engine.positives",
+    "dispatch": "flashcl.checks",  # its checks; its runner functions are flashcl.functional's
     "utils": "flashcl.engine.engine",
     "tile": "flashcl.core",
     "ring": "flashcl.parallel.ring",

@@ -59,8 +59,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import checks, parallel, runner
 from .. import functional as Fn
-from .. import parallel, runner
 from ..core import Exclusions, compute_dtype
 from ..engine import matryoshka
 from ..engine.engine import Problem
@@ -140,7 +140,7 @@ def _mnrl(
     dtype = compute_dtype(queries.dtype)
     scale = torch.tensor(float(loss.scale), dtype=dtype, device=queries.device)
     ones = torch.ones(b, dtype=dtype, device=queries.device)
-    name = runner.resolve(backend, b * d_all.shape[0], queries.device, queries.dtype, queries.shape[1], kernel=None)
+    name = runner.backend_for(checks.Options(backend=backend), runner.local(d_all), queries, None)
     widths: List[int] = []
     width_weights = None
     if dims is not None:
@@ -477,7 +477,7 @@ def _gist_gathered(
     scale = torch.tensor(1.0 / float(loss.temperature), dtype=scale_dtype(anchor), device=anchor.device)
     b = anchor.shape[0]
     entries = b * (p_all.shape[0] * (1 + int(loss.contrast_positives)) + b * int(loss.contrast_anchors))
-    name = runner.resolve(loss.backend, entries, anchor.device, anchor.dtype, anchor.shape[1], kernel=None)
+    name = runner.backend_for(checks.Options(backend=loss.backend), runner.local(p_all), anchor, None, entries)
     rows = gist_rows(
         anchor,
         positive,
@@ -648,66 +648,8 @@ class CachedGISTEmbedLoss(_Fallback, _st_losses.CachedGISTEmbedLoss):
         return _cached_loss(lambda e: _gist(self, e, guides), reps, with_backward)
 
 
-class SupConLoss(nn.Module):
-    """Supervised contrastive loss for sentence-transformers: one text column
-    and one integer label per text; texts with the same label are positives.
-
-    Args:
-        model: the SentenceTransformer being trained.
-        temperature: softmax temperature. Default 0.1.
-        positives: ``"mean"`` (Khosla et al. L_out, default) or ``"sum"`` (the
-            supervised-SimCSE form: one softmax over all positives).
-        include_self: keep each text's own column in its denominator.
-        backend, block_size: as in :func:`flashcl.supcon_loss`.
-
-    Shape:
-        Input: one column of B texts; labels (B,) integers. Output: scalar.
-
-    Examples::
-
-        >>> from flashcl.integrations.sentence_transformers import SupConLoss
-        >>> # dataset columns: "text", "label"; loss = SupConLoss(model, temperature=0.05)
-        >>> # SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss).train()
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        temperature: float = 0.1,
-        positives: str = "mean",
-        include_self: bool = False,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.temperature, self.positives, self.include_self = temperature, positives, include_self
-        self.backend, self.block_size = backend, block_size
-
-    def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Tensor) -> Tensor:
-        features = list(sentence_features)
-        if len(features) != 1:
-            raise ValueError(f"SupConLoss takes one text column and a label column, got {len(features)} text columns")
-        embeddings = self.model(features[0])["sentence_embedding"]
-        return self.compute_loss_from_embeddings(embeddings, labels)
-
-    def compute_loss_from_embeddings(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        return Fn.supcon_loss(
-            embeddings,
-            labels,
-            temperature=self.temperature,
-            positives=self.positives,
-            include_self=self.include_self,
-            backend=self.backend,
-            block_size=self.block_size,
-        )
-
-    def get_config_dict(self) -> Dict[str, Any]:
-        return {"temperature": self.temperature, "positives": self.positives, "include_self": self.include_self}
-
-
-# the ranking and triplet drop-ins live in their own module; importable from here as well
+# the label-based (SupCon, batch triplet) and pairwise ranking drop-ins live in their own
+# module; importable from here as well
 from .sentence_transformers_ranking import (  # noqa: E402
     AnglELoss,
     BatchAllTripletLoss,
@@ -715,6 +657,7 @@ from .sentence_transformers_ranking import (  # noqa: E402
     BatchHardTripletLoss,
     BatchSemiHardTripletLoss,
     CoSENTLoss,
+    SupConLoss,
 )
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""sentence-transformers' pairwise ranking and batch triplet losses, computed by
+"""sentence-transformers' pairwise ranking, batch triplet and supervised contrastive losses, computed by
 flashcl (``pip install sentence-transformers``); also importable from
 :mod:`flashcl.integrations.sentence_transformers`.
 
@@ -13,14 +13,18 @@ flashcl (``pip install sentence-transformers``); also importable from
   ``block_size``), computed by :func:`flashcl.triplet_loss` in row blocks of
   distances; another ``distance_metric`` is computed by sentence-transformers'
   code, with a warning.
+* :class:`SupConLoss`: supervised contrastive loss over a labelled text column
+  (:func:`flashcl.supcon_loss`).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from torch import Tensor, nn
+
+from .. import functional as Fn
 
 try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -40,6 +44,7 @@ __all__ = [
     "BatchHardTripletLoss",
     "BatchSemiHardTripletLoss",
     "BatchHardSoftMarginTripletLoss",
+    "SupConLoss",
 ]
 
 
@@ -291,3 +296,62 @@ class BatchHardSoftMarginTripletLoss(_Triplet, _st_losses.BatchHardSoftMarginTri
 
     def batch_hard_triplet_soft_margin_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
         return self._flashcl_triplet(labels, embeddings, super().batch_hard_triplet_soft_margin_loss)
+
+
+class SupConLoss(nn.Module):
+    """Supervised contrastive loss for sentence-transformers: one text column
+    and one integer label per text; texts with the same label are positives.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        temperature: softmax temperature. Default 0.1.
+        positives: ``"mean"`` (Khosla et al. L_out, default) or ``"sum"`` (the
+            supervised-SimCSE form: one softmax over all positives).
+        include_self: keep each text's own column in its denominator.
+        backend, block_size: as in :func:`flashcl.supcon_loss`.
+
+    Shape:
+        Input: one column of B texts; labels (B,) integers. Output: scalar.
+
+    Examples::
+
+        >>> from flashcl.integrations.sentence_transformers import SupConLoss
+        >>> # dataset columns: "text", "label"; loss = SupConLoss(model, temperature=0.05)
+        >>> # SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss).train()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        temperature: float = 0.1,
+        positives: str = "mean",
+        include_self: bool = False,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature, self.positives, self.include_self = temperature, positives, include_self
+        self.backend, self.block_size = backend, block_size
+
+    def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Tensor) -> Tensor:
+        features = list(sentence_features)
+        if len(features) != 1:
+            raise ValueError(f"SupConLoss takes one text column and a label column, got {len(features)} text columns")
+        embeddings = self.model(features[0])["sentence_embedding"]
+        return self.compute_loss_from_embeddings(embeddings, labels)
+
+    def compute_loss_from_embeddings(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        return Fn.supcon_loss(
+            embeddings,
+            labels,
+            temperature=self.temperature,
+            positives=self.positives,
+            include_self=self.include_self,
+            backend=self.backend,
+            block_size=self.block_size,
+        )
+
+    def get_config_dict(self) -> Dict[str, Any]:
+        return {"temperature": self.temperature, "positives": self.positives, "include_self": self.include_self}

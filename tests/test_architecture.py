@@ -1,0 +1,237 @@
+"""The package's shape: one runner, one body per loss, layers that only look down, a
+short path for a plain call, and no module too long to read."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+from typing import Callable, Dict, List, Set, Tuple
+
+import pytest
+import torch
+
+import flashcl
+
+ROOT = pathlib.Path(flashcl.__file__).parent
+FILES = {p: p.read_text() for p in ROOT.rglob("*.py")}
+
+
+def _name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in FILES}
+
+
+def _imports(name: str) -> Set[str]:
+    """The flashcl modules ``name`` imports, at any depth of its source (inside
+    functions and ``TYPE_CHECKING`` blocks too); ``from pkg import a`` counts as an
+    import of the module ``pkg.a`` when ``a`` is one, else of ``pkg``."""
+    path = MODULES[name]
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: Set[str] = set()
+    for node in ast.walk(ast.parse(FILES[path])):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "flashcl")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "flashcl":
+                continue
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+            found.update(subs)
+            if len(subs) < len(node.names):
+                found.add(target)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _reach(name: str) -> Set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for m in GRAPH[todo.pop()]:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen - {name}
+
+
+def _cycles() -> List[List[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    out: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_counting_imports_inside_functions() -> None:
+    assert _cycles() == []
+    # the walk does see what it looks for: the runner reaches the engine, a loss the runner
+    assert "flashcl.engine.engine" in _reach("flashcl.runner")
+    assert "flashcl.runner" in GRAPH["flashcl.losses.supcon"]
+
+
+def test_layers_only_look_down() -> None:
+    above_engine = {"flashcl.runner", "flashcl.registry", "flashcl.compiled", "flashcl.checks", "flashcl.distributed"}
+    for name in MODULES:
+        if name.startswith("flashcl.engine"):
+            reached = _reach(name)
+            assert not reached & above_engine, (name, reached & above_engine)
+            assert not any(m.startswith(("flashcl.losses", "flashcl.parallel")) for m in reached), name
+    # the column source and the runner know no loss
+    for name in ("flashcl.runner", "flashcl.parallel.collectives"):
+        assert not any(m.startswith("flashcl.losses") for m in _reach(name)), name
+
+
+def test_the_oracle_imports_nothing_of_the_engine() -> None:
+    # the reference backend checks every other backend: sharing their preparation,
+    # heads or lowering would let one mistake agree with itself
+    assert _reach("flashcl.reference") <= {"flashcl.core"}
+    assert _reach("flashcl.core") == set()
+
+
+def test_at_most_15_modules_at_the_top_and_none_over_700_lines() -> None:
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= 15, top
+    long = {str(p.relative_to(ROOT)): n for p, text in FILES.items() if (n := len(text.splitlines())) > 700}
+    assert long == {}
+
+
+def _calls(predicate: Callable[[ast.Call], bool]) -> Set[str]:
+    """The modules with a call that ``predicate`` picks."""
+    return {
+        _name(p)
+        for p, text in FILES.items()
+        if any(isinstance(n, ast.Call) and predicate(n) for n in ast.walk(ast.parse(text)))
+    }
+
+
+def _called(node: ast.Call, name: str) -> bool:
+    f = node.func
+    return (isinstance(f, ast.Name) and f.id == name) or (isinstance(f, ast.Attribute) and f.attr == name)
+
+
+def test_backends_are_resolved_in_one_module() -> None:
+    # resolve(backend, entries, device, dtype, ...): not a path's resolve()
+    assert _calls(lambda n: _called(n, "resolve") and len(n.args) >= 4) == {"flashcl.runner"}
+    # the driver for a backend name, too (the others ask runner.backend_for / runner.run)
+    assert _calls(lambda n: _called(n, "driver") and len(n.args) >= 3) == {"flashcl.runner"}
+
+
+def _compares_reduction(node: ast.AST) -> bool:
+    """``reduction == "mean"`` / ``"sum"`` (also ``!=``, ``opts.reduction``): a
+    reduction formed by hand; ``"none"`` (the shape of a per-row output) is not."""
+    if not isinstance(node, ast.Compare) or len(node.comparators) != 1:
+        return False
+    left, right = node.left, node.comparators[0]
+    named = (isinstance(left, ast.Name) and left.id == "reduction") or (
+        isinstance(left, ast.Attribute) and left.attr == "reduction"
+    )
+    return named and isinstance(right, ast.Constant) and right.value in ("mean", "sum")
+
+
+def test_every_reduction_is_formed_in_one_module() -> None:
+    forming = {
+        _name(p)
+        for p, text in FILES.items()
+        if "/bench/" not in str(p) and any(_compares_reduction(n) for n in ast.walk(ast.parse(text)))
+    }
+    assert forming == {"flashcl.runner"}
+    # the grad_scale factor and the global count of a source: the runner's too
+    uses = _calls(
+        lambda n: isinstance(n.func, ast.Attribute) and n.func.attr in ("factor", "count") and len(n.args) == 1
+    )
+    assert uses <= {"flashcl.runner", "flashcl.parallel.collectives"}, uses
+
+
+def test_one_body_per_loss_and_no_across_copy() -> None:
+    for p in ROOT.joinpath("losses").glob("*.py"):
+        tree = ast.parse(FILES[p])
+        names = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert not [n for n in names if "across" in n], (p.name, names)
+
+
+def _path(fn: Callable[[], None]) -> Tuple[List[str], int]:
+    modules: Dict[str, None] = {}
+    moves, last = 0, None
+
+    def prof(frame, event, arg):  # noqa: ANN001, ANN202
+        nonlocal moves, last
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if event != "call" or "/flashcl/" not in name:
+            return
+        mod = name.split("/flashcl/")[-1]
+        modules.setdefault(mod, None)
+        moves += last is not None and mod != last
+        last = mod
+
+    fn()  # warm-up: first-call imports and caches are not the path
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return list(modules), moves
+
+
+CALLS = {
+    "supcon_loss": lambda x, y: flashcl.supcon_loss(x, y).backward(),
+    "info_nce_loss": lambda x, y: flashcl.info_nce_loss(x, torch.randn(600, 64)).backward(),
+    "clip_loss": lambda x, y: flashcl.clip_loss(x, torch.randn(512, 64), logit_scale=20.0).backward(),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(CALLS))
+def test_a_plain_call_runs_few_modules_and_moves_little(loss: str) -> None:
+    """B = 512, D = 64 on the CPU: at most 8 flashcl modules and 15 moves between them
+    (Python call events; as ../shared/tools/call_path.py counts them)."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 64, requires_grad=True)
+    y = torch.randint(0, 8, (512,))
+    mods, moves = _path(lambda: CALLS[loss](x, y))
+    assert "losses/" + loss.replace("_loss", "") + ".py" in mods and "engine/engine.py" in mods, mods
+    assert len(mods) <= 8 and moves <= 15, (mods, moves)
+
+
+def test_the_old_import_paths_still_import_what_they_became() -> None:
+    import importlib
+
+    for old, new in flashcl.MOVED.items():
+        assert importlib.import_module(f"flashcl.{old}") is importlib.import_module(new), old
+    from flashcl.heads import SoftmaxHead  # a name through an old path
+    from flashcl.runner import resolve
+
+    assert SoftmaxHead.__module__ == "flashcl.engine.heads"
+    assert flashcl.backends.resolve is resolve
+    assert callable(flashcl.doctor)  # the function, not the module of its old name
