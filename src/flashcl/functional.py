@@ -10,9 +10,9 @@ from typing import Any, List
 
 from . import registry
 from .checks import Scalar
-from .losses.clip import siglip_problem
 from .losses.neighbor import sample_neighbors
 from .runner import AUTO_TILED_MIN_ENTRIES, matryoshka_core, run_core
+from .runner import sigmoid_problem as siglip_problem
 
 __all__: List[str] = [
     "sample_neighbors",

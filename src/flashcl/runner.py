@@ -64,12 +64,12 @@ import torch
 from torch import Tensor
 
 from . import checks, reference
-from .core import CoreSpec, compute_dtype
+from .core import CoreSpec, Exclusions, compute_dtype
 from .engine import engine, matryoshka
 from .engine.engine import Driver, Problem, ReduceWeights, autocast_off, normalize_rows
-from .engine.heads import SoftmaxHead
+from .engine.heads import SoftmaxHead, SoftplusHead
 from .engine.panels import UpperPanels
-from .engine.positives import PositiveTerm, column_spec, positives, row_weights, valid_rows
+from .engine.positives import Positives, PositiveTerm, column_spec, positives, row_weights, valid_rows
 from .engine.stripes import Stripes
 from .engine.tiled import RowBlocks
 from .triton import DTYPES as TRITON_DTYPES
@@ -572,18 +572,45 @@ def run_problem(
 
 def row_lse(
     q: Tensor,
-    k: Optional[Tensor],
+    source: Source,
     scale: Tensor,
-    head: SoftmaxHead,
     normalize: bool,
     name: str,
     block_size: Optional[int],
-    offset: int = 0,
+    exclude: Optional[Exclusions] = None,
+    exclude_self: bool = False,
 ) -> Tensor:
-    """Each row's logsumexp over its denominator (the head's exclusions), (M,),
-    differentiable: one part of a loss composed of several candidate sets
-    (``offset``: the column of row 0, as the head's)."""
-    return run_problem(q, k, scale, Problem(head, (), normalize, offset), name, None, block_size)
+    """Each row's logsumexp over the columns of ``source`` (``exclude``, and with
+    ``exclude_self`` each row's own column, left out), (M,), differentiable: one part
+    of a loss composed of several candidate sets, on backend ``name``."""
+    ones = torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
+    head = SoftmaxHead(ones, exclude_self=exclude_self, offset=source.offset, exclude=exclude)
+    return source.run(q, scale, Problem(head, (), normalize, source.offset), None, block_size, backend=name)
+
+
+def sigmoid_problem(
+    b: int,
+    n: int,
+    labels: Optional[Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    bias: float,
+    normalize: bool,
+    offset: int = 0,
+    col_labels: Optional[Tensor] = None,
+) -> Problem:
+    """SigLIP as an engine problem (b image rows, n text columns): the softplus head
+    and the positive term. Positives: the diagonal (image ``i`` and text
+    ``i + offset``), or, with labels, every pair of the same label (``col_labels``:
+    the texts' labels, default ``labels``)."""
+    if labels is None:
+        pos = Positives(index=(torch.arange(b, device=device) + offset).unsqueeze(1))
+    else:
+        cols = labels if col_labels is None else col_labels
+        uniq, ids = torch.unique(torch.cat([labels, cols]), return_inverse=True)
+        pos = Positives(row_labels=ids[:b], col_labels=ids[b:], num_classes=int(uniq.numel()))
+    head = SoftplusHead(bias, pos.counts(b, n))
+    return Problem(head, (PositiveTerm(pos, torch.ones(b, dtype=dtype, device=device)),), normalize)
 
 
 def unit_rows(x: Tensor, normalize: bool) -> Tensor:

@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..core import CoreSpec, compute_dtype
+from ..core import CoreSpec, Tile, compute_dtype
 from . import positives as lowering
 from .engine import FusedFunction
-from .heads import Tile, mask_self_
+from .heads import mask_self_
 
 __all__ = ["TiledScores", "auto_scores_block", "dense_rows", "dense_output"]
 

@@ -13,9 +13,7 @@ from ..base import LossModule, reject_open_clip_keywords, shared_docs
 from ..checks import Scalar, check_smoothing, class_ids, no_matryoshka, warn_small_logit_scale
 from ..compiled import compiles
 from ..core import CoreSpec, compute_dtype
-from ..engine.engine import Problem, autocast_off
-from ..engine.heads import SoftplusHead
-from ..engine.positives import Positives, PositiveTerm
+from ..engine.engine import autocast_off
 from .info_nce import smoothing_rows
 
 
@@ -164,32 +162,6 @@ def _clip(
     return runner.run_both_ways(image_embeds, text_embeds, images, texts, scale, spec, opts, widths)
 
 
-def siglip_problem(
-    b: int,
-    n: int,
-    labels: Optional[Tensor],
-    device: torch.device,
-    dtype: torch.dtype,
-    bias: float,
-    normalize: bool,
-    offset: int = 0,
-    col_labels: Optional[Tensor] = None,
-) -> Problem:
-    """SigLIP as an engine problem (b image rows, n text columns): the softplus head
-    and the positive term. Positives:
-    the diagonal (image ``i`` and text ``i + offset``), or, with labels, every pair
-    of the same label (``col_labels``: the texts' labels, default ``labels``)."""
-    if labels is None:
-        pos = Positives(index=(torch.arange(b, device=device) + offset).unsqueeze(1))
-    else:
-        cols = labels if col_labels is None else col_labels
-        uniq, ids = torch.unique(torch.cat([labels, cols]), return_inverse=True)
-        pos = Positives(row_labels=ids[:b], col_labels=ids[b:], num_classes=int(uniq.numel()))
-    counts = pos.counts(b, n)
-    head = SoftplusHead(bias, counts)
-    return Problem(head, (PositiveTerm(pos, torch.ones(b, dtype=dtype, device=device)),), normalize)
-
-
 @registry.loss
 @shared_docs
 @compiles()
@@ -296,7 +268,7 @@ def _siglip(
                 image_embeds, texts.keys, scale, bias, labels, opts.normalize, texts.offset, all_labels
             )
         return rows if r is None else (r * rows).sum()
-    problem = siglip_problem(
+    problem = runner.sigmoid_problem(
         b,
         texts.total,
         labels,

@@ -3,7 +3,7 @@ and :class:`DistillLoss`."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,99 +15,10 @@ from ..checks import Scalar, scale_dtype
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.heads import Head, Tile, WorkBuffer, lse_inplace, row_dot
+from ..engine.family_heads import SoftTargetHead
 from ..runner import unit_rows
 
-__all__ = ["distill_loss", "DistillLoss", "SoftTargetHead"]
-
-
-class _SoftTargetState:
-    def __init__(self, m: int, like: Tensor) -> None:
-        self.lse = like.new_full((m,), float("-inf"))  # the teacher's row logsumexp
-        self.own_lse = like.new_full((m,), float("-inf"))  # the student's (student side only)
-        self.cross = like.new_zeros(m)  # A_i = sum_j p_ij S_ij
-        self.g_row: Optional[Tensor] = None
-        self.g_col: Optional[Tensor] = None
-        self.work = WorkBuffer()
-
-
-class SoftTargetHead(Head):
-    """Distillation's row loss with the teacher's ``p_ij = softmax_j(T_ij)``: the
-    engine's tiles are one side's scores, the other side's tiles are formed here (in
-    one work buffer) from ``other_q``, ``other_k`` (normalised, without gradient)
-    times ``other_scale``. ``own_is_teacher=False``: the tiles are the student's
-    ``S``, the loss ``LSE_j S_ij - sum_j p_ij S_ij`` and its gradient
-    ``softmax_j(S_ij) - p_ij`` (the teacher held fixed). ``own_is_teacher=True``: the
-    tiles are the teacher's ``T``, the loss the cross term ``-sum_j p_ij S_ij`` and its
-    gradient ``-p_ij (S_ij - A_i)`` (the student's scores held fixed). On complete rows
-    one visit (:meth:`rows_fused`); otherwise pass 0 the logsumexps, pass 1 the sum."""
-
-    passes = 2
-    fuses_rows = True
-
-    def __init__(
-        self, other_q: Tensor, other_k: Tensor, other_scale: float, own_is_teacher: bool, offset: int = 0
-    ) -> None:
-        self.other_q, self.other_k, self.other_scale = other_q, other_k, other_scale
-        self.own_is_teacher = own_is_teacher
-        self.offset = offset
-
-    def _other(self, tile: Tile, like: Tensor, out: Optional[Tensor]) -> Tensor:
-        oq = self.other_q[tile.r0 : tile.r1].to(like.dtype)
-        return torch.mm(oq, self.other_k[tile.c0 : tile.c1].to(like.dtype).T, out=out).mul_(self.other_scale)
-
-    def _pair(self, s: Tensor, tile: Tile, st: Any) -> Tuple[Tensor, Tensor]:
-        """(teacher tile T, student tile S): ``s`` and the other side's in the work buffer."""
-        other = self._other(tile, s, st.work.like(s))
-        return (s, other) if self.own_is_teacher else (other, s)
-
-    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
-        return _SoftTargetState(m, like)
-
-    def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
-        rows = slice(tile.r0, tile.r1)
-        t, sv = self._pair(s, tile, st)
-        if p == 0:
-            st.lse[rows] = torch.logaddexp(st.lse[rows], lse_inplace(t)[0])
-            if not self.own_is_teacher:  # sv is s, which reduce may overwrite
-                st.own_lse[rows] = torch.logaddexp(st.own_lse[rows], lse_inplace(sv)[0])
-        else:
-            st.cross[rows] += row_dot(t.sub_(st.lse[rows].unsqueeze(1)).exp_(), sv)
-
-    def rows_fused(self, s: Tensor, tile: Tile, st: Any, g_row: Optional[Tensor]) -> Optional[Tensor]:
-        rows = slice(tile.r0, tile.r1)
-        t, sv = self._pair(s, tile, st)
-        st.lse[rows], total = lse_inplace(t)  # t: the teacher's probabilities times total
-        cross = row_dot(t, sv) / total.squeeze(1)
-        st.cross[rows] = cross
-        if self.own_is_teacher:  # s is t
-            if g_row is None:
-                return None
-            return s.mul_(sv.sub_(cross.unsqueeze(1))).mul_(-g_row[rows].unsqueeze(1) / total)
-        st.own_lse[rows], own_total = lse_inplace(s)
-        if g_row is None:
-            return None
-        g = g_row[rows].unsqueeze(1)
-        return s.mul_(g / own_total).sub_(t.mul_(g / total))
-
-    def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
-        return (-st.cross if self.own_is_teacher else st.own_lse - st.cross), None
-
-    def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
-        rows = slice(tile.r0, tile.r1)
-        g = st.g_row[rows].unsqueeze(1)
-        if self.own_is_teacher:
-            t, sv = self._pair(s, tile, st)  # s is t
-            prob = t.sub_(st.lse[rows].unsqueeze(1)).exp_()
-            return prob.mul_(sv.sub_(st.cross[rows].unsqueeze(1))).mul_(-g)
-        prob = self._other(tile, s, st.work.like(s)).sub_(st.lse[rows].unsqueeze(1)).exp_()
-        return s.sub_(st.own_lse[rows].unsqueeze(1)).exp_().sub_(prob).mul_(g)
-
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-        other = self._other(tile, s, None)
-        t, sv = (s, other) if self.own_is_teacher else (other, s)
-        cross = (torch.softmax(t, dim=1) * sv).sum(1)
-        return (-cross if self.own_is_teacher else torch.logsumexp(s, dim=1) - cross), None
+__all__ = ["distill_loss", "DistillLoss"]
 
 
 @registry.loss

@@ -12,10 +12,9 @@ from .. import checks, parallel, reference, registry, runner
 from ..base import LossModule, shared_docs
 from ..checks import Scalar, check_keys, scale_dtype
 from ..compiled import compiles
-from ..core import Exclusions, compute_dtype
-from ..engine.engine import Problem, autocast_off
-from ..engine.heads import SoftmaxHead, Tile
-from ..runner import Source, row_lse, unit_rows
+from ..core import Exclusions, Tile, compute_dtype
+from ..engine.engine import autocast_off
+from ..runner import Source, unit_rows
 
 
 def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) -> Callable[[Tile], Tensor]:
@@ -231,32 +230,16 @@ def gist_rows(
     without gradient, gathered). With ``gathered``, the positive and negative
     candidates (and their guides) are those rows, gathered by the caller, and the
     anchors are this process's only (sentence-transformers' ``gather_across_devices``)."""
-    b = anchor.shape[0]
     ga, gp = unit_rows(guides[0], True), unit_rows(guides[1], True)
     gn = None if negative is None else unit_rows(guides[2], True)
     g_pos = (ga * gp).sum(1)
     threshold = g_pos - (g_pos.abs() * margin if relative else margin)
     dtype = compute_dtype(anchor.dtype)
-    ones = torch.ones(b, dtype=dtype, device=anchor.device)
 
     def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, keep_positive: bool, offset: int = 0) -> Tensor:
-        if across is None:
-            mask = _guide_mask(gq, gk, threshold, keep_positive)
-            return row_lse(
-                q,
-                keys,
-                scale,
-                SoftmaxHead(ones, offset=offset, exclude=Exclusions(fn=mask)),
-                True,
-                name,
-                block_size,
-                offset,
-            )
-        cols = across(keys)
-        head = SoftmaxHead(
-            ones, offset=cols.offset, exclude=Exclusions(fn=_guide_mask(gq, cols.gather(gk), threshold, keep_positive))
-        )
-        return cols.run(q, scale, Problem(head, (), True, cols.offset), None, block_size, backend=name)
+        cols = runner.Source(keys, offset, [keys.shape[0]]) if across is None else across(keys)
+        mask = _guide_mask(gq, cols.gather(gk), threshold, keep_positive)
+        return runner.row_lse(q, cols, scale, True, name, block_size, Exclusions(fn=mask))
 
     p_all, n_all, gp_all, gn_all, offset = positive, negative, gp, gn, 0
     if gathered is not None:

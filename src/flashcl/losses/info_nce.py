@@ -12,8 +12,7 @@ from .. import checks, parallel, registry, runner
 from ..base import LossModule, shared_docs
 from ..checks import Scalar, check_keys, check_smoothing, class_ids, no_matryoshka
 from ..compiled import compiles
-from ..core import CoreSpec, Exclusions, compute_dtype
-from ..engine.heads import Tile
+from ..core import CoreSpec, Exclusions, Tile, compute_dtype
 from ..runner import unit_rows
 
 

@@ -1,10 +1,11 @@
 """Multi-label SupCon: positives weighted by the Jaccard similarity of multi-hot label
-sets, formed tile by tile from the label rows (never B x B): :class:`JaccardHead` and
-the body of :func:`flashcl.supcon_loss` with (B, C) labels."""
+sets, formed tile by tile from the label rows (never B x B; the head:
+:class:`flashcl.engine.family_heads.JaccardHead`): the body of
+:func:`flashcl.supcon_loss` with (B, C) labels."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -12,142 +13,10 @@ from torch import Tensor
 from .. import checks, parallel, runner
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.heads import Head, Tile, WorkBuffer, lse_inplace, mask_self_, row_dot
+from ..engine.family_heads import JaccardHead, jaccard, jaccard_row_weights
 from ..runner import auto_block
 
-__all__ = ["JaccardHead", "jaccard", "multilabel_supcon"]
-
-
-def jaccard(yq: Tensor, yk: Tensor) -> Tensor:
-    """``|y_i & y_j| / |y_i | y_j|`` of multi-hot rows (0 where both sets are empty)."""
-    inter = yq @ yk.T
-    union = yq.sum(1, keepdim=True) + yk.sum(1).unsqueeze(0) - inter
-    return torch.where(union > 0, inter / union.clamp_min(1), torch.zeros_like(inter))
-
-
-def _weights(
-    yq: Tensor,
-    yk: Tensor,
-    nq: Tensor,
-    nk: Tensor,
-    tile: Tile,
-    threshold: float,
-    out: Optional[Tensor] = None,
-    work: Optional[Tensor] = None,
-) -> Tensor:
-    """The tile's positive weights ``J_ij [J_ij > threshold]`` with the anchor's own
-    column 0, from the label rows and their sizes ``nq``, ``nk``; into ``out``, with
-    ``work`` for the unions (free buffers of the tile's shape; made when None)."""
-    rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
-    inter = torch.mm(yq[rows], yk[cols].T, out=out)
-    union = torch.add(nq[rows].unsqueeze(1), nk[cols].unsqueeze(0), out=work)
-    # both sets empty: inter = 0 = union, and J = 0 / 1 = 0 (jaccard's convention)
-    w = inter.div_(union.sub_(inter).clamp_min_(1.0))
-    w.masked_fill_(w <= threshold, 0.0)
-    mask_self_(w, tile, 0.0)
-    return w
-
-
-class _JaccardState:
-    def __init__(self, m: int, like: Tensor) -> None:
-        self.lse = like.new_full((m,), float("-inf"))
-        self.ws = like.new_zeros(m)  # sum_j w_ij s_ij
-        self.g_row: Optional[Tensor] = None
-        self.g_col: Optional[Tensor] = None
-        self.work = (WorkBuffer(), WorkBuffer())
-
-
-class JaccardHead(Head):
-    """Multi-label SupCon's row loss ``c_i LSE_{j in Den(i)} s_ij - a_i sum_j w_ij s_ij``
-    with ``w_ij = J_ij [J_ij > threshold]`` (``j != i``) formed in each tile from the
-    label rows, ``c_i = a_i sum_j w_ij`` and ``a_i = 1 / |P(i)|`` (``positives="mean"``)
-    or 1 (``"sum"``): ``c``, ``a`` precomputed (:func:`row_weights`). On complete rows
-    the loss and its gradient are formed in one visit (:meth:`rows_fused`), in the
-    tile and two work buffers of its size."""
-
-    fuses_rows = True
-
-    def __init__(
-        self, yq: Tensor, yk: Tensor, threshold: float, c: Tensor, a: Tensor, exclude_self: bool, offset: int = 0
-    ) -> None:
-        self.yq, self.yk, self.threshold = yq, yk, threshold
-        self.nq = yq.sum(1)
-        self.nk = self.nq if yk is yq else yk.sum(1)
-        self.c, self.a = c, a
-        self.exclude_self, self.offset = exclude_self, offset
-
-    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
-        return _JaccardState(m, like)
-
-    def _tile_weights(self, s: Tensor, tile: Tile, st: Any) -> Tensor:
-        w = _weights(self.yq, self.yk, self.nq, self.nk, tile, self.threshold, st.work[0].like(s), st.work[1].like(s))
-        return w if w.dtype == s.dtype else w.to(s.dtype)
-
-    def _lse_(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Tensor]:
-        """The rows' LSE over the denominator; leaves ``exp(s - rowmax)`` in ``s``."""
-        if self.exclude_self:
-            mask_self_(s, tile, float("-inf"))
-        return lse_inplace(s)
-
-    def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
-        rows = slice(tile.r0, tile.r1)
-        st.ws[rows] += row_dot(self._tile_weights(s, tile, st), s)
-        st.lse[rows] = torch.logaddexp(st.lse[rows], self._lse_(s, tile)[0])
-
-    def rows_fused(self, s: Tensor, tile: Tile, st: Any, g_row: Optional[Tensor]) -> Optional[Tensor]:
-        rows = slice(tile.r0, tile.r1)
-        w = self._tile_weights(s, tile, st)
-        st.ws[rows] = row_dot(w, s)
-        lse, total = self._lse_(s, tile)
-        st.lse[rows] = lse
-        if g_row is None:
-            return None
-        # g (c softmax - a w): s holds exp(s - rowmax), whose row sum is total
-        coef = (g_row[rows] * self.c[rows]).unsqueeze(1) / total
-        s.mul_(torch.where(total > 0, coef, torch.zeros_like(coef)))
-        return s.sub_(w.mul_((g_row[rows] * self.a[rows]).unsqueeze(1)))
-
-    def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
-        return torch.where(self.c > 0, self.c * st.lse, torch.zeros_like(st.lse)) - self.a * st.ws, None
-
-    def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
-        rows = slice(tile.r0, tile.r1)
-        g = st.g_row[rows]
-        if self.exclude_self:
-            mask_self_(s, tile, float("-inf"))
-        lse = st.lse[rows]
-        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # an empty denominator: exp(-inf) = 0
-        s.sub_(lse.unsqueeze(1)).exp_().mul_((g * self.c[rows]).unsqueeze(1))
-        return s.sub_(self._tile_weights(s, tile, st).mul_((g * self.a[rows]).unsqueeze(1)))
-
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-        w = _weights(self.yq, self.yk, self.nq, self.nk, tile, self.threshold).to(s.dtype)
-        masked = s.clone()
-        if self.exclude_self:
-            mask_self_(masked, tile, float("-inf"))
-        lse = torch.logsumexp(masked, dim=1)
-        return torch.where(self.c > 0, self.c * lse, torch.zeros_like(lse)) - self.a * (w * s).sum(1), None
-
-
-def row_weights(
-    yq: Tensor, yk: Tensor, threshold: float, positives: str, offset: int, block: int, dtype: torch.dtype
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """(c, a, has a positive) per anchor, from the label rows by row blocks."""
-    m, n = yq.shape[0], yk.shape[0]
-    count = torch.zeros(m, dtype=dtype, device=yq.device)
-    wsum = torch.zeros(m, dtype=dtype, device=yq.device)
-    nq = yq.sum(1)
-    nk = nq if yk is yq else yk.sum(1)
-    out, work = yq.new_empty(min(block, m), n), yq.new_empty(min(block, m), n)
-    for r0 in range(0, m, block):
-        r1 = min(r0 + block, m)
-        w = _weights(yq, yk, nq, nk, Tile(r0, r1, 0, n, offset), threshold, out[: r1 - r0], work[: r1 - r0])
-        count[r0:r1] = (w > 0).sum(1).to(dtype)
-        wsum[r0:r1] = w.sum(1).to(dtype)
-    valid = count > 0
-    a = 1.0 / count.clamp_min(1) if positives == "mean" else torch.ones_like(count)
-    a = torch.where(valid, a, torch.zeros_like(a))
-    return a * wsum, a, valid
+__all__ = ["multilabel_supcon"]
 
 
 def check_multi_hot(labels: Tensor, like: Tensor, name: str) -> Tensor:
@@ -255,7 +124,7 @@ def _multilabel(
             )
             return runner.reduce(rows, valid, opts.reduction, opts.grad_scale, cols)
         block = auto_block(y.shape[0], yk.shape[0], dtype)
-        c, a, valid_b = row_weights(y, yk, threshold, positives, cols.offset, block, dtype)
+        c, a, valid_b = jaccard_row_weights(y, yk, threshold, positives, cols.offset, block, dtype)
         head = JaccardHead(y, yk, threshold, c, a, not include_self, cols.offset)
         valid = valid_b.to(dtype)
         r = runner.share(opts.reduction, opts.grad_scale, cols, valid)

@@ -14,7 +14,7 @@ from ..checks import Scalar
 from ..compiled import compiles
 from ..core import CoreSpec, Exclusions, compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.estimators import DebiasedHead
+from ..engine.family_heads import DebiasedHead
 from ..runner import unit_rows
 
 

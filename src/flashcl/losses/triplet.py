@@ -35,9 +35,9 @@ from torch import Tensor
 from .. import checks, parallel, registry, runner
 from ..base import LossModule, shared_docs
 from ..compiled import compiles
-from ..core import compute_dtype
+from ..core import Tile, compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..engine.heads import Tile, mask_self_
+from ..engine.heads import mask_self_
 
 __all__ = ["triplet_loss", "TripletLoss", "distances"]
 

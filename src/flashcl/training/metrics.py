@@ -10,13 +10,12 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel
+from .. import checks, parallel, runner
 from ..base import DOCS, shared_docs
 from ..checks import check_keys
 from ..compiled import compiles
 from ..core import compute_dtype
-from ..engine.heads import SoftmaxHead
-from ..runner import auto_block, row_lse, unit_rows
+from ..runner import auto_block, unit_rows
 
 __all__ = ["alignment", "uniformity", "retrieval"]
 
@@ -98,9 +97,10 @@ def uniformity(x: Tensor, t: float = 2.0, *, block_size: Optional[int] = None, p
     offset = 0
     if process_group is not None:
         k, offset = parallel.all_gather_with_grad(k, process_group)
-    head = SoftmaxHead(torch.ones(b, dtype=xc.dtype, device=x.device), exclude_self=True, offset=offset)
     scale = torch.ones((), dtype=xc.dtype, device=x.device)
-    lse = row_lse(q, k, scale, head, False, "tiled", block_size, offset)
+    lse = runner.row_lse(
+        q, runner.Source(k, offset, [k.shape[0]]), scale, False, "tiled", block_size, exclude_self=True
+    )
     if process_group is not None:
         lse, _ = parallel.all_gather_with_grad(lse, process_group)
     # every pair twice (i != j): the mean over i < j is the same mean
