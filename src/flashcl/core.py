@@ -23,10 +23,10 @@ every anchor row ``i``::
 
 ``both_directions`` adds the column direction of CLIP: for every column ``j``,
 ``col_loss_j = LSE_i s_ij - a'_j sum_{i in Pos'(j)} s_ij`` (M == N), with the
-positives seen from the columns (:func:`flashcl.positives.column_spec`): the diagonal, or
+positives seen from the columns (:func:`flashcl.engine.positives.column_spec`): the diagonal, or
 with labels every row of the same label (``pos_mode="mean"``: their mean).
 
-:mod:`flashcl.positives` turns the configuration into the engine's form
+:mod:`flashcl.engine.positives` turns the configuration into the engine's form
 (:mod:`flashcl.engine`): a softmax head and a positive (linear) term. The
 reference backend (:mod:`flashcl.reference`) reads the configuration directly:
 this module imports nothing of the engine, so that the oracle shares no code

@@ -1,5 +1,5 @@
-"""The loss functions, each from the module of its family (:mod:`flashcl.supcon`,
-:mod:`flashcl.nt_xent`, :mod:`flashcl.info_nce`, ...), where it registers itself
+"""The loss functions, each from the module of its family (:mod:`flashcl.losses.supcon`,
+:mod:`flashcl.losses.nt_xent`, :mod:`flashcl.losses.info_nce`, ...), where it registers itself
 (:mod:`flashcl.registry`): every registered loss is here; the backends are
 described in :mod:`flashcl.runner`."""
 

@@ -3,7 +3,7 @@
 Slow (a Python loop over anchors and over their positives) and obviously
 correct: it is the oracle that every other backend is tested against, and the
 "naive" line of the benchmarks. It counts each anchor's positives itself rather
-than trusting :mod:`flashcl.positives`'s weights, so that it checks that code too;
+than trusting :mod:`flashcl.engine.positives`'s weights, so that it checks that code too;
 it imports nothing of the engine, its heads or its preparation (a mistake there
 would otherwise be made twice and agree).
 """

@@ -195,7 +195,7 @@ def backend_for(
 
 
 def _valid(spec: CoreSpec, problem: Problem, m: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The rows a ``"mean"`` counts (:func:`flashcl.positives.valid_rows`), from the
+    """The rows a ``"mean"`` counts (:func:`flashcl.engine.positives.valid_rows`), from the
     problem's LSE weights (``pos_mode="mean"``: 1 where a row has a positive), not
     counted again."""
     if spec.pos_mode != "mean":
@@ -230,7 +230,7 @@ def _scalar_weights(
 
 
 def problem_of(spec: CoreSpec, m: int, n: int, dtype: torch.dtype) -> Problem:
-    """The engine's form: a :class:`~flashcl.heads.SoftmaxHead` with the LSE weights
+    """The engine's form: a :class:`~flashcl.engine.heads.SoftmaxHead` with the LSE weights
     ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``both_directions``, the
     column direction's positive term too: ``-s_jj``, or with labels the mean of
     column ``j``'s same-label scores)."""

@@ -1,9 +1,9 @@
 """The tile engine: one autograd Function for every loss and every backend.
 
-A loss is a :class:`Problem`: a :class:`~flashcl.heads.Head` (its nonlinear part
-over score tiles) and :class:`~flashcl.positives.PositiveTerm` terms (its positives, in
+A loss is a :class:`Problem`: a :class:`~flashcl.engine.heads.Head` (its nonlinear part
+over score tiles) and :class:`~flashcl.engine.positives.PositiveTerm` terms (its positives, in
 embedding space). A *driver* visits the tiles of ``s_ij = scale * q^_i . k^_j``
-(:mod:`flashcl.tiled`'s row blocks, :mod:`flashcl.panels`'s upper panels,
+(:mod:`flashcl.engine.tiled`'s row blocks, :mod:`flashcl.engine.panels`'s upper panels,
 the Triton kernels, the distributed ring) and hands each one to the head. This
 module does what is common to all of them, once:
 
@@ -225,7 +225,7 @@ class Problem:
 @dataclass
 class Operands:
     """The prepared inputs of one call: rows normalised (``q``, ``k``; lazily, as
-    :class:`~flashcl.positives.RowScaled`, when the driver asks) in the compute dtype,
+    :class:`~flashcl.engine.positives.RowScaled`, when the driver asks) in the compute dtype,
     their norms, ``same`` (k is q), the scale, ``bound >= max |s_ij|``, the rows
     per block."""
 
@@ -272,7 +272,7 @@ class Driver:
     """Visits the tiles of a problem; see the module docstring.
 
     Attributes:
-        lazy: takes the normalised rows as :class:`~flashcl.positives.RowScaled` views.
+        lazy: takes the normalised rows as :class:`~flashcl.engine.positives.RowScaled` views.
         no_second_derivatives: see below.
         class_sums: the per-class row sums the linear terms use (the distributed
             ring adds every rank's).

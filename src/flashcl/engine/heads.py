@@ -2,8 +2,8 @@
 
 Every loss in flashcl is a *head* (the part that is not linear in the scores:
 a logsumexp, a sigmoid, ...) plus *linear terms* (``sum_j m_ij s_ij``: the
-positives, computed in embedding space by :mod:`flashcl.positives`). The backends
-(:mod:`flashcl.tiled`, :mod:`flashcl.panels`, :mod:`flashcl.distributed`'s
+positives, computed in embedding space by :mod:`flashcl.engine.positives`). The backends
+(:mod:`flashcl.engine.tiled`, :mod:`flashcl.engine.panels`, :mod:`flashcl.distributed`'s
 ring, :mod:`flashcl.triton`) visit tiles of the score matrix and hand each one
 to the head; they never know which head they serve. :func:`flashcl.engine.dense_values` (the dense backend) and
 the second-derivative path use the head's differentiable :meth:`Head.dense` formula
@@ -545,7 +545,7 @@ class _SoftplusState:
 class SoftplusHead(Head):
     """SigLIP's sigmoid loss over pairs: per row ``sum_j softplus(s_ij + b) - b |Pos(i)|``.
 
-    With the positive term ``-sum_{j in Pos(i)} s_ij`` (a :class:`~flashcl.positives.PositiveTerm`
+    With the positive term ``-sum_{j in Pos(i)} s_ij`` (a :class:`~flashcl.engine.positives.PositiveTerm`
     of the same positives), row ``i``'s loss is ``sum_j -log sigmoid(z_ij (s_ij + b))``,
     ``z_ij = +1`` on the positive pairs and -1 elsewhere, since
     ``softplus(t) - softplus(-t) = t``: the head itself needs no mask, only the bias

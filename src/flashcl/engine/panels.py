@@ -2,14 +2,14 @@
 
 When the candidates are the anchors (``k is q``, the self mask on the diagonal)
 ``S = scale E E^T`` is symmetric, and so are the heads' tile values
-(:attr:`~flashcl.heads.Head.symmetric_tiles`): only the panels ``S[I, I:]`` on and
+(:attr:`~flashcl.engine.heads.Head.symmetric_tiles`): only the panels ``S[I, I:]`` on and
 above the diagonal are computed. Each gives its rows' reductions and, through
 ``s_ji = s_ij``, those of the rows right of its diagonal block
-(:meth:`~flashcl.heads.Head.reduce_panel`). The reduction costs half a GEMM.
+(:meth:`~flashcl.engine.heads.Head.reduce_panel`). The reduction costs half a GEMM.
 
 The gradient ``d loss / dE = scale (G + G^T) E``: ``H = G + G^T`` is symmetric
 and each upper panel gives both ``H[I, I:]`` and ``H[I:, I]``
-(:meth:`~flashcl.heads.Head.grad_panel`), so the whole gradient costs one
+(:meth:`~flashcl.engine.heads.Head.grad_panel`), so the whole gradient costs one
 recomputation of half the matrix and two GEMMs over half of it: one GEMM of
 B^2 D in all, where the unsymmetric path needs two.
 
@@ -50,7 +50,7 @@ class UpperPanels(Driver):
         self._device_type = device_type
 
     def _blocks(self, ops: Operands, head: Head, kind: str) -> Iterator[int]:
-        """The panels' starts, the thread count chosen by :func:`flashcl.threads.blocks`."""
+        """The panels' starts, the thread count chosen by :func:`flashcl.engine.threads.blocks`."""
         m = ops.q.shape[0]
         kind = f"panels.{kind}.{type(head).__name__}.{ops.q.shape[1]}"  # blocks that cost alike per entry
         return threads.blocks(

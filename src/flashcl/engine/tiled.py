@@ -4,7 +4,7 @@ The anchors are processed in blocks of ``block`` rows. Each block's scores
 ``S = scale * Q_blk K^T`` (block x N) live in one buffer that is reused for
 every block: a fresh allocation per block would cost page faults that on a
 CPU take longer than the block's arithmetic. A block holds complete rows, so a
-head that can (:attr:`~flashcl.heads.Head.fuses_rows`) reduces them and turns
+head that can (:attr:`~flashcl.engine.heads.Head.fuses_rows`) reduces them and turns
 them into their gradient in the same visit: with a scalar loss that needs a
 gradient, the gradient is formed during the forward pass (as Liger-Kernel's
 fused linear cross-entropy does), three GEMMs (S, G K, G^T Q) instead of four.
@@ -13,8 +13,8 @@ three-GEMM bound): 1.19x fused against 1.57x unfused. Heads with a column
 direction (CLIP) need every column's reduction before any gradient: a second
 pass, four GEMMs (the floor).
 
-Self-contrast (SupCon, NT-Xent) takes :mod:`flashcl.panels` instead; a given
-score matrix (the neighbour loss) :mod:`flashcl.scores`.
+Self-contrast (SupCon, NT-Xent) takes :mod:`flashcl.engine.panels` instead; a given
+score matrix (the neighbour loss) :mod:`flashcl.engine.scores`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class RowBlocks(Driver):
         self._device_type = device_type
 
     def _blocks(self, ops: Operands, head: Head, kind: str) -> Iterator[int]:
-        """The row blocks' starts, the thread count chosen by :func:`flashcl.threads.blocks`."""
+        """The row blocks' starts, the thread count chosen by :func:`flashcl.engine.threads.blocks`."""
         m, n = ops.q.shape[0], ops.k.shape[0]
         kind = f"rows.{kind}.{type(head).__name__}.{ops.q.shape[1]}"  # blocks that cost alike per entry
         return threads.blocks(kind, range(0, m, ops.block), lambda r0: min(ops.block, m - r0) * n, self._device_type)

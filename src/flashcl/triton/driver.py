@@ -171,7 +171,7 @@ def gradients(
 
 class TritonDriver(Driver):
     """The engine's driver on Triton kernels, for the heads they implement
-    (:attr:`~flashcl.heads.Head.kernel` in :data:`HEADS`: the softmax and SigLIP's
+    (:attr:`~flashcl.engine.heads.Head.kernel` in :data:`HEADS`: the softmax and SigLIP's
     softplus): the rows' (and CLIP's columns') reductions in one kernel, the
     gradients ``dQ^ = G K^`` and ``dK^ = G^T Q^`` in two, every tile rebuilt on
     chip from the embeddings and the saved reductions.
