@@ -16,6 +16,7 @@ from .losses.distill import DistillLoss, distill_loss
 from .losses.gist import GistLoss, gist_loss
 from .losses.info_nce import InfoNCELoss, info_nce_loss
 from .losses.margin import ArcFaceLoss, CosFaceLoss, arcface_loss, cosface_loss
+from .losses.maxsim import MaxSimLoss, maxsim_loss
 from .losses.neighbor import NeighborLoss, neighbor_loss, sample_neighbors
 from .losses.nt_xent import NTXentLoss, nt_xent_loss
 from .losses.supcon import SupConLoss, supcon_loss

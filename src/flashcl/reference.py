@@ -227,3 +227,34 @@ def gist_rows(
                 den.append((q[i] @ k[j]) * scale)
         rows.append(torch.logsumexp(torch.stack(den), dim=0) - (a[i] @ p[i]) * scale)
     return torch.stack(rows)
+
+
+def maxsim_rows(
+    query: Tensor,
+    docs: Tensor,
+    qmask: Tensor,
+    dmask: Tensor,
+    scale: Tensor,
+    normalize_scores: bool,
+    smooth: Optional[float],
+    index: Tensor,
+) -> Tensor:
+    """Late interaction's cross-entropy of each query (its positive: document
+    ``index[i]``), one query, document and token at
+    a time: ``s_ij = sum_{real t} max_{real u} <q_it, d_ju>`` (``smooth``: ``tau *
+    logsumexp_u(. / tau)``; ``normalize_scores``: over the query's real tokens), the
+    loss ``LSE_j scale s_ij - scale s_i index[i]``."""
+    rows = []
+    for i in range(query.shape[0]):
+        tokens = [t for t in range(query.shape[1]) if bool(qmask[i, t])]
+        scores = []
+        for j in range(docs.shape[0]):
+            real = docs[j][dmask[j]]
+            total = query.new_zeros(())
+            for t in tokens:
+                dots = real @ query[i, t]
+                total = total + (dots.max() if smooth is None else smooth * torch.logsumexp(dots / smooth, dim=0))
+            scores.append(total / len(tokens) if normalize_scores else total)
+        s = torch.stack(scores) * scale.to(query.dtype)
+        rows.append(torch.logsumexp(s, dim=0) - s[int(index[i])])
+    return torch.stack(rows)

@@ -1,0 +1,124 @@
+"""Late interaction (ColBERT, ColPali): the MaxSim score matrix of token embeddings,
+tile by tile, never the B x N x Lq x Ld token scores.
+
+``s_ij = sum over the real tokens t of query i of max over the real tokens u of
+document j of <q_it, d_ju>`` (or, with ``smooth=tau``, ``tau * logsumexp_u(. / tau)``
+instead of the max). :class:`MaxSimScores` forms the (B, N) scores from one GEMM of
+a block of query tokens against a block of document tokens at a time; its backward
+recomputes each tile and routes each (query token, document) pair's gradient to its
+winning document token: two gathers of O(B Lq N D) instead of two more token GEMMs
+(with ``smooth``, the softmax over the document's tokens weighs every token: two
+GEMMs). Memory: the (B, N) scores and one tile.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..core import compute_dtype
+from .engine import FusedFunction
+
+__all__ = ["MaxSimScores", "dense_scores", "auto_blocks"]
+
+#: bytes of one tile of token scores (a block of query tokens x a block of document tokens)
+TILE_BYTES = 32 * 2**20
+
+
+def auto_blocks(lq: int, ld: int, n: int, itemsize: int = 4) -> Tuple[int, int]:
+    """(queries, documents) per tile: about :data:`TILE_BYTES` of token scores, the
+    document block as wide as it fits (up to every document) with at least 8 queries."""
+    pair = max(1, lq * ld * itemsize)
+    docs = max(1, min(n, TILE_BYTES // (8 * pair)))
+    return max(1, TILE_BYTES // (pair * docs)), docs
+
+
+def _tile(q: Tensor, d: Tensor, dmask: Tensor) -> Tensor:
+    """(b, Lq, n, Ld) token scores of a query block against a document block, the
+    documents' padding tokens at -inf."""
+    b, lq, dim = q.shape
+    n, ld, _ = d.shape
+    s = (q.reshape(b * lq, dim) @ d.reshape(n * ld, dim).T).view(b, lq, n, ld)
+    return s.masked_fill_(~dmask.view(1, 1, n, ld), float("-inf"))
+
+
+def _reduce(s: Tensor, smooth: Optional[float]) -> Tensor:
+    """Each (query token, document) pair's max (or smooth max) over the document's tokens."""
+    if smooth is None:
+        return s.amax(dim=3)
+    return smooth * torch.logsumexp(s / smooth, dim=3)
+
+
+class MaxSimScores(FusedFunction):
+    """``apply(q, d, qmask, dmask, smooth, blocks) -> s``: the (B, N) MaxSim scores in
+    the compute dtype; ``qmask`` (B, Lq) in the compute dtype (1 for a real token, 0
+    for padding) and ``dmask`` (N, Ld) bool. Ties in the max: the gradient goes to
+    one winning token (``torch.argmax``'s: the first), one valid subgradient.
+    Second derivatives go through :func:`dense_scores`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, d: Tensor, qmask: Tensor, dmask: Tensor, smooth: Optional[float], blocks: Tuple[int, int]
+    ) -> Tensor:
+        dtype = compute_dtype(q.dtype)
+        bq, bd = blocks
+        out = torch.empty(q.shape[0], d.shape[0], dtype=dtype, device=q.device)
+        for i0 in range(0, q.shape[0], bq):
+            qb = q[i0 : i0 + bq].to(dtype)
+            w = qmask[i0 : i0 + bq].unsqueeze(2)
+            for j0 in range(0, d.shape[0], bd):
+                s = _tile(qb, d[j0 : j0 + bd].to(dtype), dmask[j0 : j0 + bd])
+                out[i0 : i0 + bq, j0 : j0 + bd] = (_reduce(s, smooth) * w).sum(1)
+        MaxSimScores.setup(ctx, (q, d), (qmask, dmask))
+        ctx.smooth, ctx.blocks = smooth, blocks
+        return out
+
+    @classmethod
+    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
+        _, _, qmask, dmask = ctx.saved_tensors
+        return dense_scores(inputs[0], inputs[1], qmask, dmask, ctx.smooth)
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        q, d, qmask, dmask = saved
+        dtype = compute_dtype(q.dtype)
+        bq, bd = ctx.blocks
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device) if ctx.needs_input_grad[0] else None
+        dd = torch.zeros(d.shape, dtype=dtype, device=d.device) if ctx.needs_input_grad[1] else None
+        grad = grad_out.to(dtype)
+        for i0 in range(0, q.shape[0], bq):
+            qb = q[i0 : i0 + bq].to(dtype)
+            b, lq, dim = qb.shape
+            for j0 in range(0, d.shape[0], bd):
+                db = d[j0 : j0 + bd].to(dtype)
+                n, ld, _ = db.shape
+                s = _tile(qb, db, dmask[j0 : j0 + bd])
+                # each (query token, document) pair's weight dL/ds_ij; 0 for a padding query token
+                g = grad[i0 : i0 + b, j0 : j0 + n].unsqueeze(1) * qmask[i0 : i0 + b].unsqueeze(2)
+                if ctx.smooth is None:  # the winning token alone: gathers, not token GEMMs
+                    rows = (s.argmax(dim=3) + torch.arange(n, device=s.device).view(1, 1, n) * ld).reshape(-1)
+                    flat = db.reshape(n * ld, dim)
+                    if dq is not None:
+                        dq[i0 : i0 + b] += torch.einsum("btn,btnd->btd", g, flat[rows].view(b, lq, n, dim))
+                    if dd is not None:
+                        vals = (g.unsqueeze(3) * qb.unsqueeze(2)).reshape(-1, dim)
+                        dd[j0 : j0 + n].view(n * ld, dim).index_add_(0, rows, vals)
+                    continue
+                w = torch.softmax(s.div_(ctx.smooth), dim=3).mul_(g.unsqueeze(3)).view(b * lq, n * ld)
+                if dq is not None:
+                    dq[i0 : i0 + b] += (w @ db.reshape(n * ld, dim)).view(b, lq, dim)
+                if dd is not None:
+                    dd[j0 : j0 + n] += (w.T @ qb.reshape(b * lq, dim)).view(n, ld, dim)
+        return dq, dd
+
+
+def dense_scores(q: Tensor, d: Tensor, qmask: Tensor, dmask: Tensor, smooth: Optional[float]) -> Tensor:
+    """The same scores from the whole (B, Lq, N, Ld) token-score tensor (the ``"dense"``
+    backend, as the peers write it; ``amax`` spreads a tied maximum's gradient equally
+    over the tied tokens)."""
+    dtype = compute_dtype(q.dtype)
+    s = torch.einsum("btd,nud->btnu", q.to(dtype), d.to(dtype))
+    s = s.masked_fill(~dmask.view(1, 1, *dmask.shape), float("-inf"))
+    return (_reduce(s, smooth) * qmask.unsqueeze(2)).sum(1)
