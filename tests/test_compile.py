@@ -171,6 +171,14 @@ MORE = [
         [],
         {"margin": 0.4},
     ),
+    ("maxsim", flashcl.maxsim_loss, [(4, 5, 8), (6, 7, 8)], [], {"temperature": 0.5, "backend": "tiled"}),
+    (
+        "maxsim_masked_smooth",
+        lambda q, d, **kw: flashcl.maxsim_loss(q, d, doc_mask=torch.arange(7).expand(6, 7) < 5, **kw),
+        [(4, 5, 8), (6, 7, 8)],
+        [],
+        {"smooth_max": 0.2, "normalize_scores": True},
+    ),
     ("alignment", flashcl.metrics.alignment, [(10, 8), (10, 8)], [], {"alpha": 2.0}),
     ("uniformity", flashcl.metrics.uniformity, [(10, 8)], [], {"t": 2.0, "block_size": 4}),
 ]
