@@ -24,7 +24,11 @@ from .engine import FusedFunction
 __all__ = ["MaxSimScores", "dense_scores", "auto_blocks"]
 
 #: bytes of one tile of token scores (a block of query tokens x a block of document tokens)
-TILE_BYTES = 32 * 2**20
+TILE_BYTES = 16 * 2**20
+
+#: the forward pass keeps each (query token, document) pair's winning token (int16) when
+#: they fit in this many bytes: the backward then needs no second GEMM
+WINNERS_BYTES = 64 * 2**20
 
 
 def auto_blocks(lq: int, ld: int, n: int, itemsize: int = 4) -> Tuple[int, int]:
@@ -35,13 +39,13 @@ def auto_blocks(lq: int, ld: int, n: int, itemsize: int = 4) -> Tuple[int, int]:
     return max(1, TILE_BYTES // (pair * docs)), docs
 
 
-def _tile(q: Tensor, d: Tensor, dmask: Tensor) -> Tensor:
+def _tile(q: Tensor, d: Tensor, dmask: Optional[Tensor]) -> Tensor:
     """(b, Lq, n, Ld) token scores of a query block against a document block, the
-    documents' padding tokens at -inf."""
+    documents' padding tokens at -inf (``dmask`` None: every token is real)."""
     b, lq, dim = q.shape
     n, ld, _ = d.shape
     s = (q.reshape(b * lq, dim) @ d.reshape(n * ld, dim).T).view(b, lq, n, ld)
-    return s.masked_fill_(~dmask.view(1, 1, n, ld), float("-inf"))
+    return s if dmask is None else s.masked_fill_(~dmask.view(1, 1, n, ld), float("-inf"))
 
 
 def _reduce(s: Tensor, smooth: Optional[float]) -> Tensor:
@@ -64,27 +68,39 @@ class MaxSimScores(FusedFunction):
     ) -> Tensor:
         dtype = compute_dtype(q.dtype)
         bq, bd = blocks
-        out = torch.empty(q.shape[0], d.shape[0], dtype=dtype, device=q.device)
-        for i0 in range(0, q.shape[0], bq):
+        (b, lq, _), (n, ld, _) = q.shape, d.shape
+        out = torch.empty(b, n, dtype=dtype, device=q.device)
+        masks = None if bool(dmask.all()) else dmask
+        keep = smooth is None and ld <= 2**15 and 2 * b * lq * n <= WINNERS_BYTES and any(ctx.needs_input_grad[:2])
+        winners = torch.empty(b, lq, n, dtype=torch.int16, device=q.device) if keep else None
+        for i0 in range(0, b, bq):
             qb = q[i0 : i0 + bq].to(dtype)
             w = qmask[i0 : i0 + bq].unsqueeze(2)
-            for j0 in range(0, d.shape[0], bd):
-                s = _tile(qb, d[j0 : j0 + bd].to(dtype), dmask[j0 : j0 + bd])
-                out[i0 : i0 + bq, j0 : j0 + bd] = (_reduce(s, smooth) * w).sum(1)
-        MaxSimScores.setup(ctx, (q, d), (qmask, dmask))
-        ctx.smooth, ctx.blocks = smooth, blocks
+            for j0 in range(0, n, bd):
+                s = _tile(qb, d[j0 : j0 + bd].to(dtype), None if masks is None else masks[j0 : j0 + bd])
+                if winners is None:
+                    m = _reduce(s, smooth)
+                else:
+                    m, at = s.max(dim=3)
+                    winners[i0 : i0 + bq, :, j0 : j0 + bd] = at
+                out[i0 : i0 + bq, j0 : j0 + bd] = (m * w).sum(1)
+        MaxSimScores.setup(ctx, (q, d), (qmask, dmask) if winners is None else (qmask, dmask, winners))
+        ctx.smooth, ctx.blocks, ctx.all_real = smooth, blocks, masks is None
         return out
 
     @classmethod
     def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
-        _, _, qmask, dmask = ctx.saved_tensors
+        qmask, dmask = ctx.saved_tensors[2:4]
         return dense_scores(inputs[0], inputs[1], qmask, dmask, ctx.smooth)
 
     @classmethod
     def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
-        q, d, qmask, dmask = saved
+        q, d, qmask, dmask = saved[:4]
+        winners = saved[4] if len(saved) > 4 else None
         dtype = compute_dtype(q.dtype)
         bq, bd = ctx.blocks
+        if winners is not None:  # no GEMM to feed: smaller blocks keep the gathers' buffers small
+            bd = max(1, bd // 4)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device) if ctx.needs_input_grad[0] else None
         dd = torch.zeros(d.shape, dtype=dtype, device=d.device) if ctx.needs_input_grad[1] else None
         grad = grad_out.to(dtype)
@@ -94,11 +110,14 @@ class MaxSimScores(FusedFunction):
             for j0 in range(0, d.shape[0], bd):
                 db = d[j0 : j0 + bd].to(dtype)
                 n, ld, _ = db.shape
-                s = _tile(qb, db, dmask[j0 : j0 + bd])
                 # each (query token, document) pair's weight dL/ds_ij; 0 for a padding query token
                 g = grad[i0 : i0 + b, j0 : j0 + n].unsqueeze(1) * qmask[i0 : i0 + b].unsqueeze(2)
                 if ctx.smooth is None:  # the winning token alone: gathers, not token GEMMs
-                    rows = (s.argmax(dim=3) + torch.arange(n, device=s.device).view(1, 1, n) * ld).reshape(-1)
+                    if winners is not None:  # kept by the forward pass
+                        at = winners[i0 : i0 + b, :, j0 : j0 + n].long()
+                    else:
+                        at = _tile(qb, db, None if ctx.all_real else dmask[j0 : j0 + bd]).argmax(dim=3)
+                    rows = (at + torch.arange(n, device=q.device).view(1, 1, n) * ld).reshape(-1)
                     flat = db.reshape(n * ld, dim)
                     if dq is not None:
                         dq[i0 : i0 + b] += torch.einsum("btn,btnd->btd", g, flat[rows].view(b, lq, n, dim))
@@ -106,6 +125,7 @@ class MaxSimScores(FusedFunction):
                         vals = (g.unsqueeze(3) * qb.unsqueeze(2)).reshape(-1, dim)
                         dd[j0 : j0 + n].view(n * ld, dim).index_add_(0, rows, vals)
                     continue
+                s = _tile(qb, db, None if ctx.all_real else dmask[j0 : j0 + bd])
                 w = torch.softmax(s.div_(ctx.smooth), dim=3).mul_(g.unsqueeze(3)).view(b * lq, n * ld)
                 if dq is not None:
                     dq[i0 : i0 + b] += (w @ db.reshape(n * ld, dim)).view(b, lq, dim)
