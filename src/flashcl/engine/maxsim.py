@@ -21,7 +21,7 @@ from torch import Tensor
 from ..core import compute_dtype
 from .engine import FusedFunction
 
-__all__ = ["MaxSimScores", "dense_scores", "auto_blocks"]
+__all__ = ["MaxSimScores", "CrossEntropyRows", "dense_scores", "auto_blocks"]
 
 #: bytes of one tile of token scores (a block of query tokens x a block of document tokens)
 TILE_BYTES = 16 * 2**20
@@ -142,3 +142,47 @@ def dense_scores(q: Tensor, d: Tensor, qmask: Tensor, dmask: Tensor, smooth: Opt
     s = torch.einsum("btd,nud->btnu", q.to(dtype), d.to(dtype))
     s = s.masked_fill(~dmask.view(1, 1, *dmask.shape), float("-inf"))
     return (_reduce(s, smooth) * qmask.unsqueeze(2)).sum(1)
+
+
+#: rows per chunk of :class:`CrossEntropyRows`
+CE_ROWS = 256
+
+
+class CrossEntropyRows(FusedFunction):
+    """``apply(s, f, index) -> rows``: ``LSE_j f_i s_ij - f_i s_i index[i]`` for (B, N)
+    scores ``s`` and per-row factors ``f`` (an inverse temperature, over a query's
+    token count for normalised scores), chunk by chunk of rows: no B x N tensor beyond
+    the scores and, in the backward pass, their gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, s: Tensor, f: Tensor, index: Tensor) -> Tensor:  # type: ignore[override]
+        rows = torch.empty(s.shape[0], dtype=s.dtype, device=s.device)
+        lse = torch.empty_like(rows)
+        for r0 in range(0, s.shape[0], CE_ROWS):
+            z = s[r0 : r0 + CE_ROWS] * f[r0 : r0 + CE_ROWS].unsqueeze(1)
+            lse[r0 : r0 + CE_ROWS] = torch.logsumexp(z, dim=1)
+            rows[r0 : r0 + CE_ROWS] = lse[r0 : r0 + CE_ROWS] - z.gather(1, index[r0 : r0 + CE_ROWS].unsqueeze(1))[:, 0]
+        CrossEntropyRows.setup(ctx, (s, f), (index, lse))
+        return rows
+
+    @classmethod
+    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
+        s, f = inputs
+        index = ctx.saved_tensors[2]
+        z = s * f.unsqueeze(1)
+        return torch.logsumexp(z, dim=1) - z.gather(1, index.unsqueeze(1))[:, 0]
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        s, f, index, lse = saved
+        ds = torch.empty_like(s) if ctx.needs_input_grad[0] else None
+        df = torch.empty_like(f) if ctx.needs_input_grad[1] else None
+        for r0 in range(0, s.shape[0], CE_ROWS):
+            c = slice(r0, r0 + CE_ROWS)
+            p = (s[c] * f[c].unsqueeze(1)).sub_(lse[c].unsqueeze(1)).exp_()  # softmax_j
+            if df is not None:  # d row / d f_i = sum_j p_ij s_ij - s_i index[i]
+                df[c] = grad_out[c] * ((p * s[c]).sum(1) - s[c].gather(1, index[c].unsqueeze(1))[:, 0])
+            if ds is not None:
+                p.scatter_add_(1, index[c].unsqueeze(1), torch.full_like(p[:, :1], -1.0))
+                ds[c] = p.mul_((grad_out[c] * f[c]).unsqueeze(1))
+        return ds, df

@@ -15,7 +15,7 @@ from ..checks import Scalar
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.maxsim import MaxSimScores, auto_blocks, dense_scores
+from ..engine.maxsim import CrossEntropyRows, MaxSimScores, auto_blocks, dense_scores
 
 __all__ = ["maxsim_loss", "MaxSimLoss"]
 
@@ -200,10 +200,10 @@ def _maxsim(
             else:
                 bq, bd = auto_blocks(lq, docs.shape[1], cols.total)
                 s = MaxSimScores.apply(query, cols.keys, qm, all_dmask, smooth, (opts.block_size or bq, bd))
+            f = scale.to(dtype).expand(b)
             if normalize_scores:
-                s = s / qm.sum(1, keepdim=True)
-            logits = s * scale.to(dtype)
-            rows = torch.logsumexp(logits, dim=1) - logits.gather(1, index.unsqueeze(1)).squeeze(1)
+                f = f / qm.sum(1)
+            rows = CrossEntropyRows.apply(s, f, index)
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
 
 
