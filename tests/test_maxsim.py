@@ -278,3 +278,40 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
                 ds = slice(sum(d_sizes[:r]), sum(d_sizes[: r + 1]))
                 assert_close(got[r][1], gq[qs], f"{what}: rank {r} query grad", 1e-12, 1e-10)
                 assert_close(got[r][2], gd[ds], f"{what}: rank {r} docs grad", 1e-12, 1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("smooth", [None, 0.3])
+def test_nan_in_padding_changes_nothing_and_strided_inputs_work(backend: str, smooth: Optional[float]) -> None:
+    q, d, qmask, dmask = _data(b=3, n=5, lq=5, ld=6)
+    want = peer_formula(q.requires_grad_(), d.requires_grad_(), qmask, dmask, 0.5, smooth=smooth)
+    gq, gd = torch.autograd.grad(want, (q, d))
+    q2, d2 = q.detach().clone(), d.detach().clone()
+    q2[~qmask] = float("nan")
+    d2[~dmask] = float("inf")
+    # non-contiguous views of the same values: tokens and dims transposed back
+    q2 = q2.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    d2 = d2.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    got = flashcl.maxsim_loss(
+        q2, d2, query_mask=qmask, doc_mask=dmask, temperature=0.5, smooth_max=smooth, backend=backend
+    )
+    assert_close(got, want, "value", 1e-12, 1e-10)
+    got.backward()
+    assert_close(q2.grad[qmask], gq[qmask], "real query tokens' grad", 1e-12, 1e-10)
+    assert_close(d2.grad[dmask], gd[dmask], "real document tokens' grad", 1e-12, 1e-10)
+    assert float(q2.grad[~qmask].abs().max()) == 0.0 and float(d2.grad[~dmask].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_query_losses_take_any_upstream_gradient(backend: str) -> None:
+    q, d, qmask, dmask = _data(b=4, n=6)
+    w = torch.tensor([0.5, -2.0, 3.0, 0.0], dtype=torch.float64)
+    leaves = [q.clone().requires_grad_(), d.clone().requires_grad_()]
+    want = (peer_formula(*leaves, qmask, dmask, 0.3, reduction="none") * w).sum()
+    mine = [x.detach().clone().requires_grad_() for x in leaves]
+    got = flashcl.maxsim_loss(
+        *mine, query_mask=qmask, doc_mask=dmask, temperature=0.3, reduction="none", backend=backend
+    )
+    (got * w).sum().backward()
+    for a, b in zip(mine, torch.autograd.grad(want, leaves)):
+        assert_close(a.grad, b, "grad", 1e-12, 1e-10)

@@ -75,7 +75,7 @@ class MaxSimScores(FusedFunction):
         winners = torch.empty(b, lq, n, dtype=torch.int16, device=q.device) if keep else None
         for i0 in range(0, b, bq):
             qb = q[i0 : i0 + bq].to(dtype)
-            w = qmask[i0 : i0 + bq].unsqueeze(2)
+            pad = qmask[i0 : i0 + bq].unsqueeze(2) == 0  # a padding query token adds exactly 0 (even NaN)
             for j0 in range(0, n, bd):
                 s = _tile(qb, d[j0 : j0 + bd].to(dtype), None if masks is None else masks[j0 : j0 + bd])
                 if winners is None:
@@ -83,7 +83,7 @@ class MaxSimScores(FusedFunction):
                 else:
                     m, at = s.max(dim=3)
                     winners[i0 : i0 + bq, :, j0 : j0 + bd] = at
-                out[i0 : i0 + bq, j0 : j0 + bd] = (m * w).sum(1)
+                out[i0 : i0 + bq, j0 : j0 + bd] = m.masked_fill_(pad, 0.0).sum(1)
         MaxSimScores.setup(ctx, (q, d), (qmask, dmask) if winners is None else (qmask, dmask, winners))
         ctx.smooth, ctx.blocks, ctx.all_real = smooth, blocks, masks is None
         return out
@@ -105,10 +105,13 @@ class MaxSimScores(FusedFunction):
         dd = torch.zeros(d.shape, dtype=dtype, device=d.device) if ctx.needs_input_grad[1] else None
         grad = grad_out.to(dtype)
         for i0 in range(0, q.shape[0], bq):
-            qb = q[i0 : i0 + bq].to(dtype)
+            # padding query tokens as zeros: whatever they hold (NaN) sends nothing anywhere
+            qb = q[i0 : i0 + bq].to(dtype).masked_fill(qmask[i0 : i0 + bq].unsqueeze(2) == 0, 0.0)
             b, lq, dim = qb.shape
             for j0 in range(0, d.shape[0], bd):
                 db = d[j0 : j0 + bd].to(dtype)
+                if not ctx.all_real:  # padding document tokens as zeros (they may hold NaN)
+                    db = db.masked_fill(~dmask[j0 : j0 + bd].unsqueeze(2), 0.0)
                 n, ld, _ = db.shape
                 # each (query token, document) pair's weight dL/ds_ij; 0 for a padding query token
                 g = grad[i0 : i0 + b, j0 : j0 + n].unsqueeze(1) * qmask[i0 : i0 + b].unsqueeze(2)
@@ -139,9 +142,12 @@ def dense_scores(q: Tensor, d: Tensor, qmask: Tensor, dmask: Tensor, smooth: Opt
     backend, as the peers write it; ``amax`` spreads a tied maximum's gradient equally
     over the tied tokens)."""
     dtype = compute_dtype(q.dtype)
-    s = torch.einsum("btd,nud->btnu", q.to(dtype), d.to(dtype))
+    # padding tokens as zeros first: whatever they hold (NaN) reaches no value and no gradient
+    q = q.to(dtype).masked_fill(qmask.unsqueeze(2) == 0, 0.0)
+    d = d.to(dtype).masked_fill(~dmask.unsqueeze(2), 0.0)
+    s = torch.einsum("btd,nud->btnu", q, d)
     s = s.masked_fill(~dmask.view(1, 1, *dmask.shape), float("-inf"))
-    return (_reduce(s, smooth) * qmask.unsqueeze(2)).sum(1)
+    return _reduce(s, smooth).masked_fill(qmask.unsqueeze(2) == 0, 0.0).sum(1)
 
 
 #: rows per chunk of :class:`CrossEntropyRows`
