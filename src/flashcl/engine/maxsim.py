@@ -24,7 +24,7 @@ from .engine import FusedFunction
 __all__ = ["MaxSimScores", "CrossEntropyRows", "dense_scores", "auto_blocks"]
 
 #: bytes of one tile of token scores (a block of query tokens x a block of document tokens)
-TILE_BYTES = 16 * 2**20
+TILE_BYTES = 8 * 2**20
 
 #: the forward pass keeps each (query token, document) pair's winning token (int16) when
 #: they fit in this many bytes: the backward then needs no second GEMM
