@@ -21,12 +21,12 @@ import test_backends_across as t  # noqa: E402
 
 def _errors(world: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(t._worker, args=(world, tmp), nprocs=world, join=True)
+        mp.spawn(t.worker, args=(world, tmp), nprocs=world, join=True)
         ranks = [torch.load(pathlib.Path(tmp) / f"rank{r}.pt") for r in range(world)]
     sizes = t.SIZES[world]
-    d = t._data(sum(sizes))
+    d = t.data(sum(sizes))
     out = {}
-    for name, (fn, inputs) in t._cases(d, sizes, 0, {"backend": "reference"}, single=True).items():
+    for name, (fn, inputs) in t.cases(d, sizes, 0, {"backend": "reference"}, single=True).items():
         leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
         want = fn(*leaves)
         grads = torch.autograd.grad(want, leaves)
@@ -40,7 +40,7 @@ def _errors(world: int) -> dict:
                     continue
                 per = 1 if g.shape[0] == sum(sizes) else 2
                 for r in range(world):
-                    grad = max(grad, float((got[r][1][i] - g[t._shard(sizes, r, per)]).abs().max()))
+                    grad = max(grad, float((got[r][1][i] - g[t.shard(sizes, r, per)]).abs().max()))
             out[(name, backend)] = (value, grad)
     return out
 

@@ -24,7 +24,7 @@ BACKENDS = ("reference", "dense", "tiled")
 TOL = (1e-10, 1e-9)
 
 
-def _data(total: int) -> Dict[str, torch.Tensor]:
+def data(total: int) -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(total + 100)
     return {
         "emb": torch.randn(total, 6, dtype=torch.float64, generator=g),
@@ -42,24 +42,22 @@ def _data(total: int) -> Dict[str, torch.Tensor]:
     }
 
 
-def _shard(sizes: List[int], rank: int, per: int = 1) -> slice:
+def shard(sizes: List[int], rank: int, per: int = 1) -> slice:
     return slice(per * sum(sizes[:rank]), per * sum(sizes[: rank + 1]))
 
 
 Case = Tuple[Callable[..., torch.Tensor], List[torch.Tensor]]
 
 
-def _cases(
-    d: Dict[str, torch.Tensor], sizes: List[int], rank: int, kw: Dict[str, Any], single: bool
-) -> Dict[str, Case]:
-    sl = slice(None) if single else _shard(sizes, rank)
+def cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, kw: Dict[str, Any], single: bool) -> Dict[str, Case]:
+    sl = slice(None) if single else shard(sizes, rank)
     emb, views, labels = d["emb"][sl], d["views"][sl], d["labels"][sl]
-    keys = d["keys"][slice(None) if single else _shard(sizes, rank, 2)]
+    keys = d["keys"][slice(None) if single else shard(sizes, rank, 2)]
     if single:
         pos = torch.cat([torch.arange(s) * 2 + 2 * sum(sizes[:r]) for r, s in enumerate(sizes)])
     else:
         pos = torch.arange(emb.shape[0]) * 2
-    key_labels = d["labels"].repeat_interleave(2)[slice(None) if single else _shard(sizes, rank, 2)]
+    key_labels = d["labels"].repeat_interleave(2)[slice(None) if single else shard(sizes, rank, 2)]
     ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
     t = torch.tensor(0.4, dtype=torch.float64)
     gather = {} if single else {"strategy": "all_gather"}
@@ -219,21 +217,21 @@ def _cases(
     }
 
 
-def _worker(rank: int, world: int, out_dir: str) -> None:
+def worker(rank: int, world: int, out_dir: str) -> None:
     init_gloo(rank, world, out_dir)
     sizes = SIZES[world]
-    d = _data(sum(sizes))
+    d = data(sum(sizes))
     results: Dict[Any, Any] = {}
     for backend in BACKENDS:
         kw = {"backend": backend, "process_group": dist.group.WORLD, "grad_scale": "sum"}
-        for name, (fn, inputs) in _cases(d, sizes, rank, kw, single=False).items():
+        for name, (fn, inputs) in cases(d, sizes, rank, kw, single=False).items():
             leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
             loss = fn(*leaves)
             results[(backend, name)] = (loss.detach(), [g.detach() for g in torch.autograd.grad(loss, leaves)])
     try:  # round the ring only the tiled core: every rank gets the error
         flashcl.supcon_loss(
-            d["emb"][_shard(sizes, rank)],
-            d["labels"][_shard(sizes, rank)],
+            d["emb"][shard(sizes, rank)],
+            d["labels"][shard(sizes, rank)],
             backend="dense",
             strategy="ring",
             process_group=dist.group.WORLD,
@@ -251,11 +249,11 @@ REPLICATED = {(1, "cosface"), (1, "arcface_sum")}
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_backend_across_processes_equals_one_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
-    d = _data(sum(sizes))
-    for name, (fn, inputs) in _cases(d, sizes, 0, {"backend": "reference"}, single=True).items():
+    d = data(sum(sizes))
+    for name, (fn, inputs) in cases(d, sizes, 0, {"backend": "reference"}, single=True).items():
         leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
         want = fn(*leaves)
         want_grads = torch.autograd.grad(want, leaves)
@@ -269,7 +267,7 @@ def test_every_backend_across_processes_equals_one_process(world: int, tmp_path)
                     continue
                 per = 1 if g.shape[0] == sum(sizes) else 2
                 for r in range(world):
-                    assert_close(got[r][1][i], g[_shard(sizes, r, per)], f"{what}: rank {r} grad {i}", *TOL)
+                    assert_close(got[r][1][i], g[shard(sizes, r, per)], f"{what}: rank {r} grad {i}", *TOL)
     for r in range(world):
         assert "strategy='ring'" in ranks[r]["ring_dense"], ranks[r]["ring_dense"]
 
@@ -277,11 +275,11 @@ def test_every_backend_across_processes_equals_one_process(world: int, tmp_path)
 def _triton_worker(rank: int, world: int, out_dir: str) -> None:
     init_gloo(rank, world, out_dir)
     sizes = SIZES[world]
-    d = {k: v.float() if v.is_floating_point() else v for k, v in _data(sum(sizes)).items()}
+    d = {k: v.float() if v.is_floating_point() else v for k, v in data(sum(sizes)).items()}
     kw = {"backend": "triton", "process_group": dist.group.WORLD, "grad_scale": "sum"}
     results: Dict[Any, Any] = {}
     for name in TRITON_CASES:
-        fn, inputs = _cases(d, sizes, rank, kw, single=False)[name]
+        fn, inputs = cases(d, sizes, rank, kw, single=False)[name]
         leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
         loss = fn(*leaves)
         results[name] = (loss.detach(), [g.detach() for g in torch.autograd.grad(loss, leaves)])
@@ -306,9 +304,9 @@ def test_triton_across_processes_equals_one_process(tmp_path) -> None:
     mp.spawn(_triton_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
-    d = _data(sum(sizes))
+    d = data(sum(sizes))
     for name in TRITON_CASES:
-        fn, inputs = _cases(d, sizes, 0, {"backend": "reference"}, single=True)[name]
+        fn, inputs = cases(d, sizes, 0, {"backend": "reference"}, single=True)[name]
         leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
         want = fn(*leaves)
         want_grads = torch.autograd.grad(want, leaves)
@@ -320,4 +318,4 @@ def test_triton_across_processes_equals_one_process(tmp_path) -> None:
                 continue
             per = 1 if g.shape[0] == sum(sizes) else 2
             for r in range(world):
-                assert_close(got[r][1][i], g[_shard(sizes, r, per)], f"triton/{name}: rank {r} grad {i}", 2e-5, 2e-4)
+                assert_close(got[r][1][i], g[shard(sizes, r, per)], f"triton/{name}: rank {r} grad {i}", 2e-5, 2e-4)

@@ -315,3 +315,18 @@ def test_per_query_losses_take_any_upstream_gradient(backend: str) -> None:
     (got * w).sum().backward()
     for a, b in zip(mine, torch.autograd.grad(want, leaves)):
         assert_close(a.grad, b, "grad", 1e-12, 1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_width_one_extreme_temperature_and_frozen_documents(backend: str) -> None:
+    q, d, qmask, dmask = _data(b=3, n=4, dim=1)
+    for t in (1e-3, 1e3):
+        qq = q.clone().requires_grad_()
+        want = peer_formula(qq, d, qmask, dmask, t)
+        (gq,) = torch.autograd.grad(want, qq)
+        mine = q.clone().requires_grad_()  # the documents frozen: no gradient asked for them
+        got = flashcl.maxsim_loss(mine, d, query_mask=qmask, doc_mask=dmask, temperature=t, backend=backend)
+        got.backward()
+        assert_close(got, want, f"D = 1, temperature {t}", 1e-12, 1e-10)
+        assert_close(mine.grad, gq, f"D = 1, temperature {t}: query grad", 1e-12, 1e-10)
+        assert d.grad is None

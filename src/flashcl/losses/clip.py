@@ -239,8 +239,7 @@ def siglip_loss(
     if labels is not None:
         _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
         labels = labels.long()
-    body = _siglip
-    return body(image_embeds, text_embeds, scale, bias, labels, opts, normalize_by)
+    return _siglip(image_embeds, text_embeds, scale, bias, labels, opts, normalize_by)
 
 
 def _siglip(

@@ -132,8 +132,7 @@ def cosent_loss(
     lam = checks.check_positive_scalar(scale, "scale", a.device, compute_dtype(a.dtype))
     with autocast_off(a.device.type):
         scores = pair_scores(a, b, similarity)
-        body = _cosent
-        return body(scores, lam, labels, similarity, backend, opts)
+        return _cosent(scores, lam, labels, similarity, backend, opts)
 
 
 def _check_labels(labels: object, a: Tensor) -> Tensor:

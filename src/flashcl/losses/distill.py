@@ -99,8 +99,7 @@ def distill_loss(
         raise ValueError("distill_loss has no Triton kernel: use backend='tiled'")
     sc = checks.check_positive_scalar(scale, "scale", q.device, scale_dtype(q))
     tsc = checks.check_positive_scalar(teacher_scale, "teacher_scale", q.device, scale_dtype(teacher_q))
-    body = _distill
-    return body(q, k, teacher_q, teacher_k, sc, tsc, symmetric, opts)
+    return _distill(q, k, teacher_q, teacher_k, sc, tsc, symmetric, opts)
 
 
 def _formula(q: Tensor, k: Tensor, tq: Tensor, tk: Tensor, sc: Tensor, tsc: Tensor, normalize: bool) -> Tensor:

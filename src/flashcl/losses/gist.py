@@ -126,8 +126,7 @@ def gist_loss(
     if backend == "triton":
         raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
-    body = _gist
-    return body(
+    return _gist(
         anchor,
         positive,
         negative,

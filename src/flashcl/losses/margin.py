@@ -292,9 +292,8 @@ def _margin_loss(
     checks.check_bool(easy, "easy_margin")
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     sc = checks.check_positive_scalar(scale, "scale", embeddings.device, compute_dtype(embeddings.dtype))
-    body = _margin
     with autocast_off(embeddings.device.type):
-        return body(embeddings, labels.long(), w, sc, target, m, easy, backend, opts)
+        return _margin(embeddings, labels.long(), w, sc, target, m, easy, backend, opts)
 
 
 def _margin(

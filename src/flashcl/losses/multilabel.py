@@ -87,8 +87,7 @@ def multilabel_supcon(
         y_ref = check_multi_hot(ref_labels, ref, "ref_labels")
         if y_ref.shape[1] != y.shape[1]:
             raise ValueError(f"ref_labels must have the labels' {y.shape[1]} classes, got {y_ref.shape[1]}")
-    body = _multilabel
-    out = body(flat, y, ref, y_ref, scale, threshold, positives, include_self, opts)
+    out = _multilabel(flat, y, ref, y_ref, scale, threshold, positives, include_self, opts)
     if opts.reduction == "none" and embeddings.dim() == 3:
         out = out.reshape(views, b).T
     return out

@@ -100,8 +100,7 @@ def neighbor_loss(
             "backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
             "that already exists: use backend='tiled' (its only n x n allocation is the gradient)"
         )
-    body = _neighbor
-    return body(scores, neighbors.long(), exclude_diagonal, name, opts)
+    return _neighbor(scores, neighbors.long(), exclude_diagonal, name, opts)
 
 
 def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, name: str, opts: checks.Options) -> Tensor:

@@ -454,8 +454,7 @@ def triplet_loss(
         x = embeddings.to(compute_dtype(embeddings.dtype))
         if normalize or distance == "cosine":
             x = normalize_rows(x)
-        body = _triplet
-        return body(x, labels, mining, m, soft_margin, distance, backend, opts)
+        return _triplet(x, labels, mining, m, soft_margin, distance, backend, opts)
 
 
 def _check_margin(margin: object) -> float:
