@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from ..core import CoreSpec, Tile, compute_dtype
-from . import positives as lowering
 from .engine import FusedFunction
 from .heads import mask_self_
+from .positives import row_weights, self_mask
 
 __all__ = ["TiledScores", "auto_scores_block", "dense_rows", "dense_output"]
 
@@ -47,7 +47,7 @@ class TiledScores(FusedFunction):
         assert spec.index is not None
         dtype = compute_dtype(scores.dtype)
         n, ncol = scores.shape
-        c, a = lowering.row_weights(spec, n, dtype)
+        c, a = row_weights(spec, n, dtype)
         pos = scores.detach().gather(1, spec.index).to(dtype).sum(1)
         needs_grad = ctx.needs_input_grad[0]
         fused = reduce_weights is not None and needs_grad
@@ -91,7 +91,7 @@ class TiledScores(FusedFunction):
         dtype = compute_dtype(scores.dtype)
         n = scores.shape[0]
         g = ctx.reduce_weights * grad_out if ctx.reduce_weights is not None else grad_out.to(dtype)
-        c, a = lowering.row_weights(spec, n, dtype)
+        c, a = row_weights(spec, n, dtype)
         grad = torch.empty_like(scores)
         buf = scores.new_empty(min(block, n), scores.shape[1], dtype=dtype)
         for r0 in range(0, n, block):
@@ -151,7 +151,7 @@ def dense_rows(scores: Tensor, spec: CoreSpec) -> Tensor:
     m, n = scores.shape
     lse_in = scores
     if spec.exclude_self:
-        lse_in = scores.masked_fill(lowering.self_mask(spec, m, n, scores.device), float("-inf"))
+        lse_in = scores.masked_fill(self_mask(spec, m, n, scores.device), float("-inf"))
     lse = torch.logsumexp(lse_in, dim=1)
     if spec.index is not None:
         pos_sum = scores.gather(1, spec.index).sum(1)
@@ -159,11 +159,11 @@ def dense_rows(scores: Tensor, spec: CoreSpec) -> Tensor:
         assert spec.row_labels is not None and spec.col_labels is not None
         pos = spec.row_labels.unsqueeze(1) == spec.col_labels.unsqueeze(0)
         if spec.self_pairs:
-            pos &= ~lowering.self_mask(spec, m, n, scores.device)
+            pos &= ~self_mask(spec, m, n, scores.device)
         # where(), not scores * pos: a masked -inf or NaN must not leak into
         # rows that do not select it.
         pos_sum = torch.where(pos, scores, torch.zeros((), dtype=scores.dtype, device=scores.device)).sum(1)
-    c, a = lowering.row_weights(spec, m, scores.dtype)
+    c, a = row_weights(spec, m, scores.dtype)
     return c * lse - a * pos_sum
 
 
