@@ -179,6 +179,13 @@ MORE = [
         [],
         {"smooth_max": 0.2, "normalize_scores": True},
     ),
+    (
+        "maxsim_distill",
+        flashcl.maxsim_distill_loss,
+        [(4, 5, 8), (4, 3, 7, 8)],
+        [torch.randn(4, 3)],
+        {"temperature": 0.5, "backend": "tiled", "block_size": 2},
+    ),
     ("alignment", flashcl.metrics.alignment, [(10, 8), (10, 8)], [], {"alpha": 2.0}),
     ("uniformity", flashcl.metrics.uniformity, [(10, 8)], [], {"t": 2.0, "block_size": 4}),
 ]

@@ -25,6 +25,7 @@ TWINS = [
     (flashcl.CosFaceLoss, flashcl.cosface_loss),
     (flashcl.ArcFaceLoss, flashcl.arcface_loss),
     (flashcl.MaxSimLoss, flashcl.maxsim_loss),
+    (flashcl.MaxSimDistillLoss, flashcl.maxsim_distill_loss),
 ]
 
 
@@ -93,7 +94,7 @@ def test_every_registered_loss_is_in_every_namespace() -> None:
     from flashcl import registry
 
     fns, mods = registry.functions(), registry.modules()
-    assert len(fns) == len(mods) == 13
+    assert len(fns) == len(mods) == 14
     for name, fn in fns.items():
         assert getattr(flashcl, name) is fn and getattr(flashcl.functional, name) is fn, name
         assert name in flashcl.__all__ and name in flashcl.functional.__all__, name

@@ -16,7 +16,7 @@ from .losses.distill import DistillLoss, distill_loss
 from .losses.gist import GistLoss, gist_loss
 from .losses.info_nce import InfoNCELoss, info_nce_loss
 from .losses.margin import ArcFaceLoss, CosFaceLoss, arcface_loss, cosface_loss
-from .losses.maxsim import MaxSimLoss, maxsim_loss
+from .losses.maxsim import MaxSimDistillLoss, MaxSimLoss, maxsim_distill_loss, maxsim_loss, maxsim_scores
 from .losses.neighbor import NeighborLoss, neighbor_loss, sample_neighbors
 from .losses.nt_xent import NTXentLoss, nt_xent_loss
 from .losses.supcon import SupConLoss, supcon_loss
@@ -81,6 +81,7 @@ __version__ = "0.2.0.dev0"
 #: those registered later), then the tools
 __all__ = [
     "sample_neighbors",
+    "maxsim_scores",
     "MemoryBank",
     "LogitScale",
     "cached_step",

@@ -229,6 +229,27 @@ def gist_rows(
     return torch.stack(rows)
 
 
+def maxsim_scores(query: Tensor, docs: Tensor, qmask: Tensor, dmask: Tensor, smooth: Optional[float]) -> Tensor:
+    """Late interaction's scores, one query, document and token at a time: ``s_ij =
+    sum_{real t} max_{real u} <q_it, d_ju>`` (``smooth``: ``tau * logsumexp_u(. /
+    tau)``); ``docs`` (N, Ld, D): (B, N), or (B, n, Ld, D), each query's own: (B, n)."""
+    out = []
+    for i in range(query.shape[0]):
+        tokens = [t for t in range(query.shape[1]) if bool(qmask[i, t])]
+        own = docs[i] if docs.dim() == 4 else docs
+        own_mask = dmask[i] if docs.dim() == 4 else dmask
+        scores = []
+        for j in range(own.shape[0]):
+            real = own[j][own_mask[j]]
+            total = query.new_zeros(())
+            for t in tokens:
+                dots = real @ query[i, t]
+                total = total + (dots.max() if smooth is None else smooth * torch.logsumexp(dots / smooth, dim=0))
+            scores.append(total)
+        out.append(torch.stack(scores))
+    return torch.stack(out)
+
+
 def maxsim_rows(
     query: Tensor,
     docs: Tensor,
@@ -240,21 +261,12 @@ def maxsim_rows(
     index: Tensor,
 ) -> Tensor:
     """Late interaction's cross-entropy of each query (its positive: document
-    ``index[i]``), one query, document and token at
-    a time: ``s_ij = sum_{real t} max_{real u} <q_it, d_ju>`` (``smooth``: ``tau *
-    logsumexp_u(. / tau)``; ``normalize_scores``: over the query's real tokens), the
-    loss ``LSE_j scale s_ij - scale s_i index[i]``."""
+    ``index[i]``) on :func:`maxsim_scores` (``normalize_scores``: over the query's real
+    tokens): ``LSE_j scale s_ij - scale s_i index[i]``, one query at a time."""
+    s = maxsim_scores(query, docs, qmask, dmask, smooth)
     rows = []
     for i in range(query.shape[0]):
-        tokens = [t for t in range(query.shape[1]) if bool(qmask[i, t])]
-        scores = []
-        for j in range(docs.shape[0]):
-            real = docs[j][dmask[j]]
-            total = query.new_zeros(())
-            for t in tokens:
-                dots = real @ query[i, t]
-                total = total + (dots.max() if smooth is None else smooth * torch.logsumexp(dots / smooth, dim=0))
-            scores.append(total / len(tokens) if normalize_scores else total)
-        s = torch.stack(scores) * scale.to(query.dtype)
-        rows.append(torch.logsumexp(s, dim=0) - s[int(index[i])])
+        z = s[i] / int(qmask[i].sum()) if normalize_scores else s[i]
+        z = z * scale.to(query.dtype)
+        rows.append(torch.logsumexp(z, dim=0) - z[int(index[i])])
     return torch.stack(rows)

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..core import compute_dtype
 from .engine import FusedFunction
 
-__all__ = ["MaxSimScores", "CrossEntropyRows", "dense_scores", "auto_blocks"]
+__all__ = ["MaxSimScores", "PairedMaxSimScores", "CrossEntropyRows", "dense_scores", "paired_scores", "auto_blocks"]
 
 #: bytes of one tile of token scores (a block of query tokens x a block of document tokens)
 TILE_BYTES = 8 * 2**20
@@ -148,6 +148,68 @@ def dense_scores(q: Tensor, d: Tensor, qmask: Tensor, dmask: Tensor, smooth: Opt
     s = torch.einsum("btd,nud->btnu", q, d)
     s = s.masked_fill(~dmask.view(1, 1, *dmask.shape), float("-inf"))
     return _reduce(s, smooth).masked_fill(qmask.unsqueeze(2) == 0, 0.0).sum(1)
+
+
+def paired_scores(q: Tensor, d: Tensor, qmask: Tensor, dmask: Tensor, smooth: Optional[float]) -> Tensor:
+    """(b, n) MaxSim scores of each query against its own ``n`` documents: ``q`` (b, Lq,
+    D), ``d`` (b, n, Ld, D), ``qmask`` (b, Lq) in the compute dtype, ``dmask`` (b, n, Ld)
+    bool; from the (b, n, Lq, Ld) token scores (``amax``: a tied maximum's gradient
+    spread equally over the tied tokens)."""
+    dtype = compute_dtype(q.dtype)
+    q = q.to(dtype).masked_fill(qmask.unsqueeze(2) == 0, 0.0)
+    d = d.to(dtype).masked_fill(~dmask.unsqueeze(3), 0.0)
+    s = torch.einsum("btd,bnud->bntu", q, d).masked_fill(~dmask.unsqueeze(2), float("-inf"))
+    return _reduce(s, smooth).masked_fill(qmask.unsqueeze(1) == 0, 0.0).sum(2)
+
+
+def paired_block(n: int, lq: int, ld: int, itemsize: int = 4) -> int:
+    """Queries per block of :class:`PairedMaxSimScores`: about :data:`TILE_BYTES` of
+    token scores."""
+    return max(1, TILE_BYTES // max(1, n * lq * ld * itemsize))
+
+
+class PairedMaxSimScores(FusedFunction):
+    """``apply(q, d, qmask, dmask, smooth, block) -> s``: :func:`paired_scores` (each
+    query against its own documents: distillation, hard negatives per query) a block
+    of ``block`` queries at a time; the backward pass recomputes one block's token
+    scores and differentiates them (memory: one block's (b, n, Lq, Ld) tile)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, d: Tensor, qmask: Tensor, dmask: Tensor, smooth: Optional[float], block: int
+    ) -> Tensor:
+        out = torch.empty(d.shape[:2], dtype=compute_dtype(q.dtype), device=q.device)
+        for i0 in range(0, q.shape[0], block):
+            c = slice(i0, i0 + block)
+            out[c] = paired_scores(q[c], d[c], qmask[c], dmask[c], smooth)
+        PairedMaxSimScores.setup(ctx, (q, d), (qmask, dmask))
+        ctx.smooth, ctx.block = smooth, block
+        return out
+
+    @classmethod
+    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
+        qmask, dmask = ctx.saved_tensors[2:4]
+        return paired_scores(inputs[0], inputs[1], qmask, dmask, ctx.smooth)
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        q, d, qmask, dmask = saved
+        needs = ctx.needs_input_grad[:2]
+        dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device) if needs[0] else None
+        dd = torch.zeros(d.shape, dtype=compute_dtype(d.dtype), device=d.device) if needs[1] else None
+        for i0 in range(0, q.shape[0], ctx.block):
+            c = slice(i0, i0 + ctx.block)
+            with torch.enable_grad():
+                qb = q[c].detach().requires_grad_(needs[0])
+                db = d[c].detach().requires_grad_(needs[1])
+                s = paired_scores(qb, db, qmask[c], dmask[c], ctx.smooth)
+                leaves = [x for x, need in ((qb, needs[0]), (db, needs[1])) if need]
+                grads = list(torch.autograd.grad(s, leaves, grad_out[c].to(s.dtype)))
+            if dq is not None:
+                dq[c] = grads.pop(0)
+            if dd is not None:
+                dd[c] = grads.pop(0)
+        return dq, dd
 
 
 #: rows per chunk of :class:`CrossEntropyRows`

@@ -4,7 +4,7 @@ retrievers on MaxSim scores without the B x N x Lq x Ld token-score tensor:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -15,36 +15,170 @@ from ..checks import Scalar
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.maxsim import CrossEntropyRows, MaxSimScores, auto_blocks, dense_scores
+from ..engine.maxsim import (
+    CrossEntropyRows,
+    MaxSimScores,
+    PairedMaxSimScores,
+    auto_blocks,
+    dense_scores,
+    paired_block,
+    paired_scores,
+)
 
-__all__ = ["maxsim_loss", "MaxSimLoss"]
+__all__ = ["maxsim_scores", "maxsim_loss", "MaxSimLoss", "maxsim_distill_loss", "MaxSimDistillLoss"]
 
 #: ``backend="auto"`` takes the tiled scores from this many token scores (B Lq N Ld)
 AUTO_TILED_MIN_TOKEN_SCORES = 1 << 22
 
 
 def _mask(mask: Optional[Tensor], x: Tensor, name: str, like: str) -> Tensor:
-    """``mask`` (rows, tokens) as bool (True: a real token), every row with one."""
+    """``mask`` (``x``'s shape without its width) as bool (True: a real token), every
+    query or document with one."""
+    shape = x.shape[:-1]
     if mask is None:
-        return torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+        return torch.ones(shape, dtype=torch.bool, device=x.device)
     if not isinstance(mask, Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
-    if mask.shape != x.shape[:2]:
-        raise ValueError(
-            f"{name} must have shape {tuple(x.shape[:2])} ({like}'s rows and tokens), got {tuple(mask.shape)}"
-        )
+    if mask.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)} ({like}'s tokens), got {tuple(mask.shape)}")
     checks.same_device(mask, x, name, like)
     if mask.is_floating_point() or mask.is_complex():
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"{name} must be bool (True for a real token) or 0/1")
     mask = mask != 0
-    empty = (~mask.any(1)).nonzero().flatten()
+    empty = (~mask.any(-1)).nonzero()
     if empty.numel():
         raise ValueError(
-            f"{name}: row {int(empty[0])} has no real token (its MaxSim score is undefined); "
-            f"{empty.numel()} such row(s)"
+            f"{name}: {tuple(int(i) for i in empty[0])} has no real token (its MaxSim score is undefined); "
+            f"{empty.shape[0]} such"
         )
     return mask
+
+
+def _tokens(
+    query: Tensor,
+    docs: Tensor,
+    query_mask: Optional[Tensor],
+    doc_mask: Optional[Tensor],
+    smooth_max: Optional[float],
+    doc_dims: Tuple[int, ...] = (3,),
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[float]]:
+    """The checked token embeddings, their masks (bool) and the smooth max's ``tau``."""
+    query = checks.check_float_tensor(query, "query", (3,))
+    docs = checks.check_float_tensor(docs, "docs", doc_dims)
+    if docs.shape[-1] != query.shape[2]:
+        raise ValueError(f"docs must be {query.shape[2]} wide (the query tokens' width), got {docs.shape[-1]}")
+    if docs.dtype != query.dtype:
+        raise TypeError(f"docs must have the query's dtype {query.dtype}, got {docs.dtype}")
+    checks.same_device(docs, query, "docs", "query")
+    if query.shape[0] == 0 or query.shape[1] == 0 or docs.shape[-2] == 0 or docs.shape[1] == 0:
+        raise ValueError(
+            f"MaxSim needs queries and documents with tokens, got query {tuple(query.shape)}, docs {tuple(docs.shape)}"
+        )
+    if docs.dim() == 4 and docs.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"docs (B, n, Ld, D) must hold each query's own documents: B = {query.shape[0]}, got {docs.shape[0]}"
+        )
+    qmask = _mask(query_mask, query, "query_mask", "query")
+    dmask = _mask(doc_mask, docs, "doc_mask", "docs")
+    if smooth_max is None:
+        return query, docs, qmask, dmask, None
+    if isinstance(smooth_max, bool) or not isinstance(smooth_max, (int, float)) or not 0 < smooth_max < float("inf"):
+        raise ValueError(f"smooth_max must be a positive float (the smooth max's temperature), got {smooth_max!r}")
+    return query, docs, qmask, dmask, float(smooth_max)
+
+
+def _pick(backend: str, entries: int) -> str:
+    """The backend ``"auto"`` stands for at this many token scores."""
+    if backend == "auto":
+        return "tiled" if entries >= AUTO_TILED_MIN_TOKEN_SCORES else "dense"
+    if backend not in ("reference", "dense", "tiled"):
+        raise ValueError(
+            f"backend must be 'auto', 'reference', 'dense' or 'tiled' for MaxSim (no Triton kernel), got {backend!r}"
+        )
+    return backend
+
+
+def _scores(
+    query: Tensor,
+    docs: Tensor,
+    qmask: Tensor,
+    dmask: Tensor,
+    smooth: Optional[float],
+    backend: str,
+    block_size: Optional[int],
+) -> Tensor:
+    """The MaxSim scores in the compute dtype: (B, N) for docs (N, Ld, D), (B, n) for
+    each query's own documents (B, n, Ld, D); autocast off."""
+    dtype = compute_dtype(query.dtype)
+    paired = docs.dim() == 4
+    name = _pick(backend, query.shape[1] * docs.shape[:-1].numel() * (1 if paired else query.shape[0]))
+    with autocast_off(query.device.type):
+        if name == "reference":
+            return reference.maxsim_scores(query.to(dtype), docs.to(dtype), qmask, dmask, smooth)
+        qm = qmask.to(dtype)
+        if paired:
+            if name == "dense":
+                return paired_scores(query, docs, qm, dmask, smooth)
+            lq, (n, ld) = query.shape[1], docs.shape[1:3]
+            return PairedMaxSimScores.apply(query, docs, qm, dmask, smooth, block_size or paired_block(n, lq, ld))
+        if name == "dense":
+            return dense_scores(query, docs, qm, dmask, smooth)
+        bq, bd = auto_blocks(query.shape[1], docs.shape[1], docs.shape[0])
+        return MaxSimScores.apply(query, docs, qm, dmask, smooth, (block_size or bq, bd))
+
+
+def maxsim_scores(
+    query: Tensor,
+    docs: Tensor,
+    *,
+    query_mask: Optional[Tensor] = None,
+    doc_mask: Optional[Tensor] = None,
+    smooth_max: Optional[float] = None,
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+) -> Tensor:
+    r"""MaxSim scores of late-interaction retrievers (ColBERT, ColPali), differentiable,
+    without the token-score tensor: the building block of :func:`maxsim_loss` and
+    :func:`maxsim_distill_loss`, for losses of one's own on the scores::
+
+        s_ij = sum_{t real in i} max_{u real in j} <query[i, t], docs[j, u]>
+
+    ``docs`` (N, Ld, D): every query against every document, (B, N). ``docs`` (B, n,
+    Ld, D): each query against its own ``n`` documents (re-ranking candidates,
+    distillation), (B, n). The tiled backend keeps one tile of token scores at a
+    time. Ties in the max: the (N, Ld, D) form's tiled backend gives the gradient to
+    the first tied token, the dense forms (and the tiled (B, n, Ld, D) form) spread
+    it equally over them. Eager: under ``torch.compile`` the losses enter the graph
+    as one operator; this building block is traced by dynamo (graph breaks).
+
+    Args:
+        query: (B, Lq, D) query token embeddings.
+        docs: (N, Ld, D) documents, or (B, n, Ld, D) each query's own documents.
+        query_mask: (B, Lq) bool (or 0/1), True for a real token. Default: all real.
+        doc_mask: ``docs``' shape without D, True for a real token (a padding token
+            never wins the max). Default: all real.
+        smooth_max: ``tau``: ``tau * logsumexp(. / tau)`` over a document's real
+            tokens instead of the max. Default: None.
+        backend: ``"auto"`` (``"tiled"`` from 2^22 token scores) | ``"reference"``
+            (loops) | ``"dense"`` (the token-score tensor) | ``"tiled"``.
+        block_size: queries per tile of the tiled backend; None picks one.
+
+    Shape:
+        - query: (B, Lq, D); docs: (N, Ld, D) or (B, n, Ld, D)
+        - output: (B, N) or (B, n), float32 for float16 / bfloat16 inputs
+
+    Examples::
+
+        >>> q, d = torch.randn(4, 8, 16), torch.randn(6, 20, 16)
+        >>> flashcl.maxsim_scores(q, d).shape
+        torch.Size([4, 6])
+        >>> flashcl.maxsim_scores(q, torch.randn(4, 3, 20, 16)).shape  # 3 candidates per query
+        torch.Size([4, 3])
+    """
+    query, docs, qmask, dmask, smooth = _tokens(query, docs, query_mask, doc_mask, smooth_max, (3, 4))
+    checks.check_block(block_size)
+    return _scores(query, docs, qmask, dmask, smooth, backend, block_size)
 
 
 @registry.loss
@@ -123,18 +257,7 @@ def maxsim_loss(
         >>> mask = torch.ones(6, 20, dtype=torch.bool); mask[:, 15:] = False  # padding
         >>> loss = flashcl.maxsim_loss(q, d, doc_mask=mask)
     """
-    query = checks.check_float_tensor(query, "query", (3,))
-    docs = checks.check_float_tensor(docs, "docs", (3,))
-    if docs.shape[2] != query.shape[2]:
-        raise ValueError(f"docs must be {query.shape[2]} wide (the query tokens' width), got {docs.shape[2]}")
-    if docs.dtype != query.dtype:
-        raise TypeError(f"docs must have the query's dtype {query.dtype}, got {docs.dtype}")
-    checks.same_device(docs, query, "docs", "query")
-    if query.shape[0] == 0 or query.shape[1] == 0 or docs.shape[1] == 0:
-        raise ValueError(
-            f"maxsim_loss needs queries and documents with tokens, got query {tuple(query.shape)}, docs "
-            f"{tuple(docs.shape)}"
-        )
+    query, docs, qmask, dmask, smooth = _tokens(query, docs, query_mask, doc_mask, smooth_max)
     if positive_index is None:
         if docs.shape[0] < query.shape[0]:
             raise ValueError(f"docs must hold at least B = {query.shape[0]} documents (one positive per query)")
@@ -146,21 +269,9 @@ def maxsim_loss(
         checks.same_device(index, query, "positive_index", "query")
         if bool(((index < 0) | (index >= docs.shape[0])).any()):
             raise ValueError(f"positive_index values must be documents in [0, {docs.shape[0]})")
-    qmask = _mask(query_mask, query, "query_mask", "query")
-    dmask = _mask(doc_mask, docs, "doc_mask", "docs")
     checks.check_bool(normalize_scores, "normalize_scores")
-    smooth = None
-    if smooth_max is not None:
-        if (
-            isinstance(smooth_max, bool)
-            or not isinstance(smooth_max, (int, float))
-            or not 0 < smooth_max < float("inf")
-        ):
-            raise ValueError(f"smooth_max must be a positive float (the smooth max's temperature), got {smooth_max!r}")
-        smooth = float(smooth_max)
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
-    if opts.backend == "triton":
-        raise ValueError("maxsim_loss has no Triton kernel yet: use backend='tiled' (or 'auto')")
+    _pick(opts.backend, 0)
     if opts.strategy == "ring":
         raise ValueError("maxsim_loss takes strategy='all_gather' across processes (the documents gathered)")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
@@ -183,27 +294,15 @@ def _maxsim(
     cols = parallel.columns(docs, "all_gather", opts.process_group)
     all_dmask = cols.gather(dmask.to(torch.uint8)).bool()
     index = index + cols.offset
-    dtype = compute_dtype(query.dtype)
-    b, lq = query.shape[:2]
-    entries = b * lq * cols.total * docs.shape[1]
-    name = "tiled" if opts.backend == "auto" and entries >= AUTO_TILED_MIN_TOKEN_SCORES else opts.backend
-    name = "dense" if name == "auto" else name
     with autocast_off(query.device.type):
-        if name == "reference":
-            rows = reference.maxsim_rows(
-                query.to(dtype), cols.keys.to(dtype), qmask, all_dmask, scale, normalize_scores, smooth, index
-            )
+        if opts.backend == "reference":
+            dtype = compute_dtype(query.dtype)
+            q, keys = query.to(dtype), cols.keys.to(dtype)
+            rows = reference.maxsim_rows(q, keys, qmask, all_dmask, scale, normalize_scores, smooth, index)
         else:
-            qm = qmask.to(dtype)
-            if name == "dense":
-                s = dense_scores(query, cols.keys, qm, all_dmask, smooth)
-            else:
-                bq, bd = auto_blocks(lq, docs.shape[1], cols.total)
-                s = MaxSimScores.apply(query, cols.keys, qm, all_dmask, smooth, (opts.block_size or bq, bd))
-            f = scale.to(dtype).expand(b)
-            if normalize_scores:
-                f = f / qm.sum(1)
-            rows = CrossEntropyRows.apply(s, f, index)
+            s = _scores(query, cols.keys, qmask, all_dmask, smooth, opts.backend, opts.block_size)
+            f = scale.to(s.dtype).expand(s.shape[0])
+            rows = CrossEntropyRows.apply(s, f / qmask.sum(1) if normalize_scores else f, index)
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
 
 
@@ -240,3 +339,124 @@ class MaxSimLoss(LossModule):
         positive_index: Optional[Tensor] = None,
     ) -> Tensor:
         return maxsim_loss(query, docs, positive_index, query_mask=query_mask, doc_mask=doc_mask, **self.loss_options())
+
+
+@registry.loss
+@compiles(rows=lambda query: (query.shape[0],))
+def maxsim_distill_loss(
+    query: Tensor,
+    docs: Tensor,
+    teacher_scores: Tensor,
+    *,
+    query_mask: Optional[Tensor] = None,
+    doc_mask: Optional[Tensor] = None,
+    temperature: Scalar = 1.0,
+    teacher_temperature: Scalar = 1.0,
+    normalize_scores: bool = False,
+    smooth_max: Optional[float] = None,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    process_group: Any = None,
+    grad_scale: str = "ddp",
+) -> Tensor:
+    r"""Distillation of a late-interaction student (ColBERT, ColPali) from a teacher's
+    scores of each query's own candidate documents: the KL divergence from the
+    teacher's softmax to the student's MaxSim softmax, per query::
+
+        KL( softmax_j(teacher_scores[i] / teacher_temperature)
+          || softmax_j(s_ij / temperature) ),   s_ij = MaxSim(query[i], docs[i, j])
+
+    as ``pylate.losses.Distillation`` computes it (with its ``normalize_scores=False``;
+    its min-max scaling is in :mod:`flashcl.integrations.pylate`), the (B, n, Lq, Ld)
+    token scores formed a block of queries at a time (see :func:`maxsim_scores`).
+
+    Args:
+        query: (B, Lq, D) the student's query token embeddings.
+        docs: (B, n, Ld, D) the student's token embeddings of each query's n documents.
+        teacher_scores: (B, n) the teacher's scores (logits) of those documents; a
+            tensor that requires grad gets its gradient.
+        query_mask: (B, Lq) bool (or 0/1), True for a real token. Default: all real.
+        doc_mask: (B, n, Ld) bool (or 0/1), True for a real token. Default: all real.
+        temperature: the student's (float or 0-dim tensor; a learnable one gets its
+            gradient). Default: 1.
+        teacher_temperature: divides the teacher's scores. Default: 1.
+        normalize_scores: divide each student score by the query's real token count.
+        smooth_max: ``tau``: a smooth max over the document's tokens (see
+            :func:`maxsim_loss`). Default: None.
+        reduction: ``"mean"`` (over the queries: KL's ``batchmean``) | ``"sum"`` | ``"none"``.
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``.
+        block_size: queries per block of the tiled backend; None picks one.
+        process_group: each rank passes its own queries; the mean is over every rank's
+            queries (no document crosses ranks: each query has its own).
+        grad_scale: ``"ddp"`` (DDP's averaging of the gradients then gives the global
+            batch's) | ``"sum"``.
+
+    Shape:
+        - query: (B, Lq, D); docs: (B, n, Ld, D); teacher_scores: (B, n);
+          query_mask: (B, Lq); doc_mask: (B, n, Ld)
+        - output: scalar, or (B,) with ``reduction="none"``
+
+    Examples::
+
+        >>> q, d = torch.randn(4, 8, 16), torch.randn(4, 5, 20, 16)  # 5 candidates per query
+        >>> teacher = torch.randn(4, 5)
+        >>> loss = flashcl.maxsim_distill_loss(q, d, teacher, temperature=0.5)
+    """
+    query, docs, qmask, dmask, smooth = _tokens(query, docs, query_mask, doc_mask, smooth_max, (4,))
+    teacher = checks.check_float_tensor(teacher_scores, "teacher_scores", (2,))
+    if teacher.shape != docs.shape[:2]:
+        raise ValueError(f"teacher_scores must have shape {tuple(docs.shape[:2])} (B, n), got {tuple(teacher.shape)}")
+    checks.same_device(teacher, query, "teacher_scores", "query")
+    checks.check_bool(normalize_scores, "normalize_scores")
+    opts = checks.Options(True, reduction, backend, block_size, process_group, "all_gather", grad_scale)
+    _pick(opts.backend, 0)
+    dtype = compute_dtype(query.dtype)
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, dtype)
+    t_scale = 1.0 / checks.check_positive_scalar(teacher_temperature, "teacher_temperature", query.device, dtype)
+    s = _scores(query, docs, qmask, dmask, smooth, opts.backend, opts.block_size)
+    if normalize_scores:
+        s = s / qmask.sum(1, keepdim=True).to(s.dtype)
+    with autocast_off(query.device.type):
+        student = torch.log_softmax(s * scale.to(s.dtype), dim=1)
+        target = torch.log_softmax(teacher.to(s.dtype) * t_scale.to(s.dtype), dim=1)
+        rows = (target.exp() * (target - student)).sum(1)
+    source = parallel.reduction_over(opts.process_group)
+    return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, source)
+
+
+@registry.module
+class MaxSimDistillLoss(LossModule):
+    """Module form of :func:`maxsim_distill_loss`; see it for the math and arguments.
+
+    Examples::
+
+        >>> loss_fn = flashcl.MaxSimDistillLoss(temperature=0.5)
+        >>> loss = loss_fn(torch.randn(4, 8, 16), torch.randn(4, 5, 20, 16), torch.randn(4, 5))
+    """
+
+    def __init__(
+        self,
+        temperature: Scalar = 1.0,
+        teacher_temperature: Scalar = 1.0,
+        normalize_scores: bool = False,
+        smooth_max: Optional[float] = None,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(**self.given(locals()))
+
+    def forward(
+        self,
+        query: Tensor,
+        docs: Tensor,
+        teacher_scores: Tensor,
+        query_mask: Optional[Tensor] = None,
+        doc_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        return maxsim_distill_loss(
+            query, docs, teacher_scores, query_mask=query_mask, doc_mask=doc_mask, **self.loss_options()
+        )
