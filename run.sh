@@ -54,6 +54,15 @@ esac
 # build, so it is installed without dependencies (optional: skipped if unavailable).
 "$py" -c "import open_clip" 2>/dev/null || "$py" -m pip install -q --no-deps open_clip_torch \
   || echo "open_clip_torch not installed: its benchmark and test cases will say so"
+# pylate's and colpali-engine's late-interaction losses: peers of flashcl.integrations.pylate
+# and .colpali in the tests and the late-interaction benchmark. Their packages pin older
+# sentence-transformers / transformers and pull torchvision; their losses need only torch
+# and what the integrations extra brings, so they are installed without dependencies.
+"$py" -c "import pylate.losses" 2>/dev/null || "$py" -m pip install -q --no-deps pylate==1.6.0 \
+  || echo "pylate not installed: its benchmark and test cases will say so"
+"$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('colpali_engine') is None)" 2>/dev/null \
+  || "$py" -m pip install -q --no-deps colpali-engine==0.3.18 \
+  || echo "colpali-engine not installed: its benchmark and test cases will say so"
 case "$cmd" in
   test)
     "$py" -m ruff check src tests examples scripts conftest.py

@@ -79,3 +79,48 @@ def sentence_transformers_gist(**config: Any) -> Tuple[Optional[Any], str]:
             setattr(module, "embed_columns", original)  # noqa: B010
 
     return fn, ""
+
+
+def colpali_loss_module() -> Tuple[Optional[Any], str]:
+    """colpali-engine's ``loss/late_interaction_losses.py``, loaded from its file with
+    its ``utils/maxsim.py`` (the package's ``__init__`` imports its models, whose image
+    processors need torchvision; the losses need only torch), on its pure-torch
+    scoring path (``COLPALI_SCORES_BACKEND="torch"``; its kernel path needs a GPU)."""
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("colpali_engine")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "colpali-engine not installed"
+    root = list(spec.submodule_search_locations)[0]
+    paths = {
+        name: os.path.join(root, *name.split(".")[1:]) + ".py"
+        for name in ("x.utils.maxsim", "x.loss.late_interaction_losses")
+    }
+    if not all(os.path.exists(p) for p in paths.values()):
+        return None, f"colpali-engine has no {' / '.join(paths.values())}"
+
+    def load(name: str, path: str) -> Any:
+        file_spec = importlib.util.spec_from_file_location(name, path)
+        assert file_spec is not None and file_spec.loader is not None
+        module = importlib.util.module_from_spec(file_spec)
+        file_spec.loader.exec_module(module)
+        return module
+
+    names = ("colpali_engine", "colpali_engine.utils", "colpali_engine.utils.maxsim")
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        maxsim = load("_colpali_maxsim", paths["x.utils.maxsim"])
+        maxsim._resolve_backend = lambda: "torch"
+        for name in names[:2]:  # the packages as bare namespaces while the losses import
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules[names[2]] = maxsim
+        return load("_colpali_losses", paths["x.loss.late_interaction_losses"]), ""
+    except ImportError as e:
+        return None, f"colpali-engine's losses do not import here ({e})"
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module

@@ -1,0 +1,154 @@
+"""flashcl.integrations.pylate against pylate's own loss classes, float64, on a small
+token-embedding model with pylate's model attributes (skiplist, do_query_expansion):
+Contrastive, CachedContrastive and Distillation with every constructor option,
+padding of different lengths and skiplisted tokens, hard negatives, every backend: the
+value and every parameter's gradient; gather_across_devices on 2 gloo processes."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from helpers import assert_close, close_group, init_gloo
+
+pl_losses = pytest.importorskip("pylate.losses", reason="pylate not installed")
+from flashcl.integrations import pylate as ours  # noqa: E402
+
+BACKENDS = ("reference", "dense", "tiled")
+SKIP = [3, 7]  # token ids the model's skiplist masks in documents
+
+
+class TinyColBERT(nn.Module):
+    """Token embeddings from token ids, with pylate's model attributes."""
+
+    def __init__(self, do_query_expansion: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(20, 12).double()
+        self.proj = nn.Linear(12, 8).double()
+        self.skiplist = list(SKIP)
+        self.do_query_expansion = do_query_expansion
+
+    def forward(self, features: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return {"token_embeddings": self.proj(torch.tanh(self.embed(features["input_ids"])))}
+
+
+def _features(rows: int, length: int, seed: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 20, (rows, length), generator=g)
+    attention = (torch.arange(length) < torch.randint(1, length + 1, (rows, 1), generator=g)).long()
+    return {"input_ids": ids, "attention_mask": attention}
+
+
+def _step(loss: Any, features: List[Dict[str, torch.Tensor]], labels: Any = None) -> tuple:
+    """The value and every parameter's gradient of one backward pass."""
+    loss.model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = loss(features, labels)
+        value.backward()
+    return value.detach(), [p.grad.clone() for p in loss.model.parameters()]
+
+
+def _same(got: tuple, want: tuple, what: str) -> None:
+    assert_close(got[0], want[0], f"{what}: value", 1e-12, 1e-10)
+    for i, (a, b) in enumerate(zip(got[1], want[1])):
+        assert_close(a, b, f"{what}: parameter {i} grad", 1e-12, 1e-10)
+
+
+CONTRASTIVE = [
+    {},
+    {"temperature": 0.05},
+    {"size_average": False, "temperature": 0.5},
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", CONTRASTIVE, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("expansion", [False, True], ids=["query-mask", "query-expansion"])
+@pytest.mark.parametrize("columns", [1, 2], ids=["positives", "hard-negatives"])
+def test_contrastive_equals_pylate(backend: str, options: Dict[str, Any], expansion: bool, columns: int) -> None:
+    b = 3
+    features = [_features(b, 5, 0)] + [_features(b, 7, 1 + c) for c in range(columns)]
+    model = TinyColBERT(expansion)
+    want = _step(pl_losses.Contrastive(model, **options), features)
+    got = _step(ours.Contrastive(model, **options, backend=backend, block_size=2), features)
+    _same(got, want, f"Contrastive {options}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("size_average", [True, False])
+def test_cached_contrastive_equals_pylate(backend: str, size_average: bool) -> None:
+    b = 5
+    features = [_features(b, 5, 3), _features(b, 6, 4), _features(b, 6, 5)]
+    model = TinyColBERT()
+    options = {"mini_batch_size": 2, "size_average": size_average, "temperature": 0.1}
+    want = _step(pl_losses.CachedContrastive(model, **options), features)
+    got = _step(ours.CachedContrastive(model, **options, backend=backend), features)
+    _same(got, want, f"CachedContrastive size_average={size_average}")
+    # the plain loss's value, and its gradient up to pylate's caching of the sum's
+    plain = _step(ours.Contrastive(model, size_average=size_average, temperature=0.1), features)
+    assert_close(got[0], plain[0], "cached = plain value", 1e-12, 1e-10)
+    factor = b if size_average else 1
+    assert_close(got[1][1], plain[1][1] * factor, "cached = the sum's gradient", 1e-12, 1e-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", [{}, {"normalize_scores": False}, {"size_average": False}], ids=str)
+@pytest.mark.parametrize("expansion", [False, True], ids=["query-mask", "query-expansion"])
+def test_distillation_equals_pylate(backend: str, options: Dict[str, Any], expansion: bool) -> None:
+    b, n = 3, 4
+    features = [_features(b, 5, 6), _features(b * n, 7, 7)]
+    labels = torch.randn(b, n, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    model = TinyColBERT(expansion)
+    want = _step(pl_losses.Distillation(model, **options), features, labels)
+    got = _step(ours.Distillation(model, **options, backend=backend, block_size=2), features, labels)
+    _same(got, want, f"Distillation {options}")
+
+
+def test_a_custom_score_metric_is_pylates_with_a_warning() -> None:
+    from pylate.scores import colbert_kd_scores
+
+    calls = []
+
+    def metric(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return colbert_kd_scores(*args, **kwargs)
+
+    features = [_features(2, 5, 9), _features(4, 7, 10)]
+    labels = torch.randn(2, 2, dtype=torch.float64)
+    model = TinyColBERT()
+    with pytest.warns(UserWarning, match="pylate's own implementation"):
+        value = ours.Distillation(model, score_metric=metric)(features, labels)
+    assert calls and torch.isfinite(value)
+
+
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    init_gloo(rank, world, out_dir)
+    model = TinyColBERT()
+    features = [_features(3, 5, 20 + rank), _features(3, 6, 30 + rank), _features(3, 6, 40 + rank)]
+    results = {}
+    for name, cls in (("Contrastive", "Contrastive"), ("Cached", "CachedContrastive")):
+        options: Dict[str, Any] = {"gather_across_devices": True, "temperature": 0.2}
+        if name == "Cached":
+            options["mini_batch_size"] = 2
+        results[name] = (
+            _step(getattr(pl_losses, cls)(model, **options), features),
+            _step(getattr(ours, cls)(model, **options, backend="tiled"), features),
+        )
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+def test_gather_across_devices_equals_pylate_on_two_processes(tmp_path) -> None:
+    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, (want, got) in results.items():
+            _same(got, want, f"{name}, rank {rank}")
