@@ -297,3 +297,37 @@ def test_equal_to_luyug_gradcache() -> None:
     flashcl.cached_step(enc, inputs, loss_fn, chunk_size=4)
     for a, e in zip(_grads(enc), theirs):
         assert_close(a, e, "flashcl.cached_step vs GradCache", 1e-12, 1e-10)
+
+
+class TinyTokenEncoder(TinyEncoder):
+    """The same transformer returning its (B, L, D) token embeddings (late interaction)."""
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        h = self.layer(self.embed(batch["input_ids"]), src_key_padding_mask=batch["attention_mask"] == 0)
+        return self.proj(h)
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_token_embeddings_and_masks_through_maxsim(chunk: int, backend: str) -> None:
+    """An encoder of (B, L, D) token embeddings trains through cached_step with
+    maxsim_loss, the masks passed as keyword arguments: the full batch's gradients."""
+    queries, docs = _texts(6, 31), _texts(9, 32)  # 3 hard negatives
+
+    def loss_fn(q: torch.Tensor, d: torch.Tensor, query_mask: torch.Tensor, doc_mask: torch.Tensor) -> torch.Tensor:
+        return flashcl.maxsim_loss(
+            q, d, query_mask=query_mask, doc_mask=doc_mask, temperature=0.1, backend=backend, block_size=2
+        )
+
+    masks = {"query_mask": queries["attention_mask"], "doc_mask": docs["attention_mask"]}
+    _compare([TinyTokenEncoder()] * 2, [queries, docs], loss_fn, chunk, **masks)
+    distill = _texts(6 * 3, 33)
+
+    def distill_fn(q: torch.Tensor, d: torch.Tensor, teacher: torch.Tensor, doc_mask: torch.Tensor) -> torch.Tensor:
+        return flashcl.maxsim_distill_loss(
+            q, d.view(6, 3, *d.shape[1:]), teacher, doc_mask=doc_mask, backend=backend, block_size=2
+        )
+
+    teacher = torch.randn(6, 3, dtype=F64, generator=torch.Generator().manual_seed(34))
+    dmask = distill["attention_mask"].view(6, 3, -1)
+    _compare([TinyTokenEncoder()] * 2, [queries, distill], distill_fn, chunk, teacher=teacher, doc_mask=dmask)

@@ -187,7 +187,9 @@ def cached_step(
 
     Shape:
         - inputs: B rows each (towers may differ in B)
-        - the embeddings given to ``loss_fn``: (B, D) per input
+        - the embeddings given to ``loss_fn``: (B, ...) per input: (B, D) sentence embeddings,
+          or (B, L, D) token embeddings (late interaction, :func:`flashcl.maxsim_loss`,
+          with the masks passed as keyword arguments)
         - output: the loss's shape (a scalar)
 
     Examples::
