@@ -256,3 +256,26 @@ def test_a_failing_plot_loses_neither_the_report_nor_the_other_plots(tmp_path, m
     assert data["plot_errors"] == {"one": "RuntimeError: broken plot"}
     assert data["plots"] == [str(tmp_path / "two.png")] and len(data["rows"]) == 4
     assert (tmp_path / "report.md").read_text().startswith("Measured")
+
+
+def test_late_interaction_workloads_agree_with_their_peers() -> None:
+    """Every implementation of the late-interaction suite runs, and each peer's value
+    equals its flashcl drop-in's (the peers' padding convention), the tiled loss the
+    dense one's."""
+    from flashcl.bench import late
+    from flashcl.bench.workloads import NotInstalled
+
+    values = {}
+    for impl in ("flashcl-tiled", "flashcl-dense", "pylate", "flashcl-pylate", "colpali-engine", "flashcl-colpali"):
+        try:
+            step, grad_bytes = late.late_interaction({"B": 12, "Lq": 6, "Ld": 10, "D": 8, "impl": impl})
+        except NotInstalled:
+            continue
+        values[impl] = step()[0]
+        assert grad_bytes == 12 * (6 + 10) * 8 * 4
+    assert values["flashcl-tiled"] == pytest.approx(values["flashcl-dense"], rel=1e-5)
+    for peer, ours in (("pylate", "flashcl-pylate"), ("colpali-engine", "flashcl-colpali")):
+        if peer in values:
+            assert values[peer] == pytest.approx(values[ours], rel=1e-5), peer
+    with pytest.raises(NotInstalled, match="CUDA"):
+        late.late_interaction({"B": 4, "Lq": 2, "Ld": 3, "D": 4, "impl": "flash-maxsim"})

@@ -49,7 +49,11 @@ def _is_oom(e: BaseException) -> bool:
 
 def run_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Runs the case described by ``spec`` (see :func:`flashcl.bench.measure.measure`)."""
-    from .workloads import WORKLOADS, NotInstalled
+    from . import late
+    from .workloads import WORKLOADS as CORE
+    from .workloads import NotInstalled
+
+    WORKLOADS = {**CORE, **late.WORKLOADS}
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

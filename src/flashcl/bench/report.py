@@ -27,7 +27,8 @@ def agreement(r: Row, rows: List[Row]) -> str:
     """The loss against flashcl's on the same group, size and formula: "equal"
     (within 1e-4 relative; for half-precision inputs, within that dtype's
     epsilon, since a peer may compute its loss in it), "other formula" (a stated
-    formula difference), or "DIFFERS"."""
+    formula difference), or "DIFFERS". A row's ``versus`` names the flashcl row of its
+    formula (a drop-in that keeps the peer's convention)."""
     if r.get("status") != "ok" or r["workload"] == "gemm3" or r["label"].startswith("flashcl"):
         return ""
     same = [
@@ -36,6 +37,7 @@ def agreement(r: Row, rows: List[Row]) -> str:
         if o is not r
         and o.get("status") == "ok"
         and o["label"].startswith("flashcl")
+        and o["label"] == r.get("versus", o["label"])
         and o["group"] == r["group"]
         and o["workload"] == r["workload"]
         and {k: v for k, v in o["params"].items() if k != "impl"}

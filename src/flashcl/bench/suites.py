@@ -587,6 +587,50 @@ def contention(mode: str, device: str) -> List[Case]:
     return cases
 
 
+def late_interaction(mode: str, device: str) -> List[Case]:
+    """Late interaction (ColBERT, ColPali): the contrastive loss on token embeddings
+    (Lq = 32, Ld = 128, D = 128 at full size) by flashcl and by pylate's and
+    colpali-engine's own losses, B up to where the peers run out of memory and
+    beyond; and flashcl's tiled loss at B = N = 512 against one GEMM of every query
+    token against every document token, timed alternately in one process."""
+    lq, ld, d = _size(mode, (8, 16, 16), (32, 128, 128), (32, 128, 128))
+    sizes = _size(mode, (16, 32), (64, 256, 512, 1024), (64, 256, 512, 1024, 2048, 4096))
+    gemm_b = _size(mode, 32, 512, 512)
+    shape = {"Lq": lq, "Ld": ld, "D": d}
+    cases: List[Case] = [
+        {
+            "group": f"MaxSim loss / one token GEMM, B = N = {gemm_b}",
+            "label": "flashcl-tiled",
+            "workload": "late_interaction",
+            "bound": {"workload": "token_gemm", "params": {"B": gemm_b, **shape, "device": device}},
+            "repeats": 2,
+            "cap_s": 600.0,
+            "params": {"B": gemm_b, **shape, "impl": "flashcl-tiled"},
+        }
+    ]
+    impls = ["flashcl-tiled", "flashcl-dense", "pylate", "flashcl-pylate", "colpali-engine", "flashcl-colpali"]
+    if device.startswith("cuda"):
+        impls += ["late-interaction-kernels", "flash-maxsim"]
+    # the peers score a padding token 0 (in the max): their values are compared with the drop-ins'
+    versus = {"pylate": "flashcl-pylate", "colpali-engine": "flashcl-colpali"}
+    versus.update({"late-interaction-kernels": "flashcl-pylate", "flash-maxsim": "flashcl-pylate"})
+    for b in sizes:
+        for impl in impls:
+            case: Case = {
+                "group": f"ColBERT contrastive loss, Lq = {lq}, Ld = {ld}, D = {d}",
+                "label": impl,
+                "workload": "late_interaction",
+                "repeats": 1,
+                "cap_s": 600.0,
+                "stop_after_fail": True,
+                "params": {"B": b, **shape, "impl": impl},
+            }
+            if impl in versus:
+                case["versus"] = versus[impl]
+            cases.append(case)
+    return cases
+
+
 SUITES = {
     "tiled": tiled,
     "contention": contention,
@@ -601,5 +645,6 @@ SUITES = {
     "gpu": gpu,
     "beyond": beyond,
     "train": train,
+    "late-interaction": late_interaction,
 }
 DEFAULT_SUITES = ("neighbors", "simcse", "peers", "scale")
