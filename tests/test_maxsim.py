@@ -210,7 +210,7 @@ BAD = [
     ("positive_index", lambda q, d: flashcl.maxsim_loss(q, d, torch.tensor([0, 1, 5])), ValueError),
     ("temperature", lambda q, d: flashcl.maxsim_loss(q, d, temperature=0.0), ValueError),
     ("Triton", lambda q, d: flashcl.maxsim_loss(q, d, backend="triton"), ValueError),
-    ("all_gather", lambda q, d: flashcl.maxsim_loss(q, d, strategy="ring"), ValueError),
+    ("strategy", lambda q, d: flashcl.maxsim_loss(q, d, strategy="tree"), ValueError),
     ("normalize_scores", lambda q, d: flashcl.maxsim_loss(q, d, normalize_scores="yes"), TypeError),
 ]
 
@@ -236,7 +236,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     q, d, qmask, dmask, q_sizes, d_sizes = _shards(world)
     qs, ds = slice(sum(q_sizes[:rank]), sum(q_sizes[: rank + 1])), slice(sum(d_sizes[:rank]), sum(d_sizes[: rank + 1]))
     results: Dict[Any, Any] = {}
-    for backend in BACKENDS:
+    for backend, strategy in [(b, "all_gather") for b in BACKENDS] + [(b, "ring") for b in BACKENDS]:
         for options in ({}, {"smooth_max": 0.3, "normalize_scores": True}):
             qq, dd = q[qs].clone().requires_grad_(), d[ds].clone().requires_grad_()
             loss = flashcl.maxsim_loss(
@@ -247,11 +247,12 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
                 temperature=0.5,
                 backend=backend,
                 process_group=dist.group.WORLD,
+                strategy=strategy,
                 grad_scale="sum",
                 **options,
             )
             loss.backward()
-            results[(backend, str(options))] = (loss.detach(), qq.grad, dd.grad)
+            results[(backend, strategy, str(options))] = (loss.detach(), qq.grad, dd.grad)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -269,9 +270,9 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
             qq, dd, qmask, dmask, 0.5, options.get("normalize_scores", False), options.get("smooth_max"), index
         )
         gq, gd = torch.autograd.grad(want, (qq, dd))
-        for backend in BACKENDS:
-            got: List[Any] = [r[(backend, str(options))] for r in ranks]
-            what = f"{backend} {options}"
+        for backend, strategy in [(b, s) for b in BACKENDS for s in ("all_gather", "ring")]:
+            got: List[Any] = [r[(backend, strategy, str(options))] for r in ranks]
+            what = f"{backend} {strategy} {options}"
             assert_close(sum(v for v, _, _ in got), want, f"{what}: value", 1e-12, 1e-10)
             for r in range(world):
                 qs = slice(sum(q_sizes[:r]), sum(q_sizes[: r + 1]))

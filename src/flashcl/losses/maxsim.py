@@ -24,6 +24,7 @@ from ..engine.maxsim import (
     paired_block,
     paired_scores,
 )
+from ..parallel.ring import RingScores
 
 __all__ = ["maxsim_scores", "maxsim_loss", "MaxSimLoss", "maxsim_distill_loss", "MaxSimDistillLoss"]
 
@@ -272,8 +273,6 @@ def maxsim_loss(
     checks.check_bool(normalize_scores, "normalize_scores")
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     _pick(opts.backend, 0)
-    if opts.strategy == "ring":
-        raise ValueError("maxsim_loss takes strategy='all_gather' across processes (the documents gathered)")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
     return _maxsim(query, docs, index, qmask, dmask, scale, normalize_scores, smooth, opts)
 
@@ -291,16 +290,24 @@ def _maxsim(
 ) -> Tensor:
     """:func:`maxsim_loss`'s body, one process being a world of one: this rank's queries
     against every rank's documents (gathered with their gradient)."""
-    cols = parallel.columns(docs, "all_gather", opts.process_group)
+    cols = parallel.columns(docs, opts.strategy, opts.process_group)
     all_dmask = cols.gather(dmask.to(torch.uint8)).bool()
     index = index + cols.offset
+    rows: Optional[Tensor] = None
     with autocast_off(query.device.type):
-        if opts.backend == "reference":
+        if opts.strategy == "ring" and opts.process_group is not None:
+
+            def score(q: Tensor, block: Tensor, block_mask: Tensor) -> Tensor:
+                return _scores(q, block, qmask, block_mask, smooth, opts.backend, opts.block_size)
+
+            s = RingScores.apply(query, docs, dmask, score, cols.sizes, opts.process_group)
+        elif opts.backend == "reference":
             dtype = compute_dtype(query.dtype)
             q, keys = query.to(dtype), cols.keys.to(dtype)
             rows = reference.maxsim_rows(q, keys, qmask, all_dmask, scale, normalize_scores, smooth, index)
         else:
             s = _scores(query, cols.keys, qmask, all_dmask, smooth, opts.backend, opts.block_size)
+        if rows is None:
             f = scale.to(s.dtype).expand(s.shape[0])
             rows = CrossEntropyRows.apply(s, f / qmask.sum(1) if normalize_scores else f, index)
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)

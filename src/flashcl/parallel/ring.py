@@ -5,7 +5,7 @@ batch: :class:`RingDriver`."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from ..engine.engine import Driver, Operands, Problem
 from ..engine.heads import Head, Tile
 from ..engine.positives import Positives, PositiveTerm, Rows, class_sums, raw_rows
 
-__all__ = ["RingDriver"]
+__all__ = ["RingDriver", "RingScores"]
 
 
 def _peer(group: Any, rank: int) -> int:
@@ -150,3 +150,62 @@ class RingDriver(Driver):
             current, dk_travel = _ring_pass([current, dk_travel], [shape, shape], self.group)
         dk.add_(dk_travel)
         return dscale
+
+
+ScoreFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class RingScores(torch.autograd.Function):
+    """``apply(q, k, mask, score, sizes, group) -> s``: ``score(q, block, block_mask)``
+    (a differentiable (B, n) score of this rank's rows against one block of candidates,
+    late interaction's MaxSim) against every rank's block, the blocks (and their masks)
+    passed round the ring so that no rank holds more than its own block and one
+    visitor: the (B, N) scores. Backward passes the blocks again, each block's
+    gradient travelling with it back to its owner; each block's scores are recomputed
+    with their graph."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, mask: Tensor, score: ScoreFn, sizes: List[int], group: Any
+    ) -> Tensor:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        starts = [sum(sizes[:i]) for i in range(world)]
+        out: Optional[Tensor] = None
+        block, block_mask = k, mask.to(k.dtype)
+        for step in range(world):
+            owner = (rank - step) % world
+            s = score(q, block, block_mask != 0) if sizes[owner] else None
+            if out is None and s is not None:
+                out = s.new_zeros(q.shape[0], sum(sizes))
+            if s is not None and out is not None:
+                out[:, starts[owner] : starts[owner] + sizes[owner]] = s
+            if step < world - 1:
+                shape = (sizes[(owner - 1) % world], *k.shape[1:])
+                block, block_mask = _ring_pass([block, block_mask], [shape, shape[:-1]], group)
+        ctx.save_for_backward(q, k, mask)
+        ctx.score, ctx.sizes, ctx.group, ctx.starts = score, sizes, group, starts
+        assert out is not None, "every rank's block is empty"
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(RingDriver.no_second_derivatives)
+        q, k, mask = ctx.saved_tensors
+        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        dq = torch.zeros_like(q)
+        block, block_mask, travel = k, mask.to(k.dtype), torch.zeros_like(k)
+        for step in range(world):
+            owner = (rank - step) % world
+            n, c0 = ctx.sizes[owner], ctx.starts[owner]
+            if n:
+                with torch.enable_grad():
+                    qq, bb = q.detach().requires_grad_(), block.detach().requires_grad_()
+                    s = ctx.score(qq, bb, block_mask != 0)
+                    gq, gb = torch.autograd.grad(s, (qq, bb), grad[:, c0 : c0 + n].to(s.dtype))
+                dq += gq
+                travel += gb
+            # the block goes on; after the last step its gradient arrives home
+            shape = (ctx.sizes[(owner - 1) % world], *k.shape[1:])
+            block, block_mask, travel = _ring_pass([block, block_mask, travel], [shape, shape[:-1], shape], ctx.group)
+        return dq, travel, None, None, None, None
