@@ -11,7 +11,7 @@ and their gradient, memory is O(B D + B x block)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -21,91 +21,49 @@ from ..base import LossModule, shared_docs
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
+from ..engine.proxies import TARGETS, TargetFn, orthogonal, sine, visit
+from .class_shards import kept_labels, sharded_margin
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
 
 MARGIN_BACKENDS = ("auto", "reference", "dense", "tiled")
 
 
-def _cosface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
-    """CosFace's target logit ``cos - m`` and its derivative in ``cos`` times ``sin``
-    (see :func:`_arcface`)."""
-    return c - margin, sin
-
-
-def _arcface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
-    """ArcFace's target logit ``cos(theta + m)``, with ``theta`` the angle whose cosine
-    is ``c`` and whose sine is ``sin`` (the norm of the class direction's part
-    orthogonal to the embedding, formed from the vectors: accurate at ``theta`` near 0
-    and pi, where ``acos`` has an infinite derivative); past ``theta > pi - m``
-    (where it would stop decreasing) ``cos - m sin(m)``, as insightface and
-    pytorch-metric-learning; ``easy``: ``cos`` itself where ``cos <= 0``.
-
-    Returns the logit and ``d logit / d cos * sin(theta)``: the gradient's
-    coefficient on the unit vector orthogonal to the embedding, bounded where the
-    derivative in ``cos`` alone is not (``sin(theta + m)``, ``sin(m)`` at
-    ``theta = 0``). Written without ``acos``, so that autograd through it (the dense
-    and reference backends) is finite at ``cos = +-1`` as well."""
-    cos_m, sin_m = math.cos(margin), math.sin(margin)
-    phi = c * cos_m - sin * sin_m  # cos(theta + m)
-    slope = sin * cos_m + c * sin_m  # sin(theta + m) = d cos(theta + m) / d cos * sin(theta)
-    keep = c > 0 if easy else c >= -cos_m  # theta <= pi - m
-    other = c if easy else c - margin * sin_m
-    return torch.where(keep, phi, other), torch.where(keep, slope, sin)
-
-
-def _orthogonal(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-    """``a - c b`` for unit rows ``a``, ``b`` with ``c = a . b``: ``a``'s part
-    orthogonal to ``b``, whose norm is the sine of their angle."""
-    return a - c.unsqueeze(1) * b
-
-
-def _noise(dtype: torch.dtype) -> float:
-    """The largest norm :func:`_orthogonal` gives from rounding alone (unit rows along
-    one line): below it the angle is 0 or pi and the direction is noise."""
-    return 64 * torch.finfo(dtype).eps
-
-
-def _sine(across: Tensor) -> Tensor:
-    """The norms of ``across``'s rows (the sines of angles, see :func:`_orthogonal`).
-    Below the rounding noise no gradient flows through them: at an angle of 0 the
-    margin's term is the tip of a cone whose direction rounding cannot tell, and 0 is
-    its subgradient (the mean of the gradients on either side), as on the tiled path."""
-    sin = torch.linalg.vector_norm(across, dim=1)
-    return torch.where(sin > _noise(sin.dtype), sin, sin.detach())
-
-
-TargetFn = Callable[[Tensor, Tensor, float, bool], Tuple[Tensor, Tensor]]
-#: the target logits by name (a name, not a function, crosses processes in the call check)
-TARGETS = {"cosface": _cosface, "arcface": _arcface}
-
-
 def _dense_rows(
-    e: Tensor, w: Tensor, labels: Tensor, target: TargetFn, margin: float, scale: Tensor, easy: bool
+    e: Tensor, w: Tensor, labels: Tensor, target: TargetFn, margin: float, scale: Tensor, easy: bool, k: int = 1
 ) -> Tensor:
     """Per-row losses on the B x C logits (differentiable): the dense backend and
-    the second-derivative path."""
+    the second-derivative path. ``k`` proxies per class: a class's cosine is its
+    closest proxy's."""
     eh, wh = normalize_rows(e), normalize_rows(w)
-    cos = eh @ wh.T
     rows = torch.arange(e.shape[0], device=e.device)
+    cos = eh @ wh.T
+    wy = wh[labels]
+    if k > 1:
+        per = cos.view(e.shape[0], -1, k)
+        wy = wh[labels * k + per[rows, labels].argmax(1)]
+        cos = per.amax(2)
     c = cos[rows, labels]
-    t, _ = target(c, _sine(_orthogonal(wh[labels], eh, c)), margin, easy)
+    t, _ = target(c, sine(orthogonal(wy, eh, c)), margin, easy)
     logits = cos.index_put((rows, labels), t) * scale
     return torch.logsumexp(logits, dim=1) - logits[rows, labels]
 
 
 def _reference_rows(
-    e: Tensor, w: Tensor, labels: Tensor, target: TargetFn, margin: float, scale: Tensor, easy: bool
+    e: Tensor, w: Tensor, labels: Tensor, target: TargetFn, margin: float, scale: Tensor, easy: bool, k: int = 1
 ) -> Tensor:
     """Per-row losses one row at a time from the published formula (the oracle):
-    ``-log(exp(s f(cos_y)) / (exp(s f(cos_y)) + sum_{j != y} exp(s cos_j)))``."""
+    ``-log(exp(s f(cos_y)) / (exp(s f(cos_y)) + sum_{j != y} exp(s cos_j)))``, a
+    class's cosine its closest proxy's (``k`` per class)."""
     wn = w / w.norm(dim=1, keepdim=True).clamp_min(1e-12)
     out = []
     for i in range(e.shape[0]):
         eh = e[i] / e[i].norm().clamp_min(1e-12)
-        cos = wn @ eh
+        per = (wn @ eh).view(-1, k)
         y = int(labels[i])
-        sin = _sine((wn[y] - cos[y] * eh).unsqueeze(0))  # the sine of the angle between e_i and w_y
+        best = int(per[y].argmax())
+        cos = torch.stack([row.max() for row in per])
+        sin = sine((wn[y * k + best] - cos[y] * eh).unsqueeze(0))  # the sine of the angle between e_i and w_y
         t, _ = target(cos[y : y + 1], sin, margin, easy)
         others = torch.cat([cos[:y], cos[y + 1 :]]) * scale
         top = t[0] * scale
@@ -113,9 +71,9 @@ def _reference_rows(
     return torch.stack(out)
 
 
-def auto_class_block(b: int, c: int) -> int:
-    """Classes per block: a B x block tile of about 4M entries (16 MB in float32)."""
-    return max(1, min(c, (1 << 22) // max(1, b)))
+def auto_class_block(b: int, c: int, k: int = 1) -> int:
+    """Classes per block: a B x block x k tile of about 4M entries (16 MB in float32)."""
+    return max(1, min(c, (1 << 22) // max(1, b * k)))
 
 
 class _MarginRows(FusedFunction):
@@ -135,12 +93,13 @@ class _MarginRows(FusedFunction):
         easy: bool,
         weights: Optional[Tensor],
         block: int,
+        k: int = 1,
     ) -> Tensor:
-        ctx.opts = (target, margin, easy, block)
+        ctx.opts = (target, margin, easy, block, k)
         ctx.weights = weights
         needs = tuple(ctx.needs_input_grad[:3])
         fused = weights is not None and any(needs)
-        rows, lse, grads = _visit(e, w, scale, labels, ctx.opts, weights if fused else None, needs, None)
+        rows, lse, grads = visit(e, w, scale, labels, ctx.opts, weights if fused else None, needs, None)
         FusedFunction.setup(ctx, (e, w, scale), (labels, lse), grads=grads)
         return rows if weights is None else (weights * rows).sum()
 
@@ -148,8 +107,8 @@ class _MarginRows(FusedFunction):
     def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
         e, w, scale = inputs
         labels = ctx.saved_tensors[3]
-        name, margin, easy, _ = ctx.opts
-        rows = _dense_rows(e, w, labels, TARGETS[name], margin, scale, easy)
+        name, margin, easy, _, k = ctx.opts
+        rows = _dense_rows(e, w, labels, TARGETS[name], margin, scale, easy, k)
         return rows if ctx.weights is None else (ctx.weights * rows).sum()
 
     @classmethod
@@ -157,105 +116,8 @@ class _MarginRows(FusedFunction):
         e, w, scale, labels, lse = saved
         g = grad_out.to(compute_dtype(e.dtype))
         weights = g if ctx.weights is None else ctx.weights * g
-        _, _, grads = _visit(e, w, scale, labels, ctx.opts, weights, tuple(ctx.needs_input_grad[:3]), lse)
+        _, _, grads = visit(e, w, scale, labels, ctx.opts, weights, tuple(ctx.needs_input_grad[:3]), lse)
         return grads
-
-
-def _visit(
-    e: Tensor,
-    w: Tensor,
-    scale: Tensor,
-    labels: Tensor,
-    opts: Tuple[Any, ...],
-    weights: Optional[Tensor],
-    needs: Tuple[bool, ...],
-    lse: Optional[Tensor],
-) -> Tuple[Tensor, Tensor, Optional[List[Optional[Tensor]]]]:
-    """The rows' losses and logsumexps (a first visit unless ``lse`` is given) and,
-    with ``weights``, the gradients of ``sum weights * rows`` for the inputs that
-    ``needs`` marks (a second visit)."""
-    name, margin, easy, block = opts
-    target = TARGETS[name]
-    dtype = compute_dtype(e.dtype)
-    s = float(scale)
-    b, c = e.shape[0], w.shape[0]
-    ed = e.detach().to(dtype)
-    e_norm = torch.linalg.vector_norm(ed, dim=1).clamp_min(1e-12)
-    eh = ed / e_norm.unsqueeze(1)
-    wd = w.detach()
-    # the norms in the wider of the two dtypes (class weights may be wider than the embeddings)
-    norm_dtype = torch.promote_types(wd.dtype, dtype)
-    w_inv = 1.0 / torch.linalg.vector_norm(wd, dim=1, dtype=norm_dtype).to(dtype).clamp_min(1e-12)
-    rows_idx = torch.arange(b, device=e.device)
-    # the target cosines and logits, from the labels' rows of W
-    wy = wd[labels].to(dtype) * w_inv[labels].unsqueeze(1)
-    c_y = (eh * wy).sum(1)
-    # the target's gradient runs along the unit vectors orthogonal to e^ (for e) and to
-    # w^_y (for w), formed from the vectors: through the projections it would carry
-    # d logit / d cos, unbounded at cos = +-1 for ArcFace, times a difference of rounding
-    across_e = _orthogonal(wy, eh, c_y)
-    sin = torch.linalg.vector_norm(across_e, dim=1)
-    t, t_slope = target(c_y, sin, margin, easy)
-    width = min(block, c)
-    buf = eh.new_empty(b, width)
-
-    def tile(c0: int, c1: int) -> Tensor:
-        """Block ``c0:c1``'s logits ``s cos``, the targets' replaced by ``s f(cos_y)``."""
-        out = torch.mm(eh, wd[c0:c1].to(dtype).T, out=buf[:, : c1 - c0]).mul_(w_inv[c0:c1].unsqueeze(0) * s)
-        inside = (labels >= c0) & (labels < c1)
-        out[rows_idx[inside], labels[inside] - c0] = s * t[inside]
-        return out
-
-    if lse is None:
-        mx = eh.new_full((b,), float("-inf"))
-        total = eh.new_zeros(b)
-        for c0 in range(0, c, block):
-            z = tile(c0, min(c0 + block, c))
-            new_mx = torch.maximum(mx, z.amax(1))
-            total = total * torch.exp(mx - new_mx) + z.sub_(new_mx.unsqueeze(1)).exp_().sum(1)
-            mx = new_mx
-        lse = mx + total.log()
-    rows = lse - s * t
-    if weights is None:
-        return rows, lse, None
-    need_e, need_w, need_scale = needs
-    de_hat = torch.zeros_like(eh) if need_e else None
-    dw = torch.empty_like(w) if need_w else None
-    # d rows / d s = sum_j p_ij a_ij - a_iy with logit = s a: the logits are kept for it
-    logits = eh.new_empty(b, width) if need_scale else None
-    dscale = -(weights * t).sum()
-    # d sum(weights * rows) / d logit_y = weighted softmax - weight; times s and the slope;
-    # nothing along a direction that is rounding noise (see _sine)
-    coef = (torch.exp(s * t - lse) * weights - weights) * s * t_slope
-    coef = torch.where(sin > _noise(dtype), coef, torch.zeros_like(coef))
-    unit_e = across_e / sin.clamp_min(_noise(dtype)).unsqueeze(1)
-    across_w = _orthogonal(eh, wy, c_y)
-    unit_w = across_w / torch.linalg.vector_norm(across_w, dim=1).clamp_min(_noise(dtype)).unsqueeze(1)
-    for c0 in range(0, c, block):
-        c1 = min(c0 + block, c)
-        z = tile(c0, c1)
-        if logits is not None:
-            kept = logits[:, : c1 - c0].copy_(z)
-        p = z.sub_(lse.unsqueeze(1)).exp_().mul_(weights.unsqueeze(1))  # weighted softmax of the block
-        if logits is not None:
-            dscale += torch.bmm(p.unsqueeze(1), kept.unsqueeze(2)).sum() / s
-        # d rows_i / d logit_ij = softmax_ij, d logit / d cos = s; the targets' terms apart (coef)
-        inside = (labels >= c0) & (labels < c1)
-        p[rows_idx[inside], labels[inside] - c0] = 0.0
-        g = p.mul_(s)
-        wb = wd[c0:c1].to(dtype) * w_inv[c0:c1].unsqueeze(1)
-        if de_hat is not None:
-            de_hat.addmm_(g, wb)
-        if dw is not None:
-            dwh = g.T @ eh  # d / d w^ of the block's classes; through w^ = w / |w|:
-            dwh.sub_(wb * (wb * dwh).sum(1, keepdim=True)).mul_(w_inv[c0:c1].unsqueeze(1))
-            ys = labels[inside]
-            dwh.index_add_(0, ys - c0, (coef[inside] * w_inv[ys]).unsqueeze(1) * unit_w[inside])
-            dw[c0:c1] = dwh
-    de = None
-    if de_hat is not None:  # through e^ = e / |e|
-        de = (de_hat - eh * (eh * de_hat).sum(1, keepdim=True) + coef.unsqueeze(1) * unit_e) / e_norm.unsqueeze(1)
-    return rows, lse, [de, dw, dscale if need_scale else None]
 
 
 def _margin_loss(
@@ -273,27 +135,50 @@ def _margin_loss(
     process_group: Any,
     strategy: str,
     grad_scale: str,
+    subcenters: int = 1,
+    shard_classes: bool = False,
+    classes: Optional[Tensor] = None,
 ) -> Tensor:
     embeddings, labels = checks.validate_labelled(embeddings, labels)
     w = checks.check_float_tensor(class_weights, "class_weights", (2,))
     checks.same_device(w, embeddings, "class_weights", "embeddings")
-    if w.shape[0] == 0:
-        raise ValueError("class_weights has no classes (C = 0)")
+    if isinstance(subcenters, bool) or not isinstance(subcenters, int) or subcenters < 1:
+        raise ValueError(f"subcenters must be a positive int (proxies per class), got {subcenters!r}")
+    checks.check_bool(shard_classes, "shard_classes")
+    if w.shape[0] == 0 or w.shape[0] % subcenters:
+        raise ValueError(
+            f"class_weights must hold subcenters = {subcenters} rows per class (C x {subcenters} rows), got "
+            f"{w.shape[0]} rows"
+        )
     if w.shape[1] != embeddings.shape[1]:
         raise ValueError(
             f"class_weights must be (C, D) with the embeddings' D = {embeddings.shape[1]}, got {tuple(w.shape)}"
         )
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= w.shape[0]):
+    num_classes = w.shape[0] // subcenters
+    if shard_classes and process_group is None:
+        raise ValueError("shard_classes=True needs a process_group (each rank holds its slice of the classes)")
+    if not shard_classes and labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         raise ValueError(
-            f"labels must be class indices in [0, {w.shape[0]}), got {int(labels.min())}..{int(labels.max())}"
+            f"labels must be class indices in [0, {num_classes}), got {int(labels.min())}..{int(labels.max())}"
         )
     checks.check_choice(backend, "backend", MARGIN_BACKENDS)
+    if shard_classes and backend not in ("auto", "tiled"):
+        raise ValueError(f"shard_classes=True computes with the tiled backend (blocks of classes), got {backend!r}")
     m = _check_margin(margin, name)
     checks.check_bool(easy, "easy_margin")
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     sc = checks.check_positive_scalar(scale, "scale", embeddings.device, compute_dtype(embeddings.dtype))
     with autocast_off(embeddings.device.type):
-        return _margin(embeddings, labels.long(), w, sc, target, m, easy, backend, opts)
+        if shard_classes:
+            block = block_size or auto_class_block(embeddings.shape[0], num_classes, subcenters)
+            visit = (target, m, easy, block, subcenters)
+            return sharded_margin(
+                embeddings, labels.long(), w, sc, visit, classes, reduction, grad_scale, process_group
+            )
+        labels = labels.long()
+        if classes is not None:
+            labels, w = kept_labels(labels, classes, num_classes, w, subcenters)
+        return _margin(embeddings, labels, w, sc, target, m, easy, backend, opts, subcenters)
 
 
 def _margin(
@@ -306,10 +191,11 @@ def _margin(
     easy: bool,
     backend: str,
     opts: checks.Options,
+    k: int = 1,
 ) -> Tensor:
     """The body, one process being a world of one: this rank's rows against every
     class (the class weights the same on every rank, as a replicated parameter),
-    reduced over every rank's rows."""
+    reduced over every rank's rows; ``k`` proxies per class."""
     b = embeddings.shape[0]
     group = opts.process_group
     rows_of: runner.Source = runner.Source(embeddings, 0, [b])
@@ -318,12 +204,12 @@ def _margin(
     if backend in ("reference", "dense"):
         fn = _reference_rows if backend == "reference" else _dense_rows
         e, w = embeddings.to(scale.dtype), class_weights.to(scale.dtype)
-        rows = fn(e, w, labels, TARGETS[target], margin, scale, easy)
+        rows = fn(e, w, labels, TARGETS[target], margin, scale, easy, k)
         return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, rows_of)
-    block = opts.block_size or auto_class_block(b, class_weights.shape[0])
+    block = opts.block_size or auto_class_block(b, class_weights.shape[0] // k, k)
     ones = torch.ones(b, dtype=scale.dtype, device=embeddings.device)
     weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
-    return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block)
+    return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block, k)
 
 
 def _check_margin(margin: object, name: str) -> float:

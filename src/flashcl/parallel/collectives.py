@@ -25,6 +25,7 @@ __all__ = [
     "rank_of",
     "row_counts",
     "sum_across",
+    "max_across",
     "gather_plain",
     "global_max",
     "grad_factor",
@@ -300,6 +301,13 @@ def sum_across(x: Tensor, group: Any) -> Tensor:
     """The sum over ranks of ``x`` (a copy; no gradient)."""
     x = x.detach().clone()
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def max_across(x: Tensor, group: Any) -> Tensor:
+    """The elementwise largest over ranks of ``x`` (a copy; no gradient)."""
+    x = x.detach().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
 

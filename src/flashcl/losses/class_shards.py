@@ -1,0 +1,212 @@
+"""Class proxies at scale for :func:`flashcl.cosface_loss` and :func:`flashcl.arcface_loss`:
+the class weights sharded across a process group (each rank holds a contiguous slice
+of the classes, as insightface's Partial FC: no rank holds all of W or its gradient),
+and sampled classes (:func:`sample_classes`: every class with a sample in the batch
+and a uniform sample of the others).
+
+Sharded, every rank's embeddings are gathered (O(B_global D)); each rank visits its
+own classes for every global row in blocks (:func:`flashcl.engine.proxies.visit`),
+the ranks join their running logsumexps and the target logits (formed by the rank
+that holds each label's class) with two all-reduces of B_global numbers, and the
+backward pass sums the embeddings' gradients over the ranks (one all-reduce of
+B_global x D) while each rank forms its own slice's weight gradient alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import parallel, runner
+from ..core import compute_dtype
+from ..engine.proxies import Shard, visit
+
+__all__ = ["sample_classes", "sharded_margin", "kept_labels"]
+
+
+class _GroupShard(Shard):
+    """The slices of a process group joined by all-reduces."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def lse(self, mx: Tensor, total: Tensor) -> Tensor:
+        top = parallel.max_across(mx, self.group)
+        return top + parallel.sum_across(total * torch.exp(mx - top), self.group).log()
+
+    def targets(self, t: Tensor) -> Tensor:
+        return parallel.sum_across(t, self.group)
+
+
+class _ShardedMargin(torch.autograd.Function):
+    """``apply(e, w, scale, labels, opts, weights, factor, group) -> rows``: the global
+    rows' losses (every rank alike) of this rank's embeddings ``e`` and every rank's,
+    over every rank's class slice; ``labels``: the global rows' classes in this slice's
+    ``w`` (-1: another slice's). Backward: ``weights`` (the global rows' factors of a
+    scalar loss, or None: the gathered upstream gradients of each rank's own rows);
+    this rank's rows' embedding gradient (summed over the slices, times ``factor``),
+    this slice's weight gradient, the scale's (summed over the slices)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        e: Tensor,
+        w: Tensor,
+        scale: Tensor,
+        labels: Tensor,
+        opts: Tuple[Any, ...],
+        weights: Optional[Tensor],
+        factor: float,
+        group: Any,
+    ) -> Tensor:
+        sizes = parallel.row_counts(e.shape[0], e.device, group)
+        everyone = parallel.gather_plain(e, group)
+        rows, lse, _ = visit(everyone, w, scale, labels, opts, None, (False,) * 3, None, _GroupShard(group))
+        ctx.save_for_backward(everyone, w, scale, labels, lse)
+        ctx.opts, ctx.weights, ctx.factor, ctx.group, ctx.sizes = opts, weights, factor, group, sizes
+        return rows
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "shard_classes=True does not compute second derivatives (its collectives' gradients have no graph)"
+            )
+        everyone, w, scale, labels, lse = ctx.saved_tensors
+        rank = parallel.rank_of(ctx.group)
+        dtype = compute_dtype(everyone.dtype)
+        if ctx.weights is not None:  # a scalar loss: every rank holds every row's factor alike
+            weights = grad.to(dtype)
+        else:  # each rank's own rows' upstream gradients
+            start = sum(ctx.sizes[:rank])
+            weights = parallel.gather_plain(grad[start : start + ctx.sizes[rank]].to(dtype), ctx.group)
+        needs = tuple(ctx.needs_input_grad[:3])
+        grads = visit(everyone, w, scale, labels, ctx.opts, weights, (True, needs[1], needs[2]), lse)[2]
+        assert grads is not None
+        de, dw, dscale = grads
+        assert de is not None
+        start = sum(ctx.sizes[:rank])
+        de = parallel.sum_across(de, ctx.group)[start : start + ctx.sizes[rank]] * ctx.factor
+        if dscale is not None:
+            dscale = parallel.sum_across(dscale, ctx.group)
+        e_grad = de.to(everyone.dtype) if needs[0] else None
+        w_grad = dw.to(w.dtype) if dw is not None else None
+        s_grad = dscale.to(scale.dtype) if dscale is not None else None
+        return e_grad, w_grad, s_grad, None, None, None, None, None
+
+
+def sharded_margin(
+    e: Tensor,
+    labels: Tensor,
+    w: Tensor,
+    scale: Tensor,
+    opts: Tuple[Any, ...],
+    classes: Optional[Tensor],
+    reduction: str,
+    grad_scale: str,
+    group: Any,
+) -> Tensor:
+    """The margin softmax with ``w`` this rank's slice of the classes (rank order) and
+    ``labels`` global class ids of this rank's rows; ``classes``: the slice's kept
+    classes (sampled) or None. Returns the global loss on every rank (``"none"``:
+    this rank's rows' losses, global softmax)."""
+    k = opts[4]
+    mine = w.shape[0] // k
+    counts = parallel.row_counts(mine, e.device, group)
+    lo, total = sum(counts[: parallel.rank_of(group)]), sum(counts)
+    everyone = parallel.gather_plain(labels, group)
+    if everyone.numel() and (int(everyone.min()) < 0 or int(everyone.max()) >= total):
+        raise ValueError(
+            f"labels must be global class ids in [0, {total}) (every rank's class slice, in rank order), got "
+            f"{int(everyone.min())}..{int(everyone.max())}"
+        )
+    local = torch.where((everyone >= lo) & (everyone < lo + mine), everyone - lo, torch.full_like(everyone, -1))
+    if classes is not None:
+        local, w = kept_labels(local, classes, mine, w, k)
+    ones = torch.ones(everyone.shape[0], dtype=scale.dtype, device=e.device)
+    # the global rows' weights, as one process would form them: every rank returns the global value
+    weights = runner.share(reduction, "sum", runner.Source(e, 0, [everyone.shape[0]]), ones)
+    factor = parallel.grad_factor(grad_scale, group)
+    rows = _ShardedMargin.apply(e, w, scale, local, opts, weights, factor, group)
+    if weights is None:
+        start = sum(parallel.row_counts(e.shape[0], e.device, group)[: parallel.rank_of(group)])
+        return rows[start : start + e.shape[0]]
+    return (weights * rows).sum()
+
+
+def kept_labels(local: Tensor, classes: Tensor, num_classes: int, w: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The labels as positions among the kept ``classes`` (-1 stays -1) and the kept
+    classes' proxies (a differentiable gather of ``w``'s rows); a label whose class is
+    in the slice but not kept is a ValueError."""
+    if not isinstance(classes, Tensor) or classes.dim() != 1 or classes.dtype not in (torch.int32, torch.int64):
+        raise TypeError("classes must be a 1-D integer tensor of kept class indices (see flashcl.sample_classes)")
+    classes = classes.to(local.device).long()
+    if classes.numel() == 0 or int(classes.min()) < 0 or int(classes.max()) >= num_classes:
+        raise ValueError(f"classes must be non-empty indices in [0, {num_classes}) of the class weights' classes")
+    if classes.numel() > 1 and not bool((classes[1:] > classes[:-1]).all()):
+        raise ValueError("classes must be sorted and without repeats (torch.unique gives them so)")
+    position = torch.full((num_classes,), -1, dtype=torch.long, device=local.device)
+    position[classes] = torch.arange(classes.numel(), device=local.device)
+    own = local >= 0
+    mapped = torch.where(own, position[local.clamp_min(0)], local)
+    if bool((own & (mapped < 0)).any()):
+        missing = int(local[own & (mapped < 0)][0])
+        raise ValueError(f"classes must keep every labelled class: class {missing} has a sample but is not kept")
+    rows = (classes.unsqueeze(1) * k + torch.arange(k, device=local.device)).flatten()
+    return mapped, w[rows]
+
+
+def sample_classes(
+    labels: Tensor,
+    num_classes: int,
+    sample_rate: float,
+    *,
+    first_class: int = 0,
+    process_group: Any = None,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """The classes a sampled margin softmax keeps this step (insightface's Partial FC):
+    every class of ``[first_class, first_class + num_classes)`` that has a sample in
+    the batch, and a uniform sample of the others, ``max(int(sample_rate *
+    num_classes), positives)`` classes in all. Pass them as ``classes=`` to
+    :func:`flashcl.cosface_loss` / :func:`flashcl.arcface_loss`; the optimizer updates
+    those rows of the class weights only (the others get a zero gradient).
+
+    Args:
+        labels: (B,) global class ids of this rank's batch (every rank's, gathered,
+            with ``process_group``).
+        num_classes: the classes of this slice (all of them on one process).
+        sample_rate: the kept fraction, in (0, 1]; 1 keeps every class.
+        first_class: this slice's first class id (rank order); 0 on one process.
+        process_group: the group whose batches the labels are gathered from.
+        generator: the random draw's generator (every rank may use its own).
+
+    Returns:
+        The kept classes' indices into this slice, sorted: (K,) int64.
+
+    Examples::
+
+        >>> labels = torch.tensor([3, 3, 17])
+        >>> kept = flashcl.sample_classes(labels, 100, 0.1, generator=torch.Generator().manual_seed(0))
+        >>> kept.numel(), bool(torch.isin(torch.tensor([3, 17]), kept).all())
+        (10, True)
+    """
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    if not isinstance(labels, Tensor) or labels.dim() != 1 or labels.is_floating_point():
+        raise TypeError("labels must be a 1-D integer tensor of class ids")
+    if process_group is not None:
+        labels = parallel.gather_plain(labels, process_group)
+    local = labels.long() - first_class
+    positive = torch.unique(local[(local >= 0) & (local < num_classes)])
+    count = max(int(sample_rate * num_classes), positive.numel())
+    if count >= num_classes:
+        return torch.arange(num_classes, device=labels.device)
+    draw = torch.rand(num_classes, generator=generator, device=generator.device if generator else labels.device)
+    draw = draw.to(labels.device)
+    draw[positive] = 2.0  # above every draw: the labelled classes are always kept
+    return torch.sort(torch.topk(draw, count).indices).values
