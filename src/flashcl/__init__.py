@@ -10,6 +10,7 @@ from typing import Optional as _Optional
 # the families (each registers its loss and its Module twin: flashcl.registry); their
 # names imported here as well, so that static checkers see them
 from . import distributed, registry
+from .losses.class_shards import sample_classes
 from .losses.clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .losses.cosent import CoSENTLoss, cosent_loss
 from .losses.distill import DistillLoss, distill_loss
@@ -82,6 +83,7 @@ __version__ = "0.2.0.dev0"
 __all__ = [
     "sample_neighbors",
     "maxsim_scores",
+    "sample_classes",
     "MemoryBank",
     "LogitScale",
     "cached_step",

@@ -33,6 +33,20 @@ backend: ``"auto"`` | ``"tiled"`` (blocks of classes) | ``"dense"`` (the B x C
     logits) | ``"reference"`` (row by row).
 block_size: classes per block of the tiled backend; None picks one (a B x
     block tile of about 16 MB).""",
+    "proxies": """subcenters: ``k`` proxies per class (sub-center ArcFace): rows ``c k .. c k + k - 1``
+    of ``class_weights`` are class ``c``'s (pytorch-metric-learning's order), the
+    closest one gives the class's cosine (its gradient goes to it alone). Default: 1.
+shard_classes: with ``process_group``: ``class_weights`` is this rank's contiguous
+    slice of the classes (rank 0 the first ``C_0``, rank 1 the next ``C_1``, ...; any
+    sizes), ``labels`` are global class ids; the loss is the margin softmax of every
+    rank's embeddings over all classes, each rank's weight gradient its slice's only.
+    The value is the global loss on every rank; the embeddings' gradient is the
+    ``grad_scale`` factor times the global loss's (DDP's averaging of the encoder then
+    gives the global batch's). Tiled backend. Default: False.
+classes: (K,) sorted indices of the classes kept this step (sampled classes,
+    insightface's Partial FC; :func:`flashcl.sample_classes` draws them): the softmax
+    runs over those classes of ``class_weights`` (this rank's slice, sharded); every
+    labelled class must be kept. Default: None (every class).""",
     "process_group": """process_group: None (default: this process's inputs) or a process group of
     ``torch.distributed``: the loss over the concatenation of every rank's inputs in
     rank order (local batch sizes may differ), as :mod:`flashcl.distributed`

@@ -66,7 +66,15 @@ except ImportError as e:  # pragma: no cover - exercised only without the packag
         "(pip install pytorch-metric-learning)"
     ) from e
 
-__all__ = ["SupConLoss", "NTXentLoss", "CrossBatchMemory", "CosFaceLoss", "ArcFaceLoss", "TripletMarginLoss"]
+__all__ = [
+    "SupConLoss",
+    "NTXentLoss",
+    "CrossBatchMemory",
+    "CosFaceLoss",
+    "ArcFaceLoss",
+    "SubCenterArcFaceLoss",
+    "TripletMarginLoss",
+]
 
 
 def _dot_similarity(distance: Any) -> Optional[bool]:
@@ -525,6 +533,7 @@ class _MarginAdapter:
             reduction="none",
             backend=self.backend,
             block_size=self.block_size,
+            subcenters=int(getattr(self, "sub_centers", 1)),
         )
         loss_dict = {
             "loss": {
@@ -563,6 +572,23 @@ class ArcFaceLoss(_MarginAdapter, _pml_losses.ArcFaceLoss):
         >>> from flashcl.integrations.pytorch_metric_learning import ArcFaceLoss
         >>> loss_fn = ArcFaceLoss(num_classes=1000, embedding_size=64)
         >>> loss = loss_fn(torch.randn(8, 64), torch.randint(0, 1000, (8,)))
+    """
+
+    _loss = "arcface_loss"
+
+
+class SubCenterArcFaceLoss(_MarginAdapter, _pml_losses.SubCenterArcFaceLoss):
+    """PML's ``SubCenterArcFaceLoss`` (its constructor: ``num_classes``,
+    ``embedding_size``, ``margin=28.6`` degrees, ``scale=64``, ``sub_centers=3``, plus
+    ``backend`` and ``block_size``), the loss computed by :func:`flashcl.arcface_loss`
+    with ``subcenters`` (PML's ``W`` columns ``c k .. c k + k - 1`` are class ``c``'s
+    proxies; its ``get_outliers`` is PML's own).
+
+    Examples::
+
+        >>> from flashcl.integrations.pytorch_metric_learning import SubCenterArcFaceLoss
+        >>> loss_fn = SubCenterArcFaceLoss(num_classes=100, embedding_size=64, sub_centers=3)
+        >>> loss = loss_fn(torch.randn(8, 64), torch.randint(0, 100, (8,)))
     """
 
     _loss = "arcface_loss"

@@ -170,7 +170,7 @@ def sample_classes(
     """The classes a sampled margin softmax keeps this step (insightface's Partial FC):
     every class of ``[first_class, first_class + num_classes)`` that has a sample in
     the batch, and a uniform sample of the others, ``max(int(sample_rate *
-    num_classes), positives)`` classes in all. Pass them as ``classes=`` to
+    num_classes), positives, 1)`` classes in all. Pass them as ``classes=`` to
     :func:`flashcl.cosface_loss` / :func:`flashcl.arcface_loss`; the optimizer updates
     those rows of the class weights only (the others get a zero gradient).
 
@@ -203,7 +203,7 @@ def sample_classes(
         labels = parallel.gather_plain(labels, process_group)
     local = labels.long() - first_class
     positive = torch.unique(local[(local >= 0) & (local < num_classes)])
-    count = max(int(sample_rate * num_classes), positive.numel())
+    count = max(int(sample_rate * num_classes), positive.numel(), 1)  # a slice keeps at least one class
     if count >= num_classes:
         return torch.arange(num_classes, device=labels.device)
     draw = torch.rand(num_classes, generator=generator, device=generator.device if generator else labels.device)

@@ -239,6 +239,9 @@ def cosface_loss(
     process_group: Any = None,
     strategy: str = "all_gather",
     grad_scale: str = "ddp",
+    subcenters: int = 1,
+    shard_classes: bool = False,
+    classes: Optional[Tensor] = None,
 ) -> Tensor:
     r"""CosFace (Wang et al. 2018, large margin cosine loss): softmax cross-entropy
     over class proxies with the target class's cosine lowered by a margin, so that
@@ -257,6 +260,7 @@ def cosface_loss(
         @margin_args@
         margin: ``m``, subtracted from the target cosine (>= 0). Default: 0.35.
         @process_group@
+        @proxies@
 
     Shape:
         - embeddings: (B, D); labels: (B,); class_weights: (C, D); output: scalar, or (B,)
@@ -282,6 +286,9 @@ def cosface_loss(
         process_group,
         strategy,
         grad_scale,
+        subcenters,
+        shard_classes,
+        classes,
     )
 
 
@@ -302,6 +309,9 @@ def arcface_loss(
     process_group: Any = None,
     strategy: str = "all_gather",
     grad_scale: str = "ddp",
+    subcenters: int = 1,
+    shard_classes: bool = False,
+    classes: Optional[Tensor] = None,
 ) -> Tensor:
     r"""ArcFace (Deng et al. 2019, additive angular margin): softmax cross-entropy over
     class proxies with the target's angle widened by ``m``:
@@ -322,6 +332,7 @@ def arcface_loss(
         margin: ``m`` in radians, in ``[0, pi)``. Default: 0.5.
         easy_margin: see above. Default: False.
         @process_group@
+        @proxies@
 
     Shape:
         - embeddings: (B, D); labels: (B,); class_weights: (C, D); output: scalar, or (B,)
@@ -346,6 +357,9 @@ def arcface_loss(
         process_group,
         strategy,
         grad_scale,
+        subcenters,
+        shard_classes,
+        classes,
     )
 
 
@@ -370,11 +384,15 @@ class CosFaceLoss(LossModule):
         process_group: Any = None,
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
+        subcenters: int = 1,
+        shard_classes: bool = False,
     ) -> None:
         super().__init__(**self.given(locals()))
 
-    def forward(self, embeddings: Tensor, labels: Tensor, class_weights: Tensor) -> Tensor:
-        return cosface_loss(embeddings, labels, class_weights, **self.loss_options())
+    def forward(
+        self, embeddings: Tensor, labels: Tensor, class_weights: Tensor, classes: Optional[Tensor] = None
+    ) -> Tensor:
+        return cosface_loss(embeddings, labels, class_weights, classes=classes, **self.loss_options())
 
 
 @registry.module
@@ -398,8 +416,12 @@ class ArcFaceLoss(LossModule):
         process_group: Any = None,
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
+        subcenters: int = 1,
+        shard_classes: bool = False,
     ) -> None:
         super().__init__(**self.given(locals()))
 
-    def forward(self, embeddings: Tensor, labels: Tensor, class_weights: Tensor) -> Tensor:
-        return arcface_loss(embeddings, labels, class_weights, **self.loss_options())
+    def forward(
+        self, embeddings: Tensor, labels: Tensor, class_weights: Tensor, classes: Optional[Tensor] = None
+    ) -> Tensor:
+        return arcface_loss(embeddings, labels, class_weights, classes=classes, **self.loss_options())
