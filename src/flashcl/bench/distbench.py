@@ -8,7 +8,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,20 +26,24 @@ def _rank_main(rank: int, world: int, params: Dict[str, Any], out_dir: str) -> N
         init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=600),
+        timeout=datetime.timedelta(seconds=3600),  # a rank of the 10M-class margin suite computes for minutes
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     b, d = params["B"], params["D"]
-    local = b // world + (1 if rank < b % world else 0)
     g = torch.Generator().manual_seed(rank)
-    emb = torch.randn(local, d, generator=g).requires_grad_(True)
-    labels = torch.randint(0, 5, (local,), generator=g)
+    if params.get("loss") == "margin":
+        step, local, grad_bytes = _margin_step(rank, world, params, g)
+    else:
+        local = b // world + (1 if rank < b % world else 0)
+        emb = torch.randn(local, d, generator=g).requires_grad_(True)
+        labels = torch.randint(0, 5, (local,), generator=g)
+        grad_bytes = local * d * 4
 
-    def step() -> float:
-        emb.grad = None
-        loss = flashcl.distributed.supcon_loss(emb, labels, strategy=params["strategy"])
-        loss.backward()
-        return float(loss.detach())
+        def step() -> float:
+            emb.grad = None
+            loss = flashcl.distributed.supcon_loss(emb, labels, strategy=params["strategy"])
+            loss.backward()
+            return float(loss.detach())
 
     dist.barrier()
     base = reset_peak()
@@ -60,13 +64,39 @@ def _rank_main(rank: int, world: int, params: Dict[str, Any], out_dir: str) -> N
                 "first_s": first,
                 "time_s": min(times or [first]),
                 "peak_mb": peak,
-                "grad_mb": local * d * 4 / 2**20,
+                "grad_mb": grad_bytes / 2**20,
                 "local": local,
             },
             f,
         )
     dist.barrier()  # every rank leaves the group together (a gloo rank leaving early can abort at exit)
     dist.destroy_process_group()
+
+
+def _margin_step(
+    rank: int, world: int, params: Dict[str, Any], g: torch.Generator
+) -> Tuple[Callable[[], float], int, int]:
+    """ArcFace over ``C`` classes with ``B`` embeddings per rank: ``impl`` ``sharded``
+    (each rank holds its slice of the classes, ``shard_classes=True``) or
+    ``replicated`` (each rank holds all of W, as a DDP parameter). Returns the step,
+    the local batch and the bytes of what the step must hold anyway beyond the
+    weights: the weights' gradient and the embeddings'."""
+    import flashcl
+
+    b, d, c = params["B"], params["D"], params["C"]
+    sharded = params["impl"] == "sharded"
+    mine = c // world + (1 if rank < c % world else 0) if sharded else c
+    w = torch.randn(mine, d, generator=g).requires_grad_(True)
+    emb = torch.randn(b, d, generator=g).requires_grad_(True)
+    labels = torch.randint(0, c, (b,), generator=g)
+
+    def step() -> float:
+        emb.grad = w.grad = None
+        loss = flashcl.arcface_loss(emb, labels, w, shard_classes=sharded, process_group=dist.group.WORLD)
+        loss.backward()
+        return float(loss.detach())
+
+    return step, b, (w.numel() + emb.numel()) * 4
 
 
 def measure_dist(params: Dict[str, Any], cap_s: float) -> Dict[str, Any]:

@@ -631,6 +631,53 @@ def late_interaction(mode: str, device: str) -> List[Case]:
     return cases
 
 
+def margin(mode: str, device: str) -> List[Case]:
+    """Margin softmax over many classes: CosFace on one process against
+    pytorch-metric-learning (B = 1024, D = 128), and ArcFace across gloo processes with
+    the class weights sharded (``shard_classes=True``) against replicated on every
+    rank, B = 1024 per rank, D = 128 (scaled down from 512 to fit a CPU machine's
+    memory): per-rank time and peak memory beyond the rank's weights and gradient.
+    ``--full``: C = 10M on 4 processes."""
+    d = _size(mode, 16, 128, 128)
+    b = _size(mode, 64, 1024, 1024)
+    cases: List[Case] = []
+    for c in _size(mode, (1000,), (100_000, 1_000_000), (100_000, 1_000_000)):
+        for impl in ("flashcl-tiled", "pml"):
+            cases.append(
+                {
+                    "group": f"CosFace, one process, B = {b}, D = {d}",
+                    "label": impl,
+                    "workload": "ranking",
+                    "x": "C",
+                    "repeats": 1,
+                    "cap_s": 600.0,
+                    "stop_after_fail": True,
+                    "params": {"B": b, "D": d, "C": c, "loss": "cosface", "impl": impl},
+                }
+            )
+    runs = _size(
+        mode,
+        ((2, 2000),),
+        ((2, 1_000_000), (4, 1_000_000)),
+        ((2, 1_000_000), (4, 1_000_000), (4, 10_000_000)),
+    )
+    for world, c in runs:
+        for impl in ("sharded", "replicated"):
+            if impl == "replicated" and c > 1_000_000:
+                continue  # every rank holding 10M x D weights and their gradient: past the machine's memory
+            cases.append(
+                {
+                    "group": f"ArcFace across processes, B = {b} per rank, D = {d}, C = {c:,}",
+                    "label": impl,
+                    "workload": "dist",
+                    "x": "world",
+                    "cap_s": 3600.0,
+                    "params": {"B": b, "D": d, "C": c, "world": world, "loss": "margin", "impl": impl, "repeats": 0},
+                }
+            )
+    return cases
+
+
 SUITES = {
     "tiled": tiled,
     "contention": contention,
@@ -646,5 +693,6 @@ SUITES = {
     "beyond": beyond,
     "train": train,
     "late-interaction": late_interaction,
+    "margin": margin,
 }
 DEFAULT_SUITES = ("neighbors", "simcse", "peers", "scale")
