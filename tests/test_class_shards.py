@@ -253,3 +253,40 @@ def test_sharded_classes_equal_one_process_with_the_whole_weights(world: int, tm
         # grad_scale="ddp" (the default): the world size times the global loss's gradient
         assert_close(grads[0], world * want[1][0][rows], f"sampled: rank {r}'s embedding gradient", *TOL)
         assert_close(grads[1], want[1][1][lo : lo + SLICES[world][r]], f"sampled: rank {r}'s weight slice", *TOL)
+
+
+def _ddp_worker(rank: int, world: int, out_dir: str) -> None:
+    init_gloo(rank, world, out_dir)
+    e, y, w = _global(world, 1)
+    x = torch.randn(e.shape[0], 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(0)
+    encoder = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, e.shape[1]).double())
+    rows = slice(sum(BATCHES[world][:rank]), sum(BATCHES[world][: rank + 1]))
+    lo, n = sum(SLICES[world][:rank]), SLICES[world][rank]
+    classifier = torch.nn.Parameter(w[lo : lo + n].clone())  # not a DDP parameter
+    loss = flashcl.arcface_loss(
+        encoder(x[rows]), y[rows], classifier, scale=6.0, shard_classes=True, process_group=dist.group.WORLD
+    )
+    loss.backward()
+    grads = [p.grad for p in encoder.parameters()]
+    torch.save((loss.detach(), grads, classifier.grad), os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_ddp_encoder_with_a_sharded_classifier_gets_the_full_batch_gradients(world: int, tmp_path) -> None:
+    mp.spawn(_ddp_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    e, y, w = _global(world, 1)
+    x = torch.randn(e.shape[0], 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(4, e.shape[1]).double()
+    classifier = torch.nn.Parameter(w.clone())
+    want = flashcl.arcface_loss(encoder(x), y, classifier, scale=6.0, backend="reference")
+    want.backward()
+    for r in range(world):
+        value, grads, slice_grad = torch.load(tmp_path / f"rank{r}.pt")
+        lo, n = sum(SLICES[world][:r]), SLICES[world][r]
+        assert_close(value, want.detach(), f"rank {r}: value", *TOL)
+        for i, (g, p) in enumerate(zip(grads, encoder.parameters())):
+            assert_close(g, p.grad, f"rank {r}: encoder parameter {i} (DDP-averaged)", *TOL)
+        assert_close(slice_grad, classifier.grad[lo : lo + n], f"rank {r}: classifier slice", *TOL)

@@ -60,7 +60,19 @@ def _steps(group: Any) -> Dict[str, Callable[[torch.nn.Module, Dict[str, torch.T
             m, [b["x"]], lambda e: flashcl.supcon_loss(e, b["labels"], matryoshka_dims=[2, 5], **kw), chunk_size=2
         )
 
+    def sharded_arcface(m: torch.nn.Module, b: Dict[str, torch.Tensor]) -> None:
+        # 7 classes: rank 0 holds classes 0-2, rank 1 classes 3-6 (the labels are all rank 0's)
+        w = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        if group is None:
+            flashcl.arcface_loss(m(b["x"]), b["labels"], w, scale=4.0).backward()
+            return
+        lo, n = [(0, 3), (3, 4)][dist.get_rank(group)]
+        flashcl.arcface_loss(
+            m(b["x"]), b["labels"], w[lo : lo + n], scale=4.0, shard_classes=True, process_group=group
+        ).backward()
+
     return {
+        "sharded_arcface": sharded_arcface,
         "supcon": supcon,
         "clip_ring": clip_ring,
         "cached_info_nce": cached_info_nce,
