@@ -86,7 +86,8 @@ def _margin_step(
     b, d, c = params["B"], params["D"], params["C"]
     sharded = params["impl"] == "sharded"
     mine = c // world + (1 if rank < c % world else 0) if sharded else c
-    w = torch.randn(mine, d, generator=g).requires_grad_(True)
+    # replicated: the same W on every rank, as a DDP parameter holds it
+    w = torch.randn(mine, d, generator=g if sharded else torch.Generator().manual_seed(12345)).requires_grad_(True)
     emb = torch.randn(b, d, generator=g).requires_grad_(True)
     labels = torch.randint(0, c, (b,), generator=g)
 
@@ -118,7 +119,9 @@ def measure_dist(params: Dict[str, Any], cap_s: float) -> Dict[str, Any]:
             status = "oom" if "memory" in str(e).lower() else "error"
             return {"status": status, "error": str(e).strip().splitlines()[-1][:300]}
         except mp.ProcessExitedException as e:
-            return {"status": "oom", "error": str(e)[:300]}
+            # killed by a signal (the kernel's out-of-memory killer sends SIGKILL): out of memory
+            status = "oom" if e.signal_name == "SIGKILL" else "error"
+            return {"status": status, "error": str(e)[:300]}
         ranks = []
         for r in range(world):
             with open(os.path.join(out_dir, f"{r}.json")) as f:
