@@ -160,6 +160,14 @@ def _global(world: int, k: int):
     return e, y, w
 
 
+def _edges(e: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``e`` with its first row exactly along its class proxy (cos = 1) and its second
+    exactly against it (cos = -1)."""
+    e = e.clone()
+    e[0], e[1] = 2.0 * w[y[0]], -3.0 * w[y[1]]
+    return e
+
+
 def _call(name: str, e, y, w, opts: Dict[str, Any], scale, **kw):
     fn = flashcl.arcface_loss if name == "arcface" else flashcl.cosface_loss
     extra = {k: v for k, v in opts.items() if k not in ("learn_scale", "grad_scale")}
@@ -190,6 +198,18 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         leaves = [x, wt] + ([s] if s.requires_grad else [])
         upstream = torch.arange(1.0, loss.numel() + 1, dtype=torch.float64).view(loss.shape)  # non-uniform
         out.append((loss.detach(), torch.autograd.grad(loss, leaves, upstream)))
+    # at the edges of arccos (embeddings exactly along and against their class proxy) and in
+    # half precision: the same as one process (whose edges tests/test_margin.py checks)
+    e, y, w = _global(world, 1)
+    e = _edges(e, y, w)
+    rows = slice(sum(BATCHES[world][:rank]), sum(BATCHES[world][: rank + 1]))
+    lo, n = sum(SLICES[world][:rank]), SLICES[world][rank]
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        x, wt = e[rows].to(dtype).requires_grad_(True), w[lo : lo + n].to(dtype).requires_grad_(True)
+        loss = flashcl.arcface_loss(
+            x, y[rows], wt, scale=6.0, shard_classes=True, process_group=dist.group.WORLD, grad_scale="sum"
+        )
+        out.append((loss.detach(), torch.autograd.grad(loss, [x, wt])))
     # sampled classes, sharded: each rank draws among its own slice
     e, y, w = _global(world, 1)
     rows = slice(sum(BATCHES[world][:rank]), sum(BATCHES[world][: rank + 1]))
@@ -239,6 +259,22 @@ def test_sharded_classes_equal_one_process_with_the_whole_weights(world: int, tm
             assert_close(grads[1], gw[classes], f"{what}: rank {r}'s weight-slice gradient", *TOL)
             if opts.get("learn_scale"):
                 assert_close(grads[2], gs, f"{what}: rank {r}'s scale gradient", *TOL)
+    e, y, w = _global(world, 1)
+    e = _edges(e, y, w)
+    want = _grads(lambda e_, w_: flashcl.arcface_loss(e_, y, w_, scale=6.0, backend="tiled"), e, w)
+    for j, (dtype, tol) in enumerate(
+        ((torch.float64, TOL), (torch.bfloat16, (3e-2, 3e-2)), (torch.float16, (4e-3, 4e-3)))
+    ):
+        for r in range(world):
+            value, grads = ranks[r][len(CASES) + j]
+            rows = slice(sum(BATCHES[world][:r]), sum(BATCHES[world][: r + 1]))
+            lo, n = sum(SLICES[world][:r]), SLICES[world][r]
+            if dtype != torch.float64:
+                assert value.dtype == torch.float32, "half precision accumulates in float32"
+            assert all(bool(torch.isfinite(g).all()) for g in grads), (dtype, r)
+            assert_close(value.double(), want[0], f"edges {dtype}: rank {r}'s value", *tol)
+            assert_close(grads[0].double(), want[1][0][rows], f"edges {dtype}: rank {r}'s embedding gradient", *tol)
+            assert_close(grads[1].double(), want[1][1][lo : lo + n], f"edges {dtype}: rank {r}'s weight slice", *tol)
     # sampled classes: the union of the kept slices, one process
     e, y, w = _global(world, 1)
     kept = torch.cat([ranks[r][-1][2] for r in range(world)])
