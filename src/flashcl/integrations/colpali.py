@@ -31,7 +31,7 @@ For the exact masked loss with in-batch and hard negatives in one softmax, use
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -128,27 +128,8 @@ def _check_weight(weight: float) -> None:
         raise ValueError(f"in_batch_term_weight must be in [0, 1], got {weight!r}")
 
 
-class ColbertLoss(ColbertModule):
-    """colpali-engine's ``ColbertLoss``: InfoNCE over in-batch MaxSim scores,
-    ``cross_entropy(scores / temperature, offset + arange(B))``.
-
-    Takes colpali-engine's arguments (``temperature``, ``normalize_scores``,
-    ``use_smooth_max``, ``pos_aware_negative_filtering``, ``max_batch_size``, ``tau``,
-    ``norm_tol``, ``filter_threshold``, ``filter_factor``), and:
-
-    Args:
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (flashcl's).
-        block_size: queries per tile of the tiled backend (flashcl's); None picks one.
-
-    Shape:
-        - query_embeddings: (B, Lq, D) zero-padded; doc_embeddings: (N, Ld, D), N >= offset + B
-        - output: scalar
-
-    Examples::
-
-        >>> from flashcl.integrations.colpali import ColbertLoss
-        >>> loss = ColbertLoss()(torch.randn(4, 8, 16), torch.randn(4, 20, 16))
-    """
+class _InBatch(ColbertModule):
+    """colpali-engine's constructor of its in-batch losses."""
 
     def __init__(
         self,
@@ -173,12 +154,163 @@ class ColbertLoss(ColbertModule):
         self.use_smooth_max = use_smooth_max
         self.pos_aware_negative_filtering = pos_aware_negative_filtering
 
+
+class ColbertLoss(_InBatch):
+    """colpali-engine's ``ColbertLoss``: InfoNCE over in-batch MaxSim scores,
+    ``cross_entropy(scores / temperature, offset + arange(B))``.
+
+    Takes colpali-engine's arguments (``temperature``, ``normalize_scores``,
+    ``use_smooth_max``, ``pos_aware_negative_filtering``, ``max_batch_size``, ``tau``,
+    ``norm_tol``, ``filter_threshold``, ``filter_factor``), and:
+
+    Args:
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (flashcl's).
+        block_size: queries per tile of the tiled backend (flashcl's); None picks one.
+
+    Shape:
+        - query_embeddings: (B, Lq, D) zero-padded; doc_embeddings: (N, Ld, D), N >= offset + B
+        - output: scalar
+
+    Examples::
+
+        >>> from flashcl.integrations.colpali import ColbertLoss
+        >>> loss = ColbertLoss()(torch.randn(4, 8, 16), torch.randn(4, 20, 16))
+    """
+
     def forward(self, query_embeddings: Tensor, doc_embeddings: Tensor, offset: int = 0) -> Tensor:
         scores, pos_idx = self._in_batch(query_embeddings, doc_embeddings, offset)
         return F.cross_entropy(scores / self.temperature, pos_idx)
 
 
-class ColbertNegativeCELoss(ColbertModule):
+def _hardest_negative(scores: Tensor, offset: int) -> Tuple[Tensor, Tensor]:
+    """colpali-engine's pairwise pick: the positive (the ``offset`` diagonal) and the
+    highest other score of each row (the second highest when the positive is the
+    highest)."""
+    pos = scores.diagonal(offset=offset)
+    top2 = scores.topk(2, dim=1).values
+    return pos, torch.where(top2[:, 0] == pos, top2[:, 1], top2[:, 0])
+
+
+class ColbertPairwiseCELoss(_InBatch):
+    """colpali-engine's ``ColbertPairwiseCELoss``: ``softplus((hardest in-batch
+    negative - positive) / temperature)``, the mean over the queries; its default
+    temperature is 1.
+
+    Takes colpali-engine's arguments (those of :class:`ColbertLoss`), and:
+
+    Args:
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (flashcl's).
+        block_size: queries per tile of the tiled backend (flashcl's); None picks one.
+
+    Shape:
+        - query_embeddings: (B, Lq, D); doc_embeddings: (N, Ld, D), N >= 2
+        - output: scalar
+
+    Examples::
+
+        >>> from flashcl.integrations.colpali import ColbertPairwiseCELoss
+        >>> loss = ColbertPairwiseCELoss()(torch.randn(4, 8, 16), torch.randn(4, 20, 16))
+    """
+
+    def __init__(self, temperature: float = 1.0, *args: Any, **kwargs: Any) -> None:
+        super().__init__(temperature, *args, **kwargs)
+
+    def forward(self, query_embeddings: Tensor, doc_embeddings: Tensor, offset: int = 0) -> Tensor:
+        scores, _ = self._in_batch(query_embeddings, doc_embeddings, offset)
+        pos, neg = _hardest_negative(scores, offset)
+        return F.softplus((neg - pos) / self.temperature).mean()
+
+
+class ColbertSigmoidLoss(_InBatch):
+    """colpali-engine's ``ColbertSigmoidLoss``: ``softplus(-sign_ij s_ij /
+    temperature)`` averaged over the in-batch score matrix, ``sign`` +1 for each
+    query's positive and -1 elsewhere.
+
+    Takes colpali-engine's arguments (those of :class:`ColbertLoss`), and:
+
+    Args:
+        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (flashcl's).
+        block_size: queries per tile of the tiled backend (flashcl's); None picks one.
+
+    Shape:
+        - query_embeddings: (B, Lq, D); doc_embeddings: (N, Ld, D), N >= offset + B
+        - output: scalar
+
+    Examples::
+
+        >>> from flashcl.integrations.colpali import ColbertSigmoidLoss
+        >>> loss = ColbertSigmoidLoss()(torch.randn(4, 8, 16), torch.randn(4, 20, 16))
+    """
+
+    def forward(self, query_embeddings: Tensor, doc_embeddings: Tensor, offset: int = 0) -> Tensor:
+        scores, pos_idx = self._in_batch(query_embeddings, doc_embeddings, offset)
+        sign = -torch.ones_like(scores)
+        sign[torch.arange(scores.shape[0], device=scores.device), pos_idx] = 1.0
+        return F.softplus(-(scores / self.temperature) * sign).mean()
+
+
+class _WithNegatives(ColbertModule):
+    """colpali-engine's losses with explicit negatives: ``softplus((neg - pos) /
+    temperature)`` over each query's own negatives, mixed with an in-batch term
+    (``_inner``: its class, ``_inner_name``: the attribute colpali-engine keeps it in)
+    by ``in_batch_term_weight``."""
+
+    _inner: Any = ColbertLoss
+    _inner_name = "inner_loss"
+
+    def __init__(
+        self,
+        temperature: float = 0.02,
+        normalize_scores: bool = True,
+        use_smooth_max: bool = False,
+        pos_aware_negative_filtering: bool = False,
+        in_batch_term_weight: float = 0.5,
+        max_batch_size: int = 1024,
+        tau: float = 0.1,
+        norm_tol: float = 1e-3,
+        filter_threshold: float = 0.95,
+        filter_factor: float = 0.5,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        super().__init__(
+            max_batch_size, tau, norm_tol, filter_threshold, filter_factor, backend=backend, block_size=block_size
+        )
+        _check_weight(in_batch_term_weight)
+        self.temperature = temperature
+        self.normalize_scores = normalize_scores
+        self.use_smooth_max = use_smooth_max
+        self.pos_aware_negative_filtering = pos_aware_negative_filtering
+        self.in_batch_term_weight = in_batch_term_weight
+        inner = self._inner(
+            temperature,
+            normalize_scores,
+            use_smooth_max,
+            pos_aware_negative_filtering,
+            max_batch_size,
+            tau,
+            norm_tol,
+            filter_threshold,
+            filter_factor,
+            backend=backend,
+            block_size=block_size,
+        )
+        setattr(self, self._inner_name, inner)
+
+    def forward(
+        self, query_embeddings: Tensor, doc_embeddings: Tensor, neg_doc_embeddings: Tensor, offset: int = 0
+    ) -> Tensor:
+        pos = self._positives(query_embeddings, doc_embeddings, offset)
+        neg = self._normalized(self._scores(query_embeddings, neg_doc_embeddings), query_embeddings)
+        loss = F.softplus((neg - pos.unsqueeze(1)) / self.temperature).mean()
+        if self.in_batch_term_weight > 0:
+            loss_ib = getattr(self, self._inner_name)(query_embeddings, doc_embeddings, offset)
+            loss = loss * (1 - self.in_batch_term_weight) + loss_ib * self.in_batch_term_weight
+        return loss
+
+
+class ColbertNegativeCELoss(_WithNegatives):
     """colpali-engine's ``ColbertNegativeCELoss``: ``softplus((neg - pos) /
     temperature)`` averaged over each query's explicit negatives, mixed with
     :class:`ColbertLoss`'s in-batch term by ``in_batch_term_weight``.
@@ -204,126 +336,13 @@ class ColbertNegativeCELoss(ColbertModule):
         >>> loss = ColbertNegativeCELoss()(q, d, neg)
     """
 
-    def __init__(
-        self,
-        temperature: float = 0.02,
-        normalize_scores: bool = True,
-        use_smooth_max: bool = False,
-        pos_aware_negative_filtering: bool = False,
-        in_batch_term_weight: float = 0.5,
-        max_batch_size: int = 1024,
-        tau: float = 0.1,
-        norm_tol: float = 1e-3,
-        filter_threshold: float = 0.95,
-        filter_factor: float = 0.5,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        super().__init__(
-            max_batch_size, tau, norm_tol, filter_threshold, filter_factor, backend=backend, block_size=block_size
-        )
-        _check_weight(in_batch_term_weight)
-        self.temperature = temperature
-        self.normalize_scores = normalize_scores
-        self.use_smooth_max = use_smooth_max
-        self.pos_aware_negative_filtering = pos_aware_negative_filtering
-        self.in_batch_term_weight = in_batch_term_weight
-        self.inner_loss = ColbertLoss(
-            temperature,
-            normalize_scores,
-            use_smooth_max,
-            pos_aware_negative_filtering,
-            max_batch_size,
-            tau,
-            norm_tol,
-            filter_threshold,
-            filter_factor,
-            backend=backend,
-            block_size=block_size,
-        )
 
-    def forward(
-        self, query_embeddings: Tensor, doc_embeddings: Tensor, neg_doc_embeddings: Tensor, offset: int = 0
-    ) -> Tensor:
-        pos = self._positives(query_embeddings, doc_embeddings, offset)
-        neg = self._normalized(self._scores(query_embeddings, neg_doc_embeddings), query_embeddings)
-        loss = F.softplus((neg - pos.unsqueeze(1)) / self.temperature).mean()
-        if self.in_batch_term_weight > 0:
-            loss_ib = self.inner_loss(query_embeddings, doc_embeddings, offset)
-            loss = loss * (1 - self.in_batch_term_weight) + loss_ib * self.in_batch_term_weight
-        return loss
-
-
-def _hardest_negative(scores: Tensor, offset: int) -> Tuple[Tensor, Tensor]:
-    """colpali-engine's pairwise pick: the positive (the ``offset`` diagonal) and the
-    highest other score of each row (the second highest when the positive is the
-    highest)."""
-    pos = scores.diagonal(offset=offset)
-    top2 = scores.topk(2, dim=1).values
-    return pos, torch.where(top2[:, 0] == pos, top2[:, 1], top2[:, 0])
-
-
-class ColbertPairwiseCELoss(ColbertModule):
-    """colpali-engine's ``ColbertPairwiseCELoss``: ``softplus((hardest in-batch
-    negative - positive) / temperature)``, the mean over the queries.
-
-    Takes colpali-engine's arguments (``temperature``, ``normalize_scores``,
-    ``use_smooth_max``, ``pos_aware_negative_filtering``, ``max_batch_size``, ``tau``,
-    ``norm_tol``, ``filter_threshold``, ``filter_factor``), and:
-
-    Args:
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (flashcl's).
-        block_size: queries per tile of the tiled backend (flashcl's); None picks one.
-
-    Shape:
-        - query_embeddings: (B, Lq, D); doc_embeddings: (N, Ld, D), N >= 2
-        - output: scalar
-
-    Examples::
-
-        >>> from flashcl.integrations.colpali import ColbertPairwiseCELoss
-        >>> loss = ColbertPairwiseCELoss()(torch.randn(4, 8, 16), torch.randn(4, 20, 16))
-    """
-
-    def __init__(
-        self,
-        temperature: float = 1.0,
-        normalize_scores: bool = True,
-        use_smooth_max: bool = False,
-        pos_aware_negative_filtering: bool = False,
-        max_batch_size: int = 1024,
-        tau: float = 0.1,
-        norm_tol: float = 1e-3,
-        filter_threshold: float = 0.95,
-        filter_factor: float = 0.5,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        super().__init__(
-            max_batch_size, tau, norm_tol, filter_threshold, filter_factor, backend=backend, block_size=block_size
-        )
-        self.temperature = temperature
-        self.normalize_scores = normalize_scores
-        self.use_smooth_max = use_smooth_max
-        self.pos_aware_negative_filtering = pos_aware_negative_filtering
-
-    def forward(self, query_embeddings: Tensor, doc_embeddings: Tensor, offset: int = 0) -> Tensor:
-        scores, _ = self._in_batch(query_embeddings, doc_embeddings, offset)
-        pos, neg = _hardest_negative(scores, offset)
-        return F.softplus((neg - pos) / self.temperature).mean()
-
-
-class ColbertPairwiseNegativeCELoss(ColbertModule):
+class ColbertPairwiseNegativeCELoss(_WithNegatives):
     """colpali-engine's ``ColbertPairwiseNegativeCELoss``: ``softplus((neg - pos) /
     temperature)`` over each query's explicit negatives, mixed with
     :class:`ColbertPairwiseCELoss`'s in-batch term by ``in_batch_term_weight``.
 
-    Takes colpali-engine's arguments (``temperature``, ``normalize_scores``,
-    ``use_smooth_max``, ``pos_aware_negative_filtering``, ``in_batch_term_weight``,
-    ``max_batch_size``, ``tau``, ``norm_tol``, ``filter_threshold``, ``filter_factor``),
-    and:
+    Takes colpali-engine's arguments (those of :class:`ColbertNegativeCELoss`), and:
 
     Args:
         backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (flashcl's).
@@ -341,105 +360,5 @@ class ColbertPairwiseNegativeCELoss(ColbertModule):
         >>> loss = ColbertPairwiseNegativeCELoss()(q, d, neg)
     """
 
-    def __init__(
-        self,
-        temperature: float = 0.02,
-        normalize_scores: bool = True,
-        use_smooth_max: bool = False,
-        pos_aware_negative_filtering: bool = False,
-        in_batch_term_weight: float = 0.5,
-        max_batch_size: int = 1024,
-        tau: float = 0.1,
-        norm_tol: float = 1e-3,
-        filter_threshold: float = 0.95,
-        filter_factor: float = 0.5,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        super().__init__(
-            max_batch_size, tau, norm_tol, filter_threshold, filter_factor, backend=backend, block_size=block_size
-        )
-        _check_weight(in_batch_term_weight)
-        self.temperature = temperature
-        self.normalize_scores = normalize_scores
-        self.use_smooth_max = use_smooth_max
-        self.pos_aware_negative_filtering = pos_aware_negative_filtering
-        self.in_batch_term_weight = in_batch_term_weight
-        self.inner_pairwise = ColbertPairwiseCELoss(
-            temperature,
-            normalize_scores,
-            use_smooth_max,
-            pos_aware_negative_filtering,
-            max_batch_size,
-            tau,
-            norm_tol,
-            filter_threshold,
-            filter_factor,
-            backend=backend,
-            block_size=block_size,
-        )
-
-    def forward(
-        self, query_embeddings: Tensor, doc_embeddings: Tensor, neg_doc_embeddings: Tensor, offset: int = 0
-    ) -> Tensor:
-        pos = self._positives(query_embeddings, doc_embeddings, offset)
-        neg = self._normalized(self._scores(query_embeddings, neg_doc_embeddings), query_embeddings)
-        loss = F.softplus((neg - pos.unsqueeze(1)) / self.temperature).mean()
-        if self.in_batch_term_weight > 0:
-            loss_ib = self.inner_pairwise(query_embeddings, doc_embeddings, offset)
-            loss = loss * (1 - self.in_batch_term_weight) + loss_ib * self.in_batch_term_weight
-        return loss
-
-
-class ColbertSigmoidLoss(ColbertModule):
-    """colpali-engine's ``ColbertSigmoidLoss``: ``softplus(-sign_ij s_ij /
-    temperature)`` averaged over the in-batch score matrix, ``sign`` +1 for each
-    query's positive and -1 elsewhere.
-
-    Takes colpali-engine's arguments (``temperature``, ``normalize_scores``,
-    ``use_smooth_max``, ``pos_aware_negative_filtering``, ``max_batch_size``, ``tau``,
-    ``norm_tol``, ``filter_threshold``, ``filter_factor``), and:
-
-    Args:
-        backend: ``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"`` (flashcl's).
-        block_size: queries per tile of the tiled backend (flashcl's); None picks one.
-
-    Shape:
-        - query_embeddings: (B, Lq, D); doc_embeddings: (N, Ld, D), N >= offset + B
-        - output: scalar
-
-    Examples::
-
-        >>> from flashcl.integrations.colpali import ColbertSigmoidLoss
-        >>> loss = ColbertSigmoidLoss()(torch.randn(4, 8, 16), torch.randn(4, 20, 16))
-    """
-
-    def __init__(
-        self,
-        temperature: float = 0.02,
-        normalize_scores: bool = True,
-        use_smooth_max: bool = False,
-        pos_aware_negative_filtering: bool = False,
-        max_batch_size: int = 1024,
-        tau: float = 0.1,
-        norm_tol: float = 1e-3,
-        filter_threshold: float = 0.95,
-        filter_factor: float = 0.5,
-        *,
-        backend: str = "auto",
-        block_size: Optional[int] = None,
-    ) -> None:
-        super().__init__(
-            max_batch_size, tau, norm_tol, filter_threshold, filter_factor, backend=backend, block_size=block_size
-        )
-        self.temperature = temperature
-        self.normalize_scores = normalize_scores
-        self.use_smooth_max = use_smooth_max
-        self.pos_aware_negative_filtering = pos_aware_negative_filtering
-
-    def forward(self, query_embeddings: Tensor, doc_embeddings: Tensor, offset: int = 0) -> Tensor:
-        scores, pos_idx = self._in_batch(query_embeddings, doc_embeddings, offset)
-        sign = -torch.ones_like(scores)
-        sign[torch.arange(scores.shape[0], device=scores.device), pos_idx] = 1.0
-        return F.softplus(-(scores / self.temperature) * sign).mean()
+    _inner = ColbertPairwiseCELoss
+    _inner_name = "inner_pairwise"
