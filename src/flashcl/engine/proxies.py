@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..core import compute_dtype
 
-__all__ = ["TARGETS", "Shard", "visit", "orthogonal", "sine"]
+__all__ = ["TARGETS", "Shard", "visit", "orthogonal", "sine", "auto_class_block"]
 
 
 def _cosface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
@@ -200,3 +200,8 @@ def visit(
         de.index_add_(0, own, coef.unsqueeze(1) * unit_e)
         de = de / e_norm.unsqueeze(1)
     return rows, lse, [de, dw, dscale if need_scale else None]
+
+
+def auto_class_block(b: int, c: int, k: int = 1) -> int:
+    """Classes per block: a B x block x k tile of about 4M entries (16 MB in float32)."""
+    return max(1, min(c, (1 << 22) // max(1, b * k)))

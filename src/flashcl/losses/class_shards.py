@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import parallel, runner
 from ..core import compute_dtype
-from ..engine.proxies import Shard, visit
+from ..engine.proxies import Shard, auto_class_block, visit
 
 __all__ = ["sample_classes", "sharded_margin", "kept_labels"]
 
@@ -125,6 +125,9 @@ def sharded_margin(
     local = torch.where((everyone >= lo) & (everyone < lo + mine), everyone - lo, torch.full_like(everyone, -1))
     if classes is not None:
         local, w = kept_labels(local, classes, mine, w, k)
+    # tiles of the gathered batch's rows x a block of classes
+    block = opts[3] or auto_class_block(everyone.shape[0], w.shape[0] // k, k)
+    opts = (*opts[:3], block, k)
     ones = torch.ones(everyone.shape[0], dtype=scale.dtype, device=e.device)
     # the global rows' weights, as one process would form them: every rank returns the global value
     weights = runner.share(reduction, "sum", runner.Source(e, 0, [everyone.shape[0]]), ones)

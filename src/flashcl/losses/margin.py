@@ -21,7 +21,7 @@ from ..base import LossModule, shared_docs
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..engine.proxies import TARGETS, TargetFn, orthogonal, sine, visit
+from ..engine.proxies import TARGETS, TargetFn, auto_class_block, orthogonal, sine, visit
 from .class_shards import kept_labels, sharded_margin
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
@@ -69,11 +69,6 @@ def _reference_rows(
         top = t[0] * scale
         out.append(torch.logsumexp(torch.cat([top.reshape(1), others]), dim=0) - top)
     return torch.stack(out)
-
-
-def auto_class_block(b: int, c: int, k: int = 1) -> int:
-    """Classes per block: a B x block x k tile of about 4M entries (16 MB in float32)."""
-    return max(1, min(c, (1 << 22) // max(1, b * k)))
 
 
 class _MarginRows(FusedFunction):
@@ -170,11 +165,9 @@ def _margin_loss(
     sc = checks.check_positive_scalar(scale, "scale", embeddings.device, compute_dtype(embeddings.dtype))
     with autocast_off(embeddings.device.type):
         if shard_classes:
-            block = block_size or auto_class_block(embeddings.shape[0], num_classes, subcenters)
-            visit = (target, m, easy, block, subcenters)
-            return sharded_margin(
-                embeddings, labels.long(), w, sc, visit, classes, reduction, grad_scale, process_group
-            )
+            # the block is sized in sharded_margin, on the gathered batch
+            spec = (target, m, easy, block_size, subcenters)
+            return sharded_margin(embeddings, labels.long(), w, sc, spec, classes, reduction, grad_scale, process_group)
         labels = labels.long()
         if classes is not None:
             labels, w = kept_labels(labels, classes, num_classes, w, subcenters)
