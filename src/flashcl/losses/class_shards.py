@@ -189,6 +189,9 @@ def sample_classes(
     Returns:
         The kept classes' indices into this slice, sorted: (K,) int64.
 
+    Shape:
+        - labels: (B,); output: (K,), ``K = max(int(sample_rate * num_classes), positives, 1)``
+
     Examples::
 
         >>> labels = torch.tensor([3, 3, 17])
