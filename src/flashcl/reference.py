@@ -192,7 +192,8 @@ def gist_rows(
     """GIST's per-anchor losses, one anchor at a time: each candidate set (anchor to
     positives, anchors, negatives; positive to positives) loses the candidates whose
     guide similarity exceeds the anchor's guided positive similarity minus the margin
-    (the positive itself kept); cosine similarities. ``every``: the candidates of the
+    (the positive itself kept; an anchor among the anchors and a positive among the
+    positives is never its own negative); cosine similarities. ``every``: the candidates of the
     whole batch when these rows are a slice of it (``[anchors, positives, negatives]``,
     their guides' embeddings, the rows' first column): the anchors' own positive is
     column ``i + offset``."""
@@ -207,21 +208,24 @@ def gist_rows(
     keys = [None if x is None else prepare(x, None, True)[0] for x in cands]
     g_keys = [None if x is None else prepare(x, None, True)[0] for x in g_cands]
     scale = scale.to(a.dtype)
-    sets = [(a, keys[1], ga, g_keys[1], True)]
+    # (rows, candidates, their guides, the positive kept, the row itself dropped)
+    sets = [(a, keys[1], ga, g_keys[1], True, False)]
     if contrast_anchors:
-        sets.append((a, keys[0], ga, g_keys[0], False))
+        sets.append((a, keys[0], ga, g_keys[0], False, True))
     if contrast_positives:
-        sets.append((p, keys[1], gp, g_keys[1], False))
+        sets.append((p, keys[1], gp, g_keys[1], False, True))
     if keys[2] is not None and g_keys[2] is not None:
-        sets.append((a, keys[2], ga, g_keys[2], False))
+        sets.append((a, keys[2], ga, g_keys[2], False, False))
     rows = []
     for i in range(a.shape[0]):
         g_pos = ga[i] @ gp[i]
         threshold = g_pos - (g_pos.abs() * margin if relative else margin)
         den = []
-        for q, k, gq, gk, keep_positive in sets:
+        for q, k, gq, gk, keep_positive, drop_self in sets:
             assert k is not None and gk is not None
             for j in range(k.shape[0]):
+                if drop_self and j == i + offset:  # the row itself: never its own negative
+                    continue
                 if (gq[i] @ gk[j]) > threshold and not (keep_positive and j == i + offset):
                     continue
                 den.append((q[i] @ k[j]) * scale)

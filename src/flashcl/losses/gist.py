@@ -17,14 +17,17 @@ from ..engine.engine import autocast_off
 from ..runner import Source, unit_rows
 
 
-def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, keep_positive: bool) -> Callable[[Tile], Tensor]:
-    """The tile mask of candidates whose guide similarity exceeds the row's threshold
-    (the positive, column ``i`` of row ``i``, kept when ``keep_positive``)."""
+def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, diagonal: Optional[bool]) -> Callable[[Tile], Tensor]:
+    """The tile mask of candidates whose guide similarity exceeds the row's threshold;
+    column ``i`` of row ``i`` (``i + offset``: this process's first row in the global
+    batch) is ``diagonal``: kept (False: the row's positive), masked (True: the row
+    itself, an anchor among the anchors or a positive among the positives, never its
+    own negative) or left to the guide (None: the negatives)."""
 
     def mask(tile: Tile) -> Tensor:
         out = (gq[tile.r0 : tile.r1] @ gk[tile.c0 : tile.c1].T) > threshold[tile.r0 : tile.r1].unsqueeze(1)
-        if keep_positive:  # row i's positive: column i + offset (this process's first row in the global batch)
-            out.diagonal(offset=tile.r0 + tile.offset - tile.c0).fill_(False)
+        if diagonal is not None:
+            out.diagonal(offset=tile.r0 + tile.offset - tile.c0).fill_(diagonal)
         return out
 
     return mask
@@ -63,10 +66,12 @@ def gist_loss(
 
         loss_i = LSE over the kept candidates of s / temperature - s(a_i, p_i) / temperature
 
-    the candidates being ``p_j`` (``p_i`` always kept), ``a_j`` (``contrast_anchors``),
-    ``n_j`` (``negative``), and from the positive's side ``s(p_i, p_j)``
-    (``contrast_positives``), each kept when its guide similarity is ``<= t_i``.
-    This is sentence-transformers' ``GISTEmbedLoss`` (6.x) on embeddings, without the
+    the candidates being ``p_j`` (``p_i`` always kept), ``a_j`` (``contrast_anchors``;
+    never ``a_i`` itself), ``n_j`` (``negative``), and from the positive's side
+    ``s(p_i, p_j)`` (``contrast_positives``; never ``p_i`` itself), each kept when its
+    guide similarity is ``<= t_i``. This is sentence-transformers' ``GISTEmbedLoss``
+    (>= 6.3, which never counts a text as its own negative; 6.2 kept it when a
+    negative margin let it pass the guide's threshold) on embeddings, without the
     B x B x D broadcast and B x B matrices: the guide's similarities are computed
     tile by tile with the scores.
 
@@ -235,9 +240,9 @@ def gist_rows(
     threshold = g_pos - (g_pos.abs() * margin if relative else margin)
     dtype = compute_dtype(anchor.dtype)
 
-    def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, keep_positive: bool, offset: int = 0) -> Tensor:
+    def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, diagonal: Optional[bool], offset: int = 0) -> Tensor:
         cols = runner.Source(keys, offset, [keys.shape[0]]) if across is None else across(keys)
-        mask = _guide_mask(gq, cols.gather(gk), threshold, keep_positive)
+        mask = _guide_mask(gq, cols.gather(gk), threshold, diagonal)
         return runner.row_lse(q, cols, scale, True, name, block_size, Exclusions(fn=mask))
 
     p_all, n_all, gp_all, gn_all, offset = positive, negative, gp, gn, 0
@@ -245,14 +250,14 @@ def gist_rows(
         p_all, n_all, offset = gathered.positive, gathered.negative, gathered.offset
         gp_all = unit_rows(gathered.guide_positive, True)
         gn_all = None if gathered.guide_negative is None else unit_rows(gathered.guide_negative, True)
-    lse = part(anchor, p_all, ga, gp_all, True, offset)
-    if contrast_anchors:
-        lse = torch.logaddexp(lse, part(anchor, anchor, ga, ga, False))
-    if contrast_positives:
-        lse = torch.logaddexp(lse, part(positive, p_all, gp, gp_all, False, offset))
+    lse = part(anchor, p_all, ga, gp_all, False, offset)  # the positive kept
+    if contrast_anchors:  # never the anchor itself
+        lse = torch.logaddexp(lse, part(anchor, anchor, ga, ga, True))
+    if contrast_positives:  # never the positive itself
+        lse = torch.logaddexp(lse, part(positive, p_all, gp, gp_all, True, offset))
     if n_all is not None:
         assert gn_all is not None
-        lse = torch.logaddexp(lse, part(anchor, n_all, ga, gn_all, False))
+        lse = torch.logaddexp(lse, part(anchor, n_all, ga, gn_all, None))
     pos = (unit_rows(anchor, True) * unit_rows(positive, True)).sum(1)
     return lse - scale.to(dtype) * pos
 
