@@ -29,20 +29,20 @@ def _gap(got: tuple, want: tuple) -> float:
 
 def colpali_rows() -> dict:
     out: dict = {}
-    for param in c._cases():
+    for param in c.cases():
         name, options, backend = param.values
         b, n, lq, ld, dim = 3, 5, 4, 6, 8
         sigmoid = name == "ColbertSigmoidLoss"
         offset = 0 if sigmoid else 1
-        q, qm = c._tokens((b, lq, dim), 0)
-        d, dm = c._tokens((b if sigmoid else n, ld, dim), 1)
+        q, qm = c.tokens((b, lq, dim), 0)
+        d, dm = c.tokens((b if sigmoid else n, ld, dim), 1)
         inputs, masks = [q, d], [qm, dm]
         if "Negative" in name:
-            neg, negm = c._tokens((b, 2, ld + 1, dim), 2)
+            neg, negm = c.tokens((b, 2, ld + 1, dim), 2)
             inputs.append(neg)
             masks.append(negm)
-        want = c._run(getattr(c.peer, name)(**options), inputs, masks, offset)
-        got = c._run(getattr(c.ours, name)(**options, backend=backend, block_size=2), inputs, masks, offset)
+        want = c.run_loss(getattr(c.peer, name)(**options), inputs, masks, offset)
+        got = c.run_loss(getattr(c.ours, name)(**options, backend=backend, block_size=2), inputs, masks, offset)
         key = (f"colpali {name}", ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults")
         out.setdefault(key, {})[backend] = _gap(got, want)
     return out
@@ -54,27 +54,27 @@ def pylate_rows() -> dict:
         for options in p.CONTRASTIVE:
             for expansion in (False, True):
                 for columns in (1, 2):
-                    features = [p._features(3, 5, 0)] + [p._features(3, 7, 1 + k) for k in range(columns)]
+                    features = [p.tokenized(3, 5, 0)] + [p.tokenized(3, 7, 1 + k) for k in range(columns)]
                     model = p.TinyColBERT(expansion)
-                    want = p._step(p.pl_losses.Contrastive(model, **options), features)
-                    got = p._step(p.ours.Contrastive(model, **options, backend=backend, block_size=2), features)
+                    want = p.one_step(p.pl_losses.Contrastive(model, **options), features)
+                    got = p.one_step(p.ours.Contrastive(model, **options, backend=backend, block_size=2), features)
                     opts = ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
                     key = ("pylate Contrastive", f"{opts}; expansion={expansion}, columns={columns}")
                     out.setdefault(key, {})[backend] = _gap(got, want)
         for size_average in (True, False):
-            features = [p._features(5, 5, 3), p._features(5, 6, 4), p._features(5, 6, 5)]
+            features = [p.tokenized(5, 5, 3), p.tokenized(5, 6, 4), p.tokenized(5, 6, 5)]
             model = p.TinyColBERT()
             opts = {"mini_batch_size": 2, "size_average": size_average, "temperature": 0.1}
-            want = p._step(p.pl_losses.CachedContrastive(model, **opts), features)
-            got = p._step(p.ours.CachedContrastive(model, **opts, backend=backend), features)
+            want = p.one_step(p.pl_losses.CachedContrastive(model, **opts), features)
+            got = p.one_step(p.ours.CachedContrastive(model, **opts, backend=backend), features)
             out.setdefault(("pylate CachedContrastive", f"size_average={size_average}"), {})[backend] = _gap(got, want)
         for options in ({}, {"normalize_scores": False}, {"size_average": False}):
             for expansion in (False, True):
-                features = [p._features(3, 5, 6), p._features(12, 7, 7)]
+                features = [p.tokenized(3, 5, 6), p.tokenized(12, 7, 7)]
                 labels = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
                 model = p.TinyColBERT(expansion)
-                want = p._step(p.pl_losses.Distillation(model, **options), features, labels)
-                got = p._step(p.ours.Distillation(model, **options, backend=backend, block_size=2), features, labels)
+                want = p.one_step(p.pl_losses.Distillation(model, **options), features, labels)
+                got = p.one_step(p.ours.Distillation(model, **options, backend=backend, block_size=2), features, labels)
                 opts = ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
                 out.setdefault(("pylate Distillation", f"{opts}; expansion={expansion}"), {})[backend] = _gap(got, want)
     return out

@@ -326,3 +326,23 @@ def test_a_ddp_encoder_with_a_sharded_classifier_gets_the_full_batch_gradients(w
         for i, (g, p) in enumerate(zip(grads, encoder.parameters())):
             assert_close(g, p.grad, f"rank {r}: encoder parameter {i} (DDP-averaged)", *TOL)
         assert_close(slice_grad, classifier.grad[lo : lo + n], f"rank {r}: classifier slice", *TOL)
+
+
+def test_a_class_not_kept_holds_anything_and_frozen_inputs_get_no_gradient() -> None:
+    """NaN in a class weight row the sample left out changes no value and no other
+    gradient; frozen embeddings or weights get none (every backend)."""
+    e, y, w = _data(b=8, c=40, seed=6)
+    kept = flashcl.sample_classes(y, 40, 0.25, generator=torch.Generator().manual_seed(1))
+    dropped = int(torch.arange(40)[~torch.isin(torch.arange(40), kept)][0])
+    w_nan = w.clone()
+    w_nan[dropped] = float("nan")
+    for backend in BACKENDS:
+        want = _grads(lambda e_, w_, b=backend: flashcl.arcface_loss(e_, y, w_, classes=kept, backend=b), e, w)
+        got = _grads(lambda e_, w_, b=backend: flashcl.arcface_loss(e_, y, w_, classes=kept, backend=b), e, w_nan)
+        assert_close(got[0], want[0], f"{backend}: value", 0.0, 0.0)
+        assert_close(got[1][0], want[1][0], f"{backend}: embedding gradient", 0.0, 0.0)
+        assert float(got[1][1][dropped].abs().max()) == 0.0
+        frozen = e.clone().requires_grad_(False)
+        ww = w.clone().requires_grad_(True)
+        flashcl.cosface_loss(frozen, y, ww, subcenters=1, classes=kept, backend=backend).backward()
+        assert frozen.grad is None and ww.grad is not None

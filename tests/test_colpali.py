@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(peer is None, reason=f"colpali-engine's losses: 
 BACKENDS = ("reference", "dense", "tiled")
 
 
-def _tokens(shape, seed: int) -> tuple:
+def tokens(shape, seed: int) -> tuple:
     """Normalised token embeddings with zero padding of different lengths: (raw, mask)."""
     g = torch.Generator().manual_seed(seed)
     raw = F.normalize(torch.randn(*shape, dtype=torch.float64, generator=g), dim=-1)
@@ -32,7 +32,7 @@ def _tokens(shape, seed: int) -> tuple:
     return raw, torch.arange(shape[-2]) < lengths
 
 
-def _run(loss: Any, inputs: list, masks: list, offset: int) -> tuple:
+def run_loss(loss: Any, inputs: list, masks: list, offset: int) -> tuple:
     leaves = [x.clone().requires_grad_() for x in inputs]
     padded = [x * m.unsqueeze(-1).to(x.dtype) for x, m in zip(leaves, masks)]  # as the models zero padding
     with warnings.catch_warnings():
@@ -55,7 +55,7 @@ OPTIONS = [
 ]
 
 
-def _cases():
+def cases():
     for name in CLASSES:
         for i, options in enumerate(OPTIONS):
             if "in_batch_term_weight" in options and "Negative" not in name:
@@ -64,20 +64,20 @@ def _cases():
                 yield pytest.param(name, options, backend, id=f"{name}-{i}-{backend}")
 
 
-@pytest.mark.parametrize("name, options, backend", list(_cases()))
+@pytest.mark.parametrize("name, options, backend", list(cases()))
 def test_equals_colpali_engine(name: str, options: Dict[str, Any], backend: str) -> None:
     b, n, lq, ld, dim = 3, 5, 4, 6, 8
     sigmoid = name == "ColbertSigmoidLoss"
     offset = 0 if sigmoid else 1  # this process's first positive among gathered documents
-    q, qm = _tokens((b, lq, dim), 0)
-    d, dm = _tokens((b if sigmoid else n, ld, dim), 1)
+    q, qm = tokens((b, lq, dim), 0)
+    d, dm = tokens((b if sigmoid else n, ld, dim), 1)
     inputs, masks = [q, d], [qm, dm]
     if "Negative" in name:
-        neg, negm = _tokens((b, 2, ld + 1, dim), 2)
+        neg, negm = tokens((b, 2, ld + 1, dim), 2)
         inputs.append(neg)
         masks.append(negm)
-    want = _run(getattr(peer, name)(**options), inputs, masks, offset)
-    got = _run(getattr(ours, name)(**options, backend=backend, block_size=2), inputs, masks, offset)
+    want = run_loss(getattr(peer, name)(**options), inputs, masks, offset)
+    got = run_loss(getattr(ours, name)(**options, backend=backend, block_size=2), inputs, masks, offset)
     assert_close(got[0], want[0], f"{name} {options} value", 1e-12, 1e-10)
     for i, (a, w) in enumerate(zip(got[1], want[1])):
         assert_close(a, w, f"{name} {options} grad {i}", 1e-12, 1e-10)
@@ -89,15 +89,15 @@ def test_one_query_and_the_defaults(name: str) -> None:
         b = 2  # the pairwise loss needs a negative in the batch; the sigmoid loss is square
     else:
         b = 1
-    q, qm = _tokens((b, 3, 8), 3)
-    d, dm = _tokens((b if name == "ColbertSigmoidLoss" else 4, 5, 8), 4)
+    q, qm = tokens((b, 3, 8), 3)
+    d, dm = tokens((b if name == "ColbertSigmoidLoss" else 4, 5, 8), 4)
     inputs, masks = [q, d], [qm, dm]
     if "Negative" in name:
-        neg, negm = _tokens((b, 3, 5, 8), 5)
+        neg, negm = tokens((b, 3, 5, 8), 5)
         inputs.append(neg)
         masks.append(negm)
-    want = _run(getattr(peer, name)(), inputs, masks, 0)
-    got = _run(getattr(ours, name)(), inputs, masks, 0)
+    want = run_loss(getattr(peer, name)(), inputs, masks, 0)
+    got = run_loss(getattr(ours, name)(), inputs, masks, 0)
     assert_close(got[0], want[0], f"{name} value", 1e-12, 1e-10)
     for a, w in zip(got[1], want[1]):
         assert_close(a, w, f"{name} grad", 1e-12, 1e-10)

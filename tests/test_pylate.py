@@ -39,14 +39,14 @@ class TinyColBERT(nn.Module):
         return {"token_embeddings": self.proj(torch.tanh(self.embed(features["input_ids"])))}
 
 
-def _features(rows: int, length: int, seed: int) -> Dict[str, torch.Tensor]:
+def tokenized(rows: int, length: int, seed: int) -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 20, (rows, length), generator=g)
     attention = (torch.arange(length) < torch.randint(1, length + 1, (rows, 1), generator=g)).long()
     return {"input_ids": ids, "attention_mask": attention}
 
 
-def _step(loss: Any, features: List[Dict[str, torch.Tensor]], labels: Any = None) -> tuple:
+def one_step(loss: Any, features: List[Dict[str, torch.Tensor]], labels: Any = None) -> tuple:
     """The value and every parameter's gradient of one backward pass."""
     loss.model.zero_grad()
     with warnings.catch_warnings():
@@ -75,10 +75,10 @@ CONTRASTIVE = [
 @pytest.mark.parametrize("columns", [1, 2], ids=["positives", "hard-negatives"])
 def test_contrastive_equals_pylate(backend: str, options: Dict[str, Any], expansion: bool, columns: int) -> None:
     b = 3
-    features = [_features(b, 5, 0)] + [_features(b, 7, 1 + c) for c in range(columns)]
+    features = [tokenized(b, 5, 0)] + [tokenized(b, 7, 1 + c) for c in range(columns)]
     model = TinyColBERT(expansion)
-    want = _step(pl_losses.Contrastive(model, **options), features)
-    got = _step(ours.Contrastive(model, **options, backend=backend, block_size=2), features)
+    want = one_step(pl_losses.Contrastive(model, **options), features)
+    got = one_step(ours.Contrastive(model, **options, backend=backend, block_size=2), features)
     _same(got, want, f"Contrastive {options}")
 
 
@@ -86,14 +86,14 @@ def test_contrastive_equals_pylate(backend: str, options: Dict[str, Any], expans
 @pytest.mark.parametrize("size_average", [True, False])
 def test_cached_contrastive_equals_pylate(backend: str, size_average: bool) -> None:
     b = 5
-    features = [_features(b, 5, 3), _features(b, 6, 4), _features(b, 6, 5)]
+    features = [tokenized(b, 5, 3), tokenized(b, 6, 4), tokenized(b, 6, 5)]
     model = TinyColBERT()
     options = {"mini_batch_size": 2, "size_average": size_average, "temperature": 0.1}
-    want = _step(pl_losses.CachedContrastive(model, **options), features)
-    got = _step(ours.CachedContrastive(model, **options, backend=backend), features)
+    want = one_step(pl_losses.CachedContrastive(model, **options), features)
+    got = one_step(ours.CachedContrastive(model, **options, backend=backend), features)
     _same(got, want, f"CachedContrastive size_average={size_average}")
     # the plain loss's value, and its gradient up to pylate's caching of the sum's
-    plain = _step(ours.Contrastive(model, size_average=size_average, temperature=0.1), features)
+    plain = one_step(ours.Contrastive(model, size_average=size_average, temperature=0.1), features)
     assert_close(got[0], plain[0], "cached = plain value", 1e-12, 1e-10)
     factor = b if size_average else 1
     assert_close(got[1][1], plain[1][1] * factor, "cached = the sum's gradient", 1e-12, 1e-10)
@@ -104,11 +104,11 @@ def test_cached_contrastive_equals_pylate(backend: str, size_average: bool) -> N
 @pytest.mark.parametrize("expansion", [False, True], ids=["query-mask", "query-expansion"])
 def test_distillation_equals_pylate(backend: str, options: Dict[str, Any], expansion: bool) -> None:
     b, n = 3, 4
-    features = [_features(b, 5, 6), _features(b * n, 7, 7)]
+    features = [tokenized(b, 5, 6), tokenized(b * n, 7, 7)]
     labels = torch.randn(b, n, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     model = TinyColBERT(expansion)
-    want = _step(pl_losses.Distillation(model, **options), features, labels)
-    got = _step(ours.Distillation(model, **options, backend=backend, block_size=2), features, labels)
+    want = one_step(pl_losses.Distillation(model, **options), features, labels)
+    got = one_step(ours.Distillation(model, **options, backend=backend, block_size=2), features, labels)
     _same(got, want, f"Distillation {options}")
 
 
@@ -121,7 +121,7 @@ def test_a_custom_score_metric_is_pylates_with_a_warning() -> None:
         calls.append(1)
         return colbert_kd_scores(*args, **kwargs)
 
-    features = [_features(2, 5, 9), _features(4, 7, 10)]
+    features = [tokenized(2, 5, 9), tokenized(4, 7, 10)]
     labels = torch.randn(2, 2, dtype=torch.float64)
     model = TinyColBERT()
     with pytest.warns(UserWarning, match="pylate's own implementation"):
@@ -132,15 +132,15 @@ def test_a_custom_score_metric_is_pylates_with_a_warning() -> None:
 def _worker(rank: int, world: int, out_dir: str) -> None:
     init_gloo(rank, world, out_dir)
     model = TinyColBERT()
-    features = [_features(3, 5, 20 + rank), _features(3, 6, 30 + rank), _features(3, 6, 40 + rank)]
+    features = [tokenized(3, 5, 20 + rank), tokenized(3, 6, 30 + rank), tokenized(3, 6, 40 + rank)]
     results = {}
     for name, cls in (("Contrastive", "Contrastive"), ("Cached", "CachedContrastive")):
         options: Dict[str, Any] = {"gather_across_devices": True, "temperature": 0.2}
         if name == "Cached":
             options["mini_batch_size"] = 2
         results[name] = (
-            _step(getattr(pl_losses, cls)(model, **options), features),
-            _step(getattr(ours, cls)(model, **options, backend="tiled"), features),
+            one_step(getattr(pl_losses, cls)(model, **options), features),
+            one_step(getattr(ours, cls)(model, **options, backend="tiled"), features),
         )
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import flashcl
 
 from . import peers
-from .workloads import NotInstalled, Step, _device, _gen, _stepper, _sync
+from .workloads import NotInstalled, Step, case_device, case_generator, stepper, sync
 
 __all__ = ["token_gemm", "late_interaction", "WORKLOADS"]
 
@@ -30,17 +30,17 @@ TEMPERATURE = 0.02
 def token_gemm(p: Dict[str, Any]) -> Tuple[Step, int]:
     """One (B Lq) x (B Ld) x D product into a preallocated output: the token scores
     no exact late-interaction loss can skip forming (once)."""
-    b, lq, ld, d, dev = p["B"], p["Lq"], p["Ld"], p["D"], _device(p)
-    g = _gen(p)
+    b, lq, ld, d, dev = p["B"], p["Lq"], p["Ld"], p["D"], case_device(p)
+    g = case_generator(p)
     q = torch.randn(b * lq, d, generator=g).to(dev)
     k = torch.randn(b * ld, d, generator=g).to(dev)
     out = torch.empty(b * lq, b * ld, device=dev)
 
     def step() -> Tuple[float, float]:
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         torch.mm(q, k.T, out=out)
-        _sync(dev)
+        sync(dev)
         return 0.0, time.perf_counter() - t0
 
     return step, 0
@@ -63,8 +63,8 @@ def late_interaction(p: Dict[str, Any]) -> Tuple[Step, int]:
     ``flashcl-pylate`` / ``flashcl-colpali`` (flashcl's drop-ins of those two), and on
     CUDA ``late-interaction-kernels`` / ``flash-maxsim`` (pylate's scoring through
     those kernels, then its cross-entropy)."""
-    b, lq, ld, d, impl, dev = p["B"], p["Lq"], p["Ld"], p["D"], p["impl"], _device(p)
-    g = _gen(p)
+    b, lq, ld, d, impl, dev = p["B"], p["Lq"], p["Ld"], p["D"], p["impl"], case_device(p)
+    g = case_generator(p)
     q = F.normalize(torch.randn(b, lq, d, generator=g), dim=-1).to(dev).requires_grad_(True)
     k = F.normalize(torch.randn(b, ld, d, generator=g), dim=-1).to(dev).requires_grad_(True)
     qm = (torch.arange(lq) < torch.randint(lq // 2, lq + 1, (b, 1), generator=g)).to(dev)
@@ -113,7 +113,7 @@ def late_interaction(p: Dict[str, Any]) -> Tuple[Step, int]:
 
     else:
         raise ValueError(f"unknown late_interaction impl {impl!r}")
-    return _stepper(fn, [q, k], dev), (q.numel() + k.numel()) * q.element_size()
+    return stepper(fn, [q, k], dev), (q.numel() + k.numel()) * q.element_size()
 
 
 WORKLOADS = {"token_gemm": token_gemm, "late_interaction": late_interaction}

@@ -288,6 +288,15 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
                                 fontsize=7,
                                 transform=ax.get_xaxis_transform(),
                             )
+                    bounds = [r["bound_s"] for r in good if "bound_s" in r]
+                    if key == "time_s" and bounds:  # the bound timed beside the case, and the ratio
+                        line = ax.axhline(min(bounds), color="k", linestyle="--")
+                        handles.setdefault("the bound, timed alternately", line)
+                        for i, label in enumerate(present):
+                            ratios = [r for r in good if r["label"] == label and r.get("ratio")]
+                            if ratios:
+                                text = f"{ratios[0]['ratio']:.2f}x the bound"
+                                ax.text(i, ratios[0][key], text, ha="center", va="bottom", fontsize=7)
                     ax.set_xticks(range(len(present)))
                     ax.set_xticklabels([""] * len(present))
                     ax.set_xlabel(f"size {sizes[0]}")

@@ -664,10 +664,10 @@ def margin(mode: str, device: str) -> List[Case]:
     for world, c in runs:
         for impl in ("sharded", "replicated"):
             if impl == "replicated" and c > 1_000_000:
-                continue  # every rank holding 10M x D weights and their gradient: past the machine's memory
+                continue  # every rank holding 10M x D weights and their gradient: 10 GB per rank
             cases.append(
                 {
-                    "group": f"ArcFace across processes, B = {b} per rank, D = {d}, C = {c:,}",
+                    "group": f"ArcFace, C = {c:,}, B = {b} per rank, D = {d}",
                     "label": impl,
                     "workload": "dist",
                     "x": "world",

@@ -28,7 +28,7 @@ class NotInstalled(RuntimeError):
     """The implementation's library is not installed (reported, never a crash)."""
 
 
-def _gen(params: Dict[str, Any]) -> torch.Generator:
+def case_generator(params: Dict[str, Any]) -> torch.Generator:
     return torch.Generator().manual_seed(int(params.get("seed", 0)))
 
 
@@ -36,26 +36,26 @@ def _gen_on(device: torch.device, params: Dict[str, Any]) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(params.get("seed", 0)))
 
 
-def _device(params: Dict[str, Any]) -> torch.device:
+def case_device(params: Dict[str, Any]) -> torch.device:
     return torch.device(params.get("device", "cpu"))
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _stepper(fn: Callable[[], torch.Tensor], leaves: List[torch.Tensor], device: torch.device) -> Step:
+def stepper(fn: Callable[[], torch.Tensor], leaves: List[torch.Tensor], device: torch.device) -> Step:
     def step() -> Tuple[float, float]:
         for leaf in leaves:
             leaf.grad = None
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         loss = fn()
-        _sync(device)
+        sync(device)
         fwd = time.perf_counter() - t0
         loss.backward()
-        _sync(device)
+        sync(device)
         return float(loss.detach()), fwd
 
     return step
@@ -63,8 +63,8 @@ def _stepper(fn: Callable[[], torch.Tensor], leaves: List[torch.Tensor], device:
 
 def _two_towers(p: Dict[str, Any]) -> Tuple[int, int, str, torch.device, torch.Tensor, torch.Tensor]:
     """(B, D, impl, device, a, b): two B x D leaf tensors in the case's dtype."""
-    b, d, dev = p["B"], p["D"], _device(p)
-    g = _gen(p)
+    b, d, dev = p["B"], p["D"], case_device(p)
+    g = case_generator(p)
     dtype = getattr(torch, p.get("dtype", "float32"))
     x = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
     y = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
@@ -78,8 +78,8 @@ def _flashcl_backend(impl: str) -> str:
 def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
     """The three GEMMs no exact contrastive loss over B x D embeddings can avoid:
     S = E E^T, dQ = G E, dK = G^T E (torch.mm into preallocated outputs)."""
-    b, d, dev = p["B"], p["D"], _device(p)
-    g = _gen(p)
+    b, d, dev = p["B"], p["D"], case_device(p)
+    g = case_generator(p)
     dtype = getattr(torch, p.get("dtype", "float32"))
     e = torch.randn(b, d, generator=g).to(dev, dtype)
     s = torch.empty(b, b, device=dev, dtype=dtype)
@@ -88,14 +88,14 @@ def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
     o1, o2 = torch.empty(b, d, device=dev, dtype=dtype), torch.empty(b, d, device=dev, dtype=dtype)
 
     def step() -> Tuple[float, float]:
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         torch.mm(e, e.T, out=s)
-        _sync(dev)
+        sync(dev)
         fwd = time.perf_counter() - t0
         torch.mm(grad, e, out=o1)
         torch.mm(grad.T, e, out=o2)
-        _sync(dev)
+        sync(dev)
         return 0.0, fwd
 
     return step, 0
@@ -131,8 +131,8 @@ def simcse_vectorized(embeddings: torch.Tensor, labels: torch.Tensor, temperatur
 def supcon(p: Dict[str, Any]) -> Tuple[Step, int]:
     """SupCon over B x D embeddings with C classes. ``simcse=True``: the
     supervised SimCSE formula (self in the denominator, positives summed, t = 0.05)."""
-    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
-    g = _gen(p)
+    b, d, impl, dev = p["B"], p["D"], p["impl"], case_device(p)
+    g = case_generator(p)
     dtype = getattr(torch, p.get("dtype", "float32"))
     e = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
     labels = torch.randint(0, p.get("classes", 5), (b,), generator=g).to(dev)
@@ -157,7 +157,7 @@ def supcon(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: pml(e, labels)  # noqa: E731
     else:
         raise ValueError(f"unknown supcon impl {impl!r}")
-    return _stepper(fn, [e], dev), b * d * e.element_size()
+    return stepper(fn, [e], dev), b * d * e.element_size()
 
 
 def nt_xent(p: Dict[str, Any]) -> Tuple[Step, int]:
@@ -184,7 +184,7 @@ def nt_xent(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: pml(torch.cat([z1, z2]), ids)  # noqa: E731
     else:
         raise ValueError(f"unknown nt_xent impl {impl!r}")
-    return _stepper(fn, [z1, z2], dev), 2 * b * d * z1.element_size()
+    return stepper(fn, [z1, z2], dev), 2 * b * d * z1.element_size()
 
 
 def clip(p: Dict[str, Any]) -> Tuple[Step, int]:
@@ -208,7 +208,7 @@ def clip(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: loss_fn(F.normalize(img, dim=1), F.normalize(txt, dim=1), scale)  # noqa: E731
     else:
         raise ValueError(f"unknown clip impl {impl!r}")
-    return _stepper(fn, [img, txt], dev), 2 * b * d * img.element_size()
+    return stepper(fn, [img, txt], dev), 2 * b * d * img.element_size()
 
 
 def siglip(p: Dict[str, Any]) -> Tuple[Step, int]:
@@ -232,7 +232,7 @@ def siglip(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: loss_fn(img, txt, scale, bias)  # noqa: E731
     else:
         raise ValueError(f"unknown siglip impl {impl!r}")
-    return _stepper(fn, [img, txt], dev), 2 * b * d * img.element_size()
+    return stepper(fn, [img, txt], dev), 2 * b * d * img.element_size()
 
 
 def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
@@ -275,7 +275,7 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: mnrl.compute_loss_from_embeddings([q, k], None)  # noqa: E731
     else:
         raise ValueError(f"unknown info_nce impl {impl!r}")
-    return _stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
+    return stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
 
 
 def _prefilled_memory(cbm: Any, history: torch.Tensor, labels: torch.Tensor) -> None:
@@ -290,8 +290,8 @@ def queue(p: Dict[str, Any]) -> Tuple[Step, int]:
     """SupCon of a batch against a full queue of ``Q`` past embeddings (cross-batch
     memory; MoCo's queue size): each step enqueues the batch over the oldest
     entries, then contrasts each anchor with every queue entry but its own."""
-    b, d, q, impl, dev = p["B"], p["D"], p["Q"], p["impl"], _device(p)
-    g = _gen(p)
+    b, d, q, impl, dev = p["B"], p["D"], p["Q"], p["impl"], case_device(p)
+    g = case_generator(p)
     classes = p.get("classes", 100)
     e = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
     labels = torch.randint(0, classes, (b,), generator=g).to(dev)
@@ -322,14 +322,14 @@ def queue(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: cbm(e, labels)  # noqa: E731
     else:
         raise ValueError(f"unknown queue impl {impl!r}")
-    return _stepper(fn, [e], dev), b * d * e.element_size()
+    return stepper(fn, [e], dev), b * d * e.element_size()
 
 
 def gist(p: Dict[str, Any]) -> Tuple[Step, int]:
     """GISTEmbed over (anchor, positive) pairs: B x D embeddings of the model, B x G
     of the guide (no gradient), temperature 0.01, anchors and positives contrasted."""
     b, d, impl, dev, a, pos = _two_towers(p)
-    g = _gen(dict(p, seed=int(p.get("seed", 0)) + 1))
+    g = case_generator(dict(p, seed=int(p.get("seed", 0)) + 1))
     width = p.get("G", 384)
     ga = torch.randn(b, width, generator=g).to(dev)
     gp = ga + torch.randn(b, width, generator=g).to(dev)
@@ -343,7 +343,7 @@ def gist(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: st_gist([a, pos], [ga, gp])  # noqa: E731
     else:
         raise ValueError(f"unknown gist impl {impl!r}")
-    return _stepper(fn, [a, pos], dev), 2 * b * d * a.element_size()
+    return stepper(fn, [a, pos], dev), 2 * b * d * a.element_size()
 
 
 _WORDS = (
@@ -446,7 +446,7 @@ def matryoshka_widths(p: Dict[str, Any]) -> Tuple[Step, int]:
             return sum(mnrl.compute_loss_from_embeddings([shrink(q, w), shrink(k, w)], None) for w in dims)
     else:
         raise ValueError(f"unknown matryoshka impl {impl!r}")
-    return _stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
+    return stepper(fn, [q, k], dev), 2 * b * d * q.element_size()
 
 
 def _neighbor_indices(n: int, k: int) -> torch.Tensor:
@@ -457,8 +457,8 @@ def _neighbor_indices(n: int, k: int) -> torch.Tensor:
 def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
     """The sampled-neighbours loss on an n x n score matrix, k sampled columns per row
     (the same columns for every implementation: the Python-loop program's draws)."""
-    n, k, impl, dev = p["n"], p["k"], p["impl"], _device(p)
-    g = _gen(p)
+    n, k, impl, dev = p["n"], p["k"], p["impl"], case_device(p)
+    g = case_generator(p)
     x = torch.randn(n, n, generator=g).to(dev).requires_grad_(True)
     indices = _neighbor_indices(n, k).to(dev)
 
@@ -494,7 +494,7 @@ def neighbor(p: Dict[str, Any]) -> Tuple[Step, int]:
         fn = lambda: flashcl.neighbor_loss(x, indices, backend=backend)  # noqa: E731
     else:
         raise ValueError(f"unknown neighbor impl {impl!r}")
-    return _stepper(fn, [x], dev), n * n * 4
+    return stepper(fn, [x], dev), n * n * 4
 
 
 def requested(p: Dict[str, Any]) -> Tuple[Step, int]:
@@ -503,8 +503,8 @@ def requested(p: Dict[str, Any]) -> Tuple[Step, int]:
     width (symmetric, the teacher without gradient), uniformity, and the retrieval
     metrics (no gradient: the step's value is the MRR). ``impl``: ``flashcl-tiled``,
     or ``dense formula``, the B x B matrices as the peers and the papers' code build them."""
-    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
-    g = _gen(p)
+    b, d, impl, dev = p["B"], p["D"], p["impl"], case_device(p)
+    g = case_generator(p)
     e = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
     e2 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
     tiled = impl == "flashcl-tiled"
@@ -539,7 +539,7 @@ def requested(p: Dict[str, Any]) -> Tuple[Step, int]:
         leaves = []
     else:
         raise ValueError(f"unknown requested loss {loss!r}")
-    return _stepper(fn, leaves, dev), sum(x.numel() * x.element_size() for x in leaves)
+    return stepper(fn, leaves, dev), sum(x.numel() * x.element_size() for x in leaves)
 
 
 def ranking(p: Dict[str, Any]) -> Tuple[Step, int]:
@@ -549,8 +549,8 @@ def ranking(p: Dict[str, Any]) -> Tuple[Step, int]:
     (normalised, margin 0.05)), ``cosface`` (B embeddings against C class weights,
     margin 0.35, scale 64). ``impl``: ``flashcl-tiled``, ``sentence-transformers``,
     ``pml``."""
-    b, d, impl, dev, loss = p["B"], p["D"], p["impl"], _device(p), p["loss"]
-    g = _gen(p)
+    b, d, impl, dev, loss = p["B"], p["D"], p["impl"], case_device(p), p["loss"]
+    g = case_generator(p)
     if loss == "cosent":
         x = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
         x2 = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
@@ -610,7 +610,7 @@ def ranking(p: Dict[str, Any]) -> Tuple[Step, int]:
             raise ValueError(f"unknown cosface impl {impl!r}")
     else:
         raise ValueError(f"unknown ranking loss {loss!r}")
-    return _stepper(fn, leaves, dev), sum(t.numel() * t.element_size() for t in leaves)
+    return stepper(fn, leaves, dev), sum(t.numel() * t.element_size() for t in leaves)
 
 
 def compiled_step(p: Dict[str, Any]) -> Tuple[Step, int]:
@@ -620,8 +620,8 @@ def compiled_step(p: Dict[str, Any]) -> Tuple[Step, int]:
     ``impl``: ``eager``, or ``compiled`` (the encoder and the loss under
     ``torch.compile(fullgraph=True)``: one graph, the loss one operator in it; the
     first step's time holds the compilation)."""
-    b, d, impl, dev = p["B"], p["D"], p["impl"], _device(p)
-    g = _gen(p)
+    b, d, impl, dev = p["B"], p["D"], p["impl"], case_device(p)
+    g = case_generator(p)
     torch.manual_seed(int(p.get("seed", 0)))
     encoder = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d)).to(dev)
     opt = torch.optim.SGD(encoder.parameters(), lr=0.01)
@@ -640,14 +640,14 @@ def compiled_step(p: Dict[str, Any]) -> Tuple[Step, int]:
 
     def step() -> Tuple[float, float]:
         opt.zero_grad(set_to_none=True)
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         loss = forward()
-        _sync(dev)
+        sync(dev)
         fwd = time.perf_counter() - t0
         loss.backward()
         opt.step()
-        _sync(dev)
+        sync(dev)
         return float(loss.detach()), fwd
 
     return step, sum(q.numel() * q.element_size() for q in encoder.parameters())

@@ -249,7 +249,7 @@ class ColbertSigmoidLoss(_InBatch):
         return F.softplus(-(scores / self.temperature) * sign).mean()
 
 
-class _WithNegatives(ColbertModule):
+class _WithNegatives(_InBatch):
     """colpali-engine's losses with explicit negatives: ``softplus((neg - pos) /
     temperature)`` over each query's own negatives, mixed with an in-batch term
     (``_inner``: its class, ``_inner_name``: the attribute colpali-engine keeps it in)
@@ -274,29 +274,13 @@ class _WithNegatives(ColbertModule):
         backend: str = "auto",
         block_size: Optional[int] = None,
     ) -> None:
-        super().__init__(
-            max_batch_size, tau, norm_tol, filter_threshold, filter_factor, backend=backend, block_size=block_size
-        )
+        # colpali-engine's in-batch constructor's arguments, in its order (no in_batch_term_weight)
+        options: Tuple[Any, ...] = (temperature, normalize_scores, use_smooth_max, pos_aware_negative_filtering)
+        options += (max_batch_size, tau, norm_tol, filter_threshold, filter_factor)
+        super().__init__(*options, backend=backend, block_size=block_size)
         _check_weight(in_batch_term_weight)
-        self.temperature = temperature
-        self.normalize_scores = normalize_scores
-        self.use_smooth_max = use_smooth_max
-        self.pos_aware_negative_filtering = pos_aware_negative_filtering
         self.in_batch_term_weight = in_batch_term_weight
-        inner = self._inner(
-            temperature,
-            normalize_scores,
-            use_smooth_max,
-            pos_aware_negative_filtering,
-            max_batch_size,
-            tau,
-            norm_tol,
-            filter_threshold,
-            filter_factor,
-            backend=backend,
-            block_size=block_size,
-        )
-        setattr(self, self._inner_name, inner)
+        setattr(self, self._inner_name, self._inner(*options, backend=backend, block_size=block_size))
 
     def forward(
         self, query_embeddings: Tensor, doc_embeddings: Tensor, neg_doc_embeddings: Tensor, offset: int = 0

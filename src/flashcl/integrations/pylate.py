@@ -91,7 +91,7 @@ class _Flashcl:
             gathered = [parallel.all_gather_with_grad(x) for x in docs]
             offset = gathered[0][1]
             docs = [x for x, _ in gathered]
-            dmasks = [parallel.all_gather_with_grad(m.to(x.dtype))[0] for m, x in zip(dmasks, docs)]
+            dmasks = [parallel.gather_plain(m.to(torch.uint8), dist.group.WORLD).bool() for m in dmasks]
             factor = float(dist.get_world_size())
         stacked = torch.stack([_zeroed(x, m) for x, m in zip(docs, dmasks)], dim=1)
         qmask = None if _model_attr(self.model, "do_query_expansion") else masks[0]  # type: ignore[attr-defined]

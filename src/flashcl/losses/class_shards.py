@@ -14,7 +14,7 @@ B_global x D) while each rank forms its own slice's weight gradient alone.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ class _GroupShard(Shard):
 
 
 class _ShardedMargin(torch.autograd.Function):
-    """``apply(e, w, scale, labels, opts, weights, factor, group) -> rows``: the global
+    """``apply(e, w, scale, labels, opts, weights, factor, sizes, group) -> rows``: the global
     rows' losses (every rank alike) of this rank's embeddings ``e`` and every rank's,
     over every rank's class slice; ``labels``: the global rows' classes in this slice's
     ``w`` (-1: another slice's). Backward: ``weights`` (the global rows' factors of a
@@ -59,9 +59,9 @@ class _ShardedMargin(torch.autograd.Function):
         opts: Tuple[Any, ...],
         weights: Optional[Tensor],
         factor: float,
+        sizes: List[int],
         group: Any,
     ) -> Tensor:
-        sizes = parallel.row_counts(e.shape[0], e.device, group)
         everyone = parallel.gather_plain(e, group)
         rows, lse, _ = visit(everyone, w, scale, labels, opts, None, (False,) * 3, None, _GroupShard(group))
         ctx.save_for_backward(everyone, w, scale, labels, lse)
@@ -76,25 +76,24 @@ class _ShardedMargin(torch.autograd.Function):
             )
         everyone, w, scale, labels, lse = ctx.saved_tensors
         rank = parallel.rank_of(ctx.group)
+        start, mine = sum(ctx.sizes[:rank]), ctx.sizes[rank]  # this rank's rows among everyone's
         dtype = compute_dtype(everyone.dtype)
         if ctx.weights is not None:  # a scalar loss: every rank holds every row's factor alike
             weights = grad.to(dtype)
         else:  # each rank's own rows' upstream gradients
-            start = sum(ctx.sizes[:rank])
-            weights = parallel.gather_plain(grad[start : start + ctx.sizes[rank]].to(dtype), ctx.group)
+            weights = parallel.gather_plain(grad[start : start + mine].to(dtype), ctx.group)
         needs = tuple(ctx.needs_input_grad[:3])
         grads = visit(everyone, w, scale, labels, ctx.opts, weights, (True, needs[1], needs[2]), lse)[2]
         assert grads is not None
         de, dw, dscale = grads
         assert de is not None
-        start = sum(ctx.sizes[:rank])
-        de = parallel.sum_across(de, ctx.group)[start : start + ctx.sizes[rank]] * ctx.factor
+        de = parallel.sum_across(de, ctx.group)[start : start + mine] * ctx.factor
         if dscale is not None:
             dscale = parallel.sum_across(dscale, ctx.group)
         e_grad = de.to(everyone.dtype) if needs[0] else None
         w_grad = dw.to(w.dtype) if dw is not None else None
         s_grad = dscale.to(scale.dtype) if dscale is not None else None
-        return e_grad, w_grad, s_grad, None, None, None, None, None
+        return e_grad, w_grad, s_grad, None, None, None, None, None, None
 
 
 def sharded_margin(
@@ -132,9 +131,10 @@ def sharded_margin(
     # the global rows' weights, as one process would form them: every rank returns the global value
     weights = runner.share(reduction, "sum", runner.Source(e, 0, [everyone.shape[0]]), ones)
     factor = parallel.grad_factor(grad_scale, group)
-    rows = _ShardedMargin.apply(e, w, scale, local, opts, weights, factor, group)
+    sizes = parallel.row_counts(e.shape[0], e.device, group)
+    rows = _ShardedMargin.apply(e, w, scale, local, opts, weights, factor, sizes, group)
     if weights is None:
-        start = sum(parallel.row_counts(e.shape[0], e.device, group)[: parallel.rank_of(group)])
+        start = sum(sizes[: parallel.rank_of(group)])
         return rows[start : start + e.shape[0]]
     return (weights * rows).sum()
 
