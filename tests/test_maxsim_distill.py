@@ -204,3 +204,55 @@ def test_distill_across_processes_equals_one_process(world: int, tmp_path) -> No
         assert_close(grad_q, gq[r], f"rank {rank}: query grad", 1e-12, 1e-10)
         assert_close(grad_d, gd[r], f"rank {rank}: docs grad", 1e-12, 1e-10)
     assert_close(total, want, "the global mean", 1e-12, 1e-10)
+
+
+def _ruled_out_oracle(q, d, teacher, qmask, dmask, t, tt):
+    """KL per query written from the formula: the teacher's softmax over its candidates
+    with a finite score, the student's log-softmax over every candidate, the ruled-out
+    candidates' target probability 0 (``0 log 0 = 0``)."""
+    s = kd_scores(q, d, qmask, dmask) / t
+    rows = []
+    for i in range(s.shape[0]):
+        keep = torch.isfinite(teacher[i])
+        p = torch.softmax(teacher[i, keep] / tt, 0)
+        rows.append((p * (torch.log(p) - torch.log_softmax(s[i], 0)[keep])).sum())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_teacher_score_of_minus_inf_is_a_candidate_of_probability_zero(backend: str, reduction: str) -> None:
+    q, d, teacher, qmask, dmask = _data(b=3, n=4)
+    teacher = teacher.clone()
+    teacher[0, 1] = teacher[2, 0] = teacher[2, 3] = float("-inf")  # ruled out, or a ragged list's padding
+    tt = torch.tensor(2.0, dtype=torch.float64)
+    leaves = [q.clone().requires_grad_(), d.clone().requires_grad_(), teacher.clone().requires_grad_()]
+    leaves.append(tt.clone().requires_grad_())
+    rows = _ruled_out_oracle(*leaves[:3], qmask, dmask, 0.5, leaves[3])
+    want = {"mean": rows.mean(), "sum": rows.sum(), "none": rows}[reduction]
+    mine = [x.detach().clone().requires_grad_() for x in leaves]
+    got = flashcl.maxsim_distill_loss(
+        *mine[:3],
+        query_mask=qmask,
+        doc_mask=dmask,
+        temperature=0.5,
+        teacher_temperature=mine[3],
+        reduction=reduction,
+        backend=backend,
+        block_size=2,
+    )
+    assert_close(got, want, "value", 1e-12, 1e-10)
+    up = torch.arange(1.0, want.numel() + 1, dtype=torch.float64).view(want.shape)  # non-uniform for "none"
+    grads = torch.autograd.grad(got, mine, up)
+    for a, b, name in zip(grads, torch.autograd.grad(want, leaves, up), ("query", "docs", "teacher", "tt")):
+        assert bool(torch.isfinite(a).all()), name
+        assert_close(a, torch.nan_to_num(b), f"grad {name}", 1e-12, 1e-10)
+    assert float(grads[2][0, 1]) == 0.0 and float(grads[2][2, 3]) == 0.0
+    # NaN in the teacher stays NaN; a row ruled out everywhere is a clear error
+    nan = teacher.clone()
+    nan[1, 2] = float("nan")
+    bad = flashcl.maxsim_distill_loss(q, d, nan, reduction="none", backend=backend)
+    assert bool(bad[1].isnan()) and bool(torch.isfinite(bad[[0, 2]]).all())
+    teacher[1] = float("-inf")
+    with pytest.raises(ValueError, match="row 1 is -inf for every candidate"):
+        flashcl.maxsim_distill_loss(q, d, teacher, backend=backend)

@@ -17,7 +17,10 @@ from torch import nn
 
 from helpers import assert_close, close_group, init_gloo
 
-pl_losses = pytest.importorskip("pylate.losses", reason="pylate not installed")
+try:
+    import pylate.losses as pl_losses
+except ImportError as e:  # the true reason: pylate missing, or one of its own imports failing
+    pytest.skip(f"pylate.losses cannot be imported: {type(e).__name__}: {e}", allow_module_level=True)
 from flashcl.integrations import pylate as ours  # noqa: E402
 
 BACKENDS = ("reference", "dense", "tiled")
@@ -110,6 +113,80 @@ def test_distillation_equals_pylate(backend: str, options: Dict[str, Any], expan
     want = one_step(pl_losses.Distillation(model, **options), features, labels)
     got = one_step(ours.Distillation(model, **options, backend=backend, block_size=2), features, labels)
     _same(got, want, f"Distillation {options}")
+
+
+def test_distillation_with_a_teacher_score_of_minus_inf_is_finite() -> None:
+    """A ruled-out candidate (teacher score -inf) has target probability 0: the drop-in
+    gives the formula's finite value and gradients (pylate's KLDivLoss(log_target=True)
+    gives NaN there: exp(-inf) x (-inf - input)); elsewhere it equals pylate."""
+    b, n = 3, 4
+    features = [tokenized(b, 5, 6), tokenized(b * n, 7, 7)]
+    labels = torch.randn(b, n, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    model = TinyColBERT()
+    finite = one_step(ours.Distillation(model, normalize_scores=False), features, labels)
+    _same(finite, one_step(pl_losses.Distillation(model, normalize_scores=False), features, labels), "finite labels")
+    ruled = labels.clone()
+    ruled[0, 2] = ruled[1, 0] = float("-inf")
+    value, grads = one_step(ours.Distillation(model, normalize_scores=False), features, ruled)
+    assert bool(torch.isfinite(value)) and all(bool(torch.isfinite(g).all()) for g in grads)
+    # the formula: the student's MaxSim softmax over every candidate, the teacher's over the finite ones
+    q = torch.nn.functional.normalize(model(features[0])["token_embeddings"], dim=-1)
+    docs = torch.nn.functional.normalize(model(features[1])["token_embeddings"], dim=-1).view(b, n, 7, -1)
+    from pylate.scores import colbert_kd_scores
+
+    qmask = features[0]["attention_mask"]
+    dmask = (features[1]["attention_mask"] * ~torch.isin(features[1]["input_ids"], torch.tensor(SKIP))).view(b, n, 7)
+    scores = colbert_kd_scores(q, docs, queries_mask=qmask, documents_mask=dmask)
+    student = torch.log_softmax(scores, -1)
+    want = 0.0
+    for i in range(b):
+        keep = torch.isfinite(ruled[i])
+        p = torch.softmax(ruled[i, keep], 0)
+        want = want + (p * (p.log() - student[i, keep])).sum()
+    assert_close(value, (want / b).detach(), "the formula", 1e-12, 1e-10)
+    ruled[2] = float("-inf")
+    with pytest.raises(ValueError, match="all -inf"):
+        ours.Distillation(model)(features, ruled)
+
+
+def test_a_subclass_of_colbert_scores_is_honoured() -> None:
+    """A ColBERTScores subclass that overrides __call__ is pylate's computation (with a
+    warning), not silently the default; one that overrides nothing is flashcl's."""
+    from pylate.scores import ColBERTScores
+
+    class Doubled(ColBERTScores):
+        def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return 2 * super().__call__(*args, **kwargs)
+
+    class Same(ColBERTScores):
+        pass
+
+    features = [tokenized(3, 5, 0), tokenized(3, 7, 1)]
+    model = TinyColBERT()
+    for cls in ("Contrastive", "CachedContrastive"):
+        extra: Dict[str, Any] = {"mini_batch_size": 2} if cls == "CachedContrastive" else {}
+        want = one_step(getattr(pl_losses, cls)(model, score_metric=Doubled(), **extra), features)
+        with pytest.warns(UserWarning, match="pylate's own implementation"):
+            mine = getattr(ours, cls)(model, score_metric=Doubled(), **extra)
+            got = (mine(features, None).detach(), None)
+        assert_close(got[0], want[0], f"{cls}: a subclass that doubles the scores", 1e-12, 1e-10)
+        default = one_step(getattr(pl_losses, cls)(model, **extra), features)
+        assert not torch.allclose(want[0], default[0]), "the override changes the value"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback for a subclass that changes nothing
+            same = one_step(getattr(ours, cls)(model, score_metric=Same(), **extra), features)
+        _same(same, default, f"{cls}: a subclass that overrides nothing")
+
+
+def test_a_missing_dependency_of_pylate_is_named() -> None:
+    """pylate installed, one of its own imports failing: the error says so, not 'needs pylate'."""
+    from flashcl.base import peer_import_error
+
+    missing = ModuleNotFoundError("No module named 'datasets'", name="datasets")
+    message = str(peer_import_error("pylate", "pylate", "pylate", missing))
+    assert "installed but failed to import" in message and "datasets" in message
+    absent = ModuleNotFoundError("No module named 'pylate'", name="pylate")
+    assert "needs pylate (pip install pylate)" in str(peer_import_error("pylate", "pylate", "pylate", absent))
 
 
 def test_a_custom_score_metric_is_pylates_with_a_warning() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -308,63 +308,119 @@ def test_sentence_transformers_drop_ins() -> None:
 
 
 SIZES = {2: [5, 8], 3: [4, 1, 7]}
+# (strategy, options): every mining and distance on both strategies, the soft margin, every reduction
+ACROSS = [
+    (strategy, {"mining": mining, "distance": distance, **extra})
+    for strategy in ("all_gather", "ring")
+    for mining in ("all", "hard", "semi-hard")
+    for distance, extra in [
+        ("euclidean", {}),
+        ("squared", {"reduction": "sum"}),
+        ("cosine", {"reduction": "none"}),
+        ("euclidean", {"normalize": True, "grad_scale": "ddp"}),
+    ]
+    + ([("euclidean", {"soft_margin": True, "margin": 0.0})] if mining != "all" else [])
+]
 
 
-def _data(n: int):
+def _data(n: int, ties: bool = False):
     g = torch.Generator().manual_seed(n)
-    return torch.randn(n, 4, dtype=torch.float64, generator=g), torch.randint(0, 3, (n,), generator=g)
+    x = torch.randn(n, 4, dtype=torch.float64, generator=g)
+    if ties:  # small integer coordinates: equal distances everywhere, duplicated rows across ranks
+        x = torch.randint(-1, 2, (n, 3), generator=g).double()
+        x[n - 1] = x[0]
+    return x, torch.randint(0, 3, (n,), generator=g)
+
+
+def _across_call(x, y, opts: Dict[str, Any], **kw):
+    options = {"margin": 1.0, **opts}
+    options.pop("grad_scale", None)
+    return flashcl.triplet_loss(x, y, **options, **kw)
+
+
+def _upstream(loss: torch.Tensor, offset: int) -> torch.Tensor:
+    """A non-uniform upstream gradient: 1, 2, ... over the global rows."""
+    return torch.arange(1.0, loss.numel() + 1, dtype=loss.dtype).view(loss.shape) + (offset if loss.dim() else 0)
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
     init_gloo(rank, world, out_dir)
     sizes = SIZES[world]
-    x, y = _data(sum(sizes))
     sl = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     out: List = []
+    for strategy, opts in ACROSS:
+        x, y = _data(sum(sizes))
+        xs = x[sl].clone().requires_grad_(True)
+        loss = _across_call(
+            xs, y[sl], opts, process_group=dist.group.WORLD, strategy=strategy, grad_scale=opts.get("grad_scale", "sum")
+        )
+        out.append((loss.detach(), torch.autograd.grad(loss, xs, _upstream(loss, sl.start))[0]))
+    ties = []
     for mining in ("all", "hard", "semi-hard"):
-        for reduction in ("mean", "sum"):
+        for distance in ("euclidean", "squared"):
+            x, y = _data(sum(sizes), ties=True)
             xs = x[sl].clone().requires_grad_(True)
             loss = flashcl.triplet_loss(
                 xs,
                 y[sl],
                 margin=1.0,
                 mining=mining,
-                reduction=reduction,
+                distance=distance,
                 process_group=dist.group.WORLD,
+                strategy="ring",
                 grad_scale="sum",
+                block_size=2,
             )
-            out.append((loss.detach(), torch.autograd.grad(loss, xs)[0]))
+            ties.append((loss.detach(), torch.autograd.grad(loss, xs)[0]))
     errors = {}
+    x, y = _data(sum(sizes))
     try:
-        flashcl.triplet_loss(x[sl], y[sl], margin=1.0, process_group=dist.group.WORLD, strategy="ring")
-    except ValueError as e:
-        errors["ring"] = str(e)
-    try:
-        flashcl.triplet_loss(x[sl], y[sl], margin=1.0 + rank, process_group=dist.group.WORLD)
+        flashcl.triplet_loss(x[sl], y[sl], margin=1.0 + rank, process_group=dist.group.WORLD, strategy="ring")
     except ValueError as e:
         errors["mismatch"] = str(e)
-    torch.save({"out": out, "errors": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"out": out, "ties": ties, "errors": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
+    """Both strategies (the ring: no rank holds the global batch), every mining and
+    distance, the soft margin, every reduction (a non-uniform upstream gradient of the
+    per-row losses), both grad_scale values, uneven batches (a rank with one row):
+    equal to one process in float64, values and every rank's gradient."""
     mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    bounds = [sum(SIZES[world][:r]) for r in range(world + 1)]
     x, y = _data(sum(SIZES[world]))
+    for i, (strategy, opts) in enumerate(ACROSS):
+        e = x.clone().requires_grad_(True)
+        want = _across_call(e, y, opts, backend="reference")
+        want_grad = torch.autograd.grad(want, e, _upstream(want, 0))[0]
+        factor = world if opts.get("grad_scale") == "ddp" else 1
+        name = f"{strategy} {opts}"
+        if want.dim():
+            got = torch.cat([r["out"][i][0] for r in ranks])
+        else:  # "sum": the ranks' shares add up; "ddp": world x each share
+            got = sum(r["out"][i][0] for r in ranks) / factor
+        assert_close(got, want.detach(), f"{name}: values", *TOL)
+        for r in range(world):
+            rows = slice(bounds[r], bounds[r + 1])
+            assert_close(ranks[r]["out"][i][1], factor * want_grad[rows], f"{name}: rank {r}'s gradient", *TOL)
+    # ties everywhere (integer coordinates, a duplicated row): the ring gives each tie's
+    # gradient to the column one process gives it to
+    x, y = _data(sum(SIZES[world]), ties=True)
     i = 0
     for mining in ("all", "hard", "semi-hard"):
-        for reduction in ("mean", "sum"):
+        for distance in ("euclidean", "squared"):
             want, want_grad = _value_and_grad(
-                lambda e, mining=mining, reduction=reduction: flashcl.triplet_loss(
-                    e, y, margin=1.0, mining=mining, reduction=reduction, backend="reference"
+                lambda e, m=mining, d=distance: flashcl.triplet_loss(
+                    e, y, margin=1.0, mining=m, distance=d, backend="tiled", block_size=3
                 ),
                 x,
             )
-            name = f"{mining}/{reduction}"
-            assert_close(sum(r["out"][i][0] for r in ranks), want, f"{name}: sum of rank values", *TOL)
-            assert_close(torch.cat([r["out"][i][1] for r in ranks]), want_grad, f"{name}: gradient rows", *TOL)
+            got = sum(r["ties"][i][0] for r in ranks)
+            assert_close(got, want, f"ties {mining} {distance}: value", *TOL)
+            assert_close(torch.cat([r["ties"][i][1] for r in ranks]), want_grad, f"ties {mining} {distance}", *TOL)
             i += 1
     for r in ranks:
-        assert "strategy='all_gather'" in r["errors"]["ring"]
         assert "different calls" in r["errors"]["mismatch"]

@@ -81,7 +81,7 @@ def shared_docs(fn: F) -> F:
     return fn
 
 
-__all__ = ["LossModule", "reject_pml_call", "reject_open_clip_keywords", "shared_docs", "DOCS"]
+__all__ = ["LossModule", "reject_pml_call", "reject_open_clip_keywords", "peer_import_error", "shared_docs", "DOCS"]
 
 PML_ADAPTERS = "flashcl.integrations.pytorch_metric_learning"
 OPEN_CLIP_KEYWORDS = (
@@ -149,3 +149,17 @@ def reject_open_clip_keywords(name: str, extra: Dict[str, Any]) -> None:
             "open_clip's gather_with_grad=True, local_loss=False computes), with no B x B logits"
         )
     raise TypeError(f"flashcl.{name}() got unexpected keyword arguments {', '.join(sorted(extra))}")
+
+
+def peer_import_error(integration: str, package: str, module: str, error: ImportError) -> ImportError:
+    """The error an integration raises when its peer cannot be imported: the peer is
+    missing (``module``, installed as ``package``), or it is there and one of its own
+    imports failed (a dependency of the peer missing or broken), named as such."""
+    missing = getattr(error, "name", None) or ""
+    if missing.split(".")[0] == module:
+        return ImportError(f"flashcl.integrations.{integration} needs {package} (pip install {package})")
+    hint = f" (pip install {missing.split('.')[0]})" if missing else ""
+    return ImportError(
+        f"flashcl.integrations.{integration} needs {package}, which is installed but failed to import: "
+        f"{type(error).__name__}: {error}{hint}"
+    )

@@ -23,8 +23,9 @@ pylate's conventions are kept, not the exact masked maximum of
   losses (times the world size when gathering) whatever ``size_average``, as pylate
   caches them; the value is the mean with ``size_average=True``.
 
-A ``score_metric`` other than pylate's default (``ColBERTScores`` / ``colbert_kd_scores``)
-is computed by pylate itself, with a warning.
+A ``score_metric`` other than pylate's default (``ColBERTScores`` / ``colbert_kd_scores``),
+a subclass of ``ColBERTScores`` that overrides its ``__call__`` included, is computed by
+pylate itself, with a warning.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import parallel
+from ..base import peer_import_error
 from ..losses.maxsim import maxsim_loss, maxsim_scores
 
 try:
@@ -45,7 +47,7 @@ try:
     from pylate.losses.contrastive import extract_skiplist_mask
     from pylate.scores import ColBERTScores, colbert_kd_scores
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError("flashcl.integrations.pylate needs pylate (pip install pylate)") from e
+    raise peer_import_error("pylate", "pylate", "pylate", e) from e
 
 __all__ = ["Contrastive", "CachedContrastive", "Distillation"]
 
@@ -70,7 +72,8 @@ class _Flashcl:
 
     def _own_metric(self, default: Any) -> bool:
         metric = self.score_metric  # type: ignore[attr-defined]
-        if isinstance(metric, ColBERTScores) or metric is default:
+        # pylate's ColBERTScores, or a subclass that overrides nothing of it: flashcl's scores
+        if metric is default or (isinstance(metric, ColBERTScores) and type(metric).__call__ is ColBERTScores.__call__):
             return True
         if not self._warned:
             warnings.warn(
@@ -257,4 +260,12 @@ class Distillation(_Flashcl, _pl_losses.Distillation):
         if self.normalize_scores:
             hi, lo = scores.max(dim=1, keepdim=True).values, scores.min(dim=1, keepdim=True).values
             scores = (scores - lo) / (hi - lo + 1e-8)
-        return self.loss_function(F.log_softmax(scores, dim=-1), F.log_softmax(labels, dim=-1))
+        # pylate's KLDivLoss(log_target=True), with 0 log 0 = 0 where a teacher score is -inf
+        # (a ruled-out or padded candidate), where torch's exp(target) * (target - input) is NaN
+        if bool((labels == float("-inf")).all(-1).any()):
+            raise ValueError("labels: a query's teacher scores are all -inf (no target distribution)")
+        target = F.log_softmax(labels, dim=-1)
+        # pylate's KLDivLoss(log_target=True) forms exp(t) (t - input): NaN where a teacher score is
+        # -inf (0 x -inf); a finite t whose exp is 0 there gives the formula's 0 log 0 = 0, no gradient
+        target = target.masked_fill(target == float("-inf"), -1e4)
+        return self.loss_function(F.log_softmax(scores, dim=-1), target)

@@ -51,6 +51,7 @@ from torch import Tensor
 
 from .. import checks, runner
 from .. import functional as Fn
+from ..base import peer_import_error
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import Problem
 from ..engine.heads import Head, Tile, mask_columns_
@@ -61,10 +62,7 @@ try:
     from pytorch_metric_learning import losses as _pml_losses
     from pytorch_metric_learning import reducers as _pml_reducers
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError(
-        "flashcl.integrations.pytorch_metric_learning needs pytorch-metric-learning "
-        "(pip install pytorch-metric-learning)"
-    ) from e
+    raise peer_import_error("pytorch_metric_learning", "pytorch-metric-learning", "pytorch_metric_learning", e) from e
 
 __all__ = [
     "SupConLoss",

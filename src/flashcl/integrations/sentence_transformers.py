@@ -61,6 +61,7 @@ from torch import Tensor, nn
 
 from .. import checks, parallel, runner
 from .. import functional as Fn
+from ..base import peer_import_error
 from ..core import Exclusions, compute_dtype
 from ..engine import matryoshka
 from ..engine.engine import Problem
@@ -78,9 +79,7 @@ try:
     except ImportError:
         _embed_columns = None  # type: ignore[assignment]
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError(
-        "flashcl.integrations.sentence_transformers needs sentence-transformers (pip install sentence-transformers)"
-    ) from e
+    raise peer_import_error("sentence_transformers", "sentence-transformers", "sentence_transformers", e) from e
 
 _DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 from torch import Tensor, nn
 
 from .. import functional as Fn
+from ..base import peer_import_error
 
 try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -33,9 +34,7 @@ try:
         from sentence_transformers import losses as _st_losses  # type: ignore[attr-defined,no-redef]
     from sentence_transformers.util import pairwise_angle_sim, pairwise_cos_sim
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError(
-        "flashcl.integrations.sentence_transformers needs sentence-transformers (pip install sentence-transformers)"
-    ) from e
+    raise peer_import_error("sentence_transformers", "sentence-transformers", "sentence_transformers", e) from e
 
 __all__ = [
     "CoSENTLoss",

@@ -382,7 +382,9 @@ def maxsim_distill_loss(
         query: (B, Lq, D) the student's query token embeddings.
         docs: (B, n, Ld, D) the student's token embeddings of each query's n documents.
         teacher_scores: (B, n) the teacher's scores (logits) of those documents; a
-            tensor that requires grad gets its gradient.
+            tensor that requires grad gets its gradient. ``-inf`` rules a candidate
+            out (target probability 0, ``0 log 0 = 0``: a padded or excluded
+            candidate); a row of ``-inf`` only is a ValueError.
         query_mask: (B, Lq) bool (or 0/1), True for a real token. Default: all real.
         doc_mask: (B, n, Ld) bool (or 0/1), True for a real token. Default: all real.
         temperature: the student's (float or 0-dim tensor; a learnable one gets its
@@ -415,6 +417,7 @@ def maxsim_distill_loss(
     if teacher.shape != docs.shape[:2]:
         raise ValueError(f"teacher_scores must have shape {tuple(docs.shape[:2])} (B, n), got {tuple(teacher.shape)}")
     checks.same_device(teacher, query, "teacher_scores", "query")
+    _check_teacher(teacher)
     checks.check_bool(normalize_scores, "normalize_scores")
     opts = checks.Options(True, reduction, backend, block_size, process_group, "all_gather", grad_scale)
     _pick(opts.backend, 0)
@@ -426,10 +429,34 @@ def maxsim_distill_loss(
         s = s / qmask.sum(1, keepdim=True).to(s.dtype)
     with autocast_off(query.device.type):
         student = torch.log_softmax(s * scale.to(s.dtype), dim=1)
-        target = torch.log_softmax(teacher.to(s.dtype) * t_scale.to(s.dtype), dim=1)
-        rows = (target.exp() * (target - student)).sum(1)
+        ruled_out = teacher == float("-inf")  # probability 0 (never -inf times a learnable scale)
+        logits = (teacher.masked_fill(ruled_out, 0.0).to(s.dtype) * t_scale.to(s.dtype)).masked_fill(
+            ruled_out, float("-inf")
+        )
+        rows = _kl_terms(torch.log_softmax(logits, dim=1), student).sum(1)
     source = parallel.reduction_over(opts.process_group)
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, source)
+
+
+def _check_teacher(teacher: Tensor) -> None:
+    """A teacher score of ``-inf`` rules its candidate out (probability 0); a row whose
+    every candidate is ruled out has no distribution to distil."""
+    ruled_out = (teacher == float("-inf")).all(1).nonzero()
+    if ruled_out.numel():
+        raise ValueError(
+            f"teacher_scores: row {int(ruled_out[0])} is -inf for every candidate (no target distribution); "
+            f"{ruled_out.shape[0]} such"
+        )
+
+
+def _kl_terms(target: Tensor, student: Tensor) -> Tensor:
+    """The terms ``p_j (log p_j - log q_j)`` of ``KL(p || q)`` from ``log p`` (``target``)
+    and ``log q`` (``student``), with ``0 log 0 = 0``: a target probability of 0
+    (``log p = -inf``) adds nothing and gets a zero gradient, as torch's ``kl_div``
+    with a target in probabilities; NaN in ``target`` stays NaN."""
+    p = target.exp()
+    kept = torch.where(p > 0, target, torch.zeros_like(target))  # no -inf - x, whose gradient is NaN
+    return p * (kept - student)
 
 
 @registry.module

@@ -27,153 +27,33 @@ distance (sentence-transformers' masked formulas).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import checks, parallel, registry, runner
 from ..base import LossModule, shared_docs
 from ..compiled import compiles
 from ..core import Tile, compute_dtype
-from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..engine.heads import mask_self_
+from ..engine.engine import autocast_off, normalize_rows
+from ..engine.triplets import (
+    ColumnMiner,
+    TripletRows,
+    auto_triplet_block,
+    block_distances,
+    dense_rows,
+    distances,
+    grads_from,
+)
+from ..parallel.ring import RingDriver, ring_pass
 
 __all__ = ["triplet_loss", "TripletLoss", "distances"]
 
 MININGS = ("all", "hard", "semi-hard")
 DISTANCES = ("euclidean", "squared", "cosine")
 TRIPLET_BACKENDS = ("auto", "reference", "dense", "tiled")
-
-
-def distances(q: Tensor, k: Tensor, distance: str, offset: int = 0) -> Tensor:
-    """The distances of the rows ``q`` to the rows ``k`` as sentence-transformers forms
-    them: ``|q|^2 - 2 q.k + |k|^2`` clamped at 0 (``"squared"``), its square root
-    (``"euclidean"``, gradient 0 at a zero distance) or ``1 - q.k`` (``"cosine"``:
-    rows already unit); ``q``'s own column (row ``r`` at column ``r + offset``) 0.
-    Differentiable."""
-    dot = q @ k.T
-    if distance == "cosine":
-        d = 1.0 - dot
-    else:
-        sq = ((k * k).sum(1).unsqueeze(0) - 2.0 * dot) + (q * q).sum(1).unsqueeze(1)
-        sq = sq.clamp_min(0.0)
-        if distance == "squared":
-            d = sq
-        else:
-            zero = sq == 0
-            d = torch.where(zero, torch.zeros_like(sq), torch.sqrt(torch.where(zero, torch.ones_like(sq), sq)))
-    own = torch.arange(q.shape[0], device=q.device) + offset
-    inside = own < k.shape[0]
-    eye = torch.zeros_like(d, dtype=torch.bool)
-    eye[torch.arange(q.shape[0], device=q.device)[inside], own[inside]] = True
-    return d.masked_fill(eye, 0.0)
-
-
-# ---------------------------------------------------------------- per-row losses
-
-
-def _masks(yq: Tensor, yk: Tensor, tile: Tile) -> Tuple[Tensor, Tensor]:
-    """(positive, negative) masks of the tile: same label and not the anchor itself;
-    another label."""
-    same = yq[tile.r0 : tile.r1].unsqueeze(1) == yk[tile.c0 : tile.c1].unsqueeze(0)
-    pos = same.clone()
-    mask_self_(pos, tile, False)
-    return pos, ~same
-
-
-def _all_rows(
-    d: Tensor, pos: Tensor, neg: Tensor, margin: float, want_grad: bool
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``mining="all"``: per row the sum over its (p, n) of ``relu(d_p - d_n + margin)``,
-    the number of those that are positive, and ``d sum / d d`` (``want_grad``)."""
-    inf = float("inf")
-    sorted_neg = d.masked_fill(~neg, inf).sort(1).values
-    a = d + margin
-    # c_ip: the negatives with d_in < d_ip + margin (their triplets violate the margin)
-    c = torch.searchsorted(sorted_neg, a)
-    acc = torch.float64 if d.dtype != torch.float64 else d.dtype
-    prefix = torch.cat([d.new_zeros(d.shape[0], 1, dtype=acc), sorted_neg.to(acc).cumsum(1)], dim=1)
-    terms = c.to(acc) * a.to(acc) - prefix.gather(1, c)
-    rows = torch.where(pos, terms, torch.zeros_like(terms)).sum(1).to(d.dtype)
-    count = torch.where(pos, c, torch.zeros_like(c)).sum(1)
-    if not want_grad:
-        return rows, count, None
-    # each negative's triplets: the positives with d_ip + margin > d_in
-    sorted_a = a.masked_fill(~pos, inf).sort(1).values
-    n_pos = pos.sum(1, keepdim=True)
-    active = n_pos - torch.searchsorted(sorted_a, d, right=True)
-    g = torch.where(pos, c.to(d.dtype), torch.zeros_like(d))
-    return rows, count, g.sub_(torch.where(neg, active.to(d.dtype), torch.zeros_like(d)))
-
-
-def _hinge(v: Tensor, soft: bool) -> Tuple[Tensor, Tensor]:
-    """(loss, d loss / d v): ``relu`` or ``softplus``."""
-    if soft:
-        return torch.nn.functional.softplus(v), torch.sigmoid(v)
-    return v.clamp_min(0.0), (v > 0).to(v.dtype)
-
-
-def _hard_rows(
-    d: Tensor, pos: Tensor, neg: Tensor, margin: float, soft: bool, want_grad: bool
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``mining="hard"``: per row ``hinge(max_P d - min_N d + margin)``."""
-    hp, hp_idx = d.masked_fill(~pos, 0.0).max(1)
-    has_neg = neg.any(1)
-    hn, hn_idx = d.masked_fill(~neg, float("inf")).min(1)
-    mx, mx_idx = d.max(1)
-    mn, mn_idx = d.min(1)
-    hn = torch.where(has_neg, hn, mx + mn)
-    loss, slope = _hinge(hp - hn + margin, soft)
-    count = torch.ones_like(hp_idx)
-    if not want_grad:
-        return loss, count, None
-    g = torch.zeros_like(d)
-    rows = torch.arange(d.shape[0], device=d.device)
-    g.index_put_((rows, hp_idx), torch.where(pos.any(1), slope, torch.zeros_like(slope)), accumulate=True)
-    g.index_put_((rows, torch.where(has_neg, hn_idx, mx_idx)), -slope, accumulate=True)
-    g.index_put_((rows, mn_idx), torch.where(has_neg, torch.zeros_like(slope), -slope), accumulate=True)
-    return loss, count, g
-
-
-def _semi_hard_rows(
-    d: Tensor, pos: Tensor, neg: Tensor, margin: float, soft: bool, want_grad: bool
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``mining="semi-hard"``: per row the sum over its positives of
-    ``hinge(d_p - d_n* + margin)``, ``n*`` the closest negative farther than ``p``,
-    else the farthest negative (no negative: the row's smallest distance)."""
-    n = d.shape[1]
-    sorted_neg, order = d.masked_fill(~neg, float("inf")).sort(dim=1, stable=True)
-    at = torch.searchsorted(sorted_neg, d, right=True).clamp_max(n - 1)
-    outside, outside_idx = sorted_neg.gather(1, at), order.gather(1, at)
-    has_neg = neg.any(1, keepdim=True)
-    inside, inside_idx = d.masked_fill(~neg, float("-inf")).max(1, keepdim=True)
-    mn, mn_idx = d.min(1, keepdim=True)
-    inside, inside_idx = torch.where(has_neg, inside, mn), torch.where(has_neg, inside_idx, mn_idx)
-    found = torch.isfinite(outside)
-    semi = torch.where(found, outside, inside)
-    semi_idx = torch.where(found, outside_idx, inside_idx)
-    loss, slope = _hinge(d - semi + margin, soft)
-    zero = torch.zeros_like(d)
-    rows = torch.where(pos, loss, zero).sum(1)
-    count = pos.sum(1)
-    if not want_grad:
-        return rows, count, None
-    slope = torch.where(pos, slope, zero)
-    return rows, count, slope.clone().scatter_add_(1, semi_idx, -slope)
-
-
-def rows_of(
-    d: Tensor, pos: Tensor, neg: Tensor, mining: str, margin: float, soft: bool, want_grad: bool
-) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """The rows' losses, their counts (triplets, anchors or positive pairs: what the
-    mean divides by) and, with ``want_grad``, the gradient of their sum w.r.t. ``d``.
-    Differentiable in ``d`` when ``want_grad`` is False (the dense backend)."""
-    if mining == "all":
-        return _all_rows(d, pos, neg, margin, want_grad)
-    if mining == "hard":
-        return _hard_rows(d, pos, neg, margin, soft, want_grad)
-    return _semi_hard_rows(d, pos, neg, margin, soft, want_grad)
 
 
 # ---------------------------------------------------------------- backends
@@ -248,130 +128,6 @@ def _reference_rows(
     return torch.stack(rows), torch.tensor(counts, device=x.device)
 
 
-def _dense_rows(
-    q: Tensor, k: Tensor, yq: Tensor, yk: Tensor, offset: int, mining: str, margin: float, soft: bool, distance: str
-) -> Tuple[Tensor, Tensor]:
-    """Per-anchor losses and counts on the whole distance matrix (differentiable)."""
-    d = distances(q, k, distance, offset)
-    pos, neg = _masks(yq, yk, Tile(0, q.shape[0], 0, k.shape[0], offset))
-    rows, count, _ = rows_of(d, pos, neg, mining, margin, soft, want_grad=False)
-    return rows, count
-
-
-def auto_triplet_block(m: int, n: int) -> int:
-    """Rows per block: about 2^20 distances (a block's sorts, searches and prefix
-    sums hold about ten arrays of its size)."""
-    return max(1, min(m, (1 << 20) // max(1, n)))
-
-
-def _grads_from(
-    g: Tensor, slope: Optional[Tensor], qb: Tensor, k: Tensor, distance: str, dq_rows: Tensor, dk: Tensor
-) -> None:
-    """Accumulates ``d/dq`` (this block's rows) and ``d/dk`` from ``g = d loss / d d``;
-    ``slope``: ``d d / d sq`` for the distances of ``sq = |q|^2 - 2 q.k + |k|^2``."""
-    if distance == "cosine":  # d = 1 - q.k
-        dq_rows.addmm_(g, k, alpha=-1.0)
-        dk.addmm_(g.T, qb, alpha=-1.0)
-        return
-    assert slope is not None
-    h = g.mul_(slope)
-    # d/dq = 2 (rowsum(h) q - h k), d/dk = 2 (colsum(h) k - h^T q)
-    dq_rows.add_(qb * h.sum(1, keepdim=True), alpha=2.0).addmm_(h, k, alpha=-2.0)
-    dk.add_(k * h.sum(0).unsqueeze(1), alpha=2.0).addmm_(h.T, qb, alpha=-2.0)
-
-
-class _TripletRows(FusedFunction):
-    """The rows' triplet losses in row blocks of distances, with their gradient
-    formed in the same visit for a scalar loss (``weights``: each row's factor).
-
-    ``apply(q, k, yq, yk, offset, mining, margin, soft, distance, weights, block)``
-    returns (per-row losses, per-row counts); with ``weights``, the first is their
-    weighted sum. q's rows are k's from ``offset`` on (the self column)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        yq: Tensor,
-        yk: Tensor,
-        offset: int,
-        mining: str,
-        margin: float,
-        soft: bool,
-        distance: str,
-        weights: Optional[Tensor],
-        block: int,
-    ) -> Tuple[Tensor, Tensor]:
-        needs = ctx.needs_input_grad[:2]
-        fused = weights is not None and any(needs)
-        ctx.opts = (offset, mining, margin, soft, distance, block)
-        ctx.weights = weights
-        rows, counts, grads = _visit(q, k, yq, yk, ctx.opts, weights if fused else None)
-        FusedFunction.setup(ctx, (q, k), (yq, yk), grads=grads)
-        ctx.mark_non_differentiable(counts)
-        return (rows if weights is None else (weights * rows).sum()), counts
-
-    @classmethod
-    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
-        q, k = inputs
-        yq, yk = ctx.saved_tensors[2:]
-        offset, mining, margin, soft, distance, _ = ctx.opts
-        rows, _ = _dense_rows(q, k, yq, yk, offset, mining, margin, soft, distance)
-        return rows if ctx.weights is None else (ctx.weights * rows).sum()
-
-    @classmethod
-    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
-        q, k, yq, yk = saved
-        g = grad_out.to(compute_dtype(q.dtype))
-        weights = g if ctx.weights is None else ctx.weights * g
-        _, _, grads = _visit(q, k, yq, yk, ctx.opts, weights)
-        assert grads is not None
-        return grads
-
-
-def _visit(
-    q: Tensor, k: Tensor, yq: Tensor, yk: Tensor, opts: Tuple[Any, ...], weights: Optional[Tensor]
-) -> Tuple[Tensor, Tensor, Optional[List[Tensor]]]:
-    """Every row block: losses, counts and, with ``weights``, the weighted gradients."""
-    offset, mining, margin, soft, distance, block = opts
-    dtype = compute_dtype(q.dtype)
-    qc, kc = q.detach().to(dtype), k.detach().to(dtype)
-    m, n = qc.shape[0], kc.shape[0]
-    rows = qc.new_empty(m)
-    counts = torch.empty(m, dtype=torch.long, device=q.device)
-    dq = torch.zeros_like(qc) if weights is not None else None
-    dk = torch.zeros_like(kc) if weights is not None else None
-    qn = (qc * qc).sum(1)
-    kn = (kc * kc).sum(1)
-    for r0 in range(0, m, block):
-        r1 = min(r0 + block, m)
-        qb = qc[r0:r1]
-        tile = Tile(r0, r1, 0, n, offset)
-        dot = qb @ kc.T
-        slope: Optional[Tensor] = None  # d d / d sq (None: the cosine distance)
-        if distance == "cosine":
-            d = dot.neg_().add_(1.0)
-        else:
-            sq = dot.mul_(-2.0).add_(kn.unsqueeze(0)).add_(qn[r0:r1].unsqueeze(1))
-            if distance == "squared":  # the clamped entries (rounding below 0) have no gradient
-                slope = (sq >= 0).to(sq.dtype) if weights is not None else None
-                d = sq.clamp_min_(0.0)
-            else:  # d = sqrt(sq): 1 / (2 d), 0 at a zero distance
-                d = sq.clamp_min_(0.0).sqrt_()
-                if weights is not None:
-                    slope = torch.where(d > 0, 0.5 / d.clamp_min(torch.finfo(d.dtype).tiny), torch.zeros_like(d))
-        mask_self_(d, tile, 0.0)
-        pos, neg = _masks(yq, yk, tile)
-        r, c, g = rows_of(d, pos, neg, mining, margin, soft, want_grad=weights is not None)
-        rows[r0:r1], counts[r0:r1] = r, c
-        if g is not None:
-            assert weights is not None and dq is not None and dk is not None
-            mask_self_(g, tile, 0.0)
-            _grads_from(g.mul_(weights[r0:r1].unsqueeze(1)), slope, qb, kc, distance, dq[r0:r1], dk)
-    return rows, counts, None if dq is None else [dq, dk]  # type: ignore[list-item]
-
-
 # ---------------------------------------------------------------- public
 
 
@@ -414,7 +170,11 @@ def triplet_loss(
     pytorch-metric-learning's ``TripletMarginLoss`` (all triplets, its default
     reducer) with ``normalize=True``. The batch-all sum is formed from each row's
     sorted negative distances and prefix sums, never the B^3 triplets nor the
-    B x B matrix: ``O(block x B)`` memory (``backend="tiled"``).
+    B x B matrix: ``O(block x B)`` memory (``backend="tiled"``). Across processes with
+    ``strategy="ring"`` no rank holds the global batch: each rank's rows visit the
+    others round the ring, the anchors keeping their positives' distances and a few
+    extremes (``O(rows x (positives + block))``; only the labels are gathered), every
+    mining, distance and option as on one process.
 
     Args:
         embeddings: (B, D); raw by default (as sentence-transformers).
@@ -480,29 +240,105 @@ def _triplet(
     rank's samples (gathered with their gradient); the mean's divisor counted over
     every rank."""
     group = opts.process_group
-    if group is not None and opts.strategy == "ring":
-        raise ValueError(
-            "triplet_loss needs every distance of an anchor's row at once (its sorted negatives): "
-            "use strategy='all_gather'"
-        )
-    cols = parallel.columns(x, "all_gather", group, own=True)
+    cols = parallel.columns(x, opts.strategy, group, own=True)
     k, yk, offset = cols.keys, cols.gather(labels), cols.offset
-    if backend in ("reference", "dense"):
+    if isinstance(cols, parallel.Columns) and cols.ring:
+        block = opts.block_size or auto_triplet_block(x.shape[0], max(cols.sizes))
+        spec = (offset, mining, margin, soft, distance, block)
+        rows, counts = _TripletRing.apply(x, labels, yk, spec, cols.sizes, group)
+        if opts.reduction == "none":
+            return rows
+        total = rows.sum()
+    elif backend in ("reference", "dense"):
         if backend == "reference":
             rows, counts = _reference_rows(x, labels, mining, margin, soft, distance, k, yk, offset)
         else:
-            rows, counts = _dense_rows(x, k, labels, yk, offset, mining, margin, soft, distance)
+            rows, counts = dense_rows(x, k, labels, yk, offset, mining, margin, soft, distance)
         if opts.reduction == "none":
             return rows
         total = rows.sum()
     else:
         block = opts.block_size or auto_triplet_block(x.shape[0], k.shape[0])
         if opts.reduction == "none":
-            rows, _ = _TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, None, block)
+            rows, _ = TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, None, block)
             return rows
         ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-        total, counts = _TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
+        total, counts = TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
     return runner.reduce_total(total, counts.sum(), opts.reduction, opts.grad_scale, cols)
+
+
+class _TripletRing(torch.autograd.Function):
+    """``apply(x, yq, yk, spec, sizes, group) -> (rows, counts)``: the triplet losses of
+    this rank's anchors ``x`` (labels ``yq``) against every rank's rows, the blocks
+    passed round the ring (no rank holds more than its own rows and one visitor):
+    :class:`flashcl.engine.triplets.ColumnMiner` over the visiting blocks, once for
+    batch-hard, twice for batch-all and semi-hard (the positives' distances, then the
+    negatives); ``yk``: every rank's labels. Backward passes the blocks again, each
+    block's gradient travelling with it back to its owner."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, yq: Tensor, yk: Tensor, spec: Tuple[Any, ...], sizes: List[int], group: Any
+    ) -> Tuple[Tensor, Tensor]:
+        offset, mining, margin, soft, distance, _ = spec
+        xd = x.detach()
+        miner = ColumnMiner(yq, yk, offset, mining, margin, soft, xd.dtype)
+        for step in range(miner.passes):
+            _round(xd, spec, sizes, group, lambda d, slope, tile, kb, travel, s=step: miner.visit(s, d, tile))
+            miner.end_pass(step)
+        rows, counts = miner.finish()
+        ctx.save_for_backward(x)
+        ctx.miner, ctx.spec, ctx.sizes, ctx.group = miner, spec, sizes, group
+        ctx.mark_non_differentiable(counts)
+        return rows, counts
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _: Any):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(RingDriver.no_second_derivatives)
+        (x,) = ctx.saved_tensors
+        xd, distance = x.detach(), ctx.spec[4]
+        dq = torch.zeros_like(xd)
+        weights = grad.to(xd.dtype)
+
+        def visit(d: Tensor, slope: Optional[Tensor], tile: Tile, kb: Tensor, travel: Optional[Tensor]) -> None:
+            assert travel is not None
+            g = ctx.miner.grad(d, tile, weights)
+            grads_from(g, slope, xd[tile.r0 : tile.r1], kb, distance, dq[tile.r0 : tile.r1], travel)
+
+        travel = _round(xd, ctx.spec, ctx.sizes, ctx.group, visit, with_gradient=True)
+        return dq + travel, None, None, None, None, None
+
+
+def _round(
+    x: Tensor, spec: Tuple[Any, ...], sizes: List[int], group: Any, visit: Any, with_gradient: bool = False
+) -> Tensor:
+    """Every rank's block of rows round the ring, this rank's first: ``visit(d, slope,
+    tile, block, travel)`` for each row block of this rank's anchors against it
+    (``travel``: the block's gradient accumulator, ``with_gradient``, which goes on
+    with it and arrives back home: returned)."""
+    offset, _, _, _, distance, block = spec
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    starts = [sum(sizes[:i]) for i in range(world)]
+    m, width = x.shape
+    xn = (x * x).sum(1)
+    kb, travel = x, torch.zeros_like(x)
+    for step in range(world):
+        owner = (rank - step) % world
+        if sizes[owner]:
+            kn = (kb * kb).sum(1)
+            for r0 in range(0, m, block):
+                r1 = min(r0 + block, m)
+                tile = Tile(r0, r1, starts[owner], starts[owner] + sizes[owner], offset)
+                d, slope = block_distances(x[r0:r1], kb, xn[r0:r1], kn, distance, tile, with_gradient)
+                visit(d, slope, tile, kb, travel if with_gradient else None)
+        if step < world - 1 or with_gradient:  # the gradient's last pass takes it home
+            shape = (sizes[(owner - 1) % world], width)
+            if with_gradient:
+                kb, travel = ring_pass([kb, travel], [shape, shape], group)
+            else:
+                (kb,) = ring_pass([kb], [shape], group)
+    return travel
 
 
 @registry.module

@@ -15,14 +15,14 @@ from ..engine.engine import Driver, Operands, Problem
 from ..engine.heads import Head, Tile
 from ..engine.positives import Positives, PositiveTerm, Rows, class_sums, raw_rows
 
-__all__ = ["RingDriver", "RingScores"]
+__all__ = ["RingDriver", "RingScores", "ring_pass"]
 
 
 def _peer(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _ring_pass(tensors: List[Tensor], shapes: List[Tuple[int, ...]], group: Any) -> List[Tensor]:
+def ring_pass(tensors: List[Tensor], shapes: List[Tuple[int, ...]], group: Any) -> List[Tensor]:
     """Send ``tensors`` to the next rank, receive tensors of ``shapes`` from the previous."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group))
     if world == 1:  # the ring is this rank alone
@@ -125,7 +125,7 @@ class RingDriver(Driver):
                         p,
                     )
                 if step < self.world - 1:
-                    (current,) = _ring_pass([current], [(next_size, d)], self.group)
+                    (current,) = ring_pass([current], [(next_size, d)], self.group)
             head.finish(st, p)
         return None
 
@@ -147,7 +147,7 @@ class RingDriver(Driver):
                 dk_travel.addmm_(g.T, ops.q[r0:r1], alpha=ops.scale)
             # the block goes on; after the last step its gradient arrives home
             shape = (next_size, d)
-            current, dk_travel = _ring_pass([current, dk_travel], [shape, shape], self.group)
+            current, dk_travel = ring_pass([current, dk_travel], [shape, shape], self.group)
         dk.add_(dk_travel)
         return dscale
 
@@ -181,7 +181,7 @@ class RingScores(torch.autograd.Function):
                 out[:, starts[owner] : starts[owner] + sizes[owner]] = s
             if step < world - 1:
                 shape = (sizes[(owner - 1) % world], *k.shape[1:])
-                block, block_mask = _ring_pass([block, block_mask], [shape, shape[:-1]], group)
+                block, block_mask = ring_pass([block, block_mask], [shape, shape[:-1]], group)
         ctx.save_for_backward(q, k, mask)
         ctx.score, ctx.sizes, ctx.group, ctx.starts = score, sizes, group, starts
         assert out is not None, "every rank's block is empty"
@@ -207,5 +207,5 @@ class RingScores(torch.autograd.Function):
                 travel += gb
             # the block goes on; after the last step its gradient arrives home
             shape = (ctx.sizes[(owner - 1) % world], *k.shape[1:])
-            block, block_mask, travel = _ring_pass([block, block_mask, travel], [shape, shape[:-1], shape], ctx.group)
+            block, block_mask, travel = ring_pass([block, block_mask, travel], [shape, shape[:-1], shape], ctx.group)
         return dq, travel, None, None, None, None
