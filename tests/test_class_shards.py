@@ -136,8 +136,10 @@ def test_sample_classes_bad_input() -> None:
         flashcl.sample_classes(y.float(), 10, 0.5)
 
 
-# rank r's class slice and batch: rank 1 of 3 holds a single class, and no sample of it
-SLICES = {2: [3, 6], 3: [4, 1, 5]}
+# rank r's class slice and batch: rank 1 of 3 holds a single class, and no sample of it;
+# the second layouts leave one rank without any class (fewer classes than ranks, an uneven split)
+LAYOUTS = {2: [[3, 6], [0, 9]], 3: [[4, 1, 5], [5, 0, 5]]}
+SLICES = {world: layouts[0] for world, layouts in LAYOUTS.items()}
 BATCHES = {2: [5, 8], 3: [4, 1, 7]}
 CASES = [
     ("cosface", {}),
@@ -146,9 +148,11 @@ CASES = [
     ("arcface", {"subcenters": 2}),
     ("cosface", {"subcenters": 3}),
     ("arcface", {"learn_scale": True}),
-    ("cosface", {"reduction": "sum"}),
-    ("arcface", {"reduction": "none"}),
+    ("arcface", {"learn_scale": True, "grad_scale": "ddp"}),
+    ("cosface", {"reduction": "sum", "learn_scale": True}),
+    ("arcface", {"reduction": "none", "learn_scale": True}),
     ("cosface", {"grad_scale": "ddp"}),
+    ("cosface", {"grad_scale": "ddp", "reduction": "sum"}),
 ]
 
 
@@ -177,11 +181,11 @@ def _call(name: str, e, y, w, opts: Dict[str, Any], scale, **kw):
 def _worker(rank: int, world: int, out_dir: str) -> None:
     init_gloo(rank, world, out_dir)
     out = []
-    for name, opts in CASES:
+    for (name, opts), layout in [(case, layout) for layout in LAYOUTS[world] for case in CASES]:
         k = opts.get("subcenters", 1)
         e, y, w = _global(world, k)
         rows = slice(sum(BATCHES[world][:rank]), sum(BATCHES[world][: rank + 1]))
-        classes = slice(k * sum(SLICES[world][:rank]), k * sum(SLICES[world][: rank + 1]))
+        classes = slice(k * sum(layout[:rank]), k * sum(layout[: rank + 1]))
         x, wt = e[rows].clone().requires_grad_(True), w[classes].clone().requires_grad_(True)
         s = torch.tensor(6.0, dtype=torch.float64, requires_grad=bool(opts.get("learn_scale")))
         loss = _call(
@@ -210,23 +214,24 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             x, y[rows], wt, scale=6.0, shard_classes=True, process_group=dist.group.WORLD, grad_scale="sum"
         )
         out.append((loss.detach(), torch.autograd.grad(loss, [x, wt])))
-    # sampled classes, sharded: each rank draws among its own slice
-    e, y, w = _global(world, 1)
-    rows = slice(sum(BATCHES[world][:rank]), sum(BATCHES[world][: rank + 1]))
-    lo = sum(SLICES[world][:rank])
-    kept = flashcl.sample_classes(
-        y[rows],
-        SLICES[world][rank],
-        0.5,
-        first_class=lo,
-        process_group=dist.group.WORLD,
-        generator=torch.Generator().manual_seed(rank),
-    )
-    x, wt = e[rows].clone().requires_grad_(True), w[lo : lo + SLICES[world][rank]].clone().requires_grad_(True)
-    loss = flashcl.arcface_loss(
-        x, y[rows], wt, scale=6.0, classes=kept, shard_classes=True, process_group=dist.group.WORLD, block_size=2
-    )
-    out.append((loss.detach(), torch.autograd.grad(loss, [x, wt]), kept + lo))
+    # sampled classes, sharded: each rank draws among its own slice (an empty slice draws none)
+    for layout in LAYOUTS[world]:
+        e, y, w = _global(world, 1)
+        rows = slice(sum(BATCHES[world][:rank]), sum(BATCHES[world][: rank + 1]))
+        lo = sum(layout[:rank])
+        kept = flashcl.sample_classes(
+            y[rows],
+            layout[rank],
+            0.5,
+            first_class=lo,
+            process_group=dist.group.WORLD,
+            generator=torch.Generator().manual_seed(rank),
+        )
+        x, wt = e[rows].clone().requires_grad_(True), w[lo : lo + layout[rank]].clone().requires_grad_(True)
+        loss = flashcl.arcface_loss(
+            x, y[rows], wt, scale=6.0, classes=kept, shard_classes=True, process_group=dist.group.WORLD, block_size=2
+        )
+        out.append((loss.detach(), torch.autograd.grad(loss, [x, wt]), kept + lo))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -235,7 +240,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 def test_sharded_classes_equal_one_process_with_the_whole_weights(world: int, tmp_path) -> None:
     mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for i, (name, opts) in enumerate(CASES):
+    bounds = [sum(BATCHES[world][:r]) for r in range(world + 1)]
+    for i, ((name, opts), layout) in enumerate([(case, layout) for layout in LAYOUTS[world] for case in CASES]):
         k = opts.get("subcenters", 1)
         e, y, w = _global(world, k)
         s = torch.tensor(6.0, dtype=torch.float64, requires_grad=True)
@@ -245,50 +251,68 @@ def test_sharded_classes_equal_one_process_with_the_whole_weights(world: int, tm
         if want.dim():  # each rank's upstream gradient of its own rows, as the workers give it
             upstream = torch.cat([torch.arange(1.0, n + 1, dtype=torch.float64) for n in BATCHES[world]])
         ge, gw, gs = torch.autograd.grad(want, leaves, upstream)
-        factor = world if opts.get("grad_scale") == "ddp" else 1
-        what = f"{name} {opts}"
+        ddp = opts.get("grad_scale") == "ddp"
+        factor = world if ddp else 1
+        what = f"{name} {opts}, class slices {layout}"
+        scale_grads = []
         for r in range(world):
             value, grads = ranks[r][i]
-            rows = slice(sum(BATCHES[world][:r]), sum(BATCHES[world][: r + 1]))
-            classes = slice(k * sum(SLICES[world][:r]), k * sum(SLICES[world][: r + 1]))
+            rows = slice(bounds[r], bounds[r + 1])
+            classes = slice(k * sum(layout[:r]), k * sum(layout[: r + 1]))
             if opts.get("reduction") == "none":
                 assert_close(value, want.detach()[rows], f"{what}: rank {r}'s rows", *TOL)
-            else:
+            elif ddp:  # world size x this rank's share: the global loss on every rank
                 assert_close(value, want.detach(), f"{what}: rank {r}'s value (the global loss)", *TOL)
             assert_close(grads[0], factor * ge[rows], f"{what}: rank {r}'s embedding gradient", *TOL)
             assert_close(grads[1], gw[classes], f"{what}: rank {r}'s weight-slice gradient", *TOL)
             if opts.get("learn_scale"):
-                assert_close(grads[2], gs, f"{what}: rank {r}'s scale gradient", *TOL)
+                scale_grads.append(grads[2])
+                if ddp:
+                    assert_close(grads[2], gs, f"{what}: rank {r}'s scale gradient (the global one)", *TOL)
+        if not ddp and opts.get("reduction") != "none":  # "sum": the ranks' shares add up to the loss
+            total = sum(ranks[r][i][0] for r in range(world))
+            assert_close(total, want.detach(), f"{what}: the sum of the ranks' values", *TOL)
+        if not ddp and scale_grads:  # a replicated parameter: the shares of its gradient add up
+            assert_close(sum(scale_grads), gs, f"{what}: the sum of the ranks' scale gradients", *TOL)
     e, y, w = _global(world, 1)
     e = _edges(e, y, w)
     want = _grads(lambda e_, w_: flashcl.arcface_loss(e_, y, w_, scale=6.0, backend="tiled"), e, w)
+    edges = len(CASES) * len(LAYOUTS[world])
     for j, (dtype, tol) in enumerate(
         ((torch.float64, TOL), (torch.bfloat16, (3e-2, 3e-2)), (torch.float16, (4e-3, 4e-3)))
     ):
+        values = []
         for r in range(world):
-            value, grads = ranks[r][len(CASES) + j]
+            value, grads = ranks[r][edges + j]
             rows = slice(sum(BATCHES[world][:r]), sum(BATCHES[world][: r + 1]))
             lo, n = sum(SLICES[world][:r]), SLICES[world][r]
             if dtype != torch.float64:
                 assert value.dtype == torch.float32, "half precision accumulates in float32"
             assert all(bool(torch.isfinite(g).all()) for g in grads), (dtype, r)
-            assert_close(value.double(), want[0], f"edges {dtype}: rank {r}'s value", *tol)
+            values.append(value.double())
             assert_close(grads[0].double(), want[1][0][rows], f"edges {dtype}: rank {r}'s embedding gradient", *tol)
             assert_close(grads[1].double(), want[1][1][lo : lo + n], f"edges {dtype}: rank {r}'s weight slice", *tol)
+        assert_close(sum(values), want[0], f"edges {dtype}: the sum of the ranks' values", *tol)
     # sampled classes: the union of the kept slices, one process
-    e, y, w = _global(world, 1)
-    kept = torch.cat([ranks[r][-1][2] for r in range(world)])
-    assert bool(torch.isin(y, kept).all())
-    remapped = torch.searchsorted(kept, y)
-    want = _grads(lambda e_, w_: flashcl.arcface_loss(e_, remapped, w_[kept], scale=6.0, backend="reference"), e, w)
-    for r in range(world):
-        value, grads, _ = ranks[r][-1]
-        rows = slice(sum(BATCHES[world][:r]), sum(BATCHES[world][: r + 1]))
-        lo = sum(SLICES[world][:r])
-        assert_close(value, want[0], f"sampled: rank {r}'s value", *TOL)
-        # grad_scale="ddp" (the default): the world size times the global loss's gradient
-        assert_close(grads[0], world * want[1][0][rows], f"sampled: rank {r}'s embedding gradient", *TOL)
-        assert_close(grads[1], want[1][1][lo : lo + SLICES[world][r]], f"sampled: rank {r}'s weight slice", *TOL)
+    for j, layout in enumerate(LAYOUTS[world]):
+        e, y, w = _global(world, 1)
+        at = edges + 3 + j
+        kept = torch.cat([ranks[r][at][2] for r in range(world)])
+        assert bool(torch.isin(y, kept).all())
+        remapped = torch.searchsorted(kept, y)
+        want = _grads(
+            lambda e_, w_, y_=remapped, k_=kept: flashcl.arcface_loss(e_, y_, w_[k_], scale=6.0, backend="reference"),
+            e,
+            w,
+        )
+        for r in range(world):
+            value, grads, _ = ranks[r][at]
+            rows = slice(bounds[r], bounds[r + 1])
+            lo = sum(layout[:r])
+            assert_close(value, want[0], f"sampled {layout}: rank {r}'s value", *TOL)
+            # grad_scale="ddp" (the default): the world size times the global loss's gradient
+            assert_close(grads[0], world * want[1][0][rows], f"sampled {layout}: rank {r}'s embedding gradient", *TOL)
+            assert_close(grads[1], want[1][1][lo : lo + layout[r]], f"sampled {layout}: rank {r}'s weight slice", *TOL)
 
 
 def _ddp_worker(rank: int, world: int, out_dir: str) -> None:

@@ -38,11 +38,14 @@ block_size: classes per block of the tiled backend; None picks one (a B x
     closest one gives the class's cosine (its gradient goes to it alone). Default: 1.
 shard_classes: with ``process_group``: ``class_weights`` is this rank's contiguous
     slice of the classes (rank 0 the first ``C_0``, rank 1 the next ``C_1``, ...; any
-    sizes), ``labels`` are global class ids; the loss is the margin softmax of every
-    rank's embeddings over all classes, each rank's weight gradient its slice's only.
-    The value is the global loss on every rank; the embeddings' gradient is the
-    ``grad_scale`` factor times the global loss's (DDP's averaging of the encoder then
-    gives the global batch's). Tiled backend. Default: False.
+    sizes; a rank may hold none: a (0, D) slice), ``labels`` are global class ids; the
+    loss is the margin softmax of every rank's embeddings over all classes, each
+    rank's weight gradient its slice's exact gradient. As for every loss with a
+    process group, ``grad_scale="ddp"`` returns world size x this rank's share (here
+    the global loss on every rank) and the embeddings the global loss's gradient
+    times the world size (DDP's averaging of the encoder then gives the global
+    batch's); ``"sum"`` returns this rank's share (the sum over the ranks is the loss)
+    and a learnable scale its share of the gradient. Tiled backend. Default: False.
 classes: (K,) sorted indices of the classes kept this step (sampled classes,
     insightface's Partial FC; :func:`flashcl.sample_classes` draws them): the softmax
     runs over those classes of ``class_weights`` (this rank's slice, sharded); every

@@ -100,8 +100,9 @@ def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
     return value
 
 
-def check_float_tensor(x: object, name: str, ndims: Tuple[int, ...]) -> Tensor:
-    """A non-empty floating-point tensor with one of the dimensionalities ``ndims``."""
+def check_float_tensor(x: object, name: str, ndims: Tuple[int, ...], empty: bool = False) -> Tensor:
+    """A floating-point tensor with one of the dimensionalities ``ndims``, non-empty
+    (``empty``: no rows allowed, as a rank's empty slice of the classes)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -109,7 +110,7 @@ def check_float_tensor(x: object, name: str, ndims: Tuple[int, ...]) -> Tensor:
     if x.dim() not in ndims:
         shapes = " or ".join(f"{d}-D" for d in ndims)
         raise ValueError(f"{name} must be {shapes}, got shape {tuple(x.shape)}")
-    if x.numel() == 0 or x.shape[0] == 0:
+    if (x.numel() == 0 and not (empty and x.shape[0] == 0)) or (x.shape[0] == 0 and not empty):
         raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     return x
 

@@ -93,6 +93,7 @@ def visit(
     needs: Tuple[bool, ...],
     lse: Optional[Tensor],
     shard: Optional[Shard] = None,
+    scale_rows: bool = False,
 ) -> Tuple[Tensor, Tensor, Optional[List[Optional[Tensor]]]]:
     """The rows' losses and logsumexps (a first visit unless ``lse`` is given) and,
     with ``weights``, the gradients of ``sum weights * rows`` for the inputs that
@@ -100,7 +101,7 @@ def visit(
     ``c k .. c k + k - 1``; a class's logit is its closest proxy's); ``labels`` index
     ``w``'s classes, -1 for a row whose class another rank's slice holds (``shard``
     then joins the slices: the rows' losses are global, the gradients this slice's
-    part)."""
+    part). ``scale_rows``: the scale's gradient per row (its sum is the scale's)."""
     name, margin, easy, block, k = opts
     target = TARGETS[name]
     dtype = compute_dtype(e.dtype)
@@ -116,7 +117,7 @@ def visit(
     own = (labels >= 0).nonzero().flatten()  # the rows whose class this slice holds
     ly = labels[own]
     # the target cosines and logits, from the closest proxy of each label's class
-    cand = wd.view(c, k, -1)[ly].to(dtype) * w_inv.view(c, k)[ly].unsqueeze(2)
+    cand = wd.view(c, k, wd.shape[1])[ly].to(dtype) * w_inv.view(c, k)[ly].unsqueeze(2)
     ky = torch.einsum("nkd,nd->nk", cand, eh[own]).argmax(1) if k > 1 else torch.zeros_like(ly)
     wy = cand[torch.arange(own.numel(), device=e.device), ky]
     row_y = ly * k + ky  # the winning proxy's row of w
@@ -162,7 +163,7 @@ def visit(
     # d rows / d s = sum_j p_ij a_ij - a_iy with logit = s a: the logits are kept for it
     logits = eh.new_empty(b, width) if need_scale else None
     wo = weights[own]
-    dscale = -(wo * t_own).sum()
+    dscale = eh.new_zeros(b).index_add_(0, own, -(wo * t_own))  # per row: a share of it is a rank's
     # d sum(weights * rows) / d logit_y = weighted softmax - weight; times s and the slope;
     # nothing along a direction that is rounding noise (see sine)
     coef = (torch.exp(s * t_own - lse[own]) * wo - wo) * s * t_slope
@@ -177,7 +178,7 @@ def visit(
             kept = logits[:, : c1 - c0].copy_(z)
         p = z.sub_(lse.unsqueeze(1)).exp_().mul_(weights.unsqueeze(1))  # weighted softmax of the block
         if logits is not None:
-            dscale += torch.bmm(p.unsqueeze(1), kept.unsqueeze(2)).sum() / s
+            dscale += torch.bmm(p.unsqueeze(1), kept.unsqueeze(2)).view(b) / s
         # d rows_i / d logit_ij = softmax_ij, d logit / d cos = s; the targets' terms apart (coef)
         inside = (ly >= c0) & (ly < c1)
         p[own[inside], ly[inside] - c0] = 0.0
@@ -199,7 +200,7 @@ def visit(
         de = de_hat - eh * (eh * de_hat).sum(1, keepdim=True)
         de.index_add_(0, own, coef.unsqueeze(1) * unit_e)
         de = de / e_norm.unsqueeze(1)
-    return rows, lse, [de, dw, dscale if need_scale else None]
+    return rows, lse, [de, dw, (dscale if scale_rows else dscale.sum()) if need_scale else None]
 
 
 def auto_class_block(b: int, c: int, k: int = 1) -> int:

@@ -41,13 +41,14 @@ class _GroupShard(Shard):
 
 
 class _ShardedMargin(torch.autograd.Function):
-    """``apply(e, w, scale, labels, opts, weights, factor, sizes, group) -> rows``: the global
-    rows' losses (every rank alike) of this rank's embeddings ``e`` and every rank's,
-    over every rank's class slice; ``labels``: the global rows' classes in this slice's
-    ``w`` (-1: another slice's). Backward: ``weights`` (the global rows' factors of a
-    scalar loss, or None: the gathered upstream gradients of each rank's own rows);
+    """``apply(e, w, scale, labels, opts, weights, factor, sizes, group, share) -> rows``: the
+    global rows' losses (every rank alike) of this rank's embeddings ``e`` and every
+    rank's, over every rank's class slice; ``labels``: the global rows' classes in this
+    slice's ``w`` (-1: another slice's). Backward: ``weights`` (the global rows' factors
+    of a scalar loss, or None: the gathered upstream gradients of each rank's own rows);
     this rank's rows' embedding gradient (summed over the slices, times ``factor``),
-    this slice's weight gradient, the scale's (summed over the slices)."""
+    this slice's weight gradient, the scale's (summed over the slices; ``share``: of
+    this rank's rows only, its share of a replicated parameter's gradient)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -61,11 +62,12 @@ class _ShardedMargin(torch.autograd.Function):
         factor: float,
         sizes: List[int],
         group: Any,
+        share: bool,
     ) -> Tensor:
         everyone = parallel.gather_plain(e, group)
         rows, lse, _ = visit(everyone, w, scale, labels, opts, None, (False,) * 3, None, _GroupShard(group))
         ctx.save_for_backward(everyone, w, scale, labels, lse)
-        ctx.opts, ctx.weights, ctx.factor, ctx.group, ctx.sizes = opts, weights, factor, group, sizes
+        ctx.opts, ctx.weights, ctx.factor, ctx.group, ctx.sizes, ctx.share = opts, weights, factor, group, sizes, share
         return rows
 
     @staticmethod
@@ -83,17 +85,19 @@ class _ShardedMargin(torch.autograd.Function):
         else:  # each rank's own rows' upstream gradients
             weights = parallel.gather_plain(grad[start : start + mine].to(dtype), ctx.group)
         needs = tuple(ctx.needs_input_grad[:3])
-        grads = visit(everyone, w, scale, labels, ctx.opts, weights, (True, needs[1], needs[2]), lse)[2]
+        wanted = (True, needs[1], needs[2])
+        grads = visit(everyone, w, scale, labels, ctx.opts, weights, wanted, lse, scale_rows=True)[2]
         assert grads is not None
         de, dw, dscale = grads
         assert de is not None
         de = parallel.sum_across(de, ctx.group)[start : start + mine] * ctx.factor
-        if dscale is not None:
+        if dscale is not None:  # per global row, summed over the slices
             dscale = parallel.sum_across(dscale, ctx.group)
+            dscale = (dscale[start : start + mine] if ctx.share else dscale).sum()
         e_grad = de.to(everyone.dtype) if needs[0] else None
         w_grad = dw.to(w.dtype) if dw is not None else None
         s_grad = dscale.to(scale.dtype) if dscale is not None else None
-        return e_grad, w_grad, s_grad, None, None, None, None, None, None
+        return e_grad, w_grad, s_grad, None, None, None, None, None, None, None
 
 
 def sharded_margin(
@@ -107,10 +111,14 @@ def sharded_margin(
     grad_scale: str,
     group: Any,
 ) -> Tensor:
-    """The margin softmax with ``w`` this rank's slice of the classes (rank order) and
-    ``labels`` global class ids of this rank's rows; ``classes``: the slice's kept
-    classes (sampled) or None. Returns the global loss on every rank (``"none"``:
-    this rank's rows' losses, global softmax)."""
+    """The margin softmax with ``w`` this rank's slice of the classes (rank order, possibly
+    empty) and ``labels`` global class ids of this rank's rows; ``classes``: the slice's
+    kept classes (sampled) or None. Returns, as every loss with a process group, this
+    rank's share of the global loss times the ``grad_scale`` factor: with ``"ddp"`` the
+    global loss on every rank (their mean is the loss), with ``"sum"`` this rank's rows'
+    part (their sum is the loss; a learnable scale's gradient likewise its share);
+    ``"none"``: this rank's rows' losses (global softmax). The class slice's gradient is
+    its exact gradient of the global loss either way."""
     k = opts[4]
     mine = w.shape[0] // k
     counts = parallel.row_counts(mine, e.device, group)
@@ -132,11 +140,15 @@ def sharded_margin(
     weights = runner.share(reduction, "sum", runner.Source(e, 0, [everyone.shape[0]]), ones)
     factor = parallel.grad_factor(grad_scale, group)
     sizes = parallel.row_counts(e.shape[0], e.device, group)
-    rows = _ShardedMargin.apply(e, w, scale, local, opts, weights, factor, sizes, group)
+    share = grad_scale == "sum"
+    # a share of the scalar loss: this rank's rows' terms, the backward gathering every rank's upstream
+    fused = None if share else weights
+    rows = _ShardedMargin.apply(e, w, scale, local, opts, fused, factor, sizes, group, share)
+    start = sum(sizes[: parallel.rank_of(group)])
+    mine = slice(start, start + e.shape[0])
     if weights is None:
-        start = sum(sizes[: parallel.rank_of(group)])
-        return rows[start : start + e.shape[0]]
-    return (weights * rows).sum()
+        return rows[mine]
+    return (weights * rows).sum() if fused is not None else (weights[mine] * rows[mine]).sum()
 
 
 def kept_labels(local: Tensor, classes: Tensor, num_classes: int, w: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -146,6 +158,8 @@ def kept_labels(local: Tensor, classes: Tensor, num_classes: int, w: Tensor, k: 
     if not isinstance(classes, Tensor) or classes.dim() != 1 or classes.dtype not in (torch.int32, torch.int64):
         raise TypeError("classes must be a 1-D integer tensor of kept class indices (see flashcl.sample_classes)")
     classes = classes.to(local.device).long()
+    if num_classes == 0 and classes.numel() == 0:  # an empty class slice keeps nothing
+        return local, w
     if classes.numel() == 0 or int(classes.min()) < 0 or int(classes.max()) >= num_classes:
         raise ValueError(f"classes must be non-empty indices in [0, {num_classes}) of the class weights' classes")
     if classes.numel() > 1 and not bool((classes[1:] > classes[:-1]).all()):
@@ -201,15 +215,17 @@ def sample_classes(
     """
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < (0 if process_group else 1):
+        raise ValueError(
+            f"num_classes must be a positive int (0: an empty class slice, with process_group), got {num_classes!r}"
+        )
     if not isinstance(labels, Tensor) or labels.dim() != 1 or labels.is_floating_point():
         raise TypeError("labels must be a 1-D integer tensor of class ids")
     if process_group is not None:
         labels = parallel.gather_plain(labels, process_group)
     local = labels.long() - first_class
     positive = torch.unique(local[(local >= 0) & (local < num_classes)])
-    count = max(int(sample_rate * num_classes), positive.numel(), 1)  # a slice keeps at least one class
+    count = min(max(int(sample_rate * num_classes), positive.numel(), 1), num_classes)  # one per non-empty slice
     if count >= num_classes:
         return torch.arange(num_classes, device=labels.device)
     draw = torch.rand(num_classes, generator=generator, device=generator.device if generator else labels.device)

@@ -135,12 +135,12 @@ def _margin_loss(
     classes: Optional[Tensor] = None,
 ) -> Tensor:
     embeddings, labels = checks.validate_labelled(embeddings, labels)
-    w = checks.check_float_tensor(class_weights, "class_weights", (2,))
+    checks.check_bool(shard_classes, "shard_classes")
+    w = checks.check_float_tensor(class_weights, "class_weights", (2,), empty=shard_classes)
     checks.same_device(w, embeddings, "class_weights", "embeddings")
     if isinstance(subcenters, bool) or not isinstance(subcenters, int) or subcenters < 1:
         raise ValueError(f"subcenters must be a positive int (proxies per class), got {subcenters!r}")
-    checks.check_bool(shard_classes, "shard_classes")
-    if w.shape[0] == 0 or w.shape[0] % subcenters:
+    if (w.shape[0] == 0 and not shard_classes) or w.shape[0] % subcenters:  # a rank's slice may be empty
         raise ValueError(
             f"class_weights must hold subcenters = {subcenters} rows per class (C x {subcenters} rows), got "
             f"{w.shape[0]} rows"
