@@ -111,3 +111,36 @@ def test_out_of_bounds_scores_warn_and_bad_options_raise() -> None:
         ours.ColbertNegativeCELoss(in_batch_term_weight=1.5)
     with pytest.raises(ValueError, match="tau"):
         ours.ColbertLoss(tau=0.0)
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_signatures_spell_out_the_peers_parameters_and_the_dtype_is_the_peers(name: str) -> None:
+    """Every constructor lists colpali-engine's parameters by name, in its order, with its
+    defaults (then flashcl's keyword-only backend, block_size); bfloat16 and float16
+    inputs give a loss of colpali-engine's dtype (theirs; float32 for the sigmoid loss,
+    whose float32 mask promotes it), within its own rounding of the float64 value."""
+    import inspect
+
+    theirs = inspect.signature(getattr(peer, name).__init__).parameters
+    mine = inspect.signature(getattr(ours, name).__init__).parameters
+    assert [p for p in mine if mine[p].kind != inspect.Parameter.KEYWORD_ONLY] == list(theirs), name
+    assert all(mine[p].default == theirs[p].default for p in theirs if p != "self"), name
+    assert [p for p in mine if mine[p].kind == inspect.Parameter.KEYWORD_ONLY] == ["backend", "block_size"]
+    b = 2
+    q, qm = tokens((b, 3, 8), 6)
+    d, dm = tokens((b, 5, 8), 7)
+    inputs, masks = [q, d], [qm, dm]
+    if "Negative" in name:
+        neg, negm = tokens((b, 2, 5, 8), 8)
+        inputs.append(neg)
+        masks.append(negm)
+    exact = run_loss(getattr(peer, name)(), inputs, masks, 0)[0]
+    for dtype in (torch.bfloat16, torch.float16):
+        low = [x.to(dtype) for x in inputs]
+        want = run_loss(getattr(peer, name)(), low, masks, 0)
+        got = run_loss(getattr(ours, name)(backend="tiled"), low, masks, 0)
+        assert got[0].dtype == want[0].dtype, (name, dtype)
+        assert want[0].dtype == (torch.float32 if name == "ColbertSigmoidLoss" else dtype)
+        peer_error = float((want[0].double() - exact).abs())
+        assert float((got[0].double() - exact).abs()) <= peer_error + 2 * torch.finfo(dtype).eps * float(exact.abs())
+        assert all(g.dtype == dtype and bool(torch.isfinite(g).all()) for g in got[1])

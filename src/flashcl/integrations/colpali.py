@@ -9,8 +9,10 @@ Each class takes colpali-engine's arguments (``temperature``, ``normalize_scores
 ``max_batch_size``, ``tau``, ``norm_tol``, ``filter_threshold``, ``filter_factor``) and
 its call (``loss(query_embeddings, doc_embeddings[, neg_doc_embeddings], offset=0)``),
 plus flashcl's ``backend`` and ``block_size`` (keyword-only), and returns its values
-and gradients. colpali-engine's conventions are kept, not the exact masked maximum
-of :func:`flashcl.maxsim_loss`:
+and gradients in its dtype (the inputs': a bfloat16 loss for bfloat16 embeddings,
+computed in float32 and rounded once; ``ColbertSigmoidLoss`` float32 at least, as its
+float32 sign mask promotes it there). colpali-engine's conventions are kept, not the
+exact masked maximum of :func:`flashcl.maxsim_loss`:
 
 * Padding is zero vectors, not a mask (its models multiply the token embeddings by
   the attention mask). A padding document token scores 0 and takes part in the max
@@ -123,6 +125,12 @@ class ColbertModule(nn.Module):
         return self._filtered(scores, pos_idx), pos_idx
 
 
+def _as_peer(loss: Tensor, query: Tensor) -> Tensor:
+    """The loss, computed in float32 for half-precision inputs, returned in the inputs'
+    dtype as colpali-engine returns it (its bfloat16 loss for bfloat16 embeddings)."""
+    return loss.to(query.dtype)
+
+
 def _check_weight(weight: float) -> None:
     if not 0 <= weight <= 1:
         raise ValueError(f"in_batch_term_weight must be in [0, 1], got {weight!r}")
@@ -179,7 +187,7 @@ class ColbertLoss(_InBatch):
 
     def forward(self, query_embeddings: Tensor, doc_embeddings: Tensor, offset: int = 0) -> Tensor:
         scores, pos_idx = self._in_batch(query_embeddings, doc_embeddings, offset)
-        return F.cross_entropy(scores / self.temperature, pos_idx)
+        return _as_peer(F.cross_entropy(scores / self.temperature, pos_idx), query_embeddings)
 
 
 def _hardest_negative(scores: Tensor, offset: int) -> Tuple[Tensor, Tensor]:
@@ -212,13 +220,28 @@ class ColbertPairwiseCELoss(_InBatch):
         >>> loss = ColbertPairwiseCELoss()(torch.randn(4, 8, 16), torch.randn(4, 20, 16))
     """
 
-    def __init__(self, temperature: float = 1.0, *args: Any, **kwargs: Any) -> None:
-        super().__init__(temperature, *args, **kwargs)
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        normalize_scores: bool = True,
+        use_smooth_max: bool = False,
+        pos_aware_negative_filtering: bool = False,
+        max_batch_size: int = 1024,
+        tau: float = 0.1,
+        norm_tol: float = 1e-3,
+        filter_threshold: float = 0.95,
+        filter_factor: float = 0.5,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:
+        options = (temperature, normalize_scores, use_smooth_max, pos_aware_negative_filtering, max_batch_size, tau)
+        super().__init__(*options, norm_tol, filter_threshold, filter_factor, backend=backend, block_size=block_size)
 
     def forward(self, query_embeddings: Tensor, doc_embeddings: Tensor, offset: int = 0) -> Tensor:
         scores, _ = self._in_batch(query_embeddings, doc_embeddings, offset)
         pos, neg = _hardest_negative(scores, offset)
-        return F.softplus((neg - pos) / self.temperature).mean()
+        return _as_peer(F.softplus((neg - pos) / self.temperature).mean(), query_embeddings)
 
 
 class ColbertSigmoidLoss(_InBatch):
@@ -246,7 +269,9 @@ class ColbertSigmoidLoss(_InBatch):
         scores, pos_idx = self._in_batch(query_embeddings, doc_embeddings, offset)
         sign = -torch.ones_like(scores)
         sign[torch.arange(scores.shape[0], device=scores.device), pos_idx] = 1.0
-        return F.softplus(-(scores / self.temperature) * sign).mean()
+        loss = F.softplus(-(scores / self.temperature) * sign).mean()
+        # colpali-engine's float32 sign mask promotes its loss to float32 at least
+        return loss.to(torch.promote_types(query_embeddings.dtype, torch.float32))
 
 
 class _WithNegatives(_InBatch):
@@ -290,8 +315,8 @@ class _WithNegatives(_InBatch):
         loss = F.softplus((neg - pos.unsqueeze(1)) / self.temperature).mean()
         if self.in_batch_term_weight > 0:
             loss_ib = getattr(self, self._inner_name)(query_embeddings, doc_embeddings, offset)
-            loss = loss * (1 - self.in_batch_term_weight) + loss_ib * self.in_batch_term_weight
-        return loss
+            loss = loss * (1 - self.in_batch_term_weight) + loss_ib.to(loss.dtype) * self.in_batch_term_weight
+        return _as_peer(loss, query_embeddings)
 
 
 class ColbertNegativeCELoss(_WithNegatives):
