@@ -144,3 +144,12 @@ def test_signatures_spell_out_the_peers_parameters_and_the_dtype_is_the_peers(na
         peer_error = float((want[0].double() - exact).abs())
         assert float((got[0].double() - exact).abs()) <= peer_error + 2 * torch.finfo(dtype).eps * float(exact.abs())
         assert all(g.dtype == dtype and bool(torch.isfinite(g).all()) for g in got[1])
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_flashcl_options_are_checked_when_made(name: str) -> None:
+    cls = getattr(ours, name)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cls(backend="triton")
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        cls(block_size=0)

@@ -239,3 +239,29 @@ def test_bad_options_are_refused() -> None:
             ref_emb=torch.randn(4, 2),
             ref_labels=torch.tensor([0, 1, 0, 1]),
         )
+
+
+@pytest.mark.parametrize("backend", ["auto", "dense", "tiled"])
+def test_ntxent_takes_the_backend_its_docstring_promises(backend: str) -> None:
+    emb, labels, _, _ = _data()
+    want = _run(lambda: pml_losses.NTXentLoss(temperature=0.2), lambda f, x, y: f(x, labels), emb, emb)
+    got = _run(lambda: adapters.NTXentLoss(temperature=0.2, backend=backend), lambda f, x, y: f(x, labels), emb, emb)
+    assert_close(got[0], want[0], f"backend={backend}: loss", *TOL)
+    assert_close(got[1][0], want[1][0], f"backend={backend}: gradient", *TOL)
+    assert not [w for w in got[2] if w.startswith("flashcl")]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["SupConLoss", "NTXentLoss", "CosFaceLoss", "ArcFaceLoss", "SubCenterArcFaceLoss", "TripletMarginLoss"],
+)
+def test_every_adapter_checks_flashcl_options_when_made(name: str) -> None:
+    kwargs = {"num_classes": 3, "embedding_size": 4} if "Face" in name else {}
+    cls = getattr(adapters, name)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cls(backend="fast", **kwargs)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="block_size must be a positive int"):
+            cls(block_size=bad, **kwargs)
+    loss = cls(backend="tiled", block_size=4, **kwargs)
+    assert (loss.backend, loss.block_size) == ("tiled", 4)

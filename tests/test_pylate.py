@@ -229,3 +229,11 @@ def test_gather_across_devices_equals_pylate_on_two_processes(tmp_path) -> None:
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for name, (want, got) in results.items():
             _same(got, want, f"{name}, rank {rank}")
+
+
+@pytest.mark.parametrize("cls", ["Contrastive", "CachedContrastive", "Distillation"])
+def test_flashcl_options_are_checked_when_made(cls: str) -> None:
+    with pytest.raises(ValueError, match="backend must be one of"):
+        getattr(ours, cls)(TinyColBERT(), backend="triton")
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        getattr(ours, cls)(TinyColBERT(), block_size=-1)

@@ -615,3 +615,60 @@ def test_cosent_trains_through_a_model(tiny_model: Any) -> None:
     assert len(grads[0]) == len(grads[1]) > 0
     for a, e in zip(*grads):
         assert_close(a, e, "CoSENT: parameter gradient", 1e-4 * float(e.abs().max()) + 1e-7, 1e-4)
+
+
+def _make(cls: Any, tiny: Any, **kw: Any) -> Any:
+    """A drop-in with the model it needs (GIST: a guide too)."""
+    if "GIST" in cls.__name__:
+        return cls(tiny, tiny, **kw)
+    return cls(tiny, **kw)
+
+
+DROP_INS = [
+    fst.MultipleNegativesRankingLoss,
+    fst.CachedMultipleNegativesRankingLoss,
+    fst.GISTEmbedLoss,
+    fst.CachedGISTEmbedLoss,
+    fst.CoSENTLoss,
+    fst.AnglELoss,
+    fst.BatchAllTripletLoss,
+    fst.BatchHardTripletLoss,
+    fst.BatchSemiHardTripletLoss,
+    fst.BatchHardSoftMarginTripletLoss,
+    fst.SupConLoss,
+]
+
+
+@pytest.mark.parametrize("cls", DROP_INS, ids=lambda c: c.__name__)
+def test_drop_ins_check_flashcl_options_when_made_and_record_them(cls: Any, tiny_model: Any) -> None:
+    """A bad backend or block_size is refused by the constructor (not at the first call:
+    block_size=0 is not 'automatic', -1 not a raw RuntimeError); the options are in
+    get_config_dict (the model card's and the saved training arguments' record)."""
+    tiny_model = _load(tiny_model)
+    takes_block = "block_size" in __import__("inspect").signature(cls.__init__).parameters
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _make(cls, tiny_model, backend="fast")
+    if takes_block:
+        for bad in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match="block_size must be a positive int"):
+                _make(cls, tiny_model, block_size=bad)
+    loss = _make(cls, tiny_model, backend="tiled", **({"block_size": 8} if takes_block else {}))
+    config = loss.get_config_dict()
+    assert config["backend"] == "tiled"
+    assert config.get("block_size") == (8 if takes_block else None)
+    peer = getattr(st_losses, cls.__name__, None)
+    if peer is not None:  # the peer's own keys are kept
+        theirs = _make(peer, tiny_model).get_config_dict()
+        assert set(theirs) <= set(config), (set(theirs), set(config))
+
+
+def test_a_soft_margin_triplet_loss_refuses_a_margin_as_sentence_transformers() -> None:
+    with pytest.raises(TypeError):
+        st_losses.BatchHardSoftMarginTripletLoss(None, margin=1.0)
+    with pytest.raises(TypeError, match="margin"):
+        fst.BatchHardSoftMarginTripletLoss(None, margin=1.0)
+    import inspect
+
+    theirs = inspect.signature(st_losses.BatchHardSoftMarginTripletLoss.__init__).parameters
+    ours = inspect.signature(fst.BatchHardSoftMarginTripletLoss.__init__).parameters
+    assert [p for p in ours if ours[p].kind != inspect.Parameter.KEYWORD_ONLY] == list(theirs)

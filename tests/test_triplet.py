@@ -378,6 +378,10 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         flashcl.triplet_loss(x[sl], y[sl], margin=1.0 + rank, process_group=dist.group.WORLD, strategy="ring")
     except ValueError as e:
         errors["mismatch"] = str(e)
+    try:
+        flashcl.triplet_loss(x[sl], y[sl], margin=1.0, process_group=dist.group.WORLD, strategy="ring", backend="dense")
+    except ValueError as e:
+        errors["backend"] = str(e)
     torch.save({"out": out, "ties": ties, "errors": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -424,3 +428,4 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
             i += 1
     for r in ranks:
         assert "different calls" in r["errors"]["mismatch"]
+        assert "backend='dense' with strategy='ring'" in r["errors"]["backend"]

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..losses.maxsim import maxsim_scores
+from .options import FlashclOptions
 
 __all__ = [
     "ColbertLoss",
@@ -50,11 +51,13 @@ __all__ = [
 ]
 
 
-class ColbertModule(nn.Module):
+class ColbertModule(FlashclOptions, nn.Module):
     """What colpali-engine's losses share: the smooth max's ``tau``, the bounds of the
     normalised scores (``norm_tol``), the filtering of high negatives
     (``filter_threshold``, ``filter_factor``); ``max_batch_size`` is kept for the
-    signature (no index buffer is needed)."""
+    signature (no index buffer is needed); flashcl's options (:class:`FlashclOptions`)."""
+
+    backends = ("auto", "reference", "dense", "tiled")
 
     def __init__(
         self,
@@ -75,8 +78,7 @@ class ColbertModule(nn.Module):
         self.norm_tol = norm_tol
         self.filter_threshold = filter_threshold
         self.filter_factor = filter_factor
-        self.backend = backend
-        self.block_size = block_size
+        self.set_flashcl_options(backend, block_size)
         self.use_smooth_max = False
         self.normalize_scores = False
 

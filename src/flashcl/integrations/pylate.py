@@ -41,6 +41,7 @@ from torch import Tensor
 from .. import parallel
 from ..base import peer_import_error
 from ..losses.maxsim import maxsim_loss, maxsim_scores
+from .options import FlashclOptions
 
 try:
     from pylate import losses as _pl_losses
@@ -63,11 +64,11 @@ def _zeroed(x: Tensor, mask: Optional[Tensor]) -> Tensor:
     return x if mask is None else x * mask.unsqueeze(-1).to(x.dtype)
 
 
-class _Flashcl:
-    """flashcl's options and the fallback to pylate for a custom ``score_metric``."""
+class _Flashcl(FlashclOptions):
+    """flashcl's options (:class:`FlashclOptions`) and the fallback to pylate for a custom
+    ``score_metric``."""
 
-    backend: str = "auto"
-    block_size: Optional[int] = None
+    backends = ("auto", "reference", "dense", "tiled")
     _warned = False
 
     def _own_metric(self, default: Any) -> bool:
@@ -142,7 +143,7 @@ class Contrastive(_Flashcl, _pl_losses.Contrastive):
         block_size: Optional[int] = None,
     ) -> None:
         super().__init__(model, score_metric, score_mini_batch_size, size_average, gather_across_devices, temperature)
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Optional[Tensor] = None) -> Tensor:
         if not self._own_metric(None):
@@ -198,7 +199,7 @@ class CachedContrastive(_Flashcl, _pl_losses.CachedContrastive):
             show_progress_bar,
             temperature,
         )
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def calculate_loss(self, reps: List[List[Tensor]], masks: List[Tensor], with_backward: bool = False) -> Tensor:
         if not self._own_metric(None):
@@ -242,7 +243,7 @@ class Distillation(_Flashcl, _pl_losses.Distillation):
         block_size: Optional[int] = None,
     ) -> None:
         super().__init__(model, score_metric, size_average, normalize_scores)
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Tensor) -> Tensor:
         if not self._own_metric(colbert_kd_scores):

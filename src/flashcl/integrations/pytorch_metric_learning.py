@@ -56,6 +56,7 @@ from ..core import CoreSpec, compute_dtype
 from ..engine.engine import Problem
 from ..engine.heads import Head, Tile, mask_columns_
 from ..engine.positives import Positives
+from .options import FlashclOptions
 
 try:
     from pytorch_metric_learning import distances as _pml_distances
@@ -168,9 +169,10 @@ def _prepare_call(
     return embeddings, labels, ref_emb, ref_labels, ref_labels is labels
 
 
-class _Adapter:
-    """The call shared by the adapters: PML's own code (with a warning) where flashcl
-    does not compute the call, else the checks, PML's stats and :meth:`compute`.
+class _Adapter(FlashclOptions):
+    """The call shared by the adapters (flashcl's options: :class:`FlashclOptions`):
+    PML's own code (with a warning) where flashcl does not compute the call, else the
+    checks, PML's stats and :meth:`compute`.
     A subclass gives ``_memory`` (what PML's code holds), ``_loss_dict`` and, where
     it computes fewer settings, ``_why_not``."""
 
@@ -240,9 +242,7 @@ class SupConLoss(_Adapter, _pml_losses.SupConLoss):
         self, temperature: float = 0.1, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any
     ) -> None:
         super().__init__(temperature=temperature, **kwargs)
-        self.backend = checks.check_choice(backend, "backend", checks.BACKENDS)
-        checks.check_block(block_size)
-        self.block_size = block_size
+        self.set_flashcl_options(backend, block_size)
 
     _memory = "B x B memory"
 
@@ -407,7 +407,9 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
 
     Args:
         temperature: as PML's. Default: 0.07.
-        block_size: rows per block; None picks one.
+        backend: flashcl's backend (``"auto"`` | ``"dense"`` | ``"tiled"``: every
+            positive pair's softmax is a head of the tile engine, without a Triton kernel).
+        block_size: rows per block of the tiled backend; None picks one.
         **kwargs: PML's (``distance``, ``reducer``, ``embedding_regularizer``, ...).
 
     Shape:
@@ -419,10 +421,13 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
         >>> loss = NTXentLoss(temperature=0.1)(torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
     """
 
-    def __init__(self, temperature: float = 0.07, block_size: Optional[int] = None, **kwargs: Any) -> None:
+    backends = ("auto", "dense", "tiled")
+
+    def __init__(
+        self, temperature: float = 0.07, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any
+    ) -> None:
         super().__init__(temperature=temperature, **kwargs)
-        checks.check_block(block_size)
-        self.block_size = block_size
+        self.set_flashcl_options(backend, block_size)
 
     _memory = "positive pairs x negative pairs memory"
 
@@ -443,9 +448,11 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
         weights = torch.full(
             (emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype), device=emb.device
         )
-        value = runner.run_problem(
-            emb, None if ref is emb else ref, 1.0 / temperature, problem, "tiled", (weights, None), self.block_size
-        ).to(emb.dtype)
+        keys = None if ref is emb else ref
+        name = runner.backend_for(checks.Options(backend=self.backend), runner.local(ref), emb, None)
+        value = runner.run_problem(emb, keys, 1.0 / temperature, problem, name, (weights, None), self.block_size).to(
+            emb.dtype
+        )
         return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
 
 
@@ -496,18 +503,17 @@ class CrossBatchMemory(_pml_losses.CrossBatchMemory):
         return self.loss.compute(embeddings, labels, keys.detach().clone(), key_labels.clone(), pairs)
 
 
-class _MarginAdapter:
+class _MarginAdapter(FlashclOptions):
     """PML's ``compute_loss`` for its large-margin softmax losses, with the logits'
     cross-entropy computed by flashcl over blocks of classes (``_loss``: the
     flashcl function's name); PML's constructor plus ``backend`` and ``block_size``."""
 
-    backend: str = "auto"
-    block_size: Optional[int] = None
+    backends = ("auto", "reference", "dense", "tiled")
     _loss = ""
 
     def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def compute_loss(
         self, embeddings: Tensor, labels: Tensor, indices_tuple: Any, ref_emb: Any, ref_labels: Any
@@ -608,7 +614,7 @@ def _triplet_distance(distance: Any) -> Optional[Tuple[str, bool]]:
 _TRIPLET_REDUCERS = {"AvgNonZeroReducer": "mean", "MeanReducer": "every", "SumReducer": "sum"}
 
 
-class TripletMarginLoss(_pml_losses.TripletMarginLoss):
+class TripletMarginLoss(FlashclOptions, _pml_losses.TripletMarginLoss):
     """PML's ``TripletMarginLoss`` (its constructor: ``margin=0.05``, ``swap``,
     ``smooth_loss``, ``triplets_per_anchor``, ``distance``, ``reducer``,
     ``embedding_regularizer``, plus ``backend`` and ``block_size``), computed by
@@ -629,12 +635,11 @@ class TripletMarginLoss(_pml_losses.TripletMarginLoss):
         >>> loss = loss_fn(torch.randn(32, 16), torch.randint(0, 4, (32,)))
     """
 
-    backend: str = "auto"
-    block_size: Optional[int] = None
+    backends = ("auto", "reference", "dense", "tiled")
 
     def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
         if indices_tuple is not None:

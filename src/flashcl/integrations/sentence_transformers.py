@@ -66,6 +66,7 @@ from ..core import Exclusions, compute_dtype
 from ..engine import matryoshka
 from ..engine.engine import Problem
 from ..engine.heads import SoftmaxHead, Tile
+from .options import FlashclOptions
 
 try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -81,6 +82,9 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the package
     raise peer_import_error("sentence_transformers", "sentence-transformers", "sentence_transformers", e) from e
 
+#: the backends each loss takes (the guide's masks have no Triton kernel)
+_MNRL_BACKENDS = ("auto", "dense", "tiled", "triton")
+_GIST_BACKENDS = ("auto", "reference", "dense", "tiled")
 _DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
@@ -194,14 +198,11 @@ def _mnrl(
     return (log_z - positive).mean()
 
 
-class _Fallback:
-    """Warns once per instance when sentence-transformers' own code computes the loss.
-    The class-level defaults serve instances made without ``__init__`` (as
-    sentence-transformers' own tests make them)."""
+class _Fallback(FlashclOptions):
+    """Warns once per instance when sentence-transformers' own code computes the loss;
+    flashcl's options (:class:`FlashclOptions`)."""
 
     _warned = False
-    backend: str = "auto"
-    block_size: Optional[int] = None
 
     def _flashcl_or_none(self) -> Optional[str]:
         why = _unsupported(self)
@@ -258,6 +259,8 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
         >>> # SentenceTransformerTrainer(model=model, train_dataset=pairs, loss=loss).train()
     """
 
+    backends = _MNRL_BACKENDS
+
     def __init__(
         self,
         model: nn.Module,
@@ -282,7 +285,7 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
             hardness_mode=hardness_mode,  # type: ignore[arg-type]
             hardness_strength=hardness_strength,
         )
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def compute_loss_from_embeddings(self, embeddings: List[Tensor], labels: Optional[Tensor] = None) -> Tensor:
         _check_embeddings(embeddings)
@@ -312,6 +315,8 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
         >>> from flashcl.integrations.sentence_transformers import CachedMultipleNegativesRankingLoss
         >>> # loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)
     """
+
+    backends = _MNRL_BACKENDS
 
     def __init__(
         self,
@@ -343,7 +348,7 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
             hardness_mode=hardness_mode,  # type: ignore[arg-type]
             hardness_strength=hardness_strength,
         )
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def calculate_loss(
         self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *, with_backward: bool = False
@@ -526,6 +531,8 @@ class GISTEmbedLoss(_Fallback, _st_losses.GISTEmbedLoss):
         >>> # SentenceTransformerTrainer(model=model, train_dataset=pairs, loss=loss).train()
     """
 
+    backends = _GIST_BACKENDS
+
     def __init__(
         self,
         model: nn.Module,
@@ -550,7 +557,7 @@ class GISTEmbedLoss(_Fallback, _st_losses.GISTEmbedLoss):
             contrast_positives=contrast_positives,
             gather_across_devices=gather_across_devices,
         )
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def _guide_features(self, features: List[Dict[str, Tensor]]) -> List[Dict[str, Tensor]]:
         """The guide's inputs: the same tokens, or the texts re-tokenised for it."""
@@ -606,6 +613,8 @@ class CachedGISTEmbedLoss(_Fallback, _st_losses.CachedGISTEmbedLoss):
         >>> # loss = CachedGISTEmbedLoss(model, guide, mini_batch_size=64)
     """
 
+    backends = _GIST_BACKENDS
+
     def __init__(
         self,
         model: nn.Module,
@@ -636,7 +645,7 @@ class CachedGISTEmbedLoss(_Fallback, _st_losses.CachedGISTEmbedLoss):
         if mini_batch_num_tokens is not None:
             kw["mini_batch_num_tokens"] = mini_batch_num_tokens
         super().__init__(model, guide, **kw)  # type: ignore[arg-type]
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def calculate_loss(
         self, reps: List[List[Tensor]], reps_guided: List[List[Tensor]], *, with_backward: bool = False

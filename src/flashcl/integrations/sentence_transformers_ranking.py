@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .. import functional as Fn
 from ..base import peer_import_error
+from .options import FlashclOptions
 
 try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -50,11 +51,13 @@ __all__ = [
 _COSENT_SIMILARITIES = {pairwise_cos_sim: "cosine", pairwise_angle_sim: "angle"}
 
 
-class _CoSENT(_st_losses.CoSENTLoss):
-    """The CoSENT computation of :class:`CoSENTLoss` and :class:`AnglELoss`."""
+class _CoSENT(FlashclOptions, _st_losses.CoSENTLoss):
+    """The CoSENT computation of :class:`CoSENTLoss` and :class:`AnglELoss`; flashcl's
+    ``backend`` (:class:`FlashclOptions`)."""
 
     _warned = False
-    backend: str = "auto"
+    backends = ("auto", "reference", "dense", "tiled")
+    config_keys = ("backend",)
 
     def compute_loss_from_embeddings(self, embeddings: List[Tensor], labels: Tensor) -> Tensor:
         similarity = _COSENT_SIMILARITIES.get(self.similarity_fct)
@@ -117,7 +120,7 @@ class CoSENTLoss(_CoSENT):
         backend: str = "auto",
     ) -> None:
         super().__init__(model, scale=scale, similarity_fct=similarity_fct)  # type: ignore[arg-type]
-        self.backend = backend
+        self.set_flashcl_options(backend)
 
 
 class AnglELoss(_st_losses.AnglELoss, _CoSENT):
@@ -139,7 +142,7 @@ class AnglELoss(_st_losses.AnglELoss, _CoSENT):
 
     def __init__(self, model: nn.Module, scale: float = 20.0, *, backend: str = "auto") -> None:
         super().__init__(model, scale=scale)  # type: ignore[arg-type]
-        self.backend = backend
+        self.set_flashcl_options(backend)
 
 
 def _triplet_distances() -> Dict[Any, str]:
@@ -150,14 +153,13 @@ def _triplet_distances() -> Dict[Any, str]:
     return {functions.euclidean_distance: "euclidean", functions.cosine_distance: "cosine"}
 
 
-class _Triplet:
+class _Triplet(FlashclOptions):
     """The batch triplet losses' computation by :func:`flashcl.triplet_loss`, and
     their constructor: sentence-transformers' arguments (``margin`` where the loss
     has one) plus ``backend`` and ``block_size``."""
 
     _warned = False
-    backend: str = "auto"
-    block_size: Optional[int] = None
+    backends = ("auto", "reference", "dense", "tiled")
     _mining = "all"
     _soft = False
 
@@ -174,7 +176,7 @@ class _Triplet:
         if not self._soft:
             kw["margin"] = margin
         super().__init__(model, **kw)  # type: ignore[call-arg]
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def _flashcl_triplet(self, labels: Tensor, embeddings: Tensor, fallback: Callable[..., Tensor]) -> Tensor:
         from ..losses.triplet import triplet_loss
@@ -209,7 +211,8 @@ _TRIPLET_ARGS = """
         model: the SentenceTransformer being trained.
         distance_metric: sentence-transformers' euclidean (default) or cosine
             distance; another is computed by sentence-transformers' code.
-        margin: Default 5 (not for the soft-margin loss).
+        margin: Default 5 (the soft-margin loss has none: passing one is a
+            TypeError, as in sentence-transformers).
         backend, block_size: :func:`flashcl.triplet_loss`'s.
 """
 
@@ -293,11 +296,21 @@ class BatchHardSoftMarginTripletLoss(_Triplet, _st_losses.BatchHardSoftMarginTri
     _mining = "hard"
     _soft = True
 
+    def __init__(
+        self,
+        model: nn.Module,
+        distance_metric: Any = None,
+        *,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+    ) -> None:  # sentence-transformers' signature: no margin (a soft margin has none)
+        super().__init__(model, distance_metric, backend=backend, block_size=block_size)
+
     def batch_hard_triplet_soft_margin_loss(self, labels: Tensor, embeddings: Tensor) -> Tensor:
         return self._flashcl_triplet(labels, embeddings, super().batch_hard_triplet_soft_margin_loss)
 
 
-class SupConLoss(nn.Module):
+class SupConLoss(FlashclOptions, nn.Module):
     """Supervised contrastive loss for sentence-transformers: one text column
     and one integer label per text; texts with the same label are positives.
 
@@ -332,7 +345,7 @@ class SupConLoss(nn.Module):
         super().__init__()
         self.model = model
         self.temperature, self.positives, self.include_self = temperature, positives, include_self
-        self.backend, self.block_size = backend, block_size
+        self.set_flashcl_options(backend, block_size)
 
     def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Tensor) -> Tensor:
         features = list(sentence_features)
@@ -353,4 +366,5 @@ class SupConLoss(nn.Module):
         )
 
     def get_config_dict(self) -> Dict[str, Any]:
-        return {"temperature": self.temperature, "positives": self.positives, "include_self": self.include_self}
+        options = {"temperature": self.temperature, "positives": self.positives, "include_self": self.include_self}
+        return {**options, "backend": self.backend, "block_size": self.block_size}
