@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import textwrap
@@ -27,6 +28,14 @@ def seed1_as_function(x: torch.Tensor) -> torch.Tensor:
     return torch.sum(-torch.log(torch.exp(y) / row_sum.view(-1, 1)))
 
 
+def pasted_into(call: str, names: list, inputs: list) -> torch.Tensor:
+    """The suggested call pasted as the body of a function with the user's parameters
+    (``flashcl``, ``torch`` and ``random`` imported in its module), called on ``inputs``."""
+    namespace = {"flashcl": flashcl, "torch": torch, "random": random}
+    exec(f"def user_loss({', '.join(names)}):\n    return {call}\n", namespace)
+    return namespace["user_loss"](*inputs)
+
+
 def test_seed1_program_is_diagnosed() -> None:
     x = torch.randn(100, 100, requires_grad=True)
     report = flashcl.doctor(seed1_as_function, x, sizes=[100, 200, 400], repeats=3)
@@ -42,7 +51,7 @@ def test_seed1_program_is_diagnosed() -> None:
         assert report.backward_elements_exponent is not None and report.backward_elements_exponent > 2.9, report.text()
     assert report.runs[-1].backward_elements > 2 * 400**3  # two selected elements per row, n^2 each
     assert report.replacement is not None and "flashcl.neighbor_loss" in report.replacement.call
-    assert "(400, 2)" in report.replacement.call and "random.randrange" in report.replacement.call
+    assert "range(2)" in report.replacement.call and "random.randrange" in report.replacement.call
     assert len(report.replacement.user_times) == len(report.replacement.flashcl_times) == 3
     assert "neighbor_loss" in report.text()
     # the named call computes the program's loss and gradient on the inputs it was found on
@@ -59,6 +68,12 @@ def test_seed1_program_is_diagnosed() -> None:
     ours.backward()
     assert abs(float(ours.detach()) - report.replacement.loss) < 1e-3
     assert torch.allclose(ours, user, rtol=1e-5) and torch.allclose(x2.grad, x400.grad, atol=1e-5)
+    # the call as printed, pasted where the function's loss was (its parameter's name)
+    random.seed(0)
+    torch.manual_seed(0)
+    name = list(inspect.signature(seed1_as_function).parameters)[0]
+    pasted = pasted_into(report.replacement.call, [name], [x400])
+    assert torch.allclose(pasted, user, rtol=1e-5), report.replacement.call
 
 
 def test_seed2_naive_loop_names_the_supcon_call() -> None:
@@ -203,17 +218,23 @@ def cosface_by_hand(emb: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) ->
         (
             batch_hard_triplet_loops,
             lambda: (torch.randn(48, 8, requires_grad=True), torch.randint(0, 6, (48,))),
-            ["flashcl.triplet_loss(", "margin=0.3", "mining='hard'", "distance='euclidean'", "normalize=False"],
+            [
+                "flashcl.triplet_loss(emb, labels,",
+                "margin=0.3",
+                "mining='hard'",
+                "distance='euclidean'",
+                "normalize=False",
+            ],
         ),
         (
             cosent_loops,
             lambda: (torch.randn(24, 8, requires_grad=True), torch.randn(24, 8, requires_grad=True), torch.rand(24)),
-            ["flashcl.cosent_loss(", "scale=20", "similarity='cosine'"],
+            ["flashcl.cosent_loss(a, b, scores,", "scale=20", "similarity='cosine'"],
         ),
         (
             cosface_by_hand,
             lambda: (torch.randn(32, 8, requires_grad=True), torch.randint(0, 10, (32,)), torch.randn(8, 10)),
-            ["flashcl.cosface_loss(", "class_weights.T", "margin=0.35", "scale=30"],
+            ["flashcl.cosface_loss(emb, labels, w.T,", "margin=0.35", "scale=30"],
         ),
     ],
     ids=["batch-hard triplet", "CoSENT", "CosFace"],
@@ -228,3 +249,35 @@ def test_doctor_names_a_replacement_in_every_family(fn, make, want) -> None:
     for part in want:
         assert part in report.replacement.call, report.replacement.call
     assert "a Python loop over the batch" in {f.pattern for f in report.findings} or fn is cosface_by_hand
+    # the call runs as printed inside the function: its parameters' names, the same value
+    names = list(inspect.signature(fn).parameters)
+    pasted = pasted_into(report.replacement.call, names, list(inputs))
+    value, want = float(pasted.detach()), float(fn(*inputs).detach())
+    assert abs(value - want) <= 1e-4 * max(1.0, abs(want)), report.replacement.call
+
+
+FAMILY_INPUTS = {
+    "a score matrix": lambda: [torch.randn(7, 7)],
+    "embeddings and labels": lambda: [torch.randn(9, 4), torch.randint(0, 3, (9,))],
+    "class weights (C, D) and (D, C)": lambda: [torch.randn(9, 4), torch.randint(0, 4, (9,)), torch.randn(4, 4)],
+    "two towers": lambda: [torch.randn(6, 4), torch.randn(6, 4)],
+    "pairs with scores": lambda: [torch.randn(6, 4), torch.randn(6, 4), torch.rand(6)],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILY_INPUTS))
+def test_every_suggested_call_runs_as_printed_with_the_users_names(kind: str) -> None:
+    """Every candidate of every family, printed with the user's own parameter names
+    (odd ones here), evaluates inside that function to the candidate's value."""
+    from flashcl.tools.families import candidates
+
+    inputs = FAMILY_INPUTS[kind]()
+    names = [f"my_arg_{i}" for i in range(len(inputs))]
+    found = candidates(inputs, 3, names)
+    assert found, kind
+    for call, fn in found:
+        assert all(word not in call for word in ("embeddings,", "(scores,", "class_weights", "(a, b")), call
+        random.seed(3)
+        torch.manual_seed(3)
+        pasted = pasted_into(call, names, inputs)
+        assert torch.allclose(pasted, fn(), rtol=1e-5, atol=1e-6), call

@@ -17,6 +17,7 @@ call that replaces it with the measured speedup.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import random
@@ -441,7 +442,8 @@ def _find_replacement(
                 continue
             if _close(value, user[-1][0]):
                 values.append((abs(value - user[-1][0]), i))
-    per_size = [_candidates(ins, seed) for ins in every_size]
+    names = parameter_names(fn, len(inputs))
+    per_size = [_candidates(ins, seed, names) for ins in every_size]
     for _, i in sorted(values):
         if all(
             _close(v, uv) and _same_gradients(g, ug)
@@ -461,6 +463,26 @@ def _find_replacement(
         user_times.append(_time_fwd_bwd(lambda: _call(fn, inputs, seed), inputs))
         flashcl_times.append(_time_fwd_bwd(cand, inputs))
     return Replacement(call, value, user_times, flashcl_times)
+
+
+def parameter_names(fn: Callable[..., Any], count: int) -> Optional[List[str]]:
+    """The names the function gives its first ``count`` positional arguments
+    (``*args``: ``args[i]``), so that a suggested call runs as printed inside it;
+    None where the signature cannot be read."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names: List[str] = []
+    for p in params:
+        if len(names) == count:
+            break
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            start = len(names)
+            names += [f"{p.name}[{i - start}]" for i in range(start, count)]
+    return names if len(names) == count else None
 
 
 def _time_fwd_bwd(make_loss: Callable[[], Tensor], inputs: Sequence[Any]) -> float:

@@ -1,7 +1,8 @@
 """The flashcl calls :func:`flashcl.doctor` tries as replacements of a user's loss:
 one family of calls per kind of inputs (a square score matrix; embeddings and int
 labels, with class weights or not; two embedding matrices, with a score per pair or
-not), each with the parameters users write."""
+not), each with the parameters users write, printed with the names of the user's
+function's own parameters so that the call runs as printed inside it."""
 
 from __future__ import annotations
 
@@ -26,10 +27,25 @@ _COSFACE_MARGINS = (0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5)
 _ARCFACE_MARGINS = (0.1, 0.2, 0.3, 0.4, 0.5)
 
 Candidate = Tuple[str, Callable[[], Tensor]]
+#: how a family names an input in the call it prints: the user's parameter, or a default
+Namer = Callable[[Tensor, str], str]
 
 
 def _words(values: Sequence[float]) -> str:
     return ", ".join(f"{v:g}" for v in values)
+
+
+def _namer(inputs: Sequence[Any], names: Optional[Sequence[str]]) -> Namer:
+    """The name of each input in the user's function (``names``, by position), else the
+    family's own word for it."""
+
+    def name(t: Tensor, default: str) -> str:
+        for x, n in zip(inputs, names or ()):
+            if x is t:
+                return n
+        return default
+
+    return name
 
 
 def _split(inputs: Sequence[Any]) -> Tuple[List[Tensor], List[Tensor]]:
@@ -37,12 +53,13 @@ def _split(inputs: Sequence[Any]) -> Tuple[List[Tensor], List[Tensor]]:
     return [t for t in tensors if t.is_floating_point()], [t for t in tensors if not t.is_floating_point()]
 
 
-def _neighbor(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candidate]]]:
+def _neighbor(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
     floats, ints = _split(inputs)
     if not (len(floats) == 1 and floats[0].dim() == 2 and floats[0].shape[0] == floats[0].shape[1] and not ints):
         return None
     x = floats[0]
     n = x.shape[0]
+    scores = name(x, "scores")
     out: List[Candidate] = []
     for k in (1, 2, 3, 4, 5):
         # the neighbours the user's function drew, replayed from the same seed
@@ -50,13 +67,15 @@ def _neighbor(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Cand
         nb_py = torch.tensor([[random.randrange(0, n) for _ in range(k)] for _ in range(n)])
         torch.manual_seed(seed)
         nb_t = torch.randint(0, n, (n, k))
-        for nb, how in ((nb_py, "random.randrange"), (nb_t, "torch.randint")):
+        rows = f"{scores}.shape[0]"
+        drawn = (  # the neighbours drawn as the user's code draws them, at any size
+            (nb_py, f"torch.tensor([[random.randrange(0, {rows}) for _ in range({k})] for _ in range({rows})])"),
+            (nb_t, f"torch.randint(0, {rows}, ({rows}, {k}))"),
+        )
+        for nb, how in drawn:
             for excl in (True, False):
                 for red in ("sum", "mean"):
-                    call = (
-                        f"flashcl.neighbor_loss(scores, neighbors, exclude_diagonal={excl}, reduction="
-                        f"'{red}')  # neighbors: ({n}, {k}) drawn as your code does ({how})"
-                    )
+                    call = f"flashcl.neighbor_loss({scores}, {how}, exclude_diagonal={excl}, reduction='{red}')"
                     fn = functools.partial(functional.neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red)
                     out.append((call, fn))
     words = (
@@ -73,18 +92,19 @@ def _labelled(inputs: Sequence[Any]) -> Optional[Tuple[Tensor, Tensor]]:
     return None
 
 
-def _supcon(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candidate]]]:
+def _supcon(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
     pair = _labelled(inputs)
     if pair is None:
         return None
     e, y = pair
+    ne, ny = name(e, "embeddings"), name(y, "labels")
     out: List[Candidate] = []
     for t in _TEMPERATURES:
         for pos in ("mean", "sum"):
             for inc in (False, True):
                 for red in ("mean", "sum"):
                     call = (
-                        f"flashcl.supcon_loss(embeddings, labels, temperature={t}, positives='{pos}', "
+                        f"flashcl.supcon_loss({ne}, {ny}, temperature={t}, positives='{pos}', "
                         f"include_self={inc}, reduction='{red}')"
                     )
                     fn = functools.partial(
@@ -95,11 +115,12 @@ def _supcon(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candid
     return words, out
 
 
-def _triplet(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candidate]]]:
+def _triplet(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
     pair = _labelled(inputs)
     if pair is None:
         return None
     e, y = pair
+    ne, ny = name(e, "embeddings"), name(y, "labels")
     out: List[Candidate] = []
     settings = [(m, mining, False) for m in _TRIPLET_MARGINS for mining in ("all", "hard", "semi-hard")]
     settings += [(0.0, mining, True) for mining in ("hard", "semi-hard")]
@@ -108,7 +129,7 @@ def _triplet(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candi
             for normalize in (False, True):
                 for red in ("mean", "sum"):
                     call = (
-                        f"flashcl.triplet_loss(embeddings, labels, margin={margin:g}, mining='{mining}'"
+                        f"flashcl.triplet_loss({ne}, {ny}, margin={margin:g}, mining='{mining}'"
                         + (", soft_margin=True" if soft else "")
                         + f", distance='{distance}', normalize={normalize}, reduction='{red}')"
                     )
@@ -131,7 +152,7 @@ def _triplet(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candi
     return words, out
 
 
-def _margin(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candidate]]]:
+def _margin(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
     """CosFace / ArcFace: embeddings (B, D), int labels and a class-weight matrix,
     (C, D) or, as pytorch-metric-learning holds it, (D, C)."""
     floats, ints = _split(inputs)
@@ -142,27 +163,27 @@ def _margin(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candid
     if e.shape[0] != y.shape[0]:
         return None
     weights = []
+    ne, ny, nw = name(e, "embeddings"), name(y, "labels"), name(w, "class_weights")
     if w.shape[1] == e.shape[1]:
-        weights.append(("class_weights", w))
+        weights.append((nw, w))
     if w.shape[0] == e.shape[1]:
-        weights.append(("class_weights.T", w.T))
+        weights.append((f"{nw}.T", w.T))
     if not weights:
         return None
     out: List[Candidate] = []
-    for name, cw in weights:
+    for written, cw in weights:
         for scale in _MARGIN_SCALES:
             for red in ("mean", "sum"):
                 for m in _COSFACE_MARGINS:
                     call = (
-                        f"flashcl.cosface_loss(embeddings, labels, {name}, margin={m}, scale={scale:g}, "
-                        f"reduction='{red}')"
+                        f"flashcl.cosface_loss({ne}, {ny}, {written}, margin={m}, scale={scale:g}, reduction='{red}')"
                     )
                     fn = functools.partial(functional.cosface_loss, e, y, cw, margin=m, scale=scale, reduction=red)
                     out.append((call, fn))
                 for m in _ARCFACE_MARGINS:
                     for easy in (False, True):
                         call = (
-                            f"flashcl.arcface_loss(embeddings, labels, {name}, margin={m}, scale={scale:g}, "
+                            f"flashcl.arcface_loss({ne}, {ny}, {written}, margin={m}, scale={scale:g}, "
                             f"easy_margin={easy}, reduction='{red}')"
                         )
                         fn = functools.partial(
@@ -177,29 +198,30 @@ def _margin(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candid
     return words, out
 
 
-def _two_towers(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candidate]]]:
+def _two_towers(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
     floats, ints = _split(inputs)
     if not (len(floats) == 2 and all(f.dim() == 2 for f in floats) and not ints):
         return None
     a, b = floats
+    na, nb = name(a, "z1"), name(b, "z2")
     out: List[Candidate] = []
     for t in _TEMPERATURES:
         if a.shape == b.shape:
             out.append(
                 (
-                    f"flashcl.nt_xent_loss(z1, z2, temperature={t})",
+                    f"flashcl.nt_xent_loss({na}, {nb}, temperature={t})",
                     functools.partial(functional.nt_xent_loss, a, b, temperature=t),
                 )
             )
             out.append(
                 (
-                    f"flashcl.clip_loss(image, text, logit_scale={1 / t:g})",
+                    f"flashcl.clip_loss({name(a, 'image')}, {name(b, 'text')}, logit_scale={1 / t:g})",
                     functools.partial(functional.clip_loss, a, b, 1 / t),
                 )
             )
         out.append(
             (
-                f"flashcl.info_nce_loss(query, keys, temperature={t})",
+                f"flashcl.info_nce_loss({name(a, 'query')}, {name(b, 'keys')}, temperature={t})",
                 functools.partial(functional.info_nce_loss, a, b, temperature=t),
             )
         )
@@ -210,7 +232,7 @@ def _two_towers(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Ca
     return words, out
 
 
-def _cosent(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candidate]]]:
+def _cosent(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
     """CoSENT / AnglE: the two sides of each pair (B, D) and a score per pair (float
     or int labels)."""
     tensors = [t for t in inputs if isinstance(t, Tensor)]
@@ -225,7 +247,10 @@ def _cosent(inputs: Sequence[Any], seed: int) -> Optional[Tuple[str, List[Candid
     out: List[Candidate] = []
     for scale in _COSENT_SCALES:
         for similarity in ("cosine", "angle"):
-            call = f"flashcl.cosent_loss(a, b, scores, scale={scale:g}, similarity='{similarity}')"
+            call = (
+                f"flashcl.cosent_loss({name(a, 'a')}, {name(b, 'b')}, {name(y, 'scores')}, scale={scale:g}, "
+                f"similarity='{similarity}')"
+            )
             out.append((call, functools.partial(functional.cosent_loss, a, b, y, scale=scale, similarity=similarity)))
     return f"cosent_loss at scales {_words(_COSENT_SCALES)}, cosine or AnglE's angle similarity", out
 
@@ -236,7 +261,8 @@ _FAMILIES = (_neighbor, _supcon, _triplet, _margin, _two_towers, _cosent)
 
 def families(inputs: Sequence[Any]) -> List[str]:
     """The candidate families :func:`candidates` tries on inputs of this kind, in words."""
-    out = [found[0] for found in (family(inputs, 0) for family in _FAMILIES) if found is not None]
+    name = _namer(inputs, None)
+    out = [found[0] for found in (family(inputs, 0, name) for family in _FAMILIES) if found is not None]
     if not out:
         out.append(
             "nothing: flashcl's losses take one square score matrix; embeddings and int labels (and class "
@@ -245,12 +271,16 @@ def families(inputs: Sequence[Any]) -> List[str]:
     return out
 
 
-def candidates(inputs: Sequence[Any], seed: int) -> List[Candidate]:
+def candidates(inputs: Sequence[Any], seed: int, names: Optional[Sequence[str]] = None) -> List[Candidate]:
     """flashcl calls that may compute the same loss on these inputs (the same list,
-    in the same order, for inputs of any size)."""
+    in the same order, for inputs of any size), each printed with ``names`` (the
+    user's function's parameters, by position) for the inputs: it runs as printed
+    inside that function (``flashcl``, ``torch`` and, for drawn neighbours, ``random``
+    imported)."""
     out: List[Candidate] = []
+    name = _namer(inputs, names)
     for family in _FAMILIES:
-        found = family(inputs, seed)
+        found = family(inputs, seed, name)
         if found is not None:
             out += found[1]
     return out
