@@ -180,3 +180,44 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):
         flashcl.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), backend="triton")
+
+
+class _FailingKernel:
+    """A kernel whose launch fails as on a GPU with too little shared memory."""
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            from triton.runtime.errors import OutOfResources
+
+            raise OutOfResources(232448, 101376, "shared memory")
+
+        return launch
+
+
+@pytest.mark.parametrize("failing", ["lse_kernel", "dq_kernel"], ids=["forward", "backward"])
+def test_a_kernel_that_fails_falls_back_to_tiled_with_one_warning(failing: str, monkeypatch) -> None:
+    """A Triton kernel that cannot launch on the user's GPU (here: too little shared
+    memory, in the forward's kernel or only in the backward's): the call is computed by
+    the tiled backend, one RuntimeWarning names the cause, later calls fall back at once
+    without another, and the values and gradients are the reference's."""
+    import warnings
+
+    import flashcl.triton.driver as driver
+    from flashcl.engine import engine
+
+    monkeypatch.setattr(driver, failing, _FailingKernel())
+    monkeypatch.setattr(driver, "_FAILED", None)
+    monkeypatch.setattr(engine, "_WARNED_FAILURES", set())
+    for name in ("supcon", "clip"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            # "none": the gradient in autograd's backward (the recomputation falls back there)
+            reduction = "none" if failing == "dq_kernel" else "mean"
+            compare_to_reference(CASES[name], "triton", reduction, torch.float32, *TOL[torch.float32])
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        if name == "supcon":
+            assert len(messages) == 1, messages
+            assert "OutOfResources" in messages[0] and "shared memory" in messages[0] and "tiled" in messages[0]
+        else:  # the same cause: no second warning, and no second try of the kernels
+            assert messages == [], messages
+    assert driver._FAILED is not None and "OutOfResources" in driver._FAILED

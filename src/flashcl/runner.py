@@ -520,7 +520,8 @@ def driver(
             raise ValueError(f"backend='triton' is not usable here: {why}")
         from .triton.driver import TritonDriver
 
-        return TritonDriver(problem.head)
+        # where the kernels fail on the device: the tiled backend, with a warning (never a crashed step)
+        return TritonDriver(problem.head, fallback=driver("tiled", problem, k, device_type, dtype))
     raise ValueError(f"backend {name!r} does not run engine problems")
 
 

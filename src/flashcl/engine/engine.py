@@ -31,6 +31,7 @@ tile, turns it into ``dL/ds`` with ``head.grad`` and accumulates
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -45,6 +46,7 @@ __all__ = [
     "Problem",
     "Operands",
     "Driver",
+    "KernelFailure",
     "EngineFunction",
     "dense_values",
     "run",
@@ -314,6 +316,36 @@ class Driver:
     def release(self) -> None:
         """Drops the buffers kept between the passes of one call (forward and a
         fused gradient share them); called when the forward pass ends."""
+
+    #: the driver that computes the same problem when this one's kernels fail on the
+    #: device (:class:`KernelFailure`: a GPU kernel that does not compile or launch);
+    #: None: the failure is raised
+    fallback: Optional[Driver] = None
+
+
+class KernelFailure(RuntimeError):
+    """A driver's kernels failed to compile or launch on this device (the cause
+    chained): the engine computes the call with the driver's :attr:`Driver.fallback`
+    instead, with one warning that names the cause."""
+
+
+_WARNED_FAILURES: set = set()
+
+
+def _fall_back(driver: Driver, failure: KernelFailure) -> Driver:
+    """The driver to use after ``failure`` (one warning per cause and process)."""
+    if driver.fallback is None:
+        raise failure
+    cause = str(failure)
+    if cause not in _WARNED_FAILURES:
+        _WARNED_FAILURES.add(cause)
+        warnings.warn(
+            f"flashcl: {type(driver).__name__}'s kernels failed on this device ({cause}); computing with "
+            f"{type(driver.fallback).__name__} (the tiled backend) instead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return driver.fallback
 
 
 def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype, lazy: bool) -> Tuple[Rows, Optional[Tensor]]:
@@ -599,7 +631,15 @@ class EngineFunction(FusedFunction):
             g_row, g_col = g[:m], (g[m:] if head.has_columns else None)
         dq, dk = _new_grads(ops)
         head.begin_grad(st, g_row, g_col)
-        dscale = driver.backward(ops, head, st, dq, dk)
+        try:
+            dscale = driver.backward(ops, head, st, dq, dk)
+        except KernelFailure as failure:  # the forward's reductions stand; the gradient by the fallback
+            driver = ctx.driver = _fall_back(driver, failure)
+            ops = operands(q_in, k_in, float(scale), problem.normalize, driver.lazy, block, problem.offset)
+            if driver.uses_grad_operands:
+                ops.form_grad_operands()
+            dq, dk = _new_grads(ops)
+            dscale = driver.backward(ops, head, st, dq, dk)
         driver.release()
         dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk)
         dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
@@ -628,4 +668,8 @@ def run(
     with autocast_off(q.device.type):
         if driver is None:
             return dense_output(q, k, scale, problem, reduce_weights, param)
-        return EngineFunction.apply(q, k, scale, param, problem, driver, reduce_weights, block)
+        try:
+            return EngineFunction.apply(q, k, scale, param, problem, driver, reduce_weights, block)
+        except KernelFailure as failure:
+            fallback = _fall_back(driver, failure)
+            return EngineFunction.apply(q, k, scale, param, problem, fallback, reduce_weights, block)

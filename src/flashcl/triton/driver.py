@@ -11,7 +11,7 @@ import torch
 import triton
 from torch import Tensor
 
-from ..engine.engine import Driver, Operands
+from ..engine.engine import Driver, KernelFailure, Operands
 from ..engine.heads import Head
 from ..engine.positives import raw_rows
 from .kernels import dk_kernel, dq_kernel, lse_kernel
@@ -19,6 +19,8 @@ from .kernels import dk_kernel, dq_kernel, lse_kernel
 __all__ = ["Config", "HEADS", "default_config", "precision", "row_lse", "gradients", "TritonDriver"]
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+#: the cause of the kernels' first failure in this process (then every call falls back)
+_FAILED: Optional[str] = None
 
 
 class Config(NamedTuple):
@@ -180,16 +182,37 @@ class TritonDriver(Driver):
     inputs are rounded once, as given; the positive terms and the
     normalisation's backward run in float32 (the engine's).
 
+    A kernel that fails to compile or launch on the device (too little shared memory,
+    a Triton or driver version that cannot build it) raises :class:`KernelFailure`:
+    the engine then computes the call with ``fallback`` (the tiled backend), with one
+    warning naming the cause, and this process does not try the kernels again.
+
     Args:
         head: the problem's head.
         config: the launch configuration; None picks :func:`default_config`.
+        fallback: the driver used when the kernels fail (None: the failure is raised).
     """
 
     lazy = True
 
-    def __init__(self, head: Head, config: Optional[Config] = None) -> None:
+    def __init__(self, head: Head, config: Optional[Config] = None, fallback: Optional[Driver] = None) -> None:
         head.kernel_args()  # the head's ValueError when the kernels cannot compute it
         self.config = config
+        self.fallback = fallback
+
+    @staticmethod
+    def _launch(kernels: Any, *args: Any) -> Any:
+        """``kernels(*args)``; a failure of Triton's (compiling, launching) as a
+        :class:`KernelFailure` naming its cause, and remembered: later calls in this
+        process fall back at once."""
+        global _FAILED
+        if _FAILED is not None:
+            raise KernelFailure(_FAILED)
+        try:
+            return kernels(*args)
+        except Exception as e:  # Triton's compile and launch errors have no common base class
+            _FAILED = f"{type(e).__name__}: {e}"
+            raise KernelFailure(_FAILED) from e
 
     def _cfg(self, d: int, dtype: torch.dtype) -> Config:
         return self.config if self.config is not None else default_config(d, dtype)
@@ -221,11 +244,22 @@ class TritonDriver(Driver):
         cfg = self._cfg(qc.shape[1], qc.dtype)
         like = raw_rows(ops.q)[0]
         args = head.kernel_args()
-        first, second, _ = row_lse(
-            qc, kc, iq, ik, ops.scale, args.exclude_self, args.offset, cfg, args.kernel, args.bias, args.excluded
+        first, second, _ = self._launch(
+            row_lse,
+            qc,
+            kc,
+            iq,
+            ik,
+            ops.scale,
+            args.exclude_self,
+            args.offset,
+            cfg,
+            args.kernel,
+            args.bias,
+            args.excluded,
         )
         if head.has_columns:
-            second = row_lse(kc, qc, ik, iq, ops.scale, False, 0, cfg)[0]
+            second = self._launch(row_lse, kc, qc, ik, iq, ops.scale, False, 0, cfg)[0]
         head.kernel_state(st, first.to(like.dtype), None if second is None else second.to(like.dtype))
         return None
 
@@ -235,7 +269,8 @@ class TritonDriver(Driver):
         g_row, g_col = head.kernel_weights(st)
         args = head.kernel_args()
         lse_c = head.kernel_column_lse(st)
-        gq, gk, _ = gradients(
+        gq, gk, _ = self._launch(
+            gradients,
             qc,
             kc,
             iq,
