@@ -1,4 +1,4 @@
-"""``flashcl`` / ``python -m flashcl``: the command line (``bench``, ``doctor``)."""
+"""``flashcl`` / ``python -m flashcl``: the command line (``bench``, ``doctor``, ``check``)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,37 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def _check(args: argparse.Namespace) -> int:
+    import torch
+
+    from .tools.selfcheck import HEADER, format_row, run_checks
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("flashcl check: --device cuda, but torch sees no CUDA device")
+    dtypes = [getattr(torch, d) for d in (args.dtype or ["float32", "float16", "bfloat16"])]
+    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
+    print(
+        f"flashcl check on {device} ({where}), torch {torch.__version__}: every loss's backends against the "
+        "float64 reference on the CPU",
+        flush=True,
+    )
+    print(HEADER, flush=True)
+    try:
+        rows = run_checks(device, dtypes, args.loss, report=lambda row: print(format_row(row), flush=True))
+    except ValueError as e:
+        raise SystemExit(f"flashcl check: {e}") from e
+    bad = [r for r in rows if r.status in ("FAIL", "error")]
+    counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fallback", "n/a", "FAIL", "error")}
+    print("\n" + ", ".join(f"{n} {s}" for s, n in counts.items()), flush=True)
+    if counts["fallback"]:
+        print("fallback: the Triton kernels failed on this device; the tiled backend computed those rows", flush=True)
+    return 1 if bad else 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="flashcl", description="flashcl command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,7 +121,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc.add_argument("--sizes", default="250,500,1000", help="batch sizes n to run at (default 250,500,1000)")
     doc.add_argument("--seed", type=int, default=0, help="random and torch are seeded with it before each call")
     doc.add_argument("--json", help="also write the report as JSON to this file")
+    chk = sub.add_parser(
+        "check",
+        help="check every loss's backends on your device and dtypes against the float64 reference "
+        "(exit status 1 on a mismatch)",
+    )
+    chk.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when torch sees one, else cpu)")
+    chk.add_argument(
+        "--dtype",
+        action="append",
+        choices=sorted(_DTYPES),
+        help="repeat for several (default: float32, float16, bfloat16)",
+    )
+    chk.add_argument("--loss", action="append", help="only this loss (e.g. supcon_loss); repeat for several")
     args = parser.parse_args(argv)
+    if args.command == "check":
+        return _check(args)
     if args.command == "bench":
         from .bench.cli import run
 

@@ -34,10 +34,9 @@ labels are all equal.
 
       loss = mean_{(a, p): y_a = y_p, a != p} softplus( LSE_{n: y_n != y_a} s_an - s_ap )
 
-  PML builds a (positive pairs x negative pairs) matrix for it (654 GB at
-  B = 1024 with 5 classes); here rows are processed in blocks, memory
-  O(B D + block x B). Other reducers than PML's default ``MeanReducer`` run PML's
-  code.
+  PML builds a (positive pairs x negative pairs) matrix for it (654 GB at B = 1024
+  with 5 classes); here rows are processed in blocks, memory O(B D + block x B).
+  Other reducers than PML's default ``MeanReducer`` run PML's code.
 """
 
 from __future__ import annotations
@@ -448,11 +447,10 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
         weights = torch.full(
             (emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype), device=emb.device
         )
-        keys = None if ref is emb else ref
         name = runner.backend_for(checks.Options(backend=self.backend), runner.local(ref), emb, None)
-        value = runner.run_problem(emb, keys, 1.0 / temperature, problem, name, (weights, None), self.block_size).to(
-            emb.dtype
-        )
+        keys, weighted = None if ref is emb else ref, (weights, None)
+        value = runner.run_problem(emb, keys, 1.0 / temperature, problem, name, weighted, self.block_size)
+        value = value.to(emb.dtype)
         return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
 
 
