@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the suite's workers share the machine's cores (pytest -n): one thread each, not one per core each
+    torch.set_num_threads(1)
+
+
 def _missing(module: str) -> bool:
     import importlib.util
 

