@@ -21,6 +21,19 @@ BACKENDS = ("dense", "tiled")
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def spawn(fn: Any, args: tuple, nprocs: int, join: bool = True) -> None:
+    """``torch.multiprocessing.spawn`` for the tests' workers, by fork where the platform
+    has it: a child does not import torch, flashcl and the test's peers again (a
+    spawned one does, about a second of CPU each, for each of the suite's ~40 process
+    groups). The workers set one thread each (:func:`init_gloo`) before any parallel op."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method=method)
+
+
 def init_gloo(rank: int, world: int, out_dir: str) -> None:
     """A test worker's gloo process group, rendezvous through a file in ``out_dir``
     (no port to pick), one thread per process."""

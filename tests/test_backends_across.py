@@ -14,10 +14,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashcl
-from helpers import assert_close, close_group, init_gloo
+from helpers import assert_close, close_group, init_gloo, spawn
 
 SIZES = {2: [5, 8], 3: [4, 1, 7]}
 BACKENDS = ("reference", "dense", "tiled")
@@ -249,7 +248,7 @@ REPLICATED = {(1, "cosface"), (1, "arcface_sum")}
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_backend_across_processes_equals_one_process(world: int, tmp_path) -> None:
-    mp.spawn(worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
     d = data(sum(sizes))
@@ -301,7 +300,7 @@ def test_triton_across_processes_equals_one_process(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("the interpreter test runs where there is no GPU")
     world = 2
-    mp.spawn(_triton_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_triton_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
     d = data(sum(sizes))

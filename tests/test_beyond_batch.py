@@ -26,12 +26,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashcl
 from flashcl.bench.peers import sentence_transformers_gist
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 F64 = torch.float64
 TOL = (1e-10, 1e-9)
@@ -462,7 +461,7 @@ def _bank_worker(rank: int, world: int, out_dir: str, sizes: List[int]) -> None:
 @pytest.mark.parametrize("sizes", [[3, 5], [2, 4, 1]])
 def test_memory_bank_enqueues_the_global_batch_in_rank_order(sizes: List[int], tmp_path: Any) -> None:
     world = len(sizes)
-    mp.spawn(_bank_worker, args=(world, str(tmp_path), sizes), nprocs=world, join=True)
+    spawn(_bank_worker, args=(world, str(tmp_path), sizes), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     # the global batch of each step, rank after rank, written oldest slot first
     expected = []

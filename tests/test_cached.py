@@ -13,11 +13,10 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import flashcl
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 F64 = torch.float64
 VOCAB, LENGTH = 40, 7
@@ -250,7 +249,7 @@ def _ddp_worker(rank: int, world: int, out_dir: str) -> None:
 
 
 def test_ddp_two_processes(tmp_path: Any) -> None:
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # without dropout: the single-process full-batch gradient of the global loss
     enc = TinyEncoder(seed=7, dropout=0.0)

@@ -14,10 +14,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashcl
-from helpers import assert_close, close_group, init_gloo
+from helpers import assert_close, close_group, init_gloo, spawn
 
 TOL = (1e-10, 1e-9)
 BACKENDS = ["reference", "dense", "tiled"]
@@ -238,7 +237,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_classes_equal_one_process_with_the_whole_weights(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     bounds = [sum(BATCHES[world][:r]) for r in range(world + 1)]
     for i, ((name, opts), layout) in enumerate([(case, layout) for layout in LAYOUTS[world] for case in CASES]):
@@ -335,7 +334,7 @@ def _ddp_worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_ddp_encoder_with_a_sharded_classifier_gets_the_full_batch_gradients(world: int, tmp_path) -> None:
-    mp.spawn(_ddp_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_ddp_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     e, y, w = _global(world, 1)
     x = torch.randn(e.shape[0], 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     torch.manual_seed(0)

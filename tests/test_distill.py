@@ -11,12 +11,11 @@ from typing import List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashcl
 from flashcl.bench.peers import open_clip_loss_module
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 TOL = (1e-10, 1e-9)
 BACKENDS = ["reference", "dense", "tiled"]
@@ -124,7 +123,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
     xs = [x.requires_grad_(True) for x in _data(sum(sizes), sum(sizes), 1)]

@@ -10,10 +10,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashcl
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 SIZES = {2: [5, 8], 3: [4, 1, 7]}  # uneven, and a rank with a single row
 TOL = (1e-10, 1e-9)
@@ -265,7 +264,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_equals_single_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
     d = _data(sum(sizes))

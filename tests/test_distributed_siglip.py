@@ -12,12 +12,11 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashcl
 from flashcl.bench.peers import open_clip_loss_module
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 TOL = (1e-10, 1e-9)
 EQUAL = {2: [6, 6], 3: [5, 5, 5]}
@@ -97,7 +96,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_siglip(world: int, tmp_path: Any) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     names = ("image", "text", "scale", "bias")
     d = _data(sum(UNEVEN[world]))

@@ -12,7 +12,6 @@ from typing import Any, Optional, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -20,7 +19,7 @@ from flashcl import engine
 from flashcl import runner as backends
 from flashcl.engine import Problem
 from flashcl.heads import Head, Tile
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 F64 = torch.float64
 
@@ -193,7 +192,7 @@ def _ring_worker(rank: int, world: int, out_dir: str) -> None:
 def test_test_only_head_on_the_distributed_ring(tmp_path: Any) -> None:
     """Two ranks, each with a shard of the anchors and of the candidates: each rank's
     rows equal the formula's, the candidates' gradients come home to their rank."""
-    mp.spawn(_ring_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_ring_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     q, k, lq, lk = _data()
     qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
     sc = torch.tensor(3.0, dtype=F64, requires_grad=True)

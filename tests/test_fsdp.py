@@ -11,10 +11,9 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashcl
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch without FSDP2
@@ -134,7 +133,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 def test_fully_shard_gradients_equal_one_process(tmp_path) -> None:
     world = len(SIZES)
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for r in range(world):
         assert "same number of chunks" in ranks[r]["uneven"], ranks[r]["uneven"]

@@ -14,11 +14,10 @@ from typing import List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashcl
-from helpers import assert_close, close_group, init_gloo
+from helpers import assert_close, close_group, init_gloo, spawn
 
 TOL = (1e-10, 1e-9)
 BACKENDS = ["reference", "dense", "tiled"]
@@ -233,7 +232,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     e, y, w = _data(b=sum(SIZES[world]), c=17, seed=world)
     i = 0

@@ -10,10 +10,9 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashcl
-from helpers import assert_close, close_group, init_gloo
+from helpers import assert_close, close_group, init_gloo, spawn
 
 BACKENDS = ("reference", "dense", "tiled")
 
@@ -259,7 +258,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     q, d, qmask, dmask, q_sizes, d_sizes = _shards(world)
     # each rank's query i has its own document i: the global positive is that rank's offset + i

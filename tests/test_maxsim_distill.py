@@ -12,11 +12,10 @@ from typing import Any, Dict, Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashcl
-from helpers import assert_close, close_group, init_gloo
+from helpers import assert_close, close_group, init_gloo, spawn
 
 BACKENDS = ("reference", "dense", "tiled")
 
@@ -190,7 +189,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_distill_across_processes_equals_one_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     q, d, teacher, qmask, dmask = _data(b=5, seed=world)
     q.requires_grad_()
     d.requires_grad_()

@@ -11,11 +11,10 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from flashcl import metrics
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 TOL = (1e-10, 1e-9)
 
@@ -197,7 +196,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 def test_across_processes_equals_one_process(tmp_path) -> None:
     world = len(SIZES)
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     x, y, labels = _data()
     x = x.clone().requires_grad_(True)

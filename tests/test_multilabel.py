@@ -11,11 +11,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import flashcl
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 
 TOL = (1e-10, 1e-9)
 BACKENDS = ["reference", "dense", "tiled"]
@@ -152,7 +151,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 def test_across_processes_equals_one_process(tmp_path) -> None:
     world = len(SIZES)
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     emb, y = _data(sum(SIZES), 4, 4)
     ref, y_ref = _data(5, 4, 5)

@@ -13,12 +13,11 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from flashcl.bench.peers import open_clip_loss_module
 from flashcl.integrations import open_clip as ours
-from helpers import assert_close, close_group, init_gloo
+from helpers import assert_close, close_group, init_gloo, spawn
 
 oc, WHY = open_clip_loss_module()
 pytestmark = pytest.mark.skipif(oc is None, reason=f"open_clip's loss.py: {WHY}")
@@ -132,7 +131,7 @@ def test_one_process_equals_open_clip() -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_combination_equals_open_clip_on_every_rank(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         _compare(torch.load(tmp_path / f"rank{rank}.pt"), f"world {world} rank {rank}")
 
@@ -155,7 +154,7 @@ def test_uneven_batches_give_the_global_loss(tmp_path) -> None:
     """open_clip needs equal batches; flashcl's gather_with_grad=True takes uneven ones:
     every rank's value is the global loss, its gradient world x the global loss's."""
     world = len(SIZES)
-    mp.spawn(_uneven_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_uneven_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     g = torch.Generator().manual_seed(9)
     img, txt = (F.normalize(torch.randn(sum(SIZES), D, dtype=torch.float64, generator=g), dim=1) for _ in range(2))
     xs = [img.clone().requires_grad_(True), txt.clone().requires_grad_(True)]

@@ -12,10 +12,9 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from helpers import assert_close, close_group, init_gloo
+from helpers import assert_close, close_group, init_gloo, spawn
 
 try:
     import pylate.losses as pl_losses
@@ -224,7 +223,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 
 def test_gather_across_devices_equals_pylate_on_two_processes(tmp_path) -> None:
-    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for name, (want, got) in results.items():

@@ -22,7 +22,7 @@ from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 import flashcl  # noqa: E402
 from flashcl.integrations import sentence_transformers as fst  # noqa: E402
-from helpers import TOL, assert_close, close_group  # noqa: E402
+from helpers import TOL, assert_close, close_group, spawn  # noqa: E402
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CONFIGS: List[Dict[str, Any]] = [
@@ -418,9 +418,8 @@ def test_gist_gather_across_devices_equals_sentence_transformers(tmp_path: Any) 
     process's positives and negatives (the anchors' own candidates local), each rank's
     value and the gradient of every column equal to sentence-transformers' own, for
     GISTEmbedLoss and CachedGISTEmbedLoss; no fallback."""
-    import torch.multiprocessing as mp
 
-    mp.spawn(_gist_gather_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_gist_gather_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for i, out in results.items():
@@ -444,9 +443,8 @@ GATHER_CONFIGS: List[Dict[str, Any]] = [
 
 
 def test_mnrl_gather_across_devices_equals_sentence_transformers(tmp_path: Any) -> None:
-    import torch.multiprocessing as mp
 
-    mp.spawn(_gather_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_gather_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for i, ((v, g), (v_ref, g_ref)) in results.items():

@@ -11,10 +11,9 @@ from typing import List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from helpers import assert_close, close_group
+from helpers import assert_close, close_group, spawn
 from toy_loss import InterleavedLoss, interleaved_loss
 
 TOL = (1e-10, 1e-9)
@@ -79,7 +78,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
     x = torch.randn(sum(sizes), 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_(True)

@@ -14,10 +14,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashcl
-from helpers import assert_close, close_group, init_gloo
+from helpers import assert_close, close_group, init_gloo, spawn
 
 TOL = (1e-10, 1e-9)
 BACKENDS = ["reference", "dense", "tiled"]
@@ -392,7 +391,7 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
     distance, the soft margin, every reduction (a non-uniform upstream gradient of the
     per-row losses), both grad_scale values, uneven batches (a rank with one row):
     equal to one process in float64, values and every rank's gradient."""
-    mp.spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     bounds = [sum(SIZES[world][:r]) for r in range(world + 1)]
     x, y = _data(sum(SIZES[world]))
