@@ -1,0 +1,77 @@
+"""The engine's self-distillation over prototypes (engine/prototypes.py), one process,
+float64, against the formulas as DINOv2 writes them on the whole rows x K logits:
+Sinkhorn-Knopp (its order of normalisations, 0 to 5 iterations) and the centred
+softmax targets, the cross-entropy with the student's log-softmax, every gradient of
+the student's rows and prototypes; blocks of prototypes of 1, 7 and K; rows and
+prototypes normalised or as given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashcl.engine.prototypes import (
+    PrototypeCrossEntropy,
+    sinkhorn_targets,
+    softmax_targets,
+    teacher_center,
+    unit_rows,
+)
+from helpers import assert_close
+
+TOL = (1e-12, 1e-10)
+
+
+def sinkhorn_as_dinov2(teacher_output: torch.Tensor, teacher_temp: float, n_iterations: int) -> torch.Tensor:
+    """DINOv2's sinkhorn_knopp_teacher on one process, written out (K x B, then back)."""
+    q = torch.exp(teacher_output / teacher_temp).t()
+    b, k = q.shape[1], q.shape[0]
+    q = q / q.sum()
+    for _ in range(n_iterations):
+        q = q / q.sum(dim=1, keepdim=True) / k
+        q = q / q.sum(dim=0, keepdim=True) / b
+    return (q * b).t()
+
+
+def _data(b: int = 11, k: int = 19, d: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    return r(b, d), r(k, d), r(b, d), r(k, d), r(k)
+
+
+@pytest.mark.parametrize("block", [1, 7, 19])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("targets", ["sinkhorn-0", "sinkhorn-3", "sinkhorn-5", "softmax", "softmax-centred"])
+def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, targets: str) -> None:
+    x, w, y, wt, center = _data()
+    ts, tt = 0.1, 0.04 if normalize else 0.5
+    leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    xs, ws = (F.normalize(v, dim=1) for v in leaves) if normalize else leaves
+    ys, wts = (F.normalize(y, dim=1), F.normalize(wt, dim=1)) if normalize else (y, wt)
+    t = ys @ wts.T
+    if targets.startswith("sinkhorn"):
+        p = sinkhorn_as_dinov2(t, tt, int(targets.split("-")[1]))
+    else:
+        c = center if targets == "softmax-centred" else torch.zeros_like(center)
+        p = F.softmax((t - c) / tt, dim=-1)
+    want = -(p * F.log_softmax(xs @ ws.T / ts, dim=-1)).sum(-1)
+    up = torch.arange(1.0, want.numel() + 1, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, leaves, up)
+
+    mine = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    xh, _ = unit_rows(mine[0], normalize)
+    wh, _ = unit_rows(mine[1], normalize)
+    yh, _ = unit_rows(y, normalize)
+    wth, _ = unit_rows(wt, normalize)
+    if targets.startswith("sinkhorn"):
+        fn = sinkhorn_targets(yh, wth, 1.0 / tt, int(targets.split("-")[1]), block)
+    else:
+        fn = softmax_targets(yh, wth, center if targets == "softmax-centred" else None, 1.0 / tt, block)
+    got = PrototypeCrossEntropy.apply(xh, wh, fn, 1.0 / ts, block)
+    assert_close(got, want.detach(), f"{targets}: rows", *TOL)
+    for a, e, name in zip(torch.autograd.grad(got, mine, up), want_grads, ("rows", "prototypes")):
+        assert_close(a, e, f"{targets}: {name}' gradient", *TOL)
+    # the targets themselves, block by block
+    assert_close(torch.cat([fn(k0, min(k0 + block, 19)) for k0 in range(0, 19, block)], 1), p, "targets", *TOL)
+    assert_close(teacher_center(yh, wth, block), t.mean(0), "the center", *TOL)
