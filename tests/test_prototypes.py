@@ -75,3 +75,29 @@ def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, target
     # the targets themselves, block by block
     assert_close(torch.cat([fn(k0, min(k0 + block, 19)) for k0 in range(0, 19, block)], 1), p, "targets", *TOL)
     assert_close(teacher_center(yh, wth, block), t.mean(0), "the center", *TOL)
+
+
+def koleo_as_dinov2(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """DINOv2's KoLeoLoss, written out: the B x B products, the diagonal at -1, argmax."""
+    x = F.normalize(x, eps=eps, p=2, dim=-1)
+    dots = x @ x.t()
+    dots.view(-1)[:: x.shape[0] + 1].fill_(-1)
+    nn = dots.max(dim=1).indices
+    return -torch.log(torch.nn.PairwiseDistance(2, eps=eps)(x, x[nn]) + eps).mean()
+
+
+@pytest.mark.parametrize("tiles", [(1, 1), (3, 5), (64, 64)])
+def test_koleo_neighbours_in_tiles_equal_dinov2(tiles) -> None:
+    from flashcl.engine.prototypes import nearest_neighbours
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 5, dtype=torch.float64, generator=g)
+    x[30] = x[3]  # a duplicate: distance 0, the eps keeps the log finite
+    x[31] = 2 * x[7]  # the same direction: a tie of products between 7 and 31's neighbours
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    want = koleo_as_dinov2(xa)
+    unit = F.normalize(xb, eps=1e-8, p=2, dim=-1)
+    nn = nearest_neighbours(unit, *tiles)
+    got = -torch.log(torch.nn.PairwiseDistance(2, eps=1e-8)(unit, unit[nn]) + 1e-8).mean()
+    assert_close(got, want.detach(), "KoLeo", *TOL)
+    assert_close(torch.autograd.grad(got, xb)[0], torch.autograd.grad(want, xa)[0], "KoLeo gradient", *TOL)

@@ -39,6 +39,7 @@ __all__ = [
     "teacher_center",
     "PrototypeCrossEntropy",
     "auto_prototype_block",
+    "nearest_neighbours",
 ]
 
 
@@ -188,3 +189,30 @@ def sinkhorn_targets(t_rows: Tensor, w_t: Tensor, inv_temp: float, iterations: i
         return torch.exp(z)
 
     return targets
+
+
+def nearest_neighbours(x: Tensor, rows: int = 512, cols: int = 8192) -> Tensor:
+    """Each row's nearest other row by the largest dot product (KoLeo's neighbour: for
+    unit rows, the smallest distance), the first column on a tie, as ``argmax`` of the
+    B x B products with the diagonal at -1 (DINOv2's ``pairwise_NNs_inner``) finds it;
+    in tiles of ``rows x cols`` products (16 MB in float32 by default), O(B) memory
+    beyond one tile. (B,) int64; a single row is its own neighbour."""
+    xd = x.detach()
+    b = xd.shape[0]
+    where = torch.zeros(b, dtype=torch.long, device=xd.device)
+    for r0 in range(0, b, rows):
+        r1 = min(r0 + rows, b)
+        top = xd.new_full((r1 - r0,), float("-inf"))
+        at = torch.zeros(r1 - r0, dtype=torch.long, device=xd.device)
+        for c0 in range(0, b, cols):
+            c1 = min(c0 + cols, b)
+            dots = xd[r0:r1] @ xd[c0:c1].T
+            own = torch.arange(r0, r1, device=xd.device) - c0
+            inside = (own >= 0) & (own < c1 - c0)
+            dots[inside.nonzero().flatten(), own[inside]] = -1.0  # as DINOv2: the diagonal at -1
+            v, i = dots.max(1)
+            take = v > top  # strictly larger: an earlier column keeps a tie
+            top = torch.where(take, v, top)
+            at = torch.where(take, i + c0, at)
+        where[r0:r1] = at
+    return where
