@@ -1,7 +1,7 @@
 """Peak memory and time of the engine's prototype cross-entropy (engine/prototypes.py)
 at iBOT's size: B student rows one to one with B teacher rows, K prototypes, D wide,
-float32, the first forward + backward, beyond the inputs, their gradients and the
-prototypes' gradient (formed before the peak is reset, as autograd leaves them).
+float32, the first forward + backward, beyond the inputs, the rows' gradient and the
+prototypes' gradient (as autograd leaves them: the tensors the backward returns).
 
     python scripts/prototype_memory.py 16384 65536 256 softmax
     python scripts/prototype_memory.py 16384 65536 256 sinkhorn
@@ -16,6 +16,7 @@ import torch
 
 from flashcl.engine.prototypes import (
     PrototypeCrossEntropy,
+    Prototypes,
     auto_prototype_block,
     sinkhorn_targets,
     softmax_targets,
@@ -31,20 +32,20 @@ def main() -> None:
     x = torch.randn(b, d, generator=g).requires_grad_(True)
     w = torch.randn(k, d, generator=g).requires_grad_(True)
     y, wt = torch.randn(b, d, generator=g), torch.randn(k, d, generator=g)
-    x.grad, w.grad = torch.zeros_like(x), torch.zeros_like(w)  # the gradients' own memory, before the peak
     block = auto_prototype_block(b, k)
     base = reset_peak()
     start = time.perf_counter()
-    xh, wh = unit_rows(x, True)[0], unit_rows(w, True)[0]
-    yh, wth = unit_rows(y, True)[0], unit_rows(wt, True)[0]
+    yh = unit_rows(y, True)[0]
+    teacher = Prototypes(wt, True)
     if kind == "sinkhorn":
-        targets = sinkhorn_targets(yh, wth, 1 / 0.04, 3, block)
+        targets = sinkhorn_targets(yh, teacher, 1 / 0.04, 3, block)
     else:
-        targets = softmax_targets(yh, wth, torch.zeros(k), 1 / 0.04, block)
-    loss = PrototypeCrossEntropy.apply(xh, wh, targets, 1 / 0.1, block).mean()
-    loss.backward()
+        targets = softmax_targets(yh, teacher, torch.zeros(k), 1 / 0.04, block)
+    loss = PrototypeCrossEntropy.apply(x, w, targets, 1 / 0.1, block, True).mean()
+    loss.backward()  # the gradients become .grad as autograd returns them (no copy)
     seconds = time.perf_counter() - start
-    peak = status_mb("VmHWM") - base
+    grads = (x.numel() + w.numel()) * 4 / 2**20
+    peak = status_mb("VmHWM") - base - grads
     one = b * k * 4 / 2**20
     print(
         f"B = {b:,}, K = {k:,}, D = {d}, {kind} targets, block {block}: loss {float(loss.detach()):.4f}, "

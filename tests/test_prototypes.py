@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from flashcl.engine.prototypes import (
     PrototypeCrossEntropy,
+    Prototypes,
     sinkhorn_targets,
     softmax_targets,
     teacher_center,
@@ -60,21 +61,20 @@ def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, target
     want_grads = torch.autograd.grad(want, leaves, up)
 
     mine = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
-    xh, _ = unit_rows(mine[0], normalize)
-    wh, _ = unit_rows(mine[1], normalize)
     yh, _ = unit_rows(y, normalize)
-    wth, _ = unit_rows(wt, normalize)
+    teacher = Prototypes(wt, normalize)
     if targets.startswith("sinkhorn"):
-        fn = sinkhorn_targets(yh, wth, 1.0 / tt, int(targets.split("-")[1]), block)
+        fn = sinkhorn_targets(yh, teacher, 1.0 / tt, int(targets.split("-")[1]), block)
     else:
-        fn = softmax_targets(yh, wth, center if targets == "softmax-centred" else None, 1.0 / tt, block)
-    got = PrototypeCrossEntropy.apply(xh, wh, fn, 1.0 / ts, block)
+        fn = softmax_targets(yh, teacher, center if targets == "softmax-centred" else None, 1.0 / tt, block)
+    got = PrototypeCrossEntropy.apply(*mine, fn, 1.0 / ts, block, normalize)
     assert_close(got, want.detach(), f"{targets}: rows", *TOL)
     for a, e, name in zip(torch.autograd.grad(got, mine, up), want_grads, ("rows", "prototypes")):
         assert_close(a, e, f"{targets}: {name}' gradient", *TOL)
     # the targets themselves, block by block
-    assert_close(torch.cat([fn(k0, min(k0 + block, 19)) for k0 in range(0, 19, block)], 1), p, "targets", *TOL)
-    assert_close(teacher_center(yh, wth, block), t.mean(0), "the center", *TOL)
+    blocks = [fn(k0, min(k0 + block, 19), torch.empty(11, block, dtype=torch.float64)) for k0 in range(0, 19, block)]
+    assert_close(torch.cat(blocks, 1), p, "targets", *TOL)
+    assert_close(teacher_center(yh, teacher), t.mean(0), "the center", *TOL)
 
 
 def koleo_as_dinov2(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -24,7 +24,7 @@ processes (the sums over the rows all-reduced) and the drop-ins build on it.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,6 +32,7 @@ from torch import Tensor
 from ..core import compute_dtype
 
 __all__ = [
+    "Prototypes",
     "unit_rows",
     "sinkhorn_scalings",
     "softmax_targets",
@@ -44,8 +45,9 @@ __all__ = [
 
 
 def auto_prototype_block(b: int, k: int) -> int:
-    """Prototypes per block: a B x block tile of about 4M entries (16 MB in float32)."""
-    return max(1, min(k, (1 << 22) // max(1, b)))
+    """Prototypes per block: a B x block tile of about 2M entries (8 MB in float32; a
+    pass holds two)."""
+    return max(1, min(k, (1 << 21) // max(1, b)))
 
 
 def unit_rows(x: Tensor, normalize: bool) -> Tuple[Tensor, Tensor]:
@@ -57,76 +59,132 @@ def unit_rows(x: Tensor, normalize: bool) -> Tuple[Tensor, Tensor]:
     return x * inv.unsqueeze(1), inv
 
 
+class Prototypes:
+    """Prototypes ``w`` (K, D) as given and their inverse norms (with ``normalize``):
+    a tile of logits ``rows w^_k . scale`` for a block of them, the unit prototypes
+    never formed (they would be a second K x D tensor)."""
+
+    def __init__(self, w: Tensor, normalize: bool) -> None:
+        self.w = w
+        self.inv = unit_rows(w, normalize)[1] if normalize else torch.ones(w.shape[0], dtype=w.dtype, device=w.device)
+        self.k = w.shape[0]
+
+    def tile(self, rows: Tensor, k0: int, k1: int, scale: float, out: Tensor) -> Tensor:
+        z = torch.mm(rows, self.w[k0:k1].T, out=out[:, : k1 - k0])
+        return z.mul_(self.inv[k0:k1].unsqueeze(0) * scale)
+
+
 def _blocks(k: int, block: int) -> range:
     return range(0, k, block)
 
 
 def sinkhorn_scalings(
-    t_rows: Tensor, w_t: Tensor, inv_temp: float, iterations: int, block: int
+    rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int
 ) -> Tuple[Tensor, Tensor]:
-    """DINOv2's Sinkhorn-Knopp on ``exp(t / tau_t)`` (``t = t_rows w_t^T``, rows and
-    prototypes as given) as log scalings ``(u (K,), v (B,))``: the targets are
+    """DINOv2's Sinkhorn-Knopp on ``exp(t / tau_t)`` (``t`` the teacher's rows against
+    its prototypes) as log scalings ``(u (K,), v (B,))``: the targets are
     ``p_bk = exp(t_bk / tau_t + u_k + v_b)``, each row summing to 1. In its order: the
     whole matrix divided by its sum, then ``iterations`` times each prototype's sum
     over the rows set to 1/K and each row's sum over the prototypes to 1/B; the rows
     then multiplied by B."""
-    b, k = t_rows.shape[0], w_t.shape[0]
-    v = t_rows.new_zeros(b)
-    u = t_rows.new_zeros(k)
-    # the whole matrix's sum: one pass
-    total = t_rows.new_full((), float("-inf"))
+    b, k = rows.shape[0], w_t.k
+    v = rows.new_zeros(b)
+    u = rows.new_zeros(k)
+    buf = rows.new_empty(b, min(block, k))
+    total = rows.new_full((), float("-inf"))  # the whole matrix's sum: one pass
     for k0 in _blocks(k, block):
-        logits = (t_rows @ w_t[k0 : k0 + block].T).mul_(inv_temp)
+        logits = w_t.tile(rows, k0, min(k0 + block, k), inv_temp, buf)
         total = torch.logaddexp(total, torch.logsumexp(logits.flatten(), 0))
     v -= total
     for _ in range(iterations):
-        rows = t_rows.new_full((b,), float("-inf"))
+        sums = rows.new_full((b,), float("-inf"))
         for k0 in _blocks(k, block):
-            logits = (t_rows @ w_t[k0 : k0 + block].T).mul_(inv_temp).add_(v.unsqueeze(1))
+            k1 = min(k0 + block, k)
+            logits = w_t.tile(rows, k0, k1, inv_temp, buf).add_(v.unsqueeze(1))
             # each prototype's sum over every row (all rows are in the block): to 1/K
-            u[k0 : k0 + block] = -torch.logsumexp(logits, 0) - math.log(k)
-            rows = torch.logaddexp(rows, torch.logsumexp(logits.add_(u[k0 : k0 + block].unsqueeze(0)), 1))
-        v -= rows + math.log(b)  # each row's sum over the prototypes: to 1/B
+            u[k0:k1] = -torch.logsumexp(logits, 0) - math.log(k)
+            sums = torch.logaddexp(sums, torch.logsumexp(logits.add_(u[k0:k1].unsqueeze(0)), 1))
+        v -= sums + math.log(b)  # each row's sum over the prototypes: to 1/B
     return u, v + math.log(b)
 
 
-def teacher_center(t_rows: Tensor, w_t: Tensor, block: int) -> Tensor:
-    """The batch mean of the teacher's logits ``t = t_rows w_t^T`` over the rows, (K,)
-    (DINO's center EMA takes it): ``mean_b t_bk = (mean_b t_rows_b) . w_t_k``."""
-    return w_t @ t_rows.mean(0)
+def teacher_center(rows: Tensor, w_t: Prototypes) -> Tensor:
+    """The batch mean of the teacher's logits over the rows, (K,) (DINO's center EMA
+    takes it): ``mean_b t_bk = (mean_b rows_b) . w^_k``."""
+    return (w_t.w @ rows.mean(0)) * w_t.inv
+
+
+Targets = Callable[[int, int, Tensor], Tensor]
+
+
+def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv_temp: float, block: int) -> Targets:
+    """The centred, sharpened softmax ``softmax_k((t_bk - c_k) / tau_t)`` as a function of
+    a block of prototypes written into a buffer (the rows' logsumexp formed in one
+    pass first)."""
+    b, k = rows.shape[0], w_t.k
+    c = rows.new_zeros(k) if center is None else center.to(rows.dtype).reshape(k) * inv_temp
+    mx = rows.new_full((b,), float("-inf"))
+    total = rows.new_zeros(b)
+    buf = rows.new_empty(b, min(block, k))
+    for k0 in _blocks(k, block):
+        k1 = min(k0 + block, k)
+        z = w_t.tile(rows, k0, k1, inv_temp, buf).sub_(c[k0:k1])
+        new = torch.maximum(mx, z.amax(1))
+        total = total * torch.exp(mx - new) + z.sub_(new.unsqueeze(1)).exp_().sum(1)
+        mx = new
+    lse = mx + total.log()
+
+    def targets(k0: int, k1: int, out: Tensor) -> Tensor:
+        return w_t.tile(rows, k0, k1, inv_temp, out).sub_(c[k0:k1]).sub_(lse.unsqueeze(1)).exp_()
+
+    return targets
+
+
+def sinkhorn_targets(rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int) -> Targets:
+    """DINOv2's Sinkhorn-Knopp targets (:func:`sinkhorn_scalings`) as a function of a
+    block of prototypes written into a buffer."""
+    u, v = sinkhorn_scalings(rows, w_t, inv_temp, iterations, block)
+
+    def targets(k0: int, k1: int, out: Tensor) -> Tensor:
+        return w_t.tile(rows, k0, k1, inv_temp, out).add_(u[k0:k1].unsqueeze(0)).add_(v.unsqueeze(1)).exp_()
+
+    return targets
 
 
 class PrototypeCrossEntropy(torch.autograd.Function):
-    """``apply(x, w, targets, inv_temp, block) -> (B,)``: each row's cross-entropy
-    between its targets and the softmax of ``x w^T * inv_temp`` over the prototypes
-    (``x``, ``w`` as given: normalised by the caller, whose autograd then carries the
-    normalisation's backward). ``targets(k0, k1) -> (B, k1 - k0)``: the target
-    probabilities of a block of prototypes (no gradient). No B x K tensor beyond one
-    block; the backward recomputes each block."""
+    """``apply(x, w, targets, inv_temp, block, normalize) -> (B,)``: each row's
+    cross-entropy between its targets and the softmax of ``x^ . w^_k * inv_temp`` over
+    the prototypes (``^``: L2-normalised with ``normalize``). ``targets(k0, k1, out)``:
+    the target probabilities of a block of prototypes written into ``out`` (no
+    gradient). Beyond the inputs: the unit rows (B x D), two B x block tiles and O(B +
+    K) vectors; the unit prototypes are never formed; the backward recomputes each
+    block and carries the normalisation's backward itself."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, w: Tensor, targets: Any, inv_temp: float, block: int
+        ctx: Any, x: Tensor, w: Tensor, targets: Targets, inv_temp: float, block: int, normalize: bool
     ) -> Tensor:
         dtype = compute_dtype(x.dtype)
-        xd, wd = x.detach().to(dtype), w.detach().to(dtype)
-        b, k = xd.shape[0], wd.shape[0]
-        mx = xd.new_full((b,), float("-inf"))
-        total = xd.new_zeros(b)
-        mass = xd.new_zeros(b)  # sum_k p_bk (1 up to rounding)
-        cross = xd.new_zeros(b)  # sum_k p_bk s_bk / tau_s
+        xh, inv_x = unit_rows(x.detach().to(dtype), normalize)
+        protos = Prototypes(w.detach().to(dtype), normalize)
+        b, k = xh.shape[0], protos.k
+        mx = xh.new_full((b,), float("-inf"))
+        total = xh.new_zeros(b)
+        mass = xh.new_zeros(b)  # sum_k p_bk (1 up to rounding)
+        cross = xh.new_zeros(b)  # sum_k p_bk s_bk / tau_s
+        z_buf, p_buf = xh.new_empty(b, min(block, k)), xh.new_empty(b, min(block, k))
         for k0 in _blocks(k, block):
             k1 = min(k0 + block, k)
-            z = (xd @ wd[k0:k1].T).mul_(inv_temp)
-            p = targets(k0, k1)
+            z = protos.tile(xh, k0, k1, inv_temp, z_buf)
+            p = targets(k0, k1, p_buf)
             mass += p.sum(1)
-            cross += (p * z).sum(1)
+            cross += p.mul_(z).sum(1)
             new = torch.maximum(mx, z.amax(1))
-            total = total * torch.exp(mx - new) + torch.exp(z - new.unsqueeze(1)).sum(1)
+            total = total * torch.exp(mx - new) + z.sub_(new.unsqueeze(1)).exp_().sum(1)
             mx = new
         lse = mx + total.log()
         ctx.save_for_backward(x, w, lse, mass)
-        ctx.targets, ctx.inv_temp, ctx.block = targets, inv_temp, block
+        ctx.targets, ctx.inv_temp, ctx.block, ctx.normalize = targets, inv_temp, block, normalize
         return mass * lse - cross  # in the compute dtype (float32 for half-precision inputs)
 
     @staticmethod
@@ -135,60 +193,34 @@ class PrototypeCrossEntropy(torch.autograd.Function):
             raise RuntimeError("the prototypes' cross-entropy does not compute second derivatives")
         x, w, lse, mass = ctx.saved_tensors
         dtype = compute_dtype(x.dtype)
-        xd, wd = x.detach().to(dtype), w.detach().to(dtype)
+        xh, inv_x = unit_rows(x.detach().to(dtype), ctx.normalize)
+        protos = Prototypes(w.detach().to(dtype), ctx.normalize)
+        b, k, s = xh.shape[0], protos.k, ctx.inv_temp
         g = grad.to(dtype)
-        dx = torch.zeros_like(xd) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(wd) if ctx.needs_input_grad[1] else None
-        for k0 in _blocks(wd.shape[0], ctx.block):
-            k1 = min(k0 + ctx.block, wd.shape[0])
-            z = (xd @ wd[k0:k1].T).mul_(ctx.inv_temp)
-            # d loss_b / d z_bk = mass_b softmax_bk - p_bk, times the upstream gradient
-            gz = torch.exp(z - lse.unsqueeze(1)).mul_(mass.unsqueeze(1)).sub_(ctx.targets(k0, k1))
-            gz.mul_(g.unsqueeze(1) * ctx.inv_temp)
-            if dx is not None:
-                dx.addmm_(gz, wd[k0:k1])
-            if dw is not None:
-                dw[k0:k1] = gz.T @ xd
-        return (
-            None if dx is None else dx.to(x.dtype),
-            None if dw is None else dw.to(w.dtype),
-            None,
-            None,
-            None,
-        )
-
-
-def softmax_targets(t_rows: Tensor, w_t: Tensor, center: Optional[Tensor], inv_temp: float, block: int) -> Any:
-    """The centred, sharpened softmax ``softmax_k((t_bk - c_k) / tau_t)`` as a function of
-    a block of prototypes (the rows' logsumexp formed in one pass first)."""
-    b, k = t_rows.shape[0], w_t.shape[0]
-    c = t_rows.new_zeros(k) if center is None else center.to(t_rows.dtype).reshape(k)
-    mx = t_rows.new_full((b,), float("-inf"))
-    total = t_rows.new_zeros(b)
-    for k0 in _blocks(k, block):
-        z = (t_rows @ w_t[k0 : k0 + block].T).sub_(c[k0 : k0 + block]).mul_(inv_temp)
-        new = torch.maximum(mx, z.amax(1))
-        total = total * torch.exp(mx - new) + torch.exp(z - new.unsqueeze(1)).sum(1)
-        mx = new
-    lse = mx + total.log()
-
-    def targets(k0: int, k1: int) -> Tensor:
-        z = (t_rows @ w_t[k0:k1].T).sub_(c[k0:k1]).mul_(inv_temp)
-        return torch.exp(z - lse.unsqueeze(1))
-
-    return targets
-
-
-def sinkhorn_targets(t_rows: Tensor, w_t: Tensor, inv_temp: float, iterations: int, block: int) -> Any:
-    """DINOv2's Sinkhorn-Knopp targets (:func:`sinkhorn_scalings`) as a function of a
-    block of prototypes."""
-    u, v = sinkhorn_scalings(t_rows, w_t, inv_temp, iterations, block)
-
-    def targets(k0: int, k1: int) -> Tensor:
-        z = (t_rows @ w_t[k0:k1].T).mul_(inv_temp).add_(u[k0:k1].unsqueeze(0)).add_(v.unsqueeze(1))
-        return torch.exp(z)
-
-    return targets
+        dxh = torch.zeros_like(xh) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(protos.w) if ctx.needs_input_grad[1] else None
+        z_buf, p_buf = xh.new_empty(b, min(ctx.block, k)), xh.new_empty(b, min(ctx.block, k))
+        for k0 in _blocks(k, ctx.block):
+            k1 = min(k0 + ctx.block, k)
+            # d loss_b / d z_bk = mass_b softmax_bk - p_bk, times the upstream gradient and 1 / tau
+            gz = protos.tile(xh, k0, k1, s, z_buf).sub_(lse.unsqueeze(1)).exp_().mul_(mass.unsqueeze(1))
+            gz.sub_(ctx.targets(k0, k1, p_buf)).mul_(g.unsqueeze(1) * s)
+            inv = protos.inv[k0:k1]
+            if dw is not None:  # d w^_k = gz_k^T x^, then through w^ = w / |w|
+                dwh = gz.T @ xh
+                if ctx.normalize:
+                    unit = protos.w[k0:k1] * inv.unsqueeze(1)
+                    dwh.sub_(unit * (unit * dwh).sum(1, keepdim=True)).mul_(inv.unsqueeze(1))
+                dw[k0:k1] = dwh
+            if dxh is not None:  # d x^ += gz w^_k = (gz scaled by 1 / |w_k|) w_k
+                dxh.addmm_(gz.mul_(inv.unsqueeze(0)), protos.w[k0:k1])
+        dx = None
+        if dxh is not None:
+            dx = dxh
+            if ctx.normalize:  # through x^ = x / |x|
+                dx = (dxh - xh * (xh * dxh).sum(1, keepdim=True)).mul_(inv_x.unsqueeze(1))
+            dx = dx.to(x.dtype)
+        return dx, None if dw is None else dw.to(w.dtype), None, None, None, None
 
 
 def nearest_neighbours(x: Tensor, rows: int = 512, cols: int = 8192) -> Tensor:
