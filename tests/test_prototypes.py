@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from flashcl.engine.prototypes import (
     PrototypeCrossEntropy,
     Prototypes,
+    RowsJoin,
     sinkhorn_targets,
     softmax_targets,
     teacher_center,
@@ -101,3 +102,69 @@ def test_koleo_neighbours_in_tiles_equal_dinov2(tiles) -> None:
     got = -torch.log(torch.nn.PairwiseDistance(2, eps=1e-8)(unit, unit[nn]) + 1e-8).mean()
     assert_close(got, want.detach(), "KoLeo", *TOL)
     assert_close(torch.autograd.grad(got, xb)[0], torch.autograd.grad(want, xa)[0], "KoLeo gradient", *TOL)
+
+
+class _GlooJoin(RowsJoin):
+    """The sums over the rows joined over a gloo group (the engine's hook; the public
+    loss's own join belongs to flashcl.parallel)."""
+
+    def lse(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        top = x.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        total = torch.exp(x - top)
+        dist.all_reduce(total)
+        return top + total.log()
+
+    def count(self, b: int) -> int:
+        import torch.distributed as dist
+
+        n = torch.tensor([b])
+        dist.all_reduce(n)
+        return int(n)
+
+
+SIZES = {2: [4, 9], 3: [5, 1, 7]}
+
+
+def _sinkhorn_worker(rank: int, world: int, out_dir: str) -> None:
+    import os
+
+    from helpers import close_group, init_gloo
+
+    init_gloo(rank, world, out_dir)
+    x, w, y, wt, _ = _data(b=sum(SIZES[world]), seed=world)
+    rows = slice(sum(SIZES[world][:rank]), sum(SIZES[world][: rank + 1]))
+    yh = unit_rows(y[rows], True)[0]
+    fn = sinkhorn_targets(yh, Prototypes(wt, True), 1 / 0.04, 3, 7, _GlooJoin())
+    mine = [x[rows].clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    loss = PrototypeCrossEntropy.apply(*mine, fn, 10.0, 7, True).sum()
+    grads = torch.autograd.grad(loss, mine)
+    p = torch.cat(
+        [fn(k0, min(k0 + 7, 19), torch.empty(yh.shape[0], 7, dtype=torch.float64)) for k0 in range(0, 19, 7)], 1
+    )
+    torch.save((p, loss.detach(), grads), os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sinkhorn_across_processes_equals_dinov2_on_the_concatenated_batch(world: int, tmp_path) -> None:
+    """Uneven batches (a rank with one row): each rank's targets are its rows of DINOv2's
+    Sinkhorn-Knopp on the whole batch; the ranks' summed losses and their rows' gradients
+    are one process's, the prototypes' gradients add up to one process's."""
+    from helpers import spawn
+
+    spawn(_sinkhorn_worker, args=(world, str(tmp_path)), nprocs=world)
+    x, w, y, wt, _ = _data(b=sum(SIZES[world]), seed=world)
+    p = sinkhorn_as_dinov2(F.normalize(y, dim=1) @ F.normalize(wt, dim=1).T, 0.04, 3)
+    leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    want = -(p * F.log_softmax(F.normalize(leaves[0], dim=1) @ F.normalize(leaves[1], dim=1).T / 0.1, -1)).sum()
+    gx, gw = torch.autograd.grad(want, leaves)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    bounds = [sum(SIZES[world][:r]) for r in range(world + 1)]
+    assert_close(torch.cat([r[0] for r in ranks]), p, "targets", *TOL)
+    assert_close(sum(r[1] for r in ranks), want.detach(), "the summed losses", *TOL)
+    assert_close(torch.cat([r[2][0] for r in ranks]), gx, "rows' gradients", *TOL)
+    assert_close(sum(r[2][1] for r in ranks), gw, "prototypes' gradients, summed", *TOL)
+    assert all(bounds[r + 1] - bounds[r] == r_[0].shape[0] for r, r_ in enumerate(ranks))

@@ -33,6 +33,7 @@ from ..core import compute_dtype
 
 __all__ = [
     "Prototypes",
+    "RowsJoin",
     "unit_rows",
     "sinkhorn_scalings",
     "softmax_targets",
@@ -78,16 +79,33 @@ def _blocks(k: int, block: int) -> range:
     return range(0, k, block)
 
 
+class RowsJoin:
+    """How one rank's rows meet the other ranks' in Sinkhorn-Knopp (the sums over the
+    rows are over the global batch): ``lse(x)``, elementwise logsumexps of this rank's
+    rows joined over the ranks; ``count(b)``, the global number of rows. One process:
+    as they are."""
+
+    def lse(self, x: Tensor) -> Tensor:
+        return x
+
+    def count(self, b: int) -> int:
+        return b
+
+
 def sinkhorn_scalings(
-    rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int
+    rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int, join: Optional[RowsJoin] = None
 ) -> Tuple[Tensor, Tensor]:
     """DINOv2's Sinkhorn-Knopp on ``exp(t / tau_t)`` (``t`` the teacher's rows against
     its prototypes) as log scalings ``(u (K,), v (B,))``: the targets are
     ``p_bk = exp(t_bk / tau_t + u_k + v_b)``, each row summing to 1. In its order: the
     whole matrix divided by its sum, then ``iterations`` times each prototype's sum
     over the rows set to 1/K and each row's sum over the prototypes to 1/B; the rows
-    then multiplied by B."""
+    then multiplied by B. ``join``: the sums over the rows (the whole matrix's, each
+    prototype's) over every rank's rows, B the global count (as DINOv2 all-reduces
+    them; uneven batches count their rows)."""
+    join = join or RowsJoin()
     b, k = rows.shape[0], w_t.k
+    n = join.count(b)
     v = rows.new_zeros(b)
     u = rows.new_zeros(k)
     buf = rows.new_empty(b, min(block, k))
@@ -95,17 +113,17 @@ def sinkhorn_scalings(
     for k0 in _blocks(k, block):
         logits = w_t.tile(rows, k0, min(k0 + block, k), inv_temp, buf)
         total = torch.logaddexp(total, torch.logsumexp(logits.flatten(), 0))
-    v -= total
+    v -= join.lse(total.reshape(1))[0]
     for _ in range(iterations):
         sums = rows.new_full((b,), float("-inf"))
         for k0 in _blocks(k, block):
             k1 = min(k0 + block, k)
             logits = w_t.tile(rows, k0, k1, inv_temp, buf).add_(v.unsqueeze(1))
-            # each prototype's sum over every row (all rows are in the block): to 1/K
-            u[k0:k1] = -torch.logsumexp(logits, 0) - math.log(k)
+            # each prototype's sum over every row (this rank's rows are all in the block): to 1/K
+            u[k0:k1] = -join.lse(torch.logsumexp(logits, 0)) - math.log(k)
             sums = torch.logaddexp(sums, torch.logsumexp(logits.add_(u[k0:k1].unsqueeze(0)), 1))
-        v -= sums + math.log(b)  # each row's sum over the prototypes: to 1/B
-    return u, v + math.log(b)
+        v -= sums + math.log(n)  # each row's sum over the prototypes: to 1/B
+    return u, v + math.log(n)
 
 
 def teacher_center(rows: Tensor, w_t: Prototypes) -> Tensor:
@@ -140,10 +158,12 @@ def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv
     return targets
 
 
-def sinkhorn_targets(rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int) -> Targets:
+def sinkhorn_targets(
+    rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int, join: Optional[RowsJoin] = None
+) -> Targets:
     """DINOv2's Sinkhorn-Knopp targets (:func:`sinkhorn_scalings`) as a function of a
     block of prototypes written into a buffer."""
-    u, v = sinkhorn_scalings(rows, w_t, inv_temp, iterations, block)
+    u, v = sinkhorn_scalings(rows, w_t, inv_temp, iterations, block, join)
 
     def targets(k0: int, k1: int, out: Tensor) -> Tensor:
         return w_t.tile(rows, k0, k1, inv_temp, out).add_(u[k0:k1].unsqueeze(0)).add_(v.unsqueeze(1)).exp_()
