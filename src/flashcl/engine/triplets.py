@@ -358,11 +358,14 @@ class ColumnMiner:
         p = int(ok.sum(1).max()) if m and width else 0
         first = torch.sort((~ok).to(torch.uint8), dim=1, stable=True).indices[:, :p]
         self.pos_idx, self.pos_ok = idx.gather(1, first), ok.gather(1, first)
+        del slots, ok, idx, first  # the state is what stays: O(rows x positives)
         self.pos_d = torch.zeros(m, p, dtype=dtype, device=dev)
         self.acc = torch.float64 if dtype != torch.float64 else dtype
-        self.count = torch.zeros(m, p, dtype=torch.long, device=dev)  # batch-all: violating negatives
-        self.total = torch.zeros(m, p, dtype=self.acc, device=dev)  # batch-all: their distances' sum
-        self.outside = extreme(False, p)  # semi-hard: the closest negative farther than the positive
+        if mining == "all":
+            self.count = torch.zeros(m, p, dtype=torch.long, device=dev)  # violating negatives
+            self.total = torch.zeros(m, p, dtype=self.acc, device=dev)  # their distances' sum
+        else:
+            self.outside = extreme(False, p)  # the closest negative farther than the positive
 
     def visit(self, step: int, d: Tensor, tile: Tile) -> None:
         """Pass ``step``'s visit of the block ``d`` (the distances of ``tile``'s rows and columns)."""
