@@ -117,7 +117,7 @@ class _GlooJoin(RowsJoin):
         dist.all_reduce(total)
         return top + total.log()
 
-    def count(self, b: int) -> int:
+    def total_rows(self, b: int) -> int:
         import torch.distributed as dist
 
         n = torch.tensor([b])

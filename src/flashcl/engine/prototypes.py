@@ -82,13 +82,13 @@ def _blocks(k: int, block: int) -> range:
 class RowsJoin:
     """How one rank's rows meet the other ranks' in Sinkhorn-Knopp (the sums over the
     rows are over the global batch): ``lse(x)``, elementwise logsumexps of this rank's
-    rows joined over the ranks; ``count(b)``, the global number of rows. One process:
+    rows joined over the ranks; ``total_rows(b)``, the global number of rows. One process:
     as they are."""
 
     def lse(self, x: Tensor) -> Tensor:
         return x
 
-    def count(self, b: int) -> int:
+    def total_rows(self, b: int) -> int:
         return b
 
 
@@ -105,7 +105,7 @@ def sinkhorn_scalings(
     them; uneven batches count their rows)."""
     join = join or RowsJoin()
     b, k = rows.shape[0], w_t.k
-    n = join.count(b)
+    n = join.total_rows(b)
     v = rows.new_zeros(b)
     u = rows.new_zeros(k)
     buf = rows.new_empty(b, min(block, k))
