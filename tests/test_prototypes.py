@@ -168,3 +168,53 @@ def test_sinkhorn_across_processes_equals_dinov2_on_the_concatenated_batch(world
     assert_close(torch.cat([r[2][0] for r in ranks]), gx, "rows' gradients", *TOL)
     assert_close(sum(r[2][1] for r in ranks), gw, "prototypes' gradients, summed", *TOL)
     assert all(bounds[r + 1] - bounds[r] == r_[0].shape[0] for r, r_ in enumerate(ranks))
+
+
+def dino_as_lightly(teacher_logits, student_logits, center, teacher_temp, student_temp):
+    """lightly's DINOLoss on stacked views' logits, written out: every teacher view
+    against every student view but the same crop, the mean over those pairs and the batch."""
+    t = F.softmax((torch.stack(teacher_logits) - center) / teacher_temp, dim=-1)
+    s = F.log_softmax(torch.stack(student_logits) / student_temp, dim=-1)
+    loss = -torch.einsum("tbd,sbd->ts", t, s)
+    loss = loss.masked_fill(torch.eye(*loss.shape, dtype=torch.bool), 0.0)  # the same crop left out
+    n_terms = loss.numel() - min(loss.shape)
+    return loss.sum() / (n_terms * t.shape[1])
+
+
+@pytest.mark.parametrize("block", [4, 19])
+def test_crop_pairs_by_summed_targets_equal_lightly(block: int) -> None:
+    """Two global teacher views, two global and two local student views: each student
+    view's cross-entropy against the sum of the other crops' teacher targets is
+    lightly's DINOLoss (values, every student view's and the prototypes' gradients)."""
+    from flashcl.engine.prototypes import summed_targets
+
+    g = torch.Generator().manual_seed(9)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    b, k, d = 7, 19, 6
+    teacher_rows, student_rows, w, wt, center = (
+        [r(b, d) for _ in range(2)],
+        [r(b, d) for _ in range(4)],
+        r(k, d),
+        r(k, d),
+        r(k),
+    )
+    leaves = [x.clone().requires_grad_(True) for x in [*student_rows, w]]
+    unit = lambda v: F.normalize(v, dim=1)  # noqa: E731
+    t_logits = [unit(y) @ unit(wt).T for y in teacher_rows]
+    s_logits = [unit(x) @ unit(leaves[-1]).T for x in leaves[:-1]]
+    want = dino_as_lightly(t_logits, s_logits, center, 0.04, 0.1)
+    want_grads = torch.autograd.grad(want, leaves)
+
+    mine = [x.clone().requires_grad_(True) for x in [*student_rows, w]]
+    teacher = Prototypes(wt, True)
+    per_view = [softmax_targets(unit_rows(y, True)[0], teacher, center, 1 / 0.04, block) for y in teacher_rows]
+    pairs = sum(1 for i in range(2) for j in range(4) if i != j)
+    total = sum(
+        PrototypeCrossEntropy.apply(
+            x, mine[-1], summed_targets([f for i, f in enumerate(per_view) if i != j]), 10.0, block, True
+        ).sum()
+        for j, x in enumerate(mine[:-1])
+    ) / (pairs * b)
+    assert_close(total, want.detach(), "lightly's DINOLoss", *TOL)
+    for i, (a, e) in enumerate(zip(torch.autograd.grad(total, mine), want_grads)):
+        assert_close(a, e, f"gradient {i}", *TOL)

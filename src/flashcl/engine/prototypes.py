@@ -24,7 +24,7 @@ processes (the sums over the rows all-reduced) and the drop-ins build on it.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -40,6 +40,7 @@ __all__ = [
     "sinkhorn_targets",
     "teacher_center",
     "PrototypeCrossEntropy",
+    "summed_targets",
     "auto_prototype_block",
     "nearest_neighbours",
 ]
@@ -167,6 +168,25 @@ def sinkhorn_targets(
 
     def targets(k0: int, k1: int, out: Tensor) -> Tensor:
         return w_t.tile(rows, k0, k1, inv_temp, out).add_(u[k0:k1].unsqueeze(0)).add_(v.unsqueeze(1)).exp_()
+
+    return targets
+
+
+def summed_targets(parts: Sequence[Targets]) -> Targets:
+    """The sum of several views' targets (a block at a time, one scratch block): the
+    cross-entropy is linear in its targets, so a student view against several teacher
+    views (DINO's crop pairs) is one pass with their sum."""
+    scratch: List[Optional[Tensor]] = [None]
+
+    def targets(k0: int, k1: int, out: Tensor) -> Tensor:
+        first = parts[0](k0, k1, out)
+        if len(parts) > 1 and (scratch[0] is None or scratch[0].shape != out.shape):
+            scratch[0] = torch.empty_like(out)
+        for part in parts[1:]:
+            buf = scratch[0]
+            assert buf is not None
+            first.add_(part(k0, k1, buf[:, : k1 - k0]))
+        return first
 
     return targets
 
