@@ -221,3 +221,20 @@ def test_a_kernel_that_fails_falls_back_to_tiled_with_one_warning(failing: str, 
         else:  # the same cause: no second warning, and no second try of the kernels
             assert messages == [], messages
     assert driver._FAILED is not None and "OutOfResources" in driver._FAILED
+
+
+def test_flashcl_check_marks_every_fallen_back_row(monkeypatch) -> None:
+    """``flashcl check`` on a device whose kernels fail: every Triton row is 'fallback'
+    with the cause (the first row warned, the later ones fell back at once), none FAIL."""
+    import flashcl.triton.driver as driver
+    from flashcl.engine import engine
+    from flashcl.tools.selfcheck import run_checks
+
+    monkeypatch.setattr(driver, "lse_kernel", _FailingKernel())
+    monkeypatch.setattr(driver, "_FAILED", None)
+    monkeypatch.setattr(engine, "_WARNED_FAILURES", set())
+    rows = run_checks("cpu", [torch.float32], ["supcon_loss", "clip_loss"], backends=("tiled", "triton"))
+    triton_rows = [r for r in rows if r.backend == "triton"]
+    assert [r.status for r in triton_rows] == ["fallback", "fallback"], triton_rows
+    assert all("OutOfResources" in r.note for r in triton_rows), [r.note for r in triton_rows]
+    assert all(r.status == "pass" for r in rows if r.backend == "tiled")

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import functional
+from ..triton import failure
 
 __all__ = ["Check", "Row", "CHECKS", "TOLERANCE", "run_checks", "format_row", "HEADER"]
 
@@ -207,6 +208,8 @@ def run_checks(
                     if backend == "dense":
                         dense_error = err
                     fell_back = [str(w.message) for w in caught if "instead" in str(w.message)]
+                    if backend == "triton" and not fell_back and failure() is not None:
+                        fell_back = [f"the Triton kernels failed earlier in this run ({failure()}); tiled instead"]
                     status = "pass" if err <= tol else "FAIL"
                     if fell_back and status == "pass":
                         status = "fallback"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -29,3 +29,13 @@ def availability(device_type: str) -> Tuple[bool, str]:
         f"the triton backend runs on CUDA tensors (got {device_type}); on a CPU only under "
         "Triton's interpreter (TRITON_INTERPRET=1, for tests)"
     )
+
+
+def failure() -> Optional[str]:
+    """The cause of the kernels' failure on this device in this process (then every
+    Triton call is computed by the tiled backend), or None: none failed, or the
+    kernels were not used."""
+    import sys
+
+    driver = sys.modules.get(f"{__name__}.driver")
+    return None if driver is None else getattr(driver, "_FAILED", None)
