@@ -57,8 +57,12 @@ def unit_rows(x: Tensor, normalize: bool) -> Tuple[Tensor, Tensor]:
     inverse norms (ones without ``normalize``)."""
     if not normalize:
         return x, torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    inv = 1.0 / torch.linalg.vector_norm(x, dim=1).clamp_min(1e-12)
+    inv = _inverse_norms(x)
     return x * inv.unsqueeze(1), inv
+
+
+def _inverse_norms(x: Tensor) -> Tensor:
+    return 1.0 / torch.linalg.vector_norm(x, dim=1).clamp_min(1e-12)
 
 
 class Prototypes:
@@ -68,7 +72,7 @@ class Prototypes:
 
     def __init__(self, w: Tensor, normalize: bool) -> None:
         self.w = w
-        self.inv = unit_rows(w, normalize)[1] if normalize else torch.ones(w.shape[0], dtype=w.dtype, device=w.device)
+        self.inv = _inverse_norms(w) if normalize else torch.ones(w.shape[0], dtype=w.dtype, device=w.device)
         self.k = w.shape[0]
 
     def tile(self, rows: Tensor, k0: int, k1: int, scale: float, out: Tensor) -> Tensor:

@@ -129,15 +129,16 @@ def _run(
         floats, others = [as_given(x) for x in floats], [as_given(x) for x in others]
         kw = {k: tuple(as_given(t) for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
 
-    def move(x: Any, floating: bool) -> Any:
+    def move(x: Any) -> Any:
+        """A floating tensor to the device in the row's dtype, another to the device."""
         if not isinstance(x, Tensor):
             return x
-        return x.to(device=device, dtype=dtype) if floating and x.is_floating_point() else x.to(device)
+        return x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device)
 
     def once() -> Tuple[Tensor, List[Tensor]]:
-        leaves = [move(x, True).requires_grad_(True) for x in floats]
-        rest = [move(x, True) for x in others]  # labels to the device, a teacher's rows in the dtype
-        extra = {k: tuple(move(t, True) for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
+        leaves = [move(x).requires_grad_(True) for x in floats]
+        rest = [move(x) for x in others]  # labels to the device, a teacher's rows in the dtype
+        extra = {k: tuple(move(t) for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
         value = _call(check, leaves, rest, extra, backend)
         grads = torch.autograd.grad(value, leaves)
         return value.detach(), list(grads)
