@@ -63,6 +63,16 @@ esac
 "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('colpali_engine') is None)" 2>/dev/null \
   || "$py" -m pip install -q --no-deps colpali-engine==0.3.18 \
   || echo "colpali-engine not installed: its benchmark and test cases will say so"
+# lightly's and DINOv2's self-distillation losses: oracles of flashcl.dino_loss and the lightly
+# drop-ins in the tests and peers in the ssl benchmark. Their packages import torchvision (lightly)
+# or pin old torch (dinov2); their loss files need only torch: installed without dependencies.
+if [ "$cmd" = test ] || case " $* " in *ssl*|*" --full "*) true ;; *) false ;; esac; then
+  "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('lightly') is None)" 2>/dev/null \
+    || "$py" -m pip install -q --no-deps lightly==1.6.0 \
+    || echo "lightly not installed: its benchmark and test cases will say so"
+  "$py" -c "import dinov2.loss" 2>/dev/null || "$py" -m pip install -q --no-deps dinov2==0.0.1.dev2 \
+    || echo "dinov2 not installed: its test cases will say so"
+fi
 case "$cmd" in
   test)
     "$py" -m ruff check src tests examples scripts conftest.py

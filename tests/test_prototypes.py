@@ -15,9 +15,9 @@ from flashcl.engine.prototypes import (
     PrototypeCrossEntropy,
     Prototypes,
     RowsJoin,
+    logit_sums,
     sinkhorn_targets,
     softmax_targets,
-    teacher_center,
     unit_rows,
 )
 from helpers import assert_close
@@ -75,7 +75,7 @@ def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, target
     # the targets themselves, block by block
     blocks = [fn(k0, min(k0 + block, 19), torch.empty(11, block, dtype=torch.float64)) for k0 in range(0, 19, block)]
     assert_close(torch.cat(blocks, 1), p, "targets", *TOL)
-    assert_close(teacher_center(yh, teacher), t.mean(0), "the center", *TOL)
+    assert_close(logit_sums(yh, teacher) / yh.shape[0], t.mean(0), "the center", *TOL)
 
 
 def koleo_as_dinov2(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -98,7 +98,7 @@ def test_koleo_neighbours_in_tiles_equal_dinov2(tiles) -> None:
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     want = koleo_as_dinov2(xa)
     unit = F.normalize(xb, eps=1e-8, p=2, dim=-1)
-    nn = nearest_neighbours(unit, *tiles)
+    nn = nearest_neighbours(unit, rows=tiles[0], cols=tiles[1])
     got = -torch.log(torch.nn.PairwiseDistance(2, eps=1e-8)(unit, unit[nn]) + 1e-8).mean()
     assert_close(got, want.detach(), "KoLeo", *TOL)
     assert_close(torch.autograd.grad(got, xb)[0], torch.autograd.grad(want, xa)[0], "KoLeo gradient", *TOL)
@@ -182,11 +182,11 @@ def dino_as_lightly(teacher_logits, student_logits, center, teacher_temp, studen
 
 
 @pytest.mark.parametrize("block", [4, 19])
-def test_crop_pairs_by_summed_targets_equal_lightly(block: int) -> None:
+def test_crop_pairs_by_paired_targets_equal_lightly(block: int) -> None:
     """Two global teacher views, two global and two local student views: each student
     view's cross-entropy against the sum of the other crops' teacher targets is
     lightly's DINOLoss (values, every student view's and the prototypes' gradients)."""
-    from flashcl.engine.prototypes import summed_targets
+    from flashcl.engine.prototypes import paired_targets
 
     g = torch.Generator().manual_seed(9)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -208,13 +208,12 @@ def test_crop_pairs_by_summed_targets_equal_lightly(block: int) -> None:
     mine = [x.clone().requires_grad_(True) for x in [*student_rows, w]]
     teacher = Prototypes(wt, True)
     per_view = [softmax_targets(unit_rows(y, True)[0], teacher, center, 1 / 0.04, block) for y in teacher_rows]
-    pairs = sum(1 for i in range(2) for j in range(4) if i != j)
-    total = sum(
-        PrototypeCrossEntropy.apply(
-            x, mine[-1], summed_targets([f for i, f in enumerate(per_view) if i != j]), 10.0, block, True
-        ).sum()
-        for j, x in enumerate(mine[:-1])
-    ) / (pairs * b)
+    pairs = [[i for i in range(2) if i != j] for j in range(4)]
+    stacked = torch.cat(mine[:-1])
+    rows = PrototypeCrossEntropy.apply(stacked, mine[-1], paired_targets(per_view, pairs, b), 10.0, block, True)
+    total = rows.sum() / (sum(map(len, pairs)) * b)
+    mine = [stacked, mine[-1]]
+    want_grads = [torch.cat(want_grads[:-1]), want_grads[-1]]
     assert_close(total, want.detach(), "lightly's DINOLoss", *TOL)
     for i, (a, e) in enumerate(zip(torch.autograd.grad(total, mine), want_grads)):
         assert_close(a, e, f"gradient {i}", *TOL)

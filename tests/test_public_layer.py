@@ -26,6 +26,9 @@ TWINS = [
     (flashcl.ArcFaceLoss, flashcl.arcface_loss),
     (flashcl.MaxSimLoss, flashcl.maxsim_loss),
     (flashcl.MaxSimDistillLoss, flashcl.maxsim_distill_loss),
+    (flashcl.DINOLoss, flashcl.dino_loss),
+    (flashcl.SwAVLoss, flashcl.swav_loss),
+    (flashcl.KoLeoLoss, flashcl.koleo_loss),
 ]
 
 
@@ -44,7 +47,7 @@ def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
         if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
     }
     per_call = {"ref", "ref_labels", "ref_self", "negatives", "query_labels", "key_labels", "labels", "guide"}
-    per_call |= {"query_mask", "doc_mask", "classes"}
+    per_call |= {"query_mask", "doc_mask", "classes", "teacher_prototypes", "center", "masks", "queue"}
     twin = {name: p.default for name, p in inspect.signature(module).parameters.items() if p.kind is not p.VAR_KEYWORD}
     for name, default in options.items():
         if name in per_call:
@@ -94,7 +97,7 @@ def test_every_registered_loss_is_in_every_namespace() -> None:
     from flashcl import registry
 
     fns, mods = registry.functions(), registry.modules()
-    assert len(fns) == len(mods) == 14
+    assert len(fns) == len(mods) == 17
     for name, fn in fns.items():
         assert getattr(flashcl, name) is fn and getattr(flashcl.functional, name) is fn, name
         assert name in flashcl.__all__ and name in flashcl.functional.__all__, name

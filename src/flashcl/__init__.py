@@ -16,11 +16,14 @@ from .losses.cosent import CoSENTLoss, cosent_loss
 from .losses.distill import DistillLoss, distill_loss
 from .losses.gist import GistLoss, gist_loss
 from .losses.info_nce import InfoNCELoss, info_nce_loss
+from .losses.koleo import KoLeoLoss, koleo_loss
 from .losses.margin import ArcFaceLoss, CosFaceLoss, arcface_loss, cosface_loss
 from .losses.maxsim import MaxSimDistillLoss, MaxSimLoss, maxsim_distill_loss, maxsim_loss, maxsim_scores
 from .losses.neighbor import NeighborLoss, neighbor_loss, sample_neighbors
 from .losses.nt_xent import NTXentLoss, nt_xent_loss
+from .losses.self_distill import DINOLoss, dino_loss, prototype_center
 from .losses.supcon import SupConLoss, supcon_loss
+from .losses.swav import SwAVLoss, swav_loss
 from .losses.triplet import TripletLoss, triplet_loss
 from .runner import AUTO_TILED_MIN_ENTRIES
 from .tools.doctor import doctor
@@ -84,6 +87,7 @@ __all__ = [
     "sample_neighbors",
     "maxsim_scores",
     "sample_classes",
+    "prototype_center",
     "MemoryBank",
     "LogitScale",
     "cached_step",

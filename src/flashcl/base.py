@@ -13,6 +13,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: Argument descriptions that several losses share, written once: a docstring
 #: names one as ``@name@`` on a line of its own (:func:`shared_docs` fills it in).
 DOCS: Dict[str, str] = {
+    "prototype_options": """backend: ``"auto"`` (default: ``"tiled"`` from :data:`flashcl.AUTO_TILED_MIN_ENTRIES`
+    logits, ``"dense"`` below) | ``"tiled"`` (blocks: no rows x K, or B x B, tensor) |
+    ``"dense"`` (the whole matrix, as lightly and DINOv2 write it) | ``"reference"``
+    (one row at a time; the tests' oracle). No Triton kernel: ``"triton"`` is an error.
+block_size: prototypes (KoLeo: rows) per block of the tiled backend; None picks one.
+process_group: None (default: this process's rows) or a process group of
+    ``torch.distributed``: the loss over every rank's rows (local batch sizes may
+    differ), the prototypes replicated; the sums over the rows (Sinkhorn-Knopp's, the
+    center's) all-reduced, as DINOv2 does.
+grad_scale: across processes, ``"ddp"`` (default: each rank returns world size x its
+    share, so that DistributedDataParallel's averaging gives the one-process
+    gradient) | ``"sum"`` (each rank's share).""",
     "backend": """backend: ``"auto"`` (default: ``"triton"`` for CUDA tensors up to D = 256 when
     Triton is installed, else ``"tiled"`` from 2^20 score entries, ``"dense"`` below) |
     ``"reference"`` (per-anchor loops) | ``"dense"`` (the B x B matrix) |

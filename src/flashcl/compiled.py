@@ -26,7 +26,7 @@ import ast
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Dict, List, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -200,11 +200,14 @@ def _backward(ctx: Any, grads: List[Tensor]) -> Tuple[Any, ...]:
 _loss_op.register_autograd(_backward, setup_context=_setup)
 
 
-def compiles(rows: Callable[[Tensor], Sequence[Any]] = lambda x: x.shape[:-1]) -> Callable[[F], F]:
+def compiles(
+    rows: Callable[[Tensor], Sequence[Any]] = lambda x: x.shape[:-1], batch_dims: Optional[Dict[str, int]] = None
+) -> Callable[[F], F]:
     """Decorates a public loss so that under ``torch.compile`` it is one call of
     ``flashcl::loss``. ``rows``: the shape of its ``reduction="none"`` output from
     its first tensor argument (default: that tensor's shape without its last
-    dimension)."""
+    dimension). ``batch_dims``: the arguments whose batch dimension is not the first
+    (the ranks' calls are compared without it: :func:`flashcl.parallel.same_call`)."""
 
     def wrap(fn: F) -> F:
         name = fn.__name__
@@ -214,7 +217,7 @@ def compiles(rows: Callable[[Tensor], Sequence[Any]] = lambda x: x.shape[:-1]) -
         def loss(*args: Any, **kwargs: Any) -> Tensor:
             if not torch.compiler.is_compiling():
                 if kwargs.get("process_group") is not None:
-                    collectives.same_call(fn, args, kwargs)
+                    collectives.same_call(fn, args, kwargs, batch_dims)
                 return fn(*args, **kwargs)
             if kwargs.get("process_group") is not None:
                 raise RuntimeError(

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -81,6 +81,7 @@ __all__ = [
     "run_both_ways",
     "reduce",
     "share",
+    "share_count",
     "reduce_total",
     "backend_for",
     "run_core",
@@ -88,6 +89,8 @@ __all__ = [
     "AUTO_TILED_MIN_ENTRIES",
     "AUTO_TRITON_MAX_WIDTH",
     "resolve",
+    "pick",
+    "pick_name",
     "driver",
     "run_problem",
     "auto_block",
@@ -338,6 +341,20 @@ def share(
     return valid * (factor / max(divisor, 1.0))
 
 
+def share_count(reduction: str, grad_scale: str, source: Source, weights: Tensor, count: int) -> Optional[Tensor]:
+    """The weights ``r`` of a scalar reduction ``sum_i r_i row_i`` whose ``"mean"``
+    divides by a count of terms that is not the rows' (the pairs of views times the
+    rows, or the images), ``count`` this rank's, summed over the ranks; ``weights``:
+    each row's own factor. ``"sum"``: the weights; each times the ``grad_scale``
+    factor. None for ``"none"``."""
+    if reduction == "none":
+        return None
+    factor = source.factor(grad_scale)
+    if reduction == "sum":
+        return weights * factor
+    return weights * (factor / source.count(weights.new_tensor([float(count)])).clamp_min(1)[0])
+
+
 def reduce(rows: Tensor, valid: Tensor, reduction: str, grad_scale: str, source: Source) -> Tensor:
     """Per-row losses reduced over the global batch (:func:`share`)."""
     r = share(reduction, grad_scale, source, valid)
@@ -491,6 +508,53 @@ def resolve(
     ):
         return "triton"
     return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
+
+
+def pick_name(
+    backend: str,
+    names: Sequence[str],
+    entries: int,
+    x: Optional[Tensor],
+    family: str,
+    auto: Optional[str] = None,
+    min_tiled: Optional[int] = None,
+) -> str:
+    """The backend among ``names`` (those a family computes with) that ``backend``
+    stands for: ``"auto"`` is the family's fixed choice ``auto`` where it has one, else
+    ``"tiled"`` from ``min_tiled`` entries (the family's own threshold), else
+    :func:`resolve` from ``entries`` and ``x``'s device, dtype and width, Triton only
+    where the family has it. A backend the family lacks is a ValueError that names
+    those it has."""
+    if backend != "auto":
+        name = backend
+    elif auto is not None:
+        name = auto
+    elif (min_tiled is not None and "triton" not in names) or x is None:
+        name = "tiled" if entries >= (min_tiled or AUTO_TILED_MIN_ENTRIES) else "dense"
+    else:
+        kernel = "softmax" if "triton" in names else None
+        name = resolve(backend, entries, x.device, x.dtype, x.shape[-1], kernel=kernel)
+    if name not in names:
+        missing = "no Triton kernel" if name == "triton" else f"no {name!r} implementation"
+        raise ValueError(f"{family} has {missing}: backend={backend!r}; it takes one of {('auto', *names)}")
+    return name
+
+
+def pick(
+    backend: str,
+    impls: Mapping[str, Callable[..., Any]],
+    entries: int,
+    x: Tensor,
+    family: str,
+    auto: Optional[str] = None,
+    min_tiled: Optional[int] = None,
+) -> Callable[..., Any]:
+    """A family's implementation for ``backend``: ``impls`` maps the backends the family
+    computes with (``"reference"``, ``"dense"``, ``"tiled"``, ``"triton"``) to its
+    implementation of each (a family hands its implementations to the runner, which
+    picks, resolves ``"auto"`` and refuses what the family lacks, in this one place:
+    :func:`pick_name`)."""
+    return impls[pick_name(backend, tuple(impls), entries, x, family, auto, min_tiled)]
 
 
 def _self_contrast(k: Optional[Tensor], problem: Problem) -> bool:

@@ -49,11 +49,11 @@ def _is_oom(e: BaseException) -> bool:
 
 def run_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Runs the case described by ``spec`` (see :func:`flashcl.bench.measure.measure`)."""
-    from . import late
+    from . import late, ssl
     from .workloads import WORKLOADS as CORE
     from .workloads import NotInstalled
 
-    WORKLOADS = {**CORE, **late.WORKLOADS}
+    WORKLOADS = {**CORE, **late.WORKLOADS, **ssl.WORKLOADS}
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

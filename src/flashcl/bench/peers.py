@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 def pml_losses() -> Tuple[Optional[Any], str]:
@@ -81,6 +81,26 @@ def sentence_transformers_gist(**config: Any) -> Tuple[Optional[Any], str]:
     return fn, ""
 
 
+def _load(name: str, path: str) -> Any:
+    """The module in the file ``path``, loaded as ``name`` (not entered in sys.modules)."""
+    file_spec = importlib.util.spec_from_file_location(name, path)
+    assert file_spec is not None and file_spec.loader is not None
+    module = importlib.util.module_from_spec(file_spec)
+    file_spec.loader.exec_module(module)
+    return module
+
+
+def _restore(saved: Dict[str, Any]) -> None:
+    """sys.modules' entries as they were (None: absent) before a peer's files were loaded."""
+    import sys
+
+    for name, module in saved.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
+
+
 def colpali_loss_module() -> Tuple[Optional[Any], str]:
     """colpali-engine's ``loss/late_interaction_losses.py``, loaded from its file with
     its ``utils/maxsim.py`` (the package's ``__init__`` imports its models, whose image
@@ -100,27 +120,59 @@ def colpali_loss_module() -> Tuple[Optional[Any], str]:
     if not all(os.path.exists(p) for p in paths.values()):
         return None, f"colpali-engine has no {' / '.join(paths.values())}"
 
-    def load(name: str, path: str) -> Any:
-        file_spec = importlib.util.spec_from_file_location(name, path)
-        assert file_spec is not None and file_spec.loader is not None
-        module = importlib.util.module_from_spec(file_spec)
-        file_spec.loader.exec_module(module)
-        return module
-
     names = ("colpali_engine", "colpali_engine.utils", "colpali_engine.utils.maxsim")
     saved = {name: sys.modules.get(name) for name in names}
     try:
-        maxsim = load("_colpali_maxsim", paths["x.utils.maxsim"])
+        maxsim = _load("_colpali_maxsim", paths["x.utils.maxsim"])
         maxsim._resolve_backend = lambda: "torch"
         for name in names[:2]:  # the packages as bare namespaces while the losses import
             sys.modules[name] = types.ModuleType(name)
         sys.modules[names[2]] = maxsim
-        return load("_colpali_losses", paths["x.loss.late_interaction_losses"]), ""
+        return _load("_colpali_losses", paths["x.loss.late_interaction_losses"]), ""
     except ImportError as e:
         return None, f"colpali-engine's losses do not import here ({e})"
     finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        _restore(saved)
+
+
+def lightly_ssl_losses() -> Tuple[Optional[Any], str]:
+    """lightly's self-distillation losses (``DINOLoss``, ``IBOTPatchLoss``, ``KoLeoLoss``,
+    ``SwaVLoss``), each loaded from its file with ``models/modules/center.py`` (the
+    package's ``loss`` and ``models`` import torchvision; these files need only torch),
+    as one namespace."""
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("lightly")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "lightly not installed"
+    root = list(spec.submodule_search_locations)[0]
+    files = {
+        "center": os.path.join(root, "models", "modules", "center.py"),
+        **{
+            name: os.path.join(root, "loss", f"{name}.py")
+            for name in ("dino_loss", "ibot_loss", "koleo_loss", "swav_loss")
+        },
+    }
+    if not all(os.path.exists(p) for p in files.values()):
+        return None, f"lightly has no {' / '.join(files.values())}"
+
+    names = ("lightly", "lightly.models", "lightly.models.modules", "lightly.models.modules.center")
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        center = _load("_lightly_center", files["center"])
+        for name in names[:3]:  # the packages as bare namespaces while the losses import
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules[names[2]].center = center  # type: ignore[attr-defined]
+        sys.modules[names[3]] = center
+        out = types.SimpleNamespace(center=center)
+        for name in ("dino_loss", "ibot_loss", "koleo_loss", "swav_loss"):
+            module = _load(f"_lightly_{name}", files[name])
+            for attr in ("DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "SwaVLoss", "sinkhorn"):
+                if hasattr(module, attr):
+                    setattr(out, attr, getattr(module, attr))
+        return out, ""
+    except ImportError as e:
+        return None, f"lightly's losses do not import here ({e})"
+    finally:
+        _restore(saved)

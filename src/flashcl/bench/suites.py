@@ -1,13 +1,14 @@
 """The benchmark suites: lists of cases, sized by ``quick`` / default / ``full``.
 
-A case is ``{"suite", "group", "label", "workload", "params", "repeats", "bound"}``;
-``group`` collects the cases of one table and plot line set, ``label`` names the
-implementation, ``params["impl"]`` selects it inside the workload.
-"""
+A case is ``{"suite", "group", "label", "workload", "params", "repeats", "bound"}``; ``group``
+collects the cases of one table and plot line set, ``label`` names the implementation,
+``params["impl"]`` selects it inside the workload (self-distillation's suite: :mod:`.ssl`)."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, List
+
+from .ssl import ssl
 
 Case = Dict[str, Any]
 
@@ -694,5 +695,6 @@ SUITES = {
     "train": train,
     "late-interaction": late_interaction,
     "margin": margin,
+    "ssl": ssl,
 }
 DEFAULT_SUITES = ("neighbors", "simcse", "peers", "scale")

@@ -17,14 +17,16 @@ prototypes' sums over the rows are complete in a block of all rows; the rows' su
 over the prototypes accumulate across blocks). The backward pass recomputes each block:
 ``d loss_b / d s_bk = (sum_k p_bk softmax_k(s_b / tau_s) - p_bk) / tau_s``.
 
-This module is the engine's part, for one process; the public loss, its options across
-processes (the sums over the rows all-reduced) and the drop-ins build on it.
+This module is the engine's part: the sums over the rows meet the other ranks' through
+a :class:`RowsJoin` (``flashcl.parallel`` has the one for a process group); the public
+losses (:mod:`flashcl.losses.self_distill`) and the drop-ins build on it. KoLeo's
+nearest neighbours and its per-row terms (:class:`KoLeoRows`) are here too.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -38,9 +40,12 @@ __all__ = [
     "sinkhorn_scalings",
     "softmax_targets",
     "sinkhorn_targets",
-    "teacher_center",
+    "logit_sums",
+    "scaled_targets",
+    "Blocks",
+    "paired_targets",
     "PrototypeCrossEntropy",
-    "summed_targets",
+    "KoLeoRows",
     "auto_prototype_block",
     "nearest_neighbours",
 ]
@@ -52,13 +57,17 @@ def auto_prototype_block(b: int, k: int) -> int:
     return max(1, min(k, (1 << 21) // max(1, b)))
 
 
-def unit_rows(x: Tensor, normalize: bool) -> Tuple[Tensor, Tensor]:
+def unit_rows(x: Tensor, normalize: bool, extra: int = 0) -> Tuple[Tensor, Tensor]:
     """``x``'s rows divided by their norms (with ``normalize``; else as given) and the
-    inverse norms (ones without ``normalize``)."""
-    if not normalize:
-        return x, torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    inv = _inverse_norms(x)
-    return x * inv.unsqueeze(1), inv
+    inverse norms (ones without ``normalize``). ``extra``: that many zero columns after
+    them in the same buffer (for shifts folded into a GEMM); the rows are then the
+    view of its first D columns."""
+    inv = _inverse_norms(x) if normalize else torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+    if not extra:
+        return (x * inv.unsqueeze(1) if normalize else x), inv
+    out = x.new_zeros(x.shape[0], x.shape[1] + extra)
+    torch.mul(x, inv.unsqueeze(1), out=out[:, : x.shape[1]])
+    return out, inv
 
 
 def _inverse_norms(x: Tensor) -> Tensor:
@@ -67,17 +76,31 @@ def _inverse_norms(x: Tensor) -> Tensor:
 
 class Prototypes:
     """Prototypes ``w`` (K, D) as given and their inverse norms (with ``normalize``):
-    a tile of logits ``rows w^_k . scale`` for a block of them, the unit prototypes
-    never formed (they would be a second K x D tensor)."""
+    a tile of logits ``rows w^_k . scale`` for a block of them, the block's unit rows
+    (block x D) formed for its GEMM, never all of them (a second K x D tensor) and
+    never a scaling pass over the B x block tile."""
 
     def __init__(self, w: Tensor, normalize: bool) -> None:
-        self.w = w
+        self.w, self.normalized = w, normalize
         self.inv = _inverse_norms(w) if normalize else torch.ones(w.shape[0], dtype=w.dtype, device=w.device)
         self.k = w.shape[0]
 
-    def tile(self, rows: Tensor, k0: int, k1: int, scale: float, out: Tensor) -> Tensor:
-        z = torch.mm(rows, self.w[k0:k1].T, out=out[:, : k1 - k0])
-        return z.mul_(self.inv[k0:k1].unsqueeze(0) * scale)
+    def unit(self, k0: int, k1: int, scale: float = 1.0) -> Tensor:
+        """The block's prototypes ``w^_k . scale`` (block x D)."""
+        return self.w[k0:k1] * (self.inv[k0:k1] * scale).unsqueeze(1)
+
+    def tile(
+        self, rows: Tensor, k0: int, k1: int, scale: float, out: Tensor, extra: Sequence[Union[Tensor, float]] = ()
+    ) -> Tensor:
+        """``rows . w^_k scale`` for the block; ``extra``: per-prototype columns (a (K,)
+        vector or a constant) appended to the block, ``rows`` then ``D + len(extra)``
+        wide: a shift of every column or row folded into the GEMM (no pass over the
+        tile)."""
+        unit = self.unit(k0, k1, scale)
+        if extra:
+            cols = [e[k0:k1].unsqueeze(1) if isinstance(e, Tensor) else unit.new_full((k1 - k0, 1), e) for e in extra]
+            unit = torch.cat([unit, *cols], 1)
+        return torch.mm(rows, unit.T, out=out[:, : k1 - k0])
 
 
 def _blocks(k: int, block: int) -> range:
@@ -90,11 +113,18 @@ class RowsJoin:
     rows joined over the ranks; ``total_rows(b)``, the global number of rows. One process:
     as they are."""
 
+    #: whether joining is a collective (then made once per pass, over every prototype)
+    collective = False
+
     def lse(self, x: Tensor) -> Tensor:
         return x
 
     def total_rows(self, b: int) -> int:
         return b
+
+    def sum(self, x: Tensor) -> Tensor:
+        """``x`` (sums over this rank's rows) summed over the ranks."""
+        return x
 
 
 def sinkhorn_scalings(
@@ -121,102 +151,190 @@ def sinkhorn_scalings(
     v -= join.lse(total.reshape(1))[0]
     for _ in range(iterations):
         sums = rows.new_full((b,), float("-inf"))
+        if join.collective:
+            # across processes: each prototype's sum over every rank's rows in one all-reduce of K values
+            # per iteration (as DINOv2), not one per block; the rows' sums in a second pass
+            for k0 in _blocks(k, block):
+                k1 = min(k0 + block, k)
+                u[k0:k1] = torch.logsumexp(w_t.tile(rows, k0, k1, inv_temp, buf).add_(v.unsqueeze(1)), 0)
+            u = -join.lse(u) - math.log(k)
         for k0 in _blocks(k, block):
             k1 = min(k0 + block, k)
             logits = w_t.tile(rows, k0, k1, inv_temp, buf).add_(v.unsqueeze(1))
-            # each prototype's sum over every row (this rank's rows are all in the block): to 1/K
-            u[k0:k1] = -join.lse(torch.logsumexp(logits, 0)) - math.log(k)
+            if not join.collective:
+                # each prototype's sum over every row (this rank's rows are all in the block): to 1/K
+                u[k0:k1] = -join.lse(torch.logsumexp(logits, 0)) - math.log(k)
             sums = torch.logaddexp(sums, torch.logsumexp(logits.add_(u[k0:k1].unsqueeze(0)), 1))
         v -= sums + math.log(n)  # each row's sum over the prototypes: to 1/B
     return u, v + math.log(n)
 
 
-def teacher_center(rows: Tensor, w_t: Prototypes) -> Tensor:
-    """The batch mean of the teacher's logits over the rows, (K,) (DINO's center EMA
-    takes it): ``mean_b t_bk = (mean_b rows_b) . w^_k``."""
-    return (w_t.w @ rows.mean(0)) * w_t.inv
+def logit_sums(rows: Tensor, w_t: Prototypes) -> Tensor:
+    """The sum over the rows of the teacher's logits, (K,) (DINO's center is their
+    mean over the global batch): ``sum_b t_bk = (sum_b rows_b) . w^_k``, no rows x K
+    tensor."""
+    return (w_t.w @ rows.sum(0)) * w_t.inv
 
 
 Targets = Callable[[int, int, Tensor], Tensor]
 
 
-def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv_temp: float, block: int) -> Targets:
+class Blocks:
+    """Target probabilities a block of prototypes at a time: ``blocks(k0, k1, out)``
+    writes those of prototypes ``k0 .. k1`` into ``out`` and returns that view;
+    ``mass``: each row's sum over the prototypes where it is known before any pass (1
+    for a softmax, and for Sinkhorn-Knopp after an iteration), else None."""
+
+    def __init__(self, fn: Targets, mass: Optional[Tensor]) -> None:
+        self.fn, self.mass = fn, mass
+
+    def __call__(self, k0: int, k1: int, out: Tensor) -> Tensor:
+        return self.fn(k0, k1, out)
+
+
+def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv_temp: float, block: int) -> Blocks:
     """The centred, sharpened softmax ``softmax_k((t_bk - c_k) / tau_t)`` as a function of
     a block of prototypes written into a buffer (the rows' logsumexp formed in one
     pass first)."""
-    b, k = rows.shape[0], w_t.k
+    (b, d), k = rows.shape, w_t.k
     c = rows.new_zeros(k) if center is None else center.to(rows.dtype).reshape(k) * inv_temp
-    mx = rows.new_full((b,), float("-inf"))
-    total = rows.new_zeros(b)
+    # rows [y^, -1, -lse_b] against prototypes [w^_k / tau, c_k, 1]: the GEMM gives t / tau - c - lse
+    aug = torch.cat([rows, rows.new_full((b, 1), -1.0), rows.new_zeros(b, 1)], 1)
     buf = rows.new_empty(b, min(block, k))
-    for k0 in _blocks(k, block):
-        k1 = min(k0 + block, k)
-        z = w_t.tile(rows, k0, k1, inv_temp, buf).sub_(c[k0:k1])
-        new = torch.maximum(mx, z.amax(1))
-        total = total * torch.exp(mx - new) + z.sub_(new.unsqueeze(1)).exp_().sum(1)
-        mx = new
-    lse = mx + total.log()
+    bound = _bound(rows, w_t, inv_temp)
+    hi, lo = bound - float(c.min()) if k else 0.0, -bound - float(c.max()) if k else 0.0
+    aug[:, d + 1] = -_lse_pass(aug, w_t, inv_temp, block, buf, (c, 1.0), hi, lo)
 
     def targets(k0: int, k1: int, out: Tensor) -> Tensor:
-        return w_t.tile(rows, k0, k1, inv_temp, out).sub_(c[k0:k1]).sub_(lse.unsqueeze(1)).exp_()
+        return w_t.tile(aug, k0, k1, inv_temp, out, (c, 1.0)).exp_()
 
-    return targets
+    return Blocks(targets, rows.new_ones(b))
+
+
+def scaled_targets(
+    rows: Tensor, w_t: Prototypes, inv_temp: float, u: Tensor, v: Tensor, mass: Optional[Tensor] = None
+) -> Blocks:
+    """Sinkhorn-Knopp's targets ``exp(t_bk / tau_t + u_k + v_b)`` from its log scalings
+    (:func:`sinkhorn_scalings`; ``v``: these rows'), a block of prototypes at a time;
+    ``mass``: the rows' sums where known (1 after an iteration)."""
+
+    # rows [y^, 1, v_b] against prototypes [w^_k / tau, u_k, 1]: the GEMM gives the log targets
+    aug = torch.cat([rows, rows.new_ones(rows.shape[0], 1), v.to(rows.dtype).unsqueeze(1)], 1)
+
+    def targets(k0: int, k1: int, out: Tensor) -> Tensor:
+        return w_t.tile(aug, k0, k1, inv_temp, out, (u, 1.0)).exp_()
+
+    return Blocks(targets, mass)
 
 
 def sinkhorn_targets(
     rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int, join: Optional[RowsJoin] = None
-) -> Targets:
+) -> Blocks:
     """DINOv2's Sinkhorn-Knopp targets (:func:`sinkhorn_scalings`) as a function of a
     block of prototypes written into a buffer."""
     u, v = sinkhorn_scalings(rows, w_t, inv_temp, iterations, block, join)
+    return scaled_targets(rows, w_t, inv_temp, u, v, rows.new_ones(rows.shape[0]) if iterations > 0 else None)
+
+
+def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: int) -> Blocks:
+    """The targets of stacked student views (view ``s``: rows ``s b .. (s + 1) b``): the
+    sum of the teacher views ``pairs[s]``' targets (the cross-entropy is linear in its
+    targets, so a student view against several teacher views, DINO's crop pairs, is one
+    pass with their sum); each teacher view's block formed once per block of prototypes
+    (``views``: each teacher view's targets, ``b`` rows each)."""
+    scratch: List[Tensor] = []
+    used = sorted({t for ts in pairs for t in ts})
+
+    if len(pairs) == 1 and len(pairs[0]) == 1:  # one student view, one teacher view: its targets as they are
+        return views[pairs[0][0]]
 
     def targets(k0: int, k1: int, out: Tensor) -> Tensor:
-        return w_t.tile(rows, k0, k1, inv_temp, out).add_(u[k0:k1].unsqueeze(0)).add_(v.unsqueeze(1)).exp_()
+        width = k1 - k0
+        if not scratch or scratch[0].shape[2] < width:
+            scratch[:] = [out.new_empty(len(views), b, out.shape[1])]
+        tiles = {t: views[t](k0, k1, scratch[0][t]) for t in used}
+        for s, ts in enumerate(pairs):
+            dst = out[s * b : (s + 1) * b, :width]
+            if not ts:
+                dst.zero_()
+                continue
+            dst.copy_(tiles[ts[0]])
+            for t in ts[1:]:
+                dst.add_(tiles[t])
+        return out[:, :width]
 
-    return targets
-
-
-def summed_targets(parts: Sequence[Targets]) -> Targets:
-    """The sum of several views' targets (a block at a time, one scratch block): the
-    cross-entropy is linear in its targets, so a student view against several teacher
-    views (DINO's crop pairs) is one pass with their sum."""
-    scratch: List[Optional[Tensor]] = [None]
-
-    def targets(k0: int, k1: int, out: Tensor) -> Tensor:
-        first = parts[0](k0, k1, out)
-        if len(parts) > 1 and (scratch[0] is None or scratch[0].shape != out.shape):
-            scratch[0] = torch.empty_like(out)
-        for part in parts[1:]:
-            buf = scratch[0]
-            assert buf is not None
-            first.add_(part(k0, k1, buf[:, : k1 - k0]))
-        return first
-
-    return targets
+    known = [m for m in (views[t].mass for t in used) if m is not None]
+    mass = None
+    if known and len(known) == len(used):
+        rows = {t: m for t, m in zip(used, known)}
+        mass = torch.cat([sum((rows[t] for t in ts), torch.zeros_like(known[0])) for ts in pairs])
+    return Blocks(targets, mass)
 
 
 class PrototypeCrossEntropy(torch.autograd.Function):
-    """``apply(x, w, targets, inv_temp, block, normalize) -> (B,)``: each row's
+    """``apply(x, w, targets, inv_temp, block, normalize[, weights]) -> (B,)``: each row's
     cross-entropy between its targets and the softmax of ``x^ . w^_k * inv_temp`` over
-    the prototypes (``^``: L2-normalised with ``normalize``). ``targets(k0, k1, out)``:
-    the target probabilities of a block of prototypes written into ``out`` (no
-    gradient). Beyond the inputs: the unit rows (B x D), two B x block tiles and O(B +
-    K) vectors; the unit prototypes are never formed; the backward recomputes each
-    block and carries the normalisation's backward itself."""
+    the prototypes (``^``: L2-normalised with ``normalize``); with ``weights`` (B,), the
+    scalar ``sum_b weights_b loss_b``. ``targets``: :class:`Blocks` (no gradient).
+    Beyond the inputs: the unit rows (B x D), two B x block tiles and O(B + K) vectors;
+    the unit prototypes are never formed; the normalisation's backward is carried here.
+
+    Per row, the backward recomputes each block (the student's logits and the
+    targets). A scalar whose targets' row sums are known before a pass (a softmax;
+    Sinkhorn-Knopp after an iteration) forms its gradients in the forward pass
+    instead: a first pass for the rows' logsumexp, a second for the cross-entropy and
+    the gradients, so that the targets are formed once; the backward then scales them."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, w: Tensor, targets: Targets, inv_temp: float, block: int, normalize: bool
+        ctx: Any,
+        x: Tensor,
+        w: Tensor,
+        targets: Blocks,
+        inv_temp: float,
+        block: int,
+        normalize: bool,
+        weights: Optional[Tensor] = None,
     ) -> Tensor:
         dtype = compute_dtype(x.dtype)
-        xh, inv_x = unit_rows(x.detach().to(dtype), normalize)
+        fused = weights is not None and getattr(targets, "mass", None) is not None
+        # fused: the unit rows with a column for a shift folded into the GEMM (the rows: a view)
+        aug, inv_x = unit_rows(x.detach().to(dtype), normalize, 1 if fused else 0)
+        xh = aug[:, : x.shape[1]]
         protos = Prototypes(w.detach().to(dtype), normalize)
         b, k = xh.shape[0], protos.k
+        z_buf, p_buf = xh.new_empty(b, min(block, k)), xh.new_empty(b, min(block, k))
+        ctx.targets, ctx.inv_temp, ctx.block, ctx.normalize = targets, inv_temp, block, normalize
+        ctx.weights, ctx.fused = weights, None
+        mass_known = getattr(targets, "mass", None)
+        if fused:
+            assert weights is not None and mass_known is not None
+            # rows [x^, -shift_b] against prototypes [w^_k / tau, 1]: the GEMM gives z - shift
+            bound = _bound(xh, protos, inv_temp)
+            lse = _lse_pass(aug, protos, inv_temp, block, z_buf, (1.0,), bound, -bound)
+            w_rows = weights.to(dtype)
+            shift = lse - mass_known.log()  # mass_b softmax_bk = exp(z_bk - shift_b)
+            aug[:, -1] = -shift
+            # each row's factor (its weight / tau) taken out of the tiles: into x^ for the prototypes'
+            # gradient, onto the rows' gradient at the end
+            factor = w_rows * inv_temp
+            grads = _Grads(xh, protos, ctx.needs_input_grad[0], ctx.needs_input_grad[1], factor)
+            cross = xh.new_zeros(b)
+            for k0 in _blocks(k, block):
+                k1 = min(k0 + block, k)
+                z = protos.tile(aug, k0, k1, inv_temp, z_buf, (1.0,))
+                p = targets(k0, k1, p_buf)
+                cross += torch.linalg.vecdot(p, z, dim=1)
+                grads.add(z.exp_().sub_(p), k0, k1)
+            cross += shift * mass_known
+            ctx.fused = grads.finish(x, w, inv_x, normalize)
+            ctx.save_for_backward(x, w, lse, mass_known)  # a second backward (retain_graph) recomputes
+            # the targets' row sums are known (the mass): the value takes them, as the gradient does
+            return (w_rows * (mass_known * lse - cross)).sum()
         mx = xh.new_full((b,), float("-inf"))
         total = xh.new_zeros(b)
         mass = xh.new_zeros(b)  # sum_k p_bk (1 up to rounding)
         cross = xh.new_zeros(b)  # sum_k p_bk s_bk / tau_s
-        z_buf, p_buf = xh.new_empty(b, min(block, k)), xh.new_empty(b, min(block, k))
         for k0 in _blocks(k, block):
             k1 = min(k0 + block, k)
             z = protos.tile(xh, k0, k1, inv_temp, z_buf)
@@ -228,67 +346,231 @@ class PrototypeCrossEntropy(torch.autograd.Function):
             mx = new
         lse = mx + total.log()
         ctx.save_for_backward(x, w, lse, mass)
-        ctx.targets, ctx.inv_temp, ctx.block, ctx.normalize = targets, inv_temp, block, normalize
-        return mass * lse - cross  # in the compute dtype (float32 for half-precision inputs)
+        rows = mass * lse - cross  # in the compute dtype (float32 for half-precision inputs)
+        return rows if weights is None else (weights.to(dtype) * rows).sum()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
         if torch.is_grad_enabled():
             raise RuntimeError("the prototypes' cross-entropy does not compute second derivatives")
+        if ctx.fused is not None:  # formed in the forward pass: scaled in place (no second K x D tensor)
+            dx, dw = ctx.fused
+            ctx.fused = None  # handed over (autograd takes them as the leaves' .grad); a second backward recomputes
+            return (
+                None if dx is None else dx.mul_(grad.to(dx.dtype)),
+                None if dw is None else dw.mul_(grad.to(dw.dtype)),
+                *([None] * 5),
+            )
         x, w, lse, mass = ctx.saved_tensors
         dtype = compute_dtype(x.dtype)
         xh, inv_x = unit_rows(x.detach().to(dtype), ctx.normalize)
         protos = Prototypes(w.detach().to(dtype), ctx.normalize)
         b, k, s = xh.shape[0], protos.k, ctx.inv_temp
-        g = grad.to(dtype)
-        dxh = torch.zeros_like(xh) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(protos.w) if ctx.needs_input_grad[1] else None
+        g = grad.to(dtype) if ctx.weights is None else ctx.weights.to(dtype) * grad.to(dtype)
+        grads = _Grads(xh, protos, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         z_buf, p_buf = xh.new_empty(b, min(ctx.block, k)), xh.new_empty(b, min(ctx.block, k))
         for k0 in _blocks(k, ctx.block):
             k1 = min(k0 + ctx.block, k)
             # d loss_b / d z_bk = mass_b softmax_bk - p_bk, times the upstream gradient and 1 / tau
             gz = protos.tile(xh, k0, k1, s, z_buf).sub_(lse.unsqueeze(1)).exp_().mul_(mass.unsqueeze(1))
-            gz.sub_(ctx.targets(k0, k1, p_buf)).mul_(g.unsqueeze(1) * s)
-            inv = protos.inv[k0:k1]
-            if dw is not None:  # d w^_k = gz_k^T x^, then through w^ = w / |w|
-                dwh = gz.T @ xh
-                if ctx.normalize:
-                    unit = protos.w[k0:k1] * inv.unsqueeze(1)
-                    dwh.sub_(unit * (unit * dwh).sum(1, keepdim=True)).mul_(inv.unsqueeze(1))
-                dw[k0:k1] = dwh
-            if dxh is not None:  # d x^ += gz w^_k = (gz scaled by 1 / |w_k|) w_k
-                dxh.addmm_(gz.mul_(inv.unsqueeze(0)), protos.w[k0:k1])
+            grads.add(gz.sub_(ctx.targets(k0, k1, p_buf)).mul_(g.unsqueeze(1) * s), k0, k1)
+        dx, dw = grads.finish(x, w, inv_x, ctx.normalize)
+        return dx, dw, None, None, None, None, None
+
+
+#: the widest range of logits whose exponentials, shifted by their bound, stay normal numbers
+_EXP_RANGE = {torch.float32: 80.0, torch.float64: 700.0}
+
+
+def _lse_pass(
+    aug: Tensor,
+    protos: Prototypes,
+    scale: float,
+    block: int,
+    buf: Tensor,
+    extra: Sequence[Union[Tensor, float]],
+    hi: float,
+    lo: float,
+) -> Tensor:
+    """Each row's logsumexp over every block of its logits, the GEMM of ``aug`` (whose
+    last column multiplies the last of ``extra``, 1: a constant shift) against the
+    prototypes. Logits within ``[lo, hi]``: with a range of at most 80 (float32) the
+    shift is the bound ``hi`` itself, folded into the GEMM, and a pass is ``exp`` and a
+    sum; else each row's running maximum (a logsumexp per block)."""
+    total = aug.new_zeros(aug.shape[0])
+    if hi - lo <= _EXP_RANGE.get(aug.dtype, 0.0):
+        aug[:, -1] = -hi
+        for k0 in _blocks(protos.k, block):
+            total += protos.tile(aug, k0, min(k0 + block, protos.k), scale, buf, extra).exp_().sum(1)
+        return total.log_().add_(hi)
+    aug[:, -1] = 0.0
+    lse = total.fill_(float("-inf"))
+    for k0 in _blocks(protos.k, block):
+        lse = torch.logaddexp(
+            lse, torch.logsumexp(protos.tile(aug, k0, min(k0 + block, protos.k), scale, buf, extra), 1)
+        )
+    return lse
+
+
+def _bound(rows: Tensor, protos: Prototypes, scale: float) -> float:
+    """The largest ``|rows_b . w^_k| scale``: the norms' product (1 x scale for unit ones)."""
+    r = float(torch.linalg.vector_norm(rows, dim=1).max()) if rows.numel() else 0.0
+    p = float((torch.linalg.vector_norm(protos.w, dim=1) * protos.inv).max()) if protos.k else 0.0
+    return r * p * scale
+
+
+class _Grads:
+    """The rows' and the prototypes' gradients from the logits' gradient a block at a
+    time: ``d w^_k = gz_k^T x^`` (then through ``w^ = w / |w|``), ``d x^ += gz w^``."""
+
+    def __init__(
+        self, xh: Tensor, protos: Prototypes, rows: bool, prototypes: bool, factor: Optional[Tensor] = None
+    ) -> None:
+        self.xh, self.protos = xh, protos
+        # ``factor``: each row's factor of the logits' gradient; one value for every row (a mean, a
+        # sum) is applied to the gradients' blocks, not to every tile; else to each tile
+        self.scalar: Optional[float] = None
+        self.rowwise: Optional[Tensor] = None
+        if factor is not None and factor.numel() and bool((factor == factor[0]).all()):
+            self.scalar = float(factor[0])
+        elif factor is not None:
+            self.rowwise = factor.unsqueeze(1)
+        self.dxh = torch.zeros_like(xh) if rows else None
+        self.dw = torch.zeros_like(protos.w) if prototypes else None
+
+    def add(self, gz: Tensor, k0: int, k1: int) -> None:
+        inv, unit = self.protos.inv[k0:k1], self.protos.unit(k0, k1)
+        if self.rowwise is not None:
+            gz.mul_(self.rowwise)
+        if self.dw is not None:
+            dwh = torch.mm(gz.T, self.xh, out=self.dw[k0:k1])
+            if self.scalar is not None:
+                dwh.mul_(self.scalar)
+            if self.protos.normalized:
+                dwh.sub_(unit * (unit * dwh).sum(1, keepdim=True)).mul_(inv.unsqueeze(1))
+        if self.dxh is not None:  # d x^ += gz w^_k
+            self.dxh.addmm_(gz, unit)
+
+    def finish(self, x: Tensor, w: Tensor, inv_x: Tensor, normalize: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         dx = None
-        if dxh is not None:
-            dx = dxh
-            if ctx.normalize:  # through x^ = x / |x|
-                dx = (dxh - xh * (xh * dxh).sum(1, keepdim=True)).mul_(inv_x.unsqueeze(1))
+        if self.dxh is not None:
+            dx = self.dxh if self.scalar is None else self.dxh.mul_(self.scalar)
+            if normalize:  # through x^ = x / |x|, in place
+                dot = torch.linalg.vecdot(self.xh, dx, dim=1).unsqueeze(1)
+                dx = dx.addcmul_(self.xh, dot, value=-1.0).mul_(inv_x.unsqueeze(1))
             dx = dx.to(x.dtype)
-        return dx, None if dw is None else dw.to(w.dtype), None, None, None, None
+        return dx, None if self.dw is None else self.dw.to(w.dtype)
 
 
-def nearest_neighbours(x: Tensor, rows: int = 512, cols: int = 8192) -> Tensor:
-    """Each row's nearest other row by the largest dot product (KoLeo's neighbour: for
-    unit rows, the smallest distance), the first column on a tie, as ``argmax`` of the
-    B x B products with the diagonal at -1 (DINOv2's ``pairwise_NNs_inner``) finds it;
-    in tiles of ``rows x cols`` products (16 MB in float32 by default), O(B) memory
-    beyond one tile. (B,) int64; a single row is its own neighbour."""
-    xd = x.detach()
-    b = xd.shape[0]
-    where = torch.zeros(b, dtype=torch.long, device=xd.device)
-    for r0 in range(0, b, rows):
-        r1 = min(r0 + rows, b)
-        top = xd.new_full((r1 - r0,), float("-inf"))
-        at = torch.zeros(r1 - r0, dtype=torch.long, device=xd.device)
-        for c0 in range(0, b, cols):
-            c1 = min(c0 + cols, b)
-            dots = xd[r0:r1] @ xd[c0:c1].T
-            own = torch.arange(r0, r1, device=xd.device) - c0
-            inside = (own >= 0) & (own < c1 - c0)
-            dots[inside.nonzero().flatten(), own[inside]] = -1.0  # as DINOv2: the diagonal at -1
+def nearest_neighbours(
+    q: Tensor,
+    keys: Optional[Tensor] = None,
+    *,
+    offset: int = 0,
+    inv_q: Optional[Tensor] = None,
+    inv_k: Optional[Tensor] = None,
+    rows: int = 512,
+    cols: int = 8192,
+) -> Tensor:
+    """Each row of ``q``'s nearest other row of ``keys`` (default: ``q`` itself; ``q``'s
+    row ``i`` is key ``offset + i``) by the largest dot product of the unit rows
+    (``inv_q``, ``inv_k``: the rows' inverse norms; None: the rows are unit already),
+    KoLeo's neighbour: the first column on a tie, as ``argmax`` of the products with
+    the diagonal at -1 (DINOv2's ``pairwise_NNs_inner``) finds it; in tiles of
+    ``rows x cols`` products (16 MB in float32 by default), O(rows) memory beyond one
+    tile and no unit copy of the rows. (M,) int64; a single row is its own neighbour."""
+    qd = q.detach()
+    kd = qd if keys is None else keys.detach()
+    m, n = qd.shape[0], kd.shape[0]
+    where = torch.zeros(m, dtype=torch.long, device=qd.device)
+    buf = qd.new_empty(min(rows, m), min(cols, n))  # one tile, reused
+    for r0 in range(0, m, rows):
+        r1 = min(r0 + rows, m)
+        top = qd.new_full((r1 - r0,), float("-inf"))
+        at = torch.zeros(r1 - r0, dtype=torch.long, device=qd.device)
+        own = torch.arange(r0 + offset, r1 + offset, device=qd.device)
+        for c0 in range(0, n, cols):
+            c1 = min(c0 + cols, n)
+            dots = torch.mm(qd[r0:r1], kd[c0:c1].T, out=buf[: r1 - r0, : c1 - c0])
+            if inv_q is not None and inv_k is not None:
+                dots.mul_(inv_q[r0:r1].unsqueeze(1)).mul_(inv_k[c0:c1].unsqueeze(0))
+            inside = (own >= c0) & (own < c1)
+            dots[inside.nonzero().flatten(), own[inside] - c0] = -1.0  # as DINOv2: the diagonal at -1
             v, i = dots.max(1)
             take = v > top  # strictly larger: an earlier column keeps a tie
             top = torch.where(take, v, top)
             at = torch.where(take, i + c0, at)
         where[r0:r1] = at
     return where
+
+
+def _normalize_inverse(x: Tensor, eps: float) -> Tensor:
+    """``1 / max(|x_i|, eps)``: ``F.normalize(x, eps=eps)`` is ``x`` times it."""
+    return 1.0 / torch.linalg.vector_norm(x, dim=1).clamp_min(eps)
+
+
+def _through_normalize(g: Tensor, x: Tensor, inv: Tensor, eps: float) -> Tensor:
+    """The gradient ``g`` of ``x / max(|x|, eps)`` taken back to ``x`` (row by row)."""
+    unit = x * inv.unsqueeze(1)
+    big = (inv < 1.0 / eps).unsqueeze(1)  # |x| > eps: the projection; else a plain 1 / eps scaling
+    proj = g - unit * (unit * g).sum(1, keepdim=True)
+    return torch.where(big, proj, g).mul_(inv.unsqueeze(1))
+
+
+class KoLeoRows(torch.autograd.Function):
+    """``apply(q, keys, offset, eps, rows, cols) -> (M,)``: DINOv2's KoLeo term of each
+    row of ``q``, ``-log(|q^_i - k^_nn(i) + eps| + eps)`` (``^``: ``F.normalize`` with
+    ``eps``; the neighbour by :func:`nearest_neighbours`; ``keys`` None: ``q``'s own
+    rows, whose row ``i`` is then left out of its own search; else ``q``'s row ``i``
+    is key ``offset + i``). Beyond the inputs: O(M) vectors and a tile of products;
+    the backward forms the gradient a block of rows at a time, straight into the
+    inputs' gradients (the normalisation's backward is linear in each row's
+    gradient)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, keys: Optional[Tensor], offset: int, eps: float, rows: int, cols: int
+    ) -> Tensor:
+        dtype = compute_dtype(q.dtype)
+        qd = q.detach().to(dtype)
+        kd = qd if keys is None else keys.detach().to(dtype)
+        inv_q = _normalize_inverse(qd, eps)
+        inv_k = inv_q if keys is None else _normalize_inverse(kd, eps)
+        nn = nearest_neighbours(
+            qd, None if keys is None else kd, offset=offset, inv_q=inv_q, inv_k=inv_k, rows=rows, cols=cols
+        )
+        dist = qd.new_empty(qd.shape[0])
+        for r0 in range(0, qd.shape[0], rows):
+            r1 = min(r0 + rows, qd.shape[0])
+            diff = qd[r0:r1] * inv_q[r0:r1].unsqueeze(1) - kd[nn[r0:r1]] * inv_k[nn[r0:r1]].unsqueeze(1) + eps
+            dist[r0:r1] = torch.linalg.vector_norm(diff, dim=1)
+        ctx.save_for_backward(q, keys, nn, dist)
+        ctx.opts = (eps, rows)
+        return -torch.log(dist + eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError("the KoLeo loss does not compute second derivatives")
+        q, keys, nn, dist = ctx.saved_tensors
+        eps, rows = ctx.opts
+        dtype = compute_dtype(q.dtype)
+        qd = q.detach().to(dtype)
+        kd = qd if keys is None else keys.detach().to(dtype)
+        inv_q = _normalize_inverse(qd, eps)
+        inv_k = inv_q if keys is None else _normalize_inverse(kd, eps)
+        dq = torch.zeros_like(qd)
+        dk = dq if keys is None else torch.zeros_like(kd)
+        # d(-log(d + eps)) / d diff = -diff / (d (d + eps)); diff = q^_i - k^_j + eps
+        factor = -grad.to(dtype) / (dist * (dist + eps))
+        factor = torch.where(dist > 0, factor, torch.zeros_like(factor))  # the norm's subgradient at 0
+        for r0 in range(0, qd.shape[0], rows):
+            r1 = min(r0 + rows, qd.shape[0])
+            j = nn[r0:r1]
+            diff = qd[r0:r1] * inv_q[r0:r1].unsqueeze(1) - kd[j] * inv_k[j].unsqueeze(1) + eps
+            g = diff.mul_(factor[r0:r1].unsqueeze(1))
+            dk.index_add_(0, j, _through_normalize(-g, kd[j], inv_k[j], eps))
+            dq[r0:r1] += _through_normalize(g, qd[r0:r1], inv_q[r0:r1], eps)
+        dq_out = dq.to(q.dtype) if ctx.needs_input_grad[0] else None
+        dk_out = None if keys is None or not ctx.needs_input_grad[1] else dk.to(keys.dtype)
+        return dq_out, dk_out, None, None, None, None

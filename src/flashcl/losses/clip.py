@@ -261,25 +261,31 @@ def _siglip(
     r = runner.share(
         opts.reduction, opts.grad_scale, texts, torch.ones(b, dtype=dtype, device=image_embeds.device), divisor
     )
-    if name == "reference":
+
+    def formula() -> Tensor:
         with autocast_off(image_embeds.device.type):
             rows = reference.siglip_loss(
                 image_embeds, texts.keys, scale, bias, labels, opts.normalize, texts.offset, all_labels
             )
         return rows if r is None else (r * rows).sum()
-    problem = runner.sigmoid_problem(
-        b,
-        texts.total,
-        labels,
-        image_embeds.device,
-        dtype,
-        float(bias.detach()),
-        opts.normalize,
-        offset=texts.offset,
-        col_labels=all_labels,
-    )
-    weights = None if r is None else (r, None)
-    return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias, backend=name)
+
+    def engine() -> Tensor:
+        problem = runner.sigmoid_problem(
+            b,
+            texts.total,
+            labels,
+            image_embeds.device,
+            dtype,
+            float(bias.detach()),
+            opts.normalize,
+            offset=texts.offset,
+            col_labels=all_labels,
+        )
+        weights = None if r is None else (r, None)
+        return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias, backend=name)
+
+    impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
+    return runner.pick(name, impls, b * texts.total, image_embeds, "siglip_loss")()
 
 
 @registry.module

@@ -95,8 +95,6 @@ def distill_loss(
         raise ValueError(
             f"symmetric=True needs as many candidates as queries (pairs), got {q.shape[0]} and {k.shape[0]}"
         )
-    if backend == "triton":
-        raise ValueError("distill_loss has no Triton kernel: use backend='tiled'")
     sc = checks.check_positive_scalar(scale, "scale", q.device, scale_dtype(q))
     tsc = checks.check_positive_scalar(teacher_scale, "teacher_scale", q.device, scale_dtype(teacher_q))
     return _distill(q, k, teacher_q, teacher_k, sc, tsc, symmetric, opts)
@@ -156,12 +154,14 @@ def _distill(
     cols = parallel.columns(k, opts.strategy, group)
     name = runner.backend_for(opts, cols, q, None)
 
-    def one_way(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor) -> Tensor:
-        if name == "reference":  # the plain formula on every rank's columns
-            if group is None:
-                return _formula(a, b, ta, tb, sc, tsc, opts.normalize)
-            b_all, tb_all = (parallel.columns(x, "all_gather", group).keys for x in (b, tb))
-            return _formula(a, b_all, ta, tb_all, sc, tsc, opts.normalize)
+    def formula(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor) -> Tensor:
+        """The plain formula on every rank's columns."""
+        if group is None:
+            return _formula(a, b, ta, tb, sc, tsc, opts.normalize)
+        b_all, tb_all = (parallel.columns(x, "all_gather", group).keys for x in (b, tb))
+        return _formula(a, b_all, ta, tb_all, sc, tsc, opts.normalize)
+
+    def engine(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor) -> Tensor:
         source = parallel.columns(b, opts.strategy, group)
 
         def run(x: Tensor, y: Tensor, s: Tensor, problem: Problem) -> Tensor:
@@ -170,6 +170,8 @@ def _distill(
 
         return _direction(a, b, ta, tb, sc, tsc, opts.normalize, run, source.offset, source.rows_of_every_rank)
 
+    impls = {"reference": formula, "dense": engine, "tiled": engine}
+    one_way = runner.pick(name, impls, q.shape[0] * cols.total, q, "distill_loss")
     with autocast_off(q.device.type):
         rows = one_way(q, k, tq, tk)
         if symmetric:

@@ -128,8 +128,6 @@ def gist_loss(
                 f"row, the guide's width), got {tuple(g.shape)}"
             )
         checks.same_device(g, anchor, names[t], "anchor")
-    if backend == "triton":
-        raise ValueError("the guide's masks have no Triton kernel: use backend='tiled'")
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", anchor.device, scale_dtype(anchor))
     return _gist(
         anchor,
@@ -166,38 +164,44 @@ def _gist(
     k = 0 if negative is None else negative.shape[0]
     entries = b * (positives.total * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
     name = runner.backend_for(opts, positives, anchor, None, entries)
+
+    def formula() -> Tensor:
+        every = None
+        if group is not None:  # the oracle on every rank's candidates
+            sets = [parallel.columns(x, "all_gather", group) for x in (anchor, positive)]
+            if negative is not None:
+                sets.append(parallel.columns(negative, "all_gather", group))
+            cands: List[Optional[Tensor]] = [c.keys for c in sets] + [None] * (3 - len(sets))
+            g_cands: List[Optional[Tensor]] = [c.gather(g) for c, g in zip(sets, guides)]
+            every = (cands, g_cands + [None] * (3 - len(g_cands)), sets[1].offset)
+        return reference.gist_rows(
+            anchor, positive, negative, guides, scale, margin, relative, contrast_anchors, contrast_positives, every
+        )
+
+    def engine() -> Tensor:
+        return gist_rows(
+            anchor,
+            positive,
+            negative,
+            guides,
+            scale,
+            margin,
+            relative,
+            contrast_anchors,
+            contrast_positives,
+            name,
+            opts.block_size,
+            # one process: each part against its keys directly (through a Source it measured
+            # 15-25% slower at B = 2048, D = 128)
+            None
+            if group is None
+            else lambda keys: positives if keys is positive else parallel.columns(keys, opts.strategy, group),
+        )
+
+    # the guide's masks have no Triton kernel
+    rows_of = runner.pick(name, {"reference": formula, "dense": engine, "tiled": engine}, entries, anchor, "gist_loss")
     with autocast_off(anchor.device.type):
-        if name == "reference":
-            every = None
-            if group is not None:  # the oracle on every rank's candidates
-                sets = [parallel.columns(x, "all_gather", group) for x in (anchor, positive)]
-                if negative is not None:
-                    sets.append(parallel.columns(negative, "all_gather", group))
-                cands: List[Optional[Tensor]] = [c.keys for c in sets] + [None] * (3 - len(sets))
-                g_cands: List[Optional[Tensor]] = [c.gather(g) for c, g in zip(sets, guides)]
-                every = (cands, g_cands + [None] * (3 - len(g_cands)), sets[1].offset)
-            rows = reference.gist_rows(
-                anchor, positive, negative, guides, scale, margin, relative, contrast_anchors, contrast_positives, every
-            )
-        else:
-            rows = gist_rows(
-                anchor,
-                positive,
-                negative,
-                guides,
-                scale,
-                margin,
-                relative,
-                contrast_anchors,
-                contrast_positives,
-                name,
-                opts.block_size,
-                # one process: each part against its keys directly (through a Source it measured
-                # 15-25% slower at B = 2048, D = 128)
-                None
-                if group is None
-                else lambda keys: positives if keys is positive else parallel.columns(keys, opts.strategy, group),
-            )
+        rows = rows_of()
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, positives)
 
 

@@ -194,15 +194,23 @@ def _margin(
     rows_of: runner.Source = runner.Source(embeddings, 0, [b])
     if group is not None:
         rows_of = parallel.Columns(embeddings, 0, [b], False, group)
-    if backend in ("reference", "dense"):
-        fn = _reference_rows if backend == "reference" else _dense_rows
-        e, w = embeddings.to(scale.dtype), class_weights.to(scale.dtype)
-        rows = fn(e, w, labels, TARGETS[target], margin, scale, easy, k)
-        return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, rows_of)
-    block = opts.block_size or auto_class_block(b, class_weights.shape[0] // k, k)
-    ones = torch.ones(b, dtype=scale.dtype, device=embeddings.device)
-    weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
-    return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block, k)
+
+    def formula(fn: Any) -> Any:
+        def rows() -> Tensor:
+            e, w = embeddings.to(scale.dtype), class_weights.to(scale.dtype)
+            out = fn(e, w, labels, TARGETS[target], margin, scale, easy, k)
+            return runner.reduce(out, torch.ones_like(out), opts.reduction, opts.grad_scale, rows_of)
+
+        return rows
+
+    def tiled() -> Tensor:
+        block = opts.block_size or auto_class_block(b, class_weights.shape[0] // k, k)
+        ones = torch.ones(b, dtype=scale.dtype, device=embeddings.device)
+        weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
+        return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block, k)
+
+    impls = {"reference": formula(_reference_rows), "dense": formula(_dense_rows), "tiled": tiled}
+    return runner.pick(backend, impls, b * class_weights.shape[0], embeddings, "the margin losses", auto="tiled")()
 
 
 def _check_margin(margin: object, name: str) -> float:

@@ -90,14 +90,10 @@ def _tokens(
 
 
 def _pick(backend: str, entries: int) -> str:
-    """The backend ``"auto"`` stands for at this many token scores."""
-    if backend == "auto":
-        return "tiled" if entries >= AUTO_TILED_MIN_TOKEN_SCORES else "dense"
-    if backend not in ("reference", "dense", "tiled"):
-        raise ValueError(
-            f"backend must be 'auto', 'reference', 'dense' or 'tiled' for MaxSim (no Triton kernel), got {backend!r}"
-        )
-    return backend
+    """The backend ``backend`` stands for at this many token scores (the runner's
+    choice among MaxSim's: no Triton kernel)."""
+    names = ("reference", "dense", "tiled")
+    return runner.pick_name(backend, names, entries, None, "MaxSim", min_tiled=AUTO_TILED_MIN_TOKEN_SCORES)
 
 
 def _scores(
@@ -113,20 +109,25 @@ def _scores(
     each query's own documents (B, n, Ld, D); autocast off."""
     dtype = compute_dtype(query.dtype)
     paired = docs.dim() == 4
-    name = _pick(backend, query.shape[1] * docs.shape[:-1].numel() * (1 if paired else query.shape[0]))
-    with autocast_off(query.device.type):
-        if name == "reference":
-            return reference.maxsim_scores(query.to(dtype), docs.to(dtype), qmask, dmask, smooth)
-        qm = qmask.to(dtype)
+    entries = query.shape[1] * docs.shape[:-1].numel() * (1 if paired else query.shape[0])
+    qm = qmask.to(dtype)
+
+    def formula() -> Tensor:
+        return reference.maxsim_scores(query.to(dtype), docs.to(dtype), qmask, dmask, smooth)
+
+    def dense() -> Tensor:
+        return paired_scores(query, docs, qm, dmask, smooth) if paired else dense_scores(query, docs, qm, dmask, smooth)
+
+    def tiled() -> Tensor:
         if paired:
-            if name == "dense":
-                return paired_scores(query, docs, qm, dmask, smooth)
             lq, (n, ld) = query.shape[1], docs.shape[1:3]
             return PairedMaxSimScores.apply(query, docs, qm, dmask, smooth, block_size or paired_block(n, lq, ld))
-        if name == "dense":
-            return dense_scores(query, docs, qm, dmask, smooth)
         bq, bd = auto_blocks(query.shape[1], docs.shape[1], docs.shape[0])
         return MaxSimScores.apply(query, docs, qm, dmask, smooth, (block_size or bq, bd))
+
+    impls = {"reference": formula, "dense": dense, "tiled": tiled}
+    with autocast_off(query.device.type):
+        return runner.pick(backend, impls, entries, query, "MaxSim", min_tiled=AUTO_TILED_MIN_TOKEN_SCORES)()
 
 
 def maxsim_scores(
@@ -293,7 +294,6 @@ def _maxsim(
     cols = parallel.columns(docs, opts.strategy, opts.process_group)
     all_dmask = cols.gather(dmask.to(torch.uint8)).bool()
     index = index + cols.offset
-    rows: Optional[Tensor] = None
     with autocast_off(query.device.type):
         if opts.strategy == "ring" and opts.process_group is not None:
 
@@ -301,16 +301,28 @@ def _maxsim(
                 return _scores(q, block, qmask, block_mask, smooth, opts.backend, opts.block_size)
 
             s = RingScores.apply(query, docs, dmask, score, cols.sizes, opts.process_group)
-        elif opts.backend == "reference":
-            dtype = compute_dtype(query.dtype)
-            q, keys = query.to(dtype), cols.keys.to(dtype)
-            rows = reference.maxsim_rows(q, keys, qmask, all_dmask, scale, normalize_scores, smooth, index)
+            rows = _cross_entropy(s, scale, qmask, normalize_scores, index)
         else:
-            s = _scores(query, cols.keys, qmask, all_dmask, smooth, opts.backend, opts.block_size)
-        if rows is None:
-            f = scale.to(s.dtype).expand(s.shape[0])
-            rows = CrossEntropyRows.apply(s, f / qmask.sum(1) if normalize_scores else f, index)
+
+            def formula() -> Tensor:
+                dtype = compute_dtype(query.dtype)
+                q, keys = query.to(dtype), cols.keys.to(dtype)
+                return reference.maxsim_rows(q, keys, qmask, all_dmask, scale, normalize_scores, smooth, index)
+
+            def scored() -> Tensor:  # the scores on the backend _scores picks, then their cross-entropy
+                s = _scores(query, cols.keys, qmask, all_dmask, smooth, opts.backend, opts.block_size)
+                return _cross_entropy(s, scale, qmask, normalize_scores, index)
+
+            impls = {"reference": formula, "dense": scored, "tiled": scored}
+            rows = runner.pick(opts.backend, impls, 0, query, "MaxSim")()
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
+
+
+def _cross_entropy(s: Tensor, scale: Tensor, qmask: Tensor, normalize_scores: bool, index: Tensor) -> Tensor:
+    """Each query's cross-entropy over its MaxSim scores ``s`` (scaled; normalised by its
+    real tokens with ``normalize_scores``) with document ``index``."""
+    f = scale.to(s.dtype).expand(s.shape[0])
+    return CrossEntropyRows.apply(s, f / qmask.sum(1) if normalize_scores else f, index)
 
 
 @registry.module

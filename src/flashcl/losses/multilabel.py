@@ -113,15 +113,15 @@ def _multilabel(
             "supcon_loss needs at least 2 samples when include_self=False (across processes: in the global batch)"
         )
     name = runner.backend_for(opts, cols, flat, None)
-    if name == "triton":
-        raise ValueError("multi-label supcon_loss has no Triton kernel: use backend='tiled'")
     dtype = compute_dtype(flat.dtype)
-    with autocast_off(flat.device.type):
-        if name == "reference":
-            rows, valid = _reference(
-                flat, cols.keys, y, yk, scale, threshold, positives, include_self, opts.normalize, cols.offset
-            )
-            return runner.reduce(rows, valid, opts.reduction, opts.grad_scale, cols)
+
+    def formula() -> Tensor:
+        rows, valid = _reference(
+            flat, cols.keys, y, yk, scale, threshold, positives, include_self, opts.normalize, cols.offset
+        )
+        return runner.reduce(rows, valid, opts.reduction, opts.grad_scale, cols)
+
+    def engine() -> Tensor:
         block = auto_block(y.shape[0], yk.shape[0], dtype)
         c, a, valid_b = jaccard_row_weights(y, yk, threshold, positives, cols.offset, block, dtype)
         head = JaccardHead(y, yk, threshold, c, a, not include_self, cols.offset)
@@ -130,3 +130,9 @@ def _multilabel(
         weights = None if r is None else (r, None)
         problem = Problem(head, (), opts.normalize, cols.offset)
         return cols.run(flat, scale, problem, weights, opts.block_size, backend=name)
+
+    run = runner.pick(
+        name, {"reference": formula, "dense": engine, "tiled": engine}, 0, flat, "multi-label supcon_loss"
+    )
+    with autocast_off(flat.device.type):
+        return run()

@@ -94,12 +94,9 @@ def neighbor_loss(
         raise ValueError(f"neighbors values must be column indices in [0, {n})")
     if exclude_diagonal and n < 2:
         raise ValueError("neighbor_loss needs n >= 2 when exclude_diagonal=True: the denominator would be empty")
-    name = "tiled" if backend == "auto" else backend
-    if name == "triton":
-        raise ValueError(
-            "backend='triton' is for losses of embeddings; neighbor_loss takes a score matrix "
-            "that already exists: use backend='tiled' (its only n x n allocation is the gradient)"
-        )
+    # the score matrix already exists: no Triton kernel (the tiled backend's only n x n allocation is the gradient)
+    names = ("reference", "dense", "tiled")
+    name = runner.pick_name(backend, names, rows * n, scores, "neighbor_loss (a given score matrix)", auto="tiled")
     return _neighbor(scores, neighbors.long(), exclude_diagonal, name, opts)
 
 

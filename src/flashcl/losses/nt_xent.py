@@ -155,17 +155,23 @@ def _nt_xent(
     if not standard:
         beta_ = 0.0 if estimator == "debiased" else beta
         name = runner.backend_for(opts, cols, z, None)
-        if name == "reference":
+
+        def formula() -> Tensor:
             with autocast_off(z.device.type):
                 rows = reference.nt_xent_estimator(
                     z, partner, scale, tau_plus, beta_, opts.normalize, cols.keys, cols.offset
                 )
             return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
-        head = DebiasedHead(partner, tau_plus, beta_, cols.total - 2, float(scale.detach()), offset=cols.offset)
-        r = runner.share(opts.reduction, opts.grad_scale, cols, torch.ones(2 * n, dtype=dtype, device=z.device))
-        weights = None if r is None else (r, None)
-        problem = Problem(head, (), opts.normalize, cols.offset)
-        return cols.run(z, scale, problem, weights, opts.block_size, backend=name)
+
+        def engine() -> Tensor:
+            head = DebiasedHead(partner, tau_plus, beta_, cols.total - 2, float(scale.detach()), offset=cols.offset)
+            r = runner.share(opts.reduction, opts.grad_scale, cols, torch.ones(2 * n, dtype=dtype, device=z.device))
+            weights = None if r is None else (r, None)
+            problem = Problem(head, (), opts.normalize, cols.offset)
+            return cols.run(z, scale, problem, weights, opts.block_size, backend=name)
+
+        impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
+        return runner.pick(name, impls, 0, z, f"nt_xent_loss(estimator={estimator!r})")()
     index = partner.unsqueeze(1)
     weight: Optional[Tensor] = None
     exclude: Optional[Exclusions] = None

@@ -254,21 +254,27 @@ def _triplet(
         if opts.reduction == "none":
             return rows
         total = rows.sum()
-    elif backend in ("reference", "dense"):
-        if backend == "reference":
-            rows, counts = _reference_rows(x, labels, mining, margin, soft, distance, k, yk, offset)
-        else:
-            rows, counts = dense_rows(x, k, labels, yk, offset, mining, margin, soft, distance)
-        if opts.reduction == "none":
-            return rows
-        total = rows.sum()
     else:
-        block = opts.block_size or auto_triplet_block(x.shape[0], k.shape[0])
+
+        def reference_rows() -> Tuple[Tensor, Optional[Tensor]]:
+            return _reference_rows(x, labels, mining, margin, soft, distance, k, yk, offset)
+
+        def dense() -> Tuple[Tensor, Optional[Tensor]]:
+            return dense_rows(x, k, labels, yk, offset, mining, margin, soft, distance)
+
+        def tiled() -> Tuple[Tensor, Optional[Tensor]]:
+            block = opts.block_size or auto_triplet_block(x.shape[0], k.shape[0])
+            if opts.reduction == "none":
+                return TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, None, block)[0], None
+            ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+            return TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
+
+        impls = {"reference": reference_rows, "dense": dense, "tiled": tiled}
+        out, counts = runner.pick(backend, impls, x.shape[0] * k.shape[0], x, "triplet_loss", auto="tiled")()
         if opts.reduction == "none":
-            rows, _ = TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, None, block)
-            return rows
-        ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-        total, counts = TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
+            return out
+        total = out.sum()  # the tiled backend's reduced total is a scalar already
+        assert counts is not None
     return runner.reduce_total(total, counts.sum(), opts.reduction, opts.grad_scale, cols)
 
 

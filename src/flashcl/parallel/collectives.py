@@ -16,6 +16,7 @@ from .. import runner
 from ..core import compute_dtype
 from ..engine import engine
 from ..engine.engine import Problem
+from ..engine.prototypes import RowsJoin
 from ..runner import Source, auto_block, local
 from .ring import RingDriver
 
@@ -34,6 +35,7 @@ __all__ = [
     "replicated",
     "reduction_over",
     "Columns",
+    "rows_join",
 ]
 
 
@@ -60,13 +62,20 @@ def _check_same_call(signature: str, device: torch.device, group: Any) -> None:
         )
 
 
-def same_call(fn: Callable[..., Tensor], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+def same_call(
+    fn: Callable[..., Tensor],
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    batch_dims: Optional[Dict[str, int]] = None,
+) -> None:
     """Every rank must make the same call of the public loss ``fn``: a digest of it is
     compared across ``process_group``'s ranks (a ValueError on each, not a hang). It
     is formed from every argument (the options; of a tensor, its dtype and its shape
     past the batch dimension, and of a 0-dim tensor its value), so that no option can
     be left out of it. Keys that every rank holds alike (a queue) are compared by
-    value where they join the column source (:func:`columns`, :func:`replicated`)."""
+    value where they join the column source (:func:`columns`, :func:`replicated`).
+    ``batch_dims``: the batch dimension of an argument where it is not the first (-2:
+    the rows of (B, D) and of a stack of views (views, B, D))."""
     if not (dist.is_available() and dist.is_initialized()):
         return  # the loss's checks, then the error that names the missing group
     bound = inspect.signature(fn).bind(*args, **kwargs)
@@ -77,7 +86,9 @@ def same_call(fn: Callable[..., Tensor], args: Tuple[Any, ...], kwargs: Dict[str
             continue
         if isinstance(value, Tensor):
             device = device or value.device
-            detail = f"{float(value.detach()):.12g}" if value.dim() == 0 else str(tuple(value.shape[1:]))
+            at = (batch_dims or {}).get(name, 0) % max(value.dim(), 1)  # -2: the rows of (B, D) and (views, B, D)
+            shape = tuple(value.shape[:at]) + tuple(value.shape[at + 1 :])
+            detail = f"{float(value.detach()):.12g}" if value.dim() == 0 else str(shape)
             parts.append(f"{name}:{value.dtype}:{detail}")
         elif isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
             parts.append(
@@ -323,3 +334,32 @@ def global_max(value: int, device: torch.device, group: Any) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t)
+
+
+class _GroupRows(RowsJoin):
+    """The sums over the rows of Sinkhorn-Knopp (and the center's) over every rank of
+    a process group: each an all-reduce of a vector, as DINOv2's ``dist.all_reduce``
+    of ``sum_Q`` and of the prototypes' sums; uneven batches count their rows."""
+
+    collective = True
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group, self.device = group, device
+
+    def lse(self, x: Tensor) -> Tensor:
+        top = max_across(x, self.group)
+        safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        return safe + sum_across(torch.exp(x - safe), self.group).log()
+
+    def total_rows(self, b: int) -> int:
+        return sum(_sizes(b, self.device, self.group))
+
+    def sum(self, x: Tensor) -> Tensor:
+        return sum_across(x, self.group)
+
+
+def rows_join(group: Any, device: torch.device) -> RowsJoin:
+    """How one rank's rows meet the other ranks' in the prototype losses' sums over the
+    rows (:class:`flashcl.engine.prototypes.RowsJoin`): over ``group``'s ranks (their
+    collectives on ``device``), or one process for None."""
+    return RowsJoin() if group is None else _GroupRows(group, device)

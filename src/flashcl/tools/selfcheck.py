@@ -101,6 +101,10 @@ CHECKS = [
     Check("arcface_loss", lambda g: ([_r(g, 26, 24), _r(g, 57, 24)], [_labels(g, 26, 57)], {"scale": 30.0})),
     Check("maxsim_loss", lambda g: ([_r(g, 6, 5, 16), _r(g, 9, 7, 16)], [], {"temperature": 0.5})),
     Check("maxsim_distill_loss", lambda g: ([_r(g, 5, 4, 16), _r(g, 5, 3, 6, 16)], [_r(g, 5, 3)], {})),
+    # (student views, prototypes), the teacher's views without gradient
+    Check("dino_loss", lambda g: ([_r(g, 3, 9, 24), _r(g, 301, 24)], [_r(g, 2, 9, 24)], {"pairs": "cross"})),
+    Check("swav_loss", lambda g: ([_r(g, 3, 11, 24), _r(g, 97, 24)], [], {"high_resolution": 2})),
+    Check("koleo_loss", lambda g: ([_r(g, 41, 24)], [], {})),
 ]
 
 
@@ -108,7 +112,7 @@ def _call(check: Check, floats: List[Tensor], others: List[Any], kw: Dict[str, A
     """The loss on these inputs (labels, guides, a teacher's rows in the floats' order)."""
     fn = getattr(functional, check.loss)
     args: List[Any] = list(floats)
-    if check.loss in ("cosface_loss", "arcface_loss"):  # (embeddings, labels, class weights)
+    if check.loss in ("cosface_loss", "arcface_loss", "dino_loss"):  # (embeddings, labels / teacher, weights)
         args = [floats[0], others[0], floats[1]]
     else:
         args += others

@@ -1,0 +1,413 @@
+"""lightly's self-distillation losses with its constructors and calls, computed by
+flashcl: replacing ``from lightly.loss import DINOLoss, IBOTPatchLoss, KoLeoLoss,
+SwaVLoss`` by ``from flashcl.integrations.lightly import ...`` is the whole change;
+lightly itself need not be installed.
+
+These take lightly's inputs, the rows x K logits the head already formed: values,
+gradients and the center's updates equal lightly's, with fewer intermediates (no
+stacked copies of the views, no saved softmax and log-softmax: the student's gradient
+is recomputed from its logits and the teacher's probabilities; :class:`KoLeoLoss`
+forms no B x B matrix). The rows x K logits themselves are avoided by the fused losses
+on the head's bottleneck rows (:func:`flashcl.dino_loss`, :func:`flashcl.swav_loss`),
+with :class:`PrototypeHead` in place of the head's last layer: see the migration page
+of the documentation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..core import compute_dtype
+from ..losses.koleo import koleo_loss
+from ..parallel import rows_join
+
+__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "SwaVLoss", "PrototypeHead"]
+
+
+class _PairedSoftCrossEntropy(torch.autograd.Function):
+    """``apply(inv_temp, pairs, targets, *views) -> (S, B)``: each student view's rows'
+    cross-entropy ``-sum_k p_k log_softmax_k(s / tau)`` summed over its paired teacher
+    views' probabilities (``targets``: T tensors (B, K), no gradient). Saved: the
+    logits (the inputs) and each row's logsumexp; the backward forms
+    ``(mass softmax - sum p) / tau`` a view at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, inv_temp: float, pairs: List[List[int]], targets: List[Tensor], *views: Tensor) -> Tensor:  # type: ignore[override]
+        dtype = compute_dtype(views[0].dtype)
+        lses, out = [], []
+        for s, view in enumerate(views):
+            lse = view.new_empty(view.shape[0], dtype=dtype)
+            cross = torch.zeros_like(lse)
+            for r in _chunks(view):  # the scaled logits a block of rows at a time
+                z = view[r].detach().to(dtype) * inv_temp
+                lse[r] = torch.logsumexp(z, dim=-1)
+                # a target of probability 0 takes no part (0 log 0 = 0: a -inf logit there is no NaN)
+                for t in pairs[s]:
+                    cross[r] += _dot(targets[t][r], z)
+            mass = sum((targets[t].sum(-1) for t in pairs[s]), torch.zeros_like(lse))
+            lses.append(lse)
+            out.append(mass * lse - cross)
+        ctx.save_for_backward(*views, *lses)
+        ctx.inv_temp, ctx.pairs, ctx.targets, ctx.n = inv_temp, pairs, targets, len(views)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError("the lightly drop-ins do not compute second derivatives")
+        saved = ctx.saved_tensors
+        views, lses = saved[: ctx.n], saved[ctx.n :]
+        grads = []
+        for s, (view, lse) in enumerate(zip(views, lses)):
+            dtype = lse.dtype
+            pairs = ctx.pairs[s]
+            if not ctx.needs_input_grad[3 + s] or not pairs:
+                grads.append(None if not ctx.needs_input_grad[3 + s] else torch.zeros_like(view))
+                continue
+            # the gradient's own buffer: mass softmax, then each paired view's targets subtracted
+            g = (view.detach().to(dtype) * ctx.inv_temp).sub_(lse.unsqueeze(-1)).exp_()
+            g.mul_(sum((ctx.targets[t].sum(-1, keepdim=True) for t in pairs), torch.zeros_like(lse).unsqueeze(-1)))
+            for t in pairs:
+                g.sub_(ctx.targets[t])
+            grads.append(g.mul_(grad[s].to(dtype).unsqueeze(-1) * ctx.inv_temp).to(view.dtype))
+        return (None, None, None, *grads)
+
+
+def _chunks(x: Tensor, entries: int = 1 << 20) -> List[slice]:
+    """Blocks of ``x``'s rows of about ``entries`` entries (4 MB in float32)."""
+    step = max(1, entries // max(1, x.shape[-1]))
+    return [slice(r, min(r + step, x.shape[0])) for r in range(0, x.shape[0], step)]
+
+
+def _softmax_targets(logits: Tensor, center: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
+    """``softmax((logits - center) / temperature)`` in ``dtype``, a block of rows at a
+    time into one tensor (no temporaries of the logits' size)."""
+    out = torch.empty(logits.shape, dtype=dtype, device=logits.device)
+    for r in _chunks(logits):
+        torch.softmax((logits[r].detach().to(dtype) - center) / temperature, dim=-1, out=out[r])
+    return out
+
+
+def _dot(p: Tensor, z: Tensor) -> Tensor:
+    """``sum_k p_k z_k`` per row, the entries of ``p = 0`` left out (a logit of -inf
+    there: 0 log 0 = 0); without infinite logits, with no temporary of their size."""
+    if bool(torch.isfinite(z).all()):
+        return torch.linalg.vecdot(p, z, dim=-1)
+    return torch.where(p > 0, p * z, torch.zeros_like(z)).sum(-1)
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32, as lightly's ``torch.tensor(teacher_temp)`` holds it."""
+    return float(torch.tensor(float(value), dtype=torch.float32))
+
+
+def _center_mean(total: Tensor, count: int) -> Tensor:
+    """lightly's ``center_mean``: this process's mean, averaged over the world's
+    processes when ``torch.distributed`` is initialised."""
+    mean = total / count
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(mean)
+        mean = mean / dist.get_world_size()
+    return mean
+
+
+class DINOLoss(nn.Module):
+    """lightly's ``DINOLoss``: every teacher view against every student view but the
+    same crop, the mean over those pairs and the batch; the center (a (1, 1, K) buffer)
+    updated by an EMA of the teacher's batch mean after each call; the teacher's
+    temperature per call, or from the warm-up schedule with ``epoch``.
+
+    Examples::
+
+        >>> loss_fn = DINOLoss(output_dim=4096)
+        >>> teacher_out = [torch.randn(8, 4096) for _ in range(2)]
+        >>> student_out = [torch.randn(8, 4096, requires_grad=True) for _ in range(4)]
+        >>> loss = loss_fn(teacher_out, student_out)
+    """
+
+    center: Tensor
+
+    def __init__(
+        self,
+        output_dim: int = 65536,
+        warmup_teacher_temp: float = 0.04,
+        teacher_temp: float = 0.04,
+        warmup_teacher_temp_epochs: int = 30,
+        student_temp: float = 0.1,
+        center_momentum: float = 0.9,
+        center_mode: str = "mean",
+    ) -> None:
+        super().__init__()
+        if center_mode != "mean":
+            raise ValueError(f"Unknown mode '{center_mode}'. Valid modes are ['mean'].")
+        self.teacher_temp, self.student_temp, self.center_momentum = teacher_temp, student_temp, center_momentum
+        self.register_buffer("center", torch.zeros(1, 1, output_dim))
+        self.warmup_teacher_temp_epochs = warmup_teacher_temp_epochs
+        self.teacher_temp_schedule = torch.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs)
+
+    def forward(
+        self,
+        teacher_out: List[Tensor],
+        student_out: List[Tensor],
+        teacher_temp: Optional[float] = None,
+        epoch: Optional[int] = None,
+    ) -> Tensor:
+        # lightly holds the teacher's temperature as a float32 tensor: its value is taken
+        if teacher_temp is not None:
+            tt = _float32(teacher_temp)
+        elif epoch is not None and epoch < self.warmup_teacher_temp_epochs:
+            tt = float(self.teacher_temp_schedule[epoch])
+        else:
+            tt = _float32(self.teacher_temp)
+        n_terms = len(teacher_out) * len(student_out) - min(len(teacher_out), len(student_out))
+        if n_terms == 0:
+            raise ValueError(
+                "DINOLoss requires at least two views in total (the diagonal matching the same view index is "
+                f"excluded), but got {len(teacher_out)} teacher view(s) and {len(student_out)} student view(s)"
+            )
+        dtype = compute_dtype(student_out[0].dtype)
+        center = self.center.reshape(-1).to(dtype)
+        with torch.no_grad():
+            targets = [_softmax_targets(t, center, tt, dtype) for t in teacher_out]
+        pairs = [[t for t in range(len(teacher_out)) if t != s] for s in range(len(student_out))]
+        rows = _PairedSoftCrossEntropy.apply(1.0 / self.student_temp, pairs, targets, *student_out)
+        loss = rows.sum() / (n_terms * teacher_out[0].shape[0])
+        self.update_center(teacher_out)
+        return loss
+
+    @torch.no_grad()
+    def update_center(self, teacher_out: Sequence[Tensor]) -> None:
+        """The EMA of the center with the teacher's batch mean (over every view and row)."""
+        total = sum(t.reshape(-1, t.shape[-1]).sum(0) for t in teacher_out)
+        count = sum(t.reshape(-1, t.shape[-1]).shape[0] for t in teacher_out)
+        mean = _center_mean(torch.as_tensor(total), count).reshape(self.center.shape)
+        self.center = self.center * self.center_momentum + mean * (1 - self.center_momentum)
+
+
+class _Center(nn.Module):
+    """lightly's ``Center`` (a (1, K) buffer ``center``, ``value``, ``update``)."""
+
+    center: Tensor
+
+    def __init__(self, size: Tuple[int, ...], momentum: float) -> None:
+        super().__init__()
+        self.register_buffer("center", torch.zeros(size))
+        self.momentum = momentum
+
+    @property
+    def value(self) -> Tensor:
+        return self.center
+
+    @torch.no_grad()
+    def update(self, x: Tensor) -> None:
+        mean = _center_mean(x.sum(0, keepdim=True), x.shape[0])
+        self.center = self.center * self.momentum + mean * (1 - self.momentum)
+
+
+class IBOTPatchLoss(nn.Module):
+    """lightly's ``IBOTPatchLoss`` (DINOv2's iBOT patch loss): each masked patch's
+    cross-entropy weighted by ``1 / (masked patches of its image)``, summed and divided
+    by the images; the center updated after each call.
+
+    Examples::
+
+        >>> loss_fn = IBOTPatchLoss(output_dim=4096)
+        >>> mask = torch.zeros(2, 4, 4, dtype=torch.bool)
+        >>> mask[:, :2] = True
+        >>> loss = loss_fn(torch.randn(16, 4096), torch.randn(16, 4096, requires_grad=True), mask)
+    """
+
+    def __init__(
+        self,
+        output_dim: int = 65536,
+        teacher_temp: float = 0.04,
+        student_temp: float = 0.1,
+        center_mode: str = "mean",
+        center_momentum: float = 0.9,
+    ) -> None:
+        super().__init__()
+        if center_mode != "mean":
+            raise ValueError(f"Unknown mode '{center_mode}'. Valid modes are ['mean'].")
+        self.teacher_temp, self.student_temp = teacher_temp, student_temp
+        self.center = _Center((1, output_dim), center_momentum)
+
+    def forward(
+        self, teacher_out: Tensor, student_out: Tensor, mask: Tensor, teacher_temp: Optional[float] = None
+    ) -> Tensor:
+        tt = _float32(teacher_temp if teacher_temp is not None else self.teacher_temp)
+        dtype = compute_dtype(student_out.dtype)
+        with torch.no_grad():
+            target = _softmax_targets(teacher_out, self.center.value.reshape(-1).to(dtype), tt, dtype)
+        rows = _PairedSoftCrossEntropy.apply(1.0 / self.student_temp, [[0]], [target], student_out)[0]
+        per_image = mask.sum(dim=tuple(range(1, mask.dim())), keepdim=True).clamp(min=1.0)
+        weight = (1.0 / per_image).expand_as(mask)[mask]
+        loss = (rows * weight).sum() / mask.shape[0]
+        self.center.update(teacher_out)
+        return loss
+
+
+class KoLeoLoss(nn.Module):
+    """lightly's ``KoLeoLoss`` (DINOv2's): with ``p = 2`` by :func:`flashcl.koleo_loss`
+    (no B x B matrix); another ``p`` by lightly's formula.
+
+    Examples::
+
+        >>> loss = KoLeoLoss()(torch.randn(64, 384))
+    """
+
+    def __init__(self, p: float = 2, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.p, self.eps = p, eps
+        self.pairwise_distance = nn.PairwiseDistance(p=p, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.p == 2:
+            return koleo_loss(x, eps=self.eps)
+        x = F.normalize(x, p=2, dim=-1, eps=self.eps)
+        cos = (x @ x.t()).fill_diagonal_(-2)
+        return -(self.pairwise_distance(x, x[cos.argmax(dim=1)]) + self.eps).log().mean()
+
+
+def _sinkhorn_codes(out: Tensor, iterations: int, epsilon: float, gather: bool) -> Tensor:
+    """lightly's (SwAV's) ``sinkhorn`` in the log domain: the whole matrix to sum 1,
+    then ``iterations`` times each prototype's sum over the rows to 1 and each row's to
+    1/B; times B. With ``gather`` (and ``torch.distributed`` initialised) the sums over
+    the rows and B span every process."""
+    group = dist.group.WORLD if gather and dist.is_available() and dist.is_initialized() else None
+    join = rows_join(group, out.device)
+    z = out.detach().to(compute_dtype(out.dtype)) / epsilon
+    b = join.total_rows(z.shape[0])
+    z = z - join.lse(torch.logsumexp(z.flatten(), 0).reshape(1))[0]
+    for _ in range(iterations):
+        z = z - join.lse(torch.logsumexp(z, 0)).unsqueeze(0)
+        z = z - torch.logsumexp(z, 1, keepdim=True) - math.log(b)
+    return torch.exp(z + math.log(b))
+
+
+class SwaVLoss(nn.Module):
+    """lightly's ``SwaVLoss``: the codes of each high-resolution view (Sinkhorn-Knopp,
+    with the queue's rows when given) are the targets of every other view; the mean
+    over those pairs, then over the high-resolution views. Returns a (1,) tensor, as
+    lightly does.
+
+    Examples::
+
+        >>> loss_fn = SwaVLoss()
+        >>> high = [torch.randn(16, 300, requires_grad=True) for _ in range(2)]
+        >>> loss = loss_fn(high, [torch.randn(16, 300, requires_grad=True)])
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.1,
+        sinkhorn_iterations: int = 3,
+        sinkhorn_epsilon: float = 0.05,
+        sinkhorn_gather_distributed: bool = False,
+    ) -> None:
+        super().__init__()
+        if sinkhorn_gather_distributed and not dist.is_available():
+            raise ValueError("sinkhorn_gather_distributed is True but torch.distributed is not available")
+        self.temperature, self.sinkhorn_iterations = temperature, sinkhorn_iterations
+        self.sinkhorn_epsilon, self.sinkhorn_gather_distributed = sinkhorn_epsilon, sinkhorn_gather_distributed
+
+    def forward(
+        self,
+        high_resolution_outputs: List[Tensor],
+        low_resolution_outputs: List[Tensor],
+        queue_outputs: Optional[List[Tensor]] = None,
+    ) -> Tensor:
+        views = [*high_resolution_outputs, *low_resolution_outputs]
+        h, b = len(high_resolution_outputs), high_resolution_outputs[0].shape[0]
+        codes = []
+        with torch.no_grad():
+            for i, out in enumerate(high_resolution_outputs):
+                scores = out if queue_outputs is None else torch.cat((out.detach(), queue_outputs[i].detach()))
+                q = _sinkhorn_codes(
+                    scores, self.sinkhorn_iterations, self.sinkhorn_epsilon, self.sinkhorn_gather_distributed
+                )
+                codes.append(q[:b])
+        pairs = [[i for i in range(h) if i != v] for v in range(len(views))]
+        rows = _PairedSoftCrossEntropy.apply(1.0 / self.temperature, pairs, codes, *views)
+        return (rows.sum() / (b * (len(views) - 1) * h)).reshape(1)
+
+
+class PrototypeHead(nn.Module):
+    """A projection head's MLP and its weight-normalised prototype layer, returning what
+    the fused losses need instead of the rows x K logits: ``forward(x)`` gives the
+    L2-normalised bottleneck rows, :meth:`prototypes` the last layer's weight and
+    :attr:`normalize` how the loss should take it.
+
+    Wraps lightly's ``DINOProjectionHead`` (``layers``, ``last_layer``) and DINOv2's
+    ``DINOHead`` (``mlp``, ``last_layer``), the same parameters (an optimizer's and a
+    checkpoint's state unchanged): with ``norm_last_layer=True`` (the weight norm's
+    magnitude frozen at 1) the logits are ``x^ . v^_k`` (``normalize=True`` on the
+    weight's direction ``v``); otherwise ``x^ . w_k`` with the layer's effective weight
+    (``normalize=False``).
+
+    Args:
+        head: the projection head (the student's or the teacher's).
+
+    Examples::
+
+        >>> class Head(torch.nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.mlp = torch.nn.Linear(32, 16)
+        ...         layer = torch.nn.Linear(16, 100, bias=False)
+        ...         self.last_layer = torch.nn.utils.parametrizations.weight_norm(layer)
+        ...         self.last_layer.parametrizations.weight.original0.data.fill_(1)
+        ...         self.last_layer.parametrizations.weight.original0.requires_grad = False
+        >>> head = PrototypeHead(Head())
+        >>> rows = head(torch.randn(8, 32))
+        >>> loss = flashcl.dino_loss(rows, rows.detach(), head.prototypes(), normalize=head.normalize)
+    """
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        mlp = getattr(head, "layers", None)
+        mlp = getattr(head, "mlp", None) if mlp is None else mlp
+        last = getattr(head, "last_layer", None)
+        self.mlp = mlp if mlp is not None else nn.Identity()
+        self.last_layer = last
+
+    @property
+    def normalize(self) -> bool:
+        """True when the last layer's weight-norm magnitude is frozen at 1 (DINO's
+        ``norm_last_layer``): the loss normalises the direction itself."""
+        g = self._magnitude()
+        return g is not None and not g.requires_grad and bool(torch.all(g == 1))
+
+    def _magnitude(self) -> Optional[Tensor]:
+        layer = self.last_layer
+        if layer is None:
+            return None
+        param = getattr(layer, "parametrizations", None)
+        if param is not None and hasattr(param, "weight"):
+            return param.weight.original0
+        return getattr(layer, "weight_g", None)
+
+    def _direction(self) -> Optional[Tensor]:
+        layer = self.last_layer
+        param = getattr(layer, "parametrizations", None)
+        if param is not None and hasattr(param, "weight"):
+            return param.weight.original1
+        return getattr(layer, "weight_v", None)
+
+    def prototypes(self) -> Tensor:
+        """The prototypes (K, D) for the fused loss: the weight's direction ``v`` with a
+        frozen unit magnitude, else the layer's effective weight."""
+        if self.last_layer is None:
+            raise ValueError("the head has no last_layer")
+        v = self._direction()
+        return v if self.normalize and v is not None else self.last_layer.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.mlp(x)
+        eps = 1e-6 if x.dtype == torch.float16 else 1e-12
+        return F.normalize(x, dim=-1, p=2, eps=eps)

@@ -1,0 +1,145 @@
+"""DINOv2's KoLeo regulariser without the B x B products: :func:`koleo_loss` and
+:class:`KoLeoLoss` (the neighbours and the per-row terms: :class:`flashcl.engine.prototypes.KoLeoRows`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .. import checks, parallel, registry, runner
+from ..base import LossModule, shared_docs
+from ..compiled import compiles
+from ..core import compute_dtype
+from ..engine.engine import autocast_off
+from ..engine.prototypes import KoLeoRows
+from .self_distill import check_options, check_temperature
+
+__all__ = ["koleo_loss", "KoLeoLoss"]
+
+
+def _koleo_dense(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor:
+    """DINOv2's ``KoLeoLoss`` on the M x N products (differentiable)."""
+    qh = torch.nn.functional.normalize(q, eps=eps, p=2, dim=-1)
+    kh = torch.nn.functional.normalize(keys, eps=eps, p=2, dim=-1)
+    dots = qh @ kh.T
+    own = torch.arange(q.shape[0], device=q.device)
+    dots = dots.index_put((own, own + offset), dots.new_tensor(-1.0))
+    nn = dots.detach().argmax(1)
+    return -torch.log(torch.nn.functional.pairwise_distance(qh, kh[nn], 2, eps) + eps)
+
+
+def _koleo_reference(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor:
+    """One row at a time: the nearest other row by the largest cosine (first on a
+    tie), ``-log(|x^_i - x^_j + eps| + eps)``."""
+    unit = lambda v: v / v.norm().clamp_min(eps)  # noqa: E731
+    kh = [unit(k) for k in keys]
+    out = []
+    for i, row in enumerate(q):
+        qh = unit(row)
+        best, at = -math.inf, 0
+        for j, k in enumerate(kh):
+            dot = -1.0 if j == i + offset else float((qh @ k).detach())
+            if dot > best:
+                best, at = dot, j
+        out.append(-torch.log(torch.linalg.vector_norm(qh - kh[at] + eps) + eps))
+    return torch.stack(out)
+
+
+@registry.loss
+@shared_docs
+@compiles()
+def koleo_loss(
+    x: Tensor,
+    *,
+    eps: float = 1e-8,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    process_group: Any = None,
+    grad_scale: str = "ddp",
+) -> Tensor:
+    r"""DINOv2's KoLeo regulariser (Sablayrolles et al. 2019): spreads the rows
+    uniformly by pushing each away from its nearest neighbour,
+
+    $$
+    -\frac{1}{B} \sum_i \log\left(\lVert \hat x_i - \hat x_{n(i)} \rVert + \epsilon\right),
+    \quad n(i) = \arg\max_{j \ne i} \hat x_i \cdot \hat x_j
+    $$
+
+    on the L2-normalised rows (``F.normalize`` with ``eps``; the distance as
+    ``nn.PairwiseDistance(2, eps)``), without the B x B products: the neighbours are
+    found a tile at a time and the gradient formed a block of rows at a time (at B =
+    65,536 and D = 256: under 20 MB beyond the input). Equal to DINOv2's and lightly's
+    ``KoLeoLoss``.
+
+    Args:
+        x: the rows, (B, D) (DINOv2: the student's class tokens of one global crop).
+        eps: Default: 1e-8.
+        reduction: ``"mean"`` (default) | ``"sum"`` | ``"none"``.
+        @prototype_options@
+
+    With ``process_group`` the neighbours are searched among every rank's rows (the
+    rows gathered with their gradient); without it, among this process's rows
+    (DINOv2's default).
+
+    Shape:
+        - x: (B, D); output: scalar, or (B,) with ``reduction="none"``.
+
+    Examples::
+
+        >>> x = torch.randn(64, 384, requires_grad=True)
+        >>> flashcl.koleo_loss(x).backward()
+    """
+    x = checks.check_float_tensor(x, "x", (2,))
+    e = check_temperature(eps, "eps")
+    check_options(backend, reduction, grad_scale, block_size, True)
+    dtype = compute_dtype(x.dtype)
+    with autocast_off(x.device.type):
+        keys, offset = None, 0
+        if process_group is not None:
+            keys, offset = parallel.all_gather_with_grad(x, process_group)
+        others = x if keys is None else keys
+
+        def tiled() -> Tensor:
+            return KoLeoRows.apply(x, keys, offset, e, block_size or 512, 8192)
+
+        def dense() -> Tensor:
+            return _koleo_dense(x.to(dtype), others.to(dtype), offset, e)
+
+        def reference() -> Tensor:
+            return _koleo_reference(x.to(dtype), others.to(dtype), offset, e)
+
+        impls = {"reference": reference, "dense": dense, "tiled": tiled}
+        rows = runner.pick(backend, impls, x.shape[0] * others.shape[0], x, "koleo_loss")()
+        if reduction == "none":
+            return rows
+        total = rows.sum()
+        count = total.new_tensor(float(x.shape[0]))
+        return runner.reduce_total(total, count, reduction, grad_scale, parallel.reduction_over(process_group))
+
+
+@registry.module
+class KoLeoLoss(LossModule):
+    """Module form of :func:`koleo_loss`.
+
+    Examples::
+
+        >>> loss = flashcl.KoLeoLoss()(torch.randn(64, 384))
+    """
+
+    def __init__(
+        self,
+        eps: float = 1e-8,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(**self.given(locals()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return koleo_loss(x, **self.loss_options())

@@ -1,0 +1,560 @@
+"""Self-distillation over prototypes (DINO, iBOT, DINOv2; SwAV in
+:mod:`flashcl.losses.swav`), without the rows x K logits: :func:`dino_loss`, :func:`prototype_center`,
+:class:`DINOLoss`, and the body :mod:`flashcl.losses.swav` shares.
+
+Each student row (a crop's class token, a masked patch token) is scored against K
+prototypes (the head's last layer, a weight-normalised ``Linear(D, K)``); the teacher's
+rows against the teacher's prototypes give the targets (a centred, sharpened softmax,
+or Sinkhorn-Knopp); the loss is the cross-entropy between the two distributions over
+K. The prototypes are visited a block at a time (:mod:`flashcl.engine.prototypes`), as
+the margin losses visit class blocks: with K = 65,536 and 16,384 rows one logits tensor
+would be 4.3 GB in float32; here memory beyond the inputs and their gradients is
+O((B + K) + B x block)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import checks, parallel, registry, runner
+from ..base import LossModule, shared_docs
+from ..compiled import compiles
+from ..core import compute_dtype
+from ..engine.engine import autocast_off
+from ..engine.prototypes import (
+    Blocks,
+    PrototypeCrossEntropy,
+    Prototypes,
+    RowsJoin,
+    auto_prototype_block,
+    logit_sums,
+    paired_targets,
+    scaled_targets,
+    sinkhorn_scalings,
+    softmax_targets,
+    unit_rows,
+)
+
+__all__ = ["dino_loss", "prototype_center", "DINOLoss"]
+
+PROTOTYPE_BACKENDS = ("auto", "reference", "dense", "tiled")
+TARGETS = ("softmax", "sinkhorn")
+PAIRS = ("all", "cross")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_temperature(value: object, name: str) -> float:
+    """A temperature: a float (or a 0-dim tensor without gradient), finite and > 0."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(f"{name} must be a float or a 0-dim floating tensor, got {tuple(value.shape)}")
+        if value.requires_grad:
+            raise ValueError(f"{name}: a learnable temperature is not supported here (pass a float per call)")
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return float(value)
+
+
+def check_count(value: object, name: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def check_views(x: object, name: str) -> Tensor:
+    """``x`` as (views, B, D): a (B, D) tensor is one view."""
+    t = checks.check_float_tensor(x, name, (2, 3))
+    if t.shape[-1] == 0 or t.shape[-2] == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+    return t.unsqueeze(0) if t.dim() == 2 else t
+
+
+def check_prototypes(w: object, name: str, d: int, like: Tensor) -> Tensor:
+    t = checks.check_float_tensor(w, name, (2,))
+    checks.same_device(t, like, name, "student")
+    if t.shape[1] != d:
+        raise ValueError(f"{name} must be (K, D) with the rows' D = {d}, got {tuple(t.shape)}")
+    return t
+
+
+def pairing(s: int, t: int, pairs: str) -> List[List[int]]:
+    """The teacher views each student view is paired with: every one (``"all"``), or
+    every one but the same crop (``"cross"``: student view ``i`` and teacher view ``i``
+    are the same crop)."""
+    out = [[v for v in range(t) if pairs == "all" or v != i] for i in range(s)]
+    if not any(out):
+        raise ValueError(
+            f"pairs={pairs!r} with {t} teacher view(s) and {s} student view(s) leaves no pair of views: the "
+            "same crop is left out, pass more views or pairs='all'"
+        )
+    return out
+
+
+def mask_weights(masks: Optional[Tensor], rows: int, like: Tensor) -> Tuple[Optional[Tensor], Optional[int]]:
+    """iBOT's row weights from the images' patch masks (``masks``: (images, ...) bool,
+    the rows being the masked patches in the masks' order): each patch ``1 / (masked
+    patches of its image)``; and the number of images (the mean's divisor)."""
+    if masks is None:
+        return None, None
+    if not isinstance(masks, Tensor) or masks.dtype != torch.bool or masks.dim() < 2:
+        raise ValueError("masks must be a bool tensor (images, ...) of the masked patches")
+    checks.same_device(masks, like, "masks", "student")
+    flat = masks.reshape(masks.shape[0], -1)
+    per_image = flat.sum(1)
+    if int(per_image.sum()) != rows:
+        raise ValueError(
+            f"masks mark {int(per_image.sum())} patches but the student has {rows} rows: the rows must be the "
+            "masked patches, one per True in the masks, in their order"
+        )
+    weight = (1.0 / per_image.clamp_min(1).to(compute_dtype(like.dtype))).unsqueeze(1).expand_as(flat)[flat]
+    return weight, masks.shape[0]
+
+
+# ----------------------------------------------------------------------------- the teacher's targets
+
+
+class Teacher:
+    """The teacher's targets for its views: ``rows`` (T, B', D) (``b`` rows of each view
+    are targets; the rest, a SwAV queue, enter Sinkhorn only), its prototypes, the
+    kind of targets and whether Sinkhorn runs over all views together (DINOv2) or each
+    view alone (SwAV)."""
+
+    def __init__(
+        self,
+        rows: Tensor,
+        w_t: Tensor,
+        inv_temp: float,
+        kind: str,
+        center: Optional[Tensor],
+        iterations: int,
+        joint: bool,
+        normalize: bool,
+        b: int,
+        join: RowsJoin,
+    ) -> None:
+        self.rows, self.w_t, self.inv_temp, self.kind, self.center = rows, w_t, inv_temp, kind, center
+        self.iterations, self.joint, self.normalize, self.b, self.join = iterations, joint, normalize, b, join
+
+    def tiled(self, block: int) -> List[Blocks]:
+        """Each view's targets, a block of prototypes at a time (their rows' sums known
+        for a softmax and after a Sinkhorn iteration: 1)."""
+        protos = Prototypes(self.w_t, self.normalize)
+        t, n, d = self.rows.shape
+        unit = unit_rows(self.rows.reshape(t * n, d), self.normalize)[0].view(t, n, d)
+        if self.kind == "softmax":
+            return [softmax_targets(unit[v, : self.b], protos, self.center, self.inv_temp, block) for v in range(t)]
+        if self.joint:
+            u, v = sinkhorn_scalings(unit.reshape(t * n, d), protos, self.inv_temp, self.iterations, block, self.join)
+            vs = v.view(t, n)
+            return [self._scaled(unit[i], protos, u, vs[i]) for i in range(t)]
+        out = []
+        for i in range(t):
+            u, v = sinkhorn_scalings(unit[i], protos, self.inv_temp, self.iterations, block, self.join)
+            out.append(self._scaled(unit[i], protos, u, v))
+        return out
+
+    def _scaled(self, unit: Tensor, protos: Prototypes, u: Tensor, v: Tensor) -> Blocks:
+        mass = unit.new_ones(self.b) if self.iterations > 0 else None
+        return scaled_targets(unit[: self.b], protos, self.inv_temp, u, v[: self.b], mass)
+
+    def reference(self) -> List[Tensor]:
+        """Each view's targets (b, K) from the published formulas, row by row: the
+        centred softmax, or DINOv2's ``sinkhorn_knopp_teacher`` (SwAV's ``sinkhorn``)
+        on ``exp(t / tau_t)``, its sums over the rows joined over the ranks."""
+        unit = _unit_reference(self.w_t, self.normalize)
+        t_views = [torch.stack([unit @ _unit_row(y, self.normalize) for y in view]) for view in self.rows]
+        if self.kind == "softmax":
+            c = torch.zeros_like(t_views[0][0]) if self.center is None else self.center.to(unit.dtype)
+            return [
+                torch.stack([torch.softmax((row - c) * self.inv_temp, 0) for row in tv[: self.b]]) for tv in t_views
+            ]
+        groups = [torch.cat(t_views)] if self.joint else t_views
+        out = [self._sinkhorn(g) for g in groups]
+        if self.joint:
+            n = self.rows.shape[1]
+            return [out[0][i * n : i * n + self.b] for i in range(self.rows.shape[0])]
+        return [q[: self.b] for q in out]
+
+    def _sinkhorn(self, t: Tensor) -> Tensor:
+        q = torch.exp(t * self.inv_temp).t()  # K x B, as DINOv2 writes it
+        k, b = q.shape[0], self.join.total_rows(q.shape[1])
+        q = q / self.join.sum(q.sum().reshape(1))[0]
+        for _ in range(self.iterations):
+            q = q / self.join.sum(q.sum(dim=1, keepdim=True)) / k
+            q = q / q.sum(dim=0, keepdim=True) / b
+        return (q * b).t()
+
+
+def _unit_row(x: Tensor, normalize: bool) -> Tensor:
+    return x / x.norm().clamp_min(1e-12) if normalize else x
+
+
+def _unit_reference(w: Tensor, normalize: bool) -> Tensor:
+    return torch.stack([_unit_row(row, normalize) for row in w])
+
+
+# ----------------------------------------------------------------------------- the body
+
+
+def _reference_rows(
+    x: Tensor, w: Tensor, inv_temp: float, targets: List[Tensor], pairs: List[List[int]], normalize: bool
+) -> Tensor:
+    """Per-row losses one row at a time (the oracle):
+    ``sum_{t in pairs[s]} -sum_k p_t(k) log softmax_k(x^ . w^_k / tau_s)``."""
+    unit = _unit_reference(w, normalize)
+    out = []
+    for s, view in enumerate(x):
+        rows = []
+        for b, row in enumerate(view):
+            lsm = torch.log_softmax((unit @ _unit_row(row, normalize)) * inv_temp, 0)
+            terms = [-(targets[t][b] * lsm).sum() for t in pairs[s]]
+            rows.append(torch.stack(terms).sum() if terms else lsm.new_zeros(()))
+        out.append(torch.stack(rows))
+    return torch.stack(out)
+
+
+def _dense_rows(
+    x: Tensor, w: Tensor, inv_temp: float, targets: List[Tensor], pairs: List[List[int]], normalize: bool
+) -> Tensor:
+    """Per-row losses on the (S, B, K) logits, as lightly and DINOv2 write them."""
+    xs, ws = (torch.nn.functional.normalize(v, dim=-1) for v in (x, w)) if normalize else (x, w)
+    lsm = torch.log_softmax(torch.matmul(xs, ws.T) * inv_temp, dim=-1)
+    p = torch.stack(targets)
+    summed = torch.stack([p[ts].sum(0) if ts else torch.zeros_like(p[0]) for ts in pairs])
+    return -(summed * lsm).sum(-1)
+
+
+def distill_rows(
+    student: Tensor,
+    w: Tensor,
+    teacher: Teacher,
+    student_temperature: float,
+    pairs: List[List[int]],
+    weights: Optional[Tensor],
+    count: int,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+    group: Any,
+    grad_scale: str,
+) -> Tensor:
+    """The body every prototype loss shares: the student's stacked views (S, B, D)
+    against the teacher's targets, per row or reduced over every rank's ``count``
+    terms (the pairs times the rows, or the images)."""
+    s, b, d = student.shape
+    k = w.shape[0]
+    dtype = compute_dtype(student.dtype)
+    inv_temp = 1.0 / student_temperature
+    x, wc = student.to(dtype), w.to(dtype)
+    own = x.new_ones(b) if weights is None else weights.to(dtype)
+    # a scalar's weight of each row (None: per row), its mean over every rank's terms
+    r = runner.share_count(reduction, grad_scale, parallel.reduction_over(group), own.repeat(s), count)
+
+    def tiled() -> Tensor:
+        block = block_size or auto_prototype_block(max(s, teacher.rows.shape[0]) * b, k)
+        fn = paired_targets(teacher.tiled(block), pairs, b)
+        # a scalar forms its gradients in this pass (the targets formed once); per row, in the backward
+        out = PrototypeCrossEntropy.apply(student.reshape(s * b, d), w, fn, inv_temp, block, teacher.normalize, r)
+        return out if r is not None else out.view(s, b) * own
+
+    def dense() -> Tensor:
+        targets = [p(0, k, torch.empty(b, k, dtype=dtype, device=student.device)) for p in teacher.tiled(k)]
+        return _weigh(_dense_rows(x, wc, inv_temp, targets, pairs, teacher.normalize), own, r)
+
+    def reference() -> Tensor:
+        return _weigh(_reference_rows(x, wc, inv_temp, teacher.reference(), pairs, teacher.normalize), own, r)
+
+    impls = {"reference": reference, "dense": dense, "tiled": tiled}
+    return runner.pick(backend, impls, s * b * k, student, "the prototype losses")()
+
+
+def _weigh(rows: Tensor, own: Tensor, r: Optional[Tensor]) -> Tensor:
+    """Per-row losses (S, B) weighed by each row's own factor, or reduced with ``r``."""
+    return rows * own if r is None else (r * rows.reshape(-1)).sum()
+
+
+def check_options(
+    backend: object, reduction: object, grad_scale: object, block_size: object, normalize: object
+) -> None:
+    """The options every prototype loss takes, checked before any collective (a bad one:
+    an error on every rank that names it)."""
+    checks.check_choice(backend, "backend", PROTOTYPE_BACKENDS)
+    checks.check_choice(reduction, "reduction", checks.REDUCTIONS)
+    checks.check_choice(grad_scale, "grad_scale", checks.GRAD_SCALES)
+    checks.check_block(block_size)  # type: ignore[arg-type]
+    checks.check_bool(normalize, "normalize")
+
+
+# ----------------------------------------------------------------------------- DINO / iBOT
+
+
+@registry.loss
+@shared_docs
+@compiles(batch_dims={"student": -2, "teacher": -2})
+def dino_loss(
+    student: Tensor,
+    teacher: Tensor,
+    prototypes: Tensor,
+    *,
+    teacher_prototypes: Optional[Tensor] = None,
+    student_temperature: float = 0.1,
+    teacher_temperature: float = 0.04,
+    targets: str = "softmax",
+    center: Optional[Tensor] = None,
+    sinkhorn_iterations: int = 3,
+    pairs: str = "all",
+    masks: Optional[Tensor] = None,
+    normalize: bool = True,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    process_group: Any = None,
+    grad_scale: str = "ddp",
+) -> Tensor:
+    r"""DINO's and iBOT's self-distillation loss (Caron et al. 2021; Zhou et al. 2022;
+    DINOv2, Oquab et al. 2023) from the head's bottleneck rows, without the rows x K
+    logits: each student row's cross-entropy against the teacher's distribution over
+    K prototypes,
+
+    $$
+    \ell_b = -\sum_k p_{bk} \log \operatorname{softmax}_k\!\left(\hat x_b \cdot \hat w_k / \tau_s\right)
+    $$
+
+    with the teacher's targets ``p`` either the centred, sharpened softmax
+    ``softmax_k((t_bk - c_k) / tau_t)`` (``targets="softmax"``, DINO / iBOT) or DINOv2's
+    Sinkhorn-Knopp on ``exp(t / tau_t)`` over every teacher view's rows
+    (``targets="sinkhorn"``, its three normalisations in its order), where
+    ``t_bk = y^_b . v^_k`` are the teacher's rows against the teacher's prototypes.
+    The prototypes are visited a block at a time: at 16,384 masked patches and 65,536
+    prototypes, where one logits tensor is 4.3 GB in float32, memory beyond the inputs
+    and their gradients is about 100 MB.
+
+    Equal to lightly's ``DINOLoss`` (``pairs="cross"``) and ``IBOTPatchLoss``
+    (``masks``) and DINOv2's ``DINOLoss`` / ``iBOTPatchLoss`` on the logits the same
+    head would form (see :mod:`flashcl.integrations.lightly` for drop-ins on logits).
+
+    Args:
+        student: the student's bottleneck rows (before the last layer), (B, D) or
+            (S, B, D) for S views (crops) of the same B images.
+        teacher: the teacher's rows, (B, D) or (T, B, D); no gradient is formed for them.
+        prototypes: the student's last layer's weight (K, D) (``head.weight`` of a
+            ``Linear(D, K)``; a weight-normalised layer's direction); its gradient is
+            formed a block at a time.
+        teacher_prototypes: the teacher's (its EMA copy), (K, D). Default: ``prototypes``
+            (no gradient through the teacher's side).
+        student_temperature: ``tau_s``. Default: 0.1.
+        teacher_temperature: ``tau_t`` (a float per call, for the warm-up schedule).
+            Default: 0.04.
+        targets: ``"softmax"`` (default; centred by ``center``) | ``"sinkhorn"``.
+        center: (K,) subtracted from the teacher's logits before the softmax (DINO's
+            center, :func:`prototype_center`'s EMA; :class:`DINOLoss` keeps it). Default:
+            None (no centering). Only with ``targets="softmax"``.
+        sinkhorn_iterations: Sinkhorn-Knopp's iterations. Default: 3.
+        pairs: ``"all"`` (default: every student view against every teacher view, as
+            DINOv2's ``DINOLoss`` sums its lists) | ``"cross"`` (the same crop left out:
+            student view ``i`` and teacher view ``i`` are the same crop, as DINO and
+            lightly).
+        masks: iBOT's patch masks, bool (images, ...): the student's and teacher's rows
+            are the masked patches, one per True in order; each row weighs ``1 / (masked
+            patches of its image)`` and ``"mean"`` divides by the images. Default: None.
+        normalize: L2-normalise the rows and the prototypes (default: a weight-normalised
+            last layer, DINO's ``norm_last_layer``); ``False`` takes them as given.
+        reduction: ``"mean"`` (default: over the pairs of views and the global rows, or
+            the images with ``masks``) | ``"sum"`` | ``"none"`` (each student row's loss
+            summed over its pairs, weighted with ``masks``).
+        @prototype_options@
+
+    Shape:
+        - student: (B, D) or (S, B, D); teacher: (B, D) or (T, B, D); prototypes: (K, D);
+          output: scalar, or (B,) / (S, B) with ``reduction="none"``.
+
+    Examples::
+
+        >>> head = torch.nn.Linear(256, 4096, bias=False)
+        >>> student, teacher = torch.randn(2, 8, 256), torch.randn(2, 8, 256)
+        >>> loss = flashcl.dino_loss(student, teacher, head.weight, pairs="cross")
+        >>> loss.backward()
+    """
+    x = check_views(student, "student")
+    y = check_views(teacher, "teacher")
+    checks.same_device(y, x, "teacher", "student")
+    s, b, d = x.shape
+    if y.shape[1:] != (b, d):
+        raise ValueError(f"teacher must hold (views, {b}, {d}) rows like the student, got {tuple(y.shape)}")
+    w = check_prototypes(prototypes, "prototypes", d, x)
+    w_t = w if teacher_prototypes is None else check_prototypes(teacher_prototypes, "teacher_prototypes", d, x)
+    if w_t.shape[0] != w.shape[0]:
+        raise ValueError(f"teacher_prototypes must hold K = {w.shape[0]} prototypes, got {w_t.shape[0]}")
+    ts = check_temperature(student_temperature, "student_temperature")
+    tt = check_temperature(teacher_temperature, "teacher_temperature")
+    checks.check_choice(targets, "targets", TARGETS)
+    checks.check_choice(pairs, "pairs", PAIRS)
+    iterations = check_count(sinkhorn_iterations, "sinkhorn_iterations")
+    check_options(backend, reduction, grad_scale, block_size, normalize)
+    c = None
+    if center is not None:
+        if targets != "softmax":
+            raise ValueError("center is the softmax targets' centering; targets='sinkhorn' takes none")
+        c = checks.check_float_tensor(center, "center", (1, 2, 3))
+        if c.numel() != w.shape[0]:
+            raise ValueError(f"center must hold K = {w.shape[0]} values, got shape {tuple(c.shape)}")
+        checks.same_device(c, x, "center", "student")
+        c = c.detach().reshape(-1)
+    if masks is not None and s != 1:
+        raise ValueError("masks weigh the patches of one view: pass (B, D) student and teacher rows")
+    weights, images = mask_weights(masks, b, x)
+    plan = pairing(s, y.shape[0], pairs)
+    dtype = compute_dtype(x.dtype)
+    with autocast_off(x.device.type), torch.no_grad():
+        join = parallel.rows_join(process_group, x.device)
+        teacher_side = Teacher(
+            y.detach().to(dtype), w_t.detach().to(dtype), 1.0 / tt, targets, c, iterations, True, normalize, b, join
+        )
+    count = sum(map(len, plan)) * (b if images is None else images)
+    with autocast_off(x.device.type):
+        out = distill_rows(
+            x, w, teacher_side, ts, plan, weights, count, reduction, backend, block_size, process_group, grad_scale
+        )
+    return out[0] if reduction == "none" and student.dim() == 2 else out
+
+
+@torch.no_grad()
+def prototype_center(
+    teacher: Tensor,
+    teacher_prototypes: Tensor,
+    *,
+    normalize: bool = True,
+    process_group: Any = None,
+) -> Tensor:
+    """The batch mean of the teacher's logits over every view and every rank's rows,
+    (K,): DINO's center EMA takes it (``center = m center + (1 - m) mean``), without the
+    rows x K logits (it is the mean row against the prototypes).
+
+    Args:
+        teacher: the teacher's rows, (B, D) or (T, B, D).
+        teacher_prototypes: (K, D).
+        normalize: as in :func:`dino_loss`. Default: True.
+        process_group: None (default) or a process group: the mean over every rank's
+            rows (uneven batches count their rows), one all-reduce of K values.
+
+    Shape:
+        - teacher: (B, D) or (T, B, D); teacher_prototypes: (K, D); output: (K,), float32
+          for half-precision inputs.
+
+    Examples::
+
+        >>> center = torch.zeros(4096)
+        >>> teacher, w = torch.randn(2, 8, 256), torch.randn(4096, 256)
+        >>> center = 0.9 * center + 0.1 * flashcl.prototype_center(teacher, w)
+    """
+    y = check_views(teacher, "teacher")
+    w_t = check_prototypes(teacher_prototypes, "teacher_prototypes", y.shape[-1], y)
+    checks.check_bool(normalize, "normalize")
+    dtype = compute_dtype(y.dtype)
+    rows = unit_rows(y.reshape(-1, y.shape[-1]).to(dtype), normalize)[0]
+    join = parallel.rows_join(process_group, y.device)
+    sums = join.sum(logit_sums(rows, Prototypes(w_t.detach().to(dtype), normalize)))
+    return sums / join.total_rows(rows.shape[0])
+
+
+# ----------------------------------------------------------------------------- Modules
+
+
+@registry.module
+class DINOLoss(LossModule):
+    """Module form of :func:`dino_loss` that keeps DINO's center: with
+    ``targets="softmax"`` each call in training mode centres the teacher with the
+    stored center, then updates it, ``center = m center + (1 - m) mean`` (``m``:
+    ``center_momentum``; ``mean``: :func:`prototype_center` of the call's teacher rows
+    over every rank), as DINO, DINOv2 and lightly do after the loss.
+
+    Args:
+        num_prototypes: K, to create the center (zeros) at construction (it moves
+            with the Module); None: created at the first call.
+        center_momentum: ``m``. Default: 0.9.
+        (the rest): :func:`dino_loss`'s options.
+
+    Examples::
+
+        >>> head = torch.nn.Linear(256, 4096, bias=False)
+        >>> loss_fn = flashcl.DINOLoss(num_prototypes=4096, pairs="cross")
+        >>> loss = loss_fn(torch.randn(4, 8, 256), torch.randn(2, 8, 256), head.weight, teacher_temperature=0.04)
+        >>> loss.backward()
+    """
+
+    center: Optional[Tensor]
+
+    def __init__(
+        self,
+        num_prototypes: Optional[int] = None,
+        center_momentum: float = 0.9,
+        student_temperature: float = 0.1,
+        teacher_temperature: float = 0.04,
+        targets: str = "softmax",
+        sinkhorn_iterations: int = 3,
+        pairs: str = "all",
+        normalize: bool = True,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(**self.given(locals()))
+        if not isinstance(center_momentum, (int, float)) or isinstance(center_momentum, bool):
+            raise TypeError(f"center_momentum must be a float, got {type(center_momentum).__name__}")
+        if not 0.0 <= center_momentum <= 1.0:
+            raise ValueError(f"center_momentum must be in [0, 1], got {center_momentum!r}")
+        center = None if num_prototypes is None else torch.zeros(check_count(num_prototypes, "num_prototypes", 1))
+        self.register_buffer("center", center)
+
+    def forward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        prototypes: Tensor,
+        teacher_prototypes: Optional[Tensor] = None,
+        masks: Optional[Tensor] = None,
+        teacher_temperature: Optional[float] = None,
+    ) -> Tensor:
+        options = self.loss_options()
+        num_prototypes, momentum = options.pop("num_prototypes"), options.pop("center_momentum")
+        if teacher_temperature is not None:
+            options["teacher_temperature"] = teacher_temperature
+        softmax = options["targets"] == "softmax"
+        if softmax and self.center is None:
+            self.center = torch.zeros(prototypes.shape[0], device=prototypes.device)
+        if (
+            softmax
+            and self.center is not None
+            and num_prototypes is not None
+            and self.center.numel() != prototypes.shape[0]
+        ):
+            raise ValueError(f"num_prototypes = {num_prototypes} but prototypes holds {prototypes.shape[0]} rows")
+        loss = dino_loss(
+            student,
+            teacher,
+            prototypes,
+            teacher_prototypes=teacher_prototypes,
+            center=self.center if softmax else None,
+            masks=masks,
+            **options,
+        )
+        if softmax and self.training:
+            mean = prototype_center(
+                teacher,
+                prototypes if teacher_prototypes is None else teacher_prototypes,
+                normalize=options["normalize"],
+                process_group=options["process_group"],
+            )
+            assert self.center is not None
+            self.center = self.center * momentum + mean.to(self.center.dtype) * (1.0 - momentum)
+        return loss
