@@ -78,6 +78,53 @@ def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, target
     assert_close(logit_sums(yh, teacher) / yh.shape[0], t.mean(0), "the center", *TOL)
 
 
+@pytest.mark.parametrize("rows_block", [1, 4, None])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("targets", ["sinkhorn-0", "sinkhorn-3", "softmax-centred"])
+def test_weighted_scalar_by_blocks_of_rows_equals_the_dense_formula(rows_block, normalize: bool, targets: str) -> None:
+    """A scalar (row weights given) visits blocks of rows against every prototype and
+    forms its gradients in that pass; a second backward (retain_graph) recomputes them
+    by blocks of prototypes. Both equal the formula, and so do gradients of the rows or
+    of the prototypes alone."""
+    x, w, y, wt, center = _data()
+    ts, tt = 0.1, 0.04 if normalize else 0.5
+    weights = torch.linspace(0.5, 2.0, 11, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    xs, ws = (F.normalize(v, dim=1) for v in leaves) if normalize else leaves
+    ys, wts = (F.normalize(y, dim=1), F.normalize(wt, dim=1)) if normalize else (y, wt)
+    t = ys @ wts.T
+    if targets.startswith("sinkhorn"):
+        p = sinkhorn_as_dinov2(t, tt, int(targets.split("-")[1]))
+    else:
+        p = F.softmax((t - center) / tt, dim=-1)
+    want = (weights * -(p * F.log_softmax(xs @ ws.T / ts, dim=-1)).sum(-1)).sum()
+    want_grads = torch.autograd.grad(want, leaves)
+
+    yh, _ = unit_rows(y, normalize)
+    teacher = Prototypes(wt, normalize)
+    if targets.startswith("sinkhorn"):
+        fn = sinkhorn_targets(yh, teacher, 1.0 / tt, int(targets.split("-")[1]), 7)
+    else:
+        fn = softmax_targets(yh, teacher, center, 1.0 / tt, 7)
+    mine = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    got = PrototypeCrossEntropy.apply(*mine, fn, 1.0 / ts, 7, normalize, weights, rows_block)
+    assert_close(got, want.detach(), f"{targets}: the scalar", *TOL)
+    got.backward(torch.tensor(3.0, dtype=torch.float64), retain_graph=True)
+    for a, e, name in zip(mine, want_grads, ("rows", "prototypes")):
+        assert_close(a.grad, 3.0 * e, f"{targets}: {name}' gradient", *TOL)
+        a.grad = None
+    got.backward()  # recomputed by blocks of prototypes
+    for a, e, name in zip(mine, want_grads, ("rows", "prototypes")):
+        assert_close(a.grad, e, f"{targets}: {name}' gradient, second backward", *TOL)
+    for i in range(2):  # one leaf alone
+        alone = [x.clone(), w.clone()]
+        alone[i].requires_grad_(True)
+        (g,) = torch.autograd.grad(
+            PrototypeCrossEntropy.apply(*alone, fn, 1.0 / ts, 7, normalize, weights, rows_block), alone[i]
+        )
+        assert_close(g, want_grads[i], f"{targets}: leaf {i} alone", *TOL)
+
+
 def koleo_as_dinov2(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """DINOv2's KoLeoLoss, written out: the B x B products, the diagonal at -1, argmax."""
     x = F.normalize(x, eps=eps, p=2, dim=-1)

@@ -17,7 +17,8 @@ DOCS: Dict[str, str] = {
     logits, ``"dense"`` below) | ``"tiled"`` (blocks: no rows x K, or B x B, tensor) |
     ``"dense"`` (the whole matrix, as lightly and DINOv2 write it) | ``"reference"``
     (one row at a time; the tests' oracle). No Triton kernel: ``"triton"`` is an error.
-block_size: prototypes (KoLeo: rows) per block of the tiled backend; None picks one.
+block_size: prototypes (KoLeo: rows) per block of the tiled backend (a scalar loss visits
+    blocks of rows against every prototype, each of as many entries); None picks one.
 process_group: None (default: this process's rows) or a process group of
     ``torch.distributed``: the loss over every rank's rows (local batch sizes may
     differ), the prototypes replicated; the sums over the rows (Sinkhorn-Knopp's, the

@@ -26,7 +26,7 @@ nearest neighbours and its per-row terms (:class:`KoLeoRows`) are here too.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -47,6 +47,7 @@ __all__ = [
     "PrototypeCrossEntropy",
     "KoLeoRows",
     "auto_prototype_block",
+    "auto_rows_block",
     "nearest_neighbours",
 ]
 
@@ -57,17 +58,13 @@ def auto_prototype_block(b: int, k: int) -> int:
     return max(1, min(k, (1 << 21) // max(1, b)))
 
 
-def unit_rows(x: Tensor, normalize: bool, extra: int = 0) -> Tuple[Tensor, Tensor]:
+def unit_rows(x: Tensor, normalize: bool) -> Tuple[Tensor, Tensor]:
     """``x``'s rows divided by their norms (with ``normalize``; else as given) and the
-    inverse norms (ones without ``normalize``). ``extra``: that many zero columns after
-    them in the same buffer (for shifts folded into a GEMM); the rows are then the
-    view of its first D columns."""
-    inv = _inverse_norms(x) if normalize else torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    if not extra:
-        return (x * inv.unsqueeze(1) if normalize else x), inv
-    out = x.new_zeros(x.shape[0], x.shape[1] + extra)
-    torch.mul(x, inv.unsqueeze(1), out=out[:, : x.shape[1]])
-    return out, inv
+    inverse norms (ones without ``normalize``)."""
+    if not normalize:
+        return x, torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+    inv = _inverse_norms(x)
+    return x * inv.unsqueeze(1), inv
 
 
 def _inverse_norms(x: Tensor) -> Tensor:
@@ -101,6 +98,15 @@ class Prototypes:
             cols = [e[k0:k1].unsqueeze(1) if isinstance(e, Tensor) else unit.new_full((k1 - k0, 1), e) for e in extra]
             unit = torch.cat([unit, *cols], 1)
         return torch.mm(rows, unit.T, out=out[:, : k1 - k0])
+
+    def rows_tile(self, rows: Tensor, scale: float, out: Tensor, shift: Optional[Tensor] = None) -> Tensor:
+        """``rows . w^_k scale (+ shift_k)`` against every prototype (rows x K): one GEMM
+        with the prototypes as given, their norms a scaling of the tile's columns
+        (joined with ``shift``, a (K,) vector, in one pass)."""
+        z = torch.mm(rows * scale, self.w.T, out=out)
+        if self.normalized:
+            return z.mul_(self.inv) if shift is None else torch.addcmul(shift, z, self.inv, out=z)
+        return z if shift is None else z.add_(shift)
 
 
 def _blocks(k: int, block: int) -> range:
@@ -180,51 +186,80 @@ Targets = Callable[[int, int, Tensor], Tensor]
 
 
 class Blocks:
-    """Target probabilities a block of prototypes at a time: ``blocks(k0, k1, out)``
-    writes those of prototypes ``k0 .. k1`` into ``out`` and returns that view;
-    ``mass``: each row's sum over the prototypes where it is known before any pass (1
-    for a softmax, and for Sinkhorn-Knopp after an iteration), else None."""
+    """A teacher's target probabilities, never all of them at once: ``blocks(k0, k1,
+    out)`` writes those of prototypes ``k0 .. k1`` (every row) into ``out`` and returns
+    that view; ``blocks.rows(r0, r1, out)`` those of rows ``r0 .. r1`` against every
+    prototype (a scalar loss's pass, whose rows are complete in a block); ``order(n)``:
+    the blocks of at most ``n`` rows that pass visits, in its order; ``tiles``: the
+    rows x K tiles ``rows`` keeps beside ``out``; ``mass``: each row's sum over the
+    prototypes where it is known before any pass (1 for a softmax, and for
+    Sinkhorn-Knopp after an iteration), else None."""
 
-    def __init__(self, fn: Targets, mass: Optional[Tensor]) -> None:
-        self.fn, self.mass = fn, mass
+    def __init__(
+        self,
+        fn: Targets,
+        mass: Optional[Tensor],
+        rows: Targets,
+        count: int,
+        tiles: int = 0,
+        order: Optional[Callable[[int], List[Tuple[int, int]]]] = None,
+    ) -> None:
+        self.fn, self.mass, self.rows, self.count, self.tiles = fn, mass, rows, count, tiles
+        self._order = order
 
     def __call__(self, k0: int, k1: int, out: Tensor) -> Tensor:
         return self.fn(k0, k1, out)
 
+    def order(self, n: int) -> List[Tuple[int, int]]:
+        if self._order is not None:
+            return self._order(n)
+        return [(r0, min(r0 + n, self.count)) for r0 in range(0, self.count, n)]
+
 
 def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv_temp: float, block: int) -> Blocks:
-    """The centred, sharpened softmax ``softmax_k((t_bk - c_k) / tau_t)`` as a function of
-    a block of prototypes written into a buffer (the rows' logsumexp formed in one
-    pass first)."""
+    """The centred, sharpened softmax ``softmax_k((t_bk - c_k) / tau_t)``: by blocks of
+    prototypes (the rows' logsumexp formed in one pass first, when first asked), or by
+    blocks of rows (each row's softmax whole)."""
     (b, d), k = rows.shape, w_t.k
     c = rows.new_zeros(k) if center is None else center.to(rows.dtype).reshape(k) * inv_temp
-    # rows [y^, -1, -lse_b] against prototypes [w^_k / tau, c_k, 1]: the GEMM gives t / tau - c - lse
-    aug = torch.cat([rows, rows.new_full((b, 1), -1.0), rows.new_zeros(b, 1)], 1)
-    buf = rows.new_empty(b, min(block, k))
-    bound = _bound(rows, w_t, inv_temp)
-    hi, lo = bound - float(c.min()) if k else 0.0, -bound - float(c.max()) if k else 0.0
-    aug[:, d + 1] = -_lse_pass(aug, w_t, inv_temp, block, buf, (c, 1.0), hi, lo)
+    aug: List[Tensor] = []
 
     def targets(k0: int, k1: int, out: Tensor) -> Tensor:
-        return w_t.tile(aug, k0, k1, inv_temp, out, (c, 1.0)).exp_()
+        if not aug:
+            # rows [y^, -1, -lse_b] against prototypes [w^_k / tau, c_k, 1]: the GEMM gives t / tau - c - lse
+            aug.append(torch.cat([rows, rows.new_full((b, 1), -1.0), rows.new_zeros(b, 1)], 1))
+            buf = rows.new_empty(b, min(block, k))
+            bound = _bound(rows, w_t, inv_temp)
+            hi, lo = bound - float(c.min()) if k else 0.0, -bound - float(c.max()) if k else 0.0
+            aug[0][:, d + 1] = -_lse_pass(aug[0], w_t, inv_temp, block, buf, (c, 1.0), hi, lo)
+        return w_t.tile(aug[0], k0, k1, inv_temp, out, (c, 1.0)).exp_()
 
-    return Blocks(targets, rows.new_ones(b))
+    def row_targets(r0: int, r1: int, out: Tensor) -> Tensor:
+        t = w_t.rows_tile(rows[r0:r1], inv_temp, out, None if center is None else -c)
+        e = t.sub_(t.amax(1, keepdim=True)).exp_()
+        return e.div_(e.sum(1, keepdim=True))
+
+    return Blocks(targets, rows.new_ones(b), row_targets, b)
 
 
 def scaled_targets(
     rows: Tensor, w_t: Prototypes, inv_temp: float, u: Tensor, v: Tensor, mass: Optional[Tensor] = None
 ) -> Blocks:
     """Sinkhorn-Knopp's targets ``exp(t_bk / tau_t + u_k + v_b)`` from its log scalings
-    (:func:`sinkhorn_scalings`; ``v``: these rows'), a block of prototypes at a time;
+    (:func:`sinkhorn_scalings`; ``v``: these rows'), by blocks of prototypes or of rows;
     ``mass``: the rows' sums where known (1 after an iteration)."""
 
     # rows [y^, 1, v_b] against prototypes [w^_k / tau, u_k, 1]: the GEMM gives the log targets
     aug = torch.cat([rows, rows.new_ones(rows.shape[0], 1), v.to(rows.dtype).unsqueeze(1)], 1)
+    u = u.to(rows.dtype)
 
     def targets(k0: int, k1: int, out: Tensor) -> Tensor:
         return w_t.tile(aug, k0, k1, inv_temp, out, (u, 1.0)).exp_()
 
-    return Blocks(targets, mass)
+    def row_targets(r0: int, r1: int, out: Tensor) -> Tensor:
+        return w_t.rows_tile(rows[r0:r1], inv_temp, out, u).add_(aug[r0:r1, -1:]).exp_()
+
+    return Blocks(targets, mass, row_targets, rows.shape[0])
 
 
 def sinkhorn_targets(
@@ -241,49 +276,78 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
     sum of the teacher views ``pairs[s]``' targets (the cross-entropy is linear in its
     targets, so a student view against several teacher views, DINO's crop pairs, is one
     pass with their sum); each teacher view's block formed once per block of prototypes
-    (``views``: each teacher view's targets, ``b`` rows each)."""
+    (``views``: each teacher view's targets, ``b`` rows each), or, by rows, once per
+    block of images (the blocks of rows visit every student view of a block of images
+    in turn)."""
     scratch: List[Tensor] = []
     used = sorted({t for ts in pairs for t in ts})
 
     if len(pairs) == 1 and len(pairs[0]) == 1:  # one student view, one teacher view: its targets as they are
         return views[pairs[0][0]]
 
+    def summed(s: int, tiles: Dict[int, Tensor], dst: Tensor) -> Tensor:
+        ts = pairs[s]
+        if not ts:
+            return dst.zero_()
+        if len(ts) == 1:  # read only by the pass: the teacher view's tile itself
+            return tiles[ts[0]]
+        torch.add(tiles[ts[0]], tiles[ts[1]], out=dst)
+        for t in ts[2:]:
+            dst.add_(tiles[t])
+        return dst
+
     def targets(k0: int, k1: int, out: Tensor) -> Tensor:
         width = k1 - k0
         if not scratch or scratch[0].shape[2] < width:
             scratch[:] = [out.new_empty(len(views), b, out.shape[1])]
         tiles = {t: views[t](k0, k1, scratch[0][t]) for t in used}
-        for s, ts in enumerate(pairs):
+        for s in range(len(pairs)):
             dst = out[s * b : (s + 1) * b, :width]
-            if not ts:
-                dst.zero_()
-                continue
-            dst.copy_(tiles[ts[0]])
-            for t in ts[1:]:
-                dst.add_(tiles[t])
+            got = summed(s, tiles, dst)
+            if got is not dst:
+                dst.copy_(got)
         return out[:, :width]
+
+    cached: Dict[Tuple[int, int], Dict[int, Tensor]] = {}
+    row_scratch: List[Tensor] = []
+
+    def row_targets(r0: int, r1: int, out: Tensor) -> Tensor:
+        s, i0 = divmod(r0, b)
+        i1 = r1 - s * b
+        if (i0, i1) not in cached:  # a new block of images: each teacher view's rows of them, once
+            if not row_scratch or row_scratch[0].shape[1] < i1 - i0 or row_scratch[0].shape[2] != out.shape[1]:
+                row_scratch[:] = [out.new_empty(len(views), out.shape[0], out.shape[1])]
+            cached.clear()
+            cached[(i0, i1)] = {t: views[t].rows(i0, i1, row_scratch[0][t, : i1 - i0]) for t in used}
+        return summed(s, cached[(i0, i1)], out)
+
+    def order(n: int) -> List[Tuple[int, int]]:
+        return [(s * b + i0, s * b + min(i0 + n, b)) for i0 in range(0, b, n) for s in range(len(pairs))]
 
     known = [m for m in (views[t].mass for t in used) if m is not None]
     mass = None
     if known and len(known) == len(used):
         rows = {t: m for t, m in zip(used, known)}
         mass = torch.cat([sum((rows[t] for t in ts), torch.zeros_like(known[0])) for ts in pairs])
-    return Blocks(targets, mass)
+    return Blocks(targets, mass, row_targets, len(pairs) * b, len(used), order)
 
 
 class PrototypeCrossEntropy(torch.autograd.Function):
-    """``apply(x, w, targets, inv_temp, block, normalize[, weights]) -> (B,)``: each row's
-    cross-entropy between its targets and the softmax of ``x^ . w^_k * inv_temp`` over
-    the prototypes (``^``: L2-normalised with ``normalize``); with ``weights`` (B,), the
-    scalar ``sum_b weights_b loss_b``. ``targets``: :class:`Blocks` (no gradient).
-    Beyond the inputs: the unit rows (B x D), two B x block tiles and O(B + K) vectors;
-    the unit prototypes are never formed; the normalisation's backward is carried here.
+    """``apply(x, w, targets, inv_temp, block, normalize[, weights, rows_block]) -> (B,)``:
+    each row's cross-entropy between its targets and the softmax of ``x^ . w^_k *
+    inv_temp`` over the prototypes (``^``: L2-normalised with ``normalize``); with
+    ``weights`` (B,), the scalar ``sum_b weights_b loss_b``. ``targets``:
+    :class:`Blocks` (no gradient). The unit prototypes are never formed; the
+    normalisation's backward is carried here.
 
-    Per row, the backward recomputes each block (the student's logits and the
-    targets). A scalar whose targets' row sums are known before a pass (a softmax;
-    Sinkhorn-Knopp after an iteration) forms its gradients in the forward pass
-    instead: a first pass for the rows' logsumexp, a second for the cross-entropy and
-    the gradients, so that the targets are formed once; the backward then scales them."""
+    Per row: blocks of ``block`` prototypes against every row, the backward
+    recomputing each (the student's logits and the targets); beyond the inputs the
+    unit rows (B x D), two B x block tiles and O(B + K) vectors. A scalar instead visits
+    blocks of ``rows_block`` rows (None: :func:`auto_rows_block`) against every
+    prototype, so that each row's softmax is complete in its block: one pass, each
+    logit and each target formed once, the gradients formed in it (the backward then
+    scales them); beyond the inputs and the gradients, the rows x K tiles (the
+    student's logits, the targets and those they are formed from) and O(B + K)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -295,42 +359,17 @@ class PrototypeCrossEntropy(torch.autograd.Function):
         block: int,
         normalize: bool,
         weights: Optional[Tensor] = None,
+        rows_block: Optional[int] = None,
     ) -> Tensor:
+        ctx.targets, ctx.inv_temp, ctx.block, ctx.normalize = targets, inv_temp, block, normalize
+        ctx.weights, ctx.fused = weights, None
+        if weights is not None:
+            return _fused_rows(ctx, x, w, targets, inv_temp, normalize, weights, rows_block)
         dtype = compute_dtype(x.dtype)
-        fused = weights is not None and getattr(targets, "mass", None) is not None
-        # fused: the unit rows with a column for a shift folded into the GEMM (the rows: a view)
-        aug, inv_x = unit_rows(x.detach().to(dtype), normalize, 1 if fused else 0)
-        xh = aug[:, : x.shape[1]]
+        xh, inv_x = unit_rows(x.detach().to(dtype), normalize)
         protos = Prototypes(w.detach().to(dtype), normalize)
         b, k = xh.shape[0], protos.k
         z_buf, p_buf = xh.new_empty(b, min(block, k)), xh.new_empty(b, min(block, k))
-        ctx.targets, ctx.inv_temp, ctx.block, ctx.normalize = targets, inv_temp, block, normalize
-        ctx.weights, ctx.fused = weights, None
-        mass_known = getattr(targets, "mass", None)
-        if fused:
-            assert weights is not None and mass_known is not None
-            # rows [x^, -shift_b] against prototypes [w^_k / tau, 1]: the GEMM gives z - shift
-            bound = _bound(xh, protos, inv_temp)
-            lse = _lse_pass(aug, protos, inv_temp, block, z_buf, (1.0,), bound, -bound)
-            w_rows = weights.to(dtype)
-            shift = lse - mass_known.log()  # mass_b softmax_bk = exp(z_bk - shift_b)
-            aug[:, -1] = -shift
-            # each row's factor (its weight / tau) taken out of the tiles: into x^ for the prototypes'
-            # gradient, onto the rows' gradient at the end
-            factor = w_rows * inv_temp
-            grads = _Grads(xh, protos, ctx.needs_input_grad[0], ctx.needs_input_grad[1], factor)
-            cross = xh.new_zeros(b)
-            for k0 in _blocks(k, block):
-                k1 = min(k0 + block, k)
-                z = protos.tile(aug, k0, k1, inv_temp, z_buf, (1.0,))
-                p = targets(k0, k1, p_buf)
-                cross += torch.linalg.vecdot(p, z, dim=1)
-                grads.add(z.exp_().sub_(p), k0, k1)
-            cross += shift * mass_known
-            ctx.fused = grads.finish(x, w, inv_x, normalize)
-            ctx.save_for_backward(x, w, lse, mass_known)  # a second backward (retain_graph) recomputes
-            # the targets' row sums are known (the mass): the value takes them, as the gradient does
-            return (w_rows * (mass_known * lse - cross)).sum()
         mx = xh.new_full((b,), float("-inf"))
         total = xh.new_zeros(b)
         mass = xh.new_zeros(b)  # sum_k p_bk (1 up to rounding)
@@ -359,7 +398,7 @@ class PrototypeCrossEntropy(torch.autograd.Function):
             return (
                 None if dx is None else dx.mul_(grad.to(dx.dtype)),
                 None if dw is None else dw.mul_(grad.to(dw.dtype)),
-                *([None] * 5),
+                *([None] * 6),
             )
         x, w, lse, mass = ctx.saved_tensors
         dtype = compute_dtype(x.dtype)
@@ -375,7 +414,84 @@ class PrototypeCrossEntropy(torch.autograd.Function):
             gz = protos.tile(xh, k0, k1, s, z_buf).sub_(lse.unsqueeze(1)).exp_().mul_(mass.unsqueeze(1))
             grads.add(gz.sub_(ctx.targets(k0, k1, p_buf)).mul_(g.unsqueeze(1) * s), k0, k1)
         dx, dw = grads.finish(x, w, inv_x, ctx.normalize)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
+
+
+def auto_rows_block(k: int, tiles: int) -> int:
+    """Rows per block of a scalar's pass over every prototype: its ``tiles + 2`` rows x K
+    tiles (the student's logits, the targets, the teacher views' tiles they sum) of
+    about 16M entries together (64 MB in float32), so that its GEMMs' inner and outer
+    sizes stay wide."""
+    return max(1, (1 << 24) // ((tiles + 2) * max(1, k)))
+
+
+def _fused_rows(
+    ctx: Any,
+    x: Tensor,
+    w: Tensor,
+    targets: Blocks,
+    inv_temp: float,
+    normalize: bool,
+    weights: Tensor,
+    rows_block: Optional[int],
+) -> Tensor:
+    """:class:`PrototypeCrossEntropy`'s scalar: blocks of rows against every prototype,
+    the value and both gradients in one pass (kept in ``ctx.fused``)."""
+    dtype = compute_dtype(x.dtype)
+    xd = x.detach().to(dtype)
+    protos = Prototypes(w.detach().to(dtype), normalize)
+    b, k = xd.shape[0], protos.k
+    inv_x = _inverse_norms(xd) if normalize else None
+    n = max(1, min(b, rows_block or auto_rows_block(k, targets.tiles)))
+    z_buf, p_buf = xd.new_empty(n, k), xd.new_empty(n, k)
+    lse, mass, cross = xd.new_zeros(b), xd.new_zeros(b), xd.new_zeros(b)
+    # each row's factor of its logits' gradient, negated: the tiles hold p - mass softmax
+    neg = weights.to(dtype) * -inv_temp
+    dx = torch.zeros_like(xd) if ctx.needs_input_grad[0] else None
+    dwh = torch.zeros_like(protos.w) if ctx.needs_input_grad[1] else None
+    for r0, r1 in targets.order(n):
+        xr = xd[r0:r1] if inv_x is None else xd[r0:r1] * inv_x[r0:r1].unsqueeze(1)
+        z = protos.rows_tile(xr, inv_temp, z_buf[: r1 - r0])
+        p = targets.rows(r0, r1, p_buf[: r1 - r0])
+        mass[r0:r1] = p.sum(1)
+        cross[r0:r1] = _row_dots(p, z)
+        top = z.amax(1, keepdim=True)
+        e = z.sub_(top).exp_()
+        total = e.sum(1)
+        lse[r0:r1] = total.log() + top.squeeze(1)
+        g = torch.addcmul(p, e, (mass[r0:r1] / total).unsqueeze(1), value=-1.0, out=e)
+        f = neg[r0:r1].unsqueeze(1)
+        if dwh is not None:  # d w^_k += sum_b gz_bk x^_b / tau
+            dwh.addmm_(g.T, xr * f)
+        if dx is not None:  # d x^_b = sum_k gz_bk w^_k / tau
+            torch.mm(g.mul_(protos.inv) if normalize else g, protos.w, out=dx[r0:r1]).mul_(f)
+    if dx is not None and inv_x is not None:
+        _through_unit(dx, xd, inv_x)
+    if dwh is not None and normalize:
+        _through_unit(dwh, protos.w, protos.inv)
+    ctx.fused = (None if dx is None else dx.to(x.dtype), None if dwh is None else dwh.to(w.dtype))
+    ctx.save_for_backward(x, w, lse, mass)  # a second backward (retain_graph) recomputes
+    return (weights.to(dtype) * (mass * lse - cross)).sum()
+
+
+def _row_dots(p: Tensor, z: Tensor, chunk: int = 8192) -> Tensor:
+    """Each row's ``sum_k p_bk z_bk``, a chunk of columns at a time (no copy of the tiles)."""
+    out = p.new_zeros(p.shape[0])
+    scratch = p.new_empty(p.shape[0], min(chunk, p.shape[1]))
+    for c0 in range(0, p.shape[1], chunk):
+        c1 = min(c0 + chunk, p.shape[1])
+        out += torch.mul(p[:, c0:c1], z[:, c0:c1], out=scratch[:, : c1 - c0]).sum(1)
+    return out
+
+
+def _through_unit(grad: Tensor, v: Tensor, inv: Tensor, chunk: int = 4096) -> None:
+    """The gradient of ``v^ = v inv`` (each row by its inverse norm) taken back to ``v``
+    in place: ``(grad - v^ (v^ . grad)) inv``, a chunk of rows at a time."""
+    for r0 in range(0, v.shape[0], chunk):
+        r1 = min(r0 + chunk, v.shape[0])
+        unit = v[r0:r1] * inv[r0:r1].unsqueeze(1)
+        g = grad[r0:r1]
+        g.sub_(unit * torch.linalg.vecdot(unit, g, dim=1).unsqueeze(1)).mul_(inv[r0:r1].unsqueeze(1))
 
 
 #: the widest range of logits whose exponentials, shifted by their bound, stay normal numbers
