@@ -7,10 +7,13 @@ prototypes normalised or as given."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from flashcl.engine import prototypes
 from flashcl.engine.prototypes import (
     PrototypeCrossEntropy,
     Prototypes,
@@ -44,8 +47,15 @@ def _data(b: int = 11, k: int = 19, d: int = 6, seed: int = 0):
 
 @pytest.mark.parametrize("block", [1, 7, 19])
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("targets", ["sinkhorn-0", "sinkhorn-3", "sinkhorn-5", "softmax", "softmax-centred"])
-def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, targets: str) -> None:
+@pytest.mark.parametrize(
+    "targets",
+    ["sinkhorn-0", "sinkhorn-3", "sinkhorn-5", "sinkhorn-3-logs", "softmax", "softmax-centred", "softmax-logs"],
+)
+def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, targets: str, monkeypatch) -> None:
+    """Per row (blocks of prototypes, recomputed in the backward). ``-logs``: every sum a
+    logsumexp, as for logits wider than the exponent's range."""
+    if targets.endswith("-logs"):
+        monkeypatch.setitem(prototypes.EXP_RANGE, torch.float64, 0.0)
     x, w, y, wt, center = _data()
     ts, tt = 0.1, 0.04 if normalize else 0.5
     leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
@@ -80,12 +90,17 @@ def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, target
 
 @pytest.mark.parametrize("rows_block", [1, 4, None])
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("targets", ["sinkhorn-0", "sinkhorn-3", "softmax-centred"])
-def test_weighted_scalar_by_blocks_of_rows_equals_the_dense_formula(rows_block, normalize: bool, targets: str) -> None:
+@pytest.mark.parametrize("targets", ["sinkhorn-0", "sinkhorn-3", "softmax-centred", "sinkhorn-3-logs", "softmax-logs"])
+def test_weighted_scalar_by_blocks_of_rows_equals_the_dense_formula(
+    rows_block, normalize: bool, targets: str, monkeypatch
+) -> None:
     """A scalar (row weights given) visits blocks of rows against every prototype and
     forms its gradients in that pass; a second backward (retain_graph) recomputes them
     by blocks of prototypes. Both equal the formula, and so do gradients of the rows or
-    of the prototypes alone."""
+    of the prototypes alone. ``-logs``: each row shifted by its maximum and every sum a
+    logsumexp, as for logits wider than the exponent's range."""
+    if targets.endswith("-logs"):
+        monkeypatch.setitem(prototypes.EXP_RANGE, torch.float64, 0.0)
     x, w, y, wt, center = _data()
     ts, tt = 0.1, 0.04 if normalize else 0.5
     weights = torch.linspace(0.5, 2.0, 11, dtype=torch.float64)
@@ -136,7 +151,7 @@ def koleo_as_dinov2(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 @pytest.mark.parametrize("tiles", [(1, 1), (3, 5), (64, 64)])
 def test_koleo_neighbours_in_tiles_equal_dinov2(tiles) -> None:
-    from flashcl.engine.prototypes import nearest_neighbours
+    from flashcl.engine.neighbours import nearest_neighbours
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(37, 5, dtype=torch.float64, generator=g)
@@ -175,11 +190,13 @@ class _GlooJoin(RowsJoin):
 SIZES = {2: [4, 9], 3: [5, 1, 7]}
 
 
-def _sinkhorn_worker(rank: int, world: int, out_dir: str) -> None:
+def _sinkhorn_worker(rank: int, world: int, out_dir: str, logs: bool) -> None:
     import os
 
     from helpers import close_group, init_gloo
 
+    if logs:  # every sum a logsumexp, as for logits wider than the exponent's range
+        prototypes.EXP_RANGE[torch.float64] = 0.0
     init_gloo(rank, world, out_dir)
     x, w, y, wt, _ = _data(b=sum(SIZES[world]), seed=world)
     rows = slice(sum(SIZES[world][:rank]), sum(SIZES[world][: rank + 1]))
@@ -195,14 +212,15 @@ def _sinkhorn_worker(rank: int, world: int, out_dir: str) -> None:
     close_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sinkhorn_across_processes_equals_dinov2_on_the_concatenated_batch(world: int, tmp_path) -> None:
+@pytest.mark.parametrize("world,logs", [(2, False), (3, False), (3, True)])
+def test_sinkhorn_across_processes_equals_dinov2_on_the_concatenated_batch(world: int, logs: bool, tmp_path) -> None:
     """Uneven batches (a rank with one row): each rank's targets are its rows of DINOv2's
     Sinkhorn-Knopp on the whole batch; the ranks' summed losses and their rows' gradients
-    are one process's, the prototypes' gradients add up to one process's."""
+    are one process's, the prototypes' gradients add up to one process's. Both ways of
+    summing: in the exponential domain with one shift, and by logsumexps."""
     from helpers import spawn
 
-    spawn(_sinkhorn_worker, args=(world, str(tmp_path)), nprocs=world)
+    spawn(_sinkhorn_worker, args=(world, str(tmp_path), logs), nprocs=world)
     x, w, y, wt, _ = _data(b=sum(SIZES[world]), seed=world)
     p = sinkhorn_as_dinov2(F.normalize(y, dim=1) @ F.normalize(wt, dim=1).T, 0.04, 3)
     leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
@@ -264,3 +282,41 @@ def test_crop_pairs_by_paired_targets_equal_lightly(block: int) -> None:
     assert_close(total, want.detach(), "lightly's DINOLoss", *TOL)
     for i, (a, e) in enumerate(zip(torch.autograd.grad(total, mine), want_grads)):
         assert_close(a, e, f"gradient {i}", *TOL)
+
+
+@pytest.mark.parametrize("targets", ["softmax", "sinkhorn"])
+def test_logits_wider_than_float32s_exponent_range_stay_exact(targets: str) -> None:
+    """Rows and prototypes as given (``normalize=False``) whose logits span thousands:
+    no fixed shift fits float32's exponent, so each row is shifted by its maximum and
+    Sinkhorn-Knopp sums by logsumexps; the float32 loss and gradients equal the float64
+    formula (log-domain, so that it does not overflow either)."""
+    x, w, y, wt, _ = _data()
+    x, y = x * 30, y * 30
+    ts, tt = 0.1, 0.04
+    weights = torch.ones(11, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    t = (y @ wt.T) / tt
+    if targets == "softmax":
+        p = F.softmax(t, dim=-1)
+    else:  # DINOv2's normalisations, in the log domain
+        lq = t - torch.logsumexp(t.flatten(), 0)
+        for _ in range(3):
+            lq = lq - torch.logsumexp(lq, 0, keepdim=True) - math.log(19)
+            lq = lq - torch.logsumexp(lq, 1, keepdim=True) - math.log(11)
+        p = (lq + math.log(11)).exp()
+    want = -(p * F.log_softmax(leaves[0] @ leaves[1].T / ts, dim=-1)).sum()
+    want_grads = torch.autograd.grad(want, leaves)
+    yh = y.float()
+    teacher = Prototypes(wt.float(), False)
+    fn = (
+        softmax_targets(yh, teacher, None, 1 / tt, 7)
+        if targets == "softmax"
+        else sinkhorn_targets(yh, teacher, 1 / tt, 3, 7)
+    )
+    mine = [x.float().requires_grad_(True), w.float().requires_grad_(True)]
+    got = PrototypeCrossEntropy.apply(*mine, fn, 1 / ts, 7, False, weights.float())
+    assert torch.isfinite(got), got
+    assert_close(got.double(), want.detach(), f"{targets}: the loss", 1e-4, 1e-3)
+    got.backward()
+    for a, e, name in zip(mine, want_grads, ("rows", "prototypes")):
+        assert_close(a.grad.double(), e, f"{targets}: {name}' gradient", 1e-4 * float(e.abs().max()), 1e-3)

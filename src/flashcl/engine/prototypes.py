@@ -19,8 +19,7 @@ over the prototypes accumulate across blocks). The backward pass recomputes each
 
 This module is the engine's part: the sums over the rows meet the other ranks' through
 a :class:`RowsJoin` (``flashcl.parallel`` has the one for a process group); the public
-losses (:mod:`flashcl.losses.self_distill`) and the drop-ins build on it. KoLeo's
-nearest neighbours and its per-row terms (:class:`KoLeoRows`) are here too.
+losses (:mod:`flashcl.losses.self_distill`) and the drop-ins build on it.
 """
 
 from __future__ import annotations
@@ -45,10 +44,9 @@ __all__ = [
     "Blocks",
     "paired_targets",
     "PrototypeCrossEntropy",
-    "KoLeoRows",
     "auto_prototype_block",
     "auto_rows_block",
-    "nearest_neighbours",
+    "EXP_RANGE",
 ]
 
 
@@ -102,7 +100,7 @@ class Prototypes:
     def rows_tile(self, rows: Tensor, scale: float, out: Tensor, shift: Optional[Tensor] = None) -> Tensor:
         """``rows . w^_k scale (+ shift_k)`` against every prototype (rows x K): one GEMM
         with the prototypes as given, their norms a scaling of the tile's columns
-        (joined with ``shift``, a (K,) vector, in one pass)."""
+        (joined with ``shift``, a (K,) vector or a scalar tensor, in one pass)."""
         z = torch.mm(rows * scale, self.w.T, out=out)
         if self.normalized:
             return z.mul_(self.inv) if shift is None else torch.addcmul(shift, z, self.inv, out=z)
@@ -145,6 +143,9 @@ def sinkhorn_scalings(
     prototype's) over every rank's rows, B the global count (as DINOv2 all-reduces
     them; uneven batches count their rows)."""
     join = join or RowsJoin()
+    bound = _bound(rows, w_t, inv_temp)
+    if 2 * bound <= EXP_RANGE.get(rows.dtype, 0.0) - 10.0:
+        return _sinkhorn_exp(rows, w_t, inv_temp, iterations, block, join)
     b, k = rows.shape[0], w_t.k
     n = join.total_rows(b)
     v = rows.new_zeros(b)
@@ -172,6 +173,51 @@ def sinkhorn_scalings(
                 u[k0:k1] = -join.lse(torch.logsumexp(logits, 0)) - math.log(k)
             sums = torch.logaddexp(sums, torch.logsumexp(logits.add_(u[k0:k1].unsqueeze(0)), 1))
         v -= sums + math.log(n)  # each row's sum over the prototypes: to 1/B
+    return u, v + math.log(n)
+
+
+def _sinkhorn_exp(
+    rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int, join: RowsJoin
+) -> Tuple[Tensor, Tensor]:
+    """:func:`sinkhorn_scalings` where every logit ``t / tau`` lies within ``[-bound,
+    bound]`` and ``2 bound`` is at most the exponent range less 10: the sums in the
+    exponential domain, as DINOv2 computes them, each tile ``exp(t / tau)`` and its sums
+    over the rows and over the prototypes two matrix-vector products with the other
+    side's scalings, shifted by their maximum (a term that underflows is below
+    ``e^(2 bound - 87)`` of its sum in float32: under its rounding)."""
+    b, k = rows.shape[0], w_t.k
+    n = join.total_rows(b)
+    buf = rows.new_empty(b, min(block, k))
+
+    def tile(k0: int) -> Tuple[Tensor, int, int]:
+        k1 = min(k0 + block, k)
+        return w_t.tile(rows, k0, k1, inv_temp, buf).exp_(), k0, k1
+
+    total = rows.new_zeros(())
+    for k0 in _blocks(k, block):
+        total += tile(k0)[0].sum()
+    v = rows.new_zeros(b) - join.lse(total.log().reshape(1))[0]
+    u = rows.new_zeros(k)
+
+    def rows_sum(sums: Tensor, e: Tensor, uk: Tensor) -> Tensor:  # each row's log-sum of E exp(u), so far
+        top = uk.max()
+        return torch.logaddexp(sums, torch.mv(e, (uk - top).exp_()).log_().add_(top))
+
+    for _ in range(iterations):
+        top = v.max() if b else v.new_zeros(())
+        ev = (v - top).exp_()
+        sums = rows.new_full((b,), float("-inf"))
+        for e, k0, k1 in map(tile, _blocks(k, block)):
+            # each prototype's log-sum over this rank's rows of exp(t / tau + v)
+            u[k0:k1] = torch.mv(e.T, ev).log_().add_(top)
+            if not join.collective:  # this rank's rows are every row: to 1/K, then the rows' sums
+                u[k0:k1] = -join.lse(u[k0:k1]) - math.log(k)
+                sums = rows_sum(sums, e, u[k0:k1])
+        if join.collective:  # one all-reduce of K values per iteration (as DINOv2), the rows' sums in a second pass
+            u = -join.lse(u) - math.log(k)
+            for e, k0, k1 in map(tile, _blocks(k, block)):
+                sums = rows_sum(sums, e, u[k0:k1])
+        v = -sums - math.log(n)  # each row's sum over the prototypes: to 1/B
     return u, v + math.log(n)
 
 
@@ -234,9 +280,15 @@ def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv
             aug[0][:, d + 1] = -_lse_pass(aug[0], w_t, inv_temp, block, buf, (c, 1.0), hi, lo)
         return w_t.tile(aug[0], k0, k1, inv_temp, out, (c, 1.0)).exp_()
 
+    # by rows: a fixed shift where the logits' range allows it (no pass for each row's maximum)
+    bound = _bound(rows, w_t, inv_temp)
+    hi, lo = bound - float(c.min()) if k else 0.0, -bound - float(c.max()) if k else 0.0
+    fixed = hi - lo <= EXP_RANGE.get(rows.dtype, 0.0)
+    shift = -c - hi if fixed else (None if center is None else -c)
+
     def row_targets(r0: int, r1: int, out: Tensor) -> Tensor:
-        t = w_t.rows_tile(rows[r0:r1], inv_temp, out, None if center is None else -c)
-        e = t.sub_(t.amax(1, keepdim=True)).exp_()
+        t = w_t.rows_tile(rows[r0:r1], inv_temp, out, shift)
+        e = (t if fixed else t.sub_(t.amax(1, keepdim=True))).exp_()
         return e.div_(e.sum(1, keepdim=True))
 
     return Blocks(targets, rows.new_ones(b), row_targets, b)
@@ -449,16 +501,21 @@ def _fused_rows(
     neg = weights.to(dtype) * -inv_temp
     dx = torch.zeros_like(xd) if ctx.needs_input_grad[0] else None
     dwh = torch.zeros_like(protos.w) if ctx.needs_input_grad[1] else None
+    # the logits' shift: their bound where the range allows it (folded into the columns' pass), else each row's maximum
+    hi = inv_temp if normalize else _bound(xd, protos, inv_temp)
+    shift = xd.new_tensor(-hi) if 2 * hi <= EXP_RANGE.get(dtype, 0.0) else None
     for r0, r1 in targets.order(n):
         xr = xd[r0:r1] if inv_x is None else xd[r0:r1] * inv_x[r0:r1].unsqueeze(1)
-        z = protos.rows_tile(xr, inv_temp, z_buf[: r1 - r0])
+        z = protos.rows_tile(xr, inv_temp, z_buf[: r1 - r0], shift)
         p = targets.rows(r0, r1, p_buf[: r1 - r0])
         mass[r0:r1] = p.sum(1)
-        cross[r0:r1] = _row_dots(p, z)
-        top = z.amax(1, keepdim=True)
-        e = z.sub_(top).exp_()
+        top = -shift.expand(r1 - r0) if shift is not None else z.amax(1)
+        if shift is None:
+            z.sub_(top.unsqueeze(1))
+        cross[r0:r1] = _row_dots(p, z) + top * mass[r0:r1]  # z: the logits less top
+        e = z.exp_()
         total = e.sum(1)
-        lse[r0:r1] = total.log() + top.squeeze(1)
+        lse[r0:r1] = total.log() + top
         g = torch.addcmul(p, e, (mass[r0:r1] / total).unsqueeze(1), value=-1.0, out=e)
         f = neg[r0:r1].unsqueeze(1)
         if dwh is not None:  # d w^_k += sum_b gz_bk x^_b / tau
@@ -494,8 +551,9 @@ def _through_unit(grad: Tensor, v: Tensor, inv: Tensor, chunk: int = 4096) -> No
         g.sub_(unit * torch.linalg.vecdot(unit, g, dim=1).unsqueeze(1)).mul_(inv[r0:r1].unsqueeze(1))
 
 
-#: the widest range of logits whose exponentials, shifted by their bound, stay normal numbers
-_EXP_RANGE = {torch.float32: 80.0, torch.float64: 700.0}
+#: per dtype, the widest range of logits whose exponentials, shifted by their bound, stay normal
+#: numbers (wider: every sum a logsumexp; a dtype not named: always logsumexps)
+EXP_RANGE = {torch.float32: 80.0, torch.float64: 700.0}
 
 
 def _lse_pass(
@@ -514,7 +572,7 @@ def _lse_pass(
     shift is the bound ``hi`` itself, folded into the GEMM, and a pass is ``exp`` and a
     sum; else each row's running maximum (a logsumexp per block)."""
     total = aug.new_zeros(aug.shape[0])
-    if hi - lo <= _EXP_RANGE.get(aug.dtype, 0.0):
+    if hi - lo <= EXP_RANGE.get(aug.dtype, 0.0):
         aug[:, -1] = -hi
         for k0 in _blocks(protos.k, block):
             total += protos.tile(aug, k0, min(k0 + block, protos.k), scale, buf, extra).exp_().sum(1)
@@ -576,117 +634,3 @@ class _Grads:
                 dx = dx.addcmul_(self.xh, dot, value=-1.0).mul_(inv_x.unsqueeze(1))
             dx = dx.to(x.dtype)
         return dx, None if self.dw is None else self.dw.to(w.dtype)
-
-
-def nearest_neighbours(
-    q: Tensor,
-    keys: Optional[Tensor] = None,
-    *,
-    offset: int = 0,
-    inv_q: Optional[Tensor] = None,
-    inv_k: Optional[Tensor] = None,
-    rows: int = 512,
-    cols: int = 8192,
-) -> Tensor:
-    """Each row of ``q``'s nearest other row of ``keys`` (default: ``q`` itself; ``q``'s
-    row ``i`` is key ``offset + i``) by the largest dot product of the unit rows
-    (``inv_q``, ``inv_k``: the rows' inverse norms; None: the rows are unit already),
-    KoLeo's neighbour: the first column on a tie, as ``argmax`` of the products with
-    the diagonal at -1 (DINOv2's ``pairwise_NNs_inner``) finds it; in tiles of
-    ``rows x cols`` products (16 MB in float32 by default), O(rows) memory beyond one
-    tile and no unit copy of the rows. (M,) int64; a single row is its own neighbour."""
-    qd = q.detach()
-    kd = qd if keys is None else keys.detach()
-    m, n = qd.shape[0], kd.shape[0]
-    where = torch.zeros(m, dtype=torch.long, device=qd.device)
-    buf = qd.new_empty(min(rows, m), min(cols, n))  # one tile, reused
-    for r0 in range(0, m, rows):
-        r1 = min(r0 + rows, m)
-        top = qd.new_full((r1 - r0,), float("-inf"))
-        at = torch.zeros(r1 - r0, dtype=torch.long, device=qd.device)
-        own = torch.arange(r0 + offset, r1 + offset, device=qd.device)
-        for c0 in range(0, n, cols):
-            c1 = min(c0 + cols, n)
-            dots = torch.mm(qd[r0:r1], kd[c0:c1].T, out=buf[: r1 - r0, : c1 - c0])
-            if inv_q is not None and inv_k is not None:
-                dots.mul_(inv_q[r0:r1].unsqueeze(1)).mul_(inv_k[c0:c1].unsqueeze(0))
-            inside = (own >= c0) & (own < c1)
-            dots[inside.nonzero().flatten(), own[inside] - c0] = -1.0  # as DINOv2: the diagonal at -1
-            v, i = dots.max(1)
-            take = v > top  # strictly larger: an earlier column keeps a tie
-            top = torch.where(take, v, top)
-            at = torch.where(take, i + c0, at)
-        where[r0:r1] = at
-    return where
-
-
-def _normalize_inverse(x: Tensor, eps: float) -> Tensor:
-    """``1 / max(|x_i|, eps)``: ``F.normalize(x, eps=eps)`` is ``x`` times it."""
-    return 1.0 / torch.linalg.vector_norm(x, dim=1).clamp_min(eps)
-
-
-def _through_normalize(g: Tensor, x: Tensor, inv: Tensor, eps: float) -> Tensor:
-    """The gradient ``g`` of ``x / max(|x|, eps)`` taken back to ``x`` (row by row)."""
-    unit = x * inv.unsqueeze(1)
-    big = (inv < 1.0 / eps).unsqueeze(1)  # |x| > eps: the projection; else a plain 1 / eps scaling
-    proj = g - unit * (unit * g).sum(1, keepdim=True)
-    return torch.where(big, proj, g).mul_(inv.unsqueeze(1))
-
-
-class KoLeoRows(torch.autograd.Function):
-    """``apply(q, keys, offset, eps, rows, cols) -> (M,)``: DINOv2's KoLeo term of each
-    row of ``q``, ``-log(|q^_i - k^_nn(i) + eps| + eps)`` (``^``: ``F.normalize`` with
-    ``eps``; the neighbour by :func:`nearest_neighbours`; ``keys`` None: ``q``'s own
-    rows, whose row ``i`` is then left out of its own search; else ``q``'s row ``i``
-    is key ``offset + i``). Beyond the inputs: O(M) vectors and a tile of products;
-    the backward forms the gradient a block of rows at a time, straight into the
-    inputs' gradients (the normalisation's backward is linear in each row's
-    gradient)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, keys: Optional[Tensor], offset: int, eps: float, rows: int, cols: int
-    ) -> Tensor:
-        dtype = compute_dtype(q.dtype)
-        qd = q.detach().to(dtype)
-        kd = qd if keys is None else keys.detach().to(dtype)
-        inv_q = _normalize_inverse(qd, eps)
-        inv_k = inv_q if keys is None else _normalize_inverse(kd, eps)
-        nn = nearest_neighbours(
-            qd, None if keys is None else kd, offset=offset, inv_q=inv_q, inv_k=inv_k, rows=rows, cols=cols
-        )
-        dist = qd.new_empty(qd.shape[0])
-        for r0 in range(0, qd.shape[0], rows):
-            r1 = min(r0 + rows, qd.shape[0])
-            diff = qd[r0:r1] * inv_q[r0:r1].unsqueeze(1) - kd[nn[r0:r1]] * inv_k[nn[r0:r1]].unsqueeze(1) + eps
-            dist[r0:r1] = torch.linalg.vector_norm(diff, dim=1)
-        ctx.save_for_backward(q, keys, nn, dist)
-        ctx.opts = (eps, rows)
-        return -torch.log(dist + eps)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError("the KoLeo loss does not compute second derivatives")
-        q, keys, nn, dist = ctx.saved_tensors
-        eps, rows = ctx.opts
-        dtype = compute_dtype(q.dtype)
-        qd = q.detach().to(dtype)
-        kd = qd if keys is None else keys.detach().to(dtype)
-        inv_q = _normalize_inverse(qd, eps)
-        inv_k = inv_q if keys is None else _normalize_inverse(kd, eps)
-        dq = torch.zeros_like(qd)
-        dk = dq if keys is None else torch.zeros_like(kd)
-        # d(-log(d + eps)) / d diff = -diff / (d (d + eps)); diff = q^_i - k^_j + eps
-        factor = -grad.to(dtype) / (dist * (dist + eps))
-        factor = torch.where(dist > 0, factor, torch.zeros_like(factor))  # the norm's subgradient at 0
-        for r0 in range(0, qd.shape[0], rows):
-            r1 = min(r0 + rows, qd.shape[0])
-            j = nn[r0:r1]
-            diff = qd[r0:r1] * inv_q[r0:r1].unsqueeze(1) - kd[j] * inv_k[j].unsqueeze(1) + eps
-            g = diff.mul_(factor[r0:r1].unsqueeze(1))
-            dk.index_add_(0, j, _through_normalize(-g, kd[j], inv_k[j], eps))
-            dq[r0:r1] += _through_normalize(g, qd[r0:r1], inv_q[r0:r1], eps)
-        dq_out = dq.to(q.dtype) if ctx.needs_input_grad[0] else None
-        dk_out = None if keys is None or not ctx.needs_input_grad[1] else dk.to(keys.dtype)
-        return dq_out, dk_out, None, None, None, None

@@ -1,5 +1,5 @@
 """DINOv2's KoLeo regulariser without the B x B products: :func:`koleo_loss` and
-:class:`KoLeoLoss` (the neighbours and the per-row terms: :class:`flashcl.engine.prototypes.KoLeoRows`)."""
+:class:`KoLeoLoss` (the neighbours and the per-row terms: :class:`flashcl.engine.neighbours.KoLeoRows`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..base import LossModule, shared_docs
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.prototypes import KoLeoRows
+from ..engine.neighbours import KoLeoRows
 from .self_distill import check_options, check_temperature
 
 __all__ = ["koleo_loss", "KoLeoLoss"]
