@@ -193,17 +193,38 @@ def _sinkhorn_exp(
         k1 = min(k0 + block, k)
         return w_t.tile(rows, k0, k1, inv_temp, buf).exp_(), k0, k1
 
-    total = rows.new_zeros(())
-    for k0 in _blocks(k, block):
-        total += tile(k0)[0].sum()
-    v = rows.new_zeros(b) - join.lse(total.log().reshape(1))[0]
-    u = rows.new_zeros(k)
-
     def rows_sum(sums: Tensor, e: Tensor, uk: Tensor) -> Tensor:  # each row's log-sum of E exp(u), so far
         top = uk.max()
         return torch.logaddexp(sums, torch.mv(e, (uk - top).exp_()).log_().add_(top))
 
-    for _ in range(iterations):
+    def rows_pass(u: Tensor) -> Tensor:  # across processes: the rows' sums once every prototype's is joined
+        sums = rows.new_full((b,), float("-inf"))
+        for e, k0, k1 in map(tile, _blocks(k, block)):
+            sums = rows_sum(sums, e, u[k0:k1])
+        return sums
+
+    # the first pass: each prototype's log-sum over the rows (the whole matrix's sum is theirs); the
+    # first iteration's prototype scalings need no pass of their own, the rows' scaling being then one
+    # constant, so that in one process the first iteration's sums over the prototypes join this pass
+    first = iterations > 0 and not join.collective
+    logcol = rows.new_empty(k)
+    sums = rows.new_full((b,), float("-inf"))
+    for e, k0, k1 in map(tile, _blocks(k, block)):
+        logcol[k0:k1] = e.sum(0).log_()
+        if first:  # joined block by block where joining is no collective
+            logcol[k0:k1] = join.lse(logcol[k0:k1])
+            sums = rows_sum(sums, e, -logcol[k0:k1])
+    if not first:
+        logcol = join.lse(logcol)
+    log_total = torch.logsumexp(logcol, 0)
+    v = rows.new_zeros(b) - log_total
+    u = rows.new_zeros(k)
+    if iterations == 0:
+        return u, v + math.log(n)
+    u = log_total - logcol - math.log(k)  # each prototype's sum to 1/K
+    sums = sums + (log_total - math.log(k)) if first else rows_pass(u)
+    v = -sums - math.log(n)  # each row's sum over the prototypes: to 1/B
+    for _ in range(iterations - 1):
         top = v.max() if b else v.new_zeros(())
         ev = (v - top).exp_()
         sums = rows.new_full((b,), float("-inf"))
@@ -215,8 +236,7 @@ def _sinkhorn_exp(
                 sums = rows_sum(sums, e, u[k0:k1])
         if join.collective:  # one all-reduce of K values per iteration (as DINOv2), the rows' sums in a second pass
             u = -join.lse(u) - math.log(k)
-            for e, k0, k1 in map(tile, _blocks(k, block)):
-                sums = rows_sum(sums, e, u[k0:k1])
+            sums = rows_pass(u)
         v = -sums - math.log(n)  # each row's sum over the prototypes: to 1/B
     return u, v + math.log(n)
 
