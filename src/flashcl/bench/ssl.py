@@ -34,8 +34,11 @@ def prototype_gemms(p: Dict[str, Any]) -> Tuple[Step, int]:
     """The GEMMs an exact loss over K prototypes cannot avoid, a block of prototypes
     at a time into preallocated buffers: the student's logits, its rows' gradient and
     the prototypes' gradient, and ``teacher_passes`` passes of the teacher's logits
-    (the fused loss's own count: 2 for centred softmax targets, 2 + iterations for
-    Sinkhorn-Knopp)."""
+    (those a visit in O(B + K) memory by blocks of prototypes makes: 2 for centred
+    softmax targets, the rows' logsumexp and the targets; 2 + iterations for DINOv2's
+    Sinkhorn-Knopp, its sum, each iteration and the targets. The fused loss visits a
+    scalar's rows in blocks of rows against every prototype and makes fewer: 1, and
+    iterations + 1 in one process)."""
     m, n, k, d, dev = p["rows"], p["teacher_rows"], p["K"], p["D"], case_device(p)
     g = case_generator(p)
     x, y = torch.randn(m, d, generator=g).to(dev), torch.randn(n, d, generator=g).to(dev)

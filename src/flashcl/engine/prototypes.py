@@ -321,15 +321,16 @@ def scaled_targets(
     (:func:`sinkhorn_scalings`; ``v``: these rows'), by blocks of prototypes or of rows;
     ``mass``: the rows' sums where known (1 after an iteration)."""
 
-    # rows [y^, 1, v_b] against prototypes [w^_k / tau, u_k, 1]: the GEMM gives the log targets
-    aug = torch.cat([rows, rows.new_ones(rows.shape[0], 1), v.to(rows.dtype).unsqueeze(1)], 1)
-    u = u.to(rows.dtype)
+    u, v = u.to(rows.dtype), v.to(rows.dtype)
+    aug: List[Tensor] = []
 
     def targets(k0: int, k1: int, out: Tensor) -> Tensor:
-        return w_t.tile(aug, k0, k1, inv_temp, out, (u, 1.0)).exp_()
+        if not aug:  # rows [y^, 1, v_b] against prototypes [w^_k / tau, u_k, 1]: the GEMM gives the log targets
+            aug.append(torch.cat([rows, rows.new_ones(rows.shape[0], 1), v.unsqueeze(1)], 1))
+        return w_t.tile(aug[0], k0, k1, inv_temp, out, (u, 1.0)).exp_()
 
     def row_targets(r0: int, r1: int, out: Tensor) -> Tensor:
-        return w_t.rows_tile(rows[r0:r1], inv_temp, out, u).add_(aug[r0:r1, -1:]).exp_()
+        return w_t.rows_tile(rows[r0:r1], inv_temp, out, u).add_(v[r0:r1].unsqueeze(1)).exp_()
 
     return Blocks(targets, mass, row_targets, rows.shape[0])
 
