@@ -15,19 +15,23 @@ import torch
 import flashcl
 from helpers import assert_close
 
-SIZES = {2: [4, 9], 3: [5, 1, 7]}
+SIZES: Dict[Any, List[int]] = {2: [4, 9], 3: [5, 1, 7], "3-empty": [5, 0, 7]}  # "3-empty": a rank with no rows
 BACKENDS = ["reference", "dense", "tiled"]
 TOL = (1e-11, 1e-10)
 K, D = 17, 5
 
 
-def _batch(world: int) -> Dict[str, Any]:
+def _batch(world: Any) -> Dict[str, Any]:
     """The global batch, the same on every rank (each takes its rows)."""
-    g = torch.Generator().manual_seed(world)
+    ranks = len(SIZES[world])
+    g = torch.Generator().manual_seed(ranks)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     n = sum(SIZES[world])
-    masks = [torch.rand(2, 6, generator=g) > 0.5 for _ in range(world)]  # two images per rank
+    masks = [torch.rand(2, 6, generator=g) > 0.5 for _ in range(ranks)]  # two images per rank
     masks[0][0] = False  # an image without a masked patch
+    for rank, size in enumerate(SIZES[world]):
+        if not size:  # no rows: no masked patch either
+            masks[rank][:] = False
     p = sum(int(m.sum()) for m in masks)
     return {
         "x": r(3, n, D),
@@ -35,7 +39,7 @@ def _batch(world: int) -> Dict[str, Any]:
         "w": r(K, D),
         "wt": r(K, D),
         "c": r(K),
-        "queue": [r(2, 3, D) for _ in range(world)],
+        "queue": [r(2, 3, D) for _ in range(ranks)],
         "masks": masks,
         "px": r(p, D),
         "py": r(p, D),
@@ -90,19 +94,20 @@ def _cases(data: Dict[str, Any], rows: slice, patches: slice, rank: int, world: 
     return out
 
 
-def _slices(world: int, rank: int, data: Dict[str, Any]) -> Tuple[slice, slice]:
-    bounds = [sum(SIZES[world][:r]) for r in range(world + 1)]
+def _slices(world: Any, rank: int, data: Dict[str, Any]) -> Tuple[slice, slice]:
+    ranks = len(SIZES[world])
+    bounds = [sum(SIZES[world][:r]) for r in range(ranks + 1)]
     counts = [int(m.sum()) for m in data["masks"]]
-    pb = [sum(counts[:r]) for r in range(world + 1)]
+    pb = [sum(counts[:r]) for r in range(ranks + 1)]
     return slice(bounds[rank], bounds[rank + 1]), slice(pb[rank], pb[rank + 1])
 
 
-def _worker(rank: int, world: int, out_dir: str) -> None:
+def _worker(rank: int, world: Any, out_dir: str) -> None:
     import torch.distributed as dist
 
     from helpers import close_group, init_gloo
 
-    init_gloo(rank, world, out_dir)
+    init_gloo(rank, len(SIZES[world]), out_dir)
     data = _batch(world)
     rows, patches = _slices(world, rank, data)
     results = {}
@@ -117,12 +122,14 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     close_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_prototype_losses_across_processes_equal_one_process(world: int, tmp_path) -> None:
+@pytest.mark.parametrize("world", [2, 3, "3-empty"])
+def test_prototype_losses_across_processes_equal_one_process(world: Any, tmp_path) -> None:
+    """``"3-empty"``: a rank with no rows (nor masked patches) takes part with nothing of its own."""
     from helpers import spawn
 
-    spawn(_worker, args=(world, str(tmp_path)), nprocs=world)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    n = len(SIZES[world])
+    spawn(_worker, args=(world, str(tmp_path)), nprocs=n)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
     data = _batch(world)
     for name, fn in _cases(data, slice(None), slice(None), -1, world):
         x, w = data["x"].clone().requires_grad_(True), data["w"].clone().requires_grad_(True)
@@ -137,7 +144,7 @@ def test_prototype_losses_across_processes_equal_one_process(world: int, tmp_pat
         if gw is not None:
             assert_close(sum(v[2] for v in got), gw, f"{name}: the prototypes' gradients summed", *TOL)
         ddp = [r[0][(name, "ddp")][0] for r in ranks]
-        assert_close(sum(ddp) / world, want.detach(), f"{name}: ddp's mean over the ranks", *TOL)
+        assert_close(sum(ddp) / n, want.detach(), f"{name}: ddp's mean over the ranks", *TOL)
     want_center = flashcl.prototype_center(data["y"], data["wt"])
     for r in ranks:
         assert_close(r[1], want_center, "the center over every rank's rows", *TOL)

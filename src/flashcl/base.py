@@ -21,7 +21,7 @@ block_size: prototypes (KoLeo: rows) per block of the tiled backend (a scalar lo
     blocks of rows against every prototype, each of as many entries); None picks one.
 process_group: None (default: this process's rows) or a process group of
     ``torch.distributed``: the loss over every rank's rows (local batch sizes may
-    differ), the prototypes replicated; the sums over the rows (Sinkhorn-Knopp's, the
+    differ; a rank may have none), the prototypes replicated; the sums over the rows (Sinkhorn-Knopp's, the
     center's) all-reduced, as DINOv2 does.
 grad_scale: across processes, ``"ddp"`` (default: each rank returns world size x its
     share, so that DistributedDataParallel's averaging gives the one-process

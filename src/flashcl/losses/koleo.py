@@ -45,7 +45,8 @@ def _koleo_reference(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor
             if dot > best:
                 best, at = dot, j
         out.append(-torch.log(torch.linalg.vector_norm(qh - kh[at] + eps) + eps))
-    return torch.stack(out)
+    # no rows (a rank's empty part): (0,), on the graph of the rows and of the gathered keys
+    return torch.stack(out) if out else (q @ keys.T).sum(1)
 
 
 @registry.loss
@@ -93,7 +94,9 @@ def koleo_loss(
         >>> x = torch.randn(64, 384, requires_grad=True)
         >>> flashcl.koleo_loss(x).backward()
     """
-    x = checks.check_float_tensor(x, "x", (2,))
+    x = checks.check_float_tensor(x, "x", (2,), empty=process_group is not None)
+    if x.shape[1] == 0:
+        raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
     e = check_temperature(eps, "eps")
     check_options(backend, reduction, grad_scale, block_size, True)
     dtype = compute_dtype(x.dtype)

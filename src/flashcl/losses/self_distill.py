@@ -69,10 +69,13 @@ def check_count(value: object, name: str, low: int = 0) -> int:
     return value
 
 
-def check_views(x: object, name: str) -> Tensor:
-    """``x`` as (views, B, D): a (B, D) tensor is one view."""
-    t = checks.check_float_tensor(x, name, (2, 3))
-    if t.shape[-1] == 0 or t.shape[-2] == 0:
+def check_views(x: object, name: str, empty_rows: bool = False) -> Tensor:
+    """``x`` as (views, B, D): a (B, D) tensor is one view; ``empty_rows``: B may be 0 (a
+    rank with no rows of its own, across processes)."""
+    none = empty_rows and isinstance(x, Tensor) and x.dim() in (2, 3) and x.shape[-2] == 0
+    t = checks.check_float_tensor(x.reshape(0, x.shape[-1]) if none else x, name, (2, 3), empty=none)  # type: ignore[union-attr]
+    t = x if none else t  # type: ignore[assignment]
+    if t.shape[-1] == 0 or (t.shape[-2] == 0 and not none) or (t.dim() == 3 and t.shape[0] == 0):
         raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
     return t.unsqueeze(0) if t.dim() == 2 else t
 
@@ -170,11 +173,15 @@ class Teacher:
         centred softmax, or DINOv2's ``sinkhorn_knopp_teacher`` (SwAV's ``sinkhorn``)
         on ``exp(t / tau_t)``, its sums over the rows joined over the ranks."""
         unit = _unit_reference(self.w_t, self.normalize)
-        t_views = [torch.stack([unit @ _unit_row(y, self.normalize) for y in view]) for view in self.rows]
+        t_views = [
+            _stack([unit @ _unit_row(y, self.normalize) for y in view], unit.new_zeros(0, unit.shape[0]))
+            for view in self.rows
+        ]
         if self.kind == "softmax":
             c = torch.zeros_like(t_views[0][0]) if self.center is None else self.center.to(unit.dtype)
             return [
-                torch.stack([torch.softmax((row - c) * self.inv_temp, 0) for row in tv[: self.b]]) for tv in t_views
+                _stack([torch.softmax((row - c) * self.inv_temp, 0) for row in tv[: self.b]], tv[: self.b])
+                for tv in t_views
             ]
         groups = [torch.cat(t_views)] if self.joint else t_views
         out = [self._sinkhorn(g) for g in groups]
@@ -191,6 +198,11 @@ class Teacher:
             q = q / self.join.sum(q.sum(dim=1, keepdim=True)) / k
             q = q / q.sum(dim=0, keepdim=True) / b
         return (q * b).t()
+
+
+def _stack(items: List[Tensor], empty: Tensor) -> Tensor:
+    """``torch.stack(items)``, or ``empty`` for no items."""
+    return torch.stack(items) if items else empty
 
 
 def _unit_row(x: Tensor, normalize: bool) -> Tensor:
@@ -217,7 +229,7 @@ def _reference_rows(
             lsm = torch.log_softmax((unit @ _unit_row(row, normalize)) * inv_temp, 0)
             terms = [-(targets[t][b] * lsm).sum() for t in pairs[s]]
             rows.append(torch.stack(terms).sum() if terms else lsm.new_zeros(()))
-        out.append(torch.stack(rows))
+        out.append(_stack(rows, (view @ unit.T).sum(-1)))  # no rows (a rank's empty part): (0,), on the graph
     return torch.stack(out)
 
 
@@ -387,8 +399,8 @@ def dino_loss(
         >>> loss = flashcl.dino_loss(student, teacher, head.weight, pairs="cross")
         >>> loss.backward()
     """
-    x = check_views(student, "student")
-    y = check_views(teacher, "teacher")
+    x = check_views(student, "student", process_group is not None)
+    y = check_views(teacher, "teacher", process_group is not None)
     checks.same_device(y, x, "teacher", "student")
     s, b, d = x.shape
     if y.shape[1:] != (b, d):
@@ -459,7 +471,7 @@ def prototype_center(
         >>> teacher, w = torch.randn(2, 8, 256), torch.randn(4096, 256)
         >>> center = 0.9 * center + 0.1 * flashcl.prototype_center(teacher, w)
     """
-    y = check_views(teacher, "teacher")
+    y = check_views(teacher, "teacher", process_group is not None)
     w_t = check_prototypes(teacher_prototypes, "teacher_prototypes", y.shape[-1], y)
     checks.check_bool(normalize, "normalize")
     dtype = compute_dtype(y.dtype)

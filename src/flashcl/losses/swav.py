@@ -19,6 +19,7 @@ from .self_distill import (
     check_options,
     check_prototypes,
     check_temperature,
+    check_views,
     distill_rows,
     pairing,
 )
@@ -85,7 +86,9 @@ def swav_loss(
         >>> loss = flashcl.swav_loss(torch.randn(4, 16, 128), prototypes.weight, high_resolution=2)
         >>> loss.backward()
     """
-    x = checks.check_float_tensor(views, "views", (3,))
+    if not isinstance(views, Tensor) or views.dim() != 3:
+        checks.check_float_tensor(views, "views", (3,))  # the type's or the shape's error
+    x = check_views(views, "views", process_group is not None)
     v, b, d = x.shape
     w = check_prototypes(prototypes, "prototypes", d, x)
     h = v if high_resolution is None else check_count(high_resolution, "high_resolution", 1)
