@@ -72,10 +72,12 @@ def check_count(value: object, name: str, low: int = 0) -> int:
 def check_views(x: object, name: str, empty_rows: bool = False) -> Tensor:
     """``x`` as (views, B, D): a (B, D) tensor is one view; ``empty_rows``: B may be 0 (a
     rank with no rows of its own, across processes)."""
-    none = empty_rows and isinstance(x, Tensor) and x.dim() in (2, 3) and x.shape[-2] == 0
-    t = checks.check_float_tensor(x.reshape(0, x.shape[-1]) if none else x, name, (2, 3), empty=none)  # type: ignore[union-attr]
-    t = x if none else t  # type: ignore[assignment]
-    if t.shape[-1] == 0 or (t.shape[-2] == 0 and not none) or (t.dim() == 3 and t.shape[0] == 0):
+    if empty_rows and isinstance(x, Tensor) and x.dim() in (2, 3) and x.shape[-2] == 0:
+        checks.check_float_tensor(x.reshape(0, x.shape[-1]), name, (2,), empty=True)  # its dtype
+        t = x
+    else:
+        t = checks.check_float_tensor(x, name, (2, 3))
+    if t.shape[-1] == 0 or (t.shape[-2] == 0 and not empty_rows) or (t.dim() == 3 and t.shape[0] == 0):
         raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
     return t.unsqueeze(0) if t.dim() == 2 else t
 
