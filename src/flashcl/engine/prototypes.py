@@ -1,6 +1,9 @@
 """Self-distillation over prototypes (DINO, iBOT, SwAV) without the rows x K logits:
 the cross-entropy between a teacher's target distribution over K prototypes and the
-student's softmax over them, every logit formed a block of prototypes at a time.
+student's softmax over them, every logit formed a block at a time: a scalar loss visits
+blocks of rows against every prototype (each row's softmax and targets complete in its
+block, the gradients formed in the same pass); per-row losses and Sinkhorn-Knopp's
+scalings visit blocks of prototypes against every row.
 
 For student rows ``x`` (B, D) and prototypes ``W`` (K, D), teacher rows ``y`` and the
 teacher's prototypes ``W_t``, with ``s = x^ W^T`` and ``t = y^ W_t^T`` (rows and
@@ -14,7 +17,7 @@ center ``c``) or DINOv2's Sinkhorn-Knopp on ``exp(t / tau_t)``, kept in the log 
 as scalings of its rows and columns, ``log p_bk = t_bk / tau_t + u_k + v_b``, so that
 the state is O(B + K): each iteration is one pass over the prototypes' blocks (the
 prototypes' sums over the rows are complete in a block of all rows; the rows' sums
-over the prototypes accumulate across blocks). The backward pass recomputes each block:
+over the prototypes accumulate across blocks). A per-row loss's backward recomputes each block:
 ``d loss_b / d s_bk = (sum_k p_bk softmax_k(s_b / tau_s) - p_bk) / tau_s``.
 
 This module is the engine's part: the sums over the rows meet the other ranks' through
