@@ -47,8 +47,10 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "memory" in str(e).lower()
 
 
-def run_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Runs the case described by ``spec`` (see :func:`flashcl.bench.measure.measure`)."""
+def run_spec(spec: Dict[str, Any], ready: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """Runs the case described by ``spec`` (see :func:`flashcl.bench.measure.measure`).
+    ``ready`` is called once the case is set up (its imports done, its inputs built),
+    right before its first timed call: the parent's time cap counts from there."""
     from . import late, ssl
     from .workloads import WORKLOADS as CORE
     from .workloads import NotInstalled
@@ -63,6 +65,8 @@ def run_spec(spec: Dict[str, Any]) -> Dict[str, Any]:
         step, grad_bytes = WORKLOADS[spec["workload"]](params)
     except NotInstalled as e:
         return {"status": "not installed", "error": str(e)[:300]}
+    if ready is not None:
+        ready()
     if spec.get("mem_limit_mb") and not mem.cuda:
         in_use = int((status_mb("VmSize") or 0.0) * 2**20)
         resource.setrlimit(resource.RLIMIT_AS, (in_use + int(spec["mem_limit_mb"]) * 2**20, resource.RLIM_INFINITY))

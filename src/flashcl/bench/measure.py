@@ -20,7 +20,7 @@ def _target(spec: Dict[str, Any], conn: Any) -> None:
     from .child import run_spec
 
     try:
-        conn.send(json.dumps(run_spec(spec)))
+        conn.send(json.dumps(run_spec(spec, ready=lambda: conn.send(_READY))))
     except BaseException as e:  # report, never hang the parent
         conn.send(json.dumps({"status": "error", "error": f"{type(e).__name__}: {str(e)[:300]}"}))
     finally:
@@ -28,6 +28,11 @@ def _target(spec: Dict[str, Any], conn: Any) -> None:
 
 
 _CTX: Optional[Any] = None
+# the child's word that its set-up (imports, inputs) is done and the timed calls begin
+_READY = '{"status": "ready"}'
+# a case's set-up (a peer's import on a slow disk, its inputs) is not its time: it has
+# this long of its own before the cap starts
+SETUP_S = 300.0
 
 
 def _context() -> Any:
@@ -49,10 +54,12 @@ def measure(
     bound: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Figures of one case (see :mod:`flashcl.bench.child`), or ``{"status":
-    "capped"}`` past ``cap_s``, ``"oom"`` past the memory limit (or when the child
-    is killed), ``"not installed"``, ``"error"``. ``bound`` (``{"workload",
-    "params"}``) is timed alternately with the case in the same child; then
-    ``ratio`` = best case time / best bound time."""
+    "capped"}`` when its timed calls run past ``cap_s`` (counted from the end of its
+    set-up: the child's start, its imports and its inputs have ``SETUP_S`` of their
+    own), ``"oom"`` past the memory limit (or when the child is killed),
+    ``"not installed"``, ``"error"``. ``bound`` (``{"workload", "params"}``) is timed
+    alternately with the case in the same child; then ``ratio`` = best case time / best
+    bound time."""
     spec = {
         "workload": workload,
         "params": params,
@@ -66,20 +73,28 @@ def measure(
     proc = ctx.Process(target=_target, args=(spec, child), daemon=True)
     proc.start()
     child.close()
-    answered = parent.poll(cap_s)  # also True when the child died: recv then raises EOFError
     result: Optional[str] = None
-    if answered:
+    answered = False
+    # poll is also True when the child died: recv then raises EOFError
+    phase = "set-up"
+    for limit in (max(SETUP_S, cap_s), cap_s):
+        answered = parent.poll(limit)
+        if not answered:
+            break
+        phase = "timed calls"
         try:
             result = parent.recv()
         except EOFError:
             result = None
+        if result != _READY:
+            break
     if proc.is_alive():
         proc.join(5 if answered else 0)
     if proc.is_alive():
         os.kill(proc.pid, signal.SIGKILL)
     proc.join()
     if not answered:
-        return {"status": "capped", "cap_s": cap_s}
+        return {"status": "capped", "cap_s": cap_s, "error": f"stopped in its {phase}"}
     if result is None:  # died without a word: the kernel's OOM killer, or a crash
         status = "oom" if proc.exitcode == -signal.SIGKILL else "error"
         return {"status": status, "error": f"child exited with {proc.exitcode}"}

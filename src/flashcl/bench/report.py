@@ -108,7 +108,8 @@ def fmt_row(r: Row) -> List[str]:
 
 
 NOTES = (
-    "forward / backward / fwd+bwd: the best of the repeats (a capped case ran once and was stopped); "
+    "forward / backward / fwd+bwd: the best of the repeats (a capped case ran once and was stopped; its cap counts its "
+    "timed calls, not its process's start, imports and inputs); "
     "flashcl's tiled backend forms the gradient during the forward pass when the loss is reduced to a "
     "scalar, so its time shows as forward; for the GEMM bound, forward is S = E E^T. "
     "vs bound: best time over the best time of the bound, timed alternately in the same process: the "
