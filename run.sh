@@ -49,38 +49,49 @@ case "$cmd" in
   *) echo "usage: ./run.sh test|test-floor|bench|package|docs [args]" >&2; exit 2 ;;
 esac
 "$py" -m pip install -q -e ".[$extras]"
-# open_clip's loss module is a peer in the benchmark and an oracle in the tests;
-# its package depends on torchvision, which does not import beside a CPU-only torch
-# build, so it is installed without dependencies (optional: skipped if unavailable).
-"$py" -c "import open_clip" 2>/dev/null || "$py" -m pip install -q --no-deps open_clip_torch \
-  || echo "open_clip_torch not installed: its benchmark and test cases will say so"
-# pylate's and colpali-engine's late-interaction losses: peers of flashcl.integrations.pylate
-# and .colpali in the tests and the late-interaction benchmark. Their packages pin older
-# sentence-transformers / transformers and pull torchvision; their losses need only torch
-# and what the integrations extra brings, so they are installed without dependencies.
-"$py" -c "import pylate.losses" 2>/dev/null || "$py" -m pip install -q --no-deps pylate==1.6.0 \
-  || echo "pylate not installed: its benchmark and test cases will say so"
-"$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('colpali_engine') is None)" 2>/dev/null \
-  || "$py" -m pip install -q --no-deps colpali-engine==0.3.18 \
-  || echo "colpali-engine not installed: its benchmark and test cases will say so"
-# lightly's and DINOv2's self-distillation losses: oracles of flashcl.dino_loss and the lightly
-# drop-ins in the tests and peers in the ssl benchmark. Their packages import torchvision (lightly)
-# or pin old torch (dinov2); their loss files need only torch: installed without dependencies.
+# Peers whose loss files serve as oracles in the tests and as peers in the benchmark, installed
+# without their dependencies, in one pip call for those missing (optional: each one that cannot
+# be installed is named, and its benchmark and test cases say so):
+# - open_clip: its package depends on torchvision, which does not import beside a CPU-only torch
+#   build; its loss module needs only torch.
+# - pylate and colpali-engine (late interaction, the tests and the late-interaction benchmark):
+#   their packages pin older sentence-transformers / transformers and pull torchvision; their
+#   losses need only torch and what the integrations extra brings.
+# - lightly and DINOv2 (self-distillation, the tests and the ssl benchmark): their packages import
+#   torchvision (lightly) or pin old torch (dinov2); their loss files need only torch.
+peers="open_clip:open_clip_torch pylate:pylate==1.6.0 colpali_engine:colpali-engine==0.3.18"
 if [ "$cmd" = test ] || case " $* " in *ssl*|*" --full "*) true ;; *) false ;; esac; then
-  "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('lightly') is None)" 2>/dev/null \
-    || "$py" -m pip install -q --no-deps lightly==1.6.0 \
-    || echo "lightly not installed: its benchmark and test cases will say so"
-  "$py" -c "import dinov2.loss" 2>/dev/null || "$py" -m pip install -q --no-deps dinov2==0.0.1.dev2 \
-    || echo "dinov2 not installed: its test cases will say so"
+  peers="$peers lightly:lightly==1.6.0 dinov2:dinov2==0.0.1.dev2"
+fi
+missing=$("$py" -c "
+import importlib.util as u, sys
+print(' '.join(r for m, r in (p.split(':', 1) for p in sys.argv[1:]) if u.find_spec(m) is None))
+" $peers)
+if [ -n "$missing" ]; then
+  # shellcheck disable=SC2086
+  "$py" -m pip install -q --no-deps $missing 2>/dev/null || for req in $missing; do
+    "$py" -m pip install -q --no-deps "$req" || echo "$req not installed: its benchmark and test cases will say so"
+  done
 fi
 case "$cmd" in
   test)
     "$py" -m ruff check src tests examples scripts conftest.py
     "$py" -m ruff format --check src tests examples scripts conftest.py
-    "$py" -m mypy
+    # the type check beside the suite (it keeps one core busy for about a minute while the
+    # workers start and collect); its report follows the suite's and fails the command
+    typecheck=$(mktemp)
+    "$py" -m mypy >"$typecheck" 2>&1 &
+    mypy_pid=$!
     # the suite on every core (pytest-xdist), a test file's tests in one worker (its module fixtures
     # built once); the documentation site's strict build is one of its tests (tests/test_docs_site.py)
-    exec "$py" -m pytest -n auto --dist loadfile "$@" ;;
+    status=0
+    "$py" -m pytest -n auto --dist loadfile "$@" || status=$?
+    mypy_status=0
+    wait "$mypy_pid" || mypy_status=$?
+    cat "$typecheck"
+    rm -f "$typecheck"
+    [ "$mypy_status" = 0 ] || { echo "mypy failed" >&2; [ "$status" != 0 ] || status=$mypy_status; }
+    exit "$status" ;;
   package) PYTHON="$py" exec bash scripts/check_package.sh ;;
   docs) NO_MKDOCS_2_WARNING=1 exec "$py" -m mkdocs build --strict "$@" ;;
   bench) exec "$py" -m flashcl bench "$@" ;;

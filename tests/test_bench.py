@@ -138,6 +138,7 @@ def test_cli_quick_run_writes_json_and_markdown(tmp_path) -> None:
         assert len(vals) == 4 and max(vals) - min(vals) < 1e-4 * abs(vals[0]), vals
 
 
+@pytest.mark.slow
 def test_dist_suite_runs_both_strategies(tmp_path) -> None:
     from flashcl.bench.suites import dist
 
