@@ -92,6 +92,13 @@ def test_a_case_past_its_cap_is_reported_capped() -> None:
     assert res == {"status": "capped", "cap_s": 3, "error": "stopped in its timed calls"}
 
 
+@pytest.mark.parametrize("cap", ["0", "-1", "nan", "inf", "ten"])
+def test_a_cap_that_is_not_a_positive_number_of_seconds_is_refused(cap: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--quick", "--cap", cap])
+    assert e.value.code == 2 and "a positive number of seconds" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_users_cap_replaces_every_cases_own(tmp_path) -> None:
     """``--cap`` is every case's cap, a suite's own (6 s for the per-sample loop) included."""

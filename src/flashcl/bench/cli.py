@@ -150,6 +150,17 @@ def run_cases(
     return rows
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (``--cap``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--suite",
@@ -164,7 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", help="folder for results.json, report.md and plots")
     p.add_argument(
         "--cap",
-        type=float,
+        type=_seconds,
         default=None,
         help="seconds of a case's timed calls (its set-up not counted) before it is reported as "
         "capped; given, it replaces every case's own cap (default 10, 120 with --full, longer "
