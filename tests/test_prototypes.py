@@ -19,6 +19,7 @@ from flashcl.engine.prototypes import (
     Prototypes,
     RowsJoin,
     logit_sums,
+    paired_targets,
     sinkhorn_targets,
     softmax_targets,
     unit_rows,
@@ -138,6 +139,64 @@ def test_weighted_scalar_by_blocks_of_rows_equals_the_dense_formula(
             PrototypeCrossEntropy.apply(*alone, fn, 1.0 / ts, 7, normalize, weights, rows_block), alone[i]
         )
         assert_close(g, want_grads[i], f"{targets}: leaf {i} alone", *TOL)
+
+
+@pytest.mark.parametrize("rows_block", [1, 2, None])
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        [[1], [0], [0, 1], [0, 1]],  # DINO's crops: two global views, each against the other, locals against both
+        [[], [0, 1], [1], [0, 1]],  # a view with no teacher view (targets of zero), a sum shared by two views
+        [[0, 1, 1], [0]],  # a teacher view counted twice
+    ],
+)
+@pytest.mark.parametrize("targets", ["softmax-centred", "sinkhorn-3", "softmax-logs"])
+def test_stacked_views_by_blocks_of_images_equal_the_dense_formula(
+    rows_block, pairs, targets: str, monkeypatch
+) -> None:
+    """A scalar over stacked student views visits blocks of images, every view's rows of
+    them in one GEMM, each distinct sum of teacher views' targets formed once for the
+    views that take it; the value and both gradients equal the formula, and so does the
+    recomputation by blocks of prototypes (a second backward)."""
+    if targets.endswith("-logs"):
+        monkeypatch.setitem(prototypes.EXP_RANGE, torch.float64, 0.0)
+    b, k, d, views = 5, 13, 4, len(pairs)
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    x, w, ys, wt, center = r(views * b, d), r(k, d), r(2, b, d), r(k, d), r(k)
+    weights = torch.linspace(0.5, 2.0, views * b, dtype=torch.float64)
+    ts, tt = 0.1, 0.04
+    leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    xs, ws = (F.normalize(v, dim=1) for v in leaves)
+    t = [F.normalize(y, dim=1) @ F.normalize(wt, dim=1).T for y in ys]
+    if targets.startswith("sinkhorn"):
+        p = [sinkhorn_as_dinov2(ti, tt, 3) for ti in t]
+    else:
+        p = [F.softmax((ti - center) / tt, dim=-1) for ti in t]
+    summed = torch.cat([sum((p[j] for j in ts_), torch.zeros(b, k, dtype=torch.float64)) for ts_ in pairs])
+    want = (weights * -(summed * F.log_softmax(xs @ ws.T / ts, dim=-1)).sum(-1)).sum()
+    want_grads = torch.autograd.grad(want, leaves)
+
+    teacher = Prototypes(wt, True)
+    per_view = []
+    for y in ys:
+        yh, _ = unit_rows(y, True)
+        if targets.startswith("sinkhorn"):
+            per_view.append(sinkhorn_targets(yh, teacher, 1.0 / tt, 3, 7))
+        else:
+            per_view.append(softmax_targets(yh, teacher, center, 1.0 / tt, 7))
+    fn = paired_targets(per_view, pairs, b)
+    mine = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    got = PrototypeCrossEntropy.apply(*mine, fn, 1.0 / ts, 7, True, weights, rows_block)
+    assert_close(got, want.detach(), f"{pairs}: the scalar", *TOL)
+    got.backward(retain_graph=True)
+    for a, e, name in zip(mine, want_grads, ("rows", "prototypes")):
+        assert_close(a.grad, e, f"{pairs}: {name}' gradient", *TOL)
+        a.grad = None
+    got.backward()  # recomputed by blocks of prototypes
+    for a, e, name in zip(mine, want_grads, ("rows", "prototypes")):
+        assert_close(a.grad, e, f"{pairs}: {name}' gradient, second backward", *TOL)
+    assert torch.equal(mine[0].detach(), x) and torch.equal(mine[1].detach(), w)
 
 
 def koleo_as_dinov2(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

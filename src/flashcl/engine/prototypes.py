@@ -1,9 +1,10 @@
 """Self-distillation over prototypes (DINO, iBOT, SwAV) without the rows x K logits:
 the cross-entropy between a teacher's target distribution over K prototypes and the
 student's softmax over them, every logit formed a block at a time: a scalar loss visits
-blocks of rows against every prototype (each row's softmax and targets complete in its
-block, the gradients formed in the same pass); per-row losses and Sinkhorn-Knopp's
-scalings visit blocks of prototypes against every row.
+blocks of images, every student view's rows of them in one product, against every
+prototype (each row's softmax and targets complete in its block, each distinct sum of
+teacher views' targets formed once, the gradients formed in the same pass); per-row
+losses and Sinkhorn-Knopp's scalings visit blocks of prototypes against every row.
 
 For student rows ``x`` (B, D) and prototypes ``W`` (K, D), teacher rows ``y`` and the
 teacher's prototypes ``W_t``, with ``s = x^ W^T`` and ``t = y^ W_t^T`` (rows and
@@ -254,35 +255,48 @@ def logit_sums(rows: Tensor, w_t: Prototypes) -> Tensor:
 Targets = Callable[[int, int, Tensor], Tensor]
 
 
+#: a tile of targets of a block of images against every prototype, and the student views that take it
+#: (None: no teacher view, targets of zero)
+Group = Tuple[List[int], Optional[Tensor]]
+
+
 class Blocks:
     """A teacher's target probabilities, never all of them at once: ``blocks(k0, k1,
     out)`` writes those of prototypes ``k0 .. k1`` (every row) into ``out`` and returns
-    that view; ``blocks.rows(r0, r1, out)`` those of rows ``r0 .. r1`` against every
-    prototype (a scalar loss's pass, whose rows are complete in a block); ``order(n)``:
-    the blocks of at most ``n`` rows that pass visits, in its order; ``tiles``: the
-    rows x K tiles ``rows`` keeps beside ``out``; ``mass``: each row's sum over the
-    prototypes where it is known before any pass (1 for a softmax, and for
-    Sinkhorn-Knopp after an iteration), else None."""
+    that view; ``blocks.rows(r0, r1, out)`` (one teacher view's) those of rows ``r0 .. r1``
+    against every prototype. For ``views`` stacked student views of ``count / views`` images each
+    (view ``s``: rows ``s b .. (s + 1) b``), ``groups(i0, i1, scratch)`` gives the
+    targets of images ``i0 .. i1`` of every view at once: each distinct tile with the
+    views that take it (a scalar loss's pass, whose rows are complete in a block), its
+    tiles in ``scratch`` (``tiles`` of them, each at least ``i1 - i0`` rows x K);
+    ``mass``: each row's sum over the prototypes where it is known before any pass (1
+    for a softmax, and for Sinkhorn-Knopp after an iteration), else None."""
 
     def __init__(
         self,
         fn: Targets,
         mass: Optional[Tensor],
-        rows: Targets,
+        rows: Optional[Targets],
         count: int,
-        tiles: int = 0,
-        order: Optional[Callable[[int], List[Tuple[int, int]]]] = None,
+        tiles: int = 1,
+        views: int = 1,
+        groups: Optional[Callable[[int, int, Tensor], List[Group]]] = None,
     ) -> None:
-        self.fn, self.mass, self.rows, self.count, self.tiles = fn, mass, rows, count, tiles
-        self._order = order
+        self.fn, self.mass, self.count, self.tiles, self.views = fn, mass, count, tiles, views
+        self._rows, self._groups = rows, groups
 
     def __call__(self, k0: int, k1: int, out: Tensor) -> Tensor:
         return self.fn(k0, k1, out)
 
-    def order(self, n: int) -> List[Tuple[int, int]]:
-        if self._order is not None:
-            return self._order(n)
-        return [(r0, min(r0 + n, self.count)) for r0 in range(0, self.count, n)]
+    def rows(self, r0: int, r1: int, out: Tensor) -> Tensor:
+        if self._rows is None:
+            raise TypeError("the targets of stacked views are given by blocks of images (groups)")
+        return self._rows(r0, r1, out)
+
+    def groups(self, i0: int, i1: int, scratch: Tensor) -> List[Group]:
+        if self._groups is not None:
+            return self._groups(i0, i1, scratch)
+        return [([0], self.rows(i0, i1, scratch[0, : i1 - i0]))]
 
 
 def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv_temp: float, block: int) -> Blocks:
@@ -353,16 +367,14 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
     targets, so a student view against several teacher views, DINO's crop pairs, is one
     pass with their sum); each teacher view's block formed once per block of prototypes
     (``views``: each teacher view's targets, ``b`` rows each), or, by rows, once per
-    block of images (the blocks of rows visit every student view of a block of images
-    in turn)."""
+    block of images, each distinct sum once for every student view that takes it."""
     scratch: List[Tensor] = []
     used = sorted({t for ts in pairs for t in ts})
 
     if len(pairs) == 1 and len(pairs[0]) == 1:  # one student view, one teacher view: its targets as they are
         return views[pairs[0][0]]
 
-    def summed(s: int, tiles: Dict[int, Tensor], dst: Tensor) -> Tensor:
-        ts = pairs[s]
+    def summed(ts: Sequence[int], tiles: Dict[int, Tensor], dst: Tensor) -> Tensor:
         if not ts:
             return dst.zero_()
         if len(ts) == 1:  # read only by the pass: the teacher view's tile itself
@@ -379,33 +391,37 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
         tiles = {t: views[t](k0, k1, scratch[0][t]) for t in used}
         for s in range(len(pairs)):
             dst = out[s * b : (s + 1) * b, :width]
-            got = summed(s, tiles, dst)
+            got = summed(pairs[s], tiles, dst)
             if got is not dst:
                 dst.copy_(got)
         return out[:, :width]
 
-    cached: Dict[Tuple[int, int], Dict[int, Tensor]] = {}
-    row_scratch: List[Tensor] = []
+    # the distinct sets of teacher views, each with the student views that take it; a set of
+    # two or more has a tile of its own (after the teacher views')
+    sets: Dict[Tuple[int, ...], List[int]] = {}
+    for s, ts in enumerate(pairs):
+        sets.setdefault(tuple(ts), []).append(s)
+    sums = [ts for ts in sets if len(ts) > 1]
 
-    def row_targets(r0: int, r1: int, out: Tensor) -> Tensor:
-        s, i0 = divmod(r0, b)
-        i1 = r1 - s * b
-        if (i0, i1) not in cached:  # a new block of images: each teacher view's rows of them, once
-            if not row_scratch or row_scratch[0].shape[1] < i1 - i0 or row_scratch[0].shape[2] != out.shape[1]:
-                row_scratch[:] = [out.new_empty(len(views), out.shape[0], out.shape[1])]
-            cached.clear()
-            cached[(i0, i1)] = {t: views[t].rows(i0, i1, row_scratch[0][t, : i1 - i0]) for t in used}
-        return summed(s, cached[(i0, i1)], out)
-
-    def order(n: int) -> List[Tuple[int, int]]:
-        return [(s * b + i0, s * b + min(i0 + n, b)) for i0 in range(0, b, n) for s in range(len(pairs))]
+    def groups(i0: int, i1: int, scratch: Tensor) -> List[Group]:
+        m = i1 - i0
+        tiles = {t: views[t].rows(i0, i1, scratch[j, :m]) for j, t in enumerate(used)}
+        out: List[Group] = []
+        for ts, ss in sets.items():
+            if not ts:
+                out.append((ss, None))
+            elif len(ts) == 1:
+                out.append((ss, tiles[ts[0]]))
+            else:
+                out.append((ss, summed(ts, tiles, scratch[len(used) + sums.index(ts), :m])))
+        return out
 
     known = [m for m in (views[t].mass for t in used) if m is not None]
     mass = None
     if known and len(known) == len(used):
         rows = {t: m for t, m in zip(used, known)}
         mass = torch.cat([sum((rows[t] for t in ts), torch.zeros_like(known[0])) for ts in pairs])
-    return Blocks(targets, mass, row_targets, len(pairs) * b, len(used), order)
+    return Blocks(targets, mass, None, len(pairs) * b, len(used) + len(sums), len(pairs), groups)
 
 
 class PrototypeCrossEntropy(torch.autograd.Function):
@@ -419,8 +435,9 @@ class PrototypeCrossEntropy(torch.autograd.Function):
     Per row: blocks of ``block`` prototypes against every row, the backward
     recomputing each (the student's logits and the targets); beyond the inputs the
     unit rows (B x D), two B x block tiles and O(B + K) vectors. A scalar instead visits
-    blocks of ``rows_block`` rows (None: :func:`auto_rows_block`) against every
-    prototype, so that each row's softmax is complete in its block: one pass, each
+    blocks of ``rows_block`` images (None: :func:`auto_rows_block`), the rows of them in
+    each of ``targets.views`` stacked views (``x``: view ``s`` in rows ``s b .. (s + 1)
+    b``), against every prototype, so that each row's softmax is complete in its block: one pass, each
     logit and each target formed once, the gradients formed in it (the backward then
     scales them); beyond the inputs and the gradients, the rows x K tiles (the
     student's logits, the targets and those they are formed from) and O(B + K)."""
@@ -494,11 +511,11 @@ class PrototypeCrossEntropy(torch.autograd.Function):
 
 
 def auto_rows_block(k: int, tiles: int) -> int:
-    """Rows per block of a scalar's pass over every prototype: its ``tiles + 2`` rows x K
-    tiles (the student's logits, the targets, the teacher views' tiles they sum) of
-    about 16M entries together (64 MB in float32), so that its GEMMs' inner and outer
-    sizes stay wide."""
-    return max(1, (1 << 24) // ((tiles + 2) * max(1, k)))
+    """Images per block of a scalar's pass over every prototype: its ``tiles`` rows x K
+    tiles per image (the student views' logits, the teacher views' targets and their
+    sums) of about 16M entries together (64 MB in float32), so that its GEMMs' inner
+    and outer sizes stay wide."""
+    return max(1, (1 << 24) // (max(1, tiles) * max(1, k)))
 
 
 def _fused_rows(
@@ -511,46 +528,66 @@ def _fused_rows(
     weights: Tensor,
     rows_block: Optional[int],
 ) -> Tensor:
-    """:class:`PrototypeCrossEntropy`'s scalar: blocks of rows against every prototype,
-    the value and both gradients in one pass (kept in ``ctx.fused``)."""
+    """:class:`PrototypeCrossEntropy`'s scalar: blocks of images (their rows in every
+    student view, one GEMM) against every prototype, the value and both gradients in
+    one pass (kept in ``ctx.fused``)."""
     dtype = compute_dtype(x.dtype)
     xd = x.detach().to(dtype)
     protos = Prototypes(w.detach().to(dtype), normalize)
-    b, k = xd.shape[0], protos.k
+    (rows, d), k, views = xd.shape, protos.k, targets.views
+    b = rows // views
     inv_x = _inverse_norms(xd) if normalize else None
-    n = max(1, min(b, rows_block or auto_rows_block(k, targets.tiles)))
-    z_buf, p_buf = xd.new_empty(n, k), xd.new_empty(n, k)
-    lse, mass, cross = xd.new_zeros(b), xd.new_zeros(b), xd.new_zeros(b)
+    n = max(1, min(b, rows_block or auto_rows_block(k, views + targets.tiles)))
+    z_buf, scratch = xd.new_empty(views * n, k), xd.new_empty(targets.tiles, n, k)
+    lse, mass, cross = (xd.new_zeros(views, b) for _ in range(3))
     # each row's factor of its logits' gradient, negated: the tiles hold p - mass softmax
-    neg = weights.to(dtype) * -inv_temp
+    neg = (weights.to(dtype) * -inv_temp).view(views, b)
     dx = torch.zeros_like(xd) if ctx.needs_input_grad[0] else None
     dwh = torch.zeros_like(protos.w) if ctx.needs_input_grad[1] else None
     # the logits' shift: their bound where the range allows it (folded into the columns' pass), else each row's maximum
     hi = inv_temp if normalize else _bound(xd, protos, inv_temp)
     shift = xd.new_tensor(-hi) if 2 * hi <= EXP_RANGE.get(dtype, 0.0) else None
-    for r0, r1 in targets.order(n):
-        xr = xd[r0:r1] if inv_x is None else xd[r0:r1] * inv_x[r0:r1].unsqueeze(1)
-        z = protos.rows_tile(xr, inv_temp, z_buf[: r1 - r0], shift)
-        p = targets.rows(r0, r1, p_buf[: r1 - r0])
-        mass[r0:r1] = p.sum(1)
-        top = -shift.expand(r1 - r0) if shift is not None else z.amax(1)
+    known = None if targets.mass is None else targets.mass.to(dtype).view(views, b)
+    for i0 in range(0, b, n):
+        i1 = min(i0 + n, b)
+        m = i1 - i0
+        xr = xd.view(views, b, d)[:, i0:i1].reshape(views * m, d)  # of one view: the input's own rows
+        if inv_x is not None:
+            xr = xr * inv_x.view(views, b)[:, i0:i1].reshape(-1, 1)
+        z = protos.rows_tile(xr, inv_temp, z_buf[: views * m], shift)
+        top = -shift.expand(views * m) if shift is not None else z.amax(1)
         if shift is None:
             z.sub_(top.unsqueeze(1))
-        cross[r0:r1] = _row_dots(p, z) + top * mass[r0:r1]  # z: the logits less top
+        top = top.view(views, m)
+        zs, groups = z.view(views, m, k), targets.groups(i0, i1, scratch)
+        for ss, p in groups:  # each row's sum of its targets and its cross term (z: the logits less top)
+            if p is None:  # no targets: both stay 0
+                continue
+            mass[ss, i0:i1] = p.sum(1) if known is None else known[ss, i0:i1]
+            for s in ss:
+                cross[s, i0:i1] = _row_dots(p, zs[s]) + top[s] * mass[s, i0:i1]
         e = z.exp_()
-        total = e.sum(1)
-        lse[r0:r1] = total.log() + top
-        g = torch.addcmul(p, e, (mass[r0:r1] / total).unsqueeze(1), value=-1.0, out=e)
-        f = neg[r0:r1].unsqueeze(1)
+        total = e.sum(1).view(views, m)
+        lse[:, i0:i1] = total.log() + top
+        ratio = mass[:, i0:i1] / total
+        for ss, p in groups:  # the logits' gradient, negated: p - mass softmax
+            for s in ss:
+                if p is None:
+                    zs[s].mul_(-ratio[s].unsqueeze(1))
+                else:
+                    torch.addcmul(p, zs[s], ratio[s].unsqueeze(1), value=-1.0, out=zs[s])
+        f = neg[:, i0:i1].reshape(-1, 1)
         if dwh is not None:  # d w^_k += sum_b gz_bk x^_b / tau
-            dwh.addmm_(g.T, xr * f)
+            dwh.addmm_(z.T, xr * f)
         if dx is not None:  # d x^_b = sum_k gz_bk w^_k / tau
-            torch.mm(g.mul_(protos.inv) if normalize else g, protos.w, out=dx[r0:r1]).mul_(f)
+            g = torch.mm(z.mul_(protos.inv) if normalize else z, protos.w).mul_(f)
+            dx.view(views, b, d)[:, i0:i1] = g.view(views, m, d)
     if dx is not None and inv_x is not None:
         _through_unit(dx, xd, inv_x)
     if dwh is not None and normalize:
         _through_unit(dwh, protos.w, protos.inv)
     ctx.fused = (None if dx is None else dx.to(x.dtype), None if dwh is None else dwh.to(w.dtype))
+    lse, mass, cross = lse.view(-1), mass.view(-1), cross.view(-1)
     ctx.save_for_backward(x, w, lse, mass)  # a second backward (retain_graph) recomputes
     return (weights.to(dtype) * (mass * lse - cross)).sum()
 

@@ -275,9 +275,10 @@ def distill_rows(
     def tiled() -> Tensor:
         block = block_size or auto_prototype_block(max(s, teacher.rows.shape[0]) * b, k)
         fn = paired_targets(teacher.tiled(block), pairs, b)
-        # a scalar visits blocks of rows (block_size given: as many entries as a block of prototypes) and
-        # forms its gradients in that pass; per row, blocks of prototypes, recomputed in the backward
-        rows_block = None if block_size is None else max(1, block_size * b * s // max(1, k))
+        # a scalar visits blocks of images, every view's rows of them (block_size given: as many entries as
+        # a block of prototypes), and forms its gradients in that pass; per row, blocks of prototypes,
+        # recomputed in the backward
+        rows_block = None if block_size is None else max(1, block_size * b // max(1, k))
         out = PrototypeCrossEntropy.apply(
             student.reshape(s * b, d), w, fn, inv_temp, block, teacher.normalize, r, rows_block
         )
