@@ -159,37 +159,40 @@ def ssl(mode: str, device: str) -> List[Case]:
     """Self-distillation over prototypes (K = 65,536, D = 256 at full size): iBOT's
     masked patches and DINO's 2 + 10 views of B images, by flashcl's fused loss and
     by the logits fed to lightly's and DINOv2's losses, B up to where those run out
-    of memory; the fused loss against its GEMMs (alternating in one process); KoLeo
-    tiled and dense."""
+    of memory; the fused loss against its GEMMs (alternating in one process) for
+    iBOT and DINO; KoLeo tiled and dense."""
     k, d = {"quick": (512, 32), "default": (65536, 256), "full": (65536, 256)}[mode]
     patches = {"quick": (64,), "default": (1024, 4096, 16384), "full": (1024, 4096, 16384)}[mode]
     images = {"quick": (16,), "default": (128, 1024), "full": (128, 1024)}[mode]
     koleo_sizes = {"quick": (256,), "default": (16384, 65536), "full": (16384, 65536)}[mode]
     cases: List[Case] = []
-    for targets in ("softmax", "sinkhorn"):
-        b = patches[-1]
-        passes = 2 if targets == "softmax" else 2 + 3
-        cases.append(
-            {
-                "group": f"iBOT fused / its GEMMs, B = {b}, K = {k}, D = {d}",
-                "label": f"flashcl-tiled ({targets})",
-                "workload": "self_distill",
-                "bound": {
-                    "workload": "prototype_gemms",
-                    "params": {
-                        "rows": b,
-                        "teacher_rows": b,
-                        "K": k,
-                        "D": d,
-                        "teacher_passes": passes,
-                        "device": device,
+    # the fused loss against its GEMMs: iBOT's patches (one student and one teacher view) and
+    # DINO's 2 + 10 views of B images (the student's products over 10 B rows, the teacher's over 2 B)
+    bounded = [("iBOT", 1, 1, patches[-1]), ("DINO 2 + 10 views", 10, 2, images[-1])]
+    for name, s, t, b in bounded:
+        for targets in ("softmax", "sinkhorn"):
+            passes = 2 if targets == "softmax" else 2 + 3
+            cases.append(
+                {
+                    "group": f"{name} fused / its GEMMs, B = {b}, K = {k}, D = {d}",
+                    "label": f"flashcl-tiled ({targets})",
+                    "workload": "self_distill",
+                    "bound": {
+                        "workload": "prototype_gemms",
+                        "params": {
+                            "rows": s * b,
+                            "teacher_rows": t * b,
+                            "K": k,
+                            "D": d,
+                            "teacher_passes": passes,
+                            "device": device,
+                        },
                     },
-                },
-                "repeats": 2,
-                "cap_s": 900.0,
-                "params": {"B": b, "S": 1, "T": 1, "K": k, "D": d, "targets": targets, "impl": "flashcl-tiled"},
-            }
-        )
+                    "repeats": 2,
+                    "cap_s": 900.0,
+                    "params": {"B": b, "S": s, "T": t, "K": k, "D": d, "targets": targets, "impl": "flashcl-tiled"},
+                }
+            )
     shapes = [("iBOT masked patches", 1, 1, patches), ("DINO, 2 teacher and 10 student views", 10, 2, images)]
     for name, s, t, sizes in shapes:
         for targets in ("softmax", "sinkhorn"):
