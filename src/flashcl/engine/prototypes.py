@@ -263,14 +263,15 @@ Group = Tuple[List[int], Optional[Tensor]]
 class Blocks:
     """A teacher's target probabilities, never all of them at once: ``blocks(k0, k1,
     out)`` writes those of prototypes ``k0 .. k1`` (every row) into ``out`` and returns
-    that view; ``blocks.rows(r0, r1, out)`` (one teacher view's) those of rows ``r0 .. r1``
-    against every prototype. For ``views`` stacked student views of ``count / views`` images each
-    (view ``s``: rows ``s b .. (s + 1) b``), ``groups(i0, i1, scratch)`` gives the
-    targets of images ``i0 .. i1`` of every view at once: each distinct tile with the
-    views that take it (a scalar loss's pass, whose rows are complete in a block), its
-    tiles in ``scratch`` (``tiles`` of them, each at least ``i1 - i0`` rows x K);
-    ``mass``: each row's sum over the prototypes where it is known before any pass (1
-    for a softmax, and for Sinkhorn-Knopp after an iteration), else None."""
+    that view; ``blocks.rows(r0, r1, out)`` (one teacher view's) those of rows
+    ``r0 .. r1`` against every prototype. For ``views`` stacked student views of
+    ``b = count / views`` images each (view ``s``: rows ``s b .. (s + 1) b``),
+    ``groups(i0, i1, scratch)`` gives the targets of images ``i0 .. i1`` of every view
+    at once: each distinct tile with the views that take it (a scalar loss's pass, whose
+    rows are complete in a block), its tiles in ``scratch`` (``tiles`` of them, each at
+    least ``i1 - i0`` rows x K); ``mass``: each row's sum over the prototypes where it
+    is known before any pass (1 for a softmax, and for Sinkhorn-Knopp after an
+    iteration), else None."""
 
     def __init__(
         self,
@@ -436,11 +437,12 @@ class PrototypeCrossEntropy(torch.autograd.Function):
     recomputing each (the student's logits and the targets); beyond the inputs the
     unit rows (B x D), two B x block tiles and O(B + K) vectors. A scalar instead visits
     blocks of ``rows_block`` images (None: :func:`auto_rows_block`), the rows of them in
-    each of ``targets.views`` stacked views (``x``: view ``s`` in rows ``s b .. (s + 1)
-    b``), against every prototype, so that each row's softmax is complete in its block: one pass, each
-    logit and each target formed once, the gradients formed in it (the backward then
-    scales them); beyond the inputs and the gradients, the rows x K tiles (the
-    student's logits, the targets and those they are formed from) and O(B + K)."""
+    each of ``targets.views`` stacked views (``x``: view ``s`` in rows ``s b .. (s +
+    1) b``), against every prototype, so that each row's softmax is complete in its
+    block: one pass, each logit and each target formed once, the gradients formed in it
+    (the backward then scales them); beyond the inputs and the gradients, the rows x K
+    tiles (the student's logits, the targets and those they are formed from) and
+    O(B + K)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
