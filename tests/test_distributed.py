@@ -332,6 +332,7 @@ def test_needs_a_process_group() -> None:
         flashcl.distributed.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]))
 
 
+@pytest.mark.slow  # 30 steps of two processes: ~13 s on 2 cores (CI runs it with the slow cases)
 def test_ddp_example_trains(tmp_path) -> None:
     import subprocess
     import sys

@@ -31,8 +31,9 @@ def test_there_are_blocks() -> None:
     assert len(BLOCKS) >= 5
 
 
-#: blocks that train for tens of seconds: run with the slow cases (``-m slow``, CI)
-SLOW = {"docs/examples.md#0"}
+#: blocks that train for tens of seconds, or start processes that train (10-15 s each on 2 cores):
+#: run with the slow cases (``-m slow``, CI)
+SLOW = {"docs/examples.md#0", "docs/distributed.md#1", "docs/training.md#3"}
 
 
 @pytest.mark.parametrize(

@@ -134,7 +134,11 @@ SMALL = Config(block_m=16, block_n=32, block_k=16, block_do=16, num_warps=4, num
 WIDE = Config(block_m=16, block_n=32, block_k=64, block_do=128, num_warps=4, num_stages=1)
 
 
-@pytest.mark.parametrize("d,config", [(1, SMALL), (33, SMALL), (300, WIDE)])
+@pytest.mark.parametrize(
+    "d,config",
+    # D = 300 under the interpreter takes ~13 s: with the slow cases (D = 33 has partial chunks too)
+    [(1, SMALL), (33, SMALL), pytest.param(300, WIDE, marks=pytest.mark.slow)],
+)
 def test_injected_small_tiles_at_ragged_sizes(d: int, config: Config) -> None:
     """Against the float64 reference, within the float32 tolerance or 8x the
     dense backend's own float32 error, whichever is larger (at D = 1 normalised rows
