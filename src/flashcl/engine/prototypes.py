@@ -371,6 +371,12 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
     block of images, each distinct sum once for every student view that takes it."""
     scratch: List[Tensor] = []
     used = sorted({t for ts in pairs for t in ts})
+    # the distinct sets of teacher views, each with the student views that take it; by rows, a set
+    # of two or more has a tile of its own (after the teacher views')
+    sets: Dict[Tuple[int, ...], List[int]] = {}
+    for s, ts in enumerate(pairs):
+        sets.setdefault(tuple(ts), []).append(s)
+    slot = {ts: len(used) + j for j, ts in enumerate(ts for ts in sets if len(ts) > 1)}
 
     if len(pairs) == 1 and len(pairs[0]) == 1:  # one student view, one teacher view: its targets as they are
         return views[pairs[0][0]]
@@ -390,19 +396,14 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
         if not scratch or scratch[0].shape[2] < width:
             scratch[:] = [out.new_empty(len(views), b, out.shape[1])]
         tiles = {t: views[t](k0, k1, scratch[0][t]) for t in used}
-        for s in range(len(pairs)):
-            dst = out[s * b : (s + 1) * b, :width]
-            got = summed(pairs[s], tiles, dst)
-            if got is not dst:
-                dst.copy_(got)
+        for ts, ss in sets.items():  # each distinct sum once, copied to the other views that take it
+            first = out[ss[0] * b : (ss[0] + 1) * b, :width]
+            got = summed(ts, tiles, first)
+            for s in ss:
+                dst = out[s * b : (s + 1) * b, :width]
+                if got is not dst:
+                    dst.copy_(got)
         return out[:, :width]
-
-    # the distinct sets of teacher views, each with the student views that take it; a set of
-    # two or more has a tile of its own (after the teacher views')
-    sets: Dict[Tuple[int, ...], List[int]] = {}
-    for s, ts in enumerate(pairs):
-        sets.setdefault(tuple(ts), []).append(s)
-    sums = [ts for ts in sets if len(ts) > 1]
 
     def groups(i0: int, i1: int, scratch: Tensor) -> List[Group]:
         m = i1 - i0
@@ -414,7 +415,7 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
             elif len(ts) == 1:
                 out.append((ss, tiles[ts[0]]))
             else:
-                out.append((ss, summed(ts, tiles, scratch[len(used) + sums.index(ts), :m])))
+                out.append((ss, summed(ts, tiles, scratch[slot[ts], :m])))
         return out
 
     known = [m for m in (views[t].mass for t in used) if m is not None]
@@ -422,7 +423,7 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
     if known and len(known) == len(used):
         rows = {t: m for t, m in zip(used, known)}
         mass = torch.cat([sum((rows[t] for t in ts), torch.zeros_like(known[0])) for ts in pairs])
-    return Blocks(targets, mass, None, len(pairs) * b, len(used) + len(sums), len(pairs), groups)
+    return Blocks(targets, mass, None, len(pairs) * b, len(used) + len(slot), len(pairs), groups)
 
 
 class PrototypeCrossEntropy(torch.autograd.Function):
@@ -574,8 +575,8 @@ def _fused_rows(
         ratio = mass[:, i0:i1] / total
         for ss, p in groups:  # the logits' gradient, negated: p - mass softmax
             for s in ss:
-                if p is None:
-                    zs[s].mul_(-ratio[s].unsqueeze(1))
+                if p is None:  # no targets, a mass of 0: no gradient
+                    zs[s].zero_()
                 else:
                     torch.addcmul(p, zs[s], ratio[s].unsqueeze(1), value=-1.0, out=zs[s])
         f = neg[:, i0:i1].reshape(-1, 1)
