@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from flashcl.engine import prototypes
+from flashcl.engine.prototype_loss import PrototypeCrossEntropy
 from flashcl.engine.prototypes import (
-    PrototypeCrossEntropy,
     Prototypes,
     RowsJoin,
     logit_sums,

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
+from .engine import differentiable_grads
 
-__all__ = ["nearest_neighbours", "KoLeoRows"]
+__all__ = ["nearest_neighbours", "KoLeoRows", "koleo_dense"]
 
 
 def nearest_neighbours(
@@ -24,12 +25,15 @@ def nearest_neighbours(
     inv_k: Optional[Tensor] = None,
     rows: int = 512,
     cols: int = 8192,
+    diagonal: float = -1.0,
 ) -> Tensor:
     """Each row of ``q``'s nearest other row of ``keys`` (default: ``q`` itself; ``q``'s
     row ``i`` is key ``offset + i``) by the largest dot product of the unit rows
     (``inv_q``, ``inv_k``: the rows' inverse norms; None: the rows are unit already),
     KoLeo's neighbour: the first column on a tie, as ``argmax`` of the products with
-    the diagonal at -1 (DINOv2's ``pairwise_NNs_inner``) finds it; in tiles of
+    the diagonal at ``diagonal`` finds it (-1: DINOv2's ``pairwise_NNs_inner``, so that
+    a row whose every other row is antipodal is its own neighbour; lightly's
+    ``KoLeoLoss`` takes -2, an antipodal row then); in tiles of
     ``rows x cols`` products (16 MB in float32 by default), O(rows) memory beyond one
     tile and no unit copy of the rows. (M,) int64; a single row is its own neighbour."""
     qd = q.detach()
@@ -48,7 +52,7 @@ def nearest_neighbours(
             if inv_q is not None and inv_k is not None:
                 dots.mul_(inv_q[r0:r1].unsqueeze(1)).mul_(inv_k[c0:c1].unsqueeze(0))
             inside = (own >= c0) & (own < c1)
-            dots[inside.nonzero().flatten(), own[inside] - c0] = -1.0  # as DINOv2: the diagonal at -1
+            dots[inside.nonzero().flatten(), own[inside] - c0] = diagonal
             v, i = dots.max(1)
             take = v > top  # strictly larger: an earlier column keeps a tie
             top = torch.where(take, v, top)
@@ -70,19 +74,39 @@ def _through_normalize(g: Tensor, x: Tensor, inv: Tensor, eps: float) -> Tensor:
     return torch.where(big, proj, g).mul_(inv.unsqueeze(1))
 
 
+def koleo_dense(q: Tensor, keys: Optional[Tensor], offset: int, eps: float, diagonal: float = -1.0) -> Tensor:
+    """DINOv2's ``KoLeoLoss`` terms on the M x N products, by differentiable torch ops
+    (the dense backend, and the tiled one's second derivatives); ``keys`` None: ``q``'s
+    own rows."""
+    qh = torch.nn.functional.normalize(q, eps=eps, p=2, dim=-1)
+    kh = qh if keys is None else torch.nn.functional.normalize(keys, eps=eps, p=2, dim=-1)
+    dots = (qh @ kh.T).detach()
+    own = torch.arange(q.shape[0], device=q.device)
+    dots[own, own + offset] = diagonal
+    return -torch.log(torch.nn.functional.pairwise_distance(qh, kh[dots.argmax(1)], 2, eps) + eps)
+
+
 class KoLeoRows(torch.autograd.Function):
-    """``apply(q, keys, offset, eps, rows, cols) -> (M,)``: DINOv2's KoLeo term of each
+    """``apply(q, keys, offset, eps, rows, cols[, diagonal]) -> (M,)``: DINOv2's KoLeo term of each
     row of ``q``, ``-log(|q^_i - k^_nn(i) + eps| + eps)`` (``^``: ``F.normalize`` with
     ``eps``; the neighbour by :func:`nearest_neighbours`; ``keys`` None: ``q``'s own
     rows, whose row ``i`` is then left out of its own search; else ``q``'s row ``i``
     is key ``offset + i``). Beyond the inputs: O(M) vectors and a tile of products;
     the backward forms the gradient a block of rows at a time, straight into the
     inputs' gradients (the normalisation's backward is linear in each row's
-    gradient)."""
+    gradient); with ``create_graph=True`` the gradient comes from :func:`koleo_dense`
+    (memory O(M N) on that path only). ``diagonal``: see :func:`nearest_neighbours`."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, keys: Optional[Tensor], offset: int, eps: float, rows: int, cols: int
+        ctx: Any,
+        q: Tensor,
+        keys: Optional[Tensor],
+        offset: int,
+        eps: float,
+        rows: int,
+        cols: int,
+        diagonal: float = -1.0,
     ) -> Tensor:
         dtype = compute_dtype(q.dtype)
         qd = q.detach().to(dtype)
@@ -90,7 +114,14 @@ class KoLeoRows(torch.autograd.Function):
         inv_q = _normalize_inverse(qd, eps)
         inv_k = inv_q if keys is None else _normalize_inverse(kd, eps)
         nn = nearest_neighbours(
-            qd, None if keys is None else kd, offset=offset, inv_q=inv_q, inv_k=inv_k, rows=rows, cols=cols
+            qd,
+            None if keys is None else kd,
+            offset=offset,
+            inv_q=inv_q,
+            inv_k=inv_k,
+            rows=rows,
+            cols=cols,
+            diagonal=diagonal,
         )
         dist = qd.new_empty(qd.shape[0])
         for r0 in range(0, qd.shape[0], rows):
@@ -98,15 +129,20 @@ class KoLeoRows(torch.autograd.Function):
             diff = qd[r0:r1] * inv_q[r0:r1].unsqueeze(1) - kd[nn[r0:r1]] * inv_k[nn[r0:r1]].unsqueeze(1) + eps
             dist[r0:r1] = torch.linalg.vector_norm(diff, dim=1)
         ctx.save_for_backward(q, keys, nn, dist)
-        ctx.opts = (eps, rows)
+        ctx.opts = (eps, rows, offset, diagonal)
         return -torch.log(dist + eps)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError("the KoLeo loss does not compute second derivatives")
         q, keys, nn, dist = ctx.saved_tensors
-        eps, rows = ctx.opts
+        eps, rows, offset, diagonal = ctx.opts
+        if torch.is_grad_enabled():  # create_graph=True: the dense formula, differentiable again
+            dtype = compute_dtype(q.dtype)
+
+            def dense(a: Tensor, b: Optional[Tensor]) -> Tensor:
+                return koleo_dense(a.to(dtype), None if b is None else b.to(dtype), offset, eps, diagonal)
+
+            return (*differentiable_grads(dense, [q, keys], ctx.needs_input_grad[:2], grad), *([None] * 5))
         dtype = compute_dtype(q.dtype)
         qd = q.detach().to(dtype)
         kd = qd if keys is None else keys.detach().to(dtype)
@@ -126,4 +162,4 @@ class KoLeoRows(torch.autograd.Function):
             dq[r0:r1] += _through_normalize(g, qd[r0:r1], inv_q[r0:r1], eps)
         dq_out = dq.to(q.dtype) if ctx.needs_input_grad[0] else None
         dk_out = None if keys is None or not ctx.needs_input_grad[1] else dk.to(keys.dtype)
-        return dq_out, dk_out, None, None, None, None
+        return dq_out, dk_out, None, None, None, None, None

@@ -1,25 +1,24 @@
 """Self-distillation over prototypes (DINO, iBOT, SwAV) without the rows x K logits:
-the cross-entropy between a teacher's target distribution over K prototypes and the
-student's softmax over them, every logit formed a block at a time: a scalar loss visits
-blocks of images, every student view's rows of them in one product, against every
-prototype (each row's softmax and targets complete in its block, each distinct sum of
-teacher views' targets formed once, the gradients formed in the same pass); per-row
-losses and Sinkhorn-Knopp's scalings visit blocks of prototypes against every row.
+the prototypes, the teacher's target distributions over them and Sinkhorn-Knopp, every
+logit formed a block at a time; the cross-entropy against the student's softmax that
+takes them is :mod:`flashcl.engine.prototype_loss`'s. A scalar loss visits blocks of
+images, every student view's rows of them in one product, against every prototype (each
+row's softmax and targets complete in its block, each distinct sum of teacher views'
+targets formed once); per-row losses and Sinkhorn-Knopp's scalings visit blocks of
+prototypes against every row.
 
 For student rows ``x`` (B, D) and prototypes ``W`` (K, D), teacher rows ``y`` and the
 teacher's prototypes ``W_t``, with ``s = x^ W^T`` and ``t = y^ W_t^T`` (rows and
 prototypes L2-normalised with ``normalize``, as a weight-normalised last layer)::
 
     loss_b = -sum_k p_bk log_softmax_k(s_b / tau_s)
-           = (sum_k p_bk) LSE_k(s_bk / tau_s) - sum_k p_bk s_bk / tau_s
 
 with the teacher's targets ``p`` either ``softmax_k((t_bk - c_k) / tau_t)`` (a given
 center ``c``) or DINOv2's Sinkhorn-Knopp on ``exp(t / tau_t)``, kept in the log domain
 as scalings of its rows and columns, ``log p_bk = t_bk / tau_t + u_k + v_b``, so that
 the state is O(B + K): each iteration is one pass over the prototypes' blocks (the
 prototypes' sums over the rows are complete in a block of all rows; the rows' sums
-over the prototypes accumulate across blocks). A per-row loss's backward recomputes each block:
-``d loss_b / d s_bk = (sum_k p_bk softmax_k(s_b / tau_s) - p_bk) / tau_s``.
+over the prototypes accumulate across blocks).
 
 This module is the engine's part: the sums over the rows meet the other ranks' through
 a :class:`RowsJoin` (``flashcl.parallel`` has the one for a process group); the public
@@ -29,12 +28,10 @@ losses (:mod:`flashcl.losses.self_distill`) and the drop-ins build on it.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
-
-from ..core import compute_dtype
 
 __all__ = [
     "Prototypes",
@@ -47,10 +44,10 @@ __all__ = [
     "scaled_targets",
     "Blocks",
     "paired_targets",
-    "PrototypeCrossEntropy",
     "auto_prototype_block",
-    "auto_rows_block",
     "EXP_RANGE",
+    "inverse_norms",
+    "Group",
 ]
 
 
@@ -65,11 +62,11 @@ def unit_rows(x: Tensor, normalize: bool) -> Tuple[Tensor, Tensor]:
     inverse norms (ones without ``normalize``)."""
     if not normalize:
         return x, torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    inv = _inverse_norms(x)
+    inv = inverse_norms(x)
     return x * inv.unsqueeze(1), inv
 
 
-def _inverse_norms(x: Tensor) -> Tensor:
+def inverse_norms(x: Tensor) -> Tensor:
     return 1.0 / torch.linalg.vector_norm(x, dim=1).clamp_min(1e-12)
 
 
@@ -81,7 +78,7 @@ class Prototypes:
 
     def __init__(self, w: Tensor, normalize: bool) -> None:
         self.w, self.normalized = w, normalize
-        self.inv = _inverse_norms(w) if normalize else torch.ones(w.shape[0], dtype=w.dtype, device=w.device)
+        self.inv = inverse_norms(w) if normalize else torch.ones(w.shape[0], dtype=w.dtype, device=w.device)
         self.k = w.shape[0]
 
     def unit(self, k0: int, k1: int, scale: float = 1.0) -> Tensor:
@@ -426,195 +423,6 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
     return Blocks(targets, mass, None, len(pairs) * b, len(used) + len(slot), len(pairs), groups)
 
 
-class PrototypeCrossEntropy(torch.autograd.Function):
-    """``apply(x, w, targets, inv_temp, block, normalize[, weights, rows_block]) -> (B,)``:
-    each row's cross-entropy between its targets and the softmax of ``x^ . w^_k *
-    inv_temp`` over the prototypes (``^``: L2-normalised with ``normalize``); with
-    ``weights`` (B,), the scalar ``sum_b weights_b loss_b``. ``targets``:
-    :class:`Blocks` (no gradient). The unit prototypes are never formed; the
-    normalisation's backward is carried here.
-
-    Per row: blocks of ``block`` prototypes against every row, the backward
-    recomputing each (the student's logits and the targets); beyond the inputs the
-    unit rows (B x D), two B x block tiles and O(B + K) vectors. A scalar instead visits
-    blocks of ``rows_block`` images (None: :func:`auto_rows_block`), the rows of them in
-    each of ``targets.views`` stacked views (``x``: view ``s`` in rows ``s b .. (s +
-    1) b``), against every prototype, so that each row's softmax is complete in its
-    block: one pass, each logit and each target formed once, the gradients formed in it
-    (the backward then scales them); beyond the inputs and the gradients, the rows x K
-    tiles (the student's logits, the targets and those they are formed from) and
-    O(B + K)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        w: Tensor,
-        targets: Blocks,
-        inv_temp: float,
-        block: int,
-        normalize: bool,
-        weights: Optional[Tensor] = None,
-        rows_block: Optional[int] = None,
-    ) -> Tensor:
-        ctx.targets, ctx.inv_temp, ctx.block, ctx.normalize = targets, inv_temp, block, normalize
-        ctx.weights, ctx.fused = weights, None
-        if weights is not None:
-            return _fused_rows(ctx, x, w, targets, inv_temp, normalize, weights, rows_block)
-        dtype = compute_dtype(x.dtype)
-        xh, inv_x = unit_rows(x.detach().to(dtype), normalize)
-        protos = Prototypes(w.detach().to(dtype), normalize)
-        b, k = xh.shape[0], protos.k
-        z_buf, p_buf = xh.new_empty(b, min(block, k)), xh.new_empty(b, min(block, k))
-        mx = xh.new_full((b,), float("-inf"))
-        total = xh.new_zeros(b)
-        mass = xh.new_zeros(b)  # sum_k p_bk (1 up to rounding)
-        cross = xh.new_zeros(b)  # sum_k p_bk s_bk / tau_s
-        for k0 in _blocks(k, block):
-            k1 = min(k0 + block, k)
-            z = protos.tile(xh, k0, k1, inv_temp, z_buf)
-            p = targets(k0, k1, p_buf)
-            mass += p.sum(1)
-            cross += p.mul_(z).sum(1)
-            new = torch.maximum(mx, z.amax(1))
-            total = total * torch.exp(mx - new) + z.sub_(new.unsqueeze(1)).exp_().sum(1)
-            mx = new
-        lse = mx + total.log()
-        ctx.save_for_backward(x, w, lse, mass)
-        rows = mass * lse - cross  # in the compute dtype (float32 for half-precision inputs)
-        return rows if weights is None else (weights.to(dtype) * rows).sum()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError("the prototypes' cross-entropy does not compute second derivatives")
-        if ctx.fused is not None:  # formed in the forward pass: scaled in place (no second K x D tensor)
-            dx, dw = ctx.fused
-            ctx.fused = None  # handed over (autograd takes them as the leaves' .grad); a second backward recomputes
-            return (
-                None if dx is None else dx.mul_(grad.to(dx.dtype)),
-                None if dw is None else dw.mul_(grad.to(dw.dtype)),
-                *([None] * 6),
-            )
-        x, w, lse, mass = ctx.saved_tensors
-        dtype = compute_dtype(x.dtype)
-        xh, inv_x = unit_rows(x.detach().to(dtype), ctx.normalize)
-        protos = Prototypes(w.detach().to(dtype), ctx.normalize)
-        b, k, s = xh.shape[0], protos.k, ctx.inv_temp
-        g = grad.to(dtype) if ctx.weights is None else ctx.weights.to(dtype) * grad.to(dtype)
-        grads = _Grads(xh, protos, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        z_buf, p_buf = xh.new_empty(b, min(ctx.block, k)), xh.new_empty(b, min(ctx.block, k))
-        for k0 in _blocks(k, ctx.block):
-            k1 = min(k0 + ctx.block, k)
-            # d loss_b / d z_bk = mass_b softmax_bk - p_bk, times the upstream gradient and 1 / tau
-            gz = protos.tile(xh, k0, k1, s, z_buf).sub_(lse.unsqueeze(1)).exp_().mul_(mass.unsqueeze(1))
-            grads.add(gz.sub_(ctx.targets(k0, k1, p_buf)).mul_(g.unsqueeze(1) * s), k0, k1)
-        dx, dw = grads.finish(x, w, inv_x, ctx.normalize)
-        return dx, dw, None, None, None, None, None, None
-
-
-def auto_rows_block(k: int, tiles: int) -> int:
-    """Images per block of a scalar's pass over every prototype: its ``tiles`` rows x K
-    tiles per image (the student views' logits, the teacher views' targets and their
-    sums) of about 16M entries together (64 MB in float32), so that its GEMMs' inner
-    and outer sizes stay wide."""
-    return max(1, (1 << 24) // (max(1, tiles) * max(1, k)))
-
-
-def _fused_rows(
-    ctx: Any,
-    x: Tensor,
-    w: Tensor,
-    targets: Blocks,
-    inv_temp: float,
-    normalize: bool,
-    weights: Tensor,
-    rows_block: Optional[int],
-) -> Tensor:
-    """:class:`PrototypeCrossEntropy`'s scalar: blocks of images (their rows in every
-    student view, one GEMM) against every prototype, the value and both gradients in
-    one pass (kept in ``ctx.fused``)."""
-    dtype = compute_dtype(x.dtype)
-    xd = x.detach().to(dtype)
-    protos = Prototypes(w.detach().to(dtype), normalize)
-    (rows, d), k, views = xd.shape, protos.k, targets.views
-    b = rows // views
-    inv_x = _inverse_norms(xd) if normalize else None
-    n = max(1, min(b, rows_block or auto_rows_block(k, views + targets.tiles)))
-    z_buf, scratch = xd.new_empty(views * n, k), xd.new_empty(targets.tiles, n, k)
-    lse, mass, cross = (xd.new_zeros(views, b) for _ in range(3))
-    # each row's factor of its logits' gradient, negated: the tiles hold p - mass softmax
-    neg = (weights.to(dtype) * -inv_temp).view(views, b)
-    dx = torch.zeros_like(xd) if ctx.needs_input_grad[0] else None
-    dwh = torch.zeros_like(protos.w) if ctx.needs_input_grad[1] else None
-    # the logits' shift: their bound where the range allows it (folded into the columns' pass), else each row's maximum
-    hi = inv_temp if normalize else _bound(xd, protos, inv_temp)
-    shift = xd.new_tensor(-hi) if 2 * hi <= EXP_RANGE.get(dtype, 0.0) else None
-    known = None if targets.mass is None else targets.mass.to(dtype).view(views, b)
-    for i0 in range(0, b, n):
-        i1 = min(i0 + n, b)
-        m = i1 - i0
-        xr = xd.view(views, b, d)[:, i0:i1].reshape(views * m, d)  # of one view: the input's own rows
-        if inv_x is not None:
-            xr = xr * inv_x.view(views, b)[:, i0:i1].reshape(-1, 1)
-        z = protos.rows_tile(xr, inv_temp, z_buf[: views * m], shift)
-        top = -shift.expand(views * m) if shift is not None else z.amax(1)
-        if shift is None:
-            z.sub_(top.unsqueeze(1))
-        top = top.view(views, m)
-        zs, groups = z.view(views, m, k), targets.groups(i0, i1, scratch)
-        for ss, p in groups:  # each row's sum of its targets and its cross term (z: the logits less top)
-            if p is None:  # no targets: both stay 0
-                continue
-            mass[ss, i0:i1] = p.sum(1) if known is None else known[ss, i0:i1]
-            for s in ss:
-                cross[s, i0:i1] = _row_dots(p, zs[s]) + top[s] * mass[s, i0:i1]
-        e = z.exp_()
-        total = e.sum(1).view(views, m)
-        lse[:, i0:i1] = total.log() + top
-        ratio = mass[:, i0:i1] / total
-        for ss, p in groups:  # the logits' gradient, negated: p - mass softmax
-            for s in ss:
-                if p is None:  # no targets, a mass of 0: no gradient
-                    zs[s].zero_()
-                else:
-                    torch.addcmul(p, zs[s], ratio[s].unsqueeze(1), value=-1.0, out=zs[s])
-        f = neg[:, i0:i1].reshape(-1, 1)
-        if dwh is not None:  # d w^_k += sum_b gz_bk x^_b / tau
-            dwh.addmm_(z.T, xr * f)
-        if dx is not None:  # d x^_b = sum_k gz_bk w^_k / tau
-            g = torch.mm(z.mul_(protos.inv) if normalize else z, protos.w).mul_(f)
-            dx.view(views, b, d)[:, i0:i1] = g.view(views, m, d)
-    if dx is not None and inv_x is not None:
-        _through_unit(dx, xd, inv_x)
-    if dwh is not None and normalize:
-        _through_unit(dwh, protos.w, protos.inv)
-    ctx.fused = (None if dx is None else dx.to(x.dtype), None if dwh is None else dwh.to(w.dtype))
-    lse, mass, cross = lse.view(-1), mass.view(-1), cross.view(-1)
-    ctx.save_for_backward(x, w, lse, mass)  # a second backward (retain_graph) recomputes
-    return (weights.to(dtype) * (mass * lse - cross)).sum()
-
-
-def _row_dots(p: Tensor, z: Tensor, chunk: int = 8192) -> Tensor:
-    """Each row's ``sum_k p_bk z_bk``, a chunk of columns at a time (no copy of the tiles)."""
-    out = p.new_zeros(p.shape[0])
-    scratch = p.new_empty(p.shape[0], min(chunk, p.shape[1]))
-    for c0 in range(0, p.shape[1], chunk):
-        c1 = min(c0 + chunk, p.shape[1])
-        out += torch.mul(p[:, c0:c1], z[:, c0:c1], out=scratch[:, : c1 - c0]).sum(1)
-    return out
-
-
-def _through_unit(grad: Tensor, v: Tensor, inv: Tensor, chunk: int = 4096) -> None:
-    """The gradient of ``v^ = v inv`` (each row by its inverse norm) taken back to ``v``
-    in place: ``(grad - v^ (v^ . grad)) inv``, a chunk of rows at a time."""
-    for r0 in range(0, v.shape[0], chunk):
-        r1 = min(r0 + chunk, v.shape[0])
-        unit = v[r0:r1] * inv[r0:r1].unsqueeze(1)
-        g = grad[r0:r1]
-        g.sub_(unit * torch.linalg.vecdot(unit, g, dim=1).unsqueeze(1)).mul_(inv[r0:r1].unsqueeze(1))
-
-
 #: per dtype, the widest range of logits whose exponentials, shifted by their bound, stay normal
 #: numbers (wider: every sum a logsumexp; a dtype not named: always logsumexps)
 EXP_RANGE = {torch.float32: 80.0, torch.float64: 700.0}
@@ -655,46 +463,3 @@ def _bound(rows: Tensor, protos: Prototypes, scale: float) -> float:
     r = float(torch.linalg.vector_norm(rows, dim=1).max()) if rows.numel() else 0.0
     p = float((torch.linalg.vector_norm(protos.w, dim=1) * protos.inv).max()) if protos.k else 0.0
     return r * p * scale
-
-
-class _Grads:
-    """The rows' and the prototypes' gradients from the logits' gradient a block at a
-    time: ``d w^_k = gz_k^T x^`` (then through ``w^ = w / |w|``), ``d x^ += gz w^``."""
-
-    def __init__(
-        self, xh: Tensor, protos: Prototypes, rows: bool, prototypes: bool, factor: Optional[Tensor] = None
-    ) -> None:
-        self.xh, self.protos = xh, protos
-        # ``factor``: each row's factor of the logits' gradient; one value for every row (a mean, a
-        # sum) is applied to the gradients' blocks, not to every tile; else to each tile
-        self.scalar: Optional[float] = None
-        self.rowwise: Optional[Tensor] = None
-        if factor is not None and factor.numel() and bool((factor == factor[0]).all()):
-            self.scalar = float(factor[0])
-        elif factor is not None:
-            self.rowwise = factor.unsqueeze(1)
-        self.dxh = torch.zeros_like(xh) if rows else None
-        self.dw = torch.zeros_like(protos.w) if prototypes else None
-
-    def add(self, gz: Tensor, k0: int, k1: int) -> None:
-        inv, unit = self.protos.inv[k0:k1], self.protos.unit(k0, k1)
-        if self.rowwise is not None:
-            gz.mul_(self.rowwise)
-        if self.dw is not None:
-            dwh = torch.mm(gz.T, self.xh, out=self.dw[k0:k1])
-            if self.scalar is not None:
-                dwh.mul_(self.scalar)
-            if self.protos.normalized:
-                dwh.sub_(unit * (unit * dwh).sum(1, keepdim=True)).mul_(inv.unsqueeze(1))
-        if self.dxh is not None:  # d x^ += gz w^_k
-            self.dxh.addmm_(gz, unit)
-
-    def finish(self, x: Tensor, w: Tensor, inv_x: Tensor, normalize: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        dx = None
-        if self.dxh is not None:
-            dx = self.dxh if self.scalar is None else self.dxh.mul_(self.scalar)
-            if normalize:  # through x^ = x / |x|, in place
-                dot = torch.linalg.vecdot(self.xh, dx, dim=1).unsqueeze(1)
-                dx = dx.addcmul_(self.xh, dot, value=-1.0).mul_(inv_x.unsqueeze(1))
-            dx = dx.to(x.dtype)
-        return dx, None if self.dw is None else self.dw.to(w.dtype)

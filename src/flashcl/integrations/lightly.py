@@ -24,7 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core import compute_dtype
-from ..losses.koleo import koleo_loss
+from ..engine.engine import autocast_off, differentiable_grads
+from ..engine.neighbours import KoLeoRows
+from ..engine.prototype_loss import soft_cross_entropy, soft_gradient_, soft_terms
+from ..losses.self_distill import check_temperature
 from ..parallel import rows_join
 
 __all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "SwaVLoss", "PrototypeHead"]
@@ -33,50 +36,79 @@ __all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "SwaVLoss", "PrototypeHead"
 class _PairedSoftCrossEntropy(torch.autograd.Function):
     """``apply(inv_temp, pairs, targets, *views) -> (S, B)``: each student view's rows'
     cross-entropy ``-sum_k p_k log_softmax_k(s / tau)`` summed over its paired teacher
-    views' probabilities (``targets``: T tensors (B, K), no gradient). Saved: the
-    logits (the inputs) and each row's logsumexp; the backward forms
-    ``(mass softmax - sum p) / tau`` a view at a time."""
+    views' probabilities (``targets``: T tensors (B, K), no gradient), in the form of
+    :func:`flashcl.engine.prototypes.soft_cross_entropy` (two non-negative terms: a
+    tiny loss keeps its precision). Saved: the logits (the inputs) and five numbers per
+    row; the backward forms ``(mass softmax - sum p) / tau`` a block of rows at a time.
+    With ``create_graph=True`` the gradient comes from the differentiable formula."""
 
     @staticmethod
     def forward(ctx: Any, inv_temp: float, pairs: List[List[int]], targets: List[Tensor], *views: Tensor) -> Tensor:  # type: ignore[override]
         dtype = compute_dtype(views[0].dtype)
-        lses, out = [], []
+        stats: List[Tensor] = []
+        out = []
         for s, view in enumerate(views):
-            lse = view.new_empty(view.shape[0], dtype=dtype)
-            cross = torch.zeros_like(lse)
+            top, rest, mass, prest, cross = (view.new_zeros(view.shape[0], dtype=dtype) for _ in range(5))
+            idx = torch.zeros(view.shape[0], dtype=torch.long, device=view.device)
             for r in _chunks(view):  # the scaled logits a block of rows at a time
                 z = view[r].detach().to(dtype) * inv_temp
-                lse[r] = torch.logsumexp(z, dim=-1)
-                # a target of probability 0 takes no part (0 log 0 = 0: a -inf logit there is no NaN)
-                for t in pairs[s]:
-                    cross[r] += _dot(targets[t][r], z)
-            mass = sum((targets[t].sum(-1) for t in pairs[s]), torch.zeros_like(lse))
-            lses.append(lse)
-            out.append(mass * lse - cross)
-        ctx.save_for_backward(*views, *lses)
+                top[r], idx[r] = z.max(1)
+                d = z.sub_(top[r].unsqueeze(1))
+                mass[r], prest[r], cross[r] = soft_terms(d, idx[r], [targets[t][r] for t in pairs[s]])
+                e = d.exp_()
+                e.scatter_(1, idx[r].unsqueeze(1), 0.0)
+                rest[r] = e.sum(1)
+            stats.extend((top, idx, rest, mass, prest))
+            out.append(mass * torch.log1p(rest) + cross)
+        ctx.save_for_backward(*views, *stats)
         ctx.inv_temp, ctx.pairs, ctx.targets, ctx.n = inv_temp, pairs, targets, len(views)
         return torch.stack(out)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError("the lightly drop-ins do not compute second derivatives")
         saved = ctx.saved_tensors
-        views, lses = saved[: ctx.n], saved[ctx.n :]
-        grads = []
-        for s, (view, lse) in enumerate(zip(views, lses)):
-            dtype = lse.dtype
-            pairs = ctx.pairs[s]
-            if not ctx.needs_input_grad[3 + s] or not pairs:
-                grads.append(None if not ctx.needs_input_grad[3 + s] else torch.zeros_like(view))
+        views, stats = saved[: ctx.n], saved[ctx.n :]
+        needs = ctx.needs_input_grad[3:]
+        if torch.is_grad_enabled():  # create_graph=True: the formula's gradient, differentiable again
+            rows = lambda *xs: _paired_dense(ctx.inv_temp, ctx.pairs, ctx.targets, xs)  # noqa: E731
+            return (None, None, None, *differentiable_grads(rows, views, needs, grad))
+        grads: List[Optional[Tensor]] = []
+        for s, view in enumerate(views):
+            if not needs[s]:
+                grads.append(None)
                 continue
-            # the gradient's own buffer: mass softmax, then each paired view's targets subtracted
-            g = (view.detach().to(dtype) * ctx.inv_temp).sub_(lse.unsqueeze(-1)).exp_()
-            g.mul_(sum((ctx.targets[t].sum(-1, keepdim=True) for t in pairs), torch.zeros_like(lse).unsqueeze(-1)))
-            for t in pairs:
-                g.sub_(ctx.targets[t])
-            grads.append(g.mul_(grad[s].to(dtype).unsqueeze(-1) * ctx.inv_temp).to(view.dtype))
+            top, idx, rest, mass, prest = stats[5 * s : 5 * s + 5]
+            g = torch.empty(view.shape, dtype=top.dtype, device=view.device)
+            for r in _chunks(view):  # the gradient's own buffer, a block of rows at a time
+                gz = torch.mul(view[r].detach(), ctx.inv_temp, out=g[r])
+                targets = [ctx.targets[t][r] for t in ctx.pairs[s]]
+                soft_gradient_(gz, targets, 0, top[r], idx[r], rest[r], mass[r], prest[r])
+                gz.mul_(grad[s][r].to(gz.dtype).unsqueeze(-1) * ctx.inv_temp)
+            grads.append(g.to(view.dtype))
         return (None, None, None, *grads)
+
+
+def _paired_dense(
+    inv_temp: float, pairs: List[List[int]], targets: Sequence[Tensor], views: Sequence[Tensor]
+) -> Tensor:
+    """:class:`_PairedSoftCrossEntropy`'s rows by differentiable torch ops (its second
+    derivatives; a teacher whose logits take a gradient, as lightly's)."""
+    dtype = compute_dtype(views[0].dtype)
+    out = []
+    for s, view in enumerate(views):
+        p = sum((targets[t].to(dtype) for t in pairs[s]), torch.zeros(view.shape, dtype=dtype, device=view.device))
+        out.append(soft_cross_entropy(view.to(dtype) * inv_temp, p))
+    return torch.stack(out)
+
+
+def _paired_rows(inv_temp: float, pairs: List[List[int]], targets: List[Tensor], views: Sequence[Tensor]) -> Tensor:
+    """Each student view's rows' cross-entropy against its paired teacher views' targets:
+    by :class:`_PairedSoftCrossEntropy`, or, where a target takes a gradient (the
+    teacher's logits require it, as lightly then backpropagates into them), by the
+    differentiable formula."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in targets):
+        return _paired_dense(inv_temp, pairs, targets, views)
+    return _PairedSoftCrossEntropy.apply(inv_temp, pairs, targets, *views)
 
 
 def _chunks(x: Tensor, entries: int = 1 << 20) -> List[slice]:
@@ -86,20 +118,15 @@ def _chunks(x: Tensor, entries: int = 1 << 20) -> List[slice]:
 
 
 def _softmax_targets(logits: Tensor, center: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
-    """``softmax((logits - center) / temperature)`` in ``dtype``, a block of rows at a
-    time into one tensor (no temporaries of the logits' size)."""
+    """``softmax((logits - center) / temperature)`` in ``dtype``: with the logits' gradient
+    where they require one (lightly backpropagates into the teacher's logits then), else
+    a block of rows at a time into one tensor (no temporaries of the logits' size)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return torch.softmax((logits.to(dtype) - center) / temperature, dim=-1)
     out = torch.empty(logits.shape, dtype=dtype, device=logits.device)
     for r in _chunks(logits):
         torch.softmax((logits[r].detach().to(dtype) - center) / temperature, dim=-1, out=out[r])
     return out
-
-
-def _dot(p: Tensor, z: Tensor) -> Tensor:
-    """``sum_k p_k z_k`` per row, the entries of ``p = 0`` left out (a logit of -inf
-    there: 0 log 0 = 0); without infinite logits, with no temporary of their size."""
-    if bool(torch.isfinite(z).all()):
-        return torch.linalg.vecdot(p, z, dim=-1)
-    return torch.where(p > 0, p * z, torch.zeros_like(z)).sum(-1)
 
 
 def _float32(value: float) -> float:
@@ -173,10 +200,9 @@ class DINOLoss(nn.Module):
             )
         dtype = compute_dtype(student_out[0].dtype)
         center = self.center.reshape(-1).to(dtype)
-        with torch.no_grad():
-            targets = [_softmax_targets(t, center, tt, dtype) for t in teacher_out]
+        targets = [_softmax_targets(t, center, tt, dtype) for t in teacher_out]
         pairs = [[t for t in range(len(teacher_out)) if t != s] for s in range(len(student_out))]
-        rows = _PairedSoftCrossEntropy.apply(1.0 / self.student_temp, pairs, targets, *student_out)
+        rows = _paired_rows(1.0 / self.student_temp, pairs, targets, student_out)
         loss = rows.sum() / (n_terms * teacher_out[0].shape[0])
         self.update_center(teacher_out)
         return loss
@@ -242,9 +268,8 @@ class IBOTPatchLoss(nn.Module):
     ) -> Tensor:
         tt = _float32(teacher_temp if teacher_temp is not None else self.teacher_temp)
         dtype = compute_dtype(student_out.dtype)
-        with torch.no_grad():
-            target = _softmax_targets(teacher_out, self.center.value.reshape(-1).to(dtype), tt, dtype)
-        rows = _PairedSoftCrossEntropy.apply(1.0 / self.student_temp, [[0]], [target], student_out)[0]
+        target = _softmax_targets(teacher_out, self.center.value.reshape(-1).to(dtype), tt, dtype)
+        rows = _paired_rows(1.0 / self.student_temp, [[0]], [target], [student_out])[0]
         per_image = mask.sum(dim=tuple(range(1, mask.dim())), keepdim=True).clamp(min=1.0)
         weight = (1.0 / per_image).expand_as(mask)[mask]
         loss = (rows * weight).sum() / mask.shape[0]
@@ -253,8 +278,11 @@ class IBOTPatchLoss(nn.Module):
 
 
 class KoLeoLoss(nn.Module):
-    """lightly's ``KoLeoLoss`` (DINOv2's): with ``p = 2`` by :func:`flashcl.koleo_loss`
-    (no B x B matrix); another ``p`` by lightly's formula.
+    """lightly's ``KoLeoLoss``: with ``p = 2`` by flashcl's tiled neighbour search (no
+    B x B matrix); another ``p`` by lightly's formula. lightly's rule for the self
+    product (-2 in the search, so that a row whose every other row is antipodal has
+    one of those as its neighbour); :func:`flashcl.koleo_loss` keeps DINOv2's (-1: that
+    row is its own neighbour).
 
     Examples::
 
@@ -268,7 +296,9 @@ class KoLeoLoss(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.p == 2:
-            return koleo_loss(x, eps=self.eps)
+            eps = check_temperature(self.eps, "eps")
+            with autocast_off(x.device.type):
+                return KoLeoRows.apply(x, None, 0, eps, 512, 8192, -2.0).mean()
         x = F.normalize(x, p=2, dim=-1, eps=self.eps)
         cos = (x @ x.t()).fill_diagonal_(-2)
         return -(self.pairwise_distance(x, x[cos.argmax(dim=1)]) + self.eps).log().mean()
@@ -333,7 +363,7 @@ class SwaVLoss(nn.Module):
                 )
                 codes.append(q[:b])
         pairs = [[i for i in range(h) if i != v] for v in range(len(views))]
-        rows = _PairedSoftCrossEntropy.apply(1.0 / self.temperature, pairs, codes, *views)
+        rows = _paired_rows(1.0 / self.temperature, pairs, codes, views)
         return (rows.sum() / (b * (len(views) - 1) * h)).reshape(1)
 
 

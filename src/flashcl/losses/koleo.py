@@ -14,21 +14,10 @@ from ..base import LossModule, shared_docs
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.neighbours import KoLeoRows
+from ..engine.neighbours import KoLeoRows, koleo_dense
 from .self_distill import check_options, check_temperature
 
 __all__ = ["koleo_loss", "KoLeoLoss"]
-
-
-def _koleo_dense(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor:
-    """DINOv2's ``KoLeoLoss`` on the M x N products (differentiable)."""
-    qh = torch.nn.functional.normalize(q, eps=eps, p=2, dim=-1)
-    kh = torch.nn.functional.normalize(keys, eps=eps, p=2, dim=-1)
-    dots = qh @ kh.T
-    own = torch.arange(q.shape[0], device=q.device)
-    dots = dots.index_put((own, own + offset), dots.new_tensor(-1.0))
-    nn = dots.detach().argmax(1)
-    return -torch.log(torch.nn.functional.pairwise_distance(qh, kh[nn], 2, eps) + eps)
 
 
 def _koleo_reference(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor:
@@ -73,8 +62,12 @@ def koleo_loss(
     on the L2-normalised rows (``F.normalize`` with ``eps``; the distance as
     ``nn.PairwiseDistance(2, eps)``), without the B x B products: the neighbours are
     found a tile at a time and the gradient formed a block of rows at a time (at B =
-    65,536 and D = 256: under 20 MB beyond the input). Equal to DINOv2's and lightly's
-    ``KoLeoLoss``.
+    65,536 and D = 256: under 20 MB beyond the input). Equal to DINOv2's ``KoLeoLoss``,
+    its rule for the self product included (-1 in the search: a row whose every other
+    row is antipodal is its own neighbour); lightly's ``KoLeoLoss`` takes -2 there and
+    equals it elsewhere (:class:`flashcl.integrations.lightly.KoLeoLoss` keeps
+    lightly's rule). Second derivatives (``create_graph=True``) on every backend, on the
+    tiled one through the dense formula (memory O(B^2) on that path only).
 
     Args:
         x: the rows, (B, D) (DINOv2: the student's class tokens of one global crop).
@@ -110,7 +103,7 @@ def koleo_loss(
             return KoLeoRows.apply(x, keys, offset, e, block_size or 512, 8192)
 
         def dense() -> Tensor:
-            return _koleo_dense(x.to(dtype), others.to(dtype), offset, e)
+            return koleo_dense(x.to(dtype), others.to(dtype), offset, e)
 
         def reference() -> Tensor:
             return _koleo_reference(x.to(dtype), others.to(dtype), offset, e)

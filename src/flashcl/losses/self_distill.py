@@ -14,7 +14,7 @@ O((B + K) + B x block)."""
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -24,9 +24,9 @@ from ..base import LossModule, shared_docs
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
+from ..engine.prototype_loss import PrototypeCrossEntropy, soft_cross_entropy
 from ..engine.prototypes import (
     Blocks,
-    PrototypeCrossEntropy,
     Prototypes,
     RowsJoin,
     auto_prototype_block,
@@ -38,7 +38,7 @@ from ..engine.prototypes import (
     unit_rows,
 )
 
-__all__ = ["dino_loss", "prototype_center", "DINOLoss"]
+__all__ = ["dino_loss", "prototype_center", "DINOLoss", "center_values"]
 
 PROTOTYPE_BACKENDS = ("auto", "reference", "dense", "tiled")
 TARGETS = ("softmax", "sinkhorn")
@@ -123,6 +123,18 @@ def mask_weights(masks: Optional[Tensor], rows: int, like: Tensor) -> Tuple[Opti
     return weight, masks.shape[0]
 
 
+def center_values(value: Tensor, own: Optional[Tensor], name: str) -> Tensor:
+    """A center from a checkpoint in the shape of ``own`` (a Module's center buffer;
+    None: (K,)): any shape of K values loads, (K,), lightly's (1, 1, K), DINOv2's
+    (1, K). A different count of values is a ValueError that names both."""
+    k = value.numel()
+    if own is not None and own.numel() != k:
+        raise ValueError(f"{name} holds {k} values but this loss's center has {own.numel()} (K prototypes)")
+    if value.dim() > 1 and any(n != 1 for n in value.shape[:-1]):
+        raise ValueError(f"{name} must be (K,), (1, K) or (1, 1, K): one value per prototype; got {tuple(value.shape)}")
+    return value.reshape(own.shape if own is not None else (k,))
+
+
 # ----------------------------------------------------------------------------- the teacher's targets
 
 
@@ -173,7 +185,8 @@ class Teacher:
     def reference(self) -> List[Tensor]:
         """Each view's targets (b, K) from the published formulas, row by row: the
         centred softmax, or DINOv2's ``sinkhorn_knopp_teacher`` (SwAV's ``sinkhorn``)
-        on ``exp(t / tau_t)``, its sums over the rows joined over the ranks."""
+        on ``exp(t / tau_t)`` (in the log domain), its sums over the rows joined over
+        the ranks."""
         unit = _unit_reference(self.w_t, self.normalize)
         t_views = [
             _stack([unit @ _unit_row(y, self.normalize) for y in view], unit.new_zeros(0, unit.shape[0]))
@@ -193,13 +206,17 @@ class Teacher:
         return [q[: self.b] for q in out]
 
     def _sinkhorn(self, t: Tensor) -> Tensor:
-        q = torch.exp(t * self.inv_temp).t()  # K x B, as DINOv2 writes it
-        k, b = q.shape[0], self.join.total_rows(q.shape[1])
-        q = q / self.join.sum(q.sum().reshape(1))[0]
+        """DINOv2's ``sinkhorn_knopp_teacher`` in its order, each normalisation a division
+        by a sum, written in the log domain (the sums as logsumexps): ``exp(t / tau)``
+        overflows float32 from ``t / tau`` of 89 (a teacher temperature of 2^-10 with unit
+        rows), its logarithm does not."""
+        lq = (t * self.inv_temp).t()  # log Q, K x B as DINOv2 writes it
+        k, b = lq.shape[0], self.join.total_rows(lq.shape[1])
+        lq = lq - self.join.lse(torch.logsumexp(lq.flatten(), 0).reshape(1))[0]
         for _ in range(self.iterations):
-            q = q / self.join.sum(q.sum(dim=1, keepdim=True)) / k
-            q = q / q.sum(dim=0, keepdim=True) / b
-        return (q * b).t()
+            lq = lq - self.join.lse(torch.logsumexp(lq, dim=1, keepdim=True)) - math.log(k)
+            lq = lq - torch.logsumexp(lq, dim=0, keepdim=True) - math.log(b)
+        return (lq + math.log(b)).exp().t()
 
 
 def _stack(items: List[Tensor], empty: Tensor) -> Tensor:
@@ -238,12 +255,13 @@ def _reference_rows(
 def _dense_rows(
     x: Tensor, w: Tensor, inv_temp: float, targets: List[Tensor], pairs: List[List[int]], normalize: bool
 ) -> Tensor:
-    """Per-row losses on the (S, B, K) logits, as lightly and DINOv2 write them."""
+    """Per-row losses on the (S, B, K) logits, each row's cross-entropy against the sum
+    of its paired teacher views' targets, as :func:`soft_cross_entropy` forms it (no
+    cancellation near collapse)."""
     xs, ws = (torch.nn.functional.normalize(v, dim=-1) for v in (x, w)) if normalize else (x, w)
-    lsm = torch.log_softmax(torch.matmul(xs, ws.T) * inv_temp, dim=-1)
     p = torch.stack(targets)
     summed = torch.stack([p[ts].sum(0) if ts else torch.zeros_like(p[0]) for ts in pairs])
-    return -(summed * lsm).sum(-1)
+    return soft_cross_entropy(torch.matmul(xs, ws.T) * inv_temp, summed)
 
 
 def distill_rows(
@@ -535,6 +553,17 @@ class DINOLoss(LossModule):
         center = None if num_prototypes is None else torch.zeros(check_count(num_prototypes, "num_prototypes", 1))
         self.register_buffer("center", center)
 
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # a center of K values loads whatever its shape ((K,); lightly's (1, 1, K), DINOv2's (1, K)) and into a
+        # Module that has none yet (made without num_prototypes, not yet called)
+        key = prefix + "center"
+        value = state_dict.get(key)
+        if isinstance(value, Tensor):
+            state_dict[key] = value = center_values(value, self.center, key)
+            if self.center is None:
+                self.center = torch.empty_like(value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(
         self,
         student: Tensor,
@@ -549,8 +578,8 @@ class DINOLoss(LossModule):
         if teacher_temperature is not None:
             options["teacher_temperature"] = teacher_temperature
         softmax = options["targets"] == "softmax"
-        if softmax and self.center is None:
-            self.center = torch.zeros(prototypes.shape[0], device=prototypes.device)
+        if softmax and self.center is None:  # in the teacher's compute dtype, on its device
+            self.center = torch.zeros(prototypes.shape[0], dtype=compute_dtype(teacher.dtype), device=teacher.device)
         if (
             softmax
             and self.center is not None
