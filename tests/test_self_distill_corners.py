@@ -285,3 +285,102 @@ def test_sinkhorn_knopp_where_the_exponential_overflows(dtype: torch.dtype) -> N
                     assert_close(got, want, f"{backend} at a teacher temperature of {tt}", *TOL)
                 else:  # logits of 1e3 .. 1e4: float32's rounding of them moves the targets by about 1e-4
                     assert _rel(got, want) < 1e-3, f"{backend} at a teacher temperature of {tt}"
+
+
+# ----------------------------------------------------------------------------- empty inputs
+
+
+@pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
+def test_an_ibot_batch_with_no_masked_patch_is_zero(backend: str) -> None:
+    """DINOv2 masks an image with probability 0.5: a batch may have no masked patch at
+    all. The loss is 0 with zero gradients, as lightly's IBOTPatchLoss and DINOv2's
+    forward_masked return (their sum over no rows divided by the images)."""
+    masks = torch.zeros(3, 2, 2, dtype=torch.bool)
+    x, w = torch.zeros(0, 4, requires_grad=True), torch.randn(7, 4, requires_grad=True)
+    loss = flashcl.dino_loss(x, torch.zeros(0, 4), w, masks=masks, backend=backend)
+    loss.backward()
+    assert loss.shape == () and float(loss) == 0.0
+    assert x.grad is not None and x.grad.shape == (0, 4)
+    assert w.grad is not None and float(w.grad.abs().sum()) == 0.0
+    rows = flashcl.dino_loss(x, torch.zeros(0, 4), w, masks=masks, reduction="none", backend=backend)
+    assert rows.shape == (0,)
+    if peer is not None:
+        want = peer.IBOTPatchLoss(output_dim=7)(torch.zeros(0, 7), torch.zeros(0, 7), masks)
+        assert float(want) == 0.0
+
+
+@pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
+def test_an_empty_swav_queue_is_the_loss_without_one(backend: str) -> None:
+    g = torch.Generator().manual_seed(12)
+    v, w = torch.randn(3, 5, 4, generator=g, dtype=F64), torch.randn(9, 4, generator=g, dtype=F64)
+    got = flashcl.swav_loss(v, w, high_resolution=2, queue=torch.zeros(2, 0, 4, dtype=F64), backend=backend)
+    want = flashcl.swav_loss(v, w, high_resolution=2, backend=backend)
+    assert_close(got, want, "an empty queue", *TOL)
+    if peer is not None:
+        scores = [_unit(x) @ _unit(w).T for x in v]
+        lightly = peer.SwaVLoss()(scores[:2], scores[2:], [torch.zeros(0, 9, dtype=F64)] * 2)
+        assert_close(got.reshape(1), lightly, "lightly's SwaVLoss with an empty queue", *TOL)
+    with pytest.raises(ValueError, match="queue"):
+        flashcl.swav_loss(v, w, high_resolution=2, queue=torch.zeros(3, 0, 4, dtype=F64))
+
+
+# ----------------------------------------------------------------------------- the center
+
+
+def test_the_center_is_made_in_the_teachers_dtype_and_round_trips() -> None:
+    """DINOLoss() without num_prototypes: the center made at the first call in the
+    teacher's compute dtype (float64 here, float32 for half inputs), and a state_dict
+    round trip into a fresh DINOLoss() (which has no center yet) keeps it."""
+    g = torch.Generator().manual_seed(13)
+    x, y, w = (torch.randn(*s, generator=g, dtype=F64) for s in ((2, 4, 3), (2, 4, 3), (7, 3)))
+    loss_fn = flashcl.DINOLoss()
+    loss_fn(x, y, w)
+    assert loss_fn.center is not None and loss_fn.center.dtype == F64
+    fresh = flashcl.DINOLoss()
+    fresh.load_state_dict(loss_fn.state_dict())
+    assert fresh.center is not None and torch.equal(fresh.center, loss_fn.center)
+    assert_close(fresh.eval()(x, y, w), loss_fn.eval()(x, y, w), "the same loss after the round trip", *TOL)
+    half = flashcl.DINOLoss()
+    half(x.bfloat16(), y.bfloat16(), w.bfloat16())
+    assert half.center is not None and half.center.dtype == torch.float32
+    with pytest.raises(ValueError, match="center"):
+        flashcl.DINOLoss(num_prototypes=5).load_state_dict({"center": torch.zeros(7)})
+
+
+@needs_lightly
+@needs_dinov2
+def test_lightlys_and_dinov2s_centers_load_into_every_dino_loss() -> None:
+    """A checkpoint's center from lightly's DINOLoss (1, 1, K), its IBOTPatchLoss's Center
+    (1, K), DINOv2's DINOLoss (1, K) and iBOTPatchLoss (1, 1, K): each loads into
+    flashcl.DINOLoss and into the lightly drop-ins, and gives the peer's next loss."""
+    k = 11
+    g = torch.Generator().manual_seed(14)
+    center = torch.randn(k, generator=g, dtype=F64)
+    checkpoints = {
+        "lightly DINOLoss": {"center": center.view(1, 1, k)},
+        "lightly Center": {"center": center.view(1, k)},
+        "DINOv2 DINOLoss": {"center": center.view(1, k)},
+        "DINOv2 iBOTPatchLoss": {"center": center.view(1, 1, k)},
+    }
+    peers = {
+        "lightly DINOLoss": peer.DINOLoss(k).double(),
+        "DINOv2 DINOLoss": dv2.DINOLoss(k).double(),
+        "DINOv2 iBOTPatchLoss": dv2.iBOTPatchLoss(k).double(),
+    }
+    for name, state in checkpoints.items():
+        if name in peers:  # the checkpoint is the peer's own
+            peers[name].load_state_dict(state)
+        mine = flashcl.DINOLoss()
+        mine.load_state_dict(state)
+        assert torch.equal(mine.center, center), name
+        drop = ours.DINOLoss(k).double()
+        drop.load_state_dict(state)
+        assert torch.equal(drop.center.reshape(-1), center), name
+        ibot = ours.IBOTPatchLoss(k).double()
+        ibot.center.load_state_dict(state)
+        assert torch.equal(ibot.center.value.reshape(-1), center), name
+    t = [torch.randn(4, k, generator=g, dtype=F64) for _ in range(2)]
+    s = [torch.randn(4, k, generator=g, dtype=F64) for _ in range(3)]
+    drop = ours.DINOLoss(k).double()
+    drop.load_state_dict(peers["lightly DINOLoss"].state_dict())
+    assert_close(drop(t, s), peers["lightly DINOLoss"](t, s), "the loaded center's loss", *TOL)

@@ -16,7 +16,7 @@ of the documentation.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from ..core import compute_dtype
 from ..engine.engine import autocast_off, differentiable_grads
 from ..engine.neighbours import KoLeoRows
 from ..engine.prototype_loss import soft_cross_entropy, soft_gradient_, soft_terms
-from ..losses.self_distill import check_temperature
+from ..losses.self_distill import check_temperature, load_center
 from ..parallel import rows_join
 
 __all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "SwaVLoss", "PrototypeHead"]
@@ -207,6 +207,10 @@ class DINOLoss(nn.Module):
         self.update_center(teacher_out)
         return loss
 
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        load_center(state_dict, prefix + "center", self.center)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @torch.no_grad()
     def update_center(self, teacher_out: Sequence[Tensor]) -> None:
         """The EMA of the center with the teacher's batch mean (over every view and row)."""
@@ -225,6 +229,10 @@ class _Center(nn.Module):
         super().__init__()
         self.register_buffer("center", torch.zeros(size))
         self.momentum = momentum
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        load_center(state_dict, prefix + "center", self.center)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def value(self) -> Tensor:

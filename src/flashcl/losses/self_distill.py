@@ -38,7 +38,7 @@ from ..engine.prototypes import (
     unit_rows,
 )
 
-__all__ = ["dino_loss", "prototype_center", "DINOLoss", "center_values"]
+__all__ = ["dino_loss", "prototype_center", "DINOLoss", "load_center"]
 
 PROTOTYPE_BACKENDS = ("auto", "reference", "dense", "tiled")
 TARGETS = ("softmax", "sinkhorn")
@@ -123,16 +123,22 @@ def mask_weights(masks: Optional[Tensor], rows: int, like: Tensor) -> Tuple[Opti
     return weight, masks.shape[0]
 
 
-def center_values(value: Tensor, own: Optional[Tensor], name: str) -> Tensor:
-    """A center from a checkpoint in the shape of ``own`` (a Module's center buffer;
-    None: (K,)): any shape of K values loads, (K,), lightly's (1, 1, K), DINOv2's
-    (1, K). A different count of values is a ValueError that names both."""
+def load_center(state_dict: Dict[str, Any], key: str, own: Optional[Tensor]) -> Optional[Tensor]:
+    """For a Module's ``_load_from_state_dict``: the checkpoint's center ``state_dict[key]``
+    (if any) put in the shape of ``own``, the Module's center buffer (None: (K,)), and
+    returned. Any shape of K values loads: (K,), lightly's (1, 1, K), DINOv2's (1, K). A
+    different count of values is a ValueError that names both. (``load_state_dict``
+    hands its hooks a copy of the caller's dict: the caller's is left as it was.)"""
+    value = state_dict.get(key)
+    if not isinstance(value, Tensor):
+        return None
     k = value.numel()
     if own is not None and own.numel() != k:
-        raise ValueError(f"{name} holds {k} values but this loss's center has {own.numel()} (K prototypes)")
+        raise ValueError(f"{key} holds {k} values but this loss's center has {own.numel()} (K prototypes)")
     if value.dim() > 1 and any(n != 1 for n in value.shape[:-1]):
-        raise ValueError(f"{name} must be (K,), (1, K) or (1, 1, K): one value per prototype; got {tuple(value.shape)}")
-    return value.reshape(own.shape if own is not None else (k,))
+        raise ValueError(f"{key} must be (K,), (1, K) or (1, 1, K): one value per prototype; got {tuple(value.shape)}")
+    state_dict[key] = value = value.reshape(own.shape if own is not None else (k,))
+    return value
 
 
 # ----------------------------------------------------------------------------- the teacher's targets
@@ -193,7 +199,7 @@ class Teacher:
             for view in self.rows
         ]
         if self.kind == "softmax":
-            c = torch.zeros_like(t_views[0][0]) if self.center is None else self.center.to(unit.dtype)
+            c = unit.new_zeros(unit.shape[0]) if self.center is None else self.center.to(unit.dtype)
             return [
                 _stack([torch.softmax((row - c) * self.inv_temp, 0) for row in tv[: self.b]], tv[: self.b])
                 for tv in t_views
@@ -401,7 +407,8 @@ def dino_loss(
             lightly).
         masks: iBOT's patch masks, bool (images, ...): the student's and teacher's rows
             are the masked patches, one per True in order; each row weighs ``1 / (masked
-            patches of its image)`` and ``"mean"`` divides by the images. Default: None.
+            patches of its image)`` and ``"mean"`` divides by the images; with no masked
+            patch at all (rows (0, D)) the loss is 0, as DINOv2's. Default: None.
         normalize: L2-normalise the rows and the prototypes (default: a weight-normalised
             last layer, DINO's ``norm_last_layer``); ``False`` takes them as given.
         reduction: ``"mean"`` (default: over the pairs of views and the global rows, or
@@ -420,8 +427,10 @@ def dino_loss(
         >>> loss = flashcl.dino_loss(student, teacher, head.weight, pairs="cross")
         >>> loss.backward()
     """
-    x = check_views(student, "student", process_group is not None)
-    y = check_views(teacher, "teacher", process_group is not None)
+    # no rows: a rank's empty part across processes, or an iBOT batch with no masked patch (the loss is 0)
+    empty = process_group is not None or masks is not None
+    x = check_views(student, "student", empty)
+    y = check_views(teacher, "teacher", empty)
     checks.same_device(y, x, "teacher", "student")
     s, b, d = x.shape
     if y.shape[1:] != (b, d):
@@ -556,12 +565,9 @@ class DINOLoss(LossModule):
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # a center of K values loads whatever its shape ((K,); lightly's (1, 1, K), DINOv2's (1, K)) and into a
         # Module that has none yet (made without num_prototypes, not yet called)
-        key = prefix + "center"
-        value = state_dict.get(key)
-        if isinstance(value, Tensor):
-            state_dict[key] = value = center_values(value, self.center, key)
-            if self.center is None:
-                self.center = torch.empty_like(value)
+        value = load_center(state_dict, prefix + "center", self.center)
+        if value is not None and self.center is None:
+            self.center = torch.empty_like(value)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(

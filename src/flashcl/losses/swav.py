@@ -68,7 +68,8 @@ def swav_loss(
         high_resolution: the number H of leading views whose codes are targets.
             Default: None (every view).
         queue: (H, Q, D) earlier batches' features of each high-resolution view (no
-            gradient): they enter that view's Sinkhorn-Knopp, as SwAV's queue. Default: None.
+            gradient): they enter that view's Sinkhorn-Knopp, as SwAV's queue; Q = 0 (a
+            queue not filled yet) is the loss without one. Default: None.
         temperature: ``tau``. Default: 0.1.
         sinkhorn_epsilon: Sinkhorn-Knopp's ``epsilon``. Default: 0.05.
         sinkhorn_iterations: Default: 3.
@@ -101,7 +102,10 @@ def swav_loss(
     dtype = compute_dtype(x.dtype)
     codes = x[:h].detach().to(dtype)
     if queue is not None:
-        q = checks.check_float_tensor(queue, "queue", (3,), empty=True)
+        if isinstance(queue, Tensor) and queue.dim() == 3 and queue.shape[1] == 0 and queue.is_floating_point():
+            q = queue  # (H, 0, D): a queue not filled yet, as lightly takes it (the loss without one)
+        else:
+            q = checks.check_float_tensor(queue, "queue", (3,))
         checks.same_device(q, x, "queue", "views")
         if q.shape[0] != h or q.shape[2] != d:
             raise ValueError(f"queue must be (high_resolution = {h}, Q, {d}), got {tuple(q.shape)}")
