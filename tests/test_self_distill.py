@@ -316,64 +316,6 @@ def test_drop_in_with_a_masked_student_logit_is_finite() -> None:
     assert all(torch.isfinite(gr).all() for gr in grads)
 
 
-class _LightlyLikeHead(torch.nn.Module):
-    """A DINO projection head as lightly's and DINOv2's: an MLP, then the normalised
-    bottleneck against a weight-normalised last layer (magnitude frozen at 1)."""
-
-    def __init__(self, d_in: int, d: int, k: int, parametrized: bool) -> None:
-        super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(d_in, d), torch.nn.GELU(), torch.nn.Linear(d, d))
-        layer = torch.nn.Linear(d, k, bias=False)
-        if parametrized:
-            self.last_layer = torch.nn.utils.parametrizations.weight_norm(layer)
-            magnitude = self.last_layer.parametrizations.weight.original0
-        else:
-            with pytest.warns(FutureWarning):
-                self.last_layer = torch.nn.utils.weight_norm(layer)
-            magnitude = self.last_layer.weight_g
-        magnitude.data.fill_(1)
-        magnitude.requires_grad = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.last_layer(F.normalize(self.layers(x), dim=-1))
-
-
-@needs_lightly
-@pytest.mark.parametrize("parametrized", [True, False])
-def test_prototype_head_feeds_the_fused_loss(parametrized: bool) -> None:
-    """The three-line change: a head's logits into lightly's DINOLoss, or the
-    PrototypeHead's rows and prototypes into flashcl.dino_loss: the same loss and the
-    same gradient of every parameter of the student's head."""
-    torch.manual_seed(0)
-    student = _LightlyLikeHead(12, 8, 40, parametrized).double()
-    teacher = _LightlyLikeHead(12, 8, 40, parametrized).double()
-    teacher.load_state_dict(student.state_dict())
-    g = torch.Generator().manual_seed(9)
-    crops = [_r(g, 5, 12) for _ in range(4)]
-    want = peer.DINOLoss(output_dim=40).double()([teacher(c).detach() for c in crops[:2]], [student(c) for c in crops])
-    want_grads = torch.autograd.grad(want, [p for p in student.parameters() if p.requires_grad])
-
-    head, teacher_head = ours.PrototypeHead(student), ours.PrototypeHead(teacher)
-    assert head.normalize
-    rows = torch.stack([head(c) for c in crops])
-    with torch.no_grad():
-        t_rows = torch.stack([teacher_head(c) for c in crops[:2]])
-    got = flashcl.dino_loss(
-        rows,
-        t_rows,
-        head.prototypes(),
-        teacher_prototypes=teacher_head.prototypes().detach(),
-        pairs="cross",
-        teacher_temperature=_float32(0.04),
-        normalize=head.normalize,
-        backend="tiled",
-        block_size=16,
-    )
-    assert_close(got, want.detach(), "fused vs lightly on the head's logits", *TOL)
-    for a, e in zip(torch.autograd.grad(got, [p for p in student.parameters() if p.requires_grad]), want_grads):
-        assert_close(a, e, "a head parameter's gradient", *TOL)
-
-
 # ----------------------------------------------------------------------------- the Module and its center
 
 

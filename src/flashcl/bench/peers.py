@@ -176,3 +176,41 @@ def lightly_ssl_losses() -> Tuple[Optional[Any], str]:
         return None, f"lightly's losses do not import here ({e})"
     finally:
         _restore(saved)
+
+
+def lightly_heads() -> Tuple[Optional[Any], str]:
+    """lightly's ``models/modules/heads.py`` (``DINOProjectionHead``,
+    ``DINOv2ProjectionHead``, ...), loaded from its file with its one import of
+    ``lightly.models.utils`` (which needs torchvision) standing in for by the two
+    functions the heads call, torch's ``trunc_normal_`` for its copy of it and its
+    ``normalize_weight``."""
+    import sys
+    import types
+
+    import torch
+
+    spec = importlib.util.find_spec("lightly")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "lightly not installed"
+    path = os.path.join(list(spec.submodule_search_locations)[0], "models", "modules", "heads.py")
+    if not os.path.exists(path):
+        return None, f"lightly has no {path}"
+    utils = types.ModuleType("lightly.models.utils")
+    utils._no_grad_trunc_normal = lambda tensor, mean, std, a, b: torch.nn.init.trunc_normal_(  # type: ignore[attr-defined]
+        tensor, mean, std, a, b
+    )
+    utils.normalize_weight = lambda weight, dim=1, keepdim=True: weight.div_(  # type: ignore[attr-defined]
+        torch.norm(weight, dim=dim, keepdim=keepdim)
+    )
+    names = ("lightly", "lightly.models", "lightly.models.utils")
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        for name in names[:2]:  # the packages as bare namespaces while the heads import
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules[names[1]].utils = utils  # type: ignore[attr-defined]
+        sys.modules[names[2]] = utils
+        return _load("_lightly_heads", path), ""
+    except ImportError as e:
+        return None, f"lightly's heads do not import here ({e})"
+    finally:
+        _restore(saved)

@@ -15,13 +15,15 @@ of the documentation.
 
 from __future__ import annotations
 
+import importlib
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ..core import compute_dtype
 from ..engine.engine import autocast_off, differentiable_grads
@@ -375,18 +377,68 @@ class SwaVLoss(nn.Module):
         return (rows.sum() / (b * (len(views) - 1) * h)).reshape(1)
 
 
-class PrototypeHead(nn.Module):
-    """A projection head's MLP and its weight-normalised prototype layer, returning what
-    the fused losses need instead of the rows x K logits: ``forward(x)`` gives the
-    L2-normalised bottleneck rows, :meth:`prototypes` the last layer's weight and
-    :attr:`normalize` how the loss should take it.
+def _dtensor_type() -> Optional[type]:
+    """torch's DTensor class (a parameter sharded by FSDP2), or None where there is none."""
+    if not dist.is_available():
+        return None
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        try:
+            return getattr(importlib.import_module(name), "DTensor")  # noqa: B009
+        except (ImportError, AttributeError):
+            continue
+    return None
 
-    Wraps lightly's ``DINOProjectionHead`` (``layers``, ``last_layer``) and DINOv2's
-    ``DINOHead`` (``mlp``, ``last_layer``), the same parameters (an optimizer's and a
-    checkpoint's state unchanged): with ``norm_last_layer=True`` (the weight norm's
-    magnitude frozen at 1) the logits are ``x^ . v^_k`` (``normalize=True`` on the
-    weight's direction ``v``); otherwise ``x^ . w_k`` with the layer's effective weight
-    (``normalize=False``).
+
+def _fsdp_module_type() -> Optional[type]:
+    """torch's FSDPModule class (a module that ``fully_shard`` wrapped), or None."""
+    if not dist.is_available():
+        return None
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            return getattr(importlib.import_module(name), "FSDPModule")  # noqa: B009
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def effective_weight(layer: nn.Module) -> Tensor:
+    """A last layer's weight as its forward computes it, from its parameters as they are
+    now: ``parametrizations.weight_norm``'s ``g v / |v|`` (formed on access), torch's
+    older ``weight_norm`` hook's (its ``compute_weight``: the ``weight`` attribute it
+    leaves on the layer is the one of its last forward, stale after an optimizer step),
+    or a plain weight; a differentiable function of the magnitude and the direction."""
+    parametrizations = getattr(layer, "parametrizations", None)
+    if parametrizations is not None and "weight" in parametrizations:
+        return layer.weight  # type: ignore[return-value]
+    for hook in layer._forward_pre_hooks.values():  # noqa: SLF001 - how torch's remove_weight_norm finds it
+        if isinstance(hook, WeightNorm) and hook.name == "weight":
+            return hook.compute_weight(layer)
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise ValueError(f"the head's last_layer ({type(layer).__name__}) has no weight")
+    return weight
+
+
+class PrototypeHead(nn.Module):
+    """A projection head's MLP and its prototype layer, returning what the fused losses
+    need instead of the rows x K logits: the L2-normalised bottleneck rows and the last
+    layer's weight (the prototypes), computed from the head's parameters as they are at
+    each call (after every optimizer step, in the dtype the head was moved to), every
+    parameter reached by the gradient: the layers, the weight norm's direction and a
+    trainable magnitude.
+
+    Wraps lightly's ``DINOProjectionHead`` (``layers``, ``last_layer``; both settings of
+    ``norm_last_layer``), ``DINOv2ProjectionHead`` and DINOv2's ``DINOHead`` (``mlp``,
+    ``last_layer``), the same parameters (an optimizer's state unchanged), with any form
+    of the last layer: ``torch.nn.utils.weight_norm``, ``parametrizations.weight_norm``
+    (a frozen or a trainable magnitude) or none. The head's logits are ``rows @
+    prototypes.T``: pass both to the loss with ``normalize=False`` (:attr:`normalize`).
+
+    Under FSDP2, shard this module (or a module that holds it; the MLP's layers may be
+    sharded on their own too) and take the prototypes from its call, ``rows, w =
+    head(x, prototypes=True)``: they are formed while ``fully_shard`` holds the
+    parameters whole. A head or a last layer sharded on its own is refused (this module
+    reads the last layer's weight outside that module's call), with an error that says so.
 
     Args:
         head: the projection head (the student's or the teacher's).
@@ -399,11 +451,9 @@ class PrototypeHead(nn.Module):
         ...         self.mlp = torch.nn.Linear(32, 16)
         ...         layer = torch.nn.Linear(16, 100, bias=False)
         ...         self.last_layer = torch.nn.utils.parametrizations.weight_norm(layer)
-        ...         self.last_layer.parametrizations.weight.original0.data.fill_(1)
-        ...         self.last_layer.parametrizations.weight.original0.requires_grad = False
         >>> head = PrototypeHead(Head())
-        >>> rows = head(torch.randn(8, 32))
-        >>> loss = flashcl.dino_loss(rows, rows.detach(), head.prototypes(), normalize=head.normalize)
+        >>> rows, prototypes = head(torch.randn(8, 32), prototypes=True)
+        >>> loss = flashcl.dino_loss(rows, rows.detach(), prototypes, normalize=False)
     """
 
     def __init__(self, head: nn.Module) -> None:
@@ -411,41 +461,53 @@ class PrototypeHead(nn.Module):
         mlp = getattr(head, "layers", None)
         mlp = getattr(head, "mlp", None) if mlp is None else mlp
         last = getattr(head, "last_layer", None)
+        if not isinstance(last, nn.Module):
+            raise ValueError(f"the head ({type(head).__name__}) has no last_layer module: the prototype layer")
         self.mlp = mlp if mlp is not None else nn.Identity()
         self.last_layer = last
 
     @property
     def normalize(self) -> bool:
-        """True when the last layer's weight-norm magnitude is frozen at 1 (DINO's
-        ``norm_last_layer``): the loss normalises the direction itself."""
-        g = self._magnitude()
-        return g is not None and not g.requires_grad and bool(torch.all(g == 1))
+        """False: the rows are unit rows already and the prototypes are the layer's
+        weight as its forward applies it, so the loss takes both as given."""
+        return False
 
-    def _magnitude(self) -> Optional[Tensor]:
-        layer = self.last_layer
-        if layer is None:
-            return None
-        param = getattr(layer, "parametrizations", None)
-        if param is not None and hasattr(param, "weight"):
-            return param.weight.original0
-        return getattr(layer, "weight_g", None)
-
-    def _direction(self) -> Optional[Tensor]:
-        layer = self.last_layer
-        param = getattr(layer, "parametrizations", None)
-        if param is not None and hasattr(param, "weight"):
-            return param.weight.original1
-        return getattr(layer, "weight_v", None)
+    def _check_sharding(self) -> None:
+        dtensor, fsdp_module = _dtensor_type(), _fsdp_module_type()
+        if dtensor is None:
+            return
+        # parameters of the MLP that a sharded submodule of it gathers in its own call are fine
+        gathered: set = set()
+        if fsdp_module is not None:
+            for name, m in self.mlp.named_modules():
+                if isinstance(m, fsdp_module):
+                    gathered.update(id(p) for p in self.mlp.get_submodule(name).parameters())
+        loose = [n for n, p in self.mlp.named_parameters() if isinstance(p, dtensor) and id(p) not in gathered]
+        last = [n for n, p in self.last_layer.named_parameters() if isinstance(p, dtensor)]
+        if loose or last:
+            where = "the last layer" if last else "the head"
+            raise ValueError(
+                f"PrototypeHead: {where}'s parameters are sharded (fully_shard on the head or on its last layer "
+                "alone), and this module reads the last layer's weight outside that module's call: apply "
+                "fully_shard to the PrototypeHead (or a module that holds it; the MLP's layers may be sharded "
+                "too) and take the prototypes from its call, rows, prototypes = head(x, prototypes=True)"
+            )
 
     def prototypes(self) -> Tensor:
-        """The prototypes (K, D) for the fused loss: the weight's direction ``v`` with a
-        frozen unit magnitude, else the layer's effective weight."""
-        if self.last_layer is None:
-            raise ValueError("the head has no last_layer")
-        v = self._direction()
-        return v if self.normalize and v is not None else self.last_layer.weight
+        """The prototypes (K, D): the last layer's weight as its forward computes it now.
+        Under FSDP2, take them from the call instead (``head(x, prototypes=True)``)."""
+        self._check_sharding()
+        return effective_weight(self.last_layer)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.mlp(x)
-        eps = 1e-6 if x.dtype == torch.float16 else 1e-12
-        return F.normalize(x, dim=-1, p=2, eps=eps)
+    def forward(self, x: Tensor, prototypes: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        """The unit bottleneck rows of ``x`` (as the head normalises them before its last
+        layer); with ``prototypes=True`` also the prototypes, formed in this call."""
+        self._check_sharding()
+        rows = self.mlp(x)
+        eps = 1e-6 if rows.dtype == torch.float16 else 1e-12
+        rows = F.normalize(rows, dim=-1, p=2, eps=eps)
+        if not prototypes:
+            return rows
+        w = effective_weight(self.last_layer)
+        # a plain weight is the parameter itself, whose storage fully_shard frees after the call: a copy
+        return rows, (w.clone() if isinstance(w, nn.Parameter) else w)
