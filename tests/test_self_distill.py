@@ -140,8 +140,9 @@ def test_ibot_masks_equal_lightly_ibot_patch_loss(backend: str) -> None:
 def test_dino_equals_dinov2_dino_loss(backend: str, targets: str) -> None:
     """DINOv2's DINOLoss: its centred softmax (the center from its update_center /
     apply_center_update) or its sinkhorn_knopp_teacher over both teacher views' rows,
-    its forward summing over the student and teacher lists (``pairs="all"``, ``"mean"``
-    divides by the pairs as well). Its Sinkhorn casts to float32 (``.float()``): that
+    its forward summing over every student and teacher view it is given (``pairs="all"``,
+    ``"mean"`` divides by the pairs as well; its training's pairing, ``"cross"``:
+    tests/test_ssl_drop_ins.py). Its Sinkhorn casts to float32 (``.float()``): that
     case is compared at float32's precision (the float64 comparison with its formula
     written out: tests/test_prototypes.py)."""
     g = torch.Generator().manual_seed(3)
@@ -161,7 +162,9 @@ def test_dino_equals_dinov2_dino_loss(backend: str, targets: str) -> None:
     want_grads = torch.autograd.grad(want, [xl, wl])
     xo, wo = _leaf(x), _leaf(w)
     center = loss_fn.center.reshape(-1) if targets == "softmax" else None
-    got = flashcl.dino_loss(xo, y, wo, teacher_prototypes=wt, targets=targets, center=center, backend=backend)
+    got = flashcl.dino_loss(
+        xo, y, wo, teacher_prototypes=wt, targets=targets, center=center, pairs="all", backend=backend
+    )
     assert_close(got, want.detach(), f"{backend}: DINOv2's DINOLoss", *tol)
     for a, e in zip(torch.autograd.grad(got, [xo, wo]), want_grads):
         assert_close(a, e, f"{backend}: gradient", *tol)

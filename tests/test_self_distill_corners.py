@@ -384,3 +384,32 @@ def test_lightlys_and_dinov2s_centers_load_into_every_dino_loss() -> None:
     drop = ours.DINOLoss(k).double()
     drop.load_state_dict(peers["lightly DINOLoss"].state_dict())
     assert_close(drop(t, s), peers["lightly DINOLoss"](t, s), "the loaded center's loss", *TOL)
+
+
+# ----------------------------------------------------------------------------- hard to misuse
+
+
+def test_a_swapped_student_and_teacher_is_warned_about() -> None:
+    """flashcl's losses take (student, teacher, prototypes), lightly's (teacher_out,
+    student_out): teacher rows that require grad while the student's do not are likely
+    swapped (the value differs and nothing else says so). A warning on both sides; none
+    in the right order, none when both take a gradient (lightly's own head test)."""
+    g = torch.Generator().manual_seed(15)
+    x, y, w = (torch.randn(*s, generator=g) for s in ((2, 4, 3), (2, 4, 3), (7, 3)))
+    with pytest.warns(UserWarning, match="swapped"):
+        flashcl.dino_loss(y, x.requires_grad_(), w)
+    with pytest.warns(UserWarning, match="swapped"):
+        flashcl.DINOLoss()(y, x, w)
+    t = [torch.randn(4, 7, generator=g) for _ in range(2)]
+    s = [torch.randn(4, 7, generator=g, requires_grad=True) for _ in range(2)]
+    with pytest.warns(UserWarning, match="swapped"):
+        ours.DINOLoss(7)(s, t)
+    with pytest.warns(UserWarning, match="swapped"):
+        ours.IBOTPatchLoss(7)(s[0], t[0], torch.ones(1, 2, 2, dtype=torch.bool))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flashcl.dino_loss(x, y, w)
+        ours.DINOLoss(7)(t, s)
+        ours.DINOLoss(7)(s, s)

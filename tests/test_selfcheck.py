@@ -63,6 +63,15 @@ def test_a_crash_is_an_error_row_and_the_table_goes_on(monkeypatch) -> None:
 def test_unknown_losses_and_devices_are_clear_errors() -> None:
     with pytest.raises(SystemExit, match="unknown loss"):
         main(["check", "--device", "cpu", "--loss", "sup_con"])
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="no CUDA device"):
-            main(["check", "--device", "cuda"])
+
+
+def test_a_device_torch_cannot_use_is_one_clear_error(capsys: pytest.CaptureFixture) -> None:
+    """--device is validated before any row: an unknown name, a backend with no device,
+    a meta device: one message on stderr, exit status 2, no table (every row read
+    "error" before)."""
+    bad = ["bogus", "meta"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+    for device in bad:
+        assert main(["check", "--device", device, "--loss", "supcon_loss"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and f"--device {device!r}" in err, (out, err)
+    assert "no CUDA device" in (err if not torch.cuda.is_available() else "no CUDA device")

@@ -74,14 +74,36 @@ def _doctor(args: argparse.Namespace) -> int:
 _DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
+def _unusable_device(device: str) -> Optional[str]:
+    """Why torch cannot compute on ``device`` (a name it does not know, a backend it was
+    not built with or that sees no device, an index past the last device), or None."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return "not a device torch knows; use cpu, cuda or cuda:N"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if dev.type == "meta":
+        return "a meta device holds no values to check"
+    try:
+        torch.ones(1, device=dev).sum().item()
+    except (RuntimeError, AssertionError, ValueError) as e:
+        return f"this torch cannot compute there ({str(e).splitlines()[0].split('. ')[0]})"
+    return None
+
+
 def _check(args: argparse.Namespace) -> int:
     import torch
 
     from .tools.selfcheck import HEADER, format_row, run_checks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("flashcl check: --device cuda, but torch sees no CUDA device")
+    why = _unusable_device(device)
+    if why is not None:  # one clear error before any row (exit status 2: a usage error)
+        print(f"flashcl check: --device {device!r}: {why}", file=sys.stderr)
+        return 2
     dtypes = [getattr(torch, d) for d in (args.dtype or ["float32", "float16", "bfloat16"])]
     where = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
     print(

@@ -136,7 +136,7 @@ def colpali_loss_module() -> Tuple[Optional[Any], str]:
 
 
 def lightly_ssl_losses() -> Tuple[Optional[Any], str]:
-    """lightly's self-distillation losses (``DINOLoss``, ``IBOTPatchLoss``, ``KoLeoLoss``,
+    """lightly's self-distillation losses (``DINOLoss``, ``IBOTPatchLoss``, ``IBOTPlusPlusPatchLoss``, ``KoLeoLoss``,
     ``SwaVLoss``), each loaded from its file with ``models/modules/center.py`` (the
     package's ``loss`` and ``models`` import torchvision; these files need only torch),
     as one namespace."""
@@ -168,7 +168,7 @@ def lightly_ssl_losses() -> Tuple[Optional[Any], str]:
         out = types.SimpleNamespace(center=center)
         for name in ("dino_loss", "ibot_loss", "koleo_loss", "swav_loss"):
             module = _load(f"_lightly_{name}", files[name])
-            for attr in ("DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "SwaVLoss", "sinkhorn"):
+            for attr in ("DINOLoss", "IBOTPatchLoss", "IBOTPlusPlusPatchLoss", "KoLeoLoss", "SwaVLoss", "sinkhorn"):
                 if hasattr(module, attr):
                     setattr(out, attr, getattr(module, attr))
         return out, ""

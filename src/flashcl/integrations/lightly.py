@@ -1,6 +1,7 @@
 """lightly's self-distillation losses with its constructors and calls, computed by
 flashcl: replacing ``from lightly.loss import DINOLoss, IBOTPatchLoss, KoLeoLoss,
-SwaVLoss`` by ``from flashcl.integrations.lightly import ...`` is the whole change;
+SwaVLoss`` (and ``from lightly.loss.ibot_loss import IBOTPlusPlusPatchLoss``) by ``from
+flashcl.integrations.lightly import ...`` is the whole change;
 lightly itself need not be installed.
 
 These take lightly's inputs, the rows x K logits the head already formed: values,
@@ -16,7 +17,6 @@ of the documentation.
 from __future__ import annotations
 
 import importlib
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -26,114 +26,12 @@ from torch import Tensor, nn
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ..core import compute_dtype
-from ..engine.engine import autocast_off, differentiable_grads
+from ..engine.engine import autocast_off
 from ..engine.neighbours import KoLeoRows
-from ..engine.prototype_loss import soft_cross_entropy, soft_gradient_, soft_terms
-from ..losses.self_distill import check_temperature, load_center
-from ..parallel import rows_join
+from ..losses.self_distill import check_temperature, load_center, warn_if_swapped
+from .prototype_logits import float32_value, paired_rows, sinkhorn_codes, softmax_targets
 
-__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "SwaVLoss", "PrototypeHead"]
-
-
-class _PairedSoftCrossEntropy(torch.autograd.Function):
-    """``apply(inv_temp, pairs, targets, *views) -> (S, B)``: each student view's rows'
-    cross-entropy ``-sum_k p_k log_softmax_k(s / tau)`` summed over its paired teacher
-    views' probabilities (``targets``: T tensors (B, K), no gradient), in the form of
-    :func:`flashcl.engine.prototypes.soft_cross_entropy` (two non-negative terms: a
-    tiny loss keeps its precision). Saved: the logits (the inputs) and five numbers per
-    row; the backward forms ``(mass softmax - sum p) / tau`` a block of rows at a time.
-    With ``create_graph=True`` the gradient comes from the differentiable formula."""
-
-    @staticmethod
-    def forward(ctx: Any, inv_temp: float, pairs: List[List[int]], targets: List[Tensor], *views: Tensor) -> Tensor:  # type: ignore[override]
-        dtype = compute_dtype(views[0].dtype)
-        stats: List[Tensor] = []
-        out = []
-        for s, view in enumerate(views):
-            top, rest, mass, prest, cross = (view.new_zeros(view.shape[0], dtype=dtype) for _ in range(5))
-            idx = torch.zeros(view.shape[0], dtype=torch.long, device=view.device)
-            for r in _chunks(view):  # the scaled logits a block of rows at a time
-                z = view[r].detach().to(dtype) * inv_temp
-                top[r], idx[r] = z.max(1)
-                d = z.sub_(top[r].unsqueeze(1))
-                mass[r], prest[r], cross[r] = soft_terms(d, idx[r], [targets[t][r] for t in pairs[s]])
-                e = d.exp_()
-                e.scatter_(1, idx[r].unsqueeze(1), 0.0)
-                rest[r] = e.sum(1)
-            stats.extend((top, idx, rest, mass, prest))
-            out.append(mass * torch.log1p(rest) + cross)
-        ctx.save_for_backward(*views, *stats)
-        ctx.inv_temp, ctx.pairs, ctx.targets, ctx.n = inv_temp, pairs, targets, len(views)
-        return torch.stack(out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        saved = ctx.saved_tensors
-        views, stats = saved[: ctx.n], saved[ctx.n :]
-        needs = ctx.needs_input_grad[3:]
-        if torch.is_grad_enabled():  # create_graph=True: the formula's gradient, differentiable again
-            rows = lambda *xs: _paired_dense(ctx.inv_temp, ctx.pairs, ctx.targets, xs)  # noqa: E731
-            return (None, None, None, *differentiable_grads(rows, views, needs, grad))
-        grads: List[Optional[Tensor]] = []
-        for s, view in enumerate(views):
-            if not needs[s]:
-                grads.append(None)
-                continue
-            top, idx, rest, mass, prest = stats[5 * s : 5 * s + 5]
-            g = torch.empty(view.shape, dtype=top.dtype, device=view.device)
-            for r in _chunks(view):  # the gradient's own buffer, a block of rows at a time
-                gz = torch.mul(view[r].detach(), ctx.inv_temp, out=g[r])
-                targets = [ctx.targets[t][r] for t in ctx.pairs[s]]
-                soft_gradient_(gz, targets, 0, top[r], idx[r], rest[r], mass[r], prest[r])
-                gz.mul_(grad[s][r].to(gz.dtype).unsqueeze(-1) * ctx.inv_temp)
-            grads.append(g.to(view.dtype))
-        return (None, None, None, *grads)
-
-
-def _paired_dense(
-    inv_temp: float, pairs: List[List[int]], targets: Sequence[Tensor], views: Sequence[Tensor]
-) -> Tensor:
-    """:class:`_PairedSoftCrossEntropy`'s rows by differentiable torch ops (its second
-    derivatives; a teacher whose logits take a gradient, as lightly's)."""
-    dtype = compute_dtype(views[0].dtype)
-    out = []
-    for s, view in enumerate(views):
-        p = sum((targets[t].to(dtype) for t in pairs[s]), torch.zeros(view.shape, dtype=dtype, device=view.device))
-        out.append(soft_cross_entropy(view.to(dtype) * inv_temp, p))
-    return torch.stack(out)
-
-
-def _paired_rows(inv_temp: float, pairs: List[List[int]], targets: List[Tensor], views: Sequence[Tensor]) -> Tensor:
-    """Each student view's rows' cross-entropy against its paired teacher views' targets:
-    by :class:`_PairedSoftCrossEntropy`, or, where a target takes a gradient (the
-    teacher's logits require it, as lightly then backpropagates into them), by the
-    differentiable formula."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in targets):
-        return _paired_dense(inv_temp, pairs, targets, views)
-    return _PairedSoftCrossEntropy.apply(inv_temp, pairs, targets, *views)
-
-
-def _chunks(x: Tensor, entries: int = 1 << 20) -> List[slice]:
-    """Blocks of ``x``'s rows of about ``entries`` entries (4 MB in float32)."""
-    step = max(1, entries // max(1, x.shape[-1]))
-    return [slice(r, min(r + step, x.shape[0])) for r in range(0, x.shape[0], step)]
-
-
-def _softmax_targets(logits: Tensor, center: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
-    """``softmax((logits - center) / temperature)`` in ``dtype``: with the logits' gradient
-    where they require one (lightly backpropagates into the teacher's logits then), else
-    a block of rows at a time into one tensor (no temporaries of the logits' size)."""
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return torch.softmax((logits.to(dtype) - center) / temperature, dim=-1)
-    out = torch.empty(logits.shape, dtype=dtype, device=logits.device)
-    for r in _chunks(logits):
-        torch.softmax((logits[r].detach().to(dtype) - center) / temperature, dim=-1, out=out[r])
-    return out
-
-
-def _float32(value: float) -> float:
-    """``value`` rounded to float32, as lightly's ``torch.tensor(teacher_temp)`` holds it."""
-    return float(torch.tensor(float(value), dtype=torch.float32))
+__all__ = ["DINOLoss", "IBOTPatchLoss", "IBOTPlusPlusPatchLoss", "KoLeoLoss", "SwaVLoss", "PrototypeHead"]
 
 
 def _center_mean(total: Tensor, count: int) -> Tensor:
@@ -151,6 +49,11 @@ class DINOLoss(nn.Module):
     same crop, the mean over those pairs and the batch; the center (a (1, 1, K) buffer)
     updated by an EMA of the teacher's batch mean after each call; the teacher's
     temperature per call, or from the warm-up schedule with ``epoch``.
+
+    The call takes lightly's order, ``(teacher_out, student_out)`` (flashcl's own
+    :class:`flashcl.DINOLoss` takes ``(student, teacher, prototypes)``); a teacher whose
+    logits require grad while the student's do not is warned about. Under autocast it
+    returns float32 (computed in float32), where lightly's returns the autocast dtype.
 
     Examples::
 
@@ -189,22 +92,23 @@ class DINOLoss(nn.Module):
     ) -> Tensor:
         # lightly holds the teacher's temperature as a float32 tensor: its value is taken
         if teacher_temp is not None:
-            tt = _float32(teacher_temp)
+            tt = float32_value(teacher_temp)
         elif epoch is not None and epoch < self.warmup_teacher_temp_epochs:
             tt = float(self.teacher_temp_schedule[epoch])
         else:
-            tt = _float32(self.teacher_temp)
+            tt = float32_value(self.teacher_temp)
         n_terms = len(teacher_out) * len(student_out) - min(len(teacher_out), len(student_out))
         if n_terms == 0:
             raise ValueError(
                 "DINOLoss requires at least two views in total (the diagonal matching the same view index is "
                 f"excluded), but got {len(teacher_out)} teacher view(s) and {len(student_out)} student view(s)"
             )
+        warn_if_swapped(teacher_out, student_out, "DINOLoss(teacher_out, student_out)")
         dtype = compute_dtype(student_out[0].dtype)
         center = self.center.reshape(-1).to(dtype)
-        targets = [_softmax_targets(t, center, tt, dtype) for t in teacher_out]
+        targets = [softmax_targets(t, center, tt, dtype) for t in teacher_out]
         pairs = [[t for t in range(len(teacher_out)) if t != s] for s in range(len(student_out))]
-        rows = _paired_rows(1.0 / self.student_temp, pairs, targets, student_out)
+        rows = paired_rows(1.0 / self.student_temp, pairs, targets, student_out)
         loss = rows.sum() / (n_terms * teacher_out[0].shape[0])
         self.update_center(teacher_out)
         return loss
@@ -249,7 +153,8 @@ class _Center(nn.Module):
 class IBOTPatchLoss(nn.Module):
     """lightly's ``IBOTPatchLoss`` (DINOv2's iBOT patch loss): each masked patch's
     cross-entropy weighted by ``1 / (masked patches of its image)``, summed and divided
-    by the images; the center updated after each call.
+    by the images; the center updated after each call. lightly's order,
+    ``(teacher_out, student_out, mask)``.
 
     Examples::
 
@@ -276,14 +181,72 @@ class IBOTPatchLoss(nn.Module):
     def forward(
         self, teacher_out: Tensor, student_out: Tensor, mask: Tensor, teacher_temp: Optional[float] = None
     ) -> Tensor:
-        tt = _float32(teacher_temp if teacher_temp is not None else self.teacher_temp)
+        warn_if_swapped([teacher_out], [student_out], "IBOTPatchLoss(teacher_out, student_out, mask)")
+        tt = float32_value(teacher_temp if teacher_temp is not None else self.teacher_temp)
         dtype = compute_dtype(student_out.dtype)
-        target = _softmax_targets(teacher_out, self.center.value.reshape(-1).to(dtype), tt, dtype)
-        rows = _paired_rows(1.0 / self.student_temp, [[0]], [target], [student_out])[0]
+        target = softmax_targets(teacher_out, self.center.value.reshape(-1).to(dtype), tt, dtype)
+        rows = paired_rows(1.0 / self.student_temp, [[0]], [target], [student_out])[0]
         per_image = mask.sum(dim=tuple(range(1, mask.dim())), keepdim=True).clamp(min=1.0)
         weight = (1.0 / per_image).expand_as(mask)[mask]
         loss = (rows * weight).sum() / mask.shape[0]
         self.center.update(teacher_out)
+        return loss
+
+
+class IBOTPlusPlusPatchLoss(IBOTPatchLoss):
+    """lightly's ``IBOTPlusPlusPatchLoss`` (iBOT++, TIPSv2): every patch token's
+    cross-entropy, the masked and the visible ones, on (B, N, K) logits (or (B N, K)
+    with ``mask`` for B); with ``mask`` each image's masked mean plus
+    ``visible_loss_weight`` times its visible mean, the mean over the images; without,
+    the mean over every token. The center moves with every teacher token.
+
+    Examples::
+
+        >>> loss_fn = IBOTPlusPlusPatchLoss(output_dim=4096)
+        >>> loss = loss_fn(torch.randn(2, 196, 4096), torch.randn(2, 196, 4096, requires_grad=True))
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        teacher_out: Tensor,
+        student_out: Tensor,
+        mask: Optional[Tensor] = None,
+        teacher_temp: Optional[float] = None,
+        visible_loss_weight: float = 1.0,
+    ) -> Tensor:
+        if teacher_out.shape != student_out.shape:
+            raise ValueError(
+                f"teacher_out and student_out must have the same shape but got "
+                f"{tuple(teacher_out.shape)} and {tuple(student_out.shape)}."
+            )
+        if teacher_out.dim() not in (2, 3):
+            raise ValueError(f"teacher_out must be rank 2 or 3 but got rank {teacher_out.dim()}.")
+        if teacher_out.dim() == 3:
+            b = teacher_out.shape[0]
+        elif mask is None:
+            raise ValueError("mask is required when teacher_out has rank 2 so that the batch size B can be inferred.")
+        else:
+            b = mask.shape[0]
+            if teacher_out.shape[0] % b != 0:
+                raise ValueError(
+                    f"teacher_out length {teacher_out.shape[0]} is not divisible by batch size {b} inferred from mask."
+                )
+        k = teacher_out.shape[-1]
+        teacher_flat, student_flat = teacher_out.reshape(-1, k), student_out.reshape(-1, k)
+        tt = float32_value(teacher_temp if teacher_temp is not None else self.teacher_temp)
+        dtype = compute_dtype(student_out.dtype)
+        target = softmax_targets(teacher_flat, self.center.value.reshape(-1).to(dtype), tt, dtype)
+        ce = paired_rows(1.0 / self.student_temp, [[0]], [target], [student_flat])[0].view(b, -1)
+        if mask is None:
+            loss = ce.mean()
+        else:
+            masked = mask.reshape(b, -1).to(ce.dtype)
+            visible = 1.0 - masked
+            loss = (
+                (ce * masked).sum(1) / masked.sum(1).clamp(min=1.0)
+                + visible_loss_weight * (ce * visible).sum(1) / visible.sum(1).clamp(min=1.0)
+            ).mean()
+        self.center.update(teacher_flat)
         return loss
 
 
@@ -312,22 +275,6 @@ class KoLeoLoss(nn.Module):
         x = F.normalize(x, p=2, dim=-1, eps=self.eps)
         cos = (x @ x.t()).fill_diagonal_(-2)
         return -(self.pairwise_distance(x, x[cos.argmax(dim=1)]) + self.eps).log().mean()
-
-
-def _sinkhorn_codes(out: Tensor, iterations: int, epsilon: float, gather: bool) -> Tensor:
-    """lightly's (SwAV's) ``sinkhorn`` in the log domain: the whole matrix to sum 1,
-    then ``iterations`` times each prototype's sum over the rows to 1 and each row's to
-    1/B; times B. With ``gather`` (and ``torch.distributed`` initialised) the sums over
-    the rows and B span every process."""
-    group = dist.group.WORLD if gather and dist.is_available() and dist.is_initialized() else None
-    join = rows_join(group, out.device)
-    z = out.detach().to(compute_dtype(out.dtype)) / epsilon
-    b = join.total_rows(z.shape[0])
-    z = z - join.lse(torch.logsumexp(z.flatten(), 0).reshape(1))[0]
-    for _ in range(iterations):
-        z = z - join.lse(torch.logsumexp(z, 0)).unsqueeze(0)
-        z = z - torch.logsumexp(z, 1, keepdim=True) - math.log(b)
-    return torch.exp(z + math.log(b))
 
 
 class SwaVLoss(nn.Module):
@@ -368,12 +315,12 @@ class SwaVLoss(nn.Module):
         with torch.no_grad():
             for i, out in enumerate(high_resolution_outputs):
                 scores = out if queue_outputs is None else torch.cat((out.detach(), queue_outputs[i].detach()))
-                q = _sinkhorn_codes(
+                q = sinkhorn_codes(
                     scores, self.sinkhorn_iterations, self.sinkhorn_epsilon, self.sinkhorn_gather_distributed
                 )
                 codes.append(q[:b])
         pairs = [[i for i in range(h) if i != v] for v in range(len(views))]
-        rows = _paired_rows(1.0 / self.temperature, pairs, codes, views)
+        rows = paired_rows(1.0 / self.temperature, pairs, codes, views)
         return (rows.sum() / (b * (len(views) - 1) * h)).reshape(1)
 
 

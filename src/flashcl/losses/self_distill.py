@@ -14,7 +14,8 @@ O((B + K) + B x block)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -38,11 +39,11 @@ from ..engine.prototypes import (
     unit_rows,
 )
 
-__all__ = ["dino_loss", "prototype_center", "DINOLoss", "load_center"]
+__all__ = ["dino_loss", "prototype_center", "DINOLoss", "load_center", "warn_if_swapped"]
 
 PROTOTYPE_BACKENDS = ("auto", "reference", "dense", "tiled")
 TARGETS = ("softmax", "sinkhorn")
-PAIRS = ("all", "cross")
+PAIRS = ("auto", "cross", "all")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -121,6 +122,22 @@ def mask_weights(masks: Optional[Tensor], rows: int, like: Tensor) -> Tuple[Opti
         )
     weight = (1.0 / per_image.clamp_min(1).to(compute_dtype(like.dtype))).unsqueeze(1).expand_as(flat)[flat]
     return weight, masks.shape[0]
+
+
+def warn_if_swapped(teacher: Sequence[Tensor], student: Sequence[Tensor], call: str) -> None:
+    """A warning when the tensors given as the teacher's require grad and the student's
+    do not: the two were likely passed in the other order (``call`` names this one's;
+    lightly's losses take the teacher first, flashcl's functions the student)."""
+    if not torch.is_grad_enabled():
+        return
+    if any(t.requires_grad for t in teacher) and not any(t.requires_grad for t in student):
+        warnings.warn(
+            f"{call}: the teacher's tensors require grad and the student's do not: were they swapped? "
+            "(flashcl.dino_loss / flashcl.DINOLoss take (student, teacher, prototypes); lightly's DINOLoss and "
+            "IBOTPatchLoss, and their drop-ins, take (teacher_out, student_out); DINOv2's take the student first)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def load_center(state_dict: Dict[str, Any], key: str, own: Optional[Tensor]) -> Optional[Tensor]:
@@ -353,7 +370,7 @@ def dino_loss(
     targets: str = "softmax",
     center: Optional[Tensor] = None,
     sinkhorn_iterations: int = 3,
-    pairs: str = "all",
+    pairs: str = "auto",
     masks: Optional[Tensor] = None,
     normalize: bool = True,
     reduction: str = "mean",
@@ -380,9 +397,19 @@ def dino_loss(
     prototypes, where one logits tensor is 4.3 GB in float32, memory beyond the inputs
     and their gradients is about 100 MB.
 
-    Equal to lightly's ``DINOLoss`` (``pairs="cross"``) and ``IBOTPatchLoss``
-    (``masks``) and DINOv2's ``DINOLoss`` / ``iBOTPatchLoss`` on the logits the same
-    head would form (see :mod:`flashcl.integrations.lightly` for drop-ins on logits).
+    Equal to lightly's ``DINOLoss`` and DINOv2's training (``pairs="cross"``, the
+    default with several views), lightly's ``IBOTPatchLoss`` and DINOv2's
+    ``iBOTPatchLoss.forward_masked`` (``masks``), DINOv2's ``DINOLoss`` called on every
+    pair of views (``pairs="all"``), on the logits the same head would form (drop-ins on
+    logits: :mod:`flashcl.integrations.lightly`, :mod:`flashcl.integrations.dinov2`).
+    Each row's loss is formed as ``mass log1p(sum_{k != m} exp(z_k - z_m)) + sum_k p_k
+    (z_m - z_k)`` (``m`` its largest logit): a tiny loss near collapse keeps its relative
+    precision in float32. Second derivatives on every backend (on the tiled one through
+    the dense formula: O(rows x K) memory on that path only).
+
+    The student comes first: ``(student, teacher, prototypes)`` (lightly's ``DINOLoss``
+    and its drop-in take ``(teacher_out, student_out)``); teacher rows that require grad
+    while the student's do not are warned about.
 
     Args:
         student: the student's bottleneck rows (before the last layer), (B, D) or
@@ -401,10 +428,13 @@ def dino_loss(
             center, :func:`prototype_center`'s EMA; :class:`DINOLoss` keeps it). Default:
             None (no centering). Only with ``targets="softmax"``.
         sinkhorn_iterations: Sinkhorn-Knopp's iterations. Default: 3.
-        pairs: ``"all"`` (default: every student view against every teacher view, as
-            DINOv2's ``DINOLoss`` sums its lists) | ``"cross"`` (the same crop left out:
-            student view ``i`` and teacher view ``i`` are the same crop, as DINO and
-            lightly).
+        pairs: ``"cross"``: every student view against every teacher view but its own
+            crop (student view ``i`` and teacher view ``i`` are the same crop, the global
+            ones first), as DINO, DINOv2 and lightly train (DINOv2's ``DINOLoss`` is
+            called with the global crops' targets swapped: this pairing) | ``"all"``:
+            every pair | ``"auto"`` (default): ``"cross"`` with two or more student
+            views, ``"all"`` with one (a single view, iBOT's masked patches, against the
+            teacher's rows of the same crop).
         masks: iBOT's patch masks, bool (images, ...): the student's and teacher's rows
             are the masked patches, one per True in order; each row weighs ``1 / (masked
             patches of its image)`` and ``"mean"`` divides by the images; with no masked
@@ -432,6 +462,7 @@ def dino_loss(
     x = check_views(student, "student", empty)
     y = check_views(teacher, "teacher", empty)
     checks.same_device(y, x, "teacher", "student")
+    warn_if_swapped([y], [x], "flashcl.dino_loss(student, teacher, prototypes)")
     s, b, d = x.shape
     if y.shape[1:] != (b, d):
         raise ValueError(f"teacher must hold (views, {b}, {d}) rows like the student, got {tuple(y.shape)}")
@@ -457,7 +488,7 @@ def dino_loss(
     if masks is not None and s != 1:
         raise ValueError("masks weigh the patches of one view: pass (B, D) student and teacher rows")
     weights, images = mask_weights(masks, b, x)
-    plan = pairing(s, y.shape[0], pairs)
+    plan = pairing(s, y.shape[0], ("cross" if s > 1 else "all") if pairs == "auto" else pairs)
     dtype = compute_dtype(x.dtype)
     with autocast_off(x.device.type), torch.no_grad():
         join = parallel.rows_join(process_group, x.device)
@@ -516,7 +547,8 @@ def prototype_center(
 
 @registry.module
 class DINOLoss(LossModule):
-    """Module form of :func:`dino_loss` that keeps DINO's center: with
+    """Module form of :func:`dino_loss` (``(student, teacher, prototypes)``, the student
+    first) that keeps DINO's center: with
     ``targets="softmax"`` each call in training mode centres the teacher with the
     stored center, then updates it, ``center = m center + (1 - m) mean`` (``m``:
     ``center_momentum``; ``mean``: :func:`prototype_center` of the call's teacher rows
@@ -546,7 +578,7 @@ class DINOLoss(LossModule):
         teacher_temperature: float = 0.04,
         targets: str = "softmax",
         sinkhorn_iterations: int = 3,
-        pairs: str = "all",
+        pairs: str = "auto",
         normalize: bool = True,
         reduction: str = "mean",
         backend: str = "auto",

@@ -1,0 +1,147 @@
+"""The self-distillation losses on logits that the lightly and DINOv2 drop-ins share: the
+cross-entropy of student views against paired teacher targets, in the form of
+:func:`flashcl.engine.prototype_loss.soft_cross_entropy` (no cancellation near collapse,
+nothing of the logits' size saved), the teacher's centred softmax a block of rows at a
+time, and Sinkhorn-Knopp in the log domain."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..core import compute_dtype
+from ..engine.engine import differentiable_grads
+from ..engine.prototype_loss import soft_cross_entropy, soft_gradient_, soft_terms
+from ..parallel import rows_join
+
+__all__ = [
+    "PairedSoftCrossEntropy",
+    "paired_dense",
+    "paired_rows",
+    "chunks",
+    "softmax_targets",
+    "float32_value",
+    "sinkhorn_codes",
+]
+
+
+class PairedSoftCrossEntropy(torch.autograd.Function):
+    """``apply(inv_temp, pairs, targets, *views) -> (S, B)``: each student view's rows'
+    cross-entropy ``-sum_k p_k log_softmax_k(s / tau)`` summed over its paired teacher
+    views' probabilities (``targets``: T tensors (B, K), no gradient), in the form of
+    :func:`flashcl.engine.prototypes.soft_cross_entropy` (two non-negative terms: a
+    tiny loss keeps its precision). Saved: the logits (the inputs) and five numbers per
+    row; the backward forms ``(mass softmax - sum p) / tau`` a block of rows at a time.
+    With ``create_graph=True`` the gradient comes from the differentiable formula."""
+
+    @staticmethod
+    def forward(ctx: Any, inv_temp: float, pairs: List[List[int]], targets: List[Tensor], *views: Tensor) -> Tensor:  # type: ignore[override]
+        dtype = compute_dtype(views[0].dtype)
+        stats: List[Tensor] = []
+        out = []
+        for s, view in enumerate(views):
+            top, rest, mass, prest, cross = (view.new_zeros(view.shape[0], dtype=dtype) for _ in range(5))
+            idx = torch.zeros(view.shape[0], dtype=torch.long, device=view.device)
+            for r in chunks(view):  # the scaled logits a block of rows at a time
+                z = view[r].detach().to(dtype) * inv_temp
+                top[r], idx[r] = z.max(1)
+                d = z.sub_(top[r].unsqueeze(1))
+                mass[r], prest[r], cross[r] = soft_terms(d, idx[r], [targets[t][r] for t in pairs[s]])
+                e = d.exp_()
+                e.scatter_(1, idx[r].unsqueeze(1), 0.0)
+                rest[r] = e.sum(1)
+            stats.extend((top, idx, rest, mass, prest))
+            out.append(mass * torch.log1p(rest) + cross)
+        ctx.save_for_backward(*views, *stats)
+        ctx.inv_temp, ctx.pairs, ctx.targets, ctx.n = inv_temp, pairs, targets, len(views)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        views, stats = saved[: ctx.n], saved[ctx.n :]
+        needs = ctx.needs_input_grad[3:]
+        if torch.is_grad_enabled():  # create_graph=True: the formula's gradient, differentiable again
+            rows = lambda *xs: paired_dense(ctx.inv_temp, ctx.pairs, ctx.targets, xs)  # noqa: E731
+            return (None, None, None, *differentiable_grads(rows, views, needs, grad))
+        grads: List[Optional[Tensor]] = []
+        for s, view in enumerate(views):
+            if not needs[s]:
+                grads.append(None)
+                continue
+            top, idx, rest, mass, prest = stats[5 * s : 5 * s + 5]
+            g = torch.empty(view.shape, dtype=top.dtype, device=view.device)
+            for r in chunks(view):  # the gradient's own buffer, a block of rows at a time
+                gz = torch.mul(view[r].detach(), ctx.inv_temp, out=g[r])
+                targets = [ctx.targets[t][r] for t in ctx.pairs[s]]
+                soft_gradient_(gz, targets, 0, top[r], idx[r], rest[r], mass[r], prest[r])
+                gz.mul_(grad[s][r].to(gz.dtype).unsqueeze(-1) * ctx.inv_temp)
+            grads.append(g.to(view.dtype))
+        return (None, None, None, *grads)
+
+
+def paired_dense(inv_temp: float, pairs: List[List[int]], targets: Sequence[Tensor], views: Sequence[Tensor]) -> Tensor:
+    """:class:`PairedSoftCrossEntropy`'s rows by differentiable torch ops (its second
+    derivatives; a teacher whose logits take a gradient, as lightly's)."""
+    dtype = compute_dtype(views[0].dtype)
+    out = []
+    for s, view in enumerate(views):
+        p = sum((targets[t].to(dtype) for t in pairs[s]), torch.zeros(view.shape, dtype=dtype, device=view.device))
+        out.append(soft_cross_entropy(view.to(dtype) * inv_temp, p))
+    return torch.stack(out)
+
+
+def paired_rows(inv_temp: float, pairs: List[List[int]], targets: List[Tensor], views: Sequence[Tensor]) -> Tensor:
+    """Each student view's rows' cross-entropy against its paired teacher views' targets:
+    by :class:`PairedSoftCrossEntropy`, or, where a target takes a gradient (the
+    teacher's logits require it, as lightly then backpropagates into them), by the
+    differentiable formula."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in targets):
+        return paired_dense(inv_temp, pairs, targets, views)
+    return PairedSoftCrossEntropy.apply(inv_temp, pairs, targets, *views)
+
+
+def chunks(x: Tensor, entries: int = 1 << 20) -> List[slice]:
+    """Blocks of ``x``'s rows of about ``entries`` entries (4 MB in float32)."""
+    step = max(1, entries // max(1, x.shape[-1]))
+    return [slice(r, min(r + step, x.shape[0])) for r in range(0, x.shape[0], step)]
+
+
+def softmax_targets(logits: Tensor, center: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
+    """``softmax((logits - center) / temperature)`` in ``dtype``: with the logits' gradient
+    where they require one (lightly backpropagates into the teacher's logits then), else
+    a block of rows at a time into one tensor (no temporaries of the logits' size)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return torch.softmax((logits.to(dtype) - center) / temperature, dim=-1)
+    out = torch.empty(logits.shape, dtype=dtype, device=logits.device)
+    for r in chunks(logits):
+        torch.softmax((logits[r].detach().to(dtype) - center) / temperature, dim=-1, out=out[r])
+    return out
+
+
+def float32_value(value: float) -> float:
+    """``value`` rounded to float32, as lightly's ``torch.tensor(teacher_temp)`` holds it."""
+    return float(torch.tensor(float(value), dtype=torch.float32))
+
+
+def sinkhorn_codes(out: Tensor, iterations: int, epsilon: float, gather: bool, rows: Optional[Tensor] = None) -> Tensor:
+    """lightly's (SwAV's) ``sinkhorn`` and DINOv2's ``sinkhorn_knopp_teacher`` in the log
+    domain (``exp(out / epsilon)`` overflows float32 from 89, its logarithm does not):
+    the whole matrix to sum 1, then ``iterations`` times each prototype's sum over the
+    rows to 1 (1/K: a constant the rows' step takes out) and each row's to 1/B; times B. With ``gather`` (and
+    ``torch.distributed`` initialised) the sums over the rows and B span every process;
+    ``rows``: B as a tensor of this process's count instead (DINOv2's iBOT passes the
+    masked patches' count, summed over the processes)."""
+    group = dist.group.WORLD if gather and dist.is_available() and dist.is_initialized() else None
+    join = rows_join(group, out.device)
+    z = out.detach().to(compute_dtype(out.dtype)) / epsilon
+    b = join.total_rows(z.shape[0]) if rows is None else int(join.sum(rows.detach().reshape(1))[0])
+    z = z - join.lse(torch.logsumexp(z.flatten(), 0).reshape(1))[0]
+    for _ in range(iterations):
+        z = z - join.lse(torch.logsumexp(z, 0)).unsqueeze(0)
+        z = z - torch.logsumexp(z, 1, keepdim=True) - math.log(b)
+    return torch.exp(z + math.log(b))
