@@ -17,6 +17,7 @@ of the documentation.
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -118,11 +119,16 @@ class DINOLoss(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
-    def update_center(self, teacher_out: Sequence[Tensor]) -> None:
-        """The EMA of the center with the teacher's batch mean (over every view and row)."""
-        total = sum(t.reshape(-1, t.shape[-1]).sum(0) for t in teacher_out)
-        count = sum(t.reshape(-1, t.shape[-1]).shape[0] for t in teacher_out)
-        mean = _center_mean(torch.as_tensor(total), count).reshape(self.center.shape)
+    def update_center(self, teacher_out: Union[Tensor, Sequence[Tensor]]) -> None:
+        """The EMA of the center with the teacher's batch mean: of a tensor over its first
+        two dimensions, as lightly's (views and rows of a (T, B, K) stack), or of a list of
+        views over every view and row (the call's; no stacked copy)."""
+        if isinstance(teacher_out, Tensor):
+            total, count = teacher_out.sum(dim=(0, 1), keepdim=True), teacher_out.shape[0] * teacher_out.shape[1]
+        else:
+            total = torch.stack([t.reshape(-1, t.shape[-1]).sum(0) for t in teacher_out]).sum(0)
+            count = sum(t.reshape(-1, t.shape[-1]).shape[0] for t in teacher_out)
+        mean = _center_mean(total, count)
         self.center = self.center * self.center_momentum + mean * (1 - self.center_momentum)
 
 
@@ -146,7 +152,10 @@ class _Center(nn.Module):
 
     @torch.no_grad()
     def update(self, x: Tensor) -> None:
-        mean = _center_mean(x.sum(0, keepdim=True), x.shape[0])
+        """The EMA with the mean of ``x`` over the dimensions where the center has size 1."""
+        dims = tuple(i for i, n in enumerate(self.center.shape) if n == 1)
+        count = math.prod(x.shape[i] for i in dims)
+        mean = _center_mean(x.sum(dim=dims, keepdim=True), count)
         self.center = self.center * self.momentum + mean * (1 - self.momentum)
 
 
