@@ -59,7 +59,7 @@ def cases(d: Dict[str, torch.Tensor], sizes: List[int], rank: int, kw: Dict[str,
     key_labels = d["labels"].repeat_interleave(2)[slice(None) if single else shard(sizes, rank, 2)]
     ref, ref_labels, ref_self = d["ref"], d["ref_labels"], d["ref_self"][sl]
     t = torch.tensor(0.4, dtype=torch.float64)
-    gather = {} if single else {"strategy": "all_gather"}
+    gather = {} if single or "strategy" in kw else {"strategy": "all_gather"}
     # the guide close to the model: some in-batch candidates are its false negatives
     guide_a, guide_p = emb[:, :4] + 0.3 * views[:, :4], views[:, :4] + 0.3 * emb[:, :4]
     guide_n = keys[::2, :4]

@@ -66,8 +66,9 @@ classes: (K,) sorted indices of the classes kept this step (sampled classes,
     labelled class must be kept. Default: None (every class).""",
     "process_group": """process_group: None (default: this process's inputs) or a process group of
     ``torch.distributed``: the loss over the concatenation of every rank's inputs in
-    rank order (local batch sizes may differ), as :mod:`flashcl.distributed`
-    computes it; every rank calls with the same options. Keys without gradient
+    rank order (local batch sizes may differ; a rank may have none, (0, D) inputs: it
+    takes part with nothing of its own), as :mod:`flashcl.distributed` computes it;
+    every rank calls with the same options. Keys without gradient
     (a queue's) are the same on every rank and enter the global loss once; ranks
     that pass different options or keys get a ValueError each.
 strategy: across processes, ``"all_gather"`` (the candidates gathered with an

@@ -169,10 +169,11 @@ def same_device(x: Tensor, ref: Tensor, name: str, ref_name: str) -> None:
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
-def validate_pair(a: object, b: object, name_a: str, name_b: str) -> Tuple[Tensor, Tensor]:
-    """Two (B, D) floating tensors of the same shape, dtype and device."""
-    a = check_float_tensor(a, name_a, (2,))
-    b = check_float_tensor(b, name_b, (2,))
+def validate_pair(a: object, b: object, name_a: str, name_b: str, empty: bool = False) -> Tuple[Tensor, Tensor]:
+    """Two (B, D) floating tensors of the same shape, dtype and device (``empty``: B may be
+    0, a rank with no rows of its own across processes)."""
+    a = check_float_tensor(a, name_a, (2,), empty)
+    b = check_float_tensor(b, name_b, (2,), empty)
     if a.shape != b.shape:
         raise ValueError(f"{name_a} and {name_b} must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype:
@@ -182,11 +183,16 @@ def validate_pair(a: object, b: object, name_a: str, name_b: str) -> Tuple[Tenso
 
 
 def validate_labelled(
-    embeddings: object, labels: object, ndims: Tuple[int, ...] = (2,), names: Tuple[str, str] = ("embeddings", "labels")
+    embeddings: object,
+    labels: object,
+    ndims: Tuple[int, ...] = (2,),
+    names: Tuple[str, str] = ("embeddings", "labels"),
+    empty: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    """Floating embeddings (B, ...) and integer labels (B,) on the same device."""
+    """Floating embeddings (B, ...) and integer labels (B,) on the same device (``empty``:
+    B may be 0, a rank with no rows of its own across processes)."""
     emb_name, lab_name = names
-    embeddings = check_float_tensor(embeddings, emb_name, ndims)
+    embeddings = check_float_tensor(embeddings, emb_name, ndims, empty)
     labels = check_index_tensor(labels, lab_name)
     b = embeddings.shape[0]
     if labels.dim() != 1 or labels.shape[0] != b:
@@ -197,10 +203,11 @@ def validate_labelled(
     return embeddings, labels
 
 
-def validate_info_nce(query: object, keys: object, positive_index: Optional[Tensor]) -> Tensor:
-    """Checks query (B, D), keys (N, D) and the positives; returns the index (B,)."""
-    query = check_float_tensor(query, "query", (2,))
-    keys = check_float_tensor(keys, "keys", (2,))
+def validate_info_nce(query: object, keys: object, positive_index: Optional[Tensor], empty: bool = False) -> Tensor:
+    """Checks query (B, D), keys (N, D) and the positives; returns the index (B,)
+    (``empty``: B and N may be 0, a rank with no rows of its own across processes)."""
+    query = check_float_tensor(query, "query", (2,), empty)
+    keys = check_float_tensor(keys, "keys", (2,), empty)
     b, n = query.shape[0], keys.shape[0]
     if keys.shape[1] != query.shape[1]:
         raise ValueError(f"query and keys must have the same embedding dim, got {query.shape[1]} and {keys.shape[1]}")
@@ -258,8 +265,8 @@ def warn_small_logit_scale(scale: Tensor) -> None:
         )
 
 
-def check_keys(keys: object, name: str, like: Tensor) -> Tensor:
-    keys = check_float_tensor(keys, name, (2,))
+def check_keys(keys: object, name: str, like: Tensor, empty: bool = False) -> Tensor:
+    keys = check_float_tensor(keys, name, (2,), empty)
     if keys.shape[1] != like.shape[-1]:
         raise ValueError(f"{name} must be {like.shape[-1]} wide (the embeddings' width), got {keys.shape[1]}")
     if keys.dtype != like.dtype:

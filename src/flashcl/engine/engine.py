@@ -406,7 +406,7 @@ def scores_product(q: Tensor, k: Tensor) -> Tensor:
 def _max_row_norm(rows: Rows) -> float:
     raw, inv = raw_rows(rows)
     norms = torch.linalg.vector_norm(raw, dim=1)
-    return float((norms if inv is None else norms * inv).max())
+    return float((norms if inv is None else norms * inv).max()) if norms.numel() else 0.0
 
 
 def operands(

@@ -84,8 +84,8 @@ def _bound(q: Tensor, k: Tensor, aq: Tensor, ak: Tensor, dims: List[int], scale:
     """``>= max |s^m_ij|`` over every width (Cauchy-Schwarz per prefix)."""
     best = 0.0
     for i, d in enumerate(dims):
-        qn = float((torch.linalg.vector_norm(q[:, :d], dim=1) * aq[i]).max())
-        kn = float((torch.linalg.vector_norm(k[:, :d], dim=1) * ak[i]).max())
+        qn = float((torch.linalg.vector_norm(q[:, :d], dim=1) * aq[i]).max()) if q.shape[0] else 0.0
+        kn = float((torch.linalg.vector_norm(k[:, :d], dim=1) * ak[i]).max()) if k.shape[0] else 0.0
         best = max(best, qn * kn)
     return abs(scale) * best
 

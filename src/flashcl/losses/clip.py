@@ -84,7 +84,9 @@ def clip_loss(
         >>> loss = flashcl.clip_loss(img, txt, logit_scale=100.0)
         >>> loss = flashcl.clip_loss(img, txt, 100.0, labels=torch.tensor([0, 1, 1, 2]))
     """
-    image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
+    image_embeds, text_embeds = checks.validate_pair(
+        image_embeds, text_embeds, "image_embeds", "text_embeds", process_group is not None
+    )
     opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     dtype = compute_dtype(image_embeds.dtype)
     scale = checks.check_positive_scalar(logit_scale, "logit_scale", image_embeds.device, dtype)
@@ -93,7 +95,9 @@ def clip_loss(
         None if logit_bias is None else checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device, dtype)
     )
     if labels is not None:
-        _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
+        _, labels = checks.validate_labelled(
+            image_embeds, labels, names=("image_embeds", "labels"), empty=process_group is not None
+        )
     eps = check_smoothing(label_smoothing)
     if eps:
         if labels is not None:
@@ -229,7 +233,9 @@ def siglip_loss(
         >>> txt = torch.nn.functional.normalize(torch.randn(8, 16), dim=1)
         >>> loss = flashcl.siglip_loss(img, txt, logit_scale=10.0, logit_bias=-10.0)
     """
-    image_embeds, text_embeds = checks.validate_pair(image_embeds, text_embeds, "image_embeds", "text_embeds")
+    image_embeds, text_embeds = checks.validate_pair(
+        image_embeds, text_embeds, "image_embeds", "text_embeds", process_group is not None
+    )
     opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     checks.check_choice(normalize_by, "normalize_by", ("global", "local"))
     dtype = compute_dtype(image_embeds.dtype)
@@ -237,7 +243,9 @@ def siglip_loss(
     warn_small_logit_scale(scale)
     bias = checks.check_real_scalar(logit_bias, "logit_bias", image_embeds.device, dtype)
     if labels is not None:
-        _, labels = checks.validate_labelled(image_embeds, labels, names=("image_embeds", "labels"))
+        _, labels = checks.validate_labelled(
+            image_embeds, labels, names=("image_embeds", "labels"), empty=process_group is not None
+        )
         labels = labels.long()
     return _siglip(image_embeds, text_embeds, scale, bias, labels, opts, normalize_by)
 

@@ -124,7 +124,7 @@ def cosent_loss(
         >>> loss = flashcl.cosent_loss(a, b, torch.rand(16))
         >>> angle = flashcl.cosent_loss(a, b, torch.rand(16), similarity="angle")
     """
-    a, b = checks.validate_pair(a, b, "a", "b")
+    a, b = checks.validate_pair(a, b, "a", "b", process_group is not None)
     labels = _check_labels(labels, a)
     checks.check_choice(similarity, "similarity", SIMILARITIES)
     checks.check_choice(backend, "backend", COSENT_BACKENDS)

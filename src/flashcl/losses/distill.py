@@ -75,9 +75,12 @@ def distill_loss(
         >>> loss = flashcl.distill_loss(img, txt, t_img, t_txt, scale=20.0, teacher_scale=50.0, symmetric=True)
         >>> loss.backward()
     """
-    q = checks.check_float_tensor(q, "q", (2,))
+    q = checks.check_float_tensor(q, "q", (2,), process_group is not None)
     names = ("k", "teacher_q", "teacher_k")
-    k, teacher_q, teacher_k = (checks.check_float_tensor(x, n, (2,)) for x, n in zip((k, teacher_q, teacher_k), names))
+    k, teacher_q, teacher_k = (
+        checks.check_float_tensor(x, n, (2,), process_group is not None)
+        for x, n in zip((k, teacher_q, teacher_k), names)
+    )
     for x, n in ((k, "k"), (teacher_q, "teacher_q"), (teacher_k, "teacher_k")):
         checks.same_device(x, q, n, "q")
     if k.shape[1] != q.shape[1] or k.dtype != q.dtype:

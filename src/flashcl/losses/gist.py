@@ -102,9 +102,9 @@ def gist_loss(
         >>> loss = flashcl.gist_loss(a, p, guide=(ga, gp), temperature=0.05)
         >>> loss = flashcl.gist_loss(a, p, n, guide=(ga, gp, gn), margin=0.1, margin_strategy="relative")
     """
-    anchor, positive = checks.validate_pair(anchor, positive, "anchor", "positive")
+    anchor, positive = checks.validate_pair(anchor, positive, "anchor", "positive", process_group is not None)
     if negative is not None:
-        negative = check_keys(negative, "negative", anchor)
+        negative = check_keys(negative, "negative", anchor, process_group is not None)
     for flag, flag_name in ((contrast_anchors, "contrast_anchors"), (contrast_positives, "contrast_positives")):
         checks.check_bool(flag, flag_name)
     checks.check_choice(margin_strategy, "margin_strategy", ("absolute", "relative"))
@@ -119,7 +119,9 @@ def gist_loss(
             + (f" of {len(guide)}" if isinstance(guide, (tuple, list)) else "")
         )
     names = ("guide[0] (anchor)", "guide[1] (positive)", "guide[2] (negative)")
-    guides = [checks.check_float_tensor(g, names[t], (2,)).detach() for t, g in enumerate(guide)]
+    guides = [
+        checks.check_float_tensor(g, names[t], (2,), process_group is not None).detach() for t, g in enumerate(guide)
+    ]
     for t, (g, x) in enumerate(zip(guides, (anchor, positive, negative))):
         assert x is not None
         if g.shape[0] != x.shape[0] or g.shape[1] != guides[0].shape[1]:

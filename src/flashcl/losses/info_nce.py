@@ -129,7 +129,7 @@ def info_nce_loss(
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05)
         >>> loss = flashcl.info_nce_loss(q, docs, temperature=0.05, matryoshka_dims=[16, 8, 4])
     """
-    index = checks.validate_info_nce(query, keys, positive_index)
+    index = checks.validate_info_nce(query, keys, positive_index, process_group is not None)
     opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", query.device, compute_dtype(query.dtype))
     checks.check_bool(in_batch_negatives, "in_batch_negatives")
@@ -138,8 +138,12 @@ def info_nce_loss(
     if (query_labels is None) != (key_labels is None):
         raise ValueError("query_labels and key_labels go together: pass both or neither")
     if query_labels is not None:
-        _, query_labels = checks.validate_labelled(query, query_labels, names=("query", "query_labels"))
-        _, key_labels = checks.validate_labelled(keys, key_labels, names=("keys", "key_labels"))
+        _, query_labels = checks.validate_labelled(
+            query, query_labels, names=("query", "query_labels"), empty=process_group is not None
+        )
+        _, key_labels = checks.validate_labelled(
+            keys, key_labels, names=("keys", "key_labels"), empty=process_group is not None
+        )
     if process_group is not None:  # the labels checked on this rank before any collective
         info_nce_spec(index, normalize, query_labels, key_labels, duplicates)
     if not in_batch_negatives and negatives is None:

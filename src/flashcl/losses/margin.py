@@ -134,7 +134,7 @@ def _margin_loss(
     shard_classes: bool = False,
     classes: Optional[Tensor] = None,
 ) -> Tensor:
-    embeddings, labels = checks.validate_labelled(embeddings, labels)
+    embeddings, labels = checks.validate_labelled(embeddings, labels, empty=process_group is not None)
     checks.check_bool(shard_classes, "shard_classes")
     w = checks.check_float_tensor(class_weights, "class_weights", (2,), empty=shard_classes)
     checks.same_device(w, embeddings, "class_weights", "embeddings")

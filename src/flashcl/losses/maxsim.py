@@ -63,16 +63,19 @@ def _tokens(
     doc_mask: Optional[Tensor],
     smooth_max: Optional[float],
     doc_dims: Tuple[int, ...] = (3,),
+    empty: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[float]]:
-    """The checked token embeddings, their masks (bool) and the smooth max's ``tau``."""
-    query = checks.check_float_tensor(query, "query", (3,))
-    docs = checks.check_float_tensor(docs, "docs", doc_dims)
+    """The checked token embeddings, their masks (bool) and the smooth max's ``tau``
+    (``empty``: no queries and no documents, a rank with nothing of its own across
+    processes)."""
+    query = checks.check_float_tensor(query, "query", (3,), empty)
+    docs = checks.check_float_tensor(docs, "docs", doc_dims, empty)
     if docs.shape[-1] != query.shape[2]:
         raise ValueError(f"docs must be {query.shape[2]} wide (the query tokens' width), got {docs.shape[-1]}")
     if docs.dtype != query.dtype:
         raise TypeError(f"docs must have the query's dtype {query.dtype}, got {docs.dtype}")
     checks.same_device(docs, query, "docs", "query")
-    if query.shape[0] == 0 or query.shape[1] == 0 or docs.shape[-2] == 0 or docs.shape[1] == 0:
+    if (query.shape[0] == 0 and not empty) or query.shape[1] == 0 or docs.shape[-2] == 0 or docs.shape[1] == 0:
         raise ValueError(
             f"MaxSim needs queries and documents with tokens, got query {tuple(query.shape)}, docs {tuple(docs.shape)}"
         )
@@ -259,7 +262,9 @@ def maxsim_loss(
         >>> mask = torch.ones(6, 20, dtype=torch.bool); mask[:, 15:] = False  # padding
         >>> loss = flashcl.maxsim_loss(q, d, doc_mask=mask)
     """
-    query, docs, qmask, dmask, smooth = _tokens(query, docs, query_mask, doc_mask, smooth_max)
+    query, docs, qmask, dmask, smooth = _tokens(
+        query, docs, query_mask, doc_mask, smooth_max, empty=process_group is not None
+    )
     if positive_index is None:
         if docs.shape[0] < query.shape[0]:
             raise ValueError(f"docs must hold at least B = {query.shape[0]} documents (one positive per query)")
@@ -424,8 +429,10 @@ def maxsim_distill_loss(
         >>> teacher = torch.randn(4, 5)
         >>> loss = flashcl.maxsim_distill_loss(q, d, teacher, temperature=0.5)
     """
-    query, docs, qmask, dmask, smooth = _tokens(query, docs, query_mask, doc_mask, smooth_max, (4,))
-    teacher = checks.check_float_tensor(teacher_scores, "teacher_scores", (2,))
+    query, docs, qmask, dmask, smooth = _tokens(
+        query, docs, query_mask, doc_mask, smooth_max, (4,), process_group is not None
+    )
+    teacher = checks.check_float_tensor(teacher_scores, "teacher_scores", (2,), process_group is not None)
     if teacher.shape != docs.shape[:2]:
         raise ValueError(f"teacher_scores must have shape {tuple(docs.shape[:2])} (B, n), got {tuple(teacher.shape)}")
     checks.same_device(teacher, query, "teacher_scores", "query")

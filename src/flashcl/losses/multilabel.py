@@ -78,7 +78,11 @@ def multilabel_supcon(
     but for the labels' values); ``embeddings`` (B, D) or (B, V, D)."""
     b = embeddings.shape[0]
     views = 1 if embeddings.dim() == 2 else embeddings.shape[1]
-    flat = embeddings if views == 1 and embeddings.dim() == 2 else embeddings.transpose(0, 1).reshape(b * views, -1)
+    flat = (
+        embeddings
+        if views == 1 and embeddings.dim() == 2
+        else embeddings.transpose(0, 1).reshape(b * views, embeddings.shape[-1])
+    )
     y = check_multi_hot(labels, embeddings, "labels").repeat(views, 1)
     y_ref = None
     if ref is not None:

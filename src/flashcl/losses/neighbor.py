@@ -80,7 +80,7 @@ def neighbor_loss(
         >>> nb = flashcl.sample_neighbors(100, 2)
         >>> flashcl.neighbor_loss(scores, nb).backward()
     """
-    checks.check_float_tensor(scores, "scores", (2,))
+    checks.check_float_tensor(scores, "scores", (2,), process_group is not None)
     neighbors = checks.check_index_tensor(neighbors, "neighbors")
     checks.check_bool(exclude_diagonal, "exclude_diagonal")
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)

@@ -94,7 +94,7 @@ def nt_xent_loss(
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, estimator="hard", tau_plus=0.1, beta=1.0)
         >>> loss = flashcl.nt_xent_loss(z1, z2, temperature=0.5, decoupled=True, weighting="vmf")
     """
-    z1, z2 = checks.validate_pair(z1, z2, "z1", "z2")
+    z1, z2 = checks.validate_pair(z1, z2, "z1", "z2", process_group is not None)
     opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     checks.check_choice(estimator, "estimator", ("standard", "debiased", "hard"))
     checks.check_bool(decoupled, "decoupled")

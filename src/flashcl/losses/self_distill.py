@@ -113,7 +113,7 @@ def mask_weights(masks: Optional[Tensor], rows: int, like: Tensor) -> Tuple[Opti
     if not isinstance(masks, Tensor) or masks.dtype != torch.bool or masks.dim() < 2:
         raise ValueError("masks must be a bool tensor (images, ...) of the masked patches")
     checks.same_device(masks, like, "masks", "student")
-    flat = masks.reshape(masks.shape[0], -1)
+    flat = masks.flatten(1)  # (images, patches), also for a rank with no image
     per_image = flat.sum(1)
     if int(per_image.sum()) != rows:
         raise ValueError(

@@ -139,7 +139,7 @@ def supcon_loss(
             "multi-hot sets of C >= 2 classes as (B, C)"
         )
     if isinstance(labels, Tensor) and labels.dim() == 2:  # multi-hot label sets
-        embeddings = checks.check_float_tensor(embeddings, "embeddings", (2, 3))
+        embeddings = checks.check_float_tensor(embeddings, "embeddings", (2, 3), process_group is not None)
         checks.check_choice(positives, "positives", ("mean", "sum"))
         checks.check_bool(include_self, "include_self")
         opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
@@ -156,7 +156,7 @@ def supcon_loss(
     if overlap_threshold != 0.3:
         _check_threshold(overlap_threshold)
         raise ValueError("overlap_threshold is for multi-hot (B, C) labels; these labels are class ids (B,)")
-    embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3))
+    embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3), empty=process_group is not None)
     checks.check_choice(positives, "positives", ("mean", "sum"))
     checks.check_bool(include_self, "include_self")
     opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
@@ -205,7 +205,7 @@ def _supcon(
     keys once."""
     b = embeddings.shape[0]
     views = 1 if embeddings.dim() == 2 else embeddings.shape[1]
-    flat = embeddings if embeddings.dim() == 2 else embeddings.transpose(0, 1).reshape(b * views, -1)
+    flat = embeddings if embeddings.dim() == 2 else embeddings.transpose(0, 1).reshape(b * views, embeddings.shape[-1])
     labels = labels.long().repeat(views)
     widths = None if dims is None and weights is None else (dims, weights)
     if ref_self is not None:  # the queue holds the batch: its columns are the queue's, the same on every rank
@@ -222,7 +222,7 @@ def _supcon(
             self_index=ref_self,
         )
         return runner.run(flat, parallel.replicated(ref, opts.process_group), scale, spec, opts)
-    if flat.shape[0] == 0:
+    if embeddings.dim() == 3 and embeddings.shape[1] == 0:
         raise ValueError(f"embeddings must have at least one view, got shape {tuple(embeddings.shape)}")
     cols = parallel.columns(flat, opts.strategy, opts.process_group, shared=ref, own=True)
     ids, num_classes = cols.class_ids(labels, None if ref_labels is None else ref_labels.long())

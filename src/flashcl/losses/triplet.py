@@ -201,7 +201,7 @@ def triplet_loss(
         >>> loss = flashcl.triplet_loss(emb, labels, margin=1.0)                  # batch-all
         >>> hard = flashcl.triplet_loss(emb, labels, margin=1.0, mining="hard")
     """
-    embeddings, labels = checks.validate_labelled(embeddings, labels)
+    embeddings, labels = checks.validate_labelled(embeddings, labels, empty=process_group is not None)
     checks.check_choice(mining, "mining", MININGS)
     checks.check_choice(distance, "distance", DISTANCES)
     checks.check_choice(backend, "backend", TRIPLET_BACKENDS)

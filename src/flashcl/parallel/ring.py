@@ -116,7 +116,8 @@ class RingDriver(Driver):
             current = ops.k
             for step in range(self.world):
                 col0, next_size = self._blocks(ops, step)
-                for r0 in range(0, m, ops.block):
+                # a rank with no rows of its own passes an empty block: no tile to visit
+                for r0 in range(0, m if current.shape[0] else 0, ops.block):
                     r1 = min(r0 + ops.block, m)
                     head.reduce(
                         self._scores(ops, current, r0, r1, buf),
@@ -137,7 +138,7 @@ class RingDriver(Driver):
         dscale = ops.q.new_zeros(())
         for step in range(self.world):
             col0, next_size = self._blocks(ops, step)
-            for r0 in range(0, m, ops.block):
+            for r0 in range(0, m if current.shape[0] else 0, ops.block):
                 r1 = min(r0 + ops.block, m)
                 tile = Tile(r0, r1, col0, col0 + current.shape[0], ops.offset)
                 g = head.grad(self._scores(ops, current, r0, r1, buf), tile, st, buf2)
