@@ -69,7 +69,15 @@ from .engine import engine, matryoshka
 from .engine.engine import Driver, Problem, ReduceWeights, autocast_off, normalize_rows
 from .engine.heads import SoftmaxHead, SoftplusHead
 from .engine.panels import UpperPanels
-from .engine.positives import Positives, PositiveTerm, column_spec, positives, row_weights, valid_rows
+from .engine.positives import (
+    Positives,
+    PositiveTerm,
+    column_spec,
+    positives,
+    row_weights,
+    single_positives,
+    valid_rows,
+)
 from .engine.stripes import Stripes
 from .engine.tiled import RowBlocks
 from .triton import DTYPES as TRITON_DTYPES
@@ -232,18 +240,25 @@ def _scalar_weights(
     return (r if extra is None else r * extra), None
 
 
-def problem_of(spec: CoreSpec, m: int, n: int, dtype: torch.dtype) -> Problem:
+def problem_of(
+    spec: CoreSpec, m: int, n: int, dtype: torch.dtype, pivots: bool = True, across: bool = False
+) -> Problem:
     """The engine's form: a :class:`~flashcl.engine.heads.SoftmaxHead` with the LSE weights
     ``c`` and the positive term ``-a_i sum_j m_ij s_ij`` (for ``both_directions``, the
     column direction's positive term too: ``-s_jj``, or with labels the mean of
-    column ``j``'s same-label scores)."""
+    column ``j``'s same-label scores). With ``pivots``, a row's one positive column is
+    taken into the head (:func:`~flashcl.engine.positives.single_positives`; ``across``:
+    the call spans processes, where every rank must decide alike)."""
     c, a = row_weights(spec, m, dtype)
     if spec.positive_weight is not None:
         a = a * spec.positive_weight
     terms = [PositiveTerm(positives(spec), a)]
+    a_col = None
     if spec.both_directions:
         cols = column_spec(spec)
-        terms.append(PositiveTerm(positives(cols), row_weights(cols, n, dtype)[1], target="col"))
+        a_col = row_weights(cols, n, dtype)[1]
+        terms.append(PositiveTerm(positives(cols), a_col, target="col"))
+    pivot, col_pivot = single_positives(spec, m, n, a, a_col, across) if pivots else (None, None)
     head = SoftmaxHead(
         c,
         exclude_self=spec.exclude_self,
@@ -251,6 +266,8 @@ def problem_of(spec: CoreSpec, m: int, n: int, dtype: torch.dtype) -> Problem:
         columns=spec.both_directions,
         self_index=spec.self_index,
         exclude=spec.exclude,
+        pivot=pivot,
+        col_pivot=col_pivot,
     )
     return Problem(head, tuple(terms), spec.normalize, spec.offset)
 
@@ -272,8 +289,14 @@ def run(
     m, n = q.shape[0], source.total
     k = None if source.own else source.keys
     dtype = compute_dtype(q.dtype)
-    problem = problem_of(spec, m, n, dtype)
+    problem = problem_of(spec, m, n, dtype, pivots=False)
     name = backend_for(opts, source, q, problem.head.kernel if widths is None else None)
+    if widths is None and name in ("dense", "tiled", "triton"):
+        # the positives a head takes in (a tiny loss's precision), where its backend computes them: the
+        # Triton kernels leave out the rows' pivots, not the columns' (CLIP's one-process pass stays as it was)
+        with_pivots = problem_of(spec, m, n, dtype, across=source.group is not None)
+        if name != "triton" or with_pivots.head.kernel is not None:
+            problem = with_pivots
     weights = _scalar_weights(spec, problem, m, opts, source, dtype, q.device, valid_weight)
     if widths is not None:
         ds, ws = matryoshka.check_dims(widths[0], widths[1], q.shape[-1])

@@ -444,12 +444,13 @@ def normalize_backward_(grad: Tensor, y: Rows, norms: Tensor, block: int) -> Non
 
 
 def _add_linear(
-    rows: Tensor, cols: Optional[Tensor], lin: PositiveTerm, value: Tensor, scale: Any
+    rows: Tensor, cols: Optional[Tensor], lin: PositiveTerm, value: Tensor, scale: Any, head: Head
 ) -> Tuple[Tensor, Optional[Tensor]]:
+    weight = head.linear_value_weight(lin.target, lin.weight)  # 0 where the head takes the term in
     if lin.target == "row":
-        return rows - scale * lin.weight * value, cols
+        return rows - scale * weight * value, cols
     assert cols is not None, "a column linear term needs a head with columns"
-    return rows, cols - scale * lin.weight * value
+    return rows, cols - scale * weight * value
 
 
 def dense_values(
@@ -468,7 +469,7 @@ def dense_values(
     s = scores_product(q, k) * scale.to(dtype)
     rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset), param)
     for lin in problem.linears:
-        rows, cols = _add_linear(rows, cols, lin, lin.dense(s if lin.target == "row" else s.T), 1.0)
+        rows, cols = _add_linear(rows, cols, lin, lin.dense(s if lin.target == "row" else s.T), 1.0, problem.head)
     return rows, cols
 
 
@@ -505,19 +506,30 @@ def _linear_grads(
     g_col: Optional[Tensor],
     dq: Tensor,
     dk: Tensor,
+    st: Any,
 ) -> Tensor:
     """Adds the linear terms' gradients; returns their part of d scale."""
     dscale = dq.new_zeros(())
     for lin, raw in zip(problem.linears, raws):
         g = g_row if lin.target == "row" else g_col
         assert g is not None
-        w = g * lin.weight
+        w = g * problem.head.linear_grad_weight(st, lin.target, lin.weight)
         if lin.target == "row":
             lin.grad_(ops.q, ops.k, ops.scale, w, dq, dk, ops.block, driver.class_sums)
         else:  # a column term: the same computation with the two sides swapped
             lin.grad_(ops.k, ops.q, ops.scale, w, dk, dq, ops.block, driver.class_sums)
         dscale = dscale - (w * raw).sum()
     return dscale
+
+
+def _raws(ops: Operands, problem: Problem, driver: Driver, block: int) -> List[Tensor]:
+    """Each linear term's raw value (``sum_j m_ij q^_i . k^_j`` per row, or per column)."""
+    return [
+        lin.raw(ops.q, ops.k, block, driver.class_sums)
+        if lin.target == "row"
+        else lin.raw(ops.k, ops.q, block, driver.class_sums)
+        for lin in problem.linears
+    ]
 
 
 def _input_grads(
@@ -570,6 +582,11 @@ class EngineFunction(FusedFunction):
             ops.form_grad_operands()
         fused = reduce_weights is not None and needs_grad
         st = head.state(m, n, raw_rows(ops.q)[0], driver.bound(ops))
+        raws: Optional[List[Tensor]] = None
+        if head.takes_in("row") or head.takes_in("col"):  # the pivots' scores, before the tiles that need them
+            raws = _raws(ops, problem, driver, block)
+            pivots = {lin.target: s * raw for lin, raw in zip(problem.linears, raws) if head.takes_in(lin.target)}
+            head.prepare(st, (pivots.get("row"), pivots.get("col")))
         dq = dk = dscale = None
         if fused:
             assert reduce_weights is not None
@@ -583,14 +600,10 @@ class EngineFunction(FusedFunction):
             driver.forward(ops, head, st, None, None, None)
         driver.release()  # before the linear terms: their temporaries need not stack on the tile buffers
         rows, cols = head.values(st)
-        raws = [
-            lin.raw(ops.q, ops.k, block, driver.class_sums)
-            if lin.target == "row"
-            else lin.raw(ops.k, ops.q, block, driver.class_sums)
-            for lin in problem.linears
-        ]
+        if raws is None:
+            raws = _raws(ops, problem, driver, block)
         for lin, raw in zip(problem.linears, raws):
-            rows, cols = _add_linear(rows, cols, lin, raw, s)
+            rows, cols = _add_linear(rows, cols, lin, raw, s, head)
 
         ctx.problem, ctx.driver, ctx.block, ctx.reduce_weights = problem, driver, block, reduce_weights
         ctx.st, ctx.raws = st, raws
@@ -598,7 +611,7 @@ class EngineFunction(FusedFunction):
         if fused:
             assert reduce_weights is not None and dq is not None and dk is not None and dscale is not None
             r, u = reduce_weights
-            dscale = dscale + _linear_grads(ops, problem, driver, raws, r, u, dq, dk)
+            dscale = dscale + _linear_grads(ops, problem, driver, raws, r, u, dq, dk, st)
             dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
             grads = (dq_in, dk_in, dscale, head.param_grad(st))
         FusedFunction.setup(ctx, (q_in, k_in, scale, param) if needs_grad else (None,) * 4, grads=grads)
@@ -641,7 +654,7 @@ class EngineFunction(FusedFunction):
             dq, dk = _new_grads(ops)
             dscale = driver.backward(ops, head, st, dq, dk)
         driver.release()
-        dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk)
+        dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk, st)
         dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
         return dq_in, dk_in, dscale, head.param_grad(st)
 

@@ -250,6 +250,27 @@ class Head:
         :meth:`rows_fused`; None for heads without one."""
         return None
 
+    # ------------------------------------------------------ a linear term the head takes in
+    def prepare(self, st: Any, pivots: Tuple[Optional[Tensor], Optional[Tensor]]) -> None:
+        """Before the tiles: the scores of the positive term the head takes in (each
+        row's, each column's; see :class:`SoftmaxHead`'s ``pivot``), when it does."""
+
+    def takes_in(self, target: str) -> bool:
+        """Whether the head computes the value of the positive term of ``target``
+        (``"row"`` / ``"col"``) itself, on the rows where it has one (the engine then
+        leaves it out of the value and takes its gradient's weight from
+        :meth:`linear_weights`)."""
+        return False
+
+    def linear_value_weight(self, target: str, weight: Tensor) -> Tensor:
+        """The weight of the positive term of ``target`` (own weight ``weight``) in the
+        value: 0 on the rows whose term the head takes in."""
+        return weight
+
+    def linear_grad_weight(self, st: Any, target: str, weight: Tensor) -> Tensor:
+        """The weight of the positive term of ``target`` in the gradient, once reduced."""
+        return weight
+
 
 class _SoftmaxState:
     """Row (and column) logsumexp accumulators: exact running logsumexps, or, with
@@ -268,6 +289,11 @@ class _SoftmaxState:
         self.beta: Optional[Tensor] = None
         self.g_row: Optional[Tensor] = None
         self.g_col: Optional[Tensor] = None
+        # the pivots' scores (rows', columns') and, once reduced, the logsumexps without them less them
+        self.p: Optional[Tensor] = None
+        self.pc: Optional[Tensor] = None
+        self.x: Optional[Tensor] = None
+        self.y: Optional[Tensor] = None
 
     @property
     def fixed_shift(self) -> float:
@@ -293,6 +319,17 @@ class SoftmaxHead(Head):
         boost: ``(f, fn)``: the entries of ``fn(tile)`` (a boolean mask) count as
             ``s + f * stop_grad(s)`` in the logsumexp (a hardness weighting of
             negatives: their logit grows with their score, their gradient does not).
+        pivot: ``(index, weight)``: each row's one positive column (M,) (-1: none) and
+            the weight ``w_i`` of its positive term ``-w_i s_ij*``, which the head then
+            takes in (the row's pivot): with ``x_i = LSE_{j != j*} s_ij - s_ij*`` (the
+            pivot left out of the sums), the row's loss is ``c_i softplus(x_i) + (c_i -
+            w_i) s_ij*`` and the pivot's gradient ``(c_i - w_i) - c_i sigmoid(x_i)``, so
+            that a row whose positive dominates (a tiny loss near collapse) keeps its
+            relative precision, where ``c_i LSE - w_i s_ij*`` subtracts two numbers of
+            the scores' size. The pivot's score comes from its positive term
+            (:meth:`prepare`), its gradient goes through it (:meth:`linear_weights`).
+        col_pivot: the same for the column direction: each column's one positive row
+            (N,) and its weight; the same entries as the rows' pivots.
     """
 
     kernel: Optional[KernelId] = KernelId.SOFTMAX
@@ -306,9 +343,14 @@ class SoftmaxHead(Head):
         self_index: Optional[Tensor] = None,
         exclude: Optional[Exclusions] = None,
         boost: Optional[Tuple[float, Any]] = None,
+        pivot: Optional[Tuple[Tensor, Tensor]] = None,
+        col_pivot: Optional[Tuple[Tensor, Tensor]] = None,
     ) -> None:
         if columns and (exclude_self or exclude is not None or boost is not None):
             raise ValueError("the column direction takes every row: exclusions are for the rows only")
+        if col_pivot is not None and (pivot is None or not columns):
+            raise ValueError("a column pivot needs the column direction and the rows' pivots on the same entries")
+        self.pivot, self.col_pivot = pivot, col_pivot
         self.boost = boost
         self.row_weight = row_weight
         self.exclude_self = exclude_self
@@ -316,11 +358,16 @@ class SoftmaxHead(Head):
         self.self_index = self_index
         self.exclude = exclude
         self.has_columns = columns
-        # the upper-panel driver needs the masks symmetric: the self entry on the diagonal
-        self.symmetric_tiles = not columns and self_index is None and exclude is None and boost is None
+        # the upper-panel driver needs the masks symmetric: the self entry on the diagonal, and the pivots
+        # in pairs (row i's pivot is j and row j's is i: the other view of NT-Xent)
+        self.symmetric_tiles = (
+            not columns and self_index is None and exclude is None and boost is None and _paired(pivot, offset)
+        )
         self.fuses_rows = not columns  # the column direction needs every row's scores first
         if (exclude is not None and exclude.fn is not None) or boost is not None:
             self.kernel = None  # masks computed by a function: no Triton kernel for them
+        if pivot is not None and (columns or exclude is not None or (exclude_self and self_index is not None)):
+            self.kernel = None  # the kernels leave out one indexed column per row (the pivot), of the rows only
 
     def _boost_(self, s: Tensor, tile: Tile) -> None:
         """In place: the boosted entries' logits ``s (1 + f)``."""
@@ -360,17 +407,24 @@ class SoftmaxHead(Head):
             bound = bound * (1.0 + abs(self.boost[0]))
         return _SoftmaxState(m, n, like, self.usable_shift(bound, like.dtype), self.has_columns)
 
+    def _pivots_(self, s: Tensor, tile: Tile, value: float) -> None:
+        """The pivots' entries (out of the rows' and the columns' sums) take ``value``."""
+        if self.pivot is not None:
+            mask_columns_(s, tile, self.pivot[0], value)
+
     def reduce(self, s: Tensor, tile: Tile, st: _SoftmaxState, p: int = 0) -> None:
         rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
         self._boost_(s, tile)
         if st.summing:
             s.sub_(st.fixed_shift).exp_()
+            self._pivots_(s, tile, 0.0)
             if st.col is not None:
                 st.col[cols] += s.sum(0)
             if self.masks:
                 self._mask_(s, tile, 0.0)
             st.row[rows] += s.sum(1)
             return
+        self._pivots_(s, tile, float("-inf"))
         if st.col is not None:
             torch.logaddexp(st.col[cols], torch.logsumexp(s, dim=0), out=st.col[cols])
         if self.masks:
@@ -383,9 +437,53 @@ class SoftmaxHead(Head):
             if st.col is not None:
                 st.col = st.col.log_().add_(st.fixed_shift)
             st.summing = False
+        self._take_in(st)
+
+    # ------------------------------------------------------------------ pivots
+    def prepare(self, st: _SoftmaxState, pivots: Tuple[Optional[Tensor], Optional[Tensor]]) -> None:
+        st.p, st.pc = pivots
+        if st.p is not None:
+            st.x = torch.zeros_like(st.p)  # filled as the rows are reduced (none: a rank with no rows)
+
+    def takes_in(self, target: str) -> bool:
+        return (self.pivot if target == "row" else self.col_pivot) is not None
+
+    def _take_in(self, st: _SoftmaxState, rows: slice = slice(None)) -> None:
+        """The logsumexps without the pivots (``st.row`` / ``st.col`` of ``rows``) into
+        those with them, ``p + softplus(LSE - p)``, keeping ``x = LSE - p``."""
+        if self.pivot is not None:
+            assert st.p is not None and st.x is not None, "the pivots' scores are prepared before the tiles"
+            on = self.pivot[0][rows] >= 0
+            p = st.p[rows]
+            st.x[rows] = x = st.row[rows] - p
+            st.row[rows] = torch.where(on, p + softplus(x), st.row[rows])
+        if self.col_pivot is not None and st.col is not None:
+            assert st.pc is not None
+            st.y = st.col - st.pc
+            st.col = torch.where(self.col_pivot[0] >= 0, st.pc + softplus(st.y), st.col)
+
+    def linear_value_weight(self, target: str, weight: Tensor) -> Tensor:
+        pivot = self.pivot if target == "row" else self.col_pivot
+        return weight if pivot is None else torch.where(pivot[0] >= 0, torch.zeros_like(weight), weight)
+
+    def linear_grad_weight(self, st: _SoftmaxState, target: str, weight: Tensor) -> Tensor:
+        pivot = self.pivot if target == "row" else self.col_pivot
+        x = st.x if target == "row" else st.y
+        if pivot is None:
+            return weight
+        assert x is not None, "the pivots' logsumexps are reduced before the gradient"
+        c = self.row_weight if target == "row" else torch.ones_like(weight)
+        # -(d loss / d s_ij*) = w - c + c sigmoid(x): small where the positive dominates, and no 1 - 1 in it
+        return torch.where(pivot[0] >= 0, (weight - c) + c * torch.sigmoid(x), weight)
 
     def values(self, st: _SoftmaxState) -> Tuple[Tensor, Optional[Tensor]]:
-        return self.row_weight * st.row, st.col
+        rows, cols = self.row_weight * st.row, st.col
+        if self.pivot is not None and st.x is not None and st.p is not None:
+            c, w = self.row_weight, self.pivot[1]
+            rows = torch.where(self.pivot[0] >= 0, c * softplus(st.x) + (c - w) * st.p, rows)
+        if self.col_pivot is not None and st.y is not None and st.pc is not None and cols is not None:
+            cols = torch.where(self.col_pivot[0] >= 0, softplus(st.y) + (1 - self.col_pivot[1]) * st.pc, cols)
+        return rows, cols
 
     def begin_grad(self, st: _SoftmaxState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
         st.g_row, st.g_col = g_row * self.row_weight, g_col
@@ -410,12 +508,14 @@ class SoftmaxHead(Head):
         colpart = None
         if st.alpha is not None:
             s.sub_(st.fixed_shift).exp_()
+            self._pivots_(s, tile, 0.0)  # the pivots' gradient goes through their positive terms
             if st.beta is not None:
                 colpart = torch.mul(s, st.beta[cols].unsqueeze(0), out=out)
             if self.masks:
                 self._mask_(s, tile, 0.0)
             s.mul_(st.alpha[rows].unsqueeze(1))
         else:
+            self._pivots_(s, tile, float("-inf"))
             if st.col is not None and st.g_col is not None:
                 colpart = torch.sub(s, st.col[cols].unsqueeze(0), out=out).exp_().mul_(st.g_col[cols].unsqueeze(0))
             if self.masks:
@@ -426,15 +526,21 @@ class SoftmaxHead(Head):
         return s
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _SoftmaxState, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        rows = slice(tile.r0, tile.r1)
         self._boost_(s, tile)
+        self._pivots_(s, tile, float("-inf"))
         if self.masks:
             self._mask_(s, tile, float("-inf"))
-        lse, total = lse_inplace(s)
-        st.row[tile.r0 : tile.r1] = lse
+        lse, total = lse_inplace(s)  # s: exp(s - the rows' maxima)
+        st.row[rows] = lse
         st.summing = False
+        factor = 1.0 / total.squeeze(1)
+        if self.pivot is not None:  # the softmax with the pivots: exp(s - LSE_without) * exp(LSE_without - LSE)
+            self._take_in(st, rows)
+            factor = torch.where(total.squeeze(1) > 0, torch.exp(lse - st.row[rows]) * factor, 0.0)
         if g_row is None:
             return None
-        return s.mul_((g_row * self.row_weight)[tile.r0 : tile.r1].unsqueeze(1) / total)
+        return s.mul_(((g_row * self.row_weight)[rows] * factor).unsqueeze(1))
 
     # ------------------------------------------------------ symmetric panels
     def reduce_panel(self, s: Tensor, tile: Tile, st: _SoftmaxState, p: int, buf: Tensor) -> None:
@@ -445,12 +551,14 @@ class SoftmaxHead(Head):
             s.sub_(st.fixed_shift).exp_()
             if self.exclude_self:
                 s[:, :b].diagonal().fill_(0.0)
+            self._pivots_(s, tile, 0.0)  # in pairs: also the entries of the rows below that the panel stands for
             st.row[tile.r0 : tile.r1] += s.sum(1)
             if right:
                 st.row[tile.r1 : tile.c1] += s[:, b:].sum(0)
             return
         if self.exclude_self:
             s[:, :b].diagonal().fill_(float("-inf"))
+        self._pivots_(s, tile, float("-inf"))
         if right:
             torch.logaddexp(st.row[tile.r1 : tile.c1], torch.logsumexp(s[:, b:], dim=0), out=st.row[tile.r1 : tile.c1])
         torch.logaddexp(st.row[tile.r0 : tile.r1], torch.logsumexp(s, dim=1), out=st.row[tile.r0 : tile.r1])
@@ -463,10 +571,12 @@ class SoftmaxHead(Head):
             s.sub_(st.fixed_shift).exp_()
             if self.exclude_self:
                 s[:, :b].diagonal().fill_(0.0)
+            self._pivots_(s, tile, 0.0)
             transposed = torch.mul(s, st.alpha[r0:c1].unsqueeze(0), out=other)
             return s.mul_(st.alpha[r0 : tile.r1].unsqueeze(1)).add_(transposed)
         if self.exclude_self:
             s[:, :b].diagonal().fill_(float("-inf"))
+        self._pivots_(s, tile, float("-inf"))
         transposed = torch.sub(s, st.row[r0:c1].unsqueeze(0), out=other).exp_().mul_(st.g_row[r0:c1].unsqueeze(0))
         return (
             s.sub_(st.row[r0 : tile.r1].unsqueeze(1)).exp_().mul_(st.g_row[r0 : tile.r1].unsqueeze(1)).add_(transposed)
@@ -480,6 +590,8 @@ class SoftmaxHead(Head):
                 "model's false negatives): use backend='tiled'"
             )
         index = self.exclude.index if self.exclude is not None else None
+        if self.pivot is not None:  # no other indexed column (the constructor saw to it): the pivots
+            index = self.pivot[0]
         if index is not None and index.dim() == 2:
             if index.shape[1] != 1:
                 raise ValueError(
@@ -501,6 +613,7 @@ class SoftmaxHead(Head):
     def kernel_state(self, st: _SoftmaxState, row_lse: Tensor, col_lse: Optional[Tensor]) -> None:
         """The reductions as the Triton kernels computed them."""
         st.row, st.col, st.summing = row_lse, col_lse, False
+        self._take_in(st)
 
     def kernel_weights(self, st: _SoftmaxState) -> Tuple[Tensor, Optional[Tensor]]:
         """(weight of each row's softmax, of each column's) for the gradient kernels."""
@@ -513,13 +626,57 @@ class SoftmaxHead(Head):
         if self.boost is not None:
             f, fn = self.boost
             lse_in = s + f * torch.where(fn(tile), s.detach(), torch.zeros((), dtype=s.dtype, device=s.device))
-        if self.masks:
+        if self.masks or self.pivot is not None:
             mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
-            self._mask_(mask, tile, True)
+            self._pivots_(mask, tile, True)  # type: ignore[arg-type]
+            pivots = mask.clone()
+            if self.masks:
+                self._mask_(mask, tile, True)  # type: ignore[arg-type]
             lse_in = lse_in.masked_fill(mask, float("-inf"))
-        rows = self.row_weight[tile.r0 : tile.r1] * torch.logsumexp(lse_in, dim=1)
-        cols = torch.logsumexp(s, dim=0) if self.has_columns else None
+        c = self.row_weight[tile.r0 : tile.r1]
+        rows = c * _logsumexp(lse_in, 1)
+        cols = _logsumexp(s, 0) if self.has_columns else None
+        if self.pivot is None:
+            return rows, cols
+        index, w = self.pivot[0][tile.r0 : tile.r1], self.pivot[1][tile.r0 : tile.r1]
+        on = index >= 0
+        p = s.gather(1, (index - tile.c0).clamp_min(0).unsqueeze(1)).squeeze(1)
+        rows = torch.where(on, c * softplus(_logsumexp(lse_in, 1) - p) + (c - w) * p, rows)
+        if self.col_pivot is not None:
+            cin = s.masked_fill(pivots, float("-inf"))
+            ci, cw = self.col_pivot
+            pc = s.gather(0, ci.clamp_min(0).unsqueeze(0)).squeeze(0)
+            cols = torch.where(ci >= 0, softplus(_logsumexp(cin, 0) - pc) + (1 - cw) * pc, _logsumexp(s, 0))
         return rows, cols
+
+
+def softplus(t: Tensor) -> Tensor:
+    """``log(1 + exp(t))`` as ``max(t, 0) + log1p(exp(-|t|))``: no overflow, no cut-off,
+    exactly 0 (and its gradient 0) at ``-inf``."""
+    return t.clamp_min(0) + torch.log1p(torch.exp(-t.abs()))
+
+
+def _logsumexp(t: Tensor, dim: int) -> Tensor:
+    """``torch.logsumexp`` whose gradient stays finite where every entry is ``-inf`` (the
+    result -inf there, its gradient 0, not NaN)."""
+    empty = torch.isneginf(t).all(dim, keepdim=True)
+    out = torch.logsumexp(t.masked_fill(empty, 0.0), dim)
+    return out.masked_fill(empty.squeeze(dim), float("-inf"))
+
+
+def _paired(pivot: Optional[Tuple[Tensor, Tensor]], offset: int) -> bool:
+    """No pivots, or pivots in pairs over the anchors themselves: row ``i``'s pivot is
+    column ``j + offset`` where row ``j``'s is ``i + offset`` (self-contrast's symmetric
+    tiles then mask both by one entry)."""
+    if pivot is None:
+        return True
+    index = pivot[0]
+    rows = (index >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return True
+    if offset != 0 or bool((index[rows] >= index.shape[0]).any()):
+        return False
+    return bool((index[index[rows]] == rows).all())
 
 
 def softplus_rows_(t: Tensor, work: Tensor) -> Tuple[Tensor, Tensor]:

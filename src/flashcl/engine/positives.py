@@ -34,6 +34,8 @@ __all__ = [
     "valid_rows",
     "self_mask",
     "column_spec",
+    "one_positive",
+    "single_positives",
 ]
 
 
@@ -317,3 +319,65 @@ def column_spec(spec: CoreSpec) -> CoreSpec:
         pos_mode=spec.pos_mode,
         normalize=spec.normalize,
     )
+
+
+def one_positive(pos: Positives, m: int, n: int, keep: bool = False) -> Optional[Tensor]:
+    """Each row's one positive column, -1 for a row with none or several (or one outside
+    ``[0, n)``): one explicit column per row, or the one other column of a row's label
+    (SimCLR's views as SupCon's classes); None for several explicit columns per row, and
+    for labels where no row has exactly one unless ``keep`` (across processes: whether
+    there are pivots may not depend on one rank's rows)."""
+    if pos.index is not None:
+        if pos.index.dim() != 2 or pos.index.shape[1] != 1:
+            return None
+        col = pos.index[:, 0]
+        return torch.where((col >= 0) & (col < n), col, torch.full_like(col, -1))
+    if pos.row_labels is None or pos.col_labels is None:
+        return None
+    single = pos.counts(m, n) == 1
+    if not keep and not bool(single.any()):
+        return None
+    if m == 0 or n == 0:
+        return torch.full((m,), -1, dtype=torch.long, device=pos.row_labels.device)
+    # a class's first and last column: a row with one positive takes the one that is not its own column
+    cols = torch.arange(n, device=pos.col_labels.device)
+    first = torch.full((pos.num_classes,), n, dtype=torch.long, device=cols.device).scatter_reduce(
+        0, pos.col_labels, cols, "amin"
+    )
+    last = torch.full((pos.num_classes,), -1, dtype=torch.long, device=cols.device).scatter_reduce(
+        0, pos.col_labels, cols, "amax"
+    )
+    own = torch.full((m,), -1, dtype=torch.long, device=cols.device)
+    if pos.self_pairs:
+        own = pos.self_index if pos.self_index is not None else torch.arange(m, device=cols.device) + pos.offset
+    a, b = first[pos.row_labels], last[pos.row_labels]
+    col = torch.where(a == own, b, a)
+    return torch.where(single, col, torch.full_like(col, -1))
+
+
+def single_positives(
+    spec: CoreSpec, m: int, n: int, a: Tensor, a_col: Optional[Tensor], keep: bool = False
+) -> Tuple[Optional[Tuple[Tensor, Tensor]], Optional[Tuple[Tensor, Tensor]]]:
+    """The softmax head's pivots (:class:`~flashcl.engine.heads.SoftmaxHead`): each row's
+    one positive column with its positive term's weight ``a``, taken into the head so
+    that a dominant positive (a tiny loss) keeps its precision; none for a row with
+    several positives, none where masks computed from the data might leave the positive
+    out of the denominator, and none (with the column direction) where the columns'
+    positives are not the same entries. ``keep``: see :func:`one_positive`."""
+    rows = one_positive(positives(spec), m, n, keep)
+    if rows is None or spec.exclude is not None:
+        return None, None
+    if spec.exclude_self:  # a positive that is the anchor itself is out of the denominator: no pivot there
+        own = spec.self_index if spec.self_index is not None else torch.arange(m, device=rows.device) + spec.offset
+        rows = torch.where(rows == own, torch.full_like(rows, -1), rows)
+    if not spec.both_directions:
+        return (rows, a), None
+    cols = one_positive(positives(column_spec(spec)), n, m, keep)
+    if cols is None or a_col is None or cols.shape[0] != n:
+        return None, None
+    # the same entries from both sides: row i's pivot is column j exactly where column j's is row i
+    ids = torch.arange(m, device=rows.device)
+    seen = rows >= 0
+    if bool((cols[rows[seen]] != ids[seen]).any()) or int(seen.sum()) != int((cols >= 0).sum()):
+        return None, None
+    return (rows, a), (cols, a_col)
