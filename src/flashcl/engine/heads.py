@@ -259,7 +259,7 @@ class Head:
         """Whether the head computes the value of the positive term of ``target``
         (``"row"`` / ``"col"``) itself, on the rows where it has one (the engine then
         leaves it out of the value and takes its gradient's weight from
-        :meth:`linear_weights`)."""
+        :meth:`linear_grad_weight`)."""
         return False
 
     def linear_value_weight(self, target: str, weight: Tensor) -> Tensor:
@@ -327,7 +327,7 @@ class SoftmaxHead(Head):
             that a row whose positive dominates (a tiny loss near collapse) keeps its
             relative precision, where ``c_i LSE - w_i s_ij*`` subtracts two numbers of
             the scores' size. The pivot's score comes from its positive term
-            (:meth:`prepare`), its gradient goes through it (:meth:`linear_weights`).
+            (:meth:`prepare`), its gradient goes through it (:meth:`linear_grad_weight`).
         col_pivot: the same for the column direction: each column's one positive row
             (N,) and its weight; the same entries as the rows' pivots.
     """
