@@ -14,21 +14,11 @@ from typing import Any, Iterator, List
 import pytest
 import torch
 import torch.nn.functional as F
+from ssl_peers import dv2, needs_dinov2, needs_lightly, peer
 
 import flashcl
-from flashcl.bench.peers import lightly_ssl_losses
 from flashcl.integrations import lightly as ours
 from helpers import assert_close
-
-peer, WHY = lightly_ssl_losses()
-needs_lightly = pytest.mark.skipif(peer is None, reason=f"lightly's losses: {WHY}")
-try:
-    import dinov2.loss as dv2
-except ImportError as e:  # pragma: no cover - the suite installs it
-    dv2, DV2_WHY = None, str(e)
-else:
-    DV2_WHY = ""
-needs_dinov2 = pytest.mark.skipif(dv2 is None, reason=f"dinov2 not importable: {DV2_WHY}")
 
 BACKENDS = ["reference", "dense", "tiled"]
 TOL = (1e-12, 1e-10)

@@ -333,25 +333,15 @@ class SwaVLoss(nn.Module):
         return (rows.sum() / (b * (len(views) - 1) * h)).reshape(1)
 
 
-def _dtensor_type() -> Optional[type]:
-    """torch's DTensor class (a parameter sharded by FSDP2), or None where there is none."""
+def _torch_class(name: str, *modules: str) -> Optional[type]:
+    """The class ``name`` of torch.distributed from the first of ``modules`` that has it
+    (its home moved between torch versions), or None (no such class, or no
+    torch.distributed)."""
     if not dist.is_available():
         return None
-    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+    for module in modules:
         try:
-            return getattr(importlib.import_module(name), "DTensor")  # noqa: B009
-        except (ImportError, AttributeError):
-            continue
-    return None
-
-
-def _fsdp_module_type() -> Optional[type]:
-    """torch's FSDPModule class (a module that ``fully_shard`` wrapped), or None."""
-    if not dist.is_available():
-        return None
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        try:
-            return getattr(importlib.import_module(name), "FSDPModule")  # noqa: B009
+            return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             continue
     return None
@@ -429,7 +419,8 @@ class PrototypeHead(nn.Module):
         return False
 
     def _check_sharding(self) -> None:
-        dtensor, fsdp_module = _dtensor_type(), _fsdp_module_type()
+        dtensor = _torch_class("DTensor", "torch.distributed.tensor", "torch.distributed._tensor")
+        fsdp_module = _torch_class("FSDPModule", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
         if dtensor is None:
             return
         # parameters of the MLP that a sharded submodule of it gathers in its own call are fine
