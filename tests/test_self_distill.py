@@ -8,13 +8,12 @@ processes with uneven batches (tests/test_self_distill_across.py)."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, List
+from typing import Any, List
 
 import pytest
 import torch
 import torch.nn.functional as F
-from ssl_peers import dv2, needs_dinov2, needs_lightly, peer
+from ssl_peers import default_dtype, dv2, needs_dinov2, needs_lightly, peer
 
 import flashcl
 from flashcl.integrations import lightly as ours
@@ -35,16 +34,6 @@ def _unit(v: torch.Tensor, normalize: bool = True) -> torch.Tensor:
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.clone().requires_grad_(True)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 def _float32(v: float) -> float:
@@ -111,7 +100,7 @@ def test_ibot_masks_equal_lightly_ibot_patch_loss(backend: str) -> None:
     lightly_loss.center.center.copy_(c.view(1, k))
     xl, wl = _leaf(x), _leaf(w)
     # its weights 1 / (an integer count) take torch's default dtype: float64 for the comparison
-    with _default_dtype(F64):
+    with default_dtype(F64):
         want = lightly_loss(_unit(y) @ _unit(w).T, _unit(xl) @ _unit(wl).T, mask)
     want_grads = torch.autograd.grad(want, [xl, wl])
     xo, wo = _leaf(x), _leaf(w)
@@ -171,7 +160,7 @@ def test_ibot_equals_dinov2_forward_masked(backend: str) -> None:
     loss_fn = dv2.iBOTPatchLoss(k).double()
     p = loss_fn.softmax_center_teacher(_unit(y) @ _unit(w).T, 0.07)
     xl, wl = _leaf(x), _leaf(w)
-    with _default_dtype(F64):  # its weights 1 / (an integer count) in torch's default dtype
+    with default_dtype(F64):  # its weights 1 / (an integer count) in torch's default dtype
         want = loss_fn.forward_masked(_unit(xl) @ _unit(wl).T, p, masks)
     xo, wo = _leaf(x), _leaf(w)
     got = flashcl.dino_loss(xo, y, wo, masks=masks, teacher_temperature=0.07, backend=backend)

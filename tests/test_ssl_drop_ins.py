@@ -6,13 +6,12 @@ pairing (its global crops' targets swapped) equal to flashcl.dino_loss's pairs="
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, List
+from typing import List
 
 import pytest
 import torch
 import torch.nn.functional as F
-from ssl_peers import dv2, needs_dinov2, needs_lightly, peer
+from ssl_peers import default_dtype, dv2, needs_dinov2, needs_lightly, peer
 
 import flashcl
 from flashcl.integrations import dinov2 as ours_v2
@@ -29,17 +28,6 @@ def _r(g: torch.Generator, *shape: int) -> torch.Tensor:
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_(True)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """DINOv2's and lightly's mask weights (1 / an integer count) take torch's default dtype."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 @needs_dinov2
@@ -98,7 +86,7 @@ def test_dinov2_ibot_forward_masked_with_padded_buffers_over_steps() -> None:
             loss_fn.update_center(t_tokens[:n])
             p_padded = torch.cat([p, torch.full((upper - n, k), 1.0 / k, dtype=F64)])
             a, b_ = _leaf(student), _leaf(student[:n])
-            with _default_dtype(F64):
+            with default_dtype(F64):
                 padded = loss_fn.forward_masked(a, p_padded, masks, n_masked_patches=n, masks_weight=weight)
                 plain = loss_fn.forward_masked(b_, p, masks)
             out.append((padded, plain, p, *torch.autograd.grad(padded + plain, [a, b_])))
