@@ -26,6 +26,7 @@ __all__ = [
     "soft_cross_entropy",
     "soft_terms",
     "soft_gradient_",
+    "soft_gradient_rows_",
     "PrototypeCrossEntropy",
     "auto_rows_block",
 ]
@@ -73,20 +74,34 @@ class _RowStats:
         return self.top, self.idx, self.rest, self.mass, self.prest
 
 
-def soft_terms(d: Tensor, idx: Tensor, targets: Sequence[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+def soft_terms(d: Tensor, targets: Sequence[Tensor], known: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """For complete rows of logits shifted by their largest, ``d = z - top`` (``<= 0``,
-    exactly 0 at ``idx``), and the targets whose sum is each row's target: ``(mass,
-    prest, cross)``, the targets' sum, their sum without the entry at ``idx`` and ``sum_k
-    p_k (top - z_k)``. ``mass`` and ``prest`` come from float64 sums (returned in
-    float64): ``prest`` keeps its precision when the target at ``idx`` is near 1."""
-    psum = d.new_zeros(d.shape[0], dtype=torch.float64)
-    at = torch.zeros_like(psum)
+    exactly 0 at the largest), and the targets whose sum is each row's target: ``(mass,
+    cross)``, the targets' sum (``known``, where given) and ``sum_k p_k (top - z_k)``,
+    a sum of non-negative terms."""
+    mass = d.new_zeros(d.shape[0]) if known is None else known
     cross = d.new_zeros(d.shape[0])
     for p in targets:
-        psum += p.sum(1, dtype=torch.float64)
-        at += p.gather(1, idx.unsqueeze(1)).squeeze(1)
+        if known is None:
+            mass += p.sum(1)
         cross -= _row_dots(p, d)
-    return psum, (psum - at).clamp_min_(0), cross
+    return mass, cross
+
+
+def soft_gradient_rows_(
+    gz: Tensor, targets: Sequence[Tensor], top: Tensor, idx: Tensor, rest: Tensor, mass: Tensor
+) -> Tensor:
+    """In place, complete rows of logits ``gz`` into ``dL/dz = mass softmax - p`` (``p``:
+    the sum of ``targets``): ``mass exp(z_k - top) / (1 + rest) - p_k``, and at each
+    row's largest logit minus the sum of the others (the entries sum to ``mass - sum p =
+    0``): small terms added, never the difference of two numbers near 1 (the target
+    there, and its softmax, near collapse)."""
+    gz.sub_(top.unsqueeze(1)).exp_().mul_((mass / (1.0 + rest)).unsqueeze(1))
+    for p in targets:
+        gz.sub_(p)
+    at = idx.unsqueeze(1)
+    gz.scatter_(1, at, 0.0)
+    return gz.scatter_(1, at, gz.sum(1, keepdim=True).neg_())
 
 
 def soft_gradient_(
@@ -99,10 +114,11 @@ def soft_gradient_(
     mass: Tensor,
     prest: Tensor,
 ) -> Tensor:
-    """In place, a tile of logits ``gz`` (rows x prototypes ``k0 ..``) into ``dL/dz = mass
-    softmax - p`` (``p``: the sum of ``targets``, tiles of the same shape): ``mass exp(z_k
-    - top) / (1 + rest) - p_k``, and at each row's largest logit (where it lies in the
-    tile) ``(prest - p_idx rest) / (1 + rest)``, not the difference of two numbers near 1."""
+    """In place, a tile of logits ``gz`` (rows x prototypes ``k0 ..`` of complete rows'
+    blocks) into ``dL/dz = mass softmax - p`` (``p``: the sum of ``targets``, tiles of the
+    same shape): ``mass exp(z_k - top) / (1 + rest) - p_k``, and at each row's largest
+    logit (where it lies in the tile) ``(prest - p_idx rest) / (1 + rest)`` (``prest``:
+    the targets' sum without it), not the difference of two numbers near 1."""
     gz.sub_(top.unsqueeze(1)).exp_().mul_((mass / (1.0 + rest)).unsqueeze(1))
     for p in targets:
         gz.sub_(p)
@@ -118,9 +134,10 @@ def soft_gradient_(
 def _stats_of_tile(
     stats: _RowStats, r: slice, z: Tensor, groups: List[Group], views: int, known: Optional[Tensor]
 ) -> None:
-    """:class:`_RowStats` of complete rows (a scalar's pass): ``z`` holds every stacked
-    view's rows ``r`` of a block of images against every prototype and is left holding
-    ``exp(z - top)`` with each row's largest entry set to 0."""
+    """:class:`_RowStats` of complete rows (a scalar's pass) but ``prest`` (the gradient's
+    pass forms it): ``z`` holds every stacked view's rows ``r`` of a block of images
+    against every prototype and is left holding ``exp(z - top)`` with each row's largest
+    entry set to 0."""
     top, idx = z.max(1)
     z.sub_(top.unsqueeze(1))  # z - top <= 0, exactly 0 at idx
     m = z.shape[0] // views
@@ -130,11 +147,10 @@ def _stats_of_tile(
     for ss, p in groups:
         if p is None:  # no targets: mass, prest and cross stay 0
             continue
+        mass = p.sum(1) if known is None else known[ss[0], r]  # the views of a group share their targets
         for s in ss:
-            mass, prest, cross = soft_terms(zs[s], idxs[s], [p])
-            stats.mass.view(views, -1)[s, r] = mass if known is None else known[s, r]
-            stats.prest.view(views, -1)[s, r] = prest
-            stats.cross.view(views, -1)[s, r] = cross
+            stats.mass.view(views, -1)[s, r] = mass
+            stats.cross.view(views, -1)[s, r] = -_row_dots(p, zs[s])
     e = z.exp_()
     e.scatter_(1, idx.unsqueeze(1), 0.0)
     stats.rest.view(views, -1)[:, r] = e.sum(1).view(views, m)
@@ -187,31 +203,34 @@ class PrototypeCrossEntropy(torch.autograd.Function):
         b, k = xh.shape[0], protos.k
         z_buf, p_buf = xh.new_empty(b, min(block, k)), xh.new_empty(b, min(block, k))
         st = _RowStats(b, xh)
-        psum = xh.new_zeros(b, dtype=torch.float64)
         at = xh.new_zeros(b)  # the target at the largest logit so far
         rows = torch.arange(b, device=xh.device)
         for k0 in range(0, k, block):
             k1 = min(k0 + block, k)
             z = protos.tile(xh, k0, k1, inv_temp, z_buf)
-            p = targets(k0, k1, p_buf)
+            p = targets(k0, k1, p_buf)  # this pass's own buffer
             bm, bi = z.max(1)
             if k0 == 0:
                 up, new = torch.ones_like(bm, dtype=torch.bool), bm
             else:
                 up, new = bm > st.top, torch.maximum(st.top, bm)
-                # the sums so far, taken to the new largest logit: sum p (new - z) = cross + psum (new - top)
-                st.cross += psum.to(dtype) * (new - st.top)
+                # the sums so far, taken to the new largest logit: sum p (new - z) = cross + mass (new - top)
+                st.cross += st.mass * (new - st.top)
                 st.rest = torch.where(up, (st.rest + 1.0) * torch.exp(st.top - new), st.rest)
+                # a new largest logit: the old one's target joins the others' sum
+                st.prest = torch.where(up, st.prest + at, st.prest)
             st.cross -= _row_dots(p, z.sub_(new.unsqueeze(1)))
             e = z.exp_()
             moved = up.nonzero().squeeze(1)
-            e[moved, bi[moved]] = 0.0  # a new largest logit: its 1 is not in rest
-            st.rest += e.sum(1)
             at = torch.where(up, p[rows, bi], at)
-            psum += p.sum(1, dtype=torch.float64)
+            st.mass += p.sum(1)
+            # the new largest logit's entries left out of rest and of the targets' sum without it (no 1 - 1)
+            e[moved, bi[moved]] = 0.0
+            p[moved, bi[moved]] = 0.0
+            st.rest += e.sum(1)
+            st.prest += p.sum(1)
             st.idx = torch.where(up, bi + k0, st.idx)
             st.top = new
-        st.mass, st.prest = psum.to(dtype), (psum - at).clamp_min_(0).to(dtype)
         ctx.save_for_backward(x, w, *st.saved())
         return st.rows()  # in the compute dtype (float32 for half-precision inputs)
 
@@ -314,8 +333,13 @@ def _fused_rows(
                     zs[s].zero_()
                     continue
                 torch.addcmul(p, zs[s], (mass[s] / (1.0 + rest[s])).unsqueeze(1), value=-1.0, out=zs[s])
-                at = p.gather(1, idx[s].unsqueeze(1)).squeeze(1)
-                zs[s].scatter_(1, idx[s].unsqueeze(1), ((at * rest[s] - prest[s]) / (1.0 + rest[s])).unsqueeze(1))
+                # at the largest logit: minus the others' sum (the row sums to sum p - mass = 0), not p - softmax
+                # of two numbers near 1; the targets' sum without it follows (a second backward's)
+                at = idx[s].unsqueeze(1)
+                zs[s].scatter_(1, at, 0.0)
+                others = zs[s].sum(1)
+                zs[s].scatter_(1, at, others.neg().unsqueeze(1))
+                prest[s] = others + mass[s] * rest[s] / (1.0 + rest[s])
         f = neg[:, r].reshape(-1, 1)
         if dwh is not None:  # d w^_k += sum_b gz_bk x^_b / tau
             dwh.addmm_(z.T, xr * f)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..core import compute_dtype
 from ..engine.engine import differentiable_grads
-from ..engine.prototype_loss import soft_cross_entropy, soft_gradient_, soft_terms
+from ..engine.prototype_loss import soft_cross_entropy, soft_gradient_rows_, soft_terms
 from ..parallel import rows_join
 
 __all__ = [
@@ -34,7 +34,7 @@ class PairedSoftCrossEntropy(torch.autograd.Function):
     cross-entropy ``-sum_k p_k log_softmax_k(s / tau)`` summed over its paired teacher
     views' probabilities (``targets``: T tensors (B, K), no gradient), in the form of
     :func:`flashcl.engine.prototypes.soft_cross_entropy` (two non-negative terms: a
-    tiny loss keeps its precision). Saved: the logits (the inputs) and five numbers per
+    tiny loss keeps its precision). Saved: the logits (the inputs) and four numbers per
     row; the backward forms ``(mass softmax - sum p) / tau`` a block of rows at a time.
     With ``create_graph=True`` the gradient comes from the differentiable formula."""
 
@@ -44,17 +44,17 @@ class PairedSoftCrossEntropy(torch.autograd.Function):
         stats: List[Tensor] = []
         out = []
         for s, view in enumerate(views):
-            top, rest, mass, prest, cross = (view.new_zeros(view.shape[0], dtype=dtype) for _ in range(5))
+            top, rest, mass, cross = (view.new_zeros(view.shape[0], dtype=dtype) for _ in range(4))
             idx = torch.zeros(view.shape[0], dtype=torch.long, device=view.device)
             for r in chunks(view):  # the scaled logits a block of rows at a time
                 z = view[r].detach().to(dtype) * inv_temp
                 top[r], idx[r] = z.max(1)
                 d = z.sub_(top[r].unsqueeze(1))
-                mass[r], prest[r], cross[r] = soft_terms(d, idx[r], [targets[t][r] for t in pairs[s]])
+                mass[r], cross[r] = soft_terms(d, [targets[t][r] for t in pairs[s]])
                 e = d.exp_()
                 e.scatter_(1, idx[r].unsqueeze(1), 0.0)
                 rest[r] = e.sum(1)
-            stats.extend((top, idx, rest, mass, prest))
+            stats.extend((top, idx, rest, mass))
             out.append(mass * torch.log1p(rest) + cross)
         ctx.save_for_backward(*views, *stats)
         ctx.inv_temp, ctx.pairs, ctx.targets, ctx.n = inv_temp, pairs, targets, len(views)
@@ -73,12 +73,12 @@ class PairedSoftCrossEntropy(torch.autograd.Function):
             if not needs[s]:
                 grads.append(None)
                 continue
-            top, idx, rest, mass, prest = stats[5 * s : 5 * s + 5]
+            top, idx, rest, mass = stats[4 * s : 4 * s + 4]
             g = torch.empty(view.shape, dtype=top.dtype, device=view.device)
             for r in chunks(view):  # the gradient's own buffer, a block of rows at a time
                 gz = torch.mul(view[r].detach(), ctx.inv_temp, out=g[r])
                 targets = [ctx.targets[t][r] for t in ctx.pairs[s]]
-                soft_gradient_(gz, targets, 0, top[r], idx[r], rest[r], mass[r], prest[r])
+                soft_gradient_rows_(gz, targets, top[r], idx[r], rest[r], mass[r])
                 gz.mul_(grad[s][r].to(gz.dtype).unsqueeze(-1) * ctx.inv_temp)
             grads.append(g.to(view.dtype))
         return (None, None, None, *grads)
