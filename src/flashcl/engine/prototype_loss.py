@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def soft_cross_entropy(z: Tensor, p: Tensor) -> Tensor:
+def soft_cross_entropy(z: Tensor, p: Tensor, owned: bool = False) -> Tensor:
     """Each row's cross-entropy ``-sum_k p_k log_softmax_k(z)`` (rows over the last
     dimension) by differentiable torch ops, twice differentiable, with no cancellation:
     with ``m`` a row's largest logit ``z_m``,
@@ -44,14 +44,33 @@ def soft_cross_entropy(z: Tensor, p: Tensor) -> Tensor:
     subtracts two numbers of the logits' size. The gradient at the largest logit comes
     out as ``sum_{k != m} p_k - mass rest / (1 + rest)``, both small there, not as the
     difference of two numbers near 1. A target of probability 0 takes no part
-    (``0 log 0 = 0``: a ``-inf`` logit there is no NaN)."""
-    idx = z.detach().argmax(-1, keepdim=True)
-    top = z.gather(-1, idx)
-    # the largest logit's own entries are constants: its gradient comes through ``top`` alone
-    d = (z - top).scatter(-1, idx, 0.0)
-    rest = d.exp().scatter(-1, idx, 0.0).sum(-1)
-    terms = p * torch.where(p > 0, d, torch.zeros_like(d))
-    return p.sum(-1) * torch.log1p(rest) - terms.sum(-1)
+    (``0 log 0 = 0``: a ``-inf`` logit there is no NaN). ``owned``: ``z`` is the caller's
+    temporary (the logits formed for this call), shifted in place: the rows x K tensors
+    alive at once are then as many as ``log_softmax``'s form."""
+    top, idx = z.max(-1, keepdim=True)  # its backward keeps the indices, not z
+    # the largest logit's own entry a constant 0: its gradient comes through ``top`` alone (a subtraction and
+    # a scatter keep nothing of their input for the backward: in place where the logits are ours)
+    d = (z.sub_(top) if owned else z - top).scatter_(-1, idx, 0.0)
+    rest = _OthersExpSum.apply(d, idx)
+    if bool(torch.isinf(d).any()):  # a logit of -inf (probability 0): its target's term 0, not 0 x inf
+        d = torch.where(p > 0, d, torch.zeros_like(d))
+    return p.sum(-1) * torch.log1p(rest) - torch.linalg.vecdot(p, d, dim=-1)
+
+
+class _OthersExpSum(torch.autograd.Function):
+    """``apply(d, idx) -> sum_{k != idx} exp(d_k)`` over the last dimension, its backward
+    recomputing ``exp(d)`` from ``d`` (which the caller keeps): no rows x K tensor saved
+    of its own; differentiable again (second derivatives)."""
+
+    @staticmethod
+    def forward(ctx: Any, d: Tensor, idx: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(d, idx)
+        return d.scatter(-1, idx, float("-inf")).exp_().sum(-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
+        d, idx = ctx.saved_tensors
+        return d.scatter(-1, idx, float("-inf")).exp() * grad.unsqueeze(-1), None
 
 
 class _RowStats:
@@ -277,7 +296,7 @@ def _dense_output(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
     if ctx.normalize:
         xs, ws = normalize_rows(xs), normalize_rows(ws)
     p = ctx.targets(0, ws.shape[0], xs.new_empty(xs.shape[0], ws.shape[0]))
-    rows = soft_cross_entropy((xs @ ws.T) * ctx.inv_temp, p.detach())
+    rows = soft_cross_entropy((xs @ ws.T) * ctx.inv_temp, p.detach(), owned=True)
     return rows if ctx.weights is None else (ctx.weights.to(dtype) * rows).sum()
 
 

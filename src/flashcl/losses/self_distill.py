@@ -284,7 +284,7 @@ def _dense_rows(
     xs, ws = (torch.nn.functional.normalize(v, dim=-1) for v in (x, w)) if normalize else (x, w)
     p = torch.stack(targets)
     summed = torch.stack([p[ts].sum(0) if ts else torch.zeros_like(p[0]) for ts in pairs])
-    return soft_cross_entropy(torch.matmul(xs, ws.T) * inv_temp, summed)
+    return soft_cross_entropy(torch.matmul(xs, ws.T) * inv_temp, summed, owned=True)
 
 
 def distill_rows(
