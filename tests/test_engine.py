@@ -65,7 +65,7 @@ class SigmoidPairsHead(Head):
             return None
         return -z * torch.sigmoid(-z * (s + self.bias)) * g_row[tile.r0 : tile.r1].unsqueeze(1)
 
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         return -F.logsigmoid(self._z(tile, s) * (s + self.bias)).sum(1), None
 
 

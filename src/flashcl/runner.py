@@ -160,11 +160,11 @@ class Source:
         problem: Problem,
         weights: Any,
         block_size: Optional[int],
-        param: Optional[Tensor] = None,
+        params: Sequence[Tensor] = (),
         backend: str = "tiled",
     ) -> Tensor:
         """``problem``'s losses of the rows ``q`` against these columns on ``backend``."""
-        return run_problem(q, None if self.own else self.keys, scale, problem, backend, weights, block_size, param)
+        return run_problem(q, None if self.own else self.keys, scale, problem, backend, weights, block_size, params)
 
     def count(self, n: Tensor) -> Tensor:
         """``n`` summed over the ranks (a world of one: ``n``)."""
@@ -644,18 +644,18 @@ def run_problem(
     name: str,
     reduce_weights: ReduceWeights,
     block_size: Optional[int],
-    param: Optional[Tensor] = None,
+    params: Sequence[Tensor] = (),
 ) -> Tensor:
     """:func:`flashcl.engine.run` with backend ``name``'s driver; ``block_size=None``
-    picks the rows per block (:func:`flashcl.runner.auto_block`); ``param``: the
-    head's learnable scalar, if it has one."""
+    picks the rows per block (:func:`flashcl.runner.auto_block`); ``params``: the
+    head's learnable tensors, if it has any."""
     m = q.shape[0]
     n = m if k is None else k.shape[0]
     chosen = driver(name, problem, k, q.device.type, q.dtype)
     block = block_size or auto_block(
         m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, UpperPanels), device_type=q.device.type
     )
-    return engine.run(q, k, scale, problem, chosen, reduce_weights, block, param)
+    return engine.run(q, k, scale, problem, chosen, reduce_weights, block, params)
 
 
 def row_lse(

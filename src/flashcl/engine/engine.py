@@ -150,10 +150,14 @@ class FusedFunction(torch.autograd.Function):
         inputs: Sequence[Optional[Tensor]],
         extra: Sequence[Tensor] = (),
         grads: Optional[Sequence[Optional[Tensor]]] = None,
+        slots: Optional[Sequence[int]] = None,
     ) -> None:
         """Saves the differentiable ``inputs`` (and ``extra`` tensors for
-        :meth:`recompute`); ``grads``: their gradients, formed in the forward pass."""
+        :meth:`recompute`); ``grads``: their gradients, formed in the forward pass;
+        ``slots``: the inputs' positions among ``apply``'s arguments (default: the
+        leading ones)."""
         ctx.n_inputs = len(inputs)
+        ctx.slots = list(range(len(inputs))) if slots is None else list(slots)
         ctx.grads = None if grads is None else list(grads)
         ctx.save_for_backward(*inputs, *extra)
 
@@ -179,7 +183,7 @@ class FusedFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         n = ctx.n_inputs
         inputs = saved[:n]
-        needs = ctx.needs_input_grad[:n]
+        needs = [ctx.needs_input_grad[i] for i in ctx.slots]
         if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated again
             reason = cls.no_second_derivatives(ctx)
             if reason is not None:
@@ -198,8 +202,10 @@ class FusedFunction(torch.autograd.Function):
                 with autocast_off(device.type):
                     grads = cls.recompute(ctx, grad_out, saved)
             grads = [None if g is None or x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
-        out = tuple(g if need else None for g, need in zip(grads, needs))
-        return out + (None,) * (len(ctx.needs_input_grad) - n)
+        out: List[Optional[Tensor]] = [None] * len(ctx.needs_input_grad)
+        for slot, g, need in zip(ctx.slots, grads, needs):
+            out[slot] = g if need else None
+        return tuple(out)
 
 
 NORM_EPS = 1e-12  # F.normalize's default
@@ -454,11 +460,11 @@ def _add_linear(
 
 
 def dense_values(
-    q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, param: Optional[Tensor] = None
+    q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, params: Sequence[Tensor] = ()
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-row (and per-column) losses by differentiable torch ops on the whole
     score matrix: the dense backend, and the second derivatives of the others.
-    ``param``: the head's learnable scalar, if it has one (SigLIP's bias)."""
+    ``params``: the head's learnable tensors (SigLIP's bias; a flex loss's)."""
     dtype = compute_dtype(q.dtype)
     q = q.to(dtype)
     same = k is None
@@ -467,7 +473,7 @@ def dense_values(
         q = normalize_rows(q, NORM_EPS)
         k = q if same else normalize_rows(k, NORM_EPS)
     s = scores_product(q, k) * scale.to(dtype)
-    rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset), param)
+    rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset), tuple(params))
     for lin in problem.linears:
         rows, cols = _add_linear(rows, cols, lin, lin.dense(s if lin.target == "row" else s.T), 1.0, problem.head)
     return rows, cols
@@ -490,10 +496,10 @@ def dense_output(
     scale: Tensor,
     problem: Problem,
     reduce_weights: ReduceWeights,
-    param: Optional[Tensor] = None,
+    params: Sequence[Tensor] = (),
 ) -> Tensor:
     """What :class:`EngineFunction` returns, by :func:`dense_values`."""
-    rows, cols = dense_values(q, k, scale, problem, param)
+    rows, cols = dense_values(q, k, scale, problem, params)
     return _output(rows, cols, reduce_weights)
 
 
@@ -551,10 +557,11 @@ def _new_grads(ops: Operands) -> Tuple[Tensor, Tensor]:
 
 
 class EngineFunction(FusedFunction):
-    """``apply(q, k, scale, param, problem, driver, reduce_weights, block)``.
+    """``apply(q, k, scale, problem, driver, reduce_weights, block, *params)``.
 
-    ``k=None`` means the candidates are the anchors (one gradient); ``param`` is the
-    head's learnable scalar (SigLIP's bias) or None. Returns the
+    ``k=None`` means the candidates are the anchors (one gradient); ``params`` are the
+    head's learnable tensors (SigLIP's bias, a flex loss's), each with its gradient
+    (:meth:`~flashcl.engine.heads.Head.param_grads`). Returns the
     per-row losses (M,), with the per-column losses appended for a head with
     columns (M + N,), or, for ``reduce_weights=(r, u)``, the scalar
     ``sum r * rows + sum u * cols``. Its backward's rules (a gradient formed in the
@@ -567,17 +574,17 @@ class EngineFunction(FusedFunction):
         q_in: Tensor,
         k_in: Optional[Tensor],
         scale: Tensor,
-        param: Optional[Tensor],
         problem: Problem,
         driver: Driver,
         reduce_weights: ReduceWeights,
         block: int,
+        *params: Tensor,
     ) -> Tensor:
         head = problem.head
         s = float(scale)
         ops = operands(q_in, k_in, s, problem.normalize, driver.lazy, block, problem.offset)
         m, n = ops.q.shape[0], driver.num_columns(ops)
-        needs_grad = any(ctx.needs_input_grad[:4])
+        needs_grad = any(ctx.needs_input_grad[:3]) or any(ctx.needs_input_grad[7:])
         if needs_grad and driver.uses_grad_operands:
             ops.form_grad_operands()
         fused = reduce_weights is not None and needs_grad
@@ -613,8 +620,9 @@ class EngineFunction(FusedFunction):
             r, u = reduce_weights
             dscale = dscale + _linear_grads(ops, problem, driver, raws, r, u, dq, dk, st)
             dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
-            grads = (dq_in, dk_in, dscale, head.param_grad(st))
-        FusedFunction.setup(ctx, (q_in, k_in, scale, param) if needs_grad else (None,) * 4, grads=grads)
+            grads = (dq_in, dk_in, dscale, *head.param_grads(st, len(params)))
+        inputs = (q_in, k_in, scale, *params) if needs_grad else (None,) * (3 + len(params))
+        FusedFunction.setup(ctx, inputs, grads=grads, slots=(0, 1, 2, *range(7, 7 + len(params))))
         return _output(rows, cols, reduce_weights)
 
     @classmethod
@@ -623,12 +631,13 @@ class EngineFunction(FusedFunction):
 
     @classmethod
     def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
-        q, k, scale, param = inputs
-        return dense_output(q, k, scale, ctx.problem, ctx.reduce_weights, param)
+        q, k, scale, *params = inputs
+        return dense_output(q, k, scale, ctx.problem, ctx.reduce_weights, params)
 
     @classmethod
     def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
-        q_in, k_in, scale, _ = saved
+        q_in, k_in, scale = saved[:3]
+        n_params = ctx.n_inputs - 3
         problem, driver, block = ctx.problem, ctx.driver, ctx.block
         head, st = problem.head, ctx.st
         ops = operands(q_in, k_in, float(scale), problem.normalize, driver.lazy, block, problem.offset)
@@ -656,7 +665,7 @@ class EngineFunction(FusedFunction):
         driver.release()
         dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk, st)
         dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
-        return dq_in, dk_in, dscale, head.param_grad(st)
+        return (dq_in, dk_in, dscale, *head.param_grads(st, n_params))
 
 
 def run(
@@ -667,11 +676,11 @@ def run(
     driver: Optional[Driver],
     reduce_weights: ReduceWeights,
     block: int,
-    param: Optional[Tensor] = None,
+    params: Sequence[Tensor] = (),
 ) -> Tensor:
     """The problem's losses: through ``driver`` (an :class:`EngineFunction`), or by
-    the dense formula when ``driver`` is None; autocast off either way. ``param``:
-    the head's learnable scalar, if it has one."""
+    the dense formula when ``driver`` is None; autocast off either way. ``params``:
+    the head's learnable tensors, if it has any."""
     head_offset = getattr(problem.head, "offset", problem.offset)
     if head_offset != problem.offset:
         raise ValueError(
@@ -680,9 +689,9 @@ def run(
         )
     with autocast_off(q.device.type):
         if driver is None:
-            return dense_output(q, k, scale, problem, reduce_weights, param)
+            return dense_output(q, k, scale, problem, reduce_weights, params)
         try:
-            return EngineFunction.apply(q, k, scale, param, problem, driver, reduce_weights, block)
+            return EngineFunction.apply(q, k, scale, problem, driver, reduce_weights, block, *params)
         except KernelFailure as failure:
             fallback = _fall_back(driver, failure)
-            return EngineFunction.apply(q, k, scale, param, problem, fallback, reduce_weights, block)
+            return EngineFunction.apply(q, k, scale, problem, fallback, reduce_weights, block, *params)

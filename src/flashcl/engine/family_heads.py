@@ -150,7 +150,7 @@ class DebiasedHead(Head):
         st.coef_neg[rows], st.coef_pos[rows] = sub.coef_neg, sub.coef_pos
         return self.grad(s, tile, st)
 
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         rows = torch.arange(s.shape[0], device=s.device)
         pos = s[rows, self.positive[tile.r0 : tile.r1] - tile.c0]
         mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
@@ -247,7 +247,7 @@ class SoftTargetHead(Head):
         prob = self._other(tile, s, st.work.like(s)).sub_(st.lse[rows].unsqueeze(1)).exp_()
         return s.sub_(st.own_lse[rows].unsqueeze(1)).exp_().sub_(prob).mul_(g)
 
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         other = self._other(tile, s, None)
         t, sv = (s, other) if self.own_is_teacher else (other, s)
         cross = (torch.softmax(t, dim=1) * sv).sum(1)
@@ -356,7 +356,7 @@ class JaccardHead(Head):
         s.sub_(lse.unsqueeze(1)).exp_().mul_((g * self.c[rows]).unsqueeze(1))
         return s.sub_(self._tile_weights(s, tile, st).mul_((g * self.a[rows]).unsqueeze(1)))
 
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         w = _weights(self.yq, self.yk, self.nq, self.nk, tile, self.threshold).to(s.dtype)
         masked = s.clone()
         if self.exclude_self:

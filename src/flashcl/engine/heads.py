@@ -239,16 +239,16 @@ class Head:
         return g.add_(gt.T)
 
     # ------------------------------------------------------------ dense form
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         """The per-row (and per-column) losses from the whole score matrix ``s``, by
         differentiable torch ops: the dense backend, and second derivatives.
-        ``param``: the head's learnable scalar as a tensor (None for heads without one)."""
+        ``params``: the head's learnable tensors (none for most heads)."""
         raise NotImplementedError
 
-    def param_grad(self, st: Any) -> Optional[Tensor]:
-        """d loss / d (the head's learnable scalar), accumulated by :meth:`grad` /
-        :meth:`rows_fused`; None for heads without one."""
-        return None
+    def param_grads(self, st: Any, n: int) -> Tuple[Optional[Tensor], ...]:
+        """d loss / d (each of the head's ``n`` learnable tensors), accumulated by
+        :meth:`grad` / :meth:`rows_fused`; heads without any: ``n`` Nones."""
+        return (None,) * n
 
     # ------------------------------------------------------ a linear term the head takes in
     def prepare(self, st: Any, pivots: Tuple[Optional[Tensor], Optional[Tensor]]) -> None:
@@ -621,7 +621,7 @@ class SoftmaxHead(Head):
         return st.g_row, st.g_col
 
     # ------------------------------------------------------------ dense form
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         lse_in = s
         if self.boost is not None:
             f, fn = self.boost
@@ -744,13 +744,15 @@ class SoftplusHead(Head):
         st.row[tile.r0 : tile.r1], st.sig[tile.r0 : tile.r1] = softplus_rows_(s.add_(self.bias), st.work.like(s))
         if g_row is None:
             return None
-        st.g_row = g_row  # for param_grad
+        st.g_row = g_row  # for param_grads
         return s.mul_(g_row[tile.r0 : tile.r1].unsqueeze(1))  # s now holds sigmoid(s + b)
 
-    def param_grad(self, st: _SoftplusState) -> Optional[Tensor]:
+    def param_grads(self, st: _SoftplusState, n: int) -> Tuple[Optional[Tensor], ...]:
+        if n == 0:
+            return ()
         if st.g_row is None:
-            return None
-        return (st.g_row * (st.sig - self.counts.to(st.sig.dtype))).sum()
+            return (None,)
+        return ((st.g_row * (st.sig - self.counts.to(st.sig.dtype))).sum(),)
 
     def kernel_args(self) -> KernelArgs:
         return KernelArgs(KernelId.SOFTPLUS, bias=self.bias)
@@ -764,8 +766,8 @@ class SoftplusHead(Head):
         assert st.g_row is not None
         return st.g_row, None
 
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-        b = param.to(s.dtype) if param is not None else torch.tensor(self.bias, dtype=s.dtype, device=s.device)
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+        b = params[0].to(s.dtype) if params else torch.tensor(self.bias, dtype=s.dtype, device=s.device)
         t = s + b
         sp = t.clamp_min(0) + torch.log1p(torch.exp(-t.abs()))
         return sp.sum(1) - b * self.counts[tile.r0 : tile.r1].to(s.dtype), None

@@ -394,7 +394,7 @@ class PairNTXentHead(Head):
             return None
         return self._grad(s, pos, neg, st.lse_neg[rows], st.sig[rows], g_row[rows])
 
-    def dense(self, s: Tensor, tile: Tile, param: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         pos, neg = self._masks(tile)
         lse = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1)
         return self._pass1(s, pos, lse)[0], None

@@ -290,7 +290,7 @@ def _siglip(
             col_labels=all_labels,
         )
         weights = None if r is None else (r, None)
-        return texts.run(image_embeds, scale, problem, weights, opts.block_size, param=bias, backend=name)
+        return texts.run(image_embeds, scale, problem, weights, opts.block_size, (bias,), backend=name)
 
     impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
     return runner.pick(name, impls, b * texts.total, image_embeds, "siglip_loss")()

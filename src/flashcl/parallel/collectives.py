@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -223,16 +223,16 @@ class Columns(Source):
         problem: Problem,
         weights: Any,
         block_size: Optional[int],
-        param: Optional[Tensor] = None,
+        params: Sequence[Tensor] = (),
         backend: str = "tiled",
     ) -> Tensor:
         """``problem``'s losses of this rank's rows ``q`` against the global columns:
         backend ``backend`` on the gathered keys, or the ring driver (tiled)."""
         if not self.ring:
-            return runner.run_problem(q, self.keys, scale, problem, backend, weights, block_size, param=param)
+            return runner.run_problem(q, self.keys, scale, problem, backend, weights, block_size, params)
         ring = RingDriver(self.sizes, self.group)
         block = block_size or auto_block(q.shape[0], max(self.sizes), compute_dtype(q.dtype), self_contrast=True)
-        return engine.run(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, param=param)
+        return engine.run(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, params)
 
     def count(self, n: Tensor) -> Tensor:
         return _global_count(n, self.group)
