@@ -29,6 +29,7 @@ TWINS = [
     (flashcl.DINOLoss, flashcl.dino_loss),
     (flashcl.SwAVLoss, flashcl.swav_loss),
     (flashcl.KoLeoLoss, flashcl.koleo_loss),
+    (flashcl.FlexLoss, flashcl.flex_loss),
 ]
 
 
@@ -47,7 +48,7 @@ def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
         if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
     }
     per_call = {"ref", "ref_labels", "ref_self", "negatives", "query_labels", "key_labels", "labels", "guide"}
-    per_call |= {"query_mask", "doc_mask", "classes", "teacher_prototypes", "center", "masks", "queue"}
+    per_call |= {"query_mask", "doc_mask", "classes", "teacher_prototypes", "center", "masks", "queue", "rows", "cols"}
     twin = {name: p.default for name, p in inspect.signature(module).parameters.items() if p.kind is not p.VAR_KEYWORD}
     for name, default in options.items():
         if name in per_call:
@@ -97,7 +98,7 @@ def test_every_registered_loss_is_in_every_namespace() -> None:
     from flashcl import registry
 
     fns, mods = registry.functions(), registry.modules()
-    assert len(fns) == len(mods) == 17
+    assert len(fns) == len(mods) == 18
     for name, fn in fns.items():
         assert getattr(flashcl, name) is fn and getattr(flashcl.functional, name) is fn, name
         assert name in flashcl.__all__ and name in flashcl.functional.__all__, name

@@ -14,6 +14,7 @@ from .losses.class_shards import sample_classes
 from .losses.clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .losses.cosent import CoSENTLoss, cosent_loss
 from .losses.distill import DistillLoss, distill_loss
+from .losses.flex import FlexLoss, flex_dense_mask, flex_loss
 from .losses.gist import GistLoss, gist_loss
 from .losses.info_nce import InfoNCELoss, info_nce_loss
 from .losses.koleo import KoLeoLoss, koleo_loss
@@ -88,6 +89,7 @@ __all__ = [
     "maxsim_scores",
     "sample_classes",
     "prototype_center",
+    "flex_dense_mask",
     "MemoryBank",
     "LogitScale",
     "cached_step",

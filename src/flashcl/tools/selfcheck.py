@@ -105,7 +105,31 @@ CHECKS = [
     Check("dino_loss", lambda g: ([_r(g, 3, 9, 24), _r(g, 301, 24)], [_r(g, 2, 9, 24)], {"pairs": "cross"})),
     Check("swav_loss", lambda g: ([_r(g, 3, 11, 24), _r(g, 97, 24)], [], {"high_resolution": 2})),
     Check("koleo_loss", lambda g: ([_r(g, 41, 24)], [], {})),
+    Check(
+        "flex_loss",
+        lambda g: (
+            [_r(g, 37, 24)],
+            [],
+            {
+                "rows": {"t": _labels(g, 37, 12), "doc": _labels(g, 37, 30)},
+                "positive": lambda a, b: (a.t - b.t).abs() <= 1,
+                "exclude": lambda a, b: (a.doc == b.doc) & ((a.t - b.t).abs() > 1),
+                "score_mod": lambda s, a, b: s - 0.2 * ((a.t - b.t).abs() <= 1),
+                "temperature": 0.2,
+            },
+        ),
+    ),
 ]
+
+
+def _each(fn: Callable[[Any], Any], v: Any) -> Any:
+    """``fn`` on a keyword's tensors: each of a tuple, each value of a dict (a flex loss's
+    per-sample data), else the value itself."""
+    if isinstance(v, tuple):
+        return tuple(fn(t) for t in v)
+    if isinstance(v, dict):
+        return {name: fn(t) for name, t in v.items()}
+    return fn(v)
 
 
 def _call(check: Check, floats: List[Tensor], others: List[Any], kw: Dict[str, Any], backend: str) -> Tensor:
@@ -131,7 +155,7 @@ def _run(
             return x.to(rounded).double() if isinstance(x, Tensor) and x.is_floating_point() else x
 
         floats, others = [as_given(x) for x in floats], [as_given(x) for x in others]
-        kw = {k: tuple(as_given(t) for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
+        kw = {k: _each(as_given, v) for k, v in kw.items()}
 
     def move(x: Any) -> Any:
         """A floating tensor to the device in the row's dtype, another to the device."""
@@ -142,7 +166,7 @@ def _run(
     def once() -> Tuple[Tensor, List[Tensor]]:
         leaves = [move(x).requires_grad_(True) for x in floats]
         rest = [move(x) for x in others]  # labels to the device, a teacher's rows in the dtype
-        extra = {k: tuple(move(t) for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
+        extra = {k: _each(move, v) for k, v in kw.items()}
         value = _call(check, leaves, rest, extra, backend)
         grads = torch.autograd.grad(value, leaves)
         return value.detach(), list(grads)

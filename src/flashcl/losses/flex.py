@@ -1,0 +1,497 @@
+"""Your own contrastive loss as small functions of each pair, exact and O(batch):
+:func:`flex_loss` and :class:`FlexLoss`, on the flex head of :mod:`flashcl.engine.flex`
+(the engine's drivers visit the tiles; the functions see each tile's anchors and keys)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import checks, parallel, registry, runner
+from ..base import LossModule, shared_docs
+from ..core import compute_dtype
+from ..engine.engine import Problem, autocast_off, normalize_rows
+from ..engine.flex import KINDS, POSITIVES, FlexFunctions, FlexHead, View, captured_tensors
+from ..engine.heads import softplus
+
+__all__ = ["flex_loss", "FlexLoss", "flex_dense_mask"]
+
+Fn = Optional[Callable[..., Any]]
+FLEX_BACKENDS = ("reference", "dense", "tiled")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_data(data: object, name: str, n: int, like: Tensor) -> Dict[str, Tensor]:
+    """Per-sample data: a dict of tensors whose first dimension is ``n``, on ``like``'s
+    device, refused by name before any function runs (never modified: detached)."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise TypeError(
+            f"{name} must be a dict of per-sample tensors (field name -> (n, ...)), got {type(data).__name__}"
+        )
+    out = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or not key.isidentifier() or key == "index" or key.startswith("_"):
+            raise ValueError(f"{name}: field names are identifiers (not 'index', not starting with '_'), got {key!r}")
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name}[{key!r}] must be a tensor, got {type(value).__name__}")
+        if value.dim() == 0 or value.shape[0] != n:
+            raise ValueError(f"{name}[{key!r}] must hold one entry per sample ({n}), got shape {tuple(value.shape)}")
+        checks.same_device(value, like, f"{name}[{key!r}]", "the embeddings")
+        out[key] = value.detach()
+    return out
+
+
+def _check_fn(fn: object, name: str) -> Fn:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be a function of (a, b) or None, got {type(fn).__name__}")
+    return fn  # type: ignore[return-value]
+
+
+def _probe(fns: FlexFunctions, rows: Dict[str, Tensor], cols: Dict[str, Tensor], like: Tensor) -> Callable[..., Any]:
+    """Calls ``score_mod`` on a tile of (at most) one anchor and one key whose scores
+    require grad: the tensors it captures are found in its result's graph."""
+
+    def probe(fn: Callable[..., Any]) -> Any:
+        r = min(1, next(iter(rows.values())).shape[0]) if rows else 1
+        c = min(1, next(iter(cols.values())).shape[0]) if cols else 1
+        a = View(rows, 0, r, 0, "a", "the anchors' data (rows=)", "a")
+        b = View(cols, 0, c, 0, "b", "the keys' data (cols=)", "b")
+        s = torch.zeros(r, c, dtype=like.dtype, device=like.device, requires_grad=True)
+        s._flex_probe = True  # type: ignore[attr-defined]
+        return fn(s, a, b)
+
+    return probe
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def _reference_rows(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    head: FlexHead,
+    bias: Optional[Tensor],
+) -> Tensor:
+    """Each anchor's loss one anchor at a time, from the formulas (the oracle): its row of
+    scores against every key, the functions called on that row."""
+    fns, out_rows = head.fns, []
+    n = k.shape[0]
+    for i in range(q.shape[0]):
+        if head.swapped:  # the rows are keys: each pair seen as (anchor, key)
+            a = View(head.cols, 0, n, 0, "b", "the anchors' data (rows=)", "a")
+            b = View(head.rows, i, i + 1, head.row_base, "a", "the keys' data (cols=)", "b")
+        else:
+            a = View(head.rows, i, i + 1, head.row_base, "a", "the anchors' data (rows=)", "a")
+            b = View(head.cols, 0, n, 0, "b", "the keys' data (cols=)", "b")
+        s = scale * (q[i : i + 1] @ k.T)  # (1, N)
+        own = torch.zeros(1, n, dtype=torch.bool, device=q.device)
+        if head.own and 0 <= i + head.offset < n:
+            own[0, i + head.offset] = True
+        left = own if head.exclude_self else torch.zeros_like(own)
+        if fns.exclude is not None:
+            left = left | (fns.exclude(a, b, s.detach()) if fns.exclude_scores else fns.exclude(a, b)).expand(1, n)
+        m = (fns.positive(a, b) if fns.positive is not None else a.index == b.index).expand(1, n).to(s.dtype)
+        m = torch.where(left | own, torch.zeros_like(m), m)
+        sp = s if fns.score_mod is None else fns.score_mod(s, a, b).expand(1, n)
+        w = torch.ones_like(s) if fns.weight is None else fns.weight(a, b).expand(1, n).to(s.dtype)
+        keep = (~left)[0]
+        if head.kind == "sigmoid":
+            t = sp[0] + (bias if bias is not None else 0.0)
+            terms = w[0] * (m[0] * softplus(-t) + (1 - m[0]) * softplus(t))
+            out_rows.append(terms[keep].sum())
+            continue
+        den = keep & (w[0] > 0) & ~torch.isneginf(sp[0])
+        if not bool(den.any()):
+            out_rows.append(s.sum() * 0)
+            continue
+        lse = torch.logsumexp(sp[0][den] + torch.log(w[0][den]), 0)
+        pos = m[0] > 0
+        npos, msum = int(pos.sum()), m[0].sum()
+        terms = m[0][pos] * (lse - sp[0][pos])  # each positive's cross-entropy, weighted
+        if head.positives == "sum":
+            out_rows.append(lse - (m[0][pos] * sp[0][pos]).sum())
+        elif npos == 0:
+            out_rows.append(s.sum() * 0)
+        elif head.positives == "mean":
+            out_rows.append(terms.sum() / npos)
+        elif head.positives == "weighted_mean":
+            out_rows.append(terms.sum() / msum)
+        else:  # "pairs"
+            out_rows.append(terms.sum())
+    return torch.stack(out_rows) if out_rows else (q @ k.T).sum(1)
+
+
+def _valid_reference(q: Tensor, k: Tensor, scale: Tensor, head: FlexHead) -> Tensor:
+    """The rows a "mean" counts, from the dense formula's rule (no gradient)."""
+    with torch.no_grad():
+        s = scale.detach() * (q.detach() @ k.detach().T)
+        head.dense(s, _tile(q.shape[0], k.shape[0], head.offset), ())
+    assert head.valid_rows is not None
+    return head.valid_rows
+
+
+def _tile(m: int, n: int, offset: int) -> Any:
+    from ..engine.heads import Tile
+
+    return Tile(0, m, 0, n, offset)
+
+
+# ----------------------------------------------------------------------------- the body
+
+
+def _direction(
+    q: Tensor,
+    source: runner.Source,
+    rows: Dict[str, Tensor],
+    cols: Dict[str, Tensor],
+    scale: Tensor,
+    head_args: Dict[str, Any],
+    params: Tuple[Tensor, ...],
+    bias: Optional[Tensor],
+    name: str,
+    opts: checks.Options,
+    per_row: bool,
+) -> Tuple[Tensor, Tensor]:
+    """One direction's rows: ``(the per-row losses or their sum, each row's validity)``
+    of the rows ``q`` (data ``rows``) against ``source`` (data ``cols``)."""
+    head = FlexHead(rows=rows, cols=cols, **head_args)
+    problem = Problem(head, (), opts.normalize, head.offset)
+    if name == "reference":
+        keys = q if source.own else source.keys
+        dtype = compute_dtype(q.dtype)
+        qn, kn = q.to(dtype), keys.to(dtype)
+        if opts.normalize:
+            qn = normalize_rows(qn)
+            kn = qn if source.own else normalize_rows(kn)
+        with autocast_off(q.device.type):
+            out = _reference_rows(qn, kn, scale.to(dtype), head, bias)
+        valid = _valid_reference(qn, kn, scale, head)
+        return (out if per_row else torch.where(valid, out, torch.zeros_like(out)).sum()), valid
+    weights = None if per_row else (torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device), None)
+    out = source.run(q, scale, problem, weights, opts.block_size, params, backend=name)
+    assert head.valid_rows is not None
+    return out, head.valid_rows
+
+
+@registry.loss
+@shared_docs
+def flex_loss(
+    q: Tensor,
+    keys: Optional[Tensor] = None,
+    *,
+    rows: Optional[Dict[str, Tensor]] = None,
+    cols: Optional[Dict[str, Tensor]] = None,
+    positive: Fn = None,
+    exclude: Fn = None,
+    score_mod: Fn = None,
+    weight: Fn = None,
+    kind: str = "softmax",
+    positives: str = "mean",
+    include_self: bool = False,
+    both_directions: bool = False,
+    symmetric: bool = False,
+    temperature: Any = 0.1,
+    bias: Any = None,
+    normalize: bool = True,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
+) -> Tensor:
+    r"""A contrastive loss of your own, written as small functions of each pair and
+    computed exactly, tile by tile, in O(batch) memory: positives from time windows, graph
+    edges or soft labels, negatives that leave out duplicates or likely false negatives, a
+    margin or a per-pair weight, on the engine every built-in loss runs on (every backend,
+    across processes), never as a B x B matrix (as FlexAttention does for attention).
+
+    Anchors ``q`` (M, D) against ``keys`` (N, D), or against each other (self-contrast,
+    ``keys=None``: the self pair is never a positive and is out of the denominator unless
+    ``include_self``). With ``s_ij = q^_i . k^_j / temperature`` and ``s'`` its modified
+    score, ``m_ij`` the positive weights and ``w_ij`` the denominator weights:
+
+    $$
+    L_i = \log \sum_{j \in Den(i)} w_{ij} e^{s'_{ij}}, \qquad
+    \ell_i = \frac{1}{|Pos(i)|} \sum_{j \in Pos(i)} m_{ij} (L_i - s'_{ij}) \quad (\text{positives="mean"})
+    $$
+
+    (``"weighted_mean"``: divided by ``sum_j m_ij`` instead, a cross-entropy against soft
+    targets; ``"pairs"``: not divided, the neighbour loss; ``"sum"``: ``L_i - sum_j m_ij
+    s'_ij``, supervised SimCSE as commonly written). ``kind="sigmoid"``: ``sum_j w_ij
+    [m_ij softplus(-(s'_ij + b)) + (1 - m_ij) softplus(s'_ij + b)]``, SigLIP's binary
+    cross-entropy with your positives.
+
+    The functions take two views of a tile of pairs: ``a``, its anchors, each field of
+    ``rows`` shaped (R, 1, ...), and ``b``, its keys, each field of ``cols`` shaped
+    (1, C, ...); both have ``.index``, the samples' global positions. They return tensors
+    that broadcast to (R, C) by torch's rules::
+
+        positive=lambda a, b: (a.t - b.t).abs() <= 2            # time windows
+        exclude=lambda a, b: a.doc == b.doc                      # duplicates out of every set
+        exclude=lambda a, b, s: s > s_pos_bound                  # with the tile's scores (detached)
+        score_mod=lambda s, a, b: s - margin * (a.y == b.y)      # a margin; a captured tensor learns
+        weight=lambda a, b: torch.where(a.y == b.y, 0.5, 1.0)    # the denominator's weights
+
+    Args:
+        q: the anchors (M, D).
+        keys: the keys (N, D); None: self-contrast.
+        rows: per-anchor data, ``{"name": (M, ...) tensor}``; never differentiated.
+        cols: per-key data ((N, ...)); with self-contrast the keys' data is ``rows``.
+        positive: ``positive(a, b)``: bool, or weights ``m_ij >= 0`` (0: not a positive).
+            Default: the diagonal ``a.index == b.index`` for two towers; required for
+            self-contrast.
+        exclude: ``exclude(a, b)`` or ``exclude(a, b, s)`` (bool): pairs out of every set.
+        score_mod: ``score_mod(s, a, b)``: the score a pair enters with, differentiable in
+            ``s`` and in the tensors it captures (their gradients are computed); ``-inf``
+            takes a pair out of the denominator (on a positive: an error).
+        weight: ``weight(a, b) >= 0``: the denominator's importance weights (softmax), a
+            factor on each pair's term (sigmoid); no gradient.
+        kind: ``"softmax"`` (default) | ``"sigmoid"``.
+        positives: ``"mean"`` (default) | ``"weighted_mean"`` | ``"pairs"`` | ``"sum"``.
+            An anchor without positives (but with ``"sum"``) or with an empty denominator
+            contributes 0 and is not counted by ``reduction="mean"``.
+        include_self: self-contrast: the self pair in the denominator. Default: False.
+        both_directions: two towers (softmax): the column direction too, the keys as
+            anchors against the queries (the functions still see ``(anchor, key)`` pairs),
+            the two averaged as :func:`flashcl.clip_loss` does. Default: False.
+        symmetric: self-contrast with functions that answer alike for ``(a, b)`` and
+            ``(b, a)``: the symmetric panels are visited (about 2/3 of the products).
+        temperature: a float or a 0-dim tensor (learnable). Default: 0.1.
+        bias: the sigmoid kind's bias, a float or a 0-dim tensor (learnable). Default: 0.
+        normalize: L2-normalise ``q`` and ``keys``. Default: True.
+        reduction: ``"mean"`` (default: over the counted anchors; the sigmoid kind over
+            every anchor) | ``"sum"`` | ``"none"`` ((M,); with ``both_directions`` M == N,
+            each pair's two directions averaged).
+        @backend@ No Triton kernel: ``"auto"`` picks ``"tiled"`` from 2^20 pairs,
+            ``"dense"`` below; ``"reference"`` calls the functions one anchor at a time.
+        @process_group@
+
+    Shape:
+        - q: (M, D); keys: (N, D); rows: fields (M, ...); cols: fields (N, ...); output:
+          scalar, or (M,) with ``reduction="none"``.
+
+    Examples::
+
+        >>> emb, t = torch.randn(64, 32, requires_grad=True), torch.arange(64.0)
+        >>> loss = flashcl.flex_loss(emb, rows={"t": t}, positive=lambda a, b: (a.t - b.t).abs() <= 2)
+        >>> loss.backward()
+    """
+    empty = process_group is not None
+    q = checks.check_float_tensor(q, "q", (2,), empty)
+    own = keys is None
+    if not own:
+        keys = checks.check_keys(keys, "keys", q, empty)
+    checks.check_choice(kind, "kind", KINDS)
+    checks.check_choice(positives, "positives", POSITIVES)
+    for flag, flag_name in (
+        (include_self, "include_self"),
+        (both_directions, "both_directions"),
+        (symmetric, "symmetric"),
+    ):
+        checks.check_bool(flag, flag_name)
+    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+    checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS, "triton"))
+    fns = FlexFunctions(
+        _check_fn(positive, "positive"),
+        _check_fn(exclude, "exclude"),
+        _check_fn(score_mod, "score_mod"),
+        _check_fn(weight, "weight"),
+    )
+    if own and fns.positive is None:
+        raise ValueError("positive is required for self-contrast (keys=None): which pairs are positives?")
+    if own and cols is not None:
+        raise ValueError("cols is the keys' data; with keys=None the keys are the anchors: give their data as rows=")
+    if both_directions and (own or kind != "softmax"):
+        raise ValueError("both_directions takes two towers (keys given) and kind='softmax'")
+    if both_directions and opts.reduction == "none" and q.shape[0] != keys.shape[0]:  # type: ignore[union-attr]
+        raise ValueError("reduction='none' with both_directions needs as many queries as keys (M == N)")
+    if symmetric and not own:
+        raise ValueError("symmetric=True is for self-contrast (keys=None): the pairs (i, j) and (j, i) alike")
+    row_data = _check_data(rows, "rows", q.shape[0], q)
+    col_data = row_data if own else _check_data(cols, "cols", keys.shape[0], q)  # type: ignore[union-attr]
+    dtype = compute_dtype(q.dtype)
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", q.device, dtype)
+    bias_t: Optional[Tensor] = None
+    if bias is not None:
+        if kind != "sigmoid":
+            raise ValueError("bias is the sigmoid kind's: kind='sigmoid'")
+        bias_t = checks.check_real_scalar(bias, "bias", q.device, dtype)
+    learn_bias = bias_t is not None and bias_t.requires_grad
+    params: Tuple[Tensor, ...] = (bias_t,) if learn_bias else ()  # type: ignore[assignment]
+    group = opts.process_group
+    with autocast_off(q.device.type):
+        source = parallel.columns(q if own else keys, opts.strategy, group, own=own)  # type: ignore[arg-type]
+        col_all = {k: source.gather(v) for k, v in col_data.items()}
+        if own:
+            row_base = source.offset
+        elif group is None:
+            row_base = 0
+        else:
+            row_base = sum(parallel.row_counts(q.shape[0], q.device, group)[: parallel.rank_of(group)])
+        captured = captured_tensors(fns.score_mod, _probe(fns, row_data, col_all, q))
+        names = FLEX_BACKENDS + (("triton",) if backend == "triton" else ())
+        name = runner.pick_name(backend, names, q.shape[0] * source.total, q, "flex_loss")
+        if name == "triton":
+            raise ValueError(
+                "flex_loss has no Triton kernel (the functions run on each tile in torch): use backend='tiled'"
+            )
+        if source.ring and name != "tiled":
+            raise ValueError(f"backend={backend!r} with strategy='ring': round the ring only the tiled backend runs")
+        head_args = dict(
+            kind=kind,
+            positives=positives,
+            fns=fns,
+            row_base=row_base,
+            own=own,
+            exclude_self=own and not include_self,
+            offset=source.offset if own else 0,
+            symmetric=symmetric,
+            bias=0.0 if bias_t is None else float(bias_t.detach()),
+            learn_bias=learn_bias,
+            captured=captured,
+        )
+        all_params = params + captured
+        per_row = opts.reduction == "none"
+        out, valid = _direction(q, source, row_data, col_all, scale, head_args, all_params, bias_t, name, opts, per_row)
+        parts = [(out, valid)]
+        if both_directions:
+            # the column direction: the keys as anchors against every rank's queries, the functions still
+            # called on (anchor, key) pairs (swapped), as clip_loss's second direction
+            assert keys is not None
+            back = parallel.columns(q, opts.strategy, group)
+            q_all = {k: back.gather(v) for k, v in row_data.items()}
+            key_base = (
+                0
+                if group is None
+                else sum(parallel.row_counts(keys.shape[0], q.device, group)[: parallel.rank_of(group)])
+            )
+            swapped = dict(head_args, row_base=key_base, swapped=True)
+            parts.append(
+                _direction(keys, back, col_data, q_all, scale, swapped, all_params, bias_t, name, opts, per_row)
+            )
+        return _reduce(parts, opts, source)
+
+
+def _reduce(parts: Any, opts: checks.Options, source: runner.Source) -> Tensor:
+    """The directions' rows reduced: per row (``"none"``; two directions: their average),
+    or over every rank's counted rows (``"mean"``), or summed, each times the
+    ``grad_scale`` factor; two directions weigh half each."""
+    if opts.reduction == "none":
+        return parts[0][0] if len(parts) == 1 else 0.5 * (parts[0][0] + parts[1][0])
+    half = 1.0 / len(parts)
+    total = [
+        runner.reduce_total(out, valid.sum(), opts.reduction, opts.grad_scale, source) * half for out, valid in parts
+    ]
+    return total[0] if len(total) == 1 else total[0] + total[1]
+
+
+@torch.no_grad()
+def flex_dense_mask(
+    q: Tensor,
+    keys: Optional[Tensor] = None,
+    *,
+    rows: Optional[Dict[str, Tensor]] = None,
+    cols: Optional[Dict[str, Tensor]] = None,
+    positive: Fn = None,
+    exclude: Fn = None,
+    score_mod: Fn = None,
+    weight: Fn = None,
+    include_self: bool = False,
+    temperature: float = 0.1,
+    normalize: bool = True,
+) -> Dict[str, Tensor]:
+    """What a flex loss's functions say, as dense (M, N) tensors, for debugging (as
+    FlexAttention's ``create_mask``): ``"positive"`` (the weights ``m``, 0 where a pair is
+    left out), ``"excluded"`` (out of every set, the self pair included), ``"score"``
+    (the modified scores ``s'``) and ``"weight"``. O(M N) memory: small batches.
+
+    Args:
+        q, keys, rows, cols: the embeddings and their data, as :func:`flex_loss`.
+        positive, exclude, score_mod, weight: the functions, as :func:`flex_loss`.
+        include_self, temperature, normalize: as :func:`flex_loss`.
+
+    Shape:
+        - q: (M, D); keys: (N, D); output: a dict of (M, N) tensors (N = M for
+          self-contrast).
+
+    Examples::
+
+        >>> t = torch.arange(6.0)
+        >>> masks = flashcl.flex_dense_mask(torch.randn(6, 4), rows={"t": t},
+        ...                                 positive=lambda a, b: (a.t - b.t).abs() <= 1)
+        >>> masks["positive"].shape
+        torch.Size([6, 6])
+    """
+    q = checks.check_float_tensor(q, "q", (2,))
+    own = keys is None
+    k = q if keys is None else checks.check_keys(keys, "keys", q)
+    row_data = _check_data(rows, "rows", q.shape[0], q)
+    col_data = row_data if own else _check_data(cols, "cols", k.shape[0], q)
+    fns = FlexFunctions(positive, exclude, score_mod, weight)
+    if own and positive is None:
+        raise ValueError("positive is required for self-contrast (keys=None)")
+    head = FlexHead("softmax", "mean", fns, row_data, col_data, own=own, exclude_self=own and not include_self)
+    dtype = compute_dtype(q.dtype)
+    qn, kn = q.to(dtype), k.to(dtype)
+    if normalize:
+        qn, kn = normalize_rows(qn), normalize_rows(kn)
+    s = (qn @ kn.T) / temperature
+    out, m, logw, sp, _, _ = head._terms(s, _tile(q.shape[0], k.shape[0], 0))  # noqa: SLF001 - the head's own terms
+    return {
+        "positive": m,
+        "excluded": out,
+        "score": sp,
+        "weight": torch.ones_like(s) if logw is None else torch.exp(logw),
+    }
+
+
+@registry.module
+class FlexLoss(LossModule):
+    """Module form of :func:`flex_loss`: the functions and the options given to the
+    constructor, the embeddings and the data to each call.
+
+    Examples::
+
+        >>> loss_fn = flashcl.FlexLoss(positive=lambda a, b: (a.t - b.t).abs() <= 2)
+        >>> loss = loss_fn(torch.randn(64, 32), rows={"t": torch.arange(64.0)})
+    """
+
+    def __init__(
+        self,
+        positive: Fn = None,
+        exclude: Fn = None,
+        score_mod: Fn = None,
+        weight: Fn = None,
+        kind: str = "softmax",
+        positives: str = "mean",
+        include_self: bool = False,
+        both_directions: bool = False,
+        symmetric: bool = False,
+        temperature: Any = 0.1,
+        bias: Any = None,
+        normalize: bool = True,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(**self.given(locals()))
+
+    def forward(
+        self,
+        q: Tensor,
+        keys: Optional[Tensor] = None,
+        rows: Optional[Dict[str, Tensor]] = None,
+        cols: Optional[Dict[str, Tensor]] = None,
+    ) -> Tensor:
+        return flex_loss(q, keys, rows=rows, cols=cols, **self.loss_options())

@@ -1,0 +1,90 @@
+"""The flex losses' formulas written out densely (float64), from the issue's definitions,
+with nothing of flashcl's engine: the oracle of tests/test_flex*.py. The functions are
+called once on the whole (M, N) matrix, with views shaped as the tiles' ((M, 1, ...) and
+(1, N, ...))."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def views(rows: Dict[str, Tensor], cols: Dict[str, Tensor], m: int, n: int, row_base: int = 0) -> Any:
+    a = SimpleNamespace(**{k: v.unsqueeze(1) for k, v in rows.items()})
+    b = SimpleNamespace(**{k: v.unsqueeze(0) for k, v in cols.items()})
+    a.index = (torch.arange(m) + row_base).unsqueeze(1)
+    b.index = torch.arange(n).unsqueeze(0)
+    return a, b
+
+
+def rows_of(
+    q: Tensor,
+    k: Optional[Tensor],
+    rows: Dict[str, Tensor],
+    cols: Optional[Dict[str, Tensor]],
+    positive: Optional[Callable[..., Any]] = None,
+    exclude: Optional[Callable[..., Any]] = None,
+    score_mod: Optional[Callable[..., Any]] = None,
+    weight: Optional[Callable[..., Any]] = None,
+    kind: str = "softmax",
+    positives: str = "mean",
+    include_self: bool = False,
+    temperature: Any = 0.1,
+    bias: Any = 0.0,
+    normalize: bool = True,
+) -> Any:
+    """(each anchor's loss (M,), each anchor's counting in a "mean" (M,) bool)."""
+    own = k is None
+    kk = q if own else k
+    cd = rows if own else (cols or {})
+    qn = F.normalize(q, dim=-1) if normalize else q
+    kn = qn if own and normalize else (F.normalize(kk, dim=-1) if normalize else kk)
+    s = qn @ kn.T / temperature
+    m_, n_ = s.shape
+    a, b = views(rows, cd, m_, n_)
+    out = torch.zeros(m_, n_, dtype=torch.bool)
+    self_pair = torch.eye(m_, n_, dtype=torch.bool) if own else torch.zeros(m_, n_, dtype=torch.bool)
+    if not include_self:
+        out |= self_pair
+    if exclude is not None:
+        takes_s = len(inspect.signature(exclude).parameters) >= 3
+        out |= (exclude(a, b, s.detach()) if takes_s else exclude(a, b)).expand(m_, n_)
+    m = (positive(a, b) if positive is not None else a.index == b.index).expand(m_, n_).to(s.dtype)
+    m = torch.where(out | self_pair, torch.zeros_like(m), m)  # the self pair is never a positive
+    sp = s if score_mod is None else score_mod(s, a, b).expand(m_, n_)
+    w = torch.ones_like(s) if weight is None else weight(a, b).expand(m_, n_).to(s.dtype)
+    if kind == "sigmoid":
+        t = sp + bias
+        terms = w * (m * F.softplus(-t) + (1 - m) * F.softplus(t))
+        return torch.where(out, torch.zeros_like(terms), terms).sum(1), torch.ones(m_, dtype=torch.bool)
+    z = torch.where(out | (w == 0), torch.full_like(sp, float("-inf")), sp + torch.log(w))
+    has_den = ~torch.isneginf(z).all(1)
+    lse = torch.logsumexp(torch.where(has_den.unsqueeze(1), z, torch.zeros_like(z)), 1)
+    per_pair = m * (lse.unsqueeze(1) - torch.where(m > 0, sp, torch.zeros_like(sp)))
+    npos, msum = (m > 0).sum(1), m.sum(1)
+    if positives == "sum":
+        loss = lse - (m * torch.where(m > 0, sp, torch.zeros_like(sp))).sum(1)
+        valid = has_den
+    elif positives == "mean":
+        loss = per_pair.sum(1) / npos.clamp_min(1)
+        valid = has_den & (npos > 0)
+    elif positives == "weighted_mean":
+        loss = per_pair.sum(1) / torch.where(msum > 0, msum, torch.ones_like(msum))
+        valid = has_den & (msum > 0)
+    else:  # pairs
+        loss = per_pair.sum(1)
+        valid = has_den & (npos > 0)
+    return torch.where(valid, loss, torch.zeros_like(loss)), valid
+
+
+def reduce(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp_min(1)

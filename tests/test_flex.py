@@ -1,0 +1,385 @@
+"""flashcl.flex_loss against the formulas written out densely (tests/flex_oracle.py), in
+float64: every kind and positives mode, each function (positive, exclude with and without
+the scores, score_mod with a captured learnable tensor, weight), self-contrast and two
+towers, both directions, every reduction, the reference, dense and tiled backends (odd
+blocks); values and every gradient (the embeddings, a learnable temperature and bias, the
+captured tensor). The built-ins written as flex calls equal the built-ins."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+from flex_oracle import reduce, rows_of
+
+import flashcl
+from helpers import assert_close
+
+F64 = torch.float64
+TOL = (1e-10, 1e-9)
+BACKENDS = [("reference", None), ("dense", None), ("tiled", 5), ("tiled", None)]
+
+
+def _data(seed: int, m: int = 13, n: int = 17, d: int = 6) -> Dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "q": torch.randn(m, d, generator=g, dtype=F64),
+        "k": torch.randn(n, d, generator=g, dtype=F64),
+        "y": torch.randint(0, 4, (m,), generator=g),
+        "ky": torch.randint(0, 4, (n,), generator=g),
+        "t": torch.randn(m, generator=g, dtype=F64).cumsum(0),
+        "soft": torch.rand(m, 3, generator=g, dtype=F64),
+        "ksoft": torch.rand(n, 3, generator=g, dtype=F64),
+        "doc": torch.randint(0, 5, (m,), generator=g),
+        "kdoc": torch.randint(0, 5, (n,), generator=g),
+    }
+
+
+def _grads(loss: torch.Tensor, leaves: List[torch.Tensor], up: Any = None) -> List[torch.Tensor]:
+    got = torch.autograd.grad(loss, leaves, up, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(got, leaves)]
+
+
+# the self-contrast cases: (name, flex options, the oracle's options)
+SELF_CASES = {
+    "labels": dict(positive=lambda a, b: a.y == b.y),
+    "time window": dict(positive=lambda a, b: (a.t - b.t).abs() <= 1.5),
+    "soft weights": dict(positive=lambda a, b: (a.soft * b.soft).sum(-1) * (a.y == b.y), positives="weighted_mean"),
+    "pairs": dict(positive=lambda a, b: (a.y == b.y).double() * 2.0, positives="pairs"),
+    "sum, self in": dict(positive=lambda a, b: a.y == b.y, positives="sum", include_self=True),
+    "exclude": dict(positive=lambda a, b: a.y == b.y, exclude=lambda a, b: (a.doc == b.doc) & (a.y != b.y)),
+    "exclude by score": dict(positive=lambda a, b: a.y == b.y, exclude=lambda a, b, s: (s > 5.0) & (a.y != b.y)),
+    "weight": dict(positive=lambda a, b: a.y == b.y, weight=lambda a, b: torch.where(a.doc == b.doc, 0.5, 1.5)),
+    "sigmoid": dict(positive=lambda a, b: a.y == b.y, kind="sigmoid", bias=-1.0),
+    "sigmoid weighted": dict(
+        positive=lambda a, b: a.y == b.y, kind="sigmoid", bias=-0.5, weight=lambda a, b: 1.0 + (a.doc == b.doc)
+    ),
+}
+
+
+def _rows(d: Dict[str, Any]) -> Dict[str, Any]:
+    return {"y": d["y"], "t": d["t"], "soft": d["soft"], "doc": d["doc"]}
+
+
+@pytest.mark.parametrize("case", sorted(SELF_CASES))
+@pytest.mark.parametrize("backend,block", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_self_contrast_equals_the_formula(case: str, backend: str, block: Any, reduction: str) -> None:
+    d = _data(1)
+    opts = dict(SELF_CASES[case])
+    temp = torch.tensor(0.3, dtype=F64)
+    bias = opts.pop("bias", None)
+    q1, t1 = d["q"].clone().requires_grad_(True), temp.clone().requires_grad_(True)
+    b1 = None if bias is None else torch.tensor(bias, dtype=F64, requires_grad=True)
+    loss_rows, valid = rows_of(q1, None, _rows(d), None, temperature=t1, bias=0.0 if b1 is None else b1, **opts)
+    want = reduce(loss_rows, valid, reduction)
+    up = torch.rand(want.shape, generator=torch.Generator().manual_seed(2), dtype=F64) + 0.5
+    leaves1 = [q1, t1] + ([b1] if b1 is not None else [])
+    want_grads = _grads(want, leaves1, up)
+    q2, t2 = d["q"].clone().requires_grad_(True), temp.clone().requires_grad_(True)
+    b2 = None if bias is None else torch.tensor(bias, dtype=F64, requires_grad=True)
+    extra = {} if b2 is None else {"bias": b2}
+    got = flashcl.flex_loss(
+        q2, rows=_rows(d), temperature=t2, reduction=reduction, backend=backend, block_size=block, **extra, **opts
+    )
+    assert_close(got, want, f"{case} {backend}: value", *TOL)
+    leaves2 = [q2, t2] + ([b2] if b2 is not None else [])
+    for a, e, name in zip(_grads(got, leaves2, up), want_grads, ("q", "temperature", "bias")):
+        assert_close(a, e, f"{case} {backend} {reduction}: d/d{name}", *TOL)
+
+
+TOWER_CASES = {
+    "diagonal": dict(),
+    "key labels": dict(positive=lambda a, b: a.y == b.ky),
+    "false negatives out": dict(exclude=lambda a, b: (a.doc == b.kdoc) & (a.index != b.index)),
+    "hard score out": dict(exclude=lambda a, b, s: (s > 2.0) & (a.index != b.index)),
+    "soft targets": dict(positive=lambda a, b: (a.soft * b.ksoft).sum(-1), positives="weighted_mean"),
+    "sigmoid": dict(kind="sigmoid", bias=-2.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOWER_CASES))
+@pytest.mark.parametrize("backend,block", BACKENDS)
+def test_two_towers_equal_the_formula(case: str, backend: str, block: Any) -> None:
+    d = _data(3)
+    opts = dict(TOWER_CASES[case])
+    cols = {"ky": d["ky"], "ksoft": d["ksoft"], "kdoc": d["kdoc"]}
+    rows = {"y": d["y"], "soft": d["soft"], "doc": d["doc"]}
+    bias = opts.pop("bias", 0.0)
+    q1, k1 = d["q"].clone().requires_grad_(True), d["k"].clone().requires_grad_(True)
+    loss_rows, valid = rows_of(q1, k1, rows, cols, temperature=0.2, bias=bias, **opts)
+    want = reduce(loss_rows, valid, "mean")
+    q2, k2 = d["q"].clone().requires_grad_(True), d["k"].clone().requires_grad_(True)
+    extra = {"bias": bias} if opts.get("kind") == "sigmoid" else {}
+    got = flashcl.flex_loss(
+        q2, k2, rows=rows, cols=cols, temperature=0.2, backend=backend, block_size=block, **extra, **opts
+    )
+    assert_close(got, want, f"{case} {backend}", *TOL)
+    for a, e, name in zip(_grads(got, [q2, k2]), _grads(want, [q1, k1]), ("q", "k")):
+        assert_close(a, e, f"{case} {backend}: d/d{name}", *TOL)
+
+
+@pytest.mark.parametrize("backend,block", BACKENDS)
+def test_a_captured_learnable_margin_gets_its_gradient(backend: str, block: Any) -> None:
+    """score_mod capturing a learnable margin (and a non-leaf computed from a leaf): the
+    margin's gradient is exact, as autograd gives it through the dense formula."""
+    d = _data(4)
+
+    def check(make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        raw1 = torch.tensor(0.3, dtype=F64, requires_grad=True)
+        raw2 = torch.tensor(0.3, dtype=F64, requires_grad=True)
+        q1, q2 = d["q"].clone().requires_grad_(True), d["q"].clone().requires_grad_(True)
+        margin1 = make(raw1)
+        want = reduce(
+            *rows_of(
+                q1,
+                None,
+                _rows(d),
+                None,
+                positive=lambda a, b: a.y == b.y,
+                score_mod=lambda s, a, b: s - margin1 * (a.y == b.y),
+            ),
+            "mean",
+        )
+        margin2 = make(raw2)
+        got = flashcl.flex_loss(
+            q2,
+            rows=_rows(d),
+            positive=lambda a, b: a.y == b.y,
+            score_mod=lambda s, a, b: s - margin2 * (a.y == b.y),
+            backend=backend,
+            block_size=block,
+        )
+        assert_close(got, want, f"{backend}: value", *TOL)
+        for a, e, name in zip(_grads(got, [q2, raw2]), _grads(want, [q1, raw1]), ("q", "margin")):
+            assert_close(a, e, f"{backend}: d/d{name}", *TOL)
+
+    check(lambda p: p)
+    check(lambda p: torch.nn.functional.softplus(p) * 2.0)
+
+
+@pytest.mark.parametrize("backend,block", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_both_directions_average_as_clip(backend: str, block: Any, reduction: str) -> None:
+    d = _data(5, m=11, n=11)
+    rows, cols = {"y": d["y"][:11]}, {"ky": d["ky"][:11]}
+    q1, k1 = d["q"].clone().requires_grad_(True), d["k"][:11].clone().requires_grad_(True)
+    r1, v1 = rows_of(q1, k1, rows, cols, positive=lambda a, b: a.y == b.ky, temperature=0.25)
+    # the column direction: the keys as anchors, the same pairs
+    r2, v2 = rows_of(k1, q1, {"ky": cols["ky"]}, {"y": rows["y"]}, positive=lambda a, b: b.y == a.ky, temperature=0.25)
+    want = 0.5 * (r1 + r2) if reduction == "none" else 0.5 * (reduce(r1, v1, "mean") + reduce(r2, v2, "mean"))
+    q2, k2 = d["q"].clone().requires_grad_(True), d["k"][:11].clone().requires_grad_(True)
+    got = flashcl.flex_loss(
+        q2,
+        k2,
+        rows=rows,
+        cols=cols,
+        positive=lambda a, b: a.y == b.ky,
+        both_directions=True,
+        temperature=0.25,
+        reduction=reduction,
+        backend=backend,
+        block_size=block,
+    )
+    assert_close(got, want, f"{backend}", *TOL)
+    up = torch.ones_like(want) if reduction == "mean" else torch.rand(want.shape, dtype=F64) + 0.5
+    for a, e in zip(_grads(got, [q2, k2], up), _grads(want, [q1, k1], up)):
+        assert_close(a, e, f"{backend}: gradient", *TOL)
+
+
+# ----------------------------------------------------------------------------- the built-ins as flex calls
+
+
+def _both(fn_a: Any, fn_b: Any, inputs: List[torch.Tensor], what: str) -> None:
+    a_in = [x.clone().requires_grad_(True) for x in inputs]
+    b_in = [x.clone().requires_grad_(True) for x in inputs]
+    va, vb = fn_a(*a_in), fn_b(*b_in)
+    assert_close(va, vb, f"{what}: value", *TOL)
+    for x, y in zip(_grads(va, a_in), _grads(vb, b_in)):
+        assert_close(x, y, f"{what}: gradient", *TOL)
+
+
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_the_built_ins_are_flex_calls(backend: str) -> None:
+    d = _data(6, m=16, n=24)
+    y = d["y"][:16] % 3
+    kw = dict(backend=backend)
+    _both(
+        lambda e: flashcl.flex_loss(e, rows={"y": y}, positive=lambda a, b: a.y == b.y, temperature=0.2, **kw),
+        lambda e: flashcl.supcon_loss(e, y, temperature=0.2, **kw),
+        [d["q"][:16]],
+        "SupCon",
+    )
+    _both(
+        lambda e: flashcl.flex_loss(
+            e,
+            rows={"y": y},
+            positive=lambda a, b: a.y == b.y,
+            positives="sum",
+            include_self=True,
+            temperature=0.05,
+            **kw,
+        ),
+        lambda e: flashcl.supcon_loss(e, y, positives="sum", include_self=True, temperature=0.05, **kw),
+        [d["q"][:16]],
+        "supervised SimCSE",
+    )
+    pair = torch.arange(32) % 16
+    _both(
+        lambda z1, z2: flashcl.flex_loss(
+            torch.cat([z1, z2]),
+            rows={"pair": pair},
+            positive=lambda a, b: a.pair == b.pair,
+            symmetric=True,
+            temperature=0.3,
+            **kw,
+        ),
+        lambda z1, z2: flashcl.nt_xent_loss(z1, z2, temperature=0.3, **kw),
+        [d["q"][:16], d["k"][:16]],
+        "NT-Xent",
+    )
+    ky = torch.cat([y, d["ky"][16:24] % 3])  # each query's own key shares its label
+    _both(
+        lambda q, k: flashcl.flex_loss(
+            q,
+            k,
+            rows={"y": y},
+            cols={"y": ky},
+            positive=lambda a, b: a.index == b.index,
+            exclude=lambda a, b: (a.y == b.y) & (a.index != b.index),
+            temperature=0.1,
+            **kw,
+        ),
+        lambda q, k: flashcl.info_nce_loss(
+            q, k, temperature=0.1, query_labels=y, key_labels=ky, duplicates="mask", **kw
+        ),
+        [d["q"][:16], d["k"][:24]],
+        "InfoNCE with hard negatives and false negatives left out",
+    )
+    _both(
+        lambda i, t: flashcl.flex_loss(
+            i,
+            t,
+            rows={"y": y},
+            cols={"y": y},
+            positive=lambda a, b: a.y == b.y,
+            both_directions=True,
+            temperature=1 / 14.0,
+            **kw,
+        ),
+        lambda i, t: flashcl.clip_loss(i, t, 14.0, labels=y, **kw),
+        [d["q"][:16], d["k"][:16]],
+        "CLIP with labels",
+    )
+    _both(
+        lambda i, t: flashcl.flex_loss(i, t, kind="sigmoid", temperature=0.1, bias=-3.0, **kw),
+        lambda i, t: flashcl.siglip_loss(i, t, 10.0, -3.0, normalize=True, **kw),
+        [d["q"][:16], d["k"][:16]],
+        "SigLIP",
+    )
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda q, y: flashcl.flex_loss(q), ValueError, "positive is required"),
+        (lambda q, y: flashcl.flex_loss(q, rows={"y": y[:3]}, positive=lambda a, b: a.y == b.y), ValueError, "rows"),
+        (lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: a.z == b.z), AttributeError, "a.z"),
+        (
+            lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: a.y),
+            TypeError,
+            "positive must return",
+        ),
+        (
+            lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: torch.ones(3, 3, dtype=torch.bool)),
+            ValueError,
+            "does not broadcast to the tile",
+        ),
+        (
+            lambda q, y: flashcl.flex_loss(
+                q, rows={"y": y}, positive=lambda a, b: a.y == b.y, exclude=lambda a, b: (a.y == b.y).int()
+            ),
+            TypeError,
+            "exclude must return a bool",
+        ),
+        (
+            lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: -(a.y == b.y).double()),
+            ValueError,
+            "negative",
+        ),
+        (
+            lambda q, y: flashcl.flex_loss(
+                q,
+                rows={"y": y},
+                positive=lambda a, b: a.y == b.y,
+                score_mod=lambda s, a, b: s.masked_fill(a.y == b.y, float("-inf")),
+            ),
+            ValueError,
+            "-inf on a positive",
+        ),
+        (
+            lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: a.y == b.y, kind="max"),
+            ValueError,
+            "kind",
+        ),
+        (
+            lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: a.y == b.y, backend="triton"),
+            ValueError,
+            "Triton",
+        ),
+        (
+            lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: a.y == b.y, bias=1.0),
+            ValueError,
+            "bias",
+        ),
+        (lambda q, y: flashcl.flex_loss(q, rows={"index": y}, positive=lambda a, b: a.y == b.y), ValueError, "index"),
+        (lambda q, y: flashcl.flex_loss(q, rows=[y], positive=lambda a, b: a.y == b.y), TypeError, "dict"),
+        (lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=3), TypeError, "positive"),
+        (
+            lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: a.y == b.y, both_directions=True),
+            ValueError,
+            "two towers",
+        ),
+        (
+            lambda q, y: flashcl.flex_loss(q, q[:5], both_directions=True, reduction="none"),
+            ValueError,
+            "M == N",
+        ),
+    ],
+)
+def test_bad_input_is_a_clear_error(call: Any, error: type, match: str) -> None:
+    q, y = torch.randn(9, 4), torch.randint(0, 3, (9,))
+    with pytest.raises(error, match=match):
+        call(q, y)
+
+
+def test_inputs_and_data_are_not_modified() -> None:
+    d = _data(7)
+    saved = {k: v.clone() for k, v in d.items()}
+    for backend in ("reference", "dense", "tiled"):
+        flashcl.flex_loss(
+            d["q"],
+            rows=_rows(d),
+            positive=lambda a, b: a.y == b.y,
+            score_mod=lambda s, a, b: s - 0.1 * (a.y == b.y),
+            exclude=lambda a, b, s: s > 4.0,
+            backend=backend,
+        )
+    for k in d:
+        assert torch.equal(d[k], saved[k]), k
+
+
+def test_the_module_and_the_dense_mask() -> None:
+    d = _data(8)
+    fn = dict(positive=lambda a, b: a.y == b.y, exclude=lambda a, b: a.doc == b.doc)
+    got = flashcl.FlexLoss(temperature=0.2, **fn)(d["q"], rows=_rows(d))
+    assert_close(got, flashcl.flex_loss(d["q"], rows=_rows(d), temperature=0.2, **fn), "FlexLoss", 0, 0)
+    masks = flashcl.flex_dense_mask(d["q"], rows=_rows(d), **fn)
+    y, doc = d["y"], d["doc"]
+    excluded = (doc[:, None] == doc[None, :]) | torch.eye(13, dtype=torch.bool)
+    assert torch.equal(masks["excluded"], excluded)
+    assert torch.equal(masks["positive"] > 0, (y[:, None] == y[None, :]) & ~excluded)
