@@ -60,7 +60,7 @@ def rows_of(
     w = torch.ones_like(s) if weight is None else weight(a, b).expand(m_, n_).to(s.dtype)
     if kind == "sigmoid":
         t = sp + bias
-        terms = w * (m * F.softplus(-t) + (1 - m) * F.softplus(t))
+        terms = w * (m * _softplus(-t) + (1 - m) * _softplus(t))
         return torch.where(out, torch.zeros_like(terms), terms).sum(1), torch.ones(m_, dtype=torch.bool)
     z = torch.where(out | (w == 0), torch.full_like(sp, float("-inf")), sp + torch.log(w))
     has_den = ~torch.isneginf(z).all(1)
@@ -88,3 +88,8 @@ def reduce(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / valid.sum().clamp_min(1)
+
+
+def _softplus(t: Tensor) -> Tensor:
+    """``log(1 + e^t)`` without F.softplus's cut-off (linear above t = 20)."""
+    return torch.logaddexp(t, torch.zeros_like(t))

@@ -65,10 +65,15 @@ def _rows(d: Dict[str, Any]) -> Dict[str, Any]:
 @pytest.mark.parametrize("case", sorted(SELF_CASES))
 @pytest.mark.parametrize("backend,block", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_self_contrast_equals_the_formula(case: str, backend: str, block: Any, reduction: str) -> None:
+@pytest.mark.parametrize("variant", ["plain", "symmetric", "cold"])
+def test_self_contrast_equals_the_formula(case: str, backend: str, block: Any, reduction: str, variant: str) -> None:
+    """Every case (its functions symmetric) as given, with ``symmetric=True`` (the tiled
+    backend visits the panels on and above the diagonal) and at a temperature whose
+    scores are too wide for one fixed shift of the exponentials."""
     d = _data(1)
     opts = dict(SELF_CASES[case])
-    temp = torch.tensor(0.3, dtype=F64)
+    temp = torch.tensor(0.02 if variant == "cold" else 0.3, dtype=F64)
+    symmetric = {"symmetric": True} if variant == "symmetric" else {}
     bias = opts.pop("bias", None)
     q1, t1 = d["q"].clone().requires_grad_(True), temp.clone().requires_grad_(True)
     b1 = None if bias is None else torch.tensor(bias, dtype=F64, requires_grad=True)
@@ -81,7 +86,15 @@ def test_self_contrast_equals_the_formula(case: str, backend: str, block: Any, r
     b2 = None if bias is None else torch.tensor(bias, dtype=F64, requires_grad=True)
     extra = {} if b2 is None else {"bias": b2}
     got = flashcl.flex_loss(
-        q2, rows=_rows(d), temperature=t2, reduction=reduction, backend=backend, block_size=block, **extra, **opts
+        q2,
+        rows=_rows(d),
+        temperature=t2,
+        reduction=reduction,
+        backend=backend,
+        block_size=block,
+        **extra,
+        **symmetric,
+        **opts,
     )
     assert_close(got, want, f"{case} {backend}: value", *TOL)
     leaves2 = [q2, t2] + ([b2] if b2 is not None else [])
@@ -121,9 +134,11 @@ def test_two_towers_equal_the_formula(case: str, backend: str, block: Any) -> No
 
 
 @pytest.mark.parametrize("backend,block", BACKENDS)
-def test_a_captured_learnable_margin_gets_its_gradient(backend: str, block: Any) -> None:
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_a_captured_learnable_margin_gets_its_gradient(backend: str, block: Any, symmetric: bool) -> None:
     """score_mod capturing a learnable margin (and a non-leaf computed from a leaf): the
-    margin's gradient is exact, as autograd gives it through the dense formula."""
+    margin's gradient is exact, as autograd gives it through the dense formula (also on
+    the symmetric panels, where a diagonal block holds each pair twice)."""
     d = _data(4)
 
     def check(make: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -148,6 +163,7 @@ def test_a_captured_learnable_margin_gets_its_gradient(backend: str, block: Any)
             rows=_rows(d),
             positive=lambda a, b: a.y == b.y,
             score_mod=lambda s, a, b: s - margin2 * (a.y == b.y),
+            symmetric=symmetric,
             backend=backend,
             block_size=block,
         )

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .heads import Head, Tile, mask_self_, softplus
+from .heads import Head, SoftmaxHead, Tile, lse_inplace, mask_self_, row_dot, scratch, softplus
 
 __all__ = ["View", "FlexFunctions", "FlexHead", "KINDS", "POSITIVES", "captured_tensors", "takes_scores"]
 
@@ -165,20 +165,48 @@ def captured_tensors(fn: Optional[Fn], probe: Callable[[Fn], Tensor]) -> Tuple[T
 
 
 class _FlexState:
-    """A flex head's accumulators: each row's logsumexp, the positives' score sum,
-    weight sum and count (softmax); each row's loss sum (sigmoid); the gradients of the
-    captured tensors and the bias."""
+    """A flex head's accumulators: each row's logsumexp (or, with a fixed shift, its sum
+    of ``exp(z - shift)`` until :meth:`FlexHead.finish`), the positives' score sum, weight
+    sum and count (softmax); each row's loss sum (sigmoid); the gradients of the captured
+    tensors and the bias."""
 
-    def __init__(self, m: int, like: Tensor, n_params: int, kind: str) -> None:
-        def vec(k: int, fill: float = 0.0) -> Tensor:
-            return like.new_full((k,), fill)
+    def __init__(self, m: int, like: Tensor, n_params: int, kind: str, shift: Optional[float]) -> None:
+        def vec(fill: float = 0.0) -> Tensor:
+            return like.new_full((m,), fill)
 
+        self.shift = shift
+        self.summing = shift is not None
         # the sigmoid kind's rows are sums of its pairs' terms; the softmax kind's logsumexps
-        self.row = vec(m, float("-inf") if kind == "softmax" else 0.0)
-        self.pos, self.msum, self.cnt = vec(m), vec(m), vec(m)
-        self.g_row: Optional[Tensor] = None
+        self.row = vec(float("-inf") if kind == "softmax" and not self.summing else 0.0)
+        self.pos, self.msum, self.cnt = vec(), vec(), vec()
         self.ca: Optional[Tuple[Tensor, Tensor]] = None  # rows' (c, a), once reduced
+        self.g_row: Optional[Tensor] = None
+        self.lse: Optional[Tensor] = None  # the logsumexps for the gradient (0 where a row has no denominator)
+        self.coef: Optional[Tuple[Tensor, Tensor]] = None  # per row (c g e^{shift - L} or c g, a g)
         self.param_grads: List[Optional[Tensor]] = [None] * n_params
+
+
+class _Terms:
+    """A tile's terms: ``excl`` (the pairs ``exclude`` leaves out, bool, or None), ``m``
+    (the positives' weights, a float tile of the head's own, 0 where excluded and on the
+    self pair), ``binary`` (``m`` is 0/1), ``logw`` (the log denominator weights, or
+    None), ``sp`` (the modified scores: the tile itself without ``score_mod``), and for a
+    gradient through ``score_mod`` the scores as a leaf and ``sp`` on its graph."""
+
+    __slots__ = ("excl", "m", "binary", "logw", "sp", "s_leaf", "sp_graph")
+
+    def __init__(
+        self,
+        excl: Optional[Tensor],
+        m: Tensor,
+        binary: bool,
+        logw: Optional[Tensor],
+        sp: Tensor,
+        s_leaf: Optional[Tensor],
+        sp_graph: Optional[Tensor],
+    ) -> None:
+        self.excl, self.m, self.binary, self.logw = excl, m, binary, logw
+        self.sp, self.s_leaf, self.sp_graph = sp, s_leaf, sp_graph
 
 
 class FlexHead(Head):
@@ -227,6 +255,7 @@ class FlexHead(Head):
         self.rows, self.cols, self.row_base = rows, cols, row_base
         self.own, self.exclude_self, self.offset, self.swapped = own, exclude_self, offset, swapped
         self.symmetric_tiles = symmetric
+        self.fuses_rows = True  # every row's statistics complete in one visit of its tiles
         self.bias, self.learn_bias, self.captured = bias, learn_bias, captured
         self.n_params = int(learn_bias) + len(captured)
         #: each row's validity once reduced: the rows a "mean" counts
@@ -244,17 +273,32 @@ class FlexHead(Head):
         b = View(self.cols, tile.c0, tile.c1, 0, "b", "the keys' data (cols=)", "b")
         return a, b
 
-    def _terms(
-        self, s: Tensor, tile: Tile, grad: bool = False
-    ) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor, Optional[Tensor], Optional[Tensor]]:
-        """The tile's ``(out, m, logw, sp, s_leaf, sp_graph)``: the pairs out of every set
-        (bool), the positives' weights (0 where out), the log weights (None: all 1), the
-        modified scores (detached) and, with ``grad``, the scores as a leaf and the modified
-        scores on its graph (for the backward through ``score_mod``)."""
+    def _terms(self, s: Tensor, tile: Tile, grad: bool = False) -> _Terms:
+        """The tile's terms (:class:`_Terms`), the functions called once each, checked;
+        ``grad``: with the graph of ``score_mod`` for the backward through it."""
         r, c = s.shape
         a, b = self._views(tile)
         fns = self.fns
-        out, m, logw = self._sets(s, tile, a, b)
+        excl = None
+        if fns.exclude is not None:
+            args = (a, b, s.detach()) if fns.exclude_scores else (a, b)
+            excl = _tile_result(fns.exclude(*args), "exclude", r, c, s, "bool")
+        raw = _tile_result(fns.positive(a, b), "positive", r, c, s, "weight") if fns.positive else a.index == b.index
+        binary = raw.dtype == torch.bool
+        m = torch.empty((r, c), dtype=s.dtype, device=s.device)
+        m.copy_(raw)
+        if not binary and bool((m < 0).any()):
+            raise ValueError("positive returned a negative weight: positives are bool, or weights >= 0 (0: none)")
+        if excl is not None:
+            m.masked_fill_(excl, 0.0)
+        if self.own:
+            mask_self_(m, tile, 0.0)  # the self pair is never a positive
+        logw = None
+        if fns.weight is not None:
+            w = _tile_result(fns.weight(a, b), "weight", r, c, s, "weight").to(s.dtype)
+            if bool((w < 0).any()):
+                raise ValueError("weight returned a negative weight: weights are >= 0 (0: out of the denominator)")
+            logw = torch.log(w)
         s_leaf = sp_graph = None
         if fns.score_mod is None:
             sp = s
@@ -266,77 +310,120 @@ class FlexHead(Head):
         else:
             with torch.no_grad():
                 sp = _tile_result(fns.score_mod(s, a, b), "score_mod", r, c, s, "float")
-        return out, m, logw, sp, s_leaf, sp_graph
+        return _Terms(excl, m, binary, logw, sp, s_leaf, sp_graph)
 
-    def _sets(self, s: Tensor, tile: Tile, a: View, b: View) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """The tile's pairs out of every set (the self pair unless ``include_self``, and
-        ``exclude``'s), the positives' weights (0 where out, and on the self pair) and
-        the log denominator weights (None: all 1), checked."""
-        r, c = s.shape
-        fns = self.fns
-        out = torch.zeros((r, c), dtype=torch.bool, device=s.device)
+    def _positive_scores(self, t: _Terms) -> Tensor:
+        """``m * s'`` with 0 off the positives (where ``s'`` may be ``-inf`` or NaN)."""
+        if self.fns.score_mod is None:
+            return t.m * t.sp
+        return t.m * torch.where(t.m > 0, t.sp, torch.zeros((), dtype=t.sp.dtype, device=t.sp.device))
+
+    def _counts(self, t: _Terms, dim: int) -> Tuple[Tensor, Tensor]:
+        """The positives' weight sums and counts along ``dim``."""
+        msum = t.m.sum(dim)
+        return msum, (msum if t.binary else (t.m > 0).sum(dim).to(msum.dtype))
+
+    def _z_(self, t: _Terms, tile: Tile) -> Tensor:
+        """The denominator's terms ``s' + log w``, ``-inf`` for the pairs out of it: in the
+        tile's own buffer when ``s'`` is the tile (no ``score_mod``). A positive whose
+        modified score is ``-inf`` is an error."""
+        sp = t.sp
+        if self.fns.score_mod is not None:
+            if bool((torch.isneginf(sp) & (t.m > 0)).any()):
+                raise ValueError("score_mod returned -inf on a positive pair: a positive must stay in the denominator")
+            z = sp.clone() if t.logw is None else sp + t.logw
+        else:
+            z = sp if t.logw is None else sp.add_(t.logw)
+        if t.excl is not None:
+            z.masked_fill_(t.excl, float("-inf"))
         if self.exclude_self:
-            mask_self_(out, tile, True)  # type: ignore[arg-type]
-        if fns.exclude is not None:
-            args = (a, b, s.detach()) if fns.exclude_scores else (a, b)
-            out = out | _tile_result(fns.exclude(*args), "exclude", r, c, s, "bool")
-        if fns.positive is not None:
-            m = _tile_result(fns.positive(a, b), "positive", r, c, s, "weight")
-        else:  # two towers: the diagonal
-            m = a.index == b.index
-        if m.dtype != torch.bool and bool((m < 0).any()):
-            raise ValueError("positive returned a negative weight: positives are bool, or weights >= 0 (0: none)")
-        zero = torch.zeros((), dtype=s.dtype, device=s.device)
-        m = torch.where(out, zero, m.to(s.dtype))
-        if self.own and not self.exclude_self:  # the self pair in the denominator, never a positive
-            m = m.clone()
-            mask_self_(m, tile, 0.0)
-        logw = None
-        if fns.weight is not None:
-            w = _tile_result(fns.weight(a, b), "weight", r, c, s, "weight").to(s.dtype)
-            if bool((w < 0).any()):
-                raise ValueError("weight returned a negative weight: weights are >= 0 (0: out of the denominator)")
-            logw = torch.log(w)
-        return out, m, logw
+            mask_self_(z, tile, float("-inf"))
+        return z
 
-    def _z(self, sp: Tensor, out: Tensor, logw: Optional[Tensor], m: Tensor) -> Tensor:
-        """The denominator's terms ``s' + log w`` (``-inf`` for the pairs out of it); a
-        positive whose modified score is ``-inf`` is an error."""
-        if self.kind == "softmax" and self.fns.score_mod is not None and bool((torch.isneginf(sp) & (m > 0)).any()):
-            raise ValueError("score_mod returned -inf on a positive pair: a positive must stay in the denominator")
-        z = sp if logw is None else sp + logw
-        return torch.where(out, torch.full((), float("-inf"), dtype=sp.dtype, device=sp.device), z)
+    def _pair_losses_(self, t: _Terms, tile: Tile) -> Tensor:
+        """The sigmoid kind's per-pair terms ``w [m softplus(-x) + (1 - m) softplus(x)] =
+        w [softplus(x) - m x]``, ``x = s' + bias``, 0 for the pairs out of every set."""
+        x = t.sp + self.bias
+        terms = softplus(x).sub_(t.m * x)
+        if t.logw is not None:
+            terms.mul_(torch.exp(t.logw))
+        return self._out_(terms, t, tile, 0.0)
+
+    def _out_(self, x: Tensor, t: _Terms, tile: Tile, value: float) -> Tensor:
+        """In place: the pairs out of every set take ``value``."""
+        if t.excl is not None:
+            x.masked_fill_(t.excl, value)
+        if self.exclude_self:
+            mask_self_(x, tile, value)
+        return x
 
     # ------------------------------------------------------------------ reduction
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _FlexState:
-        return _FlexState(m, like, self.n_params, self.kind)
+        shift = None
+        if self.kind == "softmax" and self.fns.score_mod is None and self.fns.weight is None:
+            shift = SoftmaxHead.usable_shift(bound, like.dtype)  # z <= s <= bound: one exp per entry
+        return _FlexState(m, like, self.n_params, self.kind, shift)
+
+    def _add_rows(self, st: _FlexState, rows: slice, pos: Tensor, msum: Tensor, cnt: Tensor) -> None:
+        st.pos[rows] += pos
+        st.msum[rows] += msum
+        st.cnt[rows] += cnt
+
+    def _add_lse(self, st: _FlexState, rows: slice, z: Tensor, dim: int) -> None:
+        """The logsumexps (or, summing, the sums of ``exp(z - shift)``) of ``z`` along
+        ``dim`` into the accumulators of ``rows``; ``z`` may be overwritten."""
+        if st.summing:
+            st.row[rows] += z.sub_(st.shift).exp_().sum(dim)  # type: ignore[arg-type]
+        else:
+            torch.logaddexp(st.row[rows], torch.logsumexp(z, dim), out=st.row[rows])
 
     def reduce(self, s: Tensor, tile: Tile, st: _FlexState, p: int = 0) -> None:
-        out, m, logw, sp, _, _ = self._terms(s, tile)
-        self._accumulate(st, tile, out, m, logw, sp)
-
-    def _accumulate(
-        self, st: _FlexState, tile: Tile, out: Tensor, m: Tensor, logw: Optional[Tensor], sp: Tensor
-    ) -> None:
-        """A tile's terms into the rows' accumulators."""
         rows = slice(tile.r0, tile.r1)
+        t = self._terms(s, tile)
         if self.kind == "sigmoid":
-            st.row[rows] += self._pair_losses(sp, out, logw, m).sum(1)
+            st.row[rows] += self._pair_losses_(t, tile).sum(1)
             return
-        z = self._z(sp, out, logw, m)
-        mp = torch.where(m > 0, m * sp, torch.zeros((), dtype=sp.dtype, device=sp.device))
-        st.row[rows] = torch.logaddexp(st.row[rows], torch.logsumexp(z, 1))
-        st.pos[rows] += mp.sum(1)
-        st.msum[rows] += m.sum(1)
-        st.cnt[rows] += (m > 0).sum(1).to(st.cnt.dtype)
+        self._add_rows(st, rows, self._positive_scores(t).sum(1), *self._counts(t, 1))
+        self._add_lse(st, rows, self._z_(t, tile), 1)
 
-    def _pair_losses(self, sp: Tensor, out: Tensor, logw: Optional[Tensor], m: Tensor) -> Tensor:
-        """The sigmoid kind's per-pair terms ``w [m softplus(-t) + (1 - m) softplus(t)]``."""
-        t = sp + self.bias
-        terms = m * softplus(-t) + (1 - m) * softplus(t)
-        if logw is not None:
-            terms = terms * torch.exp(logw)
-        return torch.where(out, torch.zeros((), dtype=terms.dtype, device=terms.device), terms)
+    def reduce_panel(self, s: Tensor, tile: Tile, st: _FlexState, p: int, buf: Tensor) -> None:
+        """Self-contrast panel ``S[r0:r1, r0:]`` with symmetric functions: its rows' terms
+        and, along its columns right of the diagonal block, the terms of the rows it
+        stands for below the diagonal (the functions called once)."""
+        rows, b, right = slice(tile.r0, tile.r1), tile.r1 - tile.r0, tile.c1 > tile.r1
+        below = slice(tile.r1, tile.c1)
+        t = self._terms(s, tile)
+        if self.kind == "sigmoid":
+            pair = self._pair_losses_(t, tile)
+            st.row[rows] += pair.sum(1)
+            if right:
+                st.row[below] += pair[:, b:].sum(0)
+            return
+        mp = self._positive_scores(t)
+        self._add_rows(st, rows, mp.sum(1), *self._counts(t, 1))
+        if right:
+            tm = _Terms(None, t.m[:, b:], t.binary, None, t.sp, None, None)
+            self._add_rows(st, below, mp[:, b:].sum(0), *self._counts(tm, 0))
+        z = self._z_(t, tile)
+        if st.summing:
+            e = z.sub_(st.shift).exp_()  # type: ignore[arg-type]
+            st.row[rows] += e.sum(1)
+            if right:
+                st.row[below] += e[:, b:].sum(0)
+            return
+        if right:
+            torch.logaddexp(st.row[below], torch.logsumexp(z[:, b:], 0), out=st.row[below])
+        torch.logaddexp(st.row[rows], torch.logsumexp(z, 1), out=st.row[rows])
+
+    def finish(self, st: _FlexState, p: int = 0) -> None:
+        if self.kind == "sigmoid":
+            self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
+            return
+        if st.summing:
+            st.row = st.row.log().add_(st.shift)  # type: ignore[arg-type]
+            st.summing = False
+        c, a, valid = self._weights(self.positives, st.row, st.msum, st.cnt)
+        st.ca, self.valid_rows = (c, a), valid
 
     @staticmethod
     def _weights(positives: str, lse: Tensor, msum: Tensor, cnt: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -358,16 +445,11 @@ class FlexHead(Head):
         valid = has & torch.isfinite(lse)
         return torch.where(valid, c, zero), torch.where(valid, a, zero), valid
 
-    def finish(self, st: _FlexState, p: int = 0) -> None:
-        if self.kind == "sigmoid":
-            self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
-            return
-        c, a, valid = self._weights(self.positives, st.row, st.msum, st.cnt)
-        st.ca, self.valid_rows = (c, a), valid
-
     def values(self, st: _FlexState) -> Tuple[Tensor, Optional[Tensor]]:
         if self.kind == "sigmoid":
             return st.row, None
+        if st.ca is None:  # no row was visited (a rank without anchors)
+            self.finish(st)
         assert st.ca is not None
         c, a = st.ca
         zero = torch.zeros((), dtype=st.row.dtype, device=st.row.device)
@@ -376,86 +458,163 @@ class FlexHead(Head):
     # ------------------------------------------------------------------ gradient
     def begin_grad(self, st: _FlexState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
         st.g_row = g_row
-
-    def _tile_grad(self, s: Tensor, tile: Tile, st: _FlexState, g_row: Tensor, terms: Any = None) -> Tensor:
-        """``dL/ds`` of the tile, weighted by the rows' upstream gradients, through
-        ``score_mod`` (the captured tensors' gradients added to the state's); ``terms``:
-        the tile's terms when already formed (with their graph)."""
-        rows = slice(tile.r0, tile.r1)
-        if terms is None:
-            terms = self._terms(s, tile, grad=self.fns.score_mod is not None)
-        out, m, logw, sp, s_leaf, sp_graph = terms
-        gr = g_row[rows].unsqueeze(1)
-        zero = torch.zeros((), dtype=s.dtype, device=s.device)
         if self.kind == "sigmoid":
-            g = torch.sigmoid(sp + self.bias) - m
-            if logw is not None:
-                g = g * torch.exp(logw)
-            g = torch.where(out, zero, g) * gr
-            if self.learn_bias:
-                _add(st.param_grads, 0, g.sum())
+            return
+        assert st.ca is not None
+        c, a = st.ca
+        # a row with an empty denominator has no gradient: its logsumexp taken as 0 keeps
+        # exp(-inf - L) = 0 instead of NaN (its c is 0)
+        st.lse = torch.where(torch.isfinite(st.row), st.row, torch.zeros_like(st.row))
+        cg = c * g_row
+        if st.shift is not None:  # G_ij = exp(z_ij - shift) c_i g_i e^{shift - L_i} - m_ij a_i g_i
+            cg = cg * torch.exp(st.shift - st.lse)
+        st.coef = (cg, a * g_row)
+
+    def _softmax_grad_(self, z: Tensor, t: _Terms, st: _FlexState, rows: slice, dim: int) -> Tensor:
+        """In place in ``z``: ``dL/ds'`` of the softmax kind, seen from the rows (``dim=1``:
+        the tile's rows; ``dim=0``: its columns are the rows ``rows``)."""
+        assert st.coef is not None and st.lse is not None
+        cg, ag = (x[rows].unsqueeze(dim) for x in st.coef)
+        if st.shift is not None:
+            z.sub_(st.shift).exp_()
         else:
-            assert st.ca is not None
-            c, a = st.ca
-            z = self._z(sp, out, logw, m)
-            g = torch.exp(z - st.row[rows].unsqueeze(1)) * (c[rows] * g_row[rows]).unsqueeze(1)
-            g = g - m * (a[rows] * g_row[rows]).unsqueeze(1)
-            g = torch.where(out, zero, g)  # a pair out of every set: no gradient (a NaN there stays out)
-        if sp_graph is None:
+            z.sub_(st.lse[rows].unsqueeze(dim)).exp_()
+        return z.mul_(cg).addcmul_(t.m, ag, value=-1.0)
+
+    def _sigmoid_grad_(self, t: _Terms, tile: Tile, g: Tensor, dim: int) -> Tensor:
+        """``dL/ds'`` of the sigmoid kind, ``w (sigmoid(s' + bias) - m) g``, 0 for the pairs
+        out of every set; ``g`` the rows' upstream gradients along ``dim``."""
+        d = torch.sigmoid(t.sp + self.bias).sub_(t.m)
+        if t.logw is not None:
+            d.mul_(torch.exp(t.logw))
+        return self._out_(d.mul_(g.unsqueeze(dim)), t, tile, 0.0)
+
+    def _through_mod(self, g: Tensor, t: _Terms, st: _FlexState, diagonal: int = 0) -> Tensor:
+        """``dL/ds`` from ``dL/ds'`` through ``score_mod`` (the captured tensors' and the
+        bias's gradients added to the state's); ``diagonal``: a panel's leading block of
+        that many columns holds each of its pairs twice (once per orientation), so the
+        parameters take half of it."""
+        if self.kind == "sigmoid" and self.learn_bias:
+            _add(st.param_grads, 0, g.sum() - (0.5 * g[:, :diagonal].sum() if diagonal else 0.0))
+        if t.sp_graph is None:
             return g
-        assert s_leaf is not None
-        first = int(self.learn_bias)
+        assert t.s_leaf is not None
+        if diagonal and self.captured:
+            g[:, :diagonal].mul_(0.5)
         grads = torch.autograd.grad(
-            sp_graph, [s_leaf, *self.captured], g, retain_graph=bool(self.captured), allow_unused=True
+            t.sp_graph, [t.s_leaf, *self.captured], g, retain_graph=bool(self.captured), allow_unused=True
         )
+        first = int(self.learn_bias)
         for i, gp in enumerate(grads[1:]):
             if gp is not None:
                 _add(st.param_grads, first + i, gp)
-        return grads[0] if grads[0] is not None else torch.zeros_like(s)
+        gs = grads[0] if grads[0] is not None else torch.zeros_like(g)
+        if diagonal and self.captured:
+            gs[:, :diagonal].mul_(2.0)  # score_mod acts on each pair alone: its gradient is linear in g
+        return gs
 
     def grad(self, s: Tensor, tile: Tile, st: _FlexState, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
-        return s.copy_(self._tile_grad(s, tile, st, st.g_row))
+        rows = slice(tile.r0, tile.r1)
+        t = self._terms(s, tile, grad=self.fns.score_mod is not None)
+        if self.kind == "sigmoid":
+            g = self._sigmoid_grad_(t, tile, st.g_row[rows], 1)
+        else:
+            g = self._softmax_grad_(self._z_(t, tile), t, st, rows, 1)
+        g = self._through_mod(g, t, st)
+        return g if g is s else s.copy_(g)
+
+    def grad_panel(self, s: Tensor, tile: Tile, st: _FlexState, buf: Tensor) -> Tensor:
+        """``H = G + G'`` on the panel: the gradient of its rows plus that of the rows it
+        stands for (each column's, by the symmetry of the functions), the functions called
+        once."""
+        assert st.g_row is not None
+        rows, b, cols = slice(tile.r0, tile.r1), tile.r1 - tile.r0, slice(tile.r0, tile.c1)
+        t = self._terms(s, tile, grad=self.fns.score_mod is not None)
+        if self.kind == "sigmoid":
+            g = self._sigmoid_grad_(t, tile, st.g_row[rows], 1)
+            g.add_(self._sigmoid_grad_(t, tile, st.g_row[cols], 0))
+        else:
+            z = self._z_(t, tile)
+            other = scratch(buf, z).copy_(z)
+            g = self._softmax_grad_(z, t, st, rows, 1).add_(self._softmax_grad_(other, t, st, cols, 0))
+        g = self._through_mod(g, t, st, diagonal=b)
+        return g if g is s else s.copy_(g)
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _FlexState, g_row: Optional[Tensor]) -> Optional[Tensor]:
         rows = slice(tile.r0, tile.r1)
-        terms = self._terms(s, tile, grad=g_row is not None and self.fns.score_mod is not None)
-        self._accumulate(st, tile, *terms[:4])
+        t = self._terms(s, tile, grad=g_row is not None and self.fns.score_mod is not None)
         if self.valid_rows is None:
             self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
-        if self.kind == "softmax":
-            c, a, valid = self._weights(self.positives, st.row[rows], st.msum[rows], st.cnt[rows])
+        if self.kind == "sigmoid":
+            st.row[rows] = self._pair_losses_(t, tile).sum(1)
+            if g_row is None:
+                return None
+            g = self._sigmoid_grad_(t, tile, g_row[rows], 1)
+        else:
+            msum, cnt = self._counts(t, 1)
+            # the positives' scores before the tile becomes the denominator's terms in place
+            pos = row_dot(t.m, t.sp) if self.fns.score_mod is None else self._positive_scores(t).sum(1)
+            z = self._z_(t, tile)
+            if st.shift is not None:
+                total = z.sub_(st.shift).exp_().sum(1)
+                lse = total.log().add_(st.shift)
+            else:
+                lse, total = lse_inplace(z)  # z: exp(z - the rows' maxima)
+                total = total.squeeze(1)
+            st.summing = False
+            st.row[rows], st.pos[rows], st.msum[rows], st.cnt[rows] = lse, pos, msum, cnt
+            c, a, valid = self._weights(self.positives, lse, msum, cnt)
             if st.ca is None:
                 st.ca = (torch.zeros_like(st.row), torch.zeros_like(st.row))
             st.ca[0][rows], st.ca[1][rows] = c, a
             self.valid_rows[rows] = valid
-        if g_row is None:
-            return None
-        return s.copy_(self._tile_grad(s, tile, st, g_row, terms))
+            if g_row is None:
+                return None
+            gr = g_row[rows]
+            zero = torch.zeros((), dtype=z.dtype, device=z.device)
+            factor = torch.where(total > 0, c * gr / torch.where(total > 0, total, 1.0), zero)
+            g = z.mul_(factor.unsqueeze(1)).addcmul_(t.m, (a * gr).unsqueeze(1), value=-1.0)
+        g = self._through_mod(g, t, st)
+        return g if g is s else s.copy_(g)
 
     def param_grads(self, st: _FlexState, n: int) -> Tuple[Optional[Tensor], ...]:
         return tuple(st.param_grads[:n]) + (None,) * (n - len(st.param_grads))
 
     # ------------------------------------------------------------------ dense form
+    def dense_terms(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+        """``(out, m, logw, s')`` of the whole matrix: the pairs out of every set (the self
+        pair unless ``include_self``), the positives' weights, the log weights, the
+        modified scores (differentiable in ``s``)."""
+        r, c = s.shape
+        a, b = self._views(tile)
+        t = self._terms(s.detach(), tile)
+        out = torch.zeros((r, c), dtype=torch.bool, device=s.device) if t.excl is None else t.excl.clone()
+        if self.exclude_self:
+            mask_self_(out, tile, True)  # type: ignore[arg-type]
+        fns = self.fns
+        sp = s if fns.score_mod is None else _tile_result(fns.score_mod(s, a, b), "score_mod", r, c, s, "float")
+        return out, t.m, t.logw, sp
+
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         """The losses from the whole score matrix by differentiable torch ops (the dense
         backend; second derivatives); the captured tensors enter through ``score_mod``."""
-        r, c = s.shape
-        a, b = self._views(tile)
-        fns = self.fns
-        out, m, logw = self._sets(s, tile, a, b)
-        sp = s if fns.score_mod is None else _tile_result(fns.score_mod(s, a, b), "score_mod", r, c, s, "float")
+        out, m, logw, sp = self.dense_terms(s, tile)
+        r = s.shape[0]
         zero = torch.zeros((), dtype=s.dtype, device=s.device)
         if self.kind == "sigmoid":
             bias = params[0].to(s.dtype) if self.learn_bias and params else self.bias
-            t = sp + bias
-            terms = m * softplus(-t) + (1 - m) * softplus(t)
+            x = sp + bias
+            terms = m * softplus(-x) + (1 - m) * softplus(x)
             if logw is not None:
                 terms = terms * torch.exp(logw)
             rows_loss = torch.where(out, zero, terms).sum(1)
             self.valid_rows = torch.ones(r, dtype=torch.bool, device=s.device)
             return rows_loss, None
-        z = self._z(sp, out, logw, m.detach())
+        if self.fns.score_mod is not None and bool((torch.isneginf(sp.detach()) & (m > 0)).any()):
+            raise ValueError("score_mod returned -inf on a positive pair: a positive must stay in the denominator")
+        z = sp if logw is None else sp + logw
+        z = torch.where(out, torch.full((), float("-inf"), dtype=s.dtype, device=s.device), z)
         mp = torch.where(m > 0, m * sp, zero)
         lse = _safe_logsumexp(z, 1)
         c_, a_, valid = self._weights(self.positives, lse.detach(), m.sum(1), (m > 0).sum(1).to(s.dtype))

@@ -444,7 +444,7 @@ def flex_dense_mask(
     if normalize:
         qn, kn = normalize_rows(qn), normalize_rows(kn)
     s = (qn @ kn.T) / temperature
-    out, m, logw, sp, _, _ = head._terms(s, _tile(q.shape[0], k.shape[0], 0))  # noqa: SLF001 - the head's own terms
+    out, m, logw, sp = head.dense_terms(s, _tile(q.shape[0], k.shape[0], 0))
     return {
         "positive": m,
         "excluded": out,
