@@ -362,6 +362,8 @@ class FlexHead(Head):
         shift = None
         if self.kind == "softmax" and self.fns.score_mod is None and self.fns.weight is None:
             shift = SoftmaxHead.usable_shift(bound, like.dtype)  # z <= s <= bound: one exp per entry
+        if self.kind == "sigmoid":  # every row counts (none at all on a rank without anchors)
+            self.valid_rows = torch.ones(m, dtype=torch.bool, device=like.device)
         return _FlexState(m, like, self.n_params, self.kind, shift)
 
     def _add_rows(self, st: _FlexState, rows: slice, pos: Tensor, msum: Tensor, cnt: Tensor) -> None:
