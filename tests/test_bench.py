@@ -301,3 +301,25 @@ def test_late_interaction_workloads_agree_with_their_peers() -> None:
             assert values[peer] == pytest.approx(values[ours], rel=1e-5), peer
     with pytest.raises(NotInstalled, match="CUDA"):
         late.late_interaction({"B": 4, "Lq": 2, "Ld": 3, "D": 4, "impl": "flash-maxsim"})
+
+
+@pytest.mark.parametrize(
+    "params,impls",
+    [
+        ({"B": 96, "D": 16, "loss": "supcon"}, ("builtin", "flex", "dense")),
+        ({"B": 96, "D": 16, "loss": "supcon", "symmetric": True}, ("flex",)),
+        ({"B": 96, "D": 16, "loss": "info_nce"}, ("builtin", "flex", "dense")),
+        ({"B": 600, "D": 16, "loss": "window", "window": 40}, ("flex", "flex-blocks", "dense")),
+        ({"B": 96, "D": 16, "loss": "window", "window": 30, "duplicates": True}, ("flex", "dense")),
+    ],
+)
+def test_the_flex_suites_implementations_agree(params: dict, impls: tuple) -> None:
+    """Each flex workload's implementations (the flex call, the built-in it equals, the
+    dense masked formula as written without flashcl, the block mask) give one loss."""
+    from flashcl.bench.flex import flex, flex_workload
+
+    reference = flex_workload({**params, "impl": "dense" if "dense" in impls else "builtin"})[0]()[0]
+    for impl in impls:
+        loss, _ = flex_workload({**params, "impl": impl})[0]()
+        assert abs(loss - reference) < 1e-4 * max(1.0, abs(reference)), (params, impl, loss, reference)
+    assert {c["params"]["impl"] for c in flex("quick", "cpu")} == {"flex", "flex-blocks", "dense"}

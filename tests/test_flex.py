@@ -294,6 +294,44 @@ def test_the_built_ins_are_flex_calls(backend: str) -> None:
         [d["q"][:16], d["k"][:16]],
         "SigLIP",
     )
+    # multi-hot label sets: Jaccard-weighted positives above the overlap threshold
+    hot = torch.nn.functional.one_hot(y, 4).bool() | torch.nn.functional.one_hot((y + 1) % 4, 4).bool()
+
+    def jaccard(a: Any, b: Any) -> torch.Tensor:
+        j = (a.hot & b.hot).sum(-1).double() / (a.hot | b.hot).sum(-1).double()
+        return torch.where(j > 0.3, j, torch.zeros_like(j))
+
+    _both(
+        lambda e: flashcl.flex_loss(e, rows={"hot": hot}, positive=jaccard, temperature=0.2, **kw),
+        lambda e: flashcl.supcon_loss(e, hot, temperature=0.2, **kw),
+        [d["q"][:16]],
+        "SupCon, multi-hot labels",
+    )
+    # InfoNCE with hard negatives (a queue: no gradient): more keys, the diagonal still the positive
+    _both(
+        lambda q, k, h: flashcl.flex_loss(q, torch.cat([k, h.detach()]), temperature=0.1, **kw),  # a queue
+        lambda q, k, h: flashcl.info_nce_loss(q, k, temperature=0.1, negatives=h, **kw),
+        [d["q"][:16], d["k"][:16], d["k"][16:24]],
+        "InfoNCE with hard negatives",
+    )
+    # the sampled-neighbours loss on the scores of unnormalised embeddings, repeats counted
+    g = torch.Generator().manual_seed(3)
+    nbr = (torch.arange(16).unsqueeze(1) + torch.randint(1, 16, (16, 3), generator=g)) % 16  # never the row itself
+    _both(
+        lambda e: flashcl.flex_loss(
+            e,
+            rows={"nbr": nbr},
+            positive=lambda a, b: (a.nbr == b.index.unsqueeze(-1)).sum(-1).double(),
+            positives="pairs",
+            temperature=1.0,
+            normalize=False,
+            reduction="sum",
+            **kw,
+        ),
+        lambda e: flashcl.neighbor_loss(e @ e.T, nbr, reduction="sum", **kw),
+        [d["q"][:16]],
+        "the sampled-neighbours loss",
+    )
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -15,6 +15,7 @@ from .losses.clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .losses.cosent import CoSENTLoss, cosent_loss
 from .losses.distill import DistillLoss, distill_loss
 from .losses.flex import FlexLoss, flex_dense_mask, flex_loss
+from .losses.flex_blocks import BlockMask, flex_block_mask
 from .losses.gist import GistLoss, gist_loss
 from .losses.info_nce import InfoNCELoss, info_nce_loss
 from .losses.koleo import KoLeoLoss, koleo_loss
@@ -90,6 +91,8 @@ __all__ = [
     "sample_classes",
     "prototype_center",
     "flex_dense_mask",
+    "flex_block_mask",
+    "BlockMask",
     "MemoryBank",
     "LogitScale",
     "cached_step",

@@ -51,11 +51,11 @@ def run_spec(spec: Dict[str, Any], ready: Optional[Callable[[], None]] = None) -
     """Runs the case described by ``spec`` (see :func:`flashcl.bench.measure.measure`).
     ``ready`` is called once the case is set up (its imports done, its inputs built),
     right before its first timed call: the parent's time cap counts from there."""
-    from . import late, ssl
+    from . import flex, late, ssl
     from .workloads import WORKLOADS as CORE
     from .workloads import NotInstalled
 
-    WORKLOADS = {**CORE, **late.WORKLOADS, **ssl.WORKLOADS}
+    WORKLOADS = {**CORE, **late.WORKLOADS, **ssl.WORKLOADS, **flex.WORKLOADS}
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

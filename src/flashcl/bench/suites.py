@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from .flex import flex
 from .ssl import ssl
 
 Case = Dict[str, Any]
@@ -696,5 +697,6 @@ SUITES = {
     "late-interaction": late_interaction,
     "margin": margin,
     "ssl": ssl,
+    "flex": flex,
 }
 DEFAULT_SUITES = ("neighbors", "simcse", "peers", "scale")

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from .heads import Head, SoftmaxHead, Tile, lse_inplace, mask_self_, row_dot, scratch, softplus
+from .sparsity import BlockSparsity
 
 __all__ = ["View", "FlexFunctions", "FlexHead", "KINDS", "POSITIVES", "captured_tensors", "takes_scores"]
 
@@ -232,6 +233,7 @@ class FlexHead(Head):
         learn_bias: the bias is the first of the head's parameters.
         captured: the tensors ``score_mod`` captures that require grad (the head's
             parameters after the bias).
+        sparsity: the tiles with a pair not excluded (a block mask), or None: every tile.
     """
 
     def __init__(
@@ -250,11 +252,13 @@ class FlexHead(Head):
         bias: float = 0.0,
         learn_bias: bool = False,
         captured: Tuple[Tensor, ...] = (),
+        sparsity: Optional[BlockSparsity] = None,
     ) -> None:
         self.kind, self.positives, self.fns = kind, positives, fns
+        self.sparsity = sparsity
         self.rows, self.cols, self.row_base = rows, cols, row_base
         self.own, self.exclude_self, self.offset, self.swapped = own, exclude_self, offset, swapped
-        self.symmetric_tiles = symmetric
+        self.symmetric_tiles = symmetric and sparsity is None  # the panels visit every tile
         self.fuses_rows = True  # every row's statistics complete in one visit of its tiles
         self.bias, self.learn_bias, self.captured = bias, learn_bias, captured
         self.n_params = int(learn_bias) + len(captured)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..core import Exclusions, Tile
+from .sparsity import BlockSparsity
 
 __all__ = [
     "Tile",
@@ -150,6 +151,8 @@ class Head:
             gradients depend on ``(i, j)`` symmetrically, so that the self-contrast
             driver may visit only the panels on and above the diagonal.
         kernel: the Triton tile function that implements it, or None.
+        sparsity: the tiles where some pair contributes (:mod:`flashcl.engine.sparsity`),
+            or None (every tile): the row-block driver skips the others.
     """
 
     passes: int = 1
@@ -157,6 +160,7 @@ class Head:
     has_columns: bool = False
     symmetric_tiles: bool = False
     kernel: Optional[KernelId] = None
+    sparsity: Optional[BlockSparsity] = None
 
     # ------------------------------------------------------------ Triton kernels
     def kernel_args(self) -> KernelArgs:

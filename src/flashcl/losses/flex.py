@@ -15,6 +15,8 @@ from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off, normalize_rows
 from ..engine.flex import KINDS, POSITIVES, FlexFunctions, FlexHead, View, captured_tensors
 from ..engine.heads import softplus
+from ..engine.sparsity import BlockSparsity
+from .flex_blocks import BlockMask
 
 __all__ = ["flex_loss", "FlexLoss", "flex_dense_mask"]
 
@@ -137,6 +139,40 @@ def _valid_reference(q: Tensor, k: Tensor, scale: Tensor, head: FlexHead) -> Ten
     return head.valid_rows
 
 
+def flex_block(n: int, dtype: torch.dtype) -> int:
+    """Rows per block of a flex loss: tiles near 4 MB, 16 to 256 rows. The functions'
+    temporaries are a few tiles each: 8 MB tiles (32 rows) peaked at 144 MB beyond the
+    inputs and their gradient at B = 65,536, D = 256; at B = 8,192, D = 256 128 rows ran
+    faster than 32, 64, 256 or 512."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return int(max(16, min(256, (4 * 2**20) // max(1, n * itemsize))))
+
+
+@torch.no_grad()
+def _check_block_mask(q: Tensor, k: Tensor, scale: Tensor, head: FlexHead, normalize: bool) -> None:
+    """The block mask's promise, on the whole matrix: every pair of a skipped tile is out
+    of every set (a ValueError naming the first that is not)."""
+    sparsity = head.sparsity
+    assert sparsity is not None
+    dtype = compute_dtype(q.dtype)
+    qn, kn = q.detach().to(dtype), k.detach().to(dtype)
+    if normalize:
+        qn, kn = normalize_rows(qn), normalize_rows(kn)
+    s = scale.detach().to(dtype) * (qn @ kn.T)
+    out = head.dense_terms(s, _tile(q.shape[0], k.shape[0], head.offset))[0]
+    b = sparsity.block
+    kept = sparsity.keep.to(out.device).repeat_interleave(b, 0)[: out.shape[0]].repeat_interleave(b, 1)
+    broken = (~kept[:, : out.shape[1]] & ~out).nonzero()
+    if broken.numel():
+        i, j = (int(x) for x in broken[0])
+        if head.swapped:
+            i, j = j, i
+        raise ValueError(
+            f"block_mask skips tile ({i // b}, {j // b}) (blocks of {b}), where the pair (anchor {i}, key {j}) "
+            "is not excluded: the tiled backend would leave it out. Keep that tile, or exclude the pair"
+        )
+
+
 def _tile(m: int, n: int, offset: int) -> Any:
     from ..engine.heads import Tile
 
@@ -163,6 +199,8 @@ def _direction(
     of the rows ``q`` (data ``rows``) against ``source`` (data ``cols``)."""
     head = FlexHead(rows=rows, cols=cols, **head_args)
     problem = Problem(head, (), opts.normalize, head.offset)
+    if head.sparsity is not None and name != "tiled":
+        _check_block_mask(q, q if source.own else source.keys, scale, head, opts.normalize)
     if name == "reference":
         keys = q if source.own else source.keys
         dtype = compute_dtype(q.dtype)
@@ -175,7 +213,8 @@ def _direction(
         valid = _valid_reference(qn, kn, scale, head)
         return (out if per_row else torch.where(valid, out, torch.zeros_like(out)).sum()), valid
     weights = None if per_row else (torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device), None)
-    out = source.run(q, scale, problem, weights, opts.block_size, params, backend=name)
+    block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
+    out = source.run(q, scale, problem, weights, block, params, backend=name)
     assert head.valid_rows is not None
     return out, head.valid_rows
 
@@ -197,6 +236,7 @@ def flex_loss(
     include_self: bool = False,
     both_directions: bool = False,
     symmetric: bool = False,
+    block_mask: Optional[BlockMask] = None,
     temperature: Any = 0.1,
     bias: Any = None,
     normalize: bool = True,
@@ -264,6 +304,10 @@ def flex_loss(
             the two averaged as :func:`flashcl.clip_loss` does. Default: False.
         symmetric: self-contrast with functions that answer alike for ``(a, b)`` and
             ``(b, a)``: the symmetric panels are visited (about 2/3 of the products).
+        block_mask: a :class:`flashcl.BlockMask` over the (M, N) pairs: the tiled backend
+            visits only its tiles, whose pairs must be all the loss can use (every pair
+            of a skipped tile excluded); the dense and reference backends check that
+            promise. Sets the block size; one process (not with ``process_group``).
         temperature: a float or a 0-dim tensor (learnable). Default: 0.1.
         bias: the sigmoid kind's bias, a float or a 0-dim tensor (learnable). Default: 0.
         normalize: L2-normalise ``q`` and ``keys``. Default: True.
@@ -297,6 +341,17 @@ def flex_loss(
         (symmetric, "symmetric"),
     ):
         checks.check_bool(flag, flag_name)
+    sparsity = None
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a flashcl.BlockMask, got {type(block_mask).__name__}")
+        if process_group is not None:
+            raise ValueError("block_mask takes one process: its tiles are the whole batch's (no process_group)")
+        if block_size is not None and block_size != block_mask.block_size:
+            raise ValueError(f"block_size={block_size} and the block mask's blocks ({block_mask.block_size}) differ")
+        block_size = block_mask.block_size
+        n_keys = q.shape[0] if own else keys.shape[0]  # type: ignore[union-attr]
+        sparsity = BlockSparsity(block_mask.keep, block_size, q.shape[0], n_keys)
     opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
     checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS, "triton"))
     fns = FlexFunctions(
@@ -354,6 +409,7 @@ def flex_loss(
             exclude_self=own and not include_self,
             offset=source.offset if own else 0,
             symmetric=symmetric,
+            sparsity=sparsity,
             bias=0.0 if bias_t is None else float(bias_t.detach()),
             learn_bias=learn_bias,
             captured=captured,
@@ -373,7 +429,9 @@ def flex_loss(
                 if group is None
                 else sum(parallel.row_counts(keys.shape[0], q.device, group)[: parallel.rank_of(group)])
             )
-            swapped = dict(head_args, row_base=key_base, swapped=True)
+            swapped = dict(
+                head_args, row_base=key_base, swapped=True, sparsity=None if sparsity is None else sparsity.transposed()
+            )
             parts.append(
                 _direction(keys, back, col_data, q_all, scale, swapped, all_params, bias_t, name, opts, per_row)
             )
@@ -493,5 +551,6 @@ class FlexLoss(LossModule):
         keys: Optional[Tensor] = None,
         rows: Optional[Dict[str, Tensor]] = None,
         cols: Optional[Dict[str, Tensor]] = None,
+        block_mask: Optional[BlockMask] = None,
     ) -> Tensor:
-        return flex_loss(q, keys, rows=rows, cols=cols, **self.loss_options())
+        return flex_loss(q, keys, rows=rows, cols=cols, block_mask=block_mask, **self.loss_options())
