@@ -6,6 +6,7 @@ import inspect
 import json
 import random
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -281,3 +282,87 @@ def test_every_suggested_call_runs_as_printed_with_the_users_names(kind: str) ->
         torch.manual_seed(3)
         pasted = pasted_into(call, names, inputs)
         assert torch.allclose(pasted, fn(), rtol=1e-5, atol=1e-6), call
+
+
+WINDOW_LOSS = '''
+import torch
+import torch.nn.functional as F
+import flashcl
+
+
+def window_loss(emb, stamps):
+    """SupCon whose positives are the samples within one time unit: a loop per anchor."""
+    z = F.normalize(emb, dim=-1)
+    losses = []
+    for i in range(emb.shape[0]):
+        s = z[i] @ z.T / 0.1
+        pos = (stamps - stamps[i]).abs() <= 1.0
+        pos[i] = False
+        if not bool(pos.any()):
+            continue
+        keep = torch.ones_like(pos)
+        keep[i] = False
+        losses.append((torch.logsumexp(s[keep], 0) - s[pos]).mean())
+    return torch.stack(losses).mean()
+
+
+def as_flex(emb, stamps):
+    return flashcl.flex_loss(
+        emb, rows={"stamps": stamps}, positive=lambda a, b: (a.stamps - b.stamps).abs() <= 1.0, temperature=0.1
+    )
+
+
+def as_flex_too_warm(emb, stamps):
+    return flashcl.flex_loss(
+        emb, rows={"stamps": stamps}, positive=lambda a, b: (a.stamps - b.stamps).abs() <= 1.0, temperature=0.2
+    )
+'''
+
+
+def _window_module(tmp_path: Any) -> Any:
+    import importlib.util
+
+    path = tmp_path / "window_loss.py"
+    path.write_text(WINDOW_LOSS)
+    spec = importlib.util.spec_from_file_location("window_loss", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return path, module
+
+
+def test_a_loss_no_built_in_matches_gets_a_flex_call_in_its_own_names(tmp_path: Any) -> None:
+    """A time-window SupCon written as a loop: no built-in matches; the report prints
+    the loss as a flex call with the function's names, which runs as printed and, with
+    the window filled in as the loop has it, is the loop's loss."""
+    _, mod = _window_module(tmp_path)
+    emb, stamps = torch.randn(48, 8, requires_grad=True), torch.randn(48)
+    report = flashcl.doctor(mod.window_loss, emb, stamps, sizes=[48, 96], repeats=3)
+    assert report.replacement is None and report.flex_template is not None
+    text = report.text()
+    assert "as a flex loss in your names" in text and 'rows={"stamps": stamps}' in report.flex_template
+    printed = pasted_into(report.flex_template, ["emb", "stamps"], [emb, stamps])
+    assert torch.allclose(printed, mod.window_loss(emb, stamps), rtol=1e-5)
+
+
+def test_a_candidate_is_checked_at_every_size_and_timed(tmp_path: Any) -> None:
+    _, mod = _window_module(tmp_path)
+    emb, stamps = torch.randn(48, 8, requires_grad=True), torch.randn(48)
+    good = flashcl.doctor(mod.window_loss, emb, stamps, sizes=[48, 96], repeats=3, candidate=mod.as_flex)
+    assert [c.size for c in good.candidate_checks] == [48, 96] and all(c.same for c in good.candidate_checks)
+    assert good.replacement is not None and good.replacement.call == "your candidate as_flex"
+    assert "same loss and gradient as: your candidate as_flex" in good.text()
+    bad = flashcl.doctor(mod.window_loss, emb, stamps, sizes=[48, 96], repeats=3, candidate=mod.as_flex_too_warm)
+    assert not any(c.same for c in bad.candidate_checks) and bad.replacement is None
+    assert all(c.where.startswith("emb[") and c.grad_error > 1e-3 for c in bad.candidate_checks)
+    assert "DIFFERS" in bad.text()
+    with pytest.raises(TypeError, match="candidate"):
+        flashcl.doctor(mod.window_loss, emb, stamps, sizes=[48], candidate="as_flex")  # type: ignore[arg-type]
+
+
+def test_cli_doctor_takes_a_candidate(tmp_path: Any, capsys: Any) -> None:
+    path, _ = _window_module(tmp_path)
+    args = ["doctor", f"{path}:window_loss", "--shape", "n,8", "--shape", "n", "--sizes", "40,80"]
+    assert main(args + ["--candidate", f"{path}:as_flex"]) == 0
+    out = capsys.readouterr().out
+    assert "your candidate against your function" in out and "DIFFERS" not in out
+    assert "same loss and gradient as: your candidate as_flex" in out

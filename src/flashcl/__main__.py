@@ -56,12 +56,14 @@ def _doctor(args: argparse.Namespace) -> int:
             f"flashcl doctor: {args.target} takes {params} input(s), got {len(args.shape)} --shape: "
             "give one --shape per input, in order (e.g. --shape n,128 --shape n:int:10)"
         )
+    candidate = _load_function(args.candidate) if args.candidate else None
     report = doctor(
         fn,
         *inputs,
         sizes=sizes,
         seed=args.seed,
         progress=lambda line: print(f"... {line}", file=sys.stderr, flush=True),
+        candidate=candidate,
     )
     print(report)
     if args.json:
@@ -143,6 +145,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc.add_argument("--sizes", default="250,500,1000", help="batch sizes n to run at (default 250,500,1000)")
     doc.add_argument("--seed", type=int, default=0, help="random and torch are seeded with it before each call")
     doc.add_argument("--json", help="also write the report as JSON to this file")
+    doc.add_argument(
+        "--candidate",
+        help="path/to/file.py:function, your replacement (a flashcl.flex_loss call, say) called as the target: "
+        "checked against it at every size (value and gradient) and timed against it",
+    )
     chk = sub.add_parser(
         "check",
         help="check every loss's backends on your device and dtypes against the float64 reference "

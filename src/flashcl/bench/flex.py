@@ -141,10 +141,10 @@ WORKLOADS = {"flex": flex_workload}
 def flex(mode: str, device: str) -> List[Case]:
     """Flex losses at B = 8,192, D = 768 against the built-in they equal (SupCon with
     symmetric panels, InfoNCE with false negatives left out) and against the three
-    matrix products; a time window with a block mask against the full visit (B = 16,384,
+    matrix products; a time window with a block mask against the full visit (B = 20,480,
     D = 256, 1/16 of the tiles); the dense masked formulas; the memory at B = 65,536."""
     b, d = {"quick": (512, 64), "default": (8192, 768), "full": (8192, 768)}[mode]
-    wb, wd = {"quick": (2048, 32), "default": (16384, 256), "full": (16384, 256)}[mode]
+    wb, wd = {"quick": (2048, 32), "default": (20480, 256), "full": (20480, 256)}[mode]
     big = {"quick": 4096, "default": 65536, "full": 65536}[mode]
     gemm = {"workload": "gemm3", "params": {"B": b, "D": d, "device": device}}
     cases: List[Case] = []
@@ -174,7 +174,7 @@ def flex(mode: str, device: str) -> List[Case]:
         {"B": b, "D": d, "loss": "supcon", "impl": "flex", "symmetric": False},
         bound=gemm,
     )
-    # a window of 1.5 tiles each side keeps about 1/16 of the 256-row tiles at B = 16,384 (64 x 64 tiles)
+    # a window of 1.5 tiles each side keeps 5 of 80 tiles per row block (1/16) at B = 20,480
     window = 384 if mode != "quick" else 96
     full_params = {"B": wb, "D": wd, "loss": "window", "window": window, "impl": "flex", "device": device}
     full = {"workload": "flex", "params": full_params}

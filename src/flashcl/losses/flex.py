@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -15,6 +15,7 @@ from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off, normalize_rows
 from ..engine.flex import KINDS, POSITIVES, FlexFunctions, FlexHead, View, captured_tensors
 from ..engine.heads import softplus
+from ..engine.matryoshka import check_dims
 from ..engine.sparsity import BlockSparsity
 from .flex_blocks import BlockMask
 
@@ -140,12 +141,16 @@ def _valid_reference(q: Tensor, k: Tensor, scale: Tensor, head: FlexHead) -> Ten
 
 
 def flex_block(n: int, dtype: torch.dtype) -> int:
-    """Rows per block of a flex loss: tiles near 4 MB, 16 to 256 rows. The functions'
-    temporaries are a few tiles each: 8 MB tiles (32 rows) peaked at 144 MB beyond the
-    inputs and their gradient at B = 65,536, D = 256; at B = 8,192, D = 256 128 rows ran
-    faster than 32, 64, 256 or 512."""
+    """Rows per block of a flex loss against ``n`` columns. Up to n = 16,384 (float32) the
+    tiled backend's own choice (tiles near 16 MB, at least 256 rows: the products
+    ``G^T Q_blk`` lose speed below that; InfoNCE as flex at B = 8,192, D = 768 ran 1.33x
+    the built-in with 128-row blocks); wider, tiles near 4 MB (at least 16 rows): the
+    functions' temporaries are a few tiles each, and 8 MB tiles peaked at 144 MB beyond
+    the inputs and their gradient at B = 65,536, D = 256, 4 MB tiles at 128 MB."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return int(max(16, min(256, (4 * 2**20) // max(1, n * itemsize))))
+    if n * itemsize * 256 <= 16 * 2**20:
+        return runner.auto_block(n, n, dtype)
+    return int(max(16, (4 * 2**20) // max(1, n * itemsize)))
 
 
 @torch.no_grad()
@@ -246,6 +251,8 @@ def flex_loss(
     process_group: Any = None,
     strategy: str = "all_gather",
     grad_scale: str = "ddp",
+    matryoshka_dims: Optional[Sequence[int]] = None,
+    matryoshka_weights: Optional[Sequence[float]] = None,
 ) -> Tensor:
     r"""A contrastive loss of your own, written as small functions of each pair and
     computed exactly, tile by tile, in O(batch) memory: positives from time windows, graph
@@ -317,6 +324,11 @@ def flex_loss(
         @backend@ No Triton kernel: ``"auto"`` picks ``"tiled"`` from 2^20 pairs,
             ``"dense"`` below; ``"reference"`` calls the functions one anchor at a time.
         @process_group@
+        @matryoshka@
+
+    Matryoshka widths visit the tiles once per width. Under ``torch.compile`` the call is
+    one graph break: the functions run eagerly, as written (a compiled step around it
+    keeps its other graphs; ``fullgraph=True`` refuses it).
 
     Shape:
         - q: (M, D); keys: (N, D); rows: fields (M, ...); cols: fields (N, ...); output:
@@ -328,6 +340,49 @@ def flex_loss(
         >>> loss = flashcl.flex_loss(emb, rows={"t": t}, positive=lambda a, b: (a.t - b.t).abs() <= 2)
         >>> loss.backward()
     """
+    options = dict(locals())
+    dims, weights = options.pop("matryoshka_dims"), options.pop("matryoshka_weights")
+    if dims is None and weights is None:
+        return _flex(**options)
+    if dims is None:
+        raise ValueError("matryoshka_weights needs matryoshka_dims")
+    q_ = checks.check_float_tensor(q, "q", (2,), process_group is not None)
+    ds, ws = check_dims(dims, weights, q_.shape[-1])
+    parts = []
+    for d, w in zip(ds, ws):
+        narrow = dict(options, q=q_[:, :d], keys=None if keys is None else keys[:, :d])
+        parts.append(w * _flex(**narrow))
+    return torch.stack(parts).sum(0)
+
+
+@torch.compiler.disable
+def _flex(
+    q: Tensor,
+    keys: Optional[Tensor],
+    rows: Optional[Dict[str, Tensor]],
+    cols: Optional[Dict[str, Tensor]],
+    positive: Fn,
+    exclude: Fn,
+    score_mod: Fn,
+    weight: Fn,
+    kind: str,
+    positives: str,
+    include_self: bool,
+    both_directions: bool,
+    symmetric: bool,
+    block_mask: Optional[BlockMask],
+    temperature: Any,
+    bias: Any,
+    normalize: bool,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+    process_group: Any,
+    strategy: str,
+    grad_scale: str,
+) -> Tensor:
+    """:func:`flex_loss` at one width: eager under ``torch.compile`` (the user's functions
+    are Python run on each tile)."""
     empty = process_group is not None
     q = checks.check_float_tensor(q, "q", (2,), empty)
     own = keys is None
@@ -542,6 +597,8 @@ class FlexLoss(LossModule):
         process_group: Any = None,
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
+        matryoshka_dims: Optional[Sequence[int]] = None,
+        matryoshka_weights: Optional[Sequence[float]] = None,
     ) -> None:
         super().__init__(**self.given(locals()))
 

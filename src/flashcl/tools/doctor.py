@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .families import candidates as _candidates
 from .families import families as _families
+from .families import flex_template
 from .procmem import reset_peak, status_mb
 
 LossFn = Callable[..., Tensor]
@@ -103,6 +104,20 @@ class Replacement:
 
 
 @dataclass
+class CandidateCheck:
+    """A user's candidate (a flex call, say) against their function at one size:
+    the two values, the largest gradient difference relative to the function's
+    largest gradient entry and where it is (``input i[index]``)."""
+
+    size: int
+    loss: float
+    candidate_loss: float
+    grad_error: float
+    where: str
+    same: bool
+
+
+@dataclass
 class Report:
     """What :func:`doctor` found; ``text()`` for people, ``to_json()`` for tools."""
 
@@ -118,6 +133,10 @@ class Report:
     replacement: Optional[Replacement] = None
     #: what the search for a replacement compared (when none matched: why not)
     tried: List[str] = field(default_factory=list)
+    #: when nothing matched: the loss as a flex call in the function's names, to fill in
+    flex_template: Optional[str] = None
+    #: ``candidate=``: the candidate against the function at each size
+    candidate_checks: List[CandidateCheck] = field(default_factory=list)
 
     def __str__(self) -> str:
         return self.text()
@@ -181,6 +200,22 @@ class Report:
         elif self.tried:
             lines += ["", "no flashcl loss matched the value and gradient at every size; tried:"]
             lines += [f"    {t}" for t in self.tried]
+        if self.candidate_checks:
+            lines += ["", "your candidate against your function (value; gradient: largest difference / largest entry):"]
+            for c in self.candidate_checks:
+                verdict = "same" if c.same else "DIFFERS"
+                lines.append(
+                    f"    n = {c.size:<6} loss {c.loss:.8g} vs {c.candidate_loss:.8g}; gradient {c.grad_error:.2g} "
+                    f"(worst at {c.where}): {verdict}"
+                )
+        if self.flex_template is not None and self.replacement is None:
+            lines += [
+                "",
+                "as a flex loss in your names (exact, O(batch) memory): fill in the functions, then check it",
+                "with flashcl.doctor(your_loss, ..., candidate=lambda ...: <this call>) or --candidate:",
+                "",
+                self.flex_template,
+            ]
         return "\n".join(lines)
 
 
@@ -454,15 +489,50 @@ def _find_replacement(
             break
     else:
         return None
-    # alternating rounds, so that a shared machine's drift weighs on both alike;
-    # at least 3, and no new round once 20 s are spent
+    return _timed(call, fn, lambda *_: cand(), inputs, seed, repeats, value)
+
+
+def _timed(
+    call: str, fn: LossFn, other: LossFn, inputs: Sequence[Any], seed: int, repeats: int, value: float
+) -> Replacement:
+    """The function and its replacement timed in alternating rounds, so that a shared
+    machine's drift weighs on both alike; at least 3, and no new round once 20 s are spent."""
     user_times: List[float] = []
     flashcl_times: List[float] = []
     start = time.perf_counter()
     while len(user_times) < repeats and (len(user_times) < 3 or time.perf_counter() - start < 20.0):
         user_times.append(_time_fwd_bwd(lambda: _call(fn, inputs, seed), inputs))
-        flashcl_times.append(_time_fwd_bwd(cand, inputs))
+        flashcl_times.append(_time_fwd_bwd(lambda: _call(other, inputs, seed), inputs))
     return Replacement(call, value, user_times, flashcl_times)
+
+
+def _check_candidate(
+    fn: LossFn, candidate: LossFn, every_size: Sequence[Sequence[Any]], seed: int, names: Optional[List[str]]
+) -> List[CandidateCheck]:
+    """The candidate's value and gradients against the function's at every size."""
+    checks = []
+    for inputs in every_size:
+        value, grads = _grads(functools.partial(_call, fn, inputs, seed), inputs)
+        try:
+            cvalue, cgrads = _grads(functools.partial(_call, candidate, inputs, seed), inputs)
+        except Exception as e:  # noqa: BLE001 - the candidate's own error is the finding
+            raise ValueError(f"the candidate failed at n = {_size_of(inputs)}: {type(e).__name__}: {e}") from e
+        leaves = [i for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.requires_grad]
+        error, where = 0.0, "-"
+        for i, a, b in zip(leaves, cgrads, grads):
+            scale = max(float(b.abs().max()) if b.numel() else 0.0, 1e-30)
+            diff = (a - b).abs().nan_to_num(nan=math.inf)
+            if diff.numel() and float(diff.max()) / scale > error:
+                error = float(diff.max()) / scale
+                index = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape))
+                where = f"{names[i] if names else f'input {i}'}{list(index)}"
+        same = _close(cvalue, value) and _same_gradients(cgrads, grads)
+        checks.append(CandidateCheck(_size_of(inputs), value, cvalue, error, where, same))
+    return checks
+
+
+def _size_of(inputs: Sequence[Any]) -> int:
+    return next(t for t in inputs if isinstance(t, Tensor)).shape[0]
 
 
 def parameter_names(fn: Callable[..., Any], count: int) -> Optional[List[str]]:
@@ -506,6 +576,7 @@ def doctor(
     seed: int = 0,
     repeats: int = 5,
     progress: Optional[Callable[[str], None]] = None,
+    candidate: Optional[LossFn] = None,
 ) -> Report:
     """Diagnose a loss function: timing and growth, graph, slow patterns, replacement.
 
@@ -520,6 +591,11 @@ def doctor(
             alternately (at least 3; fewer than ``repeats`` once 20 s are spent).
             The report gives the medians and the spread of the ratios.
         progress: called with a line of text before each stage (e.g. ``print``).
+        candidate: your own replacement (a :func:`flashcl.flex_loss` call, say), called
+            as ``fn`` is: checked against ``fn`` at every size, value and gradient (the
+            report says where they differ), and timed against it when they agree.
+            When no replacement is found and none is given, the report prints the loss
+            as a flex call in the function's own names, to fill in.
 
     A flashcl call is named as the replacement only when its value and its
     gradient equal the function's at every size tried; otherwise the report says
@@ -580,12 +656,35 @@ def doctor(
         key=lambda x: -x[2],
     )
     findings = _graph_findings(nodes, runs[-1].size, nodes_e)
-    if progress is not None:
-        progress("looking for a flashcl loss with the same value and gradient at every size")
-    replacement = _find_replacement(fn, every_size, seed, repeats)
+    names = parameter_names(fn, len(inputs))
+    checks: List[CandidateCheck] = []
+    replacement = None
+    if candidate is not None:
+        if not callable(candidate):
+            raise TypeError(f"candidate must be a function called as fn is, got {type(candidate).__name__}")
+        if progress is not None:
+            progress("checking your candidate against your function at every size")
+        checks = _check_candidate(fn, candidate, every_size, seed, names)
+        if all(c.same for c in checks):
+            replacement = _timed(
+                "your candidate " + getattr(candidate, "__name__", "function"),
+                fn,
+                candidate,
+                inputs,
+                seed,
+                repeats,
+                checks[-1].loss,
+            )
+    if replacement is None:
+        if progress is not None:
+            progress("looking for a flashcl loss with the same value and gradient at every size")
+        replacement = _find_replacement(fn, every_size, seed, repeats)
     del loss
     tried = [] if replacement is not None else _families(inputs)
-    return Report(runs, fwd_e, bwd_e, nodes_e, elements_e, by_type, saved[:6], findings, replacement, tried)
+    template = None if replacement is not None else flex_template(inputs, names)
+    return Report(
+        runs, fwd_e, bwd_e, nodes_e, elements_e, by_type, saved[:6], findings, replacement, tried, template, checks
+    )
 
 
 def parse_shape(spec: str) -> Tuple[List[str], str, int]:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import functional
 
-__all__ = ["Candidate", "candidates", "families"]
+__all__ = ["Candidate", "candidates", "families", "flex_template"]
 
 _TEMPERATURES = (0.05, 0.07, 0.1, 0.2, 0.5, 1.0)
 
@@ -265,8 +265,8 @@ def families(inputs: Sequence[Any]) -> List[str]:
     out = [found[0] for found in (family(inputs, 0, name) for family in _FAMILIES) if found is not None]
     if not out:
         out.append(
-            "nothing: flashcl's losses take one square score matrix; embeddings and int labels (and class "
-            "weights); two embedding matrices (and a score per pair)"
+            "no built-in: they take one square score matrix; embeddings and int labels (and class weights); "
+            "two embedding matrices (and a score per pair). A flex loss takes embeddings with any per-sample data"
         )
     return out
 
@@ -284,3 +284,59 @@ def candidates(inputs: Sequence[Any], seed: int, names: Optional[Sequence[str]] 
         if found is not None:
             out += found[1]
     return out
+
+
+def flex_template(inputs: Sequence[Any], names: Optional[Sequence[str]] = None) -> Optional[str]:
+    """The loss as a :func:`flashcl.flex_loss` call in the user's names, to fill in: the
+    embeddings (the first 2-D floating input; a second one of the same width: the
+    keys), every other per-sample tensor as a field of ``rows=`` (the anchors') or
+    ``cols=`` (the keys'), and a positive function from the first field (equality of an
+    integer field, a window on a floating one). None for inputs a flex loss does not
+    take (a square score matrix alone, no embeddings)."""
+    name = _namer(inputs, names)
+    tensors = [t for t in inputs if isinstance(t, Tensor)]
+    matrices = [t for t in tensors if t.is_floating_point() and t.dim() == 2]
+    if not matrices or (len(tensors) == 1 and matrices[0].shape[0] == matrices[0].shape[1]):
+        return None
+    q = matrices[0]
+    k = next((t for t in matrices[1:] if t.shape[1] == q.shape[1]), None)
+    rows, cols = [], []
+    for t in tensors:
+        if t is q or t is k or t.dim() == 0:
+            continue
+        if t.shape[0] == q.shape[0]:
+            rows.append(t)
+        elif k is not None and t.shape[0] == k.shape[0]:
+            cols.append(t)
+
+    def field(t: Tensor, default: str) -> str:
+        written = name(t, default)
+        return written if written.isidentifier() else default
+
+    row_fields = [(field(t, f"x{i}"), name(t, f"x{i}"), t) for i, t in enumerate(rows)]
+    col_fields = [(field(t, f"k{i}"), name(t, f"k{i}"), t) for i, t in enumerate(cols)]
+    lines = ["flashcl.flex_loss(", f"    {name(q, 'embeddings')},"]
+    if k is not None:
+        lines.append(f"    {name(k, 'keys')},")
+    if row_fields:
+        lines.append("    rows={" + ", ".join(f'"{f}": {w}' for f, w, _ in row_fields) + "},")
+    if col_fields:
+        lines.append("    cols={" + ", ".join(f'"{f}": {w}' for f, w, _ in col_fields) + "},")
+    if row_fields:
+        f, _, t = row_fields[0]
+        other = next((g for g, _, _ in col_fields), f) if k is not None else f
+        if t.is_floating_point():
+            test = f"(a.{f} - b.{other}).abs() <= 1.0"
+        else:
+            test = f"a.{f} == b.{other}"
+        lines.append(f"    positive=lambda a, b: {test},  # the positives: bool, or weights >= 0")
+    elif k is None:
+        lines.append("    positive=lambda a, b: ...,  # the positives of each pair (a: anchors, b: keys)")
+    else:
+        lines.append("    # positive: the diagonal (a.index == b.index) unless given")
+    lines += [
+        "    exclude=None,  # pairs out of every set: lambda a, b: ... (duplicates, false negatives)",
+        "    temperature=0.1,",
+        ")",
+    ]
+    return "\n".join(lines)
