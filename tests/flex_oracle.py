@@ -37,14 +37,21 @@ def rows_of(
     temperature: Any = 0.1,
     bias: Any = 0.0,
     normalize: bool = True,
+    scores: Optional[Tensor] = None,
 ) -> Any:
-    """(each anchor's loss (M,), each anchor's counting in a "mean" (M,) bool)."""
-    own = k is None
-    kk = q if own else k
-    cd = rows if own else (cols or {})
-    qn = F.normalize(q, dim=-1) if normalize else q
-    kn = qn if own and normalize else (F.normalize(kk, dim=-1) if normalize else kk)
-    s = qn @ kn.T / temperature
+    """(each anchor's loss (M,), each anchor's counting in a "mean" (M,) bool); ``scores``:
+    a given score matrix instead of ``q`` and ``k`` (self-contrast unless ``cols``)."""
+    if scores is not None:
+        own = cols is None
+        cd = rows if own else cols
+        s = scores / temperature
+    else:
+        own = k is None
+        kk = q if own else k
+        cd = rows if own else (cols or {})
+        qn = F.normalize(q, dim=-1) if normalize else q
+        kn = qn if own and normalize else (F.normalize(kk, dim=-1) if normalize else kk)
+        s = qn @ kn.T / temperature
     m_, n_ = s.shape
     a, b = views(rows, cd, m_, n_)
     out = torch.zeros(m_, n_, dtype=torch.bool)

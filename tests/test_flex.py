@@ -437,3 +437,147 @@ def test_the_module_and_the_dense_mask() -> None:
     excluded = (doc[:, None] == doc[None, :]) | torch.eye(13, dtype=torch.bool)
     assert torch.equal(masks["excluded"], excluded)
     assert torch.equal(masks["positive"] > 0, (y[:, None] == y[None, :]) & ~excluded)
+
+
+# ----------------------------------------------------------------------------- a given score matrix
+
+SCORE_CASES = {
+    "labels": dict(positive=lambda a, b: a.y == b.y),
+    "sampled neighbours": dict(
+        positive=lambda a, b: (a.nbr == b.index.unsqueeze(-1)).sum(-1).double(), positives="pairs"
+    ),
+    "exclude, weight": dict(
+        positive=lambda a, b: a.y == b.y,
+        exclude=lambda a, b, s: (s > 20.0) & (a.y != b.y),
+        weight=lambda a, b: torch.where(a.doc == b.doc, 0.5, 1.0),
+    ),
+    "sigmoid": dict(positive=lambda a, b: a.y == b.y, kind="sigmoid", bias=-1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCORE_CASES))
+@pytest.mark.parametrize("backend,block", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_given_score_matrix_equals_the_formula(case: str, backend: str, block: Any, reduction: str) -> None:
+    """``scores=``: ``s = scores / temperature`` read a block of rows at a time; the
+    gradient of the matrix, of a learnable temperature and bias, as the formula's."""
+    d = _data(7)
+    g = torch.Generator().manual_seed(8)
+    sc = 3.0 * torch.randn(13, 13, generator=g, dtype=F64)
+    nbr = (torch.arange(13).unsqueeze(1) + torch.randint(1, 13, (13, 2), generator=g)) % 13
+    rows = {"y": d["y"], "doc": d["doc"], "nbr": nbr}
+    opts = dict(SCORE_CASES[case])
+    bias = opts.pop("bias", None)
+    s1, t1 = sc.clone().requires_grad_(True), torch.tensor(0.7, dtype=F64, requires_grad=True)
+    b1 = None if bias is None else torch.tensor(bias, dtype=F64, requires_grad=True)
+    loss_rows, valid = rows_of(
+        None,
+        None,
+        rows,
+        None,
+        scores=s1,
+        temperature=t1,
+        bias=0.0 if b1 is None else b1,
+        **opts,  # type: ignore[arg-type]
+    )
+    want = reduce(loss_rows, valid, reduction)
+    up = torch.linspace(0.5, 1.5, want.numel(), dtype=F64).reshape(want.shape)
+    leaves1 = [s1, t1] + ([b1] if b1 is not None else [])
+    want_grads = _grads(want, leaves1, up)
+    s2, t2 = sc.clone().requires_grad_(True), torch.tensor(0.7, dtype=F64, requires_grad=True)
+    b2 = None if bias is None else torch.tensor(bias, dtype=F64, requires_grad=True)
+    extra = {} if b2 is None else {"bias": b2}
+    got = flashcl.flex_loss(
+        scores=s2, rows=rows, temperature=t2, reduction=reduction, backend=backend, block_size=block, **extra, **opts
+    )
+    assert_close(got, want, f"{case} {backend}: value", *TOL)
+    for a, e, name in zip(_grads(got, [s2, t2] + ([b2] if b2 is not None else []), up), want_grads, "stb"):
+        assert_close(a, e, f"{case} {backend} {reduction}: d/d{name}", *TOL)
+
+
+def test_a_given_score_matrix_of_two_towers_and_the_neighbour_loss() -> None:
+    g = torch.Generator().manual_seed(9)
+    sc = torch.randn(7, 11, generator=g, dtype=F64)
+    ky = torch.randint(0, 3, (11,), generator=g)
+    y = torch.randint(0, 3, (7,), generator=g)
+    for backend in ("reference", "dense", "tiled"):
+        got = flashcl.flex_loss(
+            scores=sc, rows={"y": y}, cols={"y": ky}, positive=lambda a, b: a.y == b.y, backend=backend
+        )
+        rows_, valid = rows_of(None, None, {"y": y}, {"y": ky}, positive=lambda a, b: a.y == b.y, scores=sc)  # type: ignore[arg-type]
+        assert_close(got, reduce(rows_, valid, "mean"), f"two towers {backend}", *TOL)
+    # the sampled-neighbours loss (its seed's form) on its own score matrix
+    x = 4.0 * torch.randn(20, 20, generator=g, dtype=F64)
+    nb = torch.randint(0, 20, (20, 2), generator=g)
+    nb = torch.where(nb == torch.arange(20).unsqueeze(1), (nb + 1) % 20, nb)  # never the row itself
+    for backend in ("reference", "dense", "tiled"):
+        x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        got = flashcl.flex_loss(
+            scores=x1,
+            rows={"nb": nb},
+            positive=lambda a, b: (a.nb == b.index.unsqueeze(-1)).sum(-1).double(),
+            positives="pairs",
+            temperature=1.0,
+            reduction="sum",
+            backend=backend,
+            block_size=6,
+        )
+        want = flashcl.neighbor_loss(x2, nb)
+        assert_close(got, want, f"neighbour loss {backend}", *TOL)
+        assert_close(_grads(got, [x1])[0], _grads(want, [x2])[0], f"neighbour loss {backend}: gradient", *TOL)
+
+
+@pytest.mark.parametrize(
+    "kw,error,match",
+    [
+        (dict(), ValueError, "q \\(M, D\\), or a given score matrix"),
+        (dict(scores=torch.randn(4, 5), positive=lambda a, b: a.index == b.index), ValueError, "square"),
+        (dict(scores=torch.randn(4, 4), symmetric=True, positive=lambda a, b: a.index == b.index), ValueError, "score"),
+        (
+            dict(scores=torch.randn(4, 4), positive=lambda a, b: a.index == b.index, process_group=object()),
+            ValueError,
+            "one process",
+        ),
+        (
+            dict(scores=torch.randn(4, 4), positive=lambda a, b: a.index == b.index, matryoshka_dims=[2]),
+            ValueError,
+            "matryoshka",
+        ),
+        (
+            dict(scores=torch.randn(4, 4), positive=lambda a, b: a.index == b.index, backend="triton"),
+            ValueError,
+            "backend",
+        ),
+        (dict(scores=torch.randn(4), positive=lambda a, b: a.index == b.index), ValueError, "scores"),
+    ],
+)
+def test_bad_score_matrices_are_clear_errors(kw: Dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        flashcl.flex_loss(**kw)
+
+
+@pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
+def test_nan_from_a_function_stays_out_where_the_pair_is_excluded(backend: str) -> None:
+    """A NaN a function gives on an excluded pair never reaches the loss or the
+    gradient; on a pair the loss uses it propagates, as in torch."""
+    d = _data(10)
+    nan_on_doc = {"doc": d["doc"], "y": d["y"]}
+
+    def score_mod(s: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
+        return torch.where(a.doc == b.doc, torch.full_like(s, float("nan")), s)
+
+    q = d["q"].clone().requires_grad_(True)
+    out = flashcl.flex_loss(
+        q,
+        rows=nan_on_doc,
+        positive=lambda a, b: (a.y == b.y) & (a.doc != b.doc),
+        exclude=lambda a, b: a.doc == b.doc,
+        score_mod=score_mod,
+        backend=backend,
+    )
+    (grad,) = torch.autograd.grad(out, q)
+    assert torch.isfinite(out) and bool(torch.isfinite(grad).all()), backend
+    used = flashcl.flex_loss(
+        d["q"], rows=nan_on_doc, positive=lambda a, b: a.y == b.y, score_mod=score_mod, backend=backend
+    )
+    assert torch.isnan(used), backend

@@ -49,7 +49,7 @@ def test_every_loss_has_a_twin_with_its_options(module: Any, fn: Any) -> None:
     }
     per_call = {"ref", "ref_labels", "ref_self", "negatives", "query_labels", "key_labels", "labels", "guide"}
     per_call |= {"query_mask", "doc_mask", "classes", "teacher_prototypes", "center", "masks", "queue"}
-    per_call |= {"rows", "cols", "block_mask"}  # a flex loss's data and block mask
+    per_call |= {"rows", "cols", "block_mask", "scores"}  # a flex loss's data, block mask, given scores
     twin = {name: p.default for name, p in inspect.signature(module).parameters.items() if p.kind is not p.VAR_KEYWORD}
     for name, default in options.items():
         if name in per_call:

@@ -448,7 +448,7 @@ class FlexHead(Head):
         else:  # "sum": every row with a denominator
             has = torch.ones_like(has)
             c, a = torch.ones_like(msum), torch.ones_like(msum)
-        valid = has & torch.isfinite(lse)
+        valid = has & ~torch.isneginf(lse)  # an empty denominator; a NaN row stays counted (and NaN)
         return torch.where(valid, c, zero), torch.where(valid, a, zero), valid
 
     def values(self, st: _FlexState) -> Tuple[Tensor, Optional[Tensor]]:
@@ -470,7 +470,7 @@ class FlexHead(Head):
         c, a = st.ca
         # a row with an empty denominator has no gradient: its logsumexp taken as 0 keeps
         # exp(-inf - L) = 0 instead of NaN (its c is 0)
-        st.lse = torch.where(torch.isfinite(st.row), st.row, torch.zeros_like(st.row))
+        st.lse = torch.where(torch.isneginf(st.row), torch.zeros_like(st.row), st.row)
         cg = c * g_row
         if st.shift is not None:  # G_ij = exp(z_ij - shift) c_i g_i e^{shift - L_i} - m_ij a_i g_i
             cg = cg * torch.exp(st.shift - st.lse)

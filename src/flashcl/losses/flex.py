@@ -14,6 +14,7 @@ from ..base import LossModule, shared_docs
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off, normalize_rows
 from ..engine.flex import KINDS, POSITIVES, FlexFunctions, FlexHead, View, captured_tensors
+from ..engine.flex_scores import FlexScores
 from ..engine.heads import softplus
 from ..engine.matryoshka import check_dims
 from ..engine.sparsity import BlockSparsity
@@ -84,17 +85,25 @@ def _reference_rows(
 ) -> Tensor:
     """Each anchor's loss one anchor at a time, from the formulas (the oracle): its row of
     scores against every key, the functions called on that row."""
+    if q.shape[0] == 0:  # no anchors: the keys stay in the graph (a gathered key's backward is collective)
+        return (q @ k.T).sum(1)
+    return _reference_from(lambda i: scale * (q[i : i + 1] @ k.T), q.shape[0], k.shape[0], head, bias, q)
+
+
+def _reference_from(
+    score_row: Callable[[int], Tensor], anchors: int, n: int, head: FlexHead, bias: Optional[Tensor], like: Tensor
+) -> Tensor:
+    """The reference's rows, ``score_row(i)`` giving anchor ``i``'s scaled scores (1, N)."""
     fns, out_rows = head.fns, []
-    n = k.shape[0]
-    for i in range(q.shape[0]):
+    for i in range(anchors):
         if head.swapped:  # the rows are keys: each pair seen as (anchor, key)
             a = View(head.cols, 0, n, 0, "b", "the anchors' data (rows=)", "a")
             b = View(head.rows, i, i + 1, head.row_base, "a", "the keys' data (cols=)", "b")
         else:
             a = View(head.rows, i, i + 1, head.row_base, "a", "the anchors' data (rows=)", "a")
             b = View(head.cols, 0, n, 0, "b", "the keys' data (cols=)", "b")
-        s = scale * (q[i : i + 1] @ k.T)  # (1, N)
-        own = torch.zeros(1, n, dtype=torch.bool, device=q.device)
+        s = score_row(i)  # (1, N)
+        own = torch.zeros(1, n, dtype=torch.bool, device=like.device)
         if head.own and 0 <= i + head.offset < n:
             own[0, i + head.offset] = True
         left = own if head.exclude_self else torch.zeros_like(own)
@@ -128,7 +137,7 @@ def _reference_rows(
             out_rows.append(terms.sum() / msum)
         else:  # "pairs"
             out_rows.append(terms.sum())
-    return torch.stack(out_rows) if out_rows else (q @ k.T).sum(1)
+    return torch.stack(out_rows) if out_rows else like.sum(-1)[:0]
 
 
 def _valid_reference(q: Tensor, k: Tensor, scale: Tensor, head: FlexHead) -> Tensor:
@@ -227,9 +236,10 @@ def _direction(
 @registry.loss
 @shared_docs
 def flex_loss(
-    q: Tensor,
+    q: Optional[Tensor] = None,
     keys: Optional[Tensor] = None,
     *,
+    scores: Optional[Tensor] = None,
     rows: Optional[Dict[str, Tensor]] = None,
     cols: Optional[Dict[str, Tensor]] = None,
     positive: Fn = None,
@@ -290,6 +300,12 @@ def flex_loss(
     Args:
         q: the anchors (M, D).
         keys: the keys (N, D); None: self-contrast.
+        scores: instead of ``q`` and ``keys``, a given (M, N) score matrix (the
+            sampled-neighbours loss's form): ``s = scores / temperature``, read a block of
+            rows at a time; self-contrast (the diagonal the self pair, M == N) unless
+            ``cols`` is given. One process; not with ``both_directions``,
+            ``symmetric``, ``block_mask`` or ``matryoshka_dims``; ``normalize`` does not
+            apply.
         rows: per-anchor data, ``{"name": (M, ...) tensor}``; never differentiated.
         cols: per-key data ((N, ...)); with self-contrast the keys' data is ``rows``.
         positive: ``positive(a, b)``: bool, or weights ``m_ij >= 0`` (0: not a positive).
@@ -342,6 +358,11 @@ def flex_loss(
     """
     options = dict(locals())
     dims, weights = options.pop("matryoshka_dims"), options.pop("matryoshka_weights")
+    if scores is not None:
+        if dims is not None or weights is not None:
+            raise ValueError("matryoshka_dims takes embeddings, not a given score matrix (scores=)")
+        return _flex(**options)
+    options.pop("scores")
     if dims is None and weights is None:
         return _flex(**options)
     if dims is None:
@@ -357,7 +378,7 @@ def flex_loss(
 
 @torch.compiler.disable
 def _flex(
-    q: Tensor,
+    q: Optional[Tensor],
     keys: Optional[Tensor],
     rows: Optional[Dict[str, Tensor]],
     cols: Optional[Dict[str, Tensor]],
@@ -380,9 +401,12 @@ def _flex(
     process_group: Any,
     strategy: str,
     grad_scale: str,
+    scores: Optional[Tensor] = None,
 ) -> Tensor:
     """:func:`flex_loss` at one width: eager under ``torch.compile`` (the user's functions
     are Python run on each tile)."""
+    if scores is not None or q is None:
+        return _flex_scores(**{k: v for k, v in locals().items() if k not in ("q", "keys")})
     empty = process_group is not None
     q = checks.check_float_tensor(q, "q", (2,), empty)
     own = keys is None
@@ -491,6 +515,107 @@ def _flex(
                 _direction(keys, back, col_data, q_all, scale, swapped, all_params, bias_t, name, opts, per_row)
             )
         return _reduce(parts, opts, source)
+
+
+def _flex_scores(
+    scores: Optional[Tensor],
+    rows: Optional[Dict[str, Tensor]],
+    cols: Optional[Dict[str, Tensor]],
+    positive: Fn,
+    exclude: Fn,
+    score_mod: Fn,
+    weight: Fn,
+    kind: str,
+    positives: str,
+    include_self: bool,
+    both_directions: bool,
+    symmetric: bool,
+    block_mask: Optional[BlockMask],
+    temperature: Any,
+    bias: Any,
+    normalize: bool,
+    reduction: str,
+    backend: str,
+    block_size: Optional[int],
+    process_group: Any,
+    strategy: str,
+    grad_scale: str,
+) -> Tensor:
+    """:func:`flex_loss` on a given score matrix (``scores=``)."""
+    if scores is None:
+        raise ValueError("flex_loss takes the anchors q (M, D), or a given score matrix as scores= (M, N)")
+    scores = checks.check_float_tensor(scores, "scores", (2,))
+    for flag, flag_name in ((both_directions, "both_directions"), (symmetric, "symmetric")):
+        if checks.check_bool(flag, flag_name):
+            raise ValueError(f"{flag_name}=True takes embeddings, not a given score matrix (scores=)")
+    checks.check_bool(include_self, "include_self")
+    if block_mask is not None:
+        raise ValueError("block_mask takes embeddings, not a given score matrix (scores=)")
+    if process_group is not None:
+        raise ValueError("scores= takes one process (each rank's rows of a given matrix: use neighbor_loss)")
+    checks.check_choice(kind, "kind", KINDS)
+    checks.check_choice(positives, "positives", POSITIVES)
+    checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS))
+    opts = checks.Options(True, reduction, backend, block_size, None, strategy, grad_scale)
+    m, n = scores.shape
+    own = cols is None
+    if own and m != n:
+        raise ValueError(
+            f"scores is {m} x {n}: self-contrast (no cols=) takes a square matrix whose diagonal is the self "
+            "pair; for two towers give the keys' data as cols="
+        )
+    fns = FlexFunctions(
+        _check_fn(positive, "positive"),
+        _check_fn(exclude, "exclude"),
+        _check_fn(score_mod, "score_mod"),
+        _check_fn(weight, "weight"),
+    )
+    if own and fns.positive is None:
+        raise ValueError("positive is required for self-contrast: which pairs are positives?")
+    row_data = _check_data(rows, "rows", m, scores)
+    col_data = row_data if own else _check_data(cols, "cols", n, scores)
+    dtype = compute_dtype(scores.dtype)
+    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", scores.device, dtype)
+    bias_t = None
+    if bias is not None:
+        if kind != "sigmoid":
+            raise ValueError("bias is the sigmoid kind's: kind='sigmoid'")
+        bias_t = checks.check_real_scalar(bias, "bias", scores.device, dtype)
+    learn_bias = bias_t is not None and bias_t.requires_grad
+    captured = captured_tensors(fns.score_mod, _probe(fns, row_data, col_data, scores))
+    head = FlexHead(
+        kind,
+        positives,
+        fns,
+        row_data,
+        col_data,
+        own=own,
+        exclude_self=own and not include_self,
+        bias=0.0 if bias_t is None else float(bias_t.detach()),
+        learn_bias=learn_bias,
+        captured=captured,
+    )
+    params: Tuple[Tensor, ...] = ((bias_t,) if learn_bias else ()) + captured  # type: ignore[assignment]
+    name = runner.pick_name(backend, FLEX_BACKENDS, m * n, scores, "flex_loss (a given score matrix)")
+    per_row = opts.reduction == "none"
+    with autocast_off(scores.device.type):
+        if name == "reference":
+            sc = scale.to(dtype)
+            out = _reference_from(lambda i: sc * scores[i : i + 1].to(dtype), m, n, head, bias_t, scores)
+            with torch.no_grad():
+                head.dense(scale.detach() * scores.detach().to(dtype), _tile(m, n, 0), ())
+        elif name == "dense":
+            bias_param = (bias_t,) if learn_bias else ()
+            out, _ = head.dense(scale * scores.to(dtype), _tile(m, n, 0), bias_param + captured)  # type: ignore
+        else:
+            weights = None if per_row else torch.ones(m, dtype=dtype, device=scores.device)
+            block = block_size or flex_block(n, dtype)
+            out = FlexScores.apply(scores, scale, head, weights, block, *params)
+    valid = head.valid_rows
+    assert valid is not None
+    if name != "tiled" and not per_row:
+        out = torch.where(valid, out, torch.zeros_like(out)).sum()
+    return _reduce([(out, valid)], opts, runner.local(scores))
 
 
 def _reduce(parts: Any, opts: checks.Options, source: runner.Source) -> Tensor:
@@ -604,10 +729,11 @@ class FlexLoss(LossModule):
 
     def forward(
         self,
-        q: Tensor,
+        q: Optional[Tensor] = None,
         keys: Optional[Tensor] = None,
         rows: Optional[Dict[str, Tensor]] = None,
         cols: Optional[Dict[str, Tensor]] = None,
         block_mask: Optional[BlockMask] = None,
+        scores: Optional[Tensor] = None,
     ) -> Tensor:
-        return flex_loss(q, keys, rows=rows, cols=cols, block_mask=block_mask, **self.loss_options())
+        return flex_loss(q, keys, scores=scores, rows=rows, cols=cols, block_mask=block_mask, **self.loss_options())
