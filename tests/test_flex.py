@@ -581,3 +581,81 @@ def test_nan_from_a_function_stays_out_where_the_pair_is_excluded(backend: str) 
         d["q"], rows=nan_on_doc, positive=lambda a, b: a.y == b.y, score_mod=score_mod, backend=backend
     )
     assert torch.isnan(used), backend
+
+
+# ----------------------------------------------------------------------------- corners
+
+
+@pytest.mark.parametrize("backend,block", BACKENDS)
+def test_corners_one_sample_one_pair_width_one_and_strided_data(backend: str, block: Any) -> None:
+    g = torch.Generator().manual_seed(11)
+    # one sample: no positive, an empty denominator: 0, counted by no mean
+    one = torch.randn(1, 4, dtype=F64, requires_grad=True)
+    val = flashcl.flex_loss(one, rows={"y": torch.zeros(1)}, positive=lambda a, b: a.y == b.y, backend=backend)
+    assert float(val) == 0.0 and float(torch.autograd.grad(val, one)[0].abs().sum()) == 0.0
+    # one pair, width 1; data given as an expanded (stride 0) and a sliced tensor
+    q = torch.randn(2, 1, dtype=F64)
+    y = torch.zeros(1).expand(2)
+    t = torch.arange(4.0, dtype=F64)[::2]
+    got = flashcl.flex_loss(q, rows={"y": y, "t": t}, positive=lambda a, b: a.y == b.y, backend=backend)
+    want = reduce(*rows_of(q, None, {"y": y, "t": t}, None, positive=lambda a, b: a.y == b.y), "mean")
+    assert_close(got, want, f"{backend}: one pair", *TOL)
+    # extreme temperatures: the fixed shift's range and beyond
+    x = torch.randn(9, 5, generator=g, dtype=F64)
+    lab = torch.randint(0, 2, (9,), generator=g)
+    for temp in (1e-3, 1e3):
+        got = flashcl.flex_loss(
+            x, rows={"y": lab}, positive=lambda a, b: a.y == b.y, temperature=temp, backend=backend, block_size=block
+        )
+        want = reduce(*rows_of(x, None, {"y": lab}, None, positive=lambda a, b: a.y == b.y, temperature=temp), "mean")
+        assert_close(got, want, f"{backend}: temperature {temp}", 1e-9, 1e-9)
+
+
+def test_second_derivatives_retain_graph_and_accumulation() -> None:
+    d = _data(12)
+    opts = dict(rows=_rows(d), positive=lambda a, b: a.y == b.y, weight=lambda a, b: 1.0 + (a.doc == b.doc))
+    grads = {}
+    for backend in ("dense", "tiled"):
+        q = d["q"].clone().requires_grad_(True)
+        loss = flashcl.flex_loss(q, backend=backend, block_size=4, **opts)
+        (g,) = torch.autograd.grad(loss, q, create_graph=True)
+        (h,) = torch.autograd.grad((g * g).sum(), q)
+        grads[backend] = (g.detach(), h)
+        # retain_graph and a second backward accumulate into .grad
+        again = flashcl.flex_loss(q, backend=backend, block_size=4, **opts)
+        again.backward(retain_graph=True)
+        first = q.grad.clone()  # type: ignore[union-attr]
+        again.backward()
+        assert_close(q.grad, 2 * first, f"{backend}: accumulated", *TOL)  # type: ignore[arg-type]
+    assert_close(grads["tiled"][0], grads["dense"][0], "gradient", *TOL)
+    assert_close(grads["tiled"][1], grads["dense"][1], "second derivative", *TOL)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(bias=float("inf"), kind="sigmoid"), "bias"),
+        (dict(positives="max"), "positives"),
+        (dict(reduction="avg"), "reduction"),
+        (dict(symmetric=1), "symmetric"),
+    ],
+)
+def test_bad_hyperparameters_are_named(kw: Dict[str, Any], match: str) -> None:
+    d = _data(13)
+    with pytest.raises((ValueError, TypeError), match=match):
+        flashcl.flex_loss(d["q"], rows=_rows(d), positive=lambda a, b: a.y == b.y, **kw)
+
+
+def test_mixed_dtypes_give_one_answer_or_one_error() -> None:
+    d = _data(14)
+    q32, k64 = d["q"].float(), d["k"]
+    outcomes = set()
+    for backend in ("reference", "dense", "tiled"):
+        try:
+            outcomes.add(round(float(flashcl.flex_loss(q32, k64[:13], backend=backend)), 5))
+        except (ValueError, TypeError) as e:
+            outcomes.add(type(e).__name__)
+    assert len(outcomes) == 1, outcomes
