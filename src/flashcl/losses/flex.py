@@ -358,62 +358,34 @@ def flex_loss(
     """
     options = dict(locals())
     dims, weights = options.pop("matryoshka_dims"), options.pop("matryoshka_weights")
-    if scores is not None:
-        if dims is not None or weights is not None:
-            raise ValueError("matryoshka_dims takes embeddings, not a given score matrix (scores=)")
-        return _flex(**options)
-    options.pop("scores")
+    if scores is not None and (dims is not None or weights is not None):
+        raise ValueError("matryoshka_dims takes embeddings, not a given score matrix (scores=)")
     if dims is None and weights is None:
-        return _flex(**options)
+        return _flex(options)
     if dims is None:
         raise ValueError("matryoshka_weights needs matryoshka_dims")
     q_ = checks.check_float_tensor(q, "q", (2,), process_group is not None)
     ds, ws = check_dims(dims, weights, q_.shape[-1])
     parts = []
     for d, w in zip(ds, ws):
-        narrow = dict(options, q=q_[:, :d], keys=None if keys is None else keys[:, :d])
-        parts.append(w * _flex(**narrow))
+        parts.append(w * _flex(dict(options, q=q_[:, :d], keys=None if keys is None else keys[:, :d])))
     return torch.stack(parts).sum(0)
 
 
 @torch.compiler.disable
-def _flex(
-    q: Optional[Tensor],
-    keys: Optional[Tensor],
-    rows: Optional[Dict[str, Tensor]],
-    cols: Optional[Dict[str, Tensor]],
-    positive: Fn,
-    exclude: Fn,
-    score_mod: Fn,
-    weight: Fn,
-    kind: str,
-    positives: str,
-    include_self: bool,
-    both_directions: bool,
-    symmetric: bool,
-    block_mask: Optional[BlockMask],
-    temperature: Any,
-    bias: Any,
-    normalize: bool,
-    reduction: str,
-    backend: str,
-    block_size: Optional[int],
-    process_group: Any,
-    strategy: str,
-    grad_scale: str,
-    scores: Optional[Tensor] = None,
-) -> Tensor:
+def _flex(o: Dict[str, Any]) -> Tensor:
     """:func:`flex_loss` at one width: eager under ``torch.compile`` (the user's functions
     are Python run on each tile)."""
-    if scores is not None or q is None:
-        return _flex_scores(**{k: v for k, v in locals().items() if k not in ("q", "keys")})
+    if o["scores"] is not None or o["q"] is None:
+        return _flex_scores(o)
+    q, keys, rows, cols, kind = o["q"], o["keys"], o["rows"], o["cols"], o["kind"]
+    include_self, both_directions, symmetric = o["include_self"], o["both_directions"], o["symmetric"]
+    block_mask, block_size, process_group, backend = o["block_mask"], o["block_size"], o["process_group"], o["backend"]
     empty = process_group is not None
     q = checks.check_float_tensor(q, "q", (2,), empty)
     own = keys is None
     if not own:
         keys = checks.check_keys(keys, "keys", q, empty)
-    checks.check_choice(kind, "kind", KINDS)
-    checks.check_choice(positives, "positives", POSITIVES)
     for flag, flag_name in (
         (include_self, "include_self"),
         (both_directions, "both_directions"),
@@ -431,16 +403,11 @@ def _flex(
         block_size = block_mask.block_size
         n_keys = q.shape[0] if own else keys.shape[0]  # type: ignore[union-attr]
         sparsity = BlockSparsity(block_mask.keep, block_size, q.shape[0], n_keys)
-    opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
-    checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS, "triton"))
-    fns = FlexFunctions(
-        _check_fn(positive, "positive"),
-        _check_fn(exclude, "exclude"),
-        _check_fn(score_mod, "score_mod"),
-        _check_fn(weight, "weight"),
+    opts = checks.Options(
+        o["normalize"], o["reduction"], backend, block_size, process_group, o["strategy"], o["grad_scale"]
     )
-    if own and fns.positive is None:
-        raise ValueError("positive is required for self-contrast (keys=None): which pairs are positives?")
+    checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS, "triton"))
+    fns, scale, bias_t = _functions_and_scalars(o, own, q)
     if own and cols is not None:
         raise ValueError("cols is the keys' data; with keys=None the keys are the anchors: give their data as rows=")
     if both_directions and (own or kind != "softmax"):
@@ -451,13 +418,6 @@ def _flex(
         raise ValueError("symmetric=True is for self-contrast (keys=None): the pairs (i, j) and (j, i) alike")
     row_data = _check_data(rows, "rows", q.shape[0], q)
     col_data = row_data if own else _check_data(cols, "cols", keys.shape[0], q)  # type: ignore[union-attr]
-    dtype = compute_dtype(q.dtype)
-    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", q.device, dtype)
-    bias_t: Optional[Tensor] = None
-    if bias is not None:
-        if kind != "sigmoid":
-            raise ValueError("bias is the sigmoid kind's: kind='sigmoid'")
-        bias_t = checks.check_real_scalar(bias, "bias", q.device, dtype)
     learn_bias = bias_t is not None and bias_t.requires_grad
     params: Tuple[Tensor, ...] = (bias_t,) if learn_bias else ()  # type: ignore[assignment]
     group = opts.process_group
@@ -481,7 +441,7 @@ def _flex(
             raise ValueError(f"backend={backend!r} with strategy='ring': round the ring only the tiled backend runs")
         head_args = dict(
             kind=kind,
-            positives=positives,
+            positives=o["positives"],
             fns=fns,
             row_base=row_base,
             own=own,
@@ -517,46 +477,22 @@ def _flex(
         return _reduce(parts, opts, source)
 
 
-def _flex_scores(
-    scores: Optional[Tensor],
-    rows: Optional[Dict[str, Tensor]],
-    cols: Optional[Dict[str, Tensor]],
-    positive: Fn,
-    exclude: Fn,
-    score_mod: Fn,
-    weight: Fn,
-    kind: str,
-    positives: str,
-    include_self: bool,
-    both_directions: bool,
-    symmetric: bool,
-    block_mask: Optional[BlockMask],
-    temperature: Any,
-    bias: Any,
-    normalize: bool,
-    reduction: str,
-    backend: str,
-    block_size: Optional[int],
-    process_group: Any,
-    strategy: str,
-    grad_scale: str,
-) -> Tensor:
+def _flex_scores(o: Dict[str, Any]) -> Tensor:
     """:func:`flex_loss` on a given score matrix (``scores=``)."""
+    scores, rows, cols, backend, block_size = o["scores"], o["rows"], o["cols"], o["backend"], o["block_size"]
     if scores is None:
         raise ValueError("flex_loss takes the anchors q (M, D), or a given score matrix as scores= (M, N)")
     scores = checks.check_float_tensor(scores, "scores", (2,))
-    for flag, flag_name in ((both_directions, "both_directions"), (symmetric, "symmetric")):
-        if checks.check_bool(flag, flag_name):
+    for flag_name in ("both_directions", "symmetric"):
+        if checks.check_bool(o[flag_name], flag_name):
             raise ValueError(f"{flag_name}=True takes embeddings, not a given score matrix (scores=)")
-    checks.check_bool(include_self, "include_self")
-    if block_mask is not None:
+    include_self = checks.check_bool(o["include_self"], "include_self")
+    if o["block_mask"] is not None:
         raise ValueError("block_mask takes embeddings, not a given score matrix (scores=)")
-    if process_group is not None:
+    if o["process_group"] is not None:
         raise ValueError("scores= takes one process (each rank's rows of a given matrix: use neighbor_loss)")
-    checks.check_choice(kind, "kind", KINDS)
-    checks.check_choice(positives, "positives", POSITIVES)
     checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS))
-    opts = checks.Options(True, reduction, backend, block_size, None, strategy, grad_scale)
+    opts = checks.Options(True, o["reduction"], backend, block_size, None, o["strategy"], o["grad_scale"])
     m, n = scores.shape
     own = cols is None
     if own and m != n:
@@ -564,28 +500,15 @@ def _flex_scores(
             f"scores is {m} x {n}: self-contrast (no cols=) takes a square matrix whose diagonal is the self "
             "pair; for two towers give the keys' data as cols="
         )
-    fns = FlexFunctions(
-        _check_fn(positive, "positive"),
-        _check_fn(exclude, "exclude"),
-        _check_fn(score_mod, "score_mod"),
-        _check_fn(weight, "weight"),
-    )
-    if own and fns.positive is None:
-        raise ValueError("positive is required for self-contrast: which pairs are positives?")
+    fns, scale, bias_t = _functions_and_scalars(o, own, scores)
     row_data = _check_data(rows, "rows", m, scores)
     col_data = row_data if own else _check_data(cols, "cols", n, scores)
     dtype = compute_dtype(scores.dtype)
-    scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", scores.device, dtype)
-    bias_t = None
-    if bias is not None:
-        if kind != "sigmoid":
-            raise ValueError("bias is the sigmoid kind's: kind='sigmoid'")
-        bias_t = checks.check_real_scalar(bias, "bias", scores.device, dtype)
     learn_bias = bias_t is not None and bias_t.requires_grad
     captured = captured_tensors(fns.score_mod, _probe(fns, row_data, col_data, scores))
     head = FlexHead(
-        kind,
-        positives,
+        o["kind"],
+        o["positives"],
         fns,
         row_data,
         col_data,
@@ -616,6 +539,24 @@ def _flex_scores(
     if name != "tiled" and not per_row:
         out = torch.where(valid, out, torch.zeros_like(out)).sum()
     return _reduce([(out, valid)], opts, runner.local(scores))
+
+
+def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[FlexFunctions, Tensor, Any]:
+    """The checked functions, ``1 / temperature`` and the bias tensor (None: none) of a
+    call's options; the kind and the positives' mode checked."""
+    checks.check_choice(o["kind"], "kind", KINDS)
+    checks.check_choice(o["positives"], "positives", POSITIVES)
+    fns = FlexFunctions(*(_check_fn(o[name], name) for name in ("positive", "exclude", "score_mod", "weight")))
+    if own and fns.positive is None:
+        raise ValueError("positive is required for self-contrast (keys=None): which pairs are positives?")
+    dtype = compute_dtype(like.dtype)
+    scale = 1.0 / checks.check_positive_scalar(o["temperature"], "temperature", like.device, dtype)
+    bias_t: Optional[Tensor] = None
+    if o["bias"] is not None:
+        if o["kind"] != "sigmoid":
+            raise ValueError("bias is the sigmoid kind's: kind='sigmoid'")
+        bias_t = checks.check_real_scalar(o["bias"], "bias", like.device, dtype)
+    return fns, scale, bias_t
 
 
 def _reduce(parts: Any, opts: checks.Options, source: runner.Source) -> Tensor:
