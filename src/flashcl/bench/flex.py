@@ -4,7 +4,7 @@ alternately in one process), against the matrix products it cannot avoid, with a
 mask against the full visit, against the dense formula written with masks as users write
 it without flashcl, and its memory at a batch of 65,536.
 
-Inputs: float32 rows (B, D), the leaves (their gradients not counted in the peak);
+Inputs: float32 rows (B, D) unless a case names a ``dtype``, the leaves (their gradients not counted in the peak);
 temperature 0.1.
 """
 
@@ -119,15 +119,16 @@ def _window(p: Dict[str, Any], x: torch.Tensor, g: torch.Generator) -> Callable[
 def flex_workload(p: Dict[str, Any]) -> Tuple[Step, int]:
     """A flex loss or what it is compared with, forward + backward: ``loss`` in
     ``supcon`` / ``info_nce`` / ``window``, ``impl`` in ``builtin`` / ``flex`` /
-    ``flex-blocks`` / ``dense``."""
+    ``flex-blocks`` / ``dense``; ``dtype`` the rows' (float32 unless given)."""
     b, d, dev = p["B"], p["D"], case_device(p)
+    dtype = getattr(torch, p.get("dtype", "float32"))
     g = case_generator(p)
-    x = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    x = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
     leaves = [x]
     if p["loss"] == "supcon":
         fn = _supcon(p, x, g)
     elif p["loss"] == "info_nce":
-        k = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+        k = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
         leaves.append(k)
         fn = _info_nce(p, x, k, g)
     else:

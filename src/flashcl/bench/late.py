@@ -61,12 +61,14 @@ def late_interaction(p: Dict[str, Any]) -> Tuple[Step, int]:
     ``flashcl-tiled`` / ``flashcl-dense`` (:func:`flashcl.maxsim_loss`), ``pylate``
     (``pylate.losses.Contrastive``), ``colpali-engine`` (``ColbertLoss``),
     ``flashcl-pylate`` / ``flashcl-colpali`` (flashcl's drop-ins of those two), and on
-    CUDA ``late-interaction-kernels`` / ``flash-maxsim`` (pylate's scoring through
-    those kernels, then its cross-entropy)."""
+    CUDA ``late-interaction-kernels`` / ``flash-maxsim`` (those packages' differentiable
+    MaxSim scores, then the cross-entropy pylate takes of them); ``dtype`` the tokens'
+    (float32 unless given)."""
     b, lq, ld, d, impl, dev = p["B"], p["Lq"], p["Ld"], p["D"], p["impl"], case_device(p)
     g = case_generator(p)
-    q = F.normalize(torch.randn(b, lq, d, generator=g), dim=-1).to(dev).requires_grad_(True)
-    k = F.normalize(torch.randn(b, ld, d, generator=g), dim=-1).to(dev).requires_grad_(True)
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    q = F.normalize(torch.randn(b, lq, d, generator=g), dim=-1).to(dev, dtype).requires_grad_(True)
+    k = F.normalize(torch.randn(b, ld, d, generator=g), dim=-1).to(dev, dtype).requires_grad_(True)
     qm = (torch.arange(lq) < torch.randint(lq // 2, lq + 1, (b, 1), generator=g)).to(dev)
     km = (torch.arange(ld) < torch.randint(ld // 4, ld + 1, (b, 1), generator=g)).to(dev)
     if impl in ("flashcl-tiled", "flashcl-dense"):
@@ -99,17 +101,25 @@ def late_interaction(p: Dict[str, Any]) -> Tuple[Step, int]:
         if dev.type != "cuda":
             raise NotInstalled(f"{impl} runs on CUDA only")
         try:
-            from pylate.scores import colbert_scores
+            if impl == "late-interaction-kernels":
+                from late_interaction_kernels import maxsim
+
+                score = lambda: maxsim(q, k, qm, km)  # noqa: E731
+            else:
+                from flash_maxsim import flash_maxsim_batched_train
+
+                # the masks are prefixes (the tokens of each text, then padding): given as lengths
+                q_len, k_len = qm.sum(1).int(), km.sum(1).int()
+                score = lambda: flash_maxsim_batched_train(q, k, doc_lengths=k_len, query_lengths=q_len)  # noqa: E731
         except ImportError as e:
-            raise NotInstalled(f"pylate (which calls {impl}) not installed ({e})") from e
-        backend = "lik" if impl == "late-interaction-kernels" else "flash"
+            raise NotInstalled(f"{impl} not installed ({e})") from e
 
         def fn() -> torch.Tensor:
             try:
-                s = colbert_scores(q, k, queries_mask=qm.float(), documents_mask=km.float(), backend=backend)
-            except Exception as e:  # the kernel's package missing or refusing these inputs
+                s = score()
+            except Exception as e:  # the kernel refusing these inputs
                 raise NotInstalled(f"{impl}: {type(e).__name__}: {str(e)[:120]}") from e
-            return F.cross_entropy(s / TEMPERATURE, torch.arange(b, device=dev))
+            return F.cross_entropy(s.float() / TEMPERATURE, torch.arange(b, device=dev))
 
     else:
         raise ValueError(f"unknown late_interaction impl {impl!r}")

@@ -74,9 +74,10 @@ def self_distill(p: Dict[str, Any]) -> Tuple[Step, int]:
     b, s, t, k, d, impl, dev = p["B"], p["S"], p["T"], p["K"], p["D"], p["impl"], case_device(p)
     targets = p.get("targets", "softmax")
     g = case_generator(p)
-    x = torch.randn(s, b, d, generator=g).to(dev).requires_grad_(True)
-    w = torch.randn(k, d, generator=g).to(dev).requires_grad_(True)
-    y, wt = torch.randn(t, b, d, generator=g).to(dev), torch.randn(k, d, generator=g).to(dev)
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    x = torch.randn(s, b, d, generator=g).to(dev, dtype).requires_grad_(True)
+    w = torch.randn(k, d, generator=g).to(dev, dtype).requires_grad_(True)
+    y, wt = torch.randn(t, b, d, generator=g).to(dev, dtype), torch.randn(k, d, generator=g).to(dev, dtype)
     pairs = "cross" if s > 1 else "all"
     if impl.startswith("flashcl-") and impl != "flashcl-lightly":
         backend = impl.split("-", 1)[1]
@@ -84,7 +85,7 @@ def self_distill(p: Dict[str, Any]) -> Tuple[Step, int]:
         def fn() -> torch.Tensor:
             return flashcl.dino_loss(x, y, w, teacher_prototypes=wt, targets=targets, pairs=pairs, backend=backend)
 
-        return stepper(fn, [x, w], dev), (x.numel() + w.numel()) * 4
+        return stepper(fn, [x, w], dev), (x.numel() + w.numel()) * x.element_size()
     if targets != "softmax" and impl != "dinov2":
         raise NotInstalled(f"{impl} has no Sinkhorn-Knopp targets")
 
@@ -123,7 +124,7 @@ def self_distill(p: Dict[str, Any]) -> Tuple[Step, int]:
 
     else:
         raise ValueError(f"unknown self_distill impl {impl!r}")
-    return stepper(fn, [x, w], dev), (x.numel() + w.numel()) * 4
+    return stepper(fn, [x, w], dev), (x.numel() + w.numel()) * x.element_size()
 
 
 def _dinov2() -> Any:

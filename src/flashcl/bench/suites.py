@@ -490,6 +490,107 @@ def gpu(mode: str, device: str) -> List[Case]:
     return cases
 
 
+def gpu_losses(mode: str, device: str) -> List[Case]:
+    """The other losses on a GPU (``--device cuda``), bfloat16, in the order of priority
+    (a device run may be cut short): InfoNCE at B = 1,048,576, D = 768 (the peak beyond
+    the embeddings and their gradients); flex losses (SupCon with class labels, InfoNCE
+    with same-label keys left out) against the built-in and the dense masked formula;
+    SupCon against a 65,536-entry queue; Matryoshka InfoNCE at 5 widths and GISTEmbed at
+    D = 768 beside sentence-transformers; the late-interaction loss beside
+    late-interaction-kernels and flash-maxsim; DINO and iBOT over 65,536 prototypes at the
+    CPU suite's largest batch and 8x it; CosFace over 1M classes beside
+    pytorch-metric-learning."""
+    bf16 = "bfloat16"
+    cases: List[Case] = []
+
+    def add(group: str, label: str, workload: str, params: Dict[str, Any], **extra: Any) -> None:
+        cases.append(
+            {
+                "group": group,
+                "label": label,
+                "workload": workload,
+                "repeats": 1,
+                "cap_s": 120.0,
+                "stop_after_fail": True,
+                "params": params,
+                **extra,
+            }
+        )
+
+    big = _size(mode, 4096, 1_048_576, 1_048_576)
+    for impl in ("flashcl-tiled", "flashcl-triton"):
+        add(
+            f"InfoNCE, B = {big:,}, D = 768",
+            impl,
+            "info_nce",
+            {"B": big, "D": 768, "impl": impl, "dtype": bf16},
+            repeats=0,
+        )
+    fb = _size(mode, 1024, 65536, 65536)
+    for loss, name in (("supcon", "SupCon, labels"), ("info_nce", "InfoNCE, same-label keys out")):
+        for impl in ("flex", "builtin", "dense"):
+            add(f"flex: {name}, D = 768", impl, "flex", {"B": fb, "D": 768, "loss": loss, "impl": impl, "dtype": bf16})
+    qb, qd, qq = _size(mode, (256, 64, 4096), (4096, 768, 65536), (4096, 768, 65536))
+    for impl in ("flashcl-tiled", "pml"):
+        add(
+            f"SupCon + queue of {qq:,}, B = {qb}, D = {qd}",
+            impl,
+            "queue",
+            {"B": qb, "D": qd, "Q": qq, "impl": impl, "dtype": bf16},
+        )
+    mb = _size(mode, 1024, 32768, 32768)
+    for impl in ("flashcl-one-pass", "flashcl-separate", "sentence-transformers"):
+        add(
+            f"Matryoshka InfoNCE, 5 widths, B = {mb}, D = 768",
+            impl,
+            "matryoshka",
+            {"B": mb, "D": 768, "dims": (768, 512, 256, 128, 64), "impl": impl, "dtype": bf16},
+        )
+    for gb in _size(mode, (256,), (4096, 32768), (4096, 32768)):
+        for impl in ("flashcl-tiled", "sentence-transformers"):
+            add(
+                "GISTEmbed, D = 768, guide 384",
+                impl,
+                "gist",
+                {"B": gb, "D": 768, "G": 384, "impl": impl, "dtype": bf16},
+                x="B",
+            )
+    lq, d = 32, 128
+    for ld in (128, 512):
+        for b in _size(mode, (64,), (512, 4096), (512, 4096)):
+            for impl in ("flashcl-tiled", "late-interaction-kernels", "flash-maxsim"):
+                add(
+                    f"late interaction, Lq = {lq}, Ld = {ld}, D = {d}",
+                    impl,
+                    "late_interaction",
+                    {"B": b, "Lq": lq, "Ld": ld, "D": d, "impl": impl, "dtype": bf16},
+                    x="B",
+                )
+    k, pd = _size(mode, (4096, 64), (65536, 256), (65536, 256))
+    for name, sv, tv, sizes in (
+        ("iBOT", 1, 1, _size(mode, (256,), (16384, 131072), (16384, 131072))),
+        ("DINO 2 + 10 views", 10, 2, _size(mode, (16,), (1024, 8192), (1024, 8192))),
+    ):
+        for b in sizes:
+            for impl in ("flashcl-tiled", "dinov2"):
+                add(
+                    f"{name}, K = {k}, D = {pd}",
+                    impl,
+                    "self_distill",
+                    {"B": b, "S": sv, "T": tv, "K": k, "D": pd, "targets": "softmax", "impl": impl, "dtype": bf16},
+                    x="B",
+                )
+    for impl in ("flashcl-tiled", "pml"):
+        add(
+            "CosFace, B = 1024, D = 512",
+            impl,
+            "ranking",
+            {"B": 1024, "D": 512, "C": _size(mode, 5000, 1_000_000, 1_000_000), "loss": "cosface", "impl": impl},
+            x="C",
+        )
+    return cases
+
+
 def beyond(mode: str, device: str) -> List[Case]:
     """Beyond the batch: SupCon against a full 65536-entry queue (B = 1024, D = 256)
     beside pytorch-metric-learning's CrossBatchMemory, and GISTEmbed (B = 256 to
@@ -692,6 +793,7 @@ SUITES = {
     "compile": compile_suite,
     "ranking": ranking,
     "gpu": gpu,
+    "gpu-losses": gpu_losses,
     "beyond": beyond,
     "train": train,
     "late-interaction": late_interaction,

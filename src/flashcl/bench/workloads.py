@@ -293,13 +293,14 @@ def queue(p: Dict[str, Any]) -> Tuple[Step, int]:
     b, d, q, impl, dev = p["B"], p["D"], p["Q"], p["impl"], case_device(p)
     g = case_generator(p)
     classes = p.get("classes", 100)
-    e = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    dtype = getattr(torch, p.get("dtype", "float32"))
+    e = torch.randn(b, d, generator=g).to(dev, dtype).requires_grad_(True)
     labels = torch.randint(0, classes, (b,), generator=g).to(dev)
-    history = torch.randn(q, d, generator=g).to(dev)
+    history = torch.randn(q, d, generator=g).to(dev, dtype)
     history_labels = torch.randint(0, classes, (q,), generator=g).to(dev)
     t = p.get("temperature", 0.1)
     if impl == "flashcl-tiled":
-        bank = flashcl.MemoryBank(size=q, dim=d, device=dev)
+        bank = flashcl.MemoryBank(size=q, dim=d, dtype=dtype, device=dev)
         for start in range(0, q, b):
             bank.push(history[start : start + b], history_labels[start : start + b])
 
