@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     )
     torch.cuda.set_device(0)
     rows: List[Dict[str, Any]] = []
-    for b, d, dtype, tol in SHAPES:
+    for b, d, dtype, _ in SHAPES:
         x, y, lab = _data(b, d, dtype)
         sizes = _split(b)
         lo = sum(sizes[:rank])
@@ -111,7 +111,7 @@ def main() -> int:
     for i, (b, d, dtype, tol) in enumerate(SHAPES):
         x, y, lab = _data(b, d, dtype)
         sizes = _split(b)
-        for j, (name, fn) in enumerate(CASES.items()):
+        for j, fn in enumerate(CASES.values()):
             got = [r[i * len(CASES) + j] for r in ranks]
             row: Dict[str, Any] = {k: got[0][k] for k in ("case", "B", "D", "dtype")}
             row["world"] = world
