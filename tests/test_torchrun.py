@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,40 +24,51 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
-def test_two_torchrun_launchers_of_two_processes_equal_one_process() -> None:
-    port = _free_port()
+def _launch(node: int, port: int, log: pathlib.Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    launchers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc_per_node",
-                "2",
-                "--node_rank",
-                str(node),
-                "--rdzv_backend",
-                "c10d",
-                "--rdzv_endpoint",
-                f"127.0.0.1:{port}",
-                str(ROOT / "scripts" / "torchrun_check.py"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for node in (0, 1)
-    ]
-    outputs = []
-    for launcher in launchers:
-        out, _ = launcher.communicate(timeout=300)
-        outputs.append(out)
-        assert launcher.returncode == 0, out
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "2",
+            "--node_rank",
+            str(node),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"127.0.0.1:{port}",
+            str(ROOT / "scripts" / "torchrun_check.py"),
+        ],
+        # to files, not pipes: a launcher blocked on a full pipe that nobody reads yet
+        # would stall its ranks' collectives, and the other launcher's with them
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_two_torchrun_launchers_of_two_processes_equal_one_process(tmp_path: pathlib.Path) -> None:
+    port = _free_port()
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    launchers = [_launch(node, port, log) for node, log in zip((0, 1), logs)]
+    deadline = time.monotonic() + 300
+    try:
+        while any(p.poll() is None for p in launchers) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        hung = [p for p in launchers if p.poll() is None]
+        for p in hung:
+            p.kill()
+            p.wait()
+    outputs = [log.read_text() for log in logs]
+    assert not hung, "launchers still running after 300 s:\n" + "\n".join(outputs)
+    for p, out in zip(launchers, outputs):
+        assert p.returncode == 0, out
     # the ranks of a launcher share its output: their lines may interleave
     found = re.findall(r"rank (\d)/4 (.+?) +(all_gather|ring) +max error \S+ (ok|DIFFERS)", "\n".join(outputs))
     # 4 ranks x (7 losses x 2 strategies + the DDP step)

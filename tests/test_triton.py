@@ -242,3 +242,36 @@ def test_flashcl_check_marks_every_fallen_back_row(monkeypatch) -> None:
     assert [r.status for r in triton_rows] == ["fallback", "fallback"], triton_rows
     assert all("OutOfResources" in r.note for r in triton_rows), [r.note for r in triton_rows]
     assert all(r.status == "pass" for r in rows if r.backend == "tiled")
+
+
+def test_narrow_half_precision_is_computed_by_the_tiled_backend(monkeypatch) -> None:
+    """Half-precision embeddings narrower than 64, which the kernels read out of bounds
+    on an H200: ``backend="triton"`` computes the call with the tiled backend (one warning
+    naming the cause, the tiled backend's values and gradients), the kernels stay in use
+    for other calls (float32 at the same width), and ``auto`` picks the tiled backend."""
+    import warnings
+
+    import flashcl.triton.driver as driver
+    from flashcl.engine import engine
+    from flashcl.runner import resolve
+
+    monkeypatch.setattr(driver, "_interpreted", lambda: False)  # as on a GPU
+    monkeypatch.setattr(driver, "_FAILED", None)
+    monkeypatch.setattr(engine, "_WARNED_FAILURES", set())
+    case = CASES["info_nce_hard_neg"]
+    for reduction in ("mean", "none"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = case.run("triton", reduction, torch.float16)
+        want = case.run("tiled", reduction, torch.float16)
+        for a, e in zip([got[0], *got[1]], [want[0], *want[1]]):
+            assert torch.equal(a, e)
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(messages) == (1 if reduction == "mean" else 0), messages  # one warning per cause
+        assert all("narrower than 64" in m and "tiled" in m for m in messages), messages
+    assert driver._FAILED is None  # not a failure of the kernels: they still serve other calls
+    cuda = torch.device("cuda")
+    for dtype in (torch.float16, torch.bfloat16):
+        assert resolve("auto", 10**8, cuda, dtype, 63) == "tiled"
+        assert resolve("auto", 10**8, cuda, dtype, 64) == "triton"
+    assert resolve("auto", 10**8, cuda, torch.float32, 6) == "triton"

@@ -31,7 +31,8 @@ Backends (argument ``backend``):
   under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests).
 * ``"auto"``: ``"triton"`` for CUDA tensors when Triton is importable, the
   dtype is float32/float16/bfloat16 and the embedding at most
-  :data:`flashcl.runner.AUTO_TRITON_MAX_WIDTH` (256) wide; else ``"tiled"``
+  :data:`flashcl.runner.AUTO_TRITON_MAX_WIDTH` (256) wide (half precision: at least
+  :data:`flashcl.triton.HALF_MIN_WIDTH`, 64); else ``"tiled"``
   (on CUDA in half precision: stripes of tensor-core GEMMs) when the score
   matrix has at least :data:`AUTO_TILED_MIN_ENTRIES` entries (M x N),
   ``"dense"`` below; the neighbour loss, whose score matrix is given, always
@@ -81,6 +82,7 @@ from .engine.positives import (
 from .engine.stripes import Stripes
 from .engine.tiled import RowBlocks
 from .triton import DTYPES as TRITON_DTYPES
+from .triton import HALF_MIN_WIDTH as TRITON_HALF_MIN_WIDTH
 
 __all__ = [
     "Source",
@@ -499,11 +501,12 @@ AUTO_TILED_MIN_ENTRIES = 1 << 20
 
 
 #: On CUDA, ``auto`` takes the Triton kernels up to this embedding width and the
-#: tiled backend's stripes of cuBLAS GEMMs above it. Provisional, from the H200 run
-#: of the previous kernels (whole-width tiles; docs/bench/gpu-report.md): 2.7-4.4x
-#: the three cuBLAS GEMMs at D = 256 but 17-23x at D = 768, where GEMMs on row
-#: stripes cost about 1.5x by the estimate in the GPU notes. The crossover of the
-#: present kernels (a loop over D) and the stripes has not been measured on a GPU.
+#: tiled backend's stripes of cuBLAS GEMMs above it (half precision narrower than
+#: :data:`flashcl.triton.HALF_MIN_WIDTH`: the stripes too). Measured on an H200,
+#: bfloat16, B = 32,768 (``flashcl bench --suite gpu --device cuda``,
+#: docs/bench/gpu-report.md), forward + backward: at D = 256 the kernels took 18-22 ms
+#: (SupCon, InfoNCE, CLIP, SigLIP) and the stripes 43-69 ms; at D = 768 the kernels
+#: 78-102 ms and the stripes 50-76 ms; at D = 1024 and 4096 the stripes won by 2-20x.
 AUTO_TRITON_MAX_WIDTH = 256
 
 
@@ -517,7 +520,8 @@ def resolve(
 ) -> str:
     """The backend ``"auto"`` stands for: ``"triton"`` for CUDA tensors when Triton is
     importable, the head has kernels (``kernel``), the dtype is one they take and the
-    embedding at most :data:`AUTO_TRITON_MAX_WIDTH` wide; else ``"tiled"`` from
+    embedding at most :data:`AUTO_TRITON_MAX_WIDTH` wide (and, in half precision, at least
+    :data:`flashcl.triton.HALF_MIN_WIDTH`); else ``"tiled"`` from
     :data:`AUTO_TILED_MIN_ENTRIES` score entries, ``"dense"`` below. Any other name
     is returned as is."""
     if backend != "auto":
@@ -527,6 +531,7 @@ def resolve(
         and kernel is not None
         and dtype in TRITON_DTYPES
         and width <= AUTO_TRITON_MAX_WIDTH
+        and (dtype == torch.float32 or width >= TRITON_HALF_MIN_WIDTH)
         and importlib.util.find_spec("triton") is not None
     ):
         return "triton"

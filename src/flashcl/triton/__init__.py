@@ -16,6 +16,15 @@ import torch
 #: The dtypes the kernels take.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+#: Half-precision embeddings narrower than this are not given to the kernels: on an H200
+#: (Triton 3.6, CUDA 13) the gradient kernel's transposed half-precision tile product read
+#: shared memory out of bounds at D = 6 and D = 24 (compute-sanitizer: "Invalid __shared__
+#: read" in dk_kernel; an illegal memory access, or a wrong dQ at B = 9), while every width
+#: from 64 up (64, 256, 768, 1000, 2048, 4096) and float32 at any width matched the float64
+#: reference (tests/test_cuda.py). ``auto`` takes the tiled backend there; ``backend="triton"``
+#: computes such a call with the tiled backend, with one warning.
+HALF_MIN_WIDTH = 64
+
 
 def availability(device_type: str) -> Tuple[bool, str]:
     """(usable here, why not)."""

@@ -14,11 +14,13 @@ from torch import Tensor
 from ..engine.engine import Driver, KernelFailure, Operands
 from ..engine.heads import Head
 from ..engine.positives import raw_rows
+from . import HALF_MIN_WIDTH
 from .kernels import dk_kernel, dq_kernel, lse_kernel
 
 __all__ = ["Config", "HEADS", "default_config", "precision", "row_lse", "gradients", "TritonDriver"]
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
 #: the cause of the kernels' first failure in this process (then every call falls back)
 _FAILED: Optional[str] = None
 
@@ -201,6 +203,17 @@ class TritonDriver(Driver):
         self.fallback = fallback
 
     @staticmethod
+    def _refuse_known_bad(q: Tensor) -> None:
+        """A :class:`KernelFailure` (the tiled backend then computes the call) for the
+        inputs the kernels are known to fail on: half precision narrower than
+        :data:`HALF_MIN_WIDTH`."""
+        if not _interpreted() and q.dtype in (torch.float16, torch.bfloat16) and q.shape[1] < HALF_MIN_WIDTH:
+            raise KernelFailure(
+                f"the Triton kernels' half-precision gradient tiles narrower than {HALF_MIN_WIDTH} "
+                f"(D = {q.shape[1]}) read out of bounds on an H200 (Triton 3.6)"
+            )
+
+    @staticmethod
     def _launch(kernels: Any, *args: Any) -> Any:
         """``kernels(*args)``; a failure of Triton's (compiling, launching) as a
         :class:`KernelFailure` naming its cause, and remembered: later calls in this
@@ -241,6 +254,7 @@ class TritonDriver(Driver):
         self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
     ) -> Optional[Tensor]:
         qc, kc, iq, ik = self._inputs(ops)
+        self._refuse_known_bad(qc)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         like = raw_rows(ops.q)[0]
         args = head.kernel_args()
@@ -265,6 +279,7 @@ class TritonDriver(Driver):
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         qc, kc, iq, ik = self._inputs(ops)
+        self._refuse_known_bad(qc)
         cfg = self._cfg(qc.shape[1], qc.dtype)
         g_row, g_col = head.kernel_weights(st)
         args = head.kernel_args()
