@@ -66,11 +66,13 @@ def precision(dtype: torch.dtype) -> int:
 
 def default_config(d: int, dtype: torch.dtype) -> Config:
     """Tile sizes for embedding dim ``d``: any width (the kernels loop over D in
-    ``block_k`` chunks). Provisional: taken from the H200 sweep of the previous
-    kernels at D = 256 (64 x 64 tiles, 4 warps, 2 stages: 4.4x / 3.2x the cuBLAS
-    GEMMs for CLIP / InfoNCE against 11.3x / 8.9x for 32 x 32, docs/bench/
-    triton-configs.json); the loop over D has not been timed on a GPU yet
-    (``scripts/triton_configs.py`` sweeps it)."""
+    ``block_k`` chunks). The H200 sweep of these kernels (``scripts/triton_configs.py``,
+    bfloat16, B = 32,768, forward + backward against the three cuBLAS GEMMs,
+    docs/bench/triton-configs.json): at D = 256 every candidate took 7.6-10.1x (InfoNCE)
+    and 8.5-11.5x (CLIP), this one 7.6x / 9.1x; at D = 768 (where ``auto`` takes the
+    stripes, 8.2x) 128 x 64 tiles with 8 warps and 3 stages took 9.8x / 11.2x against this
+    one's 14.2x / 15.9x, checked on the loss only, so the default stays until the tests
+    have run on it."""
     block_do = max(16, min(triton.next_power_of_2(d), 128 if dtype == torch.float32 else 256))
     if _interpreted():
         return Config(64, 64, 64, block_do, 4, 1)
