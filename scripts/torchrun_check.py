@@ -13,6 +13,7 @@ The ranks' batches are uneven (rank r holds 3 + 2 r rows)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -51,6 +52,26 @@ def _cases() -> Dict[str, Callable[..., torch.Tensor]]:
     return cases
 
 
+def _ddp_step(x: torch.Tensor, labels: torch.Tensor, rows: slice, rank: int, world: int) -> int:
+    """A DDP step: the encoder's gradient, DDP-averaged, equals one process's (1 if not)."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(8, 8).double()
+    reference = [p.detach().clone() for p in encoder.parameters()]
+    flashcl.supcon_loss(encoder(x), labels, temperature=0.2).backward()
+    want: Any = [p.grad.clone() for p in encoder.parameters()]
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8).double())
+    assert all(torch.equal(a, b) for a, b in zip(ddp.parameters(), reference))
+    flashcl.supcon_loss(ddp(x[rows]), labels[rows], temperature=0.2, process_group=dist.group.WORLD).backward()
+    err = max(float((p.grad - w).abs().max()) for p, w in zip(ddp.parameters(), want))
+    print(
+        f"rank {rank}/{world} {'DDP step (supcon)':<18} {'all_gather':<10} max error {err:.1e} "
+        f"{'ok' if err <= TOL else 'DIFFERS'}",
+        flush=True,
+    )
+    return int(err > TOL)
+
+
 def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,22 +96,10 @@ def main() -> int:
             failed += not ok
             verdict = "ok" if ok else "DIFFERS"
             print(f"rank {rank}/{world} {name:<18} {strategy:<10} max error {err:.1e} {verdict}", flush=True)
-    # a DDP step: the encoder's gradient, DDP-averaged, equals one process's
-    torch.manual_seed(0)
-    encoder = torch.nn.Linear(8, 8).double()
-    reference = [p.detach().clone() for p in encoder.parameters()]
-    flashcl.supcon_loss(encoder(x), labels, temperature=0.2).backward()
-    want: Any = [p.grad.clone() for p in encoder.parameters()]
-    torch.manual_seed(0)
-    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8).double())
-    assert all(torch.equal(a, b) for a, b in zip(ddp.parameters(), reference))
-    flashcl.supcon_loss(ddp(x[rows]), labels[rows], temperature=0.2, process_group=dist.group.WORLD).backward()
-    err = max(float((p.grad - w).abs().max()) for p, w in zip(ddp.parameters(), want))
-    failed += err > TOL
-    print(
-        f"rank {rank}/{world} {'DDP step (supcon)':<18} {'all_gather':<10} max error {err:.1e} "
-        f"{'ok' if err <= TOL else 'DIFFERS'}"
-    )
+    failed += _ddp_step(x, labels, rows, rank, world)
+    # the DDP module is gone before the group is (its reducer holds the group: freed later,
+    # while a peer's last barrier is still being torn down, the two threads deadlocked)
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -99,9 +99,24 @@ class WorkBuffer:
         return scratch(self.buf, t)
 
 
-def row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``(a * b).sum(1)`` of two tiles without a temporary of their size."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(-1)
+def row_dot(a: Tensor, b: Tensor, buffer_elements: int = 1 << 18) -> Tensor:
+    """``(a * b).sum(1)`` of two (R, C) tiles without a temporary of their size: the
+    products of a few rows at a time in one small buffer (1 MB of float32), then their
+    sums. (A batched matrix-vector product, ``bmm`` of (R, 1, C) by (R, C, 1), takes no
+    buffer but ran 3-4x slower on a 512 x 8192 tile on the CPU.)"""
+    m, n = a.shape
+    dtype = torch.result_type(a, b)
+    out = torch.empty(m, dtype=dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out.zero_()
+    step = max(1, min(m, buffer_elements // n))
+    buf = torch.empty(step, n, dtype=dtype, device=a.device)
+    for r0 in range(0, m, step):
+        r1 = min(m, r0 + step)
+        part = buf[: r1 - r0]
+        torch.mul(a[r0:r1], b[r0:r1], out=part)
+        torch.sum(part, 1, out=out[r0:r1])
+    return out
 
 
 def lse_inplace(s: Tensor) -> Tuple[Tensor, Tensor]:
