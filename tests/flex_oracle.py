@@ -100,3 +100,13 @@ def reduce(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:
 def _softplus(t: Tensor) -> Tensor:
     """``log(1 + e^t)`` without F.softplus's cut-off (linear above t = 20)."""
     return torch.logaddexp(t, torch.zeros_like(t))
+
+
+def positives_forms(request: Any, monkeypatch: Any) -> None:
+    """The flex head's two forms of binary positives, for a parametrized autouse fixture:
+    ``"as_needed"`` (sparse while at most 1/16 of a tile is positive, the default) and
+    ``"sparse"`` (always: the small tiles of the tests are otherwise mostly dense)."""
+    from flashcl.engine import flex
+
+    if request.param == "sparse":
+        monkeypatch.setattr(flex._Positives, "MAX_DENSITY", 1.0)

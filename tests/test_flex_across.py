@@ -9,12 +9,20 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, List, Tuple
 
+import flex_oracle
 import pytest
 import torch
 import torch.distributed as dist
 
 import flashcl
 from helpers import assert_close, close_group, init_gloo, spawn
+
+
+@pytest.fixture(autouse=True, params=["as_needed", "sparse"])
+def _positives_form(request: Any, monkeypatch: Any) -> None:
+    """Every test with the binary positives in their default form and always sparse."""
+    flex_oracle.positives_forms(request, monkeypatch)
+
 
 F64 = torch.float64
 SIZES = {2: [5, 8], 3: [4, 0, 7]}  # queries per rank; three ranks: one with none

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Set, Tuple
 
+import flex_oracle
 import pytest
 import torch
 from flex_oracle import reduce, rows_of
 
 import flashcl
 from helpers import assert_close
+
+
+@pytest.fixture(autouse=True, params=["as_needed", "sparse"])
+def _positives_form(request: Any, monkeypatch: Any) -> None:
+    """Every test with the binary positives in their default form and always sparse."""
+    flex_oracle.positives_forms(request, monkeypatch)
+
 
 F64 = torch.float64
 TOL = (1e-10, 1e-9)

@@ -187,27 +187,99 @@ class _FlexState:
         self.param_grads: List[Optional[Tensor]] = [None] * n_params
 
 
-class _Terms:
-    """A tile's terms: ``excl`` (the pairs ``exclude`` leaves out, bool, or None), ``m``
-    (the positives' weights, a float tile of the head's own, 0 where excluded and on the
-    self pair), ``binary`` (``m`` is 0/1), ``logw`` (the log denominator weights, or
-    None), ``sp`` (the modified scores: the tile itself without ``score_mod``), and for a
-    gradient through ``score_mod`` the scores as a leaf and ``sp`` on its graph."""
+class _Positives:
+    """A tile's binary positives as the (row, column) positions of its ones: the form
+    taken when they are few (class labels, a time window), so that their counts, their
+    scores' sums and their part of the gradient cost a gather or a scatter of those
+    entries instead of passes over a float tile."""
 
-    __slots__ = ("excl", "m", "binary", "logw", "sp", "s_leaf", "sp_graph")
+    __slots__ = ("ri", "ci", "shape", "dtype")
+
+    #: the sparse form is kept while at most this fraction of the tile is positive
+    MAX_DENSITY = 1.0 / 16
+
+    def __init__(self, ri: Tensor, ci: Tensor, shape: Tuple[int, int], dtype: torch.dtype) -> None:
+        self.ri, self.ci, self.shape, self.dtype = ri, ci, shape, dtype
+
+    def counts(self, dim: int) -> Tensor:
+        """The number of positives of each row (``dim=1``) or column (``dim=0``)."""
+        idx = self.ri if dim == 1 else self.ci
+        return torch.bincount(idx, minlength=self.shape[0 if dim == 1 else 1]).to(self.dtype)
+
+    def score_sums(self, sp: Tensor, dim: int) -> Tensor:
+        """The sums of ``sp`` over the positives along ``dim``."""
+        idx = self.ri if dim == 1 else self.ci
+        out = torch.zeros(self.shape[0 if dim == 1 else 1], dtype=sp.dtype, device=sp.device)
+        return out.index_add_(0, idx, sp[self.ri, self.ci])
+
+    def sub_(self, z: Tensor, coef: Tensor, dim: int) -> Tensor:
+        """In place: ``z - m * coef`` with ``coef`` one value per row (``dim=1``) or column."""
+        idx = self.ri if dim == 1 else self.ci
+        z.index_put_((self.ri, self.ci), -coef[idx], accumulate=True)
+        return z
+
+    def columns(self, start: int) -> _Positives:
+        """The positives of the columns from ``start`` on (renumbered from 0)."""
+        keep = self.ci >= start
+        return _Positives(self.ri[keep], self.ci[keep] - start, (self.shape[0], self.shape[1] - start), self.dtype)
+
+    def dense(self, device: torch.device) -> Tensor:
+        m = torch.zeros(self.shape, dtype=self.dtype, device=device)
+        return m.index_put_((self.ri, self.ci), torch.ones((), dtype=self.dtype, device=device))
+
+
+class _Terms:
+    """A tile's terms: ``excl`` (the pairs ``exclude`` leaves out, bool, or None), the
+    positives' weights, 0 where excluded and on the self pair, as a float tile of the
+    head's own (``m``) or, binary and few, as their positions (``sparse``: see
+    :class:`_Positives`; ``m`` is then formed only where a path asks for it), ``binary``
+    (the weights are 0/1), ``logw`` (the log denominator weights, or None), ``sp`` (the
+    modified scores: the tile itself without ``score_mod``), and for a gradient through
+    ``score_mod`` the scores as a leaf and ``sp`` on its graph."""
+
+    __slots__ = ("excl", "_m", "sparse", "binary", "logw", "sp", "s_leaf", "sp_graph")
 
     def __init__(
         self,
         excl: Optional[Tensor],
-        m: Tensor,
+        m: Optional[Tensor],
         binary: bool,
         logw: Optional[Tensor],
         sp: Tensor,
         s_leaf: Optional[Tensor],
         sp_graph: Optional[Tensor],
+        sparse: Optional[_Positives] = None,
     ) -> None:
-        self.excl, self.m, self.binary, self.logw = excl, m, binary, logw
+        self.excl, self._m, self.sparse, self.binary, self.logw = excl, m, sparse, binary, logw
         self.sp, self.s_leaf, self.sp_graph = sp, s_leaf, sp_graph
+
+    @property
+    def m(self) -> Tensor:
+        """The positives' weights as a tile."""
+        if self._m is None:
+            assert self.sparse is not None
+            self._m = self.sparse.dense(self.sp.device)
+        return self._m
+
+    def counts(self, dim: int) -> Tuple[Tensor, Tensor]:
+        """The positives' weight sums and counts along ``dim``."""
+        if self.sparse is not None:
+            cnt = self.sparse.counts(dim)
+            return cnt, cnt
+        msum = self.m.sum(dim)
+        return msum, (msum if self.binary else (self.m > 0).sum(dim).to(msum.dtype))
+
+    def columns(self, start: int) -> _Terms:
+        """The positives of the columns from ``start`` on (a panel's part below the diagonal)."""
+        if self.sparse is not None:
+            return _Terms(None, None, True, None, self.sp[:, start:], None, None, self.sparse.columns(start))
+        return _Terms(None, self.m[:, start:], self.binary, None, self.sp[:, start:], None, None)
+
+    def sub_positive_(self, z: Tensor, coef: Tensor, dim: int) -> Tensor:
+        """In place: ``z - m * coef.unsqueeze(dim)`` (``coef`` one value per row along ``dim``)."""
+        if self.sparse is not None:
+            return self.sparse.sub_(z, coef, dim)
+        return z.addcmul_(self.m, coef.unsqueeze(dim), value=-1.0)
 
 
 class FlexHead(Head):
@@ -289,6 +361,11 @@ class FlexHead(Head):
             excl = _tile_result(fns.exclude(*args), "exclude", r, c, s, "bool")
         raw = _tile_result(fns.positive(a, b), "positive", r, c, s, "weight") if fns.positive else a.index == b.index
         binary = raw.dtype == torch.bool
+        if binary and self.kind == "softmax" and fns.score_mod is None:
+            sparse = self._sparse_positives(raw, excl, tile, s.dtype)
+            if sparse is not None:
+                logw = self._log_weights(a, b, r, c, s)
+                return _Terms(excl, None, True, logw, s, None, None, sparse)
         m = torch.empty((r, c), dtype=s.dtype, device=s.device)
         m.copy_(raw)
         if not binary and bool((m < 0).any()):
@@ -297,12 +374,7 @@ class FlexHead(Head):
             m.masked_fill_(excl, 0.0)
         if self.own:
             mask_self_(m, tile, 0.0)  # the self pair is never a positive
-        logw = None
-        if fns.weight is not None:
-            w = _tile_result(fns.weight(a, b), "weight", r, c, s, "weight").to(s.dtype)
-            if bool((w < 0).any()):
-                raise ValueError("weight returned a negative weight: weights are >= 0 (0: out of the denominator)")
-            logw = torch.log(w)
+        logw = self._log_weights(a, b, r, c, s)
         s_leaf = sp_graph = None
         if fns.score_mod is None:
             sp = s
@@ -316,16 +388,43 @@ class FlexHead(Head):
                 sp = _tile_result(fns.score_mod(s, a, b), "score_mod", r, c, s, "float")
         return _Terms(excl, m, binary, logw, sp, s_leaf, sp_graph)
 
+    def _sparse_positives(
+        self, raw: Tensor, excl: Optional[Tensor], tile: Tile, dtype: torch.dtype
+    ) -> Optional[_Positives]:
+        """The binary positives (less the excluded pairs and the self pair) as their
+        positions, or None where more than :attr:`_Positives.MAX_DENSITY` of the tile is positive."""
+        r, c = raw.shape
+        keep = raw if excl is None else raw & ~excl
+        ri, ci = keep.nonzero(as_tuple=True)
+        if self.own:
+            off = ci - ri != tile.r0 + tile.offset - tile.c0
+            ri, ci = ri[off], ci[off]
+        if ri.numel() > _Positives.MAX_DENSITY * r * c:
+            return None
+        return _Positives(ri, ci, (r, c), dtype)
+
+    def _log_weights(self, a: View, b: View, r: int, c: int, s: Tensor) -> Optional[Tensor]:
+        """``log weight(a, b)``, checked, or None without a weight function."""
+        if self.fns.weight is None:
+            return None
+        w = _tile_result(self.fns.weight(a, b), "weight", r, c, s, "weight").to(s.dtype)
+        if bool((w < 0).any()):
+            raise ValueError("weight returned a negative weight: weights are >= 0 (0: out of the denominator)")
+        return torch.log(w)
+
     def _positive_scores(self, t: _Terms) -> Tensor:
         """``m * s'`` with 0 off the positives (where ``s'`` may be ``-inf`` or NaN)."""
         if self.fns.score_mod is None:
             return t.m * t.sp
         return t.m * torch.where(t.m > 0, t.sp, torch.zeros((), dtype=t.sp.dtype, device=t.sp.device))
 
-    def _counts(self, t: _Terms, dim: int) -> Tuple[Tensor, Tensor]:
-        """The positives' weight sums and counts along ``dim``."""
-        msum = t.m.sum(dim)
-        return msum, (msum if t.binary else (t.m > 0).sum(dim).to(msum.dtype))
+    def _positive_sums(self, t: _Terms, dim: int) -> Tensor:
+        """The sums of ``m * s'`` along ``dim``."""
+        if t.sparse is not None:
+            return t.sparse.score_sums(t.sp, dim)
+        if self.fns.score_mod is None and dim == 1:
+            return row_dot(t.m, t.sp)
+        return self._positive_scores(t).sum(dim)
 
     def _z_(self, t: _Terms, tile: Tile) -> Tensor:
         """The denominator's terms ``s' + log w``, ``-inf`` for the pairs out of it: in the
@@ -389,7 +488,7 @@ class FlexHead(Head):
         if self.kind == "sigmoid":
             st.row[rows] += self._pair_losses_(t, tile).sum(1)
             return
-        self._add_rows(st, rows, self._positive_scores(t).sum(1), *self._counts(t, 1))
+        self._add_rows(st, rows, self._positive_sums(t, 1), *t.counts(1))
         self._add_lse(st, rows, self._z_(t, tile), 1)
 
     def reduce_panel(self, s: Tensor, tile: Tile, st: _FlexState, p: int, buf: Tensor) -> None:
@@ -405,11 +504,10 @@ class FlexHead(Head):
             if right:
                 st.row[below] += pair[:, b:].sum(0)
             return
-        mp = self._positive_scores(t)
-        self._add_rows(st, rows, mp.sum(1), *self._counts(t, 1))
+        self._add_rows(st, rows, self._positive_sums(t, 1), *t.counts(1))
         if right:
-            tm = _Terms(None, t.m[:, b:], t.binary, None, t.sp, None, None)
-            self._add_rows(st, below, mp[:, b:].sum(0), *self._counts(tm, 0))
+            tm = t.columns(b)
+            self._add_rows(st, below, self._positive_sums(tm, 0), *tm.counts(0))
         z = self._z_(t, tile)
         if st.summing:
             e = z.sub_(st.shift).exp_()  # type: ignore[arg-type]
@@ -485,7 +583,7 @@ class FlexHead(Head):
             z.sub_(st.shift).exp_()
         else:
             z.sub_(st.lse[rows].unsqueeze(dim)).exp_()
-        return z.mul_(cg).addcmul_(t.m, ag, value=-1.0)
+        return t.sub_positive_(z.mul_(cg), ag.squeeze(dim), dim)
 
     def _sigmoid_grad_(self, t: _Terms, tile: Tile, g: Tensor, dim: int) -> Tensor:
         """``dL/ds'`` of the sigmoid kind, ``w (sigmoid(s' + bias) - m) g``, 0 for the pairs
@@ -558,9 +656,9 @@ class FlexHead(Head):
                 return None
             g = self._sigmoid_grad_(t, tile, g_row[rows], 1)
         else:
-            msum, cnt = self._counts(t, 1)
+            msum, cnt = t.counts(1)
             # the positives' scores before the tile becomes the denominator's terms in place
-            pos = row_dot(t.m, t.sp) if self.fns.score_mod is None else self._positive_scores(t).sum(1)
+            pos = self._positive_sums(t, 1)
             z = self._z_(t, tile)
             if st.shift is not None:
                 total = z.sub_(st.shift).exp_().sum(1)
@@ -580,7 +678,7 @@ class FlexHead(Head):
             gr = g_row[rows]
             zero = torch.zeros((), dtype=z.dtype, device=z.device)
             factor = torch.where(total > 0, c * gr / torch.where(total > 0, total, 1.0), zero)
-            g = z.mul_(factor.unsqueeze(1)).addcmul_(t.m, (a * gr).unsqueeze(1), value=-1.0)
+            g = t.sub_positive_(z.mul_(factor.unsqueeze(1)), a * gr, 1)
         g = self._through_mod(g, t, st)
         return g if g is s else s.copy_(g)
 
