@@ -464,7 +464,10 @@ class FlexHead(Head):
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _FlexState:
         shift = None
         if self.kind == "softmax" and self.fns.score_mod is None and self.fns.weight is None:
-            shift = SoftmaxHead.usable_shift(bound, like.dtype)  # z <= s <= bound: one exp per entry
+            # |z| <= |s| <= bound: one exp per entry. Where a fixed shift is usable at all
+            # (2 bound within the exponent range) exp(s) itself neither overflows nor
+            # underflows, so the shift is 0 and the tile is exponentiated as it is
+            shift = None if SoftmaxHead.usable_shift(bound, like.dtype) is None else 0.0
         if self.kind == "sigmoid":  # every row counts (none at all on a rank without anchors)
             self.valid_rows = torch.ones(m, dtype=torch.bool, device=like.device)
         return _FlexState(m, like, self.n_params, self.kind, shift)
@@ -478,7 +481,7 @@ class FlexHead(Head):
         """The logsumexps (or, summing, the sums of ``exp(z - shift)``) of ``z`` along
         ``dim`` into the accumulators of ``rows``; ``z`` may be overwritten."""
         if st.summing:
-            st.row[rows] += z.sub_(st.shift).exp_().sum(dim)  # type: ignore[arg-type]
+            st.row[rows] += _exp_shifted_(z, st.shift).sum(dim)  # type: ignore[arg-type]
         else:
             torch.logaddexp(st.row[rows], torch.logsumexp(z, dim), out=st.row[rows])
 
@@ -510,7 +513,7 @@ class FlexHead(Head):
             self._add_rows(st, below, self._positive_sums(tm, 0), *tm.counts(0))
         z = self._z_(t, tile)
         if st.summing:
-            e = z.sub_(st.shift).exp_()  # type: ignore[arg-type]
+            e = _exp_shifted_(z, st.shift)  # type: ignore[arg-type]
             st.row[rows] += e.sum(1)
             if right:
                 st.row[below] += e[:, b:].sum(0)
@@ -580,7 +583,7 @@ class FlexHead(Head):
         assert st.coef is not None and st.lse is not None
         cg, ag = (x[rows].unsqueeze(dim) for x in st.coef)
         if st.shift is not None:
-            z.sub_(st.shift).exp_()
+            _exp_shifted_(z, st.shift)
         else:
             z.sub_(st.lse[rows].unsqueeze(dim)).exp_()
         return t.sub_positive_(z.mul_(cg), ag.squeeze(dim), dim)
@@ -661,7 +664,7 @@ class FlexHead(Head):
             pos = self._positive_sums(t, 1)
             z = self._z_(t, tile)
             if st.shift is not None:
-                total = z.sub_(st.shift).exp_().sum(1)
+                total = _exp_shifted_(z, st.shift).sum(1)
                 lse = total.log().add_(st.shift)
             else:
                 lse, total = lse_inplace(z)  # z: exp(z - the rows' maxima)
@@ -724,6 +727,11 @@ class FlexHead(Head):
         c_, a_, valid = self._weights(self.positives, lse.detach(), m.sum(1), (m > 0).sum(1).to(s.dtype))
         self.valid_rows = valid
         return torch.where(valid, c_ * torch.where(valid, lse, zero) - a_ * mp.sum(1), zero), None
+
+
+def _exp_shifted_(z: Tensor, shift: float) -> Tensor:
+    """In place: ``exp(z - shift)`` (one pass over the tile when the shift is 0)."""
+    return z.exp_() if shift == 0.0 else z.sub_(shift).exp_()
 
 
 def _safe_logsumexp(t: Tensor, dim: int) -> Tensor:
