@@ -222,16 +222,3 @@ def test_a_plain_call_runs_few_modules(loss: str) -> None:
     mods, _ = _path(lambda: CALLS[loss](x, y))
     assert "losses/" + loss.replace("_loss", "") + ".py" in mods and "engine/engine.py" in mods, mods
     assert len(mods) <= 8, mods
-
-
-def test_the_old_import_paths_still_import_what_they_became() -> None:
-    import importlib
-
-    for old, new in flashcl.MOVED.items():
-        assert importlib.import_module(f"flashcl.{old}") is importlib.import_module(new), old
-    from flashcl.heads import SoftmaxHead  # a name through an old path
-    from flashcl.runner import resolve
-
-    assert SoftmaxHead.__module__ == "flashcl.engine.heads"
-    assert flashcl.backends.resolve is resolve
-    assert callable(flashcl.doctor)  # the function, not the module of its old name

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flashcl
+from flashcl.training.cached import split_batch
 from helpers import assert_close, close_group, spawn
 
 F64 = torch.float64
@@ -56,9 +57,7 @@ def _full_batch_step(
     encoders: List[nn.Module], inputs: List[Any], loss_fn: Callable[..., torch.Tensor], chunk: int, **kw: Any
 ) -> torch.Tensor:
     """One step over the whole batch, the encoder run chunk by chunk with its graph."""
-    embeddings = [
-        torch.cat([enc(part) for part in flashcl.cached.split_batch(x, chunk)]) for enc, x in zip(encoders, inputs)
-    ]
+    embeddings = [torch.cat([enc(part) for part in split_batch(x, chunk)]) for enc, x in zip(encoders, inputs)]
     loss = loss_fn(*embeddings, **kw)
     loss.backward()
     return loss.detach()

@@ -15,7 +15,7 @@ from seeds import naive_supervised_simcse_loss, vectorized_supervised_simcse_los
 
 import flashcl
 from flashcl.__main__ import main
-from flashcl.doctor import counts_gradient_elements, scale_inputs
+from flashcl.tools.doctor import counts_gradient_elements, scale_inputs
 
 
 def seed1_as_function(x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +166,7 @@ def test_doctor_says_what_it_tried_when_nothing_matches() -> None:
 
 
 def test_speed_ratio_below_one_reads_slower() -> None:
-    from flashcl.doctor import speed_words
+    from flashcl.tools.doctor import speed_words
 
     assert speed_words(0.65) == "1.5x slower"
     assert speed_words(2.5) == "2.5x faster"

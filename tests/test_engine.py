@@ -18,7 +18,7 @@ from torch import Tensor
 from flashcl import engine
 from flashcl import runner as backends
 from flashcl.engine import Problem
-from flashcl.heads import Head, Tile
+from flashcl.engine.heads import Head, Tile
 from helpers import assert_close, close_group, spawn
 
 F64 = torch.float64
@@ -166,7 +166,7 @@ def test_a_head_without_kernels_is_refused_by_triton() -> None:
 
 
 def _ring_worker(rank: int, world: int, out_dir: str) -> None:
-    from flashcl.ring import RingDriver
+    from flashcl.parallel.ring import RingDriver
 
     dist.init_process_group(
         "gloo",

@@ -478,7 +478,7 @@ def test_matryoshka_equals_sentence_transformers(
     sentence-transformers' own, through a model's parameter gradients (float64)."""
     import random
 
-    from flashcl import matryoshka
+    from flashcl.engine import matryoshka
 
     one_pass_calls = []
     original = matryoshka.head_values

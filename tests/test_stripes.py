@@ -11,7 +11,7 @@ import torch
 
 import flashcl
 from flashcl import engine
-from flashcl.stripes import Stripes
+from flashcl.engine.stripes import Stripes
 from helpers import CASES, TOL, Case, assert_close, moved
 
 EMBEDDING = sorted(n for n, c in CASES.items() if c.fn is not flashcl.neighbor_loss)
@@ -80,7 +80,7 @@ def test_stripes_deterministic() -> None:
 def test_tiled_on_cuda_half_takes_stripes() -> None:
     from flashcl import runner as backends
     from flashcl.engine import Problem
-    from flashcl.heads import SoftmaxHead
+    from flashcl.engine.heads import SoftmaxHead
 
     problem = Problem(SoftmaxHead(torch.ones(4)))
     assert isinstance(backends.driver("tiled", problem, None, "cuda", torch.bfloat16), Stripes)

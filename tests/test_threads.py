@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashcl
-from flashcl import threads
+from flashcl.engine import threads
 
 
 @pytest.fixture

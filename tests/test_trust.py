@@ -380,7 +380,7 @@ def test_open_clip_constructor_keywords_name_what_to_use(cls: Any, keyword: str)
 def test_a_logit_scale_below_one_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings
 
-    monkeypatch.setattr(flashcl.dispatch, "_warned_small_scale", False)
+    monkeypatch.setattr(flashcl.checks, "_warned_small_scale", False)
     img, txt = torch.randn(4, 8), torch.randn(4, 8)
     with pytest.warns(UserWarning, match="logit_scale=0.07 is below 1"):
         flashcl.clip_loss(img, txt, logit_scale=0.07)
