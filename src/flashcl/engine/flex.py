@@ -189,9 +189,10 @@ class _FlexState:
 
 class _Positives:
     """A tile's binary positives as the (row, column) positions of its ones: the form
-    taken when they are few (class labels, a time window), so that their counts, their
-    scores' sums and their part of the gradient cost a gather or a scatter of those
-    entries instead of passes over a float tile."""
+    taken on the CPU when they are few (class labels, a time window), so that their
+    counts, their scores' sums and their part of the gradient cost a gather or a scatter
+    of those entries instead of passes over a float tile. (On CUDA the scatters' float
+    atomics would make the sums' rounding vary from run to run: the dense form stays.)"""
 
     __slots__ = ("ri", "ci", "shape", "dtype")
 
@@ -361,7 +362,7 @@ class FlexHead(Head):
             excl = _tile_result(fns.exclude(*args), "exclude", r, c, s, "bool")
         raw = _tile_result(fns.positive(a, b), "positive", r, c, s, "weight") if fns.positive else a.index == b.index
         binary = raw.dtype == torch.bool
-        if binary and self.kind == "softmax" and fns.score_mod is None:
+        if binary and self.kind == "softmax" and fns.score_mod is None and s.device.type == "cpu":
             sparse = self._sparse_positives(raw, excl, tile, s.dtype)
             if sparse is not None:
                 logw = self._log_weights(a, b, r, c, s)
