@@ -144,7 +144,7 @@ def _called(node: ast.Call, name: str) -> bool:
 def test_backends_are_resolved_in_one_module() -> None:
     # resolve(backend, entries, device, dtype, ...): not a path's resolve()
     assert _calls(lambda n: _called(n, "resolve") and len(n.args) >= 4) == {"flashcl.runner"}
-    # the driver for a backend name, too (the others ask runner.backend_for / runner.run)
+    # the driver for a backend name, too (the others ask runner.pick_name / runner.run)
     assert _calls(lambda n: _called(n, "driver") and len(n.args) >= 3) == {"flashcl.runner"}
 
 

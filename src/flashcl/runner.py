@@ -93,7 +93,6 @@ __all__ = [
     "share",
     "share_count",
     "reduce_total",
-    "backend_for",
     "run_core",
     "matryoshka_core",
     "AUTO_TILED_MIN_ENTRIES",
@@ -190,23 +189,6 @@ def local(keys: Tensor, shared: Optional[Tensor] = None, own: bool = False) -> S
     return Source(joined, 0, [joined.shape[0]], shared=shared.shape[0])
 
 
-def backend_for(
-    opts: checks.Options, source: Source, q: Tensor, kernel: Optional[str], entries: Optional[int] = None
-) -> str:
-    """The backend a call runs on: ``opts.backend``, ``"auto"`` resolved from the
-    rows against the global columns (``entries``: the score entries of a loss made
-    of several candidate sets); round the ring only the tiled core."""
-    if source.ring:
-        if opts.backend not in ("auto", "tiled"):
-            raise ValueError(
-                f"backend={opts.backend!r} with strategy='ring': the blocks travel round the ranks through "
-                "the tiled core; pass backend='auto' or 'tiled', or strategy='all_gather'"
-            )
-        return "tiled"
-    n = q.shape[0] * source.total if entries is None else entries
-    return resolve(opts.backend, n, q.device, q.dtype, q.shape[-1], kernel=kernel)
-
-
 def _valid(spec: CoreSpec, problem: Problem, m: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The rows a ``"mean"`` counts (:func:`flashcl.engine.positives.valid_rows`), from the
     problem's LSE weights (``pos_mode="mean"``: 1 where a row has a positive), not
@@ -292,7 +274,15 @@ def run(
     k = None if source.own else source.keys
     dtype = compute_dtype(q.dtype)
     problem = problem_of(spec, m, n, dtype, pivots=False)
-    name = backend_for(opts, source, q, problem.head.kernel if widths is None else None)
+    name = pick_name(
+        opts.backend,
+        ENGINE_BACKENDS,
+        m * n,
+        q,
+        "this loss",
+        source=source,
+        kernel=problem.head.kernel if widths is None else None,
+    )
     if widths is None and name in ("dense", "tiled", "triton"):
         # the positives a head takes in (a tiny loss's precision), where its backend computes them: the
         # Triton kernels leave out the rows' pivots, not the columns' (CLIP's one-process pass stays as it was)
@@ -538,6 +528,13 @@ def resolve(
     return "tiled" if entries >= AUTO_TILED_MIN_ENTRIES else "dense"
 
 
+#: the backends the engine's problems run on (:func:`run`)
+ENGINE_BACKENDS = ("reference", "dense", "tiled", "triton")
+
+#: ``kernel`` of :func:`pick_name` left out: the softmax kernels where the family has ``"triton"``
+_FROM_NAMES = "from names"
+
+
 def pick_name(
     backend: str,
     names: Sequence[str],
@@ -546,21 +543,33 @@ def pick_name(
     family: str,
     auto: Optional[str] = None,
     min_tiled: Optional[int] = None,
+    source: Optional[Source] = None,
+    kernel: Optional[str] = _FROM_NAMES,
 ) -> str:
     """The backend among ``names`` (those a family computes with) that ``backend``
-    stands for: ``"auto"`` is the family's fixed choice ``auto`` where it has one, else
-    ``"tiled"`` from ``min_tiled`` entries (the family's own threshold), else
-    :func:`resolve` from ``entries`` and ``x``'s device, dtype and width, Triton only
-    where the family has it. A backend the family lacks is a ValueError that names
-    those it has."""
-    if backend != "auto":
+    stands for, decided here alone: round the ring (``source.ring``) only the tiled core;
+    ``"auto"`` is the family's fixed choice ``auto`` where it has one, else ``"tiled"``
+    from ``min_tiled`` entries (the family's own threshold), else :func:`resolve` from
+    ``entries`` (the call's score entries) and ``x``'s device, dtype and width, the Triton
+    kernels only for a head that has them (``kernel``: ``"softmax"``, ``"softplus"`` or
+    None; left out: the softmax kernels where ``names`` has ``"triton"``). A backend the
+    family lacks is a ValueError that names those it has."""
+    if source is not None and source.ring:
+        if backend not in ("auto", "tiled"):
+            raise ValueError(
+                f"backend={backend!r} with strategy='ring': the blocks travel round the ranks through "
+                "the tiled core; pass backend='auto' or 'tiled', or strategy='all_gather'"
+            )
+        name = "tiled"
+    elif backend != "auto":
         name = backend
     elif auto is not None:
         name = auto
     elif (min_tiled is not None and "triton" not in names) or x is None:
         name = "tiled" if entries >= (min_tiled or AUTO_TILED_MIN_ENTRIES) else "dense"
     else:
-        kernel = "softmax" if "triton" in names else None
+        if kernel == _FROM_NAMES:
+            kernel = "softmax" if "triton" in names else None
         name = resolve(backend, entries, x.device, x.dtype, x.shape[-1], kernel=kernel)
     if name not in names:
         missing = "no Triton kernel" if name == "triton" else f"no {name!r} implementation"
@@ -576,13 +585,15 @@ def pick(
     family: str,
     auto: Optional[str] = None,
     min_tiled: Optional[int] = None,
+    source: Optional[Source] = None,
+    kernel: Optional[str] = _FROM_NAMES,
 ) -> Callable[..., Any]:
     """A family's implementation for ``backend``: ``impls`` maps the backends the family
     computes with (``"reference"``, ``"dense"``, ``"tiled"``, ``"triton"``) to its
     implementation of each (a family hands its implementations to the runner, which
     picks, resolves ``"auto"`` and refuses what the family lacks, in this one place:
     :func:`pick_name`)."""
-    return impls[pick_name(backend, tuple(impls), entries, x, family, auto, min_tiled)]
+    return impls[pick_name(backend, tuple(impls), entries, x, family, auto, min_tiled, source, kernel)]
 
 
 def _self_contrast(k: Optional[Tensor], problem: Problem) -> bool:

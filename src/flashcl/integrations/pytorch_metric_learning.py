@@ -447,7 +447,8 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
         weights = torch.full(
             (emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype), device=emb.device
         )
-        name = runner.backend_for(checks.Options(backend=self.backend), runner.local(ref), emb, None)
+        entries = emb.shape[0] * ref.shape[0]
+        name = runner.pick_name(self.backend, runner.ENGINE_BACKENDS, entries, emb, "NTXentLoss", kernel=None)
         keys, weighted = None if ref is emb else ref, (weights, None)
         value = runner.run_problem(emb, keys, 1.0 / temperature, problem, name, weighted, self.block_size)
         value = value.to(emb.dtype)

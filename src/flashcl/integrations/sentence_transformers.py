@@ -59,8 +59,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import checks, parallel, runner
 from .. import functional as Fn
+from .. import parallel, runner
 from ..base import peer_import_error
 from ..core import Exclusions, compute_dtype
 from ..engine import matryoshka
@@ -143,7 +143,9 @@ def _mnrl(
     dtype = compute_dtype(queries.dtype)
     scale = torch.tensor(float(loss.scale), dtype=dtype, device=queries.device)
     ones = torch.ones(b, dtype=dtype, device=queries.device)
-    name = runner.backend_for(checks.Options(backend=backend), runner.local(d_all), queries, None)
+    name = runner.pick_name(
+        backend, runner.ENGINE_BACKENDS, b * d_all.shape[0], queries, "MultipleNegativesRankingLoss", kernel=None
+    )
     widths: List[int] = []
     width_weights = None
     if dims is not None:
@@ -481,7 +483,7 @@ def _gist_gathered(
     scale = torch.tensor(1.0 / float(loss.temperature), dtype=scale_dtype(anchor), device=anchor.device)
     b = anchor.shape[0]
     entries = b * (p_all.shape[0] * (1 + int(loss.contrast_positives)) + b * int(loss.contrast_anchors))
-    name = runner.backend_for(checks.Options(backend=loss.backend), runner.local(p_all), anchor, None, entries)
+    name = runner.pick_name(loss.backend, runner.ENGINE_BACKENDS, entries, anchor, "GISTEmbedLoss", kernel=None)
     rows = gist_rows(
         anchor,
         positive,

@@ -264,7 +264,6 @@ def _siglip(
     texts = parallel.columns(text_embeds, opts.strategy, opts.process_group)
     b, dtype = image_embeds.shape[0], compute_dtype(image_embeds.dtype)
     all_labels = None if labels is None else texts.gather(labels)
-    name = runner.backend_for(opts, texts, image_embeds, "softplus")
     divisor = float(texts.total if normalize_by == "global" else b)
     r = runner.share(
         opts.reduction, opts.grad_scale, texts, torch.ones(b, dtype=dtype, device=image_embeds.device), divisor
@@ -293,7 +292,10 @@ def _siglip(
         return texts.run(image_embeds, scale, problem, weights, opts.block_size, (bias,), backend=name)
 
     impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
-    return runner.pick(name, impls, b * texts.total, image_embeds, "siglip_loss")()
+    name = runner.pick_name(
+        opts.backend, tuple(impls), b * texts.total, image_embeds, "siglip_loss", source=texts, kernel="softplus"
+    )
+    return impls[name]()
 
 
 @registry.module

@@ -155,7 +155,6 @@ def _distill(
     against every rank's candidates (the other side's, without gradient, gathered)."""
     group = opts.process_group
     cols = parallel.columns(k, opts.strategy, group)
-    name = runner.backend_for(opts, cols, q, None)
 
     def formula(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor) -> Tensor:
         """The plain formula on every rank's columns."""
@@ -174,7 +173,8 @@ def _distill(
         return _direction(a, b, ta, tb, sc, tsc, opts.normalize, run, source.offset, source.rows_of_every_rank)
 
     impls = {"reference": formula, "dense": engine, "tiled": engine}
-    one_way = runner.pick(name, impls, q.shape[0] * cols.total, q, "distill_loss")
+    name = runner.pick_name(opts.backend, tuple(impls), q.shape[0] * cols.total, q, "distill_loss", source=cols)
+    one_way = impls[name]
     with autocast_off(q.device.type):
         rows = one_way(q, k, tq, tk)
         if symmetric:

@@ -165,7 +165,6 @@ def _gist(
     b = anchor.shape[0]
     k = 0 if negative is None else negative.shape[0]
     entries = b * (positives.total * (1 + int(contrast_anchors) + int(contrast_positives)) + k)
-    name = runner.backend_for(opts, positives, anchor, None, entries)
 
     def formula() -> Tensor:
         every = None
@@ -201,7 +200,9 @@ def _gist(
         )
 
     # the guide's masks have no Triton kernel
-    rows_of = runner.pick(name, {"reference": formula, "dense": engine, "tiled": engine}, entries, anchor, "gist_loss")
+    impls = {"reference": formula, "dense": engine, "tiled": engine}
+    name = runner.pick_name(opts.backend, tuple(impls), entries, anchor, "gist_loss", source=positives)
+    rows_of = impls[name]
     with autocast_off(anchor.device.type):
         rows = rows_of()
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, positives)

@@ -116,7 +116,6 @@ def _multilabel(
         raise ValueError(
             "supcon_loss needs at least 2 samples when include_self=False (across processes: in the global batch)"
         )
-    name = runner.backend_for(opts, cols, flat, None)
     dtype = compute_dtype(flat.dtype)
 
     def formula() -> Tensor:
@@ -135,8 +134,10 @@ def _multilabel(
         problem = Problem(head, (), opts.normalize, cols.offset)
         return cols.run(flat, scale, problem, weights, opts.block_size, backend=name)
 
-    run = runner.pick(
-        name, {"reference": formula, "dense": engine, "tiled": engine}, 0, flat, "multi-label supcon_loss"
+    impls = {"reference": formula, "dense": engine, "tiled": engine}
+    name = runner.pick_name(
+        opts.backend, tuple(impls), flat.shape[0] * cols.total, flat, "multi-label supcon_loss", source=cols
     )
+    run = impls[name]
     with autocast_off(flat.device.type):
         return run()

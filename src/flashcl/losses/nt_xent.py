@@ -154,7 +154,6 @@ def _nt_xent(
     dtype = compute_dtype(z.dtype)
     if not standard:
         beta_ = 0.0 if estimator == "debiased" else beta
-        name = runner.backend_for(opts, cols, z, None)
 
         def formula() -> Tensor:
             with autocast_off(z.device.type):
@@ -171,7 +170,11 @@ def _nt_xent(
             return cols.run(z, scale, problem, weights, opts.block_size, backend=name)
 
         impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
-        return runner.pick(name, impls, 0, z, f"nt_xent_loss(estimator={estimator!r})")()
+        entries = z.shape[0] * cols.total
+        name = runner.pick_name(
+            opts.backend, tuple(impls), entries, z, f"nt_xent_loss(estimator={estimator!r})", source=cols, kernel=None
+        )
+        return impls[name]()
     index = partner.unsqueeze(1)
     weight: Optional[Tensor] = None
     exclude: Optional[Exclusions] = None
