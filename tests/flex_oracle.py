@@ -109,4 +109,4 @@ def positives_forms(request: Any, monkeypatch: Any) -> None:
     from flashcl.engine import flex
 
     if request.param == "sparse":
-        monkeypatch.setattr(flex._Positives, "MAX_DENSITY", 1.0)
+        monkeypatch.setattr(flex, "SPARSE_POSITIVES_MAX_DENSITY", 1.0)

@@ -187,6 +187,11 @@ class _FlexState:
         self.param_grads: List[Optional[Tensor]] = [None] * n_params
 
 
+#: binary positives are kept as their positions (:class:`_Positives`) while at most this
+#: fraction of a tile is positive
+SPARSE_POSITIVES_MAX_DENSITY = 1.0 / 16
+
+
 class _Positives:
     """A tile's binary positives as the (row, column) positions of its ones: the form
     taken on the CPU when they are few (class labels, a time window), so that their
@@ -195,9 +200,6 @@ class _Positives:
     atomics would make the sums' rounding vary from run to run: the dense form stays.)"""
 
     __slots__ = ("ri", "ci", "shape", "dtype")
-
-    #: the sparse form is kept while at most this fraction of the tile is positive
-    MAX_DENSITY = 1.0 / 16
 
     def __init__(self, ri: Tensor, ci: Tensor, shape: Tuple[int, int], dtype: torch.dtype) -> None:
         self.ri, self.ci, self.shape, self.dtype = ri, ci, shape, dtype
@@ -393,14 +395,14 @@ class FlexHead(Head):
         self, raw: Tensor, excl: Optional[Tensor], tile: Tile, dtype: torch.dtype
     ) -> Optional[_Positives]:
         """The binary positives (less the excluded pairs and the self pair) as their
-        positions, or None where more than :attr:`_Positives.MAX_DENSITY` of the tile is positive."""
+        positions, or None where more than :data:`SPARSE_POSITIVES_MAX_DENSITY` of the tile is positive."""
         r, c = raw.shape
         keep = raw if excl is None else raw & ~excl
         ri, ci = keep.nonzero(as_tuple=True)
         if self.own:
             off = ci - ri != tile.r0 + tile.offset - tile.c0
             ri, ci = ri[off], ci[off]
-        if ri.numel() > _Positives.MAX_DENSITY * r * c:
+        if ri.numel() > SPARSE_POSITIVES_MAX_DENSITY * r * c:
             return None
         return _Positives(ri, ci, (r, c), dtype)
 
