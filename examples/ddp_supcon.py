@@ -58,7 +58,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     for step in range(args.steps):
         # uneven shards on purpose: rank r draws batch + 8 r samples
         x, y = make_data(args.batch + 8 * rank, 10, seed=1000 * step + rank)
-        loss = flashcl.distributed.supcon_loss(model(x), y, temperature=0.2, strategy=args.strategy)
+        loss = flashcl.supcon_loss(model(x), y, temperature=0.2, process_group=dist.group.WORLD, strategy=args.strategy)
         opt.zero_grad()
         loss.backward()
         opt.step()

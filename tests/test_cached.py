@@ -232,7 +232,7 @@ def _ddp_worker(rank: int, world: int, out_dir: str) -> None:
     local = slice(9 * rank, 9 * rank + 9)
     q = {k: v[local] for k, v in q_all.items()}
     d = {k: v[local] for k, v in d_all.items()}
-    loss_fn = lambda a, b: flashcl.distributed.info_nce_loss(a, b, temperature=0.1)  # noqa: E731
+    loss_fn = lambda a, b: flashcl.info_nce_loss(a, b, temperature=0.1, process_group=dist.group.WORLD)  # noqa: E731
     for dropout in (0.0, 0.3):
         for cached in (False, True):
             enc = nn.parallel.DistributedDataParallel(TinyEncoder(seed=7, dropout=dropout))

@@ -174,7 +174,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
                 grad_scale="sum",
             )
             out.append((loss.detach(), torch.autograd.grad(loss, [*xs, t])))
-    ddp = flashcl.distributed.cosent_loss(a[sl], b[sl], y[sl], scale=9.0)
+    ddp = flashcl.cosent_loss(a[sl], b[sl], y[sl], scale=9.0, process_group=dist.group.WORLD)
     mismatch = ""
     try:
         flashcl.cosent_loss(a[sl], b[sl], y[sl], scale=9.0 + rank, process_group=dist.group.WORLD)

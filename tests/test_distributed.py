@@ -1,4 +1,4 @@
-"""flashcl.distributed with gloo on 127.0.0.1: every loss, world sizes 2 and 3, uneven
+"""The losses with process_group= over gloo on 127.0.0.1: every loss, world sizes 2 and 3, uneven
 batches, equal in float64 to one process on the concatenated batch."""
 
 from __future__ import annotations
@@ -43,16 +43,15 @@ def _shard(sizes: List[int], rank: int) -> slice:
     return slice(start, start + sizes[rank])
 
 
-MODES = ("distributed", "process_group")
+MODES = ("process_group",)
 
 
 def _cases(
     d: Dict[str, torch.Tensor], sizes: List[int], rank: int, t: torch.Tensor, mode: str, strategy: str = "all_gather"
 ) -> Dict[str, Any]:
     """name -> (function of the differentiable inputs, the inputs): on a shard through
-    ``flashcl.distributed`` (mode "distributed") or through the losses'
-    ``process_group=`` (mode "process_group"), or single-process on the whole batch
-    (mode "single")."""
+    the losses' ``process_group=`` (mode "process_group"), or single-process on the
+    whole batch (mode "single")."""
     dist_mode = mode != "single"
     sl = _shard(sizes, rank) if dist_mode else slice(None)
     emb, labels, z2 = d["emb"][sl], d["labels"][sl], d["z2"][sl]
@@ -64,7 +63,7 @@ def _cases(
     else:
         keys = d["keys"][: 2 * sum(sizes)]
         pos = torch.cat([torch.arange(s) * 2 + 2 * sum(sizes[:r]) for r, s in enumerate(sizes)])
-    lib = flashcl.distributed if mode == "distributed" else flashcl
+    lib = flashcl
     kw: Dict[str, Any] = {"grad_scale": "sum", "strategy": strategy} if dist_mode else {"backend": "reference"}
     if mode == "process_group":
         kw["process_group"] = dist.group.WORLD
@@ -209,14 +208,20 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(6, 5).double())
     x = d["emb"][_shard(sizes, rank)]
-    flashcl.distributed.supcon_loss(model(x), d["labels"][_shard(sizes, rank)], temperature=0.3).backward()
+    flashcl.supcon_loss(
+        model(x), d["labels"][_shard(sizes, rank)], temperature=0.3, process_group=dist.group.WORLD
+    ).backward()
     results["ddp_grads"] = [p.grad.detach().clone() for p in model.parameters()]
     # the "ddp" convention: the returned value is world x the share
     e = d["emb"][_shard(sizes, rank)]
-    results["ddp_value"] = flashcl.distributed.supcon_loss(e, d["labels"][_shard(sizes, rank)]).detach()
+    results["ddp_value"] = flashcl.supcon_loss(
+        e, d["labels"][_shard(sizes, rank)], process_group=dist.group.WORLD
+    ).detach()
     # mismatched options must raise on every rank, not hang
     try:
-        flashcl.distributed.supcon_loss(e, d["labels"][_shard(sizes, rank)], temperature=0.1 + 0.1 * rank)
+        flashcl.supcon_loss(
+            e, d["labels"][_shard(sizes, rank)], temperature=0.1 + 0.1 * rank, process_group=dist.group.WORLD
+        )
         results["mismatch"] = "no error"
     except ValueError as err:
         results["mismatch"] = str(err)
@@ -235,7 +240,9 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     # second derivatives: a clear error on every rank, for both strategies, never a wrong number
     for strategy in ("all_gather", "ring"):
         x = d["emb"][_shard(sizes, rank)].clone().requires_grad_(True)
-        loss = flashcl.distributed.supcon_loss(x, d["labels"][_shard(sizes, rank)], strategy=strategy)
+        loss = flashcl.supcon_loss(
+            x, d["labels"][_shard(sizes, rank)], strategy=strategy, process_group=dist.group.WORLD
+        )
         try:
             torch.autograd.grad(loss, x, create_graph=True)
             results[f"double_{strategy}"] = "no error"
@@ -325,11 +332,6 @@ def test_distributed_equals_single_process(world: int, tmp_path) -> None:
     for r in range(world):
         for got, p in zip(ranks[r]["ddp_grads"], model.parameters()):
             assert_close(got, p.grad, f"DDP rank {r}: parameter gradient vs one process", *TOL)
-
-
-def test_needs_a_process_group() -> None:
-    with pytest.raises(RuntimeError, match="process group"):
-        flashcl.distributed.supcon_loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]))
 
 
 @pytest.mark.slow  # 30 steps of two processes: ~13 s on 2 cores (CI runs it with the slow cases)

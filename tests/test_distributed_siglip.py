@@ -1,4 +1,4 @@
-"""flashcl.distributed.siglip_loss on 2 and 3 gloo processes: each rank's value and
+"""flashcl.siglip_loss(..., process_group=) on 2 and 3 gloo processes: each rank's value and
 gradients (features, logit scale, logit bias) equal open_clip's own SigLipLoss for
 each of its exchanges (bidir, shift, reduce, gather), and with uneven batches the
 rank values add up to the single-process loss."""
@@ -68,11 +68,15 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             results[("open_clip", impl)] = _grads(lambda a, b, s, t, ref=ref: ref(a, b, s, t), x, y)
     for strategy in ("ring", "all_gather"):
         results[("flashcl", strategy)] = _grads(
-            lambda a, b, s, t, st=strategy: flashcl.distributed.siglip_loss(a, b, s, t, strategy=st), x, y
+            lambda a, b, s, t, st=strategy: flashcl.siglip_loss(
+                a, b, s, t, strategy=st, process_group=dist.group.WORLD
+            ),
+            x,
+            y,
         )
         results[("flashcl-local-sum", strategy)] = _grads(
-            lambda a, b, s, t, st=strategy: flashcl.distributed.siglip_loss(
-                a, b, s, t, strategy=st, normalize_by="local", grad_scale="sum"
+            lambda a, b, s, t, st=strategy: flashcl.siglip_loss(
+                a, b, s, t, strategy=st, process_group=dist.group.WORLD, normalize_by="local", grad_scale="sum"
             ),
             x,
             y,
@@ -84,8 +88,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         for with_labels in (False, True):
             lab = d["labels"][sl] if with_labels else None
             results[("uneven", strategy, with_labels)] = _grads(
-                lambda a, b, s, t, st=strategy, lab=lab: flashcl.distributed.siglip_loss(
-                    a, b, s, t, labels=lab, strategy=st, grad_scale="sum", block_size=3
+                lambda a, b, s, t, st=strategy, lab=lab: flashcl.siglip_loss(
+                    a, b, s, t, labels=lab, process_group=dist.group.WORLD, strategy=st, grad_scale="sum", block_size=3
                 ),
                 d["img"][sl],
                 d["txt"][sl],

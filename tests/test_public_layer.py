@@ -4,38 +4,32 @@ loss does not take across processes are errors, not ignored."""
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, List, Tuple
 
 import pytest
 import torch
 
 import flashcl
 
-TWINS = [
-    (flashcl.SupConLoss, flashcl.supcon_loss),
-    (flashcl.NTXentLoss, flashcl.nt_xent_loss),
-    (flashcl.InfoNCELoss, flashcl.info_nce_loss),
-    (flashcl.ClipLoss, flashcl.clip_loss),
-    (flashcl.SigLipLoss, flashcl.siglip_loss),
-    (flashcl.GistLoss, flashcl.gist_loss),
-    (flashcl.NeighborLoss, flashcl.neighbor_loss),
-    (flashcl.DistillLoss, flashcl.distill_loss),
-    (flashcl.CoSENTLoss, flashcl.cosent_loss),
-    (flashcl.TripletLoss, flashcl.triplet_loss),
-    (flashcl.CosFaceLoss, flashcl.cosface_loss),
-    (flashcl.ArcFaceLoss, flashcl.arcface_loss),
-    (flashcl.MaxSimLoss, flashcl.maxsim_loss),
-    (flashcl.MaxSimDistillLoss, flashcl.maxsim_distill_loss),
-    (flashcl.DINOLoss, flashcl.dino_loss),
-    (flashcl.SwAVLoss, flashcl.swav_loss),
-    (flashcl.KoLeoLoss, flashcl.koleo_loss),
-    (flashcl.FlexLoss, flashcl.flex_loss),
-]
+
+def _twins() -> List[Tuple[Any, Any]]:
+    """Each public loss function with its Module twin: ``supcon_loss`` and ``SupConLoss``
+    (the names without ``_loss`` / ``Loss``, underscores and case)."""
+    key = lambda name: name.lower().replace("_", "").removesuffix("loss")  # noqa: E731
+    modules = {key(n): getattr(flashcl, n) for n in flashcl.__all__ if n.endswith("Loss")}
+    functions = {key(n): getattr(flashcl, n) for n in flashcl.__all__ if n.endswith("_loss")}
+    assert set(modules) == set(functions), set(modules) ^ set(functions)
+    return [(modules[k], functions[k]) for k in sorted(functions)]
 
 
-def test_every_public_loss_is_in_the_twin_table() -> None:
-    functions = {name for name in flashcl.__all__ if name.endswith("_loss")}
-    assert functions == {fn.__name__ for _, fn in TWINS}
+TWINS = _twins()
+
+
+def test_every_public_loss_has_a_module_twin_and_takes_a_process_group() -> None:
+    assert len(TWINS) >= 18
+    for module, fn in TWINS:
+        assert issubclass(module, flashcl.base.LossModule), module
+        assert "process_group" in inspect.signature(fn).parameters, fn.__name__
 
 
 @pytest.mark.parametrize("module,fn", TWINS, ids=[m.__name__ for m, _ in TWINS])
@@ -88,26 +82,3 @@ def test_options_not_taken_across_processes_are_errors(option: str, call: Any) -
     # checked before any collective: no process group is needed to see the error
     with pytest.raises(ValueError, match=option):
         call(object())
-
-
-def test_every_registered_loss_is_in_every_namespace() -> None:
-    """flashcl, flashcl.functional, flashcl.modules and flashcl.distributed take their
-    names from the registry (flashcl.registry): each registered function and Module
-    is in each that should hold it, nothing else ends in _loss / Loss there."""
-    import flashcl.functional
-    import flashcl.modules
-    from flashcl import registry
-
-    fns, mods = registry.functions(), registry.modules()
-    assert len(fns) == len(mods) == 18
-    for name, fn in fns.items():
-        assert getattr(flashcl, name) is fn and getattr(flashcl.functional, name) is fn, name
-        assert name in flashcl.__all__ and name in flashcl.functional.__all__, name
-        assert registry.takes_process_group(fn) and name in flashcl.distributed.__all__, name
-        assert flashcl.distributed.__dict__[name].__name__ == name
-    for name, cls in mods.items():
-        assert getattr(flashcl, name) is cls and getattr(flashcl.modules, name) is cls, name
-        assert name in flashcl.__all__ and name in flashcl.modules.__all__, name
-    public = {n for n in flashcl.__all__ if n.endswith(("_loss", "Loss"))}
-    assert public == set(fns) | set(mods)
-    assert {n for n in flashcl.distributed.__all__ if n.endswith("_loss")} == set(fns)

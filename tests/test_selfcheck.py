@@ -1,4 +1,4 @@
-"""``flashcl check``: every registered loss has a check; on the CPU every row passes or
+"""``flashcl check``: every public loss has an example; on the CPU every row passes or
 is n/a (Triton without its interpreter); a wrong backend is a FAIL row and exit
 status 1; a crash is an error row, not the end of the table; the rows stream."""
 
@@ -8,13 +8,12 @@ import pytest
 import torch
 
 import flashcl
-from flashcl import registry
 from flashcl.__main__ import main
 from flashcl.tools import selfcheck
 
 
-def test_every_registered_loss_is_checked() -> None:
-    assert {c.loss for c in selfcheck.CHECKS} == set(registry.functions())
+def test_every_public_loss_is_checked() -> None:
+    assert set(selfcheck.examples()) == {name for name in flashcl.__all__ if name.endswith("_loss")}
 
 
 def test_the_cli_passes_on_the_cpu_and_streams_its_table(capsys: pytest.CaptureFixture) -> None:
@@ -22,20 +21,20 @@ def test_the_cli_passes_on_the_cpu_and_streams_its_table(capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert code == 0, out
     lines = [line for line in out.splitlines() if line.split()[:1] and line.split()[0].endswith("_loss")]
-    assert len(lines) == len(selfcheck.CHECKS) * 2 * len(selfcheck.BACKENDS), out
+    assert len(lines) == len(selfcheck.examples()) * 2 * len(selfcheck.BACKENDS), out
     statuses = {line.split()[3] for line in lines}
     assert statuses <= {"pass", "n/a"} and "pass" in statuses, statuses
     assert out.rstrip().endswith("0 FAIL, 0 error"), out
 
 
 def test_a_wrong_backend_is_a_failed_row_and_exit_status_1(monkeypatch, capsys: pytest.CaptureFixture) -> None:
-    real = flashcl.functional.supcon_loss
+    real = flashcl.supcon_loss
 
     def off_by_a_little(*args, backend: str = "auto", **kwargs):  # noqa: ANN002, ANN003, ANN202
         out = real(*args, backend=backend, **kwargs)
         return out * (1.0 + 1e-3) if backend == "tiled" else out  # 1e-3: above float32's tolerance
 
-    monkeypatch.setattr(flashcl.functional, "supcon_loss", off_by_a_little)
+    monkeypatch.setattr(flashcl.losses.supcon, "supcon_loss", off_by_a_little)
     code = main(["check", "--device", "cpu", "--dtype", "float32", "--loss", "supcon_loss"])
     out = capsys.readouterr().out
     assert code == 1, out
@@ -44,14 +43,14 @@ def test_a_wrong_backend_is_a_failed_row_and_exit_status_1(monkeypatch, capsys: 
 
 
 def test_a_crash_is_an_error_row_and_the_table_goes_on(monkeypatch) -> None:
-    real = flashcl.functional.triplet_loss
+    real = flashcl.triplet_loss
 
     def crashes_on_dense(*args, backend: str = "auto", **kwargs):  # noqa: ANN002, ANN003, ANN202
         if backend == "dense":
             raise RuntimeError("an illegal memory access")
         return real(*args, backend=backend, **kwargs)
 
-    monkeypatch.setattr(flashcl.functional, "triplet_loss", crashes_on_dense)
+    monkeypatch.setattr(flashcl.losses.triplet, "triplet_loss", crashes_on_dense)
     seen = []
     rows = selfcheck.run_checks("cpu", [torch.float32], ["triplet_loss", "cosent_loss"], report=seen.append)
     assert [r.status for r in rows if r.loss == "triplet_loss"] == ["error", "pass", "n/a"]

@@ -4,9 +4,9 @@ public layer's shared pieces, with ONE body for one process and every rank (the
 column source and the runner, :mod:`flashcl.runner`), and one test file
 (test_toy_loss.py). Nothing else in the package changes for it, yet it takes every
 backend on one process and across processes, ``process_group=`` on both strategies
-and a learnable temperature; registered (:mod:`flashcl.registry`: what a family
-module does with ``@registry.loss`` / ``@registry.module``), it is in ``flashcl``,
-``flashcl.functional``, ``flashcl.modules`` and ``flashcl.distributed``.
+and a learnable temperature. (A family of the package adds one import line to
+``flashcl/__init__.py``: its names are then public, in the API reference and in
+``flashcl check``, from its ``EXAMPLES``.)
 
 The loss: InfoNCE over one batch of interleaved views, rows ``2j`` and ``2j + 1``
 each other's positive, every other row a negative (NT-Xent with the two views

@@ -1,11 +1,10 @@
 """flashcl: exact, numerically stable, O(batch)-memory contrastive losses for PyTorch."""
 
-import sys as _sys
-from typing import Any as _Any
+from types import ModuleType as _ModuleType
 
-# the families (each registers its loss and its Module twin: flashcl.registry); their
-# names imported here as well, so that static checkers see them
-from . import distributed, registry
+# the public names: this list is __all__ (below) and the API reference's pages (docs/hooks);
+# a new family adds its line here
+from . import distributed
 from .losses.class_shards import sample_classes
 from .losses.clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .losses.cosent import CoSENTLoss, cosent_loss
@@ -32,27 +31,9 @@ from .training.scale import LogitScale
 
 __version__ = "0.2.0.dev0"
 
-#: every registered loss and Module twin (flashcl.registry.publish adds them, also
-#: those registered later), then the tools
+#: every name imported above: the losses, their Module twins and the tools
 __all__ = [
-    "sample_neighbors",
-    "maxsim_scores",
-    "sample_classes",
-    "prototype_center",
-    "flex_dense_mask",
-    "flex_block_mask",
-    "BlockMask",
-    "MemoryBank",
-    "LogitScale",
-    "cached_step",
-    "AUTO_TILED_MIN_ENTRIES",
-    "doctor",
-    "distributed",
-    "metrics",
+    _name
+    for _name, _value in list(globals().items())
+    if not _name.startswith("_") and (not isinstance(_value, _ModuleType) or _name in ("distributed", "metrics"))
 ]
-registry.publish(_sys.modules[__name__], ("function", "module"))
-
-
-def __getattr__(name: str) -> _Any:
-    """A loss or Module registered after import (typed for static checkers)."""
-    return registry.lookup(__name__, name, ("function", "module"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -37,17 +37,42 @@ __all__ = [
     "validate_pair",
     "validate_labelled",
     "validate_info_nce",
+    "Example",
+    "example_rows",
+    "example_labels",
 ]
 
 #: The reductions every loss takes.
 REDUCTIONS = ("mean", "sum", "none")
-#: The backends every embedding loss takes (``"auto"`` picks one; see :mod:`flashcl.functional`).
+#: The backends every embedding loss takes (``"auto"`` picks one; see :mod:`flashcl.runner`).
 BACKENDS = ("auto", "reference", "dense", "tiled", "triton")
 STRATEGIES = ("all_gather", "ring")
 GRAD_SCALES = ("ddp", "sum")
 
 
 Scalar = Union[float, Tensor]
+
+
+class Example(NamedTuple):
+    """A loss's call at small odd sizes (``flashcl check``, :mod:`flashcl.tools.selfcheck`,
+    compares every backend's value and gradients on it with the reference's): ``args``
+    in the call's order, ``kwargs``, and ``leaves``, the positions in ``args`` of the
+    inputs whose gradients are compared (None: every floating tensor). A family module
+    gives one per loss in its ``EXAMPLES``, a function of a ``torch.Generator``."""
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    leaves: Optional[Tuple[int, ...]] = None
+
+
+def example_rows(g: torch.Generator, *shape: int) -> Tensor:
+    """Standard normal float64 entries of ``shape`` from ``g`` (an :class:`Example`'s rows)."""
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def example_labels(g: torch.Generator, n: int, classes: int) -> Tensor:
+    """``n`` labels in ``0 .. classes - 1`` from ``g`` (an :class:`Example`'s labels)."""
+    return torch.randint(0, classes, (n,), generator=g)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ gradient that every rank holds alike (a :class:`flashcl.MemoryBank`'s queue)
 join rank 0's block and enter the global loss once.
 
 Every loss takes it through its ``process_group=`` argument
-(``flashcl.supcon_loss(..., process_group=group)``); the functions of this module
-with the losses' names are that call with ``group`` (default: the world).
+(``flashcl.supcon_loss(..., process_group=dist.group.WORLD)``, or a group of some of
+the ranks); this module holds the collectives the losses use, for losses composed
+by hand.
 
 Gradient convention (``grad_scale``):
 
@@ -37,65 +38,7 @@ collectives use the process group's timeout (``init_process_group(timeout=...)``
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Callable, Optional
-
-import torch.distributed as dist
-from torch import Tensor
-
-from . import registry
 from .parallel import collectives
 from .parallel.collectives import *  # noqa: F403  (the collectives, for losses composed by hand)
 
-#: the collectives, and the alias of every registered loss that takes process_group
-#: (flashcl.registry)
 __all__ = list(collectives.__all__)
-
-
-#: stands for the world before any process group exists: the losses check their
-#: options first, then raise the error that names the missing group
-_NO_GROUP_YET = object()
-
-
-def world_group(group: Any) -> Any:
-    """``group``, or the world for None."""
-    if group is not None:
-        return group
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else _NO_GROUP_YET
-
-
-def _alias(name: str) -> Callable[..., Tensor]:
-    def loss(*args: Any, group: Any = None, **options: Any) -> Tensor:
-        return registry.functions()[name](*args, process_group=world_group(group), **options)
-
-    loss.__name__ = loss.__qualname__ = name
-    loss.__doc__ = f""":func:`flashcl.{name}` over the global batch: ``flashcl.{name}(..., process_group=group)``
-    with the world for ``group=None``; every option of :func:`flashcl.{name}` (see its
-    ``process_group``, ``strategy`` and ``grad_scale``, and this module's docstring).
-
-    Args:
-        group: the process group (default: the world).
-        other arguments: as :func:`flashcl.{name}`.
-
-    Examples::
-
-        >>> # in each process of an initialised group (not run here):
-        >>> loss = flashcl.distributed.{name}(...)  # doctest: +SKIP
-    """
-    return loss
-
-
-def _alias_of(name: str, fn: Callable[..., Tensor]) -> Optional[Callable[..., Tensor]]:
-    return _alias(name) if registry.takes_process_group(fn) else None
-
-
-registry.publish(sys.modules[__name__], ("function",), _alias_of)
-
-
-def __getattr__(name: str) -> Callable[..., Tensor]:
-    """The alias of a registered loss that takes ``process_group`` (typed for static
-    checkers; normally set by :func:`flashcl.registry.publish`)."""
-    fn = registry.functions().get(name)
-    if fn is None or not registry.takes_process_group(fn):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return _alias(name)

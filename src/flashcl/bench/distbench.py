@@ -41,7 +41,7 @@ def _rank_main(rank: int, world: int, params: Dict[str, Any], out_dir: str) -> N
 
         def step() -> float:
             emb.grad = None
-            loss = flashcl.distributed.supcon_loss(emb, labels, strategy=params["strategy"])
+            loss = flashcl.supcon_loss(emb, labels, process_group=dist.group.WORLD, strategy=params["strategy"])
             loss.backward()
             return float(loss.detach())
 

@@ -49,7 +49,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import checks, runner
-from .. import functional as Fn
 from ..base import peer_import_error
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import Problem
@@ -309,7 +308,7 @@ class SupConLoss(_Adapter, _pml_losses.SupConLoss):
             normalize=normalize,
             self_index=pairs.self_index,
         )
-        return Fn.run_core(
+        return runner.run_core(
             emb, None if ref is emb else ref, 1.0 / temperature, spec, reduction, self.backend, self.block_size
         )
 

@@ -59,14 +59,25 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import functional as Fn
 from .. import parallel, runner
 from ..base import peer_import_error
 from ..core import Exclusions, compute_dtype
 from ..engine import matryoshka
 from ..engine.engine import Problem
 from ..engine.heads import SoftmaxHead, Tile
+from ..losses.gist import gist_loss
 from .options import FlashclOptions
+
+# the drop-ins over labels and scored pairs (SupCon, the batch triplets, CoSENT), importable from here too
+from .sentence_transformers_ranking import (
+    AnglELoss,
+    BatchAllTripletLoss,
+    BatchHardSoftMarginTripletLoss,
+    BatchHardTripletLoss,
+    BatchSemiHardTripletLoss,
+    CoSENTLoss,
+    SupConLoss,
+)
 
 try:
     try:  # sentence-transformers >= 6 (the top-level ``losses`` is a deprecated alias there)
@@ -445,7 +456,7 @@ def _gist(loss: Any, embeddings: List[Tensor], guides: List[Tensor]) -> Tensor:
     guide = tuple(guides[:2]) + ((torch.cat(guides[2:]),) if len(guides) > 2 else ())
     if _gathering(loss):
         return _gist_gathered(loss, embeddings, guides, negative, list(guide))
-    return Fn.gist_loss(
+    return gist_loss(
         embeddings[0],
         embeddings[1],
         negative,
@@ -657,18 +668,6 @@ class CachedGISTEmbedLoss(_Fallback, _st_losses.CachedGISTEmbedLoss):
         guides = [torch.cat(r) for r in reps_guided]
         return _cached_loss(lambda e: _gist(self, e, guides), reps, with_backward)
 
-
-# the label-based (SupCon, batch triplet) and pairwise ranking drop-ins live in their own
-# module; importable from here as well
-from .sentence_transformers_ranking import (  # noqa: E402
-    AnglELoss,
-    BatchAllTripletLoss,
-    BatchHardSoftMarginTripletLoss,
-    BatchHardTripletLoss,
-    BatchSemiHardTripletLoss,
-    CoSENTLoss,
-    SupConLoss,
-)
 
 __all__ = [
     "MultipleNegativesRankingLoss",

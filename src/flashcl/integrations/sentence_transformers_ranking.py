@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from torch import Tensor, nn
 
-from .. import functional as Fn
 from ..base import peer_import_error
+from ..losses.supcon import supcon_loss
 from .options import FlashclOptions
 
 try:
@@ -355,7 +355,7 @@ class SupConLoss(FlashclOptions, nn.Module):
         return self.compute_loss_from_embeddings(embeddings, labels)
 
     def compute_loss_from_embeddings(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        return Fn.supcon_loss(
+        return supcon_loss(
             embeddings,
             labels,
             temperature=self.temperature,

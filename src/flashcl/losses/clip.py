@@ -8,16 +8,15 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, registry, runner
+from .. import checks, parallel, reference, runner
 from ..base import LossModule, reject_open_clip_keywords, shared_docs
-from ..checks import Scalar, check_smoothing, class_ids, no_matryoshka, warn_small_logit_scale
+from ..checks import Example, Scalar, check_smoothing, class_ids, example_rows, no_matryoshka, warn_small_logit_scale
 from ..compiled import compiles
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import autocast_off
 from .info_nce import smoothing_rows
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def clip_loss(
@@ -166,7 +165,6 @@ def _clip(
     return runner.run_both_ways(image_embeds, text_embeds, images, texts, scale, spec, opts, widths)
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def siglip_loss(
@@ -298,7 +296,6 @@ def _siglip(
     return impls[name]()
 
 
-@registry.module
 class ClipLoss(LossModule):
     """Module form of :func:`clip_loss`; called as open_clip's ``ClipLoss`` is:
     ``loss_fn(image_features, text_features, logit_scale, logit_bias=None, output_dict=False)``
@@ -339,7 +336,6 @@ class ClipLoss(LossModule):
         return {"contrastive_loss": loss} if output_dict else loss
 
 
-@registry.module
 class SigLipLoss(LossModule):
     """Module form of :func:`siglip_loss`; called as open_clip's ``SigLipLoss``
     is: ``loss_fn(image_features, text_features, logit_scale, logit_bias)``
@@ -377,3 +373,18 @@ class SigLipLoss(LossModule):
     ) -> Union[Tensor, Dict[str, Tensor]]:
         loss = siglip_loss(image_features, text_features, logit_scale, logit_bias, labels=labels, **self.loss_options())
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+def _example_clip(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 31, 24), example_rows(g, 31, 24), 14.0), {})
+
+
+def _example_siglip(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 31, 24), example_rows(g, 31, 24), 10.0, -5.0), {})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "clip_loss": _example_clip,
+    "siglip_loss": _example_siglip,
+}

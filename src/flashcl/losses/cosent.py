@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
-from ..checks import Scalar
+from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off, normalize_rows
@@ -73,7 +73,6 @@ def _reference_loss(z: Tensor, labels: Tensor) -> Tensor:
 _LOSSES = {"reference": _reference_loss, "dense": _dense_loss, "tiled": _sorted_loss}
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def cosent_loss(
@@ -163,7 +162,6 @@ def _cosent(scores: Tensor, lam: Tensor, labels: Tensor, similarity: str, backen
     return runner.reduce_total(loss, torch.ones((), device=loss.device), "mean", opts.grad_scale, pairs)
 
 
-@registry.module
 class CoSENTLoss(LossModule):
     """Module form of :func:`cosent_loss`; see it for the math and arguments.
 
@@ -186,3 +184,17 @@ class CoSENTLoss(LossModule):
 
     def forward(self, a: Tensor, b: Tensor, labels: Tensor) -> Tensor:
         return cosent_loss(a, b, labels, **self.loss_options())
+
+
+def _example_cosent(g: torch.Generator) -> Example:
+    return Example(
+        (example_rows(g, 25, 24), example_rows(g, 25, 24), torch.rand(25, generator=g, dtype=torch.float64)),
+        {"scale": 20.0},
+        leaves=(0, 1),
+    )
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "cosent_loss": _example_cosent,
+}

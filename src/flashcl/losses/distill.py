@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
-from ..checks import Scalar, scale_dtype
+from ..checks import Example, Scalar, example_rows, scale_dtype
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
@@ -21,7 +21,6 @@ from ..runner import unit_rows
 __all__ = ["distill_loss", "DistillLoss"]
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def distill_loss(
@@ -182,7 +181,6 @@ def _distill(
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
 
 
-@registry.module
 class DistillLoss(LossModule):
     """Module form of :func:`distill_loss` (the scales are the call's).
 
@@ -209,3 +207,17 @@ class DistillLoss(LossModule):
         self, q: Tensor, k: Tensor, teacher_q: Tensor, teacher_k: Tensor, *, scale: Scalar, teacher_scale: Scalar
     ) -> Tensor:
         return distill_loss(q, k, teacher_q, teacher_k, scale=scale, teacher_scale=teacher_scale, **self.loss_options())
+
+
+def _example_distill(g: torch.Generator) -> Example:
+    return Example(
+        (example_rows(g, 21, 24), example_rows(g, 27, 24), example_rows(g, 21, 16), example_rows(g, 27, 16)),
+        {"scale": 10.0, "teacher_scale": 20.0},
+        leaves=(0, 1),
+    )
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "distill_loss": _example_distill,
+}

@@ -9,8 +9,9 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
+from ..checks import Example, example_labels, example_rows
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off, normalize_rows
 from ..engine.flex import KINDS, POSITIVES, FlexFunctions, FlexHead, View, captured_tensors
@@ -233,7 +234,6 @@ def _direction(
     return out, head.valid_rows
 
 
-@registry.loss
 @shared_docs
 def flex_loss(
     q: Optional[Tensor] = None,
@@ -632,7 +632,6 @@ def flex_dense_mask(
     }
 
 
-@registry.module
 class FlexLoss(LossModule):
     """Module form of :func:`flex_loss`: the functions and the options given to the
     constructor, the embeddings and the data to each call.
@@ -678,3 +677,22 @@ class FlexLoss(LossModule):
         scores: Optional[Tensor] = None,
     ) -> Tensor:
         return flex_loss(q, keys, scores=scores, rows=rows, cols=cols, block_mask=block_mask, **self.loss_options())
+
+
+def _example_flex(g: torch.Generator) -> Example:
+    return Example(
+        (example_rows(g, 37, 24),),
+        {
+            "rows": {"t": example_labels(g, 37, 12), "doc": example_labels(g, 37, 30)},
+            "positive": lambda a, b: (a.t - b.t).abs() <= 1,
+            "exclude": lambda a, b: (a.doc == b.doc) & ((a.t - b.t).abs() > 1),
+            "score_mod": lambda s, a, b: s - 0.2 * ((a.t - b.t).abs() <= 1),
+            "temperature": 0.2,
+        },
+    )
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "flex_loss": _example_flex,
+}

@@ -8,9 +8,9 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, registry, runner
+from .. import checks, parallel, reference, runner
 from ..base import LossModule, shared_docs
-from ..checks import Scalar, check_keys, scale_dtype
+from ..checks import Example, Scalar, check_keys, example_rows, scale_dtype
 from ..compiled import compiles
 from ..core import Exclusions, Tile, compute_dtype
 from ..engine.engine import autocast_off
@@ -33,7 +33,6 @@ def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, diagonal: Optional[bo
     return mask
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def gist_loss(
@@ -269,7 +268,6 @@ def gist_rows(
     return lse - scale.to(dtype) * pos
 
 
-@registry.module
 class GistLoss(LossModule):
     """Module form of :func:`gist_loss`: the model's embeddings and the guide's are
     given to the call.
@@ -300,3 +298,16 @@ class GistLoss(LossModule):
         self, anchor: Tensor, positive: Tensor, negative: Optional[Tensor] = None, *, guide: Tuple[Tensor, ...]
     ) -> Tensor:
         return gist_loss(anchor, positive, negative, guide=guide, **self.loss_options())
+
+
+def _example_gist(g: torch.Generator) -> Example:
+    return Example(
+        (example_rows(g, 19, 24), example_rows(g, 19, 24)),
+        {"guide": (example_rows(g, 19, 8), example_rows(g, 19, 8)), "temperature": 0.05},
+    )
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "gist_loss": _example_gist,
+}

@@ -8,9 +8,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
-from ..checks import Scalar, check_keys, check_smoothing, class_ids, no_matryoshka
+from ..checks import Example, Scalar, check_keys, check_smoothing, class_ids, example_rows, no_matryoshka
 from ..compiled import compiles
 from ..core import CoreSpec, Exclusions, Tile, compute_dtype
 from ..runner import unit_rows
@@ -55,7 +55,6 @@ def info_nce_spec(
     )
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def info_nce_loss(
@@ -236,7 +235,6 @@ def _info_nce(
     return runner.run(query, cols, scale, spec, opts, widths=widths)
 
 
-@registry.module
 class InfoNCELoss(LossModule):
     """Module form of :func:`info_nce_loss`.
 
@@ -304,3 +302,16 @@ def smoothing_rows(
     if extra is not None:
         total, count = total + unit_rows(extra, normalize).sum(0), count + extra.shape[0]
     return scale.to(qn.dtype) * ((qn * kn[index]).sum(1) - qn @ (total / count))
+
+
+def _example_info_nce(g: torch.Generator) -> Example:
+    return Example(
+        (example_rows(g, 23, 24), example_rows(g, 41, 24), torch.randint(0, 41, (23,), generator=g)),
+        {"temperature": 0.05},
+    )
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "info_nce_loss": _example_info_nce,
+}

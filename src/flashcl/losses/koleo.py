@@ -9,8 +9,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
+from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
@@ -38,7 +39,6 @@ def _koleo_reference(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor
     return torch.stack(out) if out else (q @ keys.T).sum(1)
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def koleo_loss(
@@ -117,7 +117,6 @@ def koleo_loss(
         return runner.reduce_total(total, count, reduction, grad_scale, parallel.reduction_over(process_group))
 
 
-@registry.module
 class KoLeoLoss(LossModule):
     """Module form of :func:`koleo_loss`.
 
@@ -139,3 +138,13 @@ class KoLeoLoss(LossModule):
 
     def forward(self, x: Tensor) -> Tensor:
         return koleo_loss(x, **self.loss_options())
+
+
+def _example_koleo(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 41, 24),), {})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "koleo_loss": _example_koleo,
+}

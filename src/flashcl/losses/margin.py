@@ -16,8 +16,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
+from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
@@ -224,7 +225,6 @@ def _check_margin(margin: object, name: str) -> float:
     return value
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def cosface_loss(
@@ -293,7 +293,6 @@ def cosface_loss(
     )
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def arcface_loss(
@@ -364,7 +363,6 @@ def arcface_loss(
     )
 
 
-@registry.module
 class CosFaceLoss(LossModule):
     """Module form of :func:`cosface_loss` (the class weights passed to each call,
     as a model's parameter; see :class:`torch.nn.Linear`).
@@ -396,7 +394,6 @@ class CosFaceLoss(LossModule):
         return cosface_loss(embeddings, labels, class_weights, classes=classes, **self.loss_options())
 
 
-@registry.module
 class ArcFaceLoss(LossModule):
     """Module form of :func:`arcface_loss` (the class weights passed to each call).
 
@@ -426,3 +423,18 @@ class ArcFaceLoss(LossModule):
         self, embeddings: Tensor, labels: Tensor, class_weights: Tensor, classes: Optional[Tensor] = None
     ) -> Tensor:
         return arcface_loss(embeddings, labels, class_weights, classes=classes, **self.loss_options())
+
+
+def _example_cosface(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 26, 24), example_labels(g, 26, 57), example_rows(g, 57, 24)), {"scale": 30.0})
+
+
+def _example_arcface(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 26, 24), example_labels(g, 26, 57), example_rows(g, 57, 24)), {"scale": 30.0})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "cosface_loss": _example_cosface,
+    "arcface_loss": _example_arcface,
+}

@@ -9,9 +9,9 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, registry, runner
+from .. import checks, parallel, reference, runner
 from ..base import LossModule, shared_docs
-from ..checks import Scalar
+from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
@@ -186,7 +186,6 @@ def maxsim_scores(
     return _scores(query, docs, qmask, dmask, smooth, backend, block_size)
 
 
-@registry.loss
 @shared_docs
 @compiles(rows=lambda query: (query.shape[0],))
 def maxsim_loss(
@@ -330,7 +329,6 @@ def _cross_entropy(s: Tensor, scale: Tensor, qmask: Tensor, normalize_scores: bo
     return CrossEntropyRows.apply(s, f / qmask.sum(1) if normalize_scores else f, index)
 
 
-@registry.module
 class MaxSimLoss(LossModule):
     """Module form of :func:`maxsim_loss`; see it for the math and arguments.
 
@@ -365,7 +363,6 @@ class MaxSimLoss(LossModule):
         return maxsim_loss(query, docs, positive_index, query_mask=query_mask, doc_mask=doc_mask, **self.loss_options())
 
 
-@registry.loss
 @compiles(rows=lambda query: (query.shape[0],))
 def maxsim_distill_loss(
     query: Tensor,
@@ -478,7 +475,6 @@ def _kl_terms(target: Tensor, student: Tensor) -> Tensor:
     return p * (kept - student)
 
 
-@registry.module
 class MaxSimDistillLoss(LossModule):
     """Module form of :func:`maxsim_distill_loss`; see it for the math and arguments.
 
@@ -513,3 +509,18 @@ class MaxSimDistillLoss(LossModule):
         return maxsim_distill_loss(
             query, docs, teacher_scores, query_mask=query_mask, doc_mask=doc_mask, **self.loss_options()
         )
+
+
+def _example_maxsim(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 6, 5, 16), example_rows(g, 9, 7, 16)), {"temperature": 0.5})
+
+
+def _example_maxsim_distill(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 5, 4, 16), example_rows(g, 5, 3, 6, 16), example_rows(g, 5, 3)), {}, leaves=(0, 1))
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "maxsim_loss": _example_maxsim,
+    "maxsim_distill_loss": _example_maxsim_distill,
+}

@@ -8,8 +8,9 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, registry, runner
+from .. import checks, parallel, reference, runner
 from ..base import LossModule
+from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import autocast_off
@@ -21,7 +22,6 @@ _SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
 }
 
 
-@registry.loss
 @compiles()
 def neighbor_loss(
     scores: Tensor,
@@ -167,7 +167,6 @@ def sample_neighbors(
     return draw
 
 
-@registry.module
 class NeighborLoss(LossModule):
     """Module form of :func:`neighbor_loss`.
 
@@ -191,3 +190,13 @@ class NeighborLoss(LossModule):
 
     def forward(self, scores: Tensor, neighbors: Tensor) -> Tensor:
         return neighbor_loss(scores, neighbors, **self.loss_options())
+
+
+def _example_neighbor(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 33, 33), torch.randint(0, 33, (33, 3), generator=g)), {})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "neighbor_loss": _example_neighbor,
+}

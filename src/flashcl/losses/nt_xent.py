@@ -8,9 +8,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, registry, runner
+from .. import checks, parallel, reference, runner
 from ..base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
-from ..checks import Scalar
+from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
 from ..core import CoreSpec, Exclusions, compute_dtype
 from ..engine.engine import Problem, autocast_off
@@ -18,7 +18,6 @@ from ..engine.family_heads import DebiasedHead
 from ..runner import unit_rows
 
 
-@registry.loss
 @shared_docs
 @compiles(rows=lambda z1: (2 * z1.shape[0],))
 def nt_xent_loss(
@@ -199,7 +198,6 @@ def _nt_xent(
     return runner.run(z, cols, scale, spec, opts)
 
 
-@registry.module
 class NTXentLoss(LossModule):
     """Module form of :func:`nt_xent_loss`.
 
@@ -236,3 +234,13 @@ class NTXentLoss(LossModule):
                 f"{PML_ADAPTERS}.NTXentLoss"
             )
         return nt_xent_loss(z1, z2, **self.loss_options())
+
+
+def _example_nt_xent(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 29, 24), example_rows(g, 29, 24)), {"temperature": 0.2})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "nt_xent_loss": _example_nt_xent,
+}

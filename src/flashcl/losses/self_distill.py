@@ -20,8 +20,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
+from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
@@ -356,7 +357,6 @@ def check_options(
 # ----------------------------------------------------------------------------- DINO / iBOT
 
 
-@registry.loss
 @shared_docs
 @compiles(batch_dims={"student": -2, "teacher": -2})
 def dino_loss(
@@ -545,7 +545,6 @@ def prototype_center(
 # ----------------------------------------------------------------------------- Modules
 
 
-@registry.module
 class DINOLoss(LossModule):
     """Module form of :func:`dino_loss` (``(student, teacher, prototypes)``, the student
     first) that keeps DINO's center: with
@@ -644,3 +643,17 @@ class DINOLoss(LossModule):
             assert self.center is not None
             self.center = self.center * momentum + mean.to(self.center.dtype) * (1.0 - momentum)
         return loss
+
+
+def _example_dino(g: torch.Generator) -> Example:
+    return Example(  # (student views, the teacher's views without gradient, prototypes)
+        (example_rows(g, 3, 9, 24), example_rows(g, 2, 9, 24), example_rows(g, 301, 24)),
+        {"pairs": "cross"},
+        leaves=(0, 2),
+    )
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "dino_loss": _example_dino,
+}

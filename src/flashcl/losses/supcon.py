@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, reject_pml_call, shared_docs
-from ..checks import Scalar, check_keys, class_ids, no_matryoshka
+from ..checks import Example, Scalar, check_keys, class_ids, example_labels, example_rows, no_matryoshka
 from ..compiled import compiles
 from ..core import CoreSpec, compute_dtype
 from .multilabel import multilabel_supcon
@@ -39,7 +40,6 @@ def validate_ref(
     return ref, ref_labels, ref_self
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def supcon_loss(
@@ -245,7 +245,6 @@ def _supcon(
     return out.reshape(views, b).T if opts.reduction == "none" and embeddings.dim() == 3 else out
 
 
-@registry.module
 class SupConLoss(LossModule):
     """Module form of :func:`supcon_loss`; see it for the math and arguments.
 
@@ -286,3 +285,13 @@ class SupConLoss(LossModule):
             pml["indices_tuple"] = ref
         reject_pml_call("SupConLoss", pml)
         return supcon_loss(embeddings, labels, ref=ref, ref_labels=ref_labels, ref_self=ref_self, **self.loss_options())
+
+
+def _example_supcon(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 37, 24), example_labels(g, 37, 5)), {"temperature": 0.1})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "supcon_loss": _example_supcon,
+}

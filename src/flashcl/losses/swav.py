@@ -8,8 +8,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, registry
+from .. import checks, parallel
 from ..base import LossModule, shared_docs
+from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
@@ -27,7 +28,6 @@ from .self_distill import (
 __all__ = ["swav_loss", "SwAVLoss"]
 
 
-@registry.loss
 @shared_docs
 @compiles(batch_dims={"views": -2, "queue": -2})
 def swav_loss(
@@ -120,7 +120,6 @@ def swav_loss(
         )
 
 
-@registry.module
 class SwAVLoss(LossModule):
     """Module form of :func:`swav_loss` (the prototypes passed to each call).
 
@@ -147,3 +146,13 @@ class SwAVLoss(LossModule):
 
     def forward(self, views: Tensor, prototypes: Tensor, queue: Optional[Tensor] = None) -> Tensor:
         return swav_loss(views, prototypes, queue=queue, **self.loss_options())
+
+
+def _example_swav(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 3, 11, 24), example_rows(g, 97, 24)), {"high_resolution": 2})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "swav_loss": _example_swav,
+}

@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import checks, parallel, registry, runner
+from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
+from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import Tile, compute_dtype
 from ..engine.engine import autocast_off, normalize_rows
@@ -131,7 +132,6 @@ def _reference_rows(
 # ---------------------------------------------------------------- public
 
 
-@registry.loss
 @shared_docs
 @compiles()
 def triplet_loss(
@@ -352,7 +352,6 @@ def _round(
     return travel
 
 
-@registry.module
 class TripletLoss(LossModule):
     """Module form of :func:`triplet_loss`; see it for the math and arguments.
 
@@ -380,3 +379,13 @@ class TripletLoss(LossModule):
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         return triplet_loss(embeddings, labels, **self.loss_options())
+
+
+def _example_triplet(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 30, 24), example_labels(g, 30, 4)), {"margin": 0.5, "mining": "semi-hard"})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {
+    "triplet_loss": _example_triplet,
+}

@@ -13,7 +13,14 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import functional
+from ..losses.clip import clip_loss
+from ..losses.cosent import cosent_loss
+from ..losses.info_nce import info_nce_loss
+from ..losses.margin import arcface_loss, cosface_loss
+from ..losses.neighbor import neighbor_loss
+from ..losses.nt_xent import nt_xent_loss
+from ..losses.supcon import supcon_loss
+from ..losses.triplet import triplet_loss
 
 __all__ = ["Candidate", "candidates", "families", "flex_template"]
 
@@ -76,7 +83,7 @@ def _neighbor(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[s
             for excl in (True, False):
                 for red in ("sum", "mean"):
                     call = f"flashcl.neighbor_loss({scores}, {how}, exclude_diagonal={excl}, reduction='{red}')"
-                    fn = functools.partial(functional.neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red)
+                    fn = functools.partial(neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red)
                     out.append((call, fn))
     words = (
         "neighbor_loss with k = 1..5 neighbours drawn by random.randrange or torch.randint, diagonal "
@@ -108,7 +115,7 @@ def _supcon(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
                         f"include_self={inc}, reduction='{red}')"
                     )
                     fn = functools.partial(
-                        functional.supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red
+                        supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red
                     )
                     out.append((call, fn))
     words = f"supcon_loss at temperatures {_words(_TEMPERATURES)}, positives mean / sum, include_self, mean / sum"
@@ -134,7 +141,7 @@ def _triplet(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[st
                         + f", distance='{distance}', normalize={normalize}, reduction='{red}')"
                     )
                     fn = functools.partial(
-                        functional.triplet_loss,
+                        triplet_loss,
                         e,
                         y,
                         margin=margin,
@@ -178,7 +185,7 @@ def _margin(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
                     call = (
                         f"flashcl.cosface_loss({ne}, {ny}, {written}, margin={m}, scale={scale:g}, reduction='{red}')"
                     )
-                    fn = functools.partial(functional.cosface_loss, e, y, cw, margin=m, scale=scale, reduction=red)
+                    fn = functools.partial(cosface_loss, e, y, cw, margin=m, scale=scale, reduction=red)
                     out.append((call, fn))
                 for m in _ARCFACE_MARGINS:
                     for easy in (False, True):
@@ -187,7 +194,7 @@ def _margin(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
                             f"easy_margin={easy}, reduction='{red}')"
                         )
                         fn = functools.partial(
-                            functional.arcface_loss, e, y, cw, margin=m, scale=scale, easy_margin=easy, reduction=red
+                            arcface_loss, e, y, cw, margin=m, scale=scale, easy_margin=easy, reduction=red
                         )
                         out.append((call, fn))
     words = (
@@ -210,19 +217,19 @@ def _two_towers(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple
             out.append(
                 (
                     f"flashcl.nt_xent_loss({na}, {nb}, temperature={t})",
-                    functools.partial(functional.nt_xent_loss, a, b, temperature=t),
+                    functools.partial(nt_xent_loss, a, b, temperature=t),
                 )
             )
             out.append(
                 (
                     f"flashcl.clip_loss({name(a, 'image')}, {name(b, 'text')}, logit_scale={1 / t:g})",
-                    functools.partial(functional.clip_loss, a, b, 1 / t),
+                    functools.partial(clip_loss, a, b, 1 / t),
                 )
             )
         out.append(
             (
                 f"flashcl.info_nce_loss({name(a, 'query')}, {name(b, 'keys')}, temperature={t})",
-                functools.partial(functional.info_nce_loss, a, b, temperature=t),
+                functools.partial(info_nce_loss, a, b, temperature=t),
             )
         )
     temps = _words(_TEMPERATURES)
@@ -251,7 +258,7 @@ def _cosent(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
                 f"flashcl.cosent_loss({name(a, 'a')}, {name(b, 'b')}, {name(y, 'scores')}, scale={scale:g}, "
                 f"similarity='{similarity}')"
             )
-            out.append((call, functools.partial(functional.cosent_loss, a, b, y, scale=scale, similarity=similarity)))
+            out.append((call, functools.partial(cosent_loss, a, b, y, scale=scale, similarity=similarity)))
     return f"cosent_loss at scales {_words(_COSENT_SCALES)}, cosine or AnglE's angle similarity", out
 
 

@@ -23,6 +23,7 @@ backend is ``fallback``, with the cause.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -31,22 +32,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import functional
+from ..checks import Example
 from ..triton import failure
 
-__all__ = ["Check", "Row", "CHECKS", "TOLERANCE", "run_checks", "format_row", "HEADER"]
+__all__ = ["Row", "examples", "TOLERANCE", "run_checks", "format_row", "HEADER"]
 
 #: the largest error a row may have, relative to the reference's largest magnitude
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 BACKENDS = ("dense", "tiled", "triton")
-
-
-@dataclass
-class Check:
-    """One loss's call: ``make(generator) -> (float inputs, other inputs, keywords)``."""
-
-    loss: str
-    make: Callable[[torch.Generator], Tuple[List[Tensor], List[Any], Dict[str, Any]]]
 
 
 @dataclass
@@ -61,65 +54,20 @@ class Row:
     note: str = ""
 
 
-def _r(g: torch.Generator, *shape: int) -> Tensor:
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
+def examples() -> Dict[str, Callable[[torch.Generator], Example]]:
+    """Every public loss's :class:`~flashcl.checks.Example` (its family module's
+    ``EXAMPLES``), by name; a public loss without one is an error."""
+    import flashcl
 
-
-def _labels(g: torch.Generator, n: int, classes: int) -> Tensor:
-    return torch.randint(0, classes, (n,), generator=g)
-
-
-#: every registered loss, at small odd sizes
-CHECKS = [
-    Check("supcon_loss", lambda g: ([_r(g, 37, 24)], [_labels(g, 37, 5)], {"temperature": 0.1})),
-    Check("nt_xent_loss", lambda g: ([_r(g, 29, 24), _r(g, 29, 24)], [], {"temperature": 0.2})),
-    Check(
-        "info_nce_loss",
-        lambda g: ([_r(g, 23, 24), _r(g, 41, 24)], [torch.randint(0, 41, (23,), generator=g)], {"temperature": 0.05}),
-    ),
-    Check("clip_loss", lambda g: ([_r(g, 31, 24), _r(g, 31, 24)], [14.0], {})),
-    Check("siglip_loss", lambda g: ([_r(g, 31, 24), _r(g, 31, 24)], [10.0, -5.0], {})),
-    Check(
-        "gist_loss",
-        lambda g: ([_r(g, 19, 24), _r(g, 19, 24)], [], {"guide": (_r(g, 19, 8), _r(g, 19, 8)), "temperature": 0.05}),
-    ),
-    Check(
-        "neighbor_loss",
-        lambda g: ([_r(g, 33, 33)], [torch.randint(0, 33, (33, 3), generator=g)], {}),
-    ),
-    Check(
-        "distill_loss",
-        lambda g: (
-            [_r(g, 21, 24), _r(g, 27, 24)],
-            [_r(g, 21, 16), _r(g, 27, 16)],
-            {"scale": 10.0, "teacher_scale": 20.0},
-        ),
-    ),
-    Check("cosent_loss", lambda g: ([_r(g, 25, 24), _r(g, 25, 24)], [torch.rand(25, generator=g)], {"scale": 20.0})),
-    Check("triplet_loss", lambda g: ([_r(g, 30, 24)], [_labels(g, 30, 4)], {"margin": 0.5, "mining": "semi-hard"})),
-    Check("cosface_loss", lambda g: ([_r(g, 26, 24), _r(g, 57, 24)], [_labels(g, 26, 57)], {"scale": 30.0})),
-    Check("arcface_loss", lambda g: ([_r(g, 26, 24), _r(g, 57, 24)], [_labels(g, 26, 57)], {"scale": 30.0})),
-    Check("maxsim_loss", lambda g: ([_r(g, 6, 5, 16), _r(g, 9, 7, 16)], [], {"temperature": 0.5})),
-    Check("maxsim_distill_loss", lambda g: ([_r(g, 5, 4, 16), _r(g, 5, 3, 6, 16)], [_r(g, 5, 3)], {})),
-    # (student views, prototypes), the teacher's views without gradient
-    Check("dino_loss", lambda g: ([_r(g, 3, 9, 24), _r(g, 301, 24)], [_r(g, 2, 9, 24)], {"pairs": "cross"})),
-    Check("swav_loss", lambda g: ([_r(g, 3, 11, 24), _r(g, 97, 24)], [], {"high_resolution": 2})),
-    Check("koleo_loss", lambda g: ([_r(g, 41, 24)], [], {})),
-    Check(
-        "flex_loss",
-        lambda g: (
-            [_r(g, 37, 24)],
-            [],
-            {
-                "rows": {"t": _labels(g, 37, 12), "doc": _labels(g, 37, 30)},
-                "positive": lambda a, b: (a.t - b.t).abs() <= 1,
-                "exclude": lambda a, b: (a.doc == b.doc) & ((a.t - b.t).abs() > 1),
-                "score_mod": lambda s, a, b: s - 0.2 * ((a.t - b.t).abs() <= 1),
-                "temperature": 0.2,
-            },
-        ),
-    ),
-]
+    out: Dict[str, Callable[[torch.Generator], Example]] = {}
+    for name in flashcl.__all__:
+        if name.endswith("_loss"):
+            module = sys.modules[getattr(flashcl, name).__module__]
+            make = getattr(module, "EXAMPLES", {}).get(name)
+            if make is None:
+                raise LookupError(f"{module.__name__} gives no EXAMPLES[{name!r}] for flashcl check")
+            out[name] = make
+    return out
 
 
 def _each(fn: Callable[[Any], Any], v: Any) -> Any:
@@ -132,29 +80,26 @@ def _each(fn: Callable[[Any], Any], v: Any) -> Any:
     return fn(v)
 
 
-def _call(check: Check, floats: List[Tensor], others: List[Any], kw: Dict[str, Any], backend: str) -> Tensor:
-    """The loss on these inputs (labels, guides, a teacher's rows in the floats' order)."""
-    fn = getattr(functional, check.loss)
-    args: List[Any] = list(floats)
-    if check.loss in ("cosface_loss", "arcface_loss", "dino_loss"):  # (embeddings, labels / teacher, weights)
-        args = [floats[0], others[0], floats[1]]
-    else:
-        args += others
-    return fn(*args, backend=backend, **kw)
-
-
 def _run(
-    check: Check, backend: str, dtype: torch.dtype, device: str, seed: int, rounded: Optional[torch.dtype] = None
+    name: str, backend: str, dtype: torch.dtype, device: str, seed: int, rounded: Optional[torch.dtype] = None
 ) -> Tuple[Tensor, List[Tensor], float]:
-    """(value, every floating input's gradient, forward + backward seconds of a warm call);
-    ``rounded``: the inputs first rounded to that dtype (the reference of a row in it)."""
-    floats, others, kw = check.make(torch.Generator().manual_seed(seed))
+    """(value, every leaf's gradient, forward + backward seconds of a warm call) of the
+    loss ``name`` on its example; ``rounded``: the inputs first rounded to that dtype
+    (the reference of a row in it)."""
+    import flashcl
+
+    fn = getattr(sys.modules[getattr(flashcl, name).__module__], name)  # looked up per call: a patched one counts
+    example = examples()[name](torch.Generator().manual_seed(seed))
+    args, kw = list(example.args), dict(example.kwargs)
+    leaves = example.leaves
+    if leaves is None:
+        leaves = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor) and a.is_floating_point())
     if rounded is not None:
 
         def as_given(x: Any) -> Any:
             return x.to(rounded).double() if isinstance(x, Tensor) and x.is_floating_point() else x
 
-        floats, others = [as_given(x) for x in floats], [as_given(x) for x in others]
+        args = [as_given(x) for x in args]
         kw = {k: _each(as_given, v) for k, v in kw.items()}
 
     def move(x: Any) -> Any:
@@ -164,11 +109,12 @@ def _run(
         return x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device)
 
     def once() -> Tuple[Tensor, List[Tensor]]:
-        leaves = [move(x).requires_grad_(True) for x in floats]
-        rest = [move(x) for x in others]  # labels to the device, a teacher's rows in the dtype
+        moved = [move(x) for x in args]  # labels to the device, a teacher's rows in the dtype
+        for i in leaves:
+            moved[i].requires_grad_(True)
         extra = {k: _each(move, v) for k, v in kw.items()}
-        value = _call(check, leaves, rest, extra, backend)
-        grads = torch.autograd.grad(value, leaves)
+        value = fn(*moved, backend=backend, **extra)
+        grads = torch.autograd.grad(value, [moved[i] for i in leaves])
         return value.detach(), list(grads)
 
     once()  # first call: compilation, caches
@@ -209,26 +155,27 @@ def run_checks(
     """Every check of ``losses`` (default: all) on ``backends`` and ``dtypes`` on
     ``device`` against the float64 reference on the CPU; ``report`` is called with
     each row as it is made (a printout that keeps the rows before a crash)."""
-    chosen = [c for c in CHECKS if losses is None or c.loss in losses]
-    unknown = set(losses or ()) - {c.loss for c in CHECKS}
+    every = list(examples())
+    chosen = [name for name in every if losses is None or name in losses]
+    unknown = set(losses or ()) - set(every)
     if unknown:
-        raise ValueError(f"unknown loss(es) {sorted(unknown)}: choose from {[c.loss for c in CHECKS]}")
+        raise ValueError(f"unknown loss(es) {sorted(unknown)}: choose from {every}")
     rows: List[Row] = []
-    for check in chosen:
+    for name in chosen:
         for dtype in dtypes:
-            value, grads, _ = _run(check, "reference", torch.float64, "cpu", seed, rounded=dtype)
+            value, grads, _ = _run(name, "reference", torch.float64, "cpu", seed, rounded=dtype)
             want = (value, grads)
             dense_error: Optional[float] = None
             for backend in backends:
-                name = str(dtype).replace("torch.", "")
+                dname = str(dtype).replace("torch.", "")
                 try:
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
-                        v, g, seconds = _run(check, backend, dtype, device, seed)
+                        v, g, seconds = _run(name, backend, dtype, device, seed)
                 except (ValueError, TypeError) as e:  # the backend is refused for this loss or device
-                    row = Row(check.loss, backend, name, "n/a", note=_why_not(e))
+                    row = Row(name, backend, dname, "n/a", note=_why_not(e))
                 except Exception as e:  # noqa: BLE001 - a crash is a row of the table, not the end of it
-                    row = Row(check.loss, backend, name, "error", note=f"{type(e).__name__}: {_why_not(e)}")
+                    row = Row(name, backend, dname, "error", note=f"{type(e).__name__}: {_why_not(e)}")
                 else:
                     err = _error((v, g), want)
                     tol = TOLERANCE[dtype]
@@ -243,7 +190,7 @@ def run_checks(
                     if fell_back and status == "pass":
                         status = "fallback"
                     note = fell_back[0] if fell_back else ""
-                    row = Row(check.loss, backend, name, status, err, tol, 1e3 * seconds, note)
+                    row = Row(name, backend, dname, status, err, tol, 1e3 * seconds, note)
                 rows.append(row)
                 if report is not None:
                     report(row)
