@@ -88,17 +88,10 @@ class CoreSpec:
     positive_weight: Optional[Tensor] = None
 
 
-#: every torch dtype's compute dtype: float32 for half and bfloat16 (accumulation
-#: precision), else itself
-ACCUMULATE = {
-    d: torch.float32 if d in (torch.float16, torch.bfloat16) else d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype)
-}
-
-#: ``compute_dtype(dtype)``: the dtype a computation on ``dtype`` inputs accumulates in
-#: (a table lookup: it runs on every call of every loss)
-compute_dtype = ACCUMULATE.__getitem__
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a computation on ``dtype`` inputs accumulates in: float32 for half
+    and bfloat16, else ``dtype`` itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 @dataclass(frozen=True)
@@ -115,6 +108,11 @@ class Tile:
     c0: int
     c1: int
     offset: int = 0
+
+    def self_diagonal(self, t: Tensor) -> Tensor:
+        """The view of the self entries ``(i, i + offset)`` in ``t``, a tensor of this
+        tile's shape (empty when none is in the tile)."""
+        return t.diagonal(offset=self.r0 + self.offset - self.c0)
 
     def transposed(self) -> Tile:
         """The same entries seen from the columns: for self-contrast (rows and

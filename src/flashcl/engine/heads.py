@@ -63,7 +63,7 @@ __all__ = [
 
 def mask_self_(s: Tensor, tile: Tile, value: float) -> None:
     """In place: the self entries of the tile take ``value``."""
-    s.diagonal(offset=tile.r0 + tile.offset - tile.c0).fill_(value)
+    tile.self_diagonal(s).fill_(value)
 
 
 def mask_columns_(s: Tensor, tile: Tile, index: Tensor, value: float) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..core import CoreSpec
+from ..core import CoreSpec, Tile
 
 __all__ = [
     "RowScaled",
@@ -161,7 +161,7 @@ class Positives:
             inside = (self.self_index[r0:r1] >= 0) & (cols >= 0) & (cols < c1 - c0)
             pos[(rows - r0)[inside], cols[inside]] = False
         elif self.self_pairs:
-            pos.diagonal(offset=r0 + self.offset - c0).fill_(False)
+            Tile(r0, r1, c0, c1, self.offset).self_diagonal(pos).fill_(False)
         return pos.to(torch.float32)
 
 

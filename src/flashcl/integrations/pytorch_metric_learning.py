@@ -345,7 +345,7 @@ class PairNTXentHead(Head):
         if self.pairs.self_index is not None:
             mask_columns_(pos, tile, self.pairs.self_index, False)
         elif self.pairs.self_pairs:
-            pos.diagonal(offset=tile.r0 + tile.offset - tile.c0).fill_(False)
+            tile.self_diagonal(pos).fill_(False)
         return pos, ~same
 
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _PairState:

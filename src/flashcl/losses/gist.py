@@ -27,7 +27,7 @@ def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, diagonal: Optional[bo
     def mask(tile: Tile) -> Tensor:
         out = (gq[tile.r0 : tile.r1] @ gk[tile.c0 : tile.c1].T) > threshold[tile.r0 : tile.r1].unsqueeze(1)
         if diagonal is not None:
-            out.diagonal(offset=tile.r0 + tile.offset - tile.c0).fill_(diagonal)
+            tile.self_diagonal(out).fill_(diagonal)
         return out
 
     return mask
