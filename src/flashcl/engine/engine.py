@@ -440,13 +440,21 @@ def operands(
     )
 
 
-def normalize_backward_(grad: Tensor, y: Rows, norms: Tensor, block: int) -> None:
-    """In place: d(x / max(|x|, eps))/dx applied to ``grad``, given y = x/|x|."""
-    projected = norms > NORM_EPS
+def normalize_backward_(grad: Tensor, x: Tensor, eps: float = NORM_EPS, block: int = 4096) -> Tensor:
+    """In place, the gradient ``grad`` of ``x / max(|x|, eps)`` (row by row; ``x`` as
+    given, any dtype) taken back to ``x``: ``(g - y (y . g)) / |x|`` with ``y = x / |x|``
+    where ``|x| > eps`` (the projection before the division: exact where a row's
+    direction is fixed), ``g / eps`` elsewhere; a block of rows at a time (no
+    temporary of ``x``'s size). The one normalisation backward of every fused loss.
+    Returns ``grad``."""
     for r0 in range(0, grad.shape[0], block):
-        g, yb = grad[r0 : r0 + block], y[r0 : r0 + block]
-        dot = (g * yb).sum(1) * projected[r0 : r0 + block]
-        g.sub_(yb * dot.unsqueeze(1)).div_(norms[r0 : r0 + block].unsqueeze(1))
+        g, xb = grad[r0 : r0 + block], x[r0 : r0 + block].to(grad.dtype)
+        norms = torch.linalg.vector_norm(xb, dim=1)
+        clamped = norms.clamp_min(eps).unsqueeze(1)
+        y = xb / clamped
+        dot = (g * y).sum(1) * (norms > eps)
+        g.sub_(y * dot.unsqueeze(1)).div_(clamped)
+    return grad
 
 
 def _add_linear(
@@ -543,10 +551,10 @@ def _input_grads(
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """The normalisation's backward and the cast back to the inputs' dtypes."""
     if ops.q_norms is not None:
-        normalize_backward_(dq, ops.q, ops.q_norms, ops.block)
+        normalize_backward_(dq, q_in, block=ops.block)
         if not ops.same:
-            assert ops.k_norms is not None
-            normalize_backward_(dk, ops.k, ops.k_norms, ops.block)
+            assert k_in is not None
+            normalize_backward_(dk, k_in, block=ops.block)
     return dq.to(q_in.dtype), None if ops.same else dk.to(k_in.dtype)  # type: ignore[union-attr]
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .engine import differentiable_grads
+from .engine import differentiable_grads, normalize_backward_
 
 __all__ = ["nearest_neighbours", "KoLeoRows", "koleo_dense"]
 
@@ -64,14 +64,6 @@ def nearest_neighbours(
 def _normalize_inverse(x: Tensor, eps: float) -> Tensor:
     """``1 / max(|x_i|, eps)``: ``F.normalize(x, eps=eps)`` is ``x`` times it."""
     return 1.0 / torch.linalg.vector_norm(x, dim=1).clamp_min(eps)
-
-
-def _through_normalize(g: Tensor, x: Tensor, inv: Tensor, eps: float) -> Tensor:
-    """The gradient ``g`` of ``x / max(|x|, eps)`` taken back to ``x`` (row by row)."""
-    unit = x * inv.unsqueeze(1)
-    big = (inv < 1.0 / eps).unsqueeze(1)  # |x| > eps: the projection; else a plain 1 / eps scaling
-    proj = g - unit * (unit * g).sum(1, keepdim=True)
-    return torch.where(big, proj, g).mul_(inv.unsqueeze(1))
 
 
 def koleo_dense(q: Tensor, keys: Optional[Tensor], offset: int, eps: float, diagonal: float = -1.0) -> Tensor:
@@ -158,8 +150,8 @@ class KoLeoRows(torch.autograd.Function):
             j = nn[r0:r1]
             diff = qd[r0:r1] * inv_q[r0:r1].unsqueeze(1) - kd[j] * inv_k[j].unsqueeze(1) + eps
             g = diff.mul_(factor[r0:r1].unsqueeze(1))
-            dk.index_add_(0, j, _through_normalize(-g, kd[j], inv_k[j], eps))
-            dq[r0:r1] += _through_normalize(g, qd[r0:r1], inv_q[r0:r1], eps)
+            dk.index_add_(0, j, normalize_backward_(-g, kd[j], eps))
+            dq[r0:r1] += normalize_backward_(g, qd[r0:r1], eps)
         dq_out = dq.to(q.dtype) if ctx.needs_input_grad[0] else None
         dk_out = None if keys is None or not ctx.needs_input_grad[1] else dk.to(keys.dtype)
         return dq_out, dk_out, None, None, None, None, None

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .engine import differentiable_grads, normalize_rows
+from .engine import differentiable_grads, normalize_backward_, normalize_rows
 from .prototypes import Blocks, Group, Prototypes, inverse_norms, unit_rows
 
 __all__ = [
@@ -272,7 +272,7 @@ class PrototypeCrossEntropy(torch.autograd.Function):
             )
         top, idx, rest, mass, prest = ctx.saved_tensors[2:]
         dtype = compute_dtype(x.dtype)
-        xh, inv_x = unit_rows(x.detach().to(dtype), ctx.normalize)
+        xh, _ = unit_rows(x.detach().to(dtype), ctx.normalize)
         protos = Prototypes(w.detach().to(dtype), ctx.normalize)
         b, k, s = xh.shape[0], protos.k, ctx.inv_temp
         g = grad.to(dtype) if ctx.weights is None else ctx.weights.to(dtype) * grad.to(dtype)
@@ -283,7 +283,7 @@ class PrototypeCrossEntropy(torch.autograd.Function):
             gz = protos.tile(xh, k0, k1, s, z_buf)
             soft_gradient_(gz, [ctx.targets(k0, k1, p_buf)], k0, top, idx, rest, mass, prest)
             grads.add(gz.mul_(g.unsqueeze(1) * s), k0, k1)
-        dx, dw = grads.finish(x, w, inv_x, ctx.normalize)
+        dx, dw = grads.finish(x, w, ctx.normalize)
         return dx, dw, None, None, None, None, None, None
 
 
@@ -366,9 +366,9 @@ def _fused_rows(
             g = torch.mm(z.mul_(protos.inv) if normalize else z, protos.w).mul_(f)
             dx.view(views, b, d)[:, r] = g.view(views, m, d)
     if dx is not None and inv_x is not None:
-        _through_unit(dx, xd, inv_x)
+        normalize_backward_(dx, xd)
     if dwh is not None and normalize:
-        _through_unit(dwh, protos.w, protos.inv)
+        normalize_backward_(dwh, protos.w)
     ctx.fused = (None if dx is None else dx.to(x.dtype), None if dwh is None else dwh.to(w.dtype))
     ctx.save_for_backward(x, w, *st.saved())  # a second backward (retain_graph) recomputes
     return (weights.to(dtype) * st.rows()).sum()
@@ -391,16 +391,6 @@ def _row_dots(p: Tensor, z: Tensor, chunk: int = 8192) -> Tensor:
     return out
 
 
-def _through_unit(grad: Tensor, v: Tensor, inv: Tensor, chunk: int = 4096) -> None:
-    """The gradient of ``v^ = v inv`` (each row by its inverse norm) taken back to ``v``
-    in place: ``(grad - v^ (v^ . grad)) inv``, a chunk of rows at a time."""
-    for r0 in range(0, v.shape[0], chunk):
-        r1 = min(r0 + chunk, v.shape[0])
-        unit = v[r0:r1] * inv[r0:r1].unsqueeze(1)
-        g = grad[r0:r1]
-        g.sub_(unit * torch.linalg.vecdot(unit, g, dim=1).unsqueeze(1)).mul_(inv[r0:r1].unsqueeze(1))
-
-
 class _Grads:
     """The rows' and the prototypes' gradients from the logits' gradient a block at a
     time: ``d w^_k = gz_k^T x^`` (then through ``w^ = w / |w|``), ``d x^ += gz w^``."""
@@ -421,7 +411,7 @@ class _Grads:
         self.dw = torch.zeros_like(protos.w) if prototypes else None
 
     def add(self, gz: Tensor, k0: int, k1: int) -> None:
-        inv, unit = self.protos.inv[k0:k1], self.protos.unit(k0, k1)
+        unit = self.protos.unit(k0, k1)
         if self.rowwise is not None:
             gz.mul_(self.rowwise)
         if self.dw is not None:
@@ -429,16 +419,15 @@ class _Grads:
             if self.scalar is not None:
                 dwh.mul_(self.scalar)
             if self.protos.normalized:
-                dwh.sub_(unit * (unit * dwh).sum(1, keepdim=True)).mul_(inv.unsqueeze(1))
+                normalize_backward_(dwh, self.protos.w[k0:k1])
         if self.dxh is not None:  # d x^ += gz w^_k
             self.dxh.addmm_(gz, unit)
 
-    def finish(self, x: Tensor, w: Tensor, inv_x: Tensor, normalize: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    def finish(self, x: Tensor, w: Tensor, normalize: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         dx = None
         if self.dxh is not None:
             dx = self.dxh if self.scalar is None else self.dxh.mul_(self.scalar)
             if normalize:  # through x^ = x / |x|, in place
-                dot = torch.linalg.vecdot(self.xh, dx, dim=1).unsqueeze(1)
-                dx = dx.addcmul_(self.xh, dot, value=-1.0).mul_(inv_x.unsqueeze(1))
+                normalize_backward_(dx, x)
             dx = dx.to(x.dtype)
         return dx, None if self.dw is None else self.dw.to(w.dtype)
