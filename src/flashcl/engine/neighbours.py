@@ -5,13 +5,13 @@ and the per-row terms with their gradient (:class:`KoLeoRows`)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .engine import differentiable_grads, normalize_backward_
+from .engine import FusedFunction, normalize_backward_
 
 __all__ = ["nearest_neighbours", "KoLeoRows", "koleo_dense"]
 
@@ -78,7 +78,7 @@ def koleo_dense(q: Tensor, keys: Optional[Tensor], offset: int, eps: float, diag
     return -torch.log(torch.nn.functional.pairwise_distance(qh, kh[dots.argmax(1)], 2, eps) + eps)
 
 
-class KoLeoRows(torch.autograd.Function):
+class KoLeoRows(FusedFunction):
     """``apply(q, keys, offset, eps, rows, cols[, diagonal]) -> (M,)``: DINOv2's KoLeo term of each
     row of ``q``, ``-log(|q^_i - k^_nn(i) + eps| + eps)`` (``^``: ``F.normalize`` with
     ``eps``; the neighbour by :func:`nearest_neighbours`; ``keys`` None: ``q``'s own
@@ -120,21 +120,20 @@ class KoLeoRows(torch.autograd.Function):
             r1 = min(r0 + rows, qd.shape[0])
             diff = qd[r0:r1] * inv_q[r0:r1].unsqueeze(1) - kd[nn[r0:r1]] * inv_k[nn[r0:r1]].unsqueeze(1) + eps
             dist[r0:r1] = torch.linalg.vector_norm(diff, dim=1)
-        ctx.save_for_backward(q, keys, nn, dist)
+        FusedFunction.setup(ctx, (q, keys), (nn, dist))
         ctx.opts = (eps, rows, offset, diagonal)
         return -torch.log(dist + eps)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        q, keys, nn, dist = ctx.saved_tensors
+    @classmethod
+    def dense(cls, ctx: Any, q: Tensor, keys: Optional[Tensor]) -> Tensor:
+        eps, _, offset, diagonal = ctx.opts
+        dtype = compute_dtype(q.dtype)
+        return koleo_dense(q.to(dtype), None if keys is None else keys.to(dtype), offset, eps, diagonal)
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        q, keys, nn, dist = saved
         eps, rows, offset, diagonal = ctx.opts
-        if torch.is_grad_enabled():  # create_graph=True: the dense formula, differentiable again
-            dtype = compute_dtype(q.dtype)
-
-            def dense(a: Tensor, b: Optional[Tensor]) -> Tensor:
-                return koleo_dense(a.to(dtype), None if b is None else b.to(dtype), offset, eps, diagonal)
-
-            return (*differentiable_grads(dense, [q, keys], ctx.needs_input_grad[:2], grad), *([None] * 5))
         dtype = compute_dtype(q.dtype)
         qd = q.detach().to(dtype)
         kd = qd if keys is None else keys.detach().to(dtype)
@@ -152,6 +151,4 @@ class KoLeoRows(torch.autograd.Function):
             g = diff.mul_(factor[r0:r1].unsqueeze(1))
             dk.index_add_(0, j, normalize_backward_(-g, kd[j], eps))
             dq[r0:r1] += normalize_backward_(g, qd[r0:r1], eps)
-        dq_out = dq.to(q.dtype) if ctx.needs_input_grad[0] else None
-        dk_out = None if keys is None or not ctx.needs_input_grad[1] else dk.to(keys.dtype)
-        return dq_out, dk_out, None, None, None, None, None
+        return dq, None if keys is None else dk
