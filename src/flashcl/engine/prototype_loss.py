@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .engine import differentiable_grads, normalize_backward_, normalize_rows
+from .engine import FusedFunction, normalize_backward_, normalize_rows
 from .prototypes import Blocks, Group, Prototypes, inverse_norms, unit_rows
 
 __all__ = [
@@ -175,7 +175,7 @@ def _stats_of_tile(
     stats.rest.view(views, -1)[:, r] = e.sum(1).view(views, m)
 
 
-class PrototypeCrossEntropy(torch.autograd.Function):
+class PrototypeCrossEntropy(FusedFunction):
     """``apply(x, w, targets, inv_temp, block, normalize[, weights, rows_block]) -> (B,)``:
     each row's cross-entropy between its targets and the softmax of ``x^ . w^_k *
     inv_temp`` over the prototypes (``^``: L2-normalised with ``normalize``); with
@@ -213,7 +213,7 @@ class PrototypeCrossEntropy(torch.autograd.Function):
         rows_block: Optional[int] = None,
     ) -> Tensor:
         ctx.targets, ctx.inv_temp, ctx.block, ctx.normalize = targets, inv_temp, block, normalize
-        ctx.weights, ctx.fused = weights, None
+        ctx.weights = weights
         if weights is not None:
             return _fused_rows(ctx, x, w, targets, inv_temp, normalize, weights, rows_block)
         dtype = compute_dtype(x.dtype)
@@ -250,27 +250,16 @@ class PrototypeCrossEntropy(torch.autograd.Function):
             st.prest += p.sum(1)
             st.idx = torch.where(up, bi + k0, st.idx)
             st.top = new
-        ctx.save_for_backward(x, w, *st.saved())
+        FusedFunction.setup(ctx, (x, w), st.saved())
         return st.rows()  # in the compute dtype (float32 for half-precision inputs)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        x, w = ctx.saved_tensors[:2]
-        if torch.is_grad_enabled():  # create_graph=True: the dense formula, differentiable again
-            ctx.fused = None
-            second = differentiable_grads(
-                lambda a, b_: _dense_output(ctx, a, b_), [x, w], ctx.needs_input_grad[:2], grad
-            )
-            return (*second, *([None] * 6))
-        if ctx.fused is not None:  # formed in the forward pass: scaled in place (no second K x D tensor)
-            dx, dw = ctx.fused
-            ctx.fused = None  # handed over (autograd takes them as the leaves' .grad); a second backward recomputes
-            return (
-                None if dx is None else dx.mul_(grad.to(dx.dtype)),
-                None if dw is None else dw.mul_(grad.to(dw.dtype)),
-                *([None] * 6),
-            )
-        top, idx, rest, mass, prest = ctx.saved_tensors[2:]
+    @classmethod
+    def dense(cls, ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        return _dense_output(ctx, x, w)
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        x, w, top, idx, rest, mass, prest = saved
         dtype = compute_dtype(x.dtype)
         xh, _ = unit_rows(x.detach().to(dtype), ctx.normalize)
         protos = Prototypes(w.detach().to(dtype), ctx.normalize)
@@ -283,8 +272,7 @@ class PrototypeCrossEntropy(torch.autograd.Function):
             gz = protos.tile(xh, k0, k1, s, z_buf)
             soft_gradient_(gz, [ctx.targets(k0, k1, p_buf)], k0, top, idx, rest, mass, prest)
             grads.add(gz.mul_(g.unsqueeze(1) * s), k0, k1)
-        dx, dw = grads.finish(x, w, ctx.normalize)
-        return dx, dw, None, None, None, None, None, None
+        return grads.finish(x, w, ctx.normalize)
 
 
 def _dense_output(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
@@ -320,7 +308,7 @@ def _fused_rows(
 ) -> Tensor:
     """:class:`PrototypeCrossEntropy`'s scalar: blocks of images (their rows in every
     student view, one GEMM) against every prototype, the value and both gradients in
-    one pass (kept in ``ctx.fused``)."""
+    one pass (handed to the backward: :class:`~flashcl.engine.engine.FusedFunction`)."""
     dtype = compute_dtype(x.dtype)
     xd = x.detach().to(dtype)
     protos = Prototypes(w.detach().to(dtype), normalize)
@@ -369,8 +357,8 @@ def _fused_rows(
         normalize_backward_(dx, xd)
     if dwh is not None and normalize:
         normalize_backward_(dwh, protos.w)
-    ctx.fused = (None if dx is None else dx.to(x.dtype), None if dwh is None else dwh.to(w.dtype))
-    ctx.save_for_backward(x, w, *st.saved())  # a second backward (retain_graph) recomputes
+    # handed to the backward, scaled there; a second backward (retain_graph) recomputes
+    FusedFunction.setup(ctx, (x, w), st.saved(), grads=(dx, dwh))
     return (weights.to(dtype) * st.rows()).sum()
 
 
