@@ -14,13 +14,14 @@ B_global x D) while each rank forms its own slice's weight gradient alone.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import parallel, runner
 from ..core import compute_dtype
+from ..engine.engine import FusedFunction
 from ..engine.proxies import Shard, auto_class_block, visit
 
 __all__ = ["sample_classes", "sharded_margin", "kept_labels"]
@@ -40,7 +41,7 @@ class _GroupShard(Shard):
         return parallel.sum_across(t, self.group)
 
 
-class _ShardedMargin(torch.autograd.Function):
+class _ShardedMargin(FusedFunction):
     """``apply(e, w, scale, labels, opts, weights, factor, sizes, group, share) -> rows``: the
     global rows' losses (every rank alike) of this rank's embeddings ``e`` and every
     rank's, over every rank's class slice; ``labels``: the global rows' classes in this
@@ -66,17 +67,17 @@ class _ShardedMargin(torch.autograd.Function):
     ) -> Tensor:
         everyone = parallel.gather_plain(e, group)
         rows, lse, _ = visit(everyone, w, scale, labels, opts, None, (False,) * 3, None, _GroupShard(group))
-        ctx.save_for_backward(everyone, w, scale, labels, lse)
+        FusedFunction.setup(ctx, (e, w, scale), (everyone, labels, lse))
         ctx.opts, ctx.weights, ctx.factor, ctx.group, ctx.sizes, ctx.share = opts, weights, factor, group, sizes, share
         return rows
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "shard_classes=True does not compute second derivatives (its collectives' gradients have no graph)"
-            )
-        everyone, w, scale, labels, lse = ctx.saved_tensors
+    @classmethod
+    def no_second_derivatives(cls, ctx: Any) -> Optional[str]:
+        return "shard_classes=True does not compute second derivatives (its collectives' gradients have no graph)"
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        _, w, scale, everyone, labels, lse = saved
         rank = parallel.rank_of(ctx.group)
         start, mine = sum(ctx.sizes[:rank]), ctx.sizes[rank]  # this rank's rows among everyone's
         dtype = compute_dtype(everyone.dtype)
@@ -94,10 +95,7 @@ class _ShardedMargin(torch.autograd.Function):
         if dscale is not None:  # per global row, summed over the slices
             dscale = parallel.sum_across(dscale, ctx.group)
             dscale = (dscale[start : start + mine] if ctx.share else dscale).sum()
-        e_grad = de.to(everyone.dtype) if needs[0] else None
-        w_grad = dw.to(w.dtype) if dw is not None else None
-        s_grad = dscale.to(scale.dtype) if dscale is not None else None
-        return e_grad, w_grad, s_grad, None, None, None, None, None, None, None
+        return de, dw, dscale
 
 
 def sharded_margin(

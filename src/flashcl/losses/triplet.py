@@ -27,7 +27,7 @@ distance (sentence-transformers' masked formulas).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import Tile, compute_dtype
-from ..engine.engine import autocast_off, normalize_rows
+from ..engine.engine import FusedFunction, autocast_off, normalize_rows
 from ..engine.triplets import (
     ColumnMiner,
     TripletRows,
@@ -278,7 +278,7 @@ def _triplet(
     return runner.reduce_total(total, counts.sum(), opts.reduction, opts.grad_scale, cols)
 
 
-class _TripletRing(torch.autograd.Function):
+class _TripletRing(FusedFunction):
     """``apply(x, yq, yk, spec, sizes, group) -> (rows, counts)``: the triplet losses of
     this rank's anchors ``x`` (labels ``yq``) against every rank's rows, the blocks
     passed round the ring (no rank holds more than its own rows and one visitor):
@@ -298,16 +298,18 @@ class _TripletRing(torch.autograd.Function):
             _round(xd, spec, sizes, group, lambda d, slope, tile, kb, travel, s=step: miner.visit(s, d, tile))
             miner.end_pass(step)
         rows, counts = miner.finish()
-        ctx.save_for_backward(x)
+        FusedFunction.setup(ctx, (x,))
         ctx.miner, ctx.spec, ctx.sizes, ctx.group = miner, spec, sizes, group
         ctx.mark_non_differentiable(counts)
         return rows, counts
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor, _: Any):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError(RingDriver.no_second_derivatives)
-        (x,) = ctx.saved_tensors
+    @classmethod
+    def no_second_derivatives(cls, ctx: Any) -> Optional[str]:
+        return RingDriver.no_second_derivatives
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        (x,) = saved
         xd, distance = x.detach(), ctx.spec[4]
         dq = torch.zeros_like(xd)
         weights = grad.to(xd.dtype)
@@ -318,7 +320,7 @@ class _TripletRing(torch.autograd.Function):
             grads_from(g, slope, xd[tile.r0 : tile.r1], kb, distance, dq[tile.r0 : tile.r1], travel)
 
         travel = _round(xd, ctx.spec, ctx.sizes, ctx.group, visit, with_gradient=True)
-        return dq + travel, None, None, None, None, None
+        return (dq + travel,)
 
 
 def _round(

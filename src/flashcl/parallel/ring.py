@@ -5,13 +5,13 @@ batch: :class:`RingDriver`."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..engine.engine import Driver, Operands, Problem
+from ..engine.engine import Driver, FusedFunction, Operands, Problem
 from ..engine.heads import Head, Tile
 from ..engine.positives import Positives, PositiveTerm, Rows, class_sums, raw_rows
 
@@ -156,7 +156,7 @@ class RingDriver(Driver):
 ScoreFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
-class RingScores(torch.autograd.Function):
+class RingScores(FusedFunction):
     """``apply(q, k, mask, score, sizes, group) -> s``: ``score(q, block, block_mask)``
     (a differentiable (B, n) score of this rank's rows against one block of candidates,
     late interaction's MaxSim) against every rank's block, the blocks (and their masks)
@@ -183,16 +183,18 @@ class RingScores(torch.autograd.Function):
             if step < world - 1:
                 shape = (sizes[(owner - 1) % world], *k.shape[1:])
                 block, block_mask = ring_pass([block, block_mask], [shape, shape[:-1]], group)
-        ctx.save_for_backward(q, k, mask)
+        FusedFunction.setup(ctx, (q, k), (mask,))
         ctx.score, ctx.sizes, ctx.group, ctx.starts = score, sizes, group, starts
         assert out is not None, "every rank's block is empty"
         return out
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError(RingDriver.no_second_derivatives)
-        q, k, mask = ctx.saved_tensors
+    @classmethod
+    def no_second_derivatives(cls, ctx: Any) -> Optional[str]:
+        return RingDriver.no_second_derivatives
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
+        q, k, mask = saved
         rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         dq = torch.zeros_like(q)
         block, block_mask, travel = k, mask.to(k.dtype), torch.zeros_like(k)
@@ -209,4 +211,4 @@ class RingScores(torch.autograd.Function):
             # the block goes on; after the last step its gradient arrives home
             shape = (ctx.sizes[(owner - 1) % world], *k.shape[1:])
             block, block_mask, travel = ring_pass([block, block_mask, travel], [shape, shape[:-1], shape], ctx.group)
-        return dq, travel, None, None, None, None
+        return dq, travel
