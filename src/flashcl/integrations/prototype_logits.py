@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core import compute_dtype
-from ..engine.engine import differentiable_grads
+from ..engine.engine import FusedFunction
 from ..engine.prototype_loss import soft_cross_entropy, soft_gradient_rows_, soft_terms
 from ..parallel import rows_join
 
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-class PairedSoftCrossEntropy(torch.autograd.Function):
+class PairedSoftCrossEntropy(FusedFunction):
     """``apply(inv_temp, pairs, targets, *views) -> (S, B)``: each student view's rows'
     cross-entropy ``-sum_k p_k log_softmax_k(s / tau)`` summed over its paired teacher
     views' probabilities (``targets``: T tensors (B, K), no gradient), in the form of
@@ -56,18 +56,18 @@ class PairedSoftCrossEntropy(torch.autograd.Function):
                 rest[r] = e.sum(1)
             stats.extend((top, idx, rest, mass))
             out.append(mass * torch.log1p(rest) + cross)
-        ctx.save_for_backward(*views, *stats)
+        FusedFunction.setup(ctx, views, stats, slots=range(3, 3 + len(views)))
         ctx.inv_temp, ctx.pairs, ctx.targets, ctx.n = inv_temp, pairs, targets, len(views)
         return torch.stack(out)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor):  # type: ignore[override]
-        saved = ctx.saved_tensors
+    @classmethod
+    def dense(cls, ctx: Any, *views: Tensor) -> Tensor:
+        return paired_dense(ctx.inv_temp, ctx.pairs, ctx.targets, views)
+
+    @classmethod
+    def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
         views, stats = saved[: ctx.n], saved[ctx.n :]
         needs = ctx.needs_input_grad[3:]
-        if torch.is_grad_enabled():  # create_graph=True: the formula's gradient, differentiable again
-            rows = lambda *xs: paired_dense(ctx.inv_temp, ctx.pairs, ctx.targets, xs)  # noqa: E731
-            return (None, None, None, *differentiable_grads(rows, views, needs, grad))
         grads: List[Optional[Tensor]] = []
         for s, view in enumerate(views):
             if not needs[s]:
@@ -80,8 +80,8 @@ class PairedSoftCrossEntropy(torch.autograd.Function):
                 targets = [ctx.targets[t][r] for t in ctx.pairs[s]]
                 soft_gradient_rows_(gz, targets, top[r], idx[r], rest[r], mass[r])
                 gz.mul_(grad[s][r].to(gz.dtype).unsqueeze(-1) * ctx.inv_temp)
-            grads.append(g.to(view.dtype))
-        return (None, None, None, *grads)
+            grads.append(g)
+        return grads
 
 
 def paired_dense(inv_temp: float, pairs: List[List[int]], targets: Sequence[Tensor], views: Sequence[Tensor]) -> Tensor:
