@@ -16,6 +16,7 @@ from .losses.info_nce import InfoNCELoss, info_nce_loss
 from .losses.koleo import KoLeoLoss, koleo_loss
 from .losses.margin import ArcFaceLoss, CosFaceLoss, arcface_loss, cosface_loss
 from .losses.maxsim import MaxSimDistillLoss, MaxSimLoss, maxsim_distill_loss, maxsim_loss, maxsim_scores
+from .losses.multi_similarity import MultiSimilarityLoss, multi_similarity_loss
 from .losses.neighbor import NeighborLoss, neighbor_loss, sample_neighbors
 from .losses.nt_xent import NTXentLoss, nt_xent_loss
 from .losses.self_distill import DINOLoss, dino_loss, prototype_center

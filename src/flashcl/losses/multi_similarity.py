@@ -1,0 +1,356 @@
+"""Multi-Similarity loss (Wang et al., CVPR 2019) with its miner, exact at any batch:
+:func:`multi_similarity_loss` and :class:`MultiSimilarityLoss`, a head on the engine's
+tiles (:class:`MultiSimilarityHead`), with the per-anchor oracle beside it.
+
+For cosine scores ``s`` of L2-normalised rows and labels, each anchor's positives ``P_i``
+(same label, itself left out) and negatives ``N_i`` (another label), mined as
+pytorch-metric-learning's ``MultiSimilarityMiner`` mines them (a positive kept when
+``s_ij < max_{N_i} s + epsilon``, a negative when ``s_ij > min_{P_i} s - epsilon``)::
+
+    L_i = 1/alpha log(1 + sum_{P_i} exp(-alpha (s_ij - base)))
+        + 1/beta  log(1 + sum_{N_i} exp( beta (s_ij - base)))
+
+The mining needs each row's hardest positive and hardest negative before its sums: a
+first pass over the row's tiles, then the sums; a block of complete rows does both on
+the scores it holds (three matrix products in all, as the softmax losses).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import checks, parallel, runner
+from ..base import LossModule, shared_docs
+from ..checks import Example, example_labels, example_rows
+from ..compiled import compiles
+from ..core import Tile, compute_dtype
+from ..engine.engine import Problem, autocast_off
+from ..engine.heads import Head, softplus
+
+__all__ = ["multi_similarity_loss", "MultiSimilarityLoss", "MultiSimilarityHead"]
+
+_INF = float("inf")
+
+
+class _State:
+    """Per row: the hardest positive's and negative's scores, the two log-sums and the
+    mined sets' sizes; the gradient's coefficients once the upstream gradient is known."""
+
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.hard_pos = like.new_full((m,), _INF)
+        self.hard_neg = like.new_full((m,), -_INF)
+        self.lse_pos = like.new_full((m,), -_INF)
+        self.lse_neg = like.new_full((m,), -_INF)
+        self.n_pos, self.n_neg = like.new_zeros(m), like.new_zeros(m)
+        self.coef: Optional[Tuple[Tensor, Tensor]] = None
+
+
+class MultiSimilarityHead(Head):
+    """The Multi-Similarity loss as an engine head (see the module docstring).
+
+    Args:
+        row_ids, col_ids: the rows' and the columns' class ids (int64, global columns).
+        own: self-contrast: the pair ``(i, i + offset)`` is the anchor itself.
+        offset: the column of anchor 0.
+        alpha, beta, base: the loss's weights and shift.
+        epsilon: the miner's margin, or None (every pair).
+    """
+
+    fuses_rows = True
+
+    def __init__(
+        self,
+        row_ids: Tensor,
+        col_ids: Tensor,
+        own: bool,
+        offset: int,
+        alpha: float,
+        beta: float,
+        base: float,
+        epsilon: Optional[float],
+    ) -> None:
+        self.row_ids, self.col_ids, self.own, self.offset = row_ids, col_ids, own, offset
+        self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
+        self.passes = 1 if epsilon is None else 2
+        #: the mined pairs' numbers (positive, negative) over this call's rows, once reduced
+        self.counts: Optional[Tuple[Tensor, Tensor]] = None
+
+    def _sets(self, tile: Tile, device: torch.device) -> Tuple[Tensor, Tensor]:
+        """The tile's positive and negative pairs (bool), the self pair in neither."""
+        pos = self.row_ids[tile.r0 : tile.r1].unsqueeze(1) == self.col_ids[tile.c0 : tile.c1].unsqueeze(0)
+        neg = ~pos
+        if self.own:
+            tile.self_diagonal(pos).fill_(False)
+            tile.self_diagonal(neg).fill_(False)
+        return pos, neg
+
+    def _mined(self, s: Tensor, tile: Tile, st: _State) -> Tuple[Tensor, Tensor]:
+        pos, neg = self._sets(tile, s.device)
+        if self.epsilon is None:
+            return pos, neg
+        rows = slice(tile.r0, tile.r1)
+        pos &= s < (st.hard_neg[rows] + self.epsilon).unsqueeze(1)
+        neg &= s > (st.hard_pos[rows] - self.epsilon).unsqueeze(1)
+        return pos, neg
+
+    def _hardest(self, s: Tensor, tile: Tile, st: _State) -> None:
+        pos, neg = self._sets(tile, s.device)
+        rows = slice(tile.r0, tile.r1)
+        if s.shape[1]:
+            torch.minimum(st.hard_pos[rows], s.masked_fill(~pos, _INF).amin(1), out=st.hard_pos[rows])
+            torch.maximum(st.hard_neg[rows], s.masked_fill(~neg, -_INF).amax(1), out=st.hard_neg[rows])
+
+    def _exponents(self, s: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+        """``-alpha (s - base)`` on the positives, ``beta (s - base)`` on the negatives, -inf elsewhere."""
+        shifted = s - self.base
+        return (shifted * -self.alpha).masked_fill_(~pos, -_INF), (shifted * self.beta).masked_fill_(~neg, -_INF)
+
+    def _sums(self, s: Tensor, tile: Tile, st: _State) -> None:
+        pos, neg = self._mined(s, tile, st)
+        rows = slice(tile.r0, tile.r1)
+        if s.shape[1]:
+            xp, xn = self._exponents(s, pos, neg)
+            torch.logaddexp(st.lse_pos[rows], torch.logsumexp(xp, 1), out=st.lse_pos[rows])
+            torch.logaddexp(st.lse_neg[rows], torch.logsumexp(xn, 1), out=st.lse_neg[rows])
+        st.n_pos[rows] += pos.sum(1)
+        st.n_neg[rows] += neg.sum(1)
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _State:
+        return _State(m, like)
+
+    def reduce(self, s: Tensor, tile: Tile, st: _State, p: int = 0) -> None:
+        if p == 0 and self.epsilon is not None:
+            self._hardest(s, tile, st)
+        else:
+            self._sums(s, tile, st)
+
+    def values(self, st: _State) -> Tuple[Tensor, Optional[Tensor]]:
+        self.counts = (st.n_pos.sum(), st.n_neg.sum())
+        return softplus(st.lse_pos) / self.alpha + softplus(st.lse_neg) / self.beta, None
+
+    def begin_grad(self, st: _State, g_row: Tensor, g_col: Optional[Tensor]) -> None:
+        # d L_i / d s_ij: -sigmoid(lse_pos_i) exp(xp_ij - lse_pos_i) on a positive, sigmoid(lse_neg_i)
+        # exp(xn_ij - lse_neg_i) on a negative (a row without one of its sets: 0 there)
+        st.coef = (g_row * torch.sigmoid(st.lse_pos), g_row * torch.sigmoid(st.lse_neg))
+
+    def grad(self, s: Tensor, tile: Tile, st: _State, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.coef is not None
+        rows = slice(tile.r0, tile.r1)
+        pos, neg = self._mined(s, tile, st)
+        xp, xn = self._exponents(s, pos, neg)
+        cp, cn = st.coef
+        lp, ln = st.lse_pos[rows].unsqueeze(1), st.lse_neg[rows].unsqueeze(1)
+        # exp(-inf - lse) = 0 off the sets; a row without the set has lse = -inf and no entry there
+        gp = torch.where(pos, xp - lp, -_INF).exp_().mul_(-cp[rows].unsqueeze(1))
+        gn = torch.where(neg, xn - ln, -_INF).exp_().mul_(cn[rows].unsqueeze(1))
+        return s.copy_(gp.add_(gn))
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _State, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        if self.epsilon is not None:
+            self._hardest(s, tile, st)
+        self._sums(s, tile, st)
+        if g_row is None:
+            return None
+        rows = slice(tile.r0, tile.r1)
+        if st.coef is None:
+            st.coef = (torch.zeros_like(st.lse_pos), torch.zeros_like(st.lse_neg))
+        st.coef[0][rows] = g_row[rows] * torch.sigmoid(st.lse_pos[rows])
+        st.coef[1][rows] = g_row[rows] * torch.sigmoid(st.lse_neg[rows])
+        return self.grad(s, tile, st)
+
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+        st = _State(s.shape[0], s)
+        with torch.no_grad():  # the mined sets are constants, as the miner's indices
+            if self.epsilon is not None:
+                self._hardest(s.detach(), tile, st)
+            pos, neg = self._mined(s.detach(), tile, st)
+        self.counts = (pos.sum().to(s.dtype), neg.sum().to(s.dtype))
+        xp, xn = self._exponents(s, pos, neg)
+        zero = s.new_zeros(s.shape[0], 1)  # log(1 + sum): a row without the set gives 0 (and no NaN gradient)
+        rows = torch.logsumexp(torch.cat([xp, zero], 1), 1) / self.alpha
+        return rows + torch.logsumexp(torch.cat([xn, zero], 1), 1) / self.beta, None
+
+
+def _reference_rows(
+    q: Tensor, keys: Tensor, yq: Tensor, yk: Tensor, offset: int, own: bool, opts: Tuple[float, ...]
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """The oracle: one anchor at a time, the cosines of its pairs, its mined sets and its
+    loss (``opts``: alpha, beta, base, epsilon or NaN for none); (rows, mined positives,
+    mined negatives)."""
+    alpha, beta, base, epsilon = opts
+    qn = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-12)
+    kn = keys / torch.linalg.vector_norm(keys, dim=1, keepdim=True).clamp_min(1e-12)
+    out, n_pos, n_neg = [], 0, 0
+    for i in range(q.shape[0]):
+        s = kn @ qn[i]
+        others = [j for j in range(keys.shape[0]) if not (own and j == i + offset)]
+        pos = [j for j in others if int(yk[j]) == int(yq[i])]
+        neg = [j for j in others if int(yk[j]) != int(yq[i])]
+        if not math.isnan(epsilon):
+            d = s.detach()
+            hard_neg = max((float(d[j]) for j in neg), default=-_INF)
+            hard_pos = min((float(d[j]) for j in pos), default=_INF)
+            pos = [j for j in pos if float(d[j]) < hard_neg + epsilon]
+            neg = [j for j in neg if float(d[j]) > hard_pos - epsilon]
+        n_pos, n_neg = n_pos + len(pos), n_neg + len(neg)
+        one = s.new_zeros(1)
+        lp = torch.logsumexp(torch.cat([-alpha * (s[pos] - base), one]), 0) / alpha
+        out.append(lp + torch.logsumexp(torch.cat([beta * (s[neg] - base), one]), 0) / beta)
+    rows = torch.stack(out) if out else (q @ keys.T).sum(1)
+    return rows, q.new_tensor(float(n_pos)), q.new_tensor(float(n_neg))
+
+
+def _number(value: object, name: str, positive: bool = False, optional: bool = False) -> Optional[float]:
+    """A hyperparameter as a float: a Python number or a 0-dim tensor without gradient."""
+    if value is None and optional:
+        return None
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.requires_grad:
+            raise ValueError(f"{name} must be a number (or a 0-dim tensor without gradient), got {value!r}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise ValueError(f"{name} must be finite{' and > 0' if positive else ''}, got {v}")
+    return v
+
+
+@shared_docs
+@compiles()
+def multi_similarity_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    *,
+    alpha: float = 2.0,
+    beta: float = 50.0,
+    base: float = 0.5,
+    epsilon: Optional[float] = 0.1,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
+) -> Tensor:
+    r"""Multi-Similarity loss (Wang et al. 2019) with its miner built in, exact over the
+    whole batch without the B x B matrix: pytorch-metric-learning's
+    ``MultiSimilarityLoss(alpha, beta, base)`` called with the indices of
+    ``MultiSimilarityMiner(epsilon)``, on cosine scores of L2-normalised rows,
+
+    $$
+    L_i = \frac{1}{\alpha} \log\Big(1 + \sum_{j \in P_i} e^{-\alpha (s_{ij} - \lambda)}\Big)
+        + \frac{1}{\beta} \log\Big(1 + \sum_{j \in N_i} e^{\beta (s_{ij} - \lambda)}\Big)
+    $$
+
+    with ``P_i`` the anchor's positives (same label, itself left out) and ``N_i`` its
+    negatives, each mined as the miner mines them: a positive kept when
+    ``s_ij < max_{N_i} s + epsilon``, a negative when ``s_ij > min_{P_i} s - epsilon``
+    (strict); ``epsilon=None`` keeps every pair (the loss without a miner). As
+    pytorch-metric-learning, a batch where at most one positive and at most one negative
+    pair remain gives 0, and ``"mean"`` is over every anchor.
+
+    Args:
+        embeddings: (B, D) rows (L2-normalised here).
+        labels: (B,) integer class labels.
+        alpha: the positives' weight (> 0). Default: 2.
+        beta: the negatives' weight (> 0). Default: 50.
+        base: the shift ``lambda`` of the scores. Default: 0.5.
+        epsilon: the miner's margin, or None for no mining. Default: 0.1.
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"``.
+        @backend@
+        @process_group@
+
+    Shape:
+        - embeddings: (B, D); labels: (B,); output: scalar, or (B,) with ``reduction="none"``
+
+    Examples::
+
+        >>> x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        >>> loss = flashcl.multi_similarity_loss(x, y)
+    """
+    embeddings, labels = checks.validate_labelled(embeddings, labels, empty=process_group is not None)
+    a = _number(alpha, "alpha", positive=True)
+    b = _number(beta, "beta", positive=True)
+    c = _number(base, "base")
+    eps = _number(epsilon, "epsilon", optional=True)
+    assert a is not None and b is not None and c is not None
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
+    with autocast_off(embeddings.device.type):
+        return _multi_similarity(embeddings, labels.long(), (a, b, c, eps), opts)
+
+
+def _multi_similarity(
+    embeddings: Tensor, labels: Tensor, hyper: Tuple[float, float, float, Optional[float]], opts: checks.Options
+) -> Tensor:
+    """The one body: this rank's rows against every rank's (one process: its own)."""
+    alpha, beta, base, eps = hyper
+    cols = parallel.columns(embeddings, opts.strategy, opts.process_group, own=True)
+    ids, _ = cols.class_ids(labels)
+    m = embeddings.shape[0]
+    row_ids = ids[cols.offset : cols.offset + m]
+    dtype = compute_dtype(embeddings.dtype)
+    name = runner.pick_name(
+        opts.backend, ("reference", "dense", "tiled"), m * cols.total, embeddings, "multi_similarity_loss", source=cols
+    )
+    valid = torch.ones(m, dtype=dtype, device=embeddings.device)
+    weights = runner.share(opts.reduction, opts.grad_scale, cols, valid)
+    if name == "reference":
+        keys = embeddings if cols.own and cols.group is None else cols.keys
+        hyper_ = (alpha, beta, base, math.nan if eps is None else eps)
+        rows, n_pos, n_neg = _reference_rows(
+            embeddings.to(dtype), keys.to(dtype), row_ids, ids, cols.offset, True, hyper_
+        )
+        out = rows if weights is None else (weights * rows).sum()
+    else:
+        head = MultiSimilarityHead(row_ids, ids, True, cols.offset, alpha, beta, base, eps)
+        scale = torch.ones((), dtype=dtype, device=embeddings.device)
+        pair = None if weights is None else (weights, None)
+        out = cols.run(embeddings, scale, Problem(head, (), True, cols.offset), pair, opts.block_size, backend=name)
+        assert head.counts is not None
+        n_pos, n_neg = head.counts
+    # as pytorch-metric-learning: at most one mined pair of each kind in the global batch gives 0
+    counts = torch.stack([n_pos, n_neg]).to(dtype)
+    if cols.group is not None:
+        counts = parallel.sum_across(counts, cols.group)
+    return out * ((counts[0] > 1) | (counts[1] > 1)).to(out.dtype)
+
+
+class MultiSimilarityLoss(LossModule):
+    """Module form of :func:`multi_similarity_loss`; see it for the math and arguments.
+
+    Examples::
+
+        >>> loss_fn = flashcl.MultiSimilarityLoss(epsilon=0.1)
+        >>> loss = loss_fn(torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    """
+
+    def __init__(
+        self,
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        base: float = 0.5,
+        epsilon: Optional[float] = 0.1,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(**self.given(locals()))
+
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        return multi_similarity_loss(embeddings, labels, **self.loss_options())
+
+
+def _example_multi_similarity(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 37, 24), example_labels(g, 37, 5)), {"base": 0.1})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {"multi_similarity_loss": _example_multi_similarity}
