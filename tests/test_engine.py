@@ -218,3 +218,10 @@ def test_all_finite_sees_every_non_finite_entry() -> None:
     y[0, 0], y[4, 2] = float("inf"), float("-inf")  # opposite infinities: their sum is NaN, still caught
     assert not all_finite(y)
     assert not all_finite(torch.tensor([1.0, float("nan")], dtype=torch.bfloat16))
+    # a chunk of rows at a time (no float64 copy of the whole input): every chunk is seen
+    z = torch.randn(37, 5)
+    assert all_finite(z, chunk=8) and all_finite(z[:, ::2], chunk=3)
+    for at in ((0, 0), (12, 4), (36, 1)):
+        w = z.clone()
+        w[at] = float("nan")
+        assert not all_finite(w, chunk=8) and not all_finite(w.T, chunk=8), at

@@ -37,20 +37,47 @@ _INF = float("inf")
 
 
 class _State:
-    """Per row: the hardest positive's and negative's scores, the two log-sums and the
-    mined sets' sizes; the gradient's coefficients once the upstream gradient is known."""
+    """Per row: the hardest positive's and negative's scores (the first pass), the sums of
+    the mined pairs' exponentials shifted by them and the mined sets' sizes (the second);
+    the gradient's per-row factors once the upstream gradient is known."""
 
     def __init__(self, m: int, like: Tensor) -> None:
         self.hard_pos = like.new_full((m,), _INF)
         self.hard_neg = like.new_full((m,), -_INF)
-        self.lse_pos = like.new_full((m,), -_INF)
-        self.lse_neg = like.new_full((m,), -_INF)
+        self.sum_pos, self.sum_neg = like.new_zeros(m), like.new_zeros(m)
         self.n_pos, self.n_neg = like.new_zeros(m), like.new_zeros(m)
-        self.coef: Optional[Tuple[Tensor, Tensor]] = None
+        self.factors: Optional[Tuple[Tensor, Tensor]] = None
+
+
+class _Pairs:
+    """A tile's positive pairs as positions (``ri``, ``ci``: few, labels) with their scores
+    ``sp``; the tile itself then holds the negatives' scores (-inf at the positives and
+    the self pair)."""
+
+    __slots__ = ("ri", "ci", "sp")
+
+    def __init__(self, ri: Tensor, ci: Tensor, sp: Tensor) -> None:
+        self.ri, self.ci, self.sp = ri, ci, sp
+
+
+def _row_counts(mask: Tensor, chunk: int = 4096) -> Tensor:
+    """Each row's number of True entries, a chunk of columns at a time (a bool tile's sum
+    casts it whole to an integer tile first: eight times its memory)."""
+    out = torch.zeros(mask.shape[0], dtype=torch.int32, device=mask.device)
+    for c0 in range(0, mask.shape[1], chunk):
+        out += mask[:, c0 : c0 + chunk].sum(1, dtype=torch.int32)
+    return out
 
 
 class MultiSimilarityHead(Head):
     """The Multi-Similarity loss as an engine head (see the module docstring).
+
+    Each row's sums are shifted by its hardest pairs (the largest exponents of its mined
+    sets: ``-alpha (s - base)`` is largest at the hardest positive, ``beta (s - base)`` at
+    the hardest negative), known after the first pass: the second pass is plain sums, and
+    a negative's gradient is its exponential times one factor per row. The positives
+    (labels: few) are kept as positions; the negatives are the tile with the positives
+    and the self pair set to -inf.
 
     Args:
         row_ids, col_ids: the rows' and the columns' class ids (int64, global columns).
@@ -61,6 +88,7 @@ class MultiSimilarityHead(Head):
     """
 
     fuses_rows = True
+    passes = 2  # each row's hardest pairs, then its sums
 
     def __init__(
         self,
@@ -75,101 +103,144 @@ class MultiSimilarityHead(Head):
     ) -> None:
         self.row_ids, self.col_ids, self.own, self.offset = row_ids, col_ids, own, offset
         self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
-        self.passes = 1 if epsilon is None else 2
         #: the mined pairs' numbers (positive, negative) over this call's rows, once reduced
         self.counts: Optional[Tuple[Tensor, Tensor]] = None
 
-    def _sets(self, tile: Tile, device: torch.device) -> Tuple[Tensor, Tensor]:
-        """The tile's positive and negative pairs (bool), the self pair in neither."""
+    # ------------------------------------------------------------------ a tile's pairs
+    def _split_(self, s: Tensor, tile: Tile) -> _Pairs:
+        """The tile's positives as positions; ``s`` left holding the negatives' scores."""
         pos = self.row_ids[tile.r0 : tile.r1].unsqueeze(1) == self.col_ids[tile.c0 : tile.c1].unsqueeze(0)
-        neg = ~pos
         if self.own:
             tile.self_diagonal(pos).fill_(False)
-            tile.self_diagonal(neg).fill_(False)
-        return pos, neg
+            tile.self_diagonal(s).fill_(-_INF)
+        ri, ci = pos.nonzero(as_tuple=True)
+        pairs = _Pairs(ri, ci, s[ri, ci])
+        s.index_put_((ri, ci), s.new_tensor(-_INF))
+        return pairs
 
-    def _mined(self, s: Tensor, tile: Tile, st: _State) -> Tuple[Tensor, Tensor]:
-        pos, neg = self._sets(tile, s.device)
-        if self.epsilon is None:
-            return pos, neg
-        rows = slice(tile.r0, tile.r1)
-        pos &= s < (st.hard_neg[rows] + self.epsilon).unsqueeze(1)
-        neg &= s > (st.hard_pos[rows] - self.epsilon).unsqueeze(1)
-        return pos, neg
+    def _hardest(self, pairs: _Pairs, neg: Tensor, rows: slice, st: _State) -> None:
+        hp = st.hard_pos[rows]
+        hp.scatter_reduce_(0, pairs.ri, pairs.sp, "amin")
+        if neg.shape[1]:
+            torch.maximum(st.hard_neg[rows], neg.amax(1), out=st.hard_neg[rows])
 
-    def _hardest(self, s: Tensor, tile: Tile, st: _State) -> None:
-        pos, neg = self._sets(tile, s.device)
-        rows = slice(tile.r0, tile.r1)
-        if s.shape[1]:
-            torch.minimum(st.hard_pos[rows], s.masked_fill(~pos, _INF).amin(1), out=st.hard_pos[rows])
-            torch.maximum(st.hard_neg[rows], s.masked_fill(~neg, -_INF).amax(1), out=st.hard_neg[rows])
+    def _mined_positives(self, pairs: _Pairs, rows: slice, st: _State) -> Tuple[Tensor, Tensor, Tensor]:
+        """The kept positives' rows, columns and ``exp(-alpha (s - hardest positive))``."""
+        ri, ci, sp = pairs.ri, pairs.ci, pairs.sp
+        if self.epsilon is not None:
+            keep = sp < st.hard_neg[rows][ri] + self.epsilon
+            ri, ci, sp = ri[keep], ci[keep], sp[keep]
+        return ri, ci, (sp - st.hard_pos[rows][ri]).mul_(-self.alpha).exp_()
 
-    def _exponents(self, s: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
-        """``-alpha (s - base)`` on the positives, ``beta (s - base)`` on the negatives, -inf elsewhere."""
-        shifted = s - self.base
-        return (shifted * -self.alpha).masked_fill_(~pos, -_INF), (shifted * self.beta).masked_fill_(~neg, -_INF)
+    def _mined_negatives_(self, neg: Tensor, rows: slice, st: _State) -> Tensor:
+        """In place: the negatives' tile into ``exp(beta (s - hardest negative))`` where mined,
+        0 elsewhere; returns each row's number of mined negatives."""
+        kept = neg > (-_INF if self.epsilon is None else (st.hard_pos[rows] - self.epsilon).unsqueeze(1))
+        count = _row_counts(kept)
+        if self.epsilon is not None:
+            neg.masked_fill_(kept.logical_not_(), -_INF)
+        hn = st.hard_neg[rows]
+        shift = torch.where(torch.isfinite(hn), hn, torch.zeros_like(hn)).mul_(-self.beta).unsqueeze(1)
+        torch.addcmul(shift, neg, neg.new_ones(()), value=self.beta, out=neg)  # beta (s - hn), one pass
+        neg.exp_()
+        return count
 
-    def _sums(self, s: Tensor, tile: Tile, st: _State) -> None:
-        pos, neg = self._mined(s, tile, st)
-        rows = slice(tile.r0, tile.r1)
-        if s.shape[1]:
-            xp, xn = self._exponents(s, pos, neg)
-            torch.logaddexp(st.lse_pos[rows], torch.logsumexp(xp, 1), out=st.lse_pos[rows])
-            torch.logaddexp(st.lse_neg[rows], torch.logsumexp(xn, 1), out=st.lse_neg[rows])
-        st.n_pos[rows] += pos.sum(1)
-        st.n_neg[rows] += neg.sum(1)
+    def _sums(self, pairs: _Pairs, neg: Tensor, rows: slice, st: _State) -> Tuple[Tensor, Tensor, Tensor]:
+        ri, ci, ep = self._mined_positives(pairs, rows, st)
+        st.sum_pos[rows].index_add_(0, ri, ep)
+        st.n_pos[rows] += torch.bincount(ri, minlength=neg.shape[0]).to(neg.dtype)
+        st.n_neg[rows] += self._mined_negatives_(neg, rows, st)
+        st.sum_neg[rows] += neg.sum(1)
+        return ri, ci, ep
 
+    def _grad_(self, neg: Tensor, mined: Tuple[Tensor, Tensor, Tensor], rows: slice, st: _State) -> Tensor:
+        """``neg`` (the mined negatives' exponentials) into the tile's gradient."""
+        assert st.factors is not None
+        fp, fn = st.factors
+        ri, ci, ep = mined
+        neg.mul_(fn[rows].unsqueeze(1))
+        neg.index_put_((ri, ci), ep.mul_(fp[rows][ri]))
+        return neg
+
+    # ------------------------------------------------------------------ the protocol
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _State:
         return _State(m, like)
 
     def reduce(self, s: Tensor, tile: Tile, st: _State, p: int = 0) -> None:
-        if p == 0 and self.epsilon is not None:
-            self._hardest(s, tile, st)
+        rows = slice(tile.r0, tile.r1)
+        pairs = self._split_(s, tile)
+        if p == 0:
+            self._hardest(pairs, s, rows, st)
         else:
-            self._sums(s, tile, st)
+            self._sums(pairs, s, rows, st)
+
+    def _logsums(self, st: _State) -> Tuple[Tensor, Tensor]:
+        """``log(sum_P exp(-alpha (s - base)))`` and ``log(sum_N exp(beta (s - base)))`` per row
+        (-inf for an empty set)."""
+        lp = torch.log(st.sum_pos).add_(torch.where(st.sum_pos > 0, -self.alpha * (st.hard_pos - self.base), 0.0))
+        ln = torch.log(st.sum_neg).add_(torch.where(st.sum_neg > 0, self.beta * (st.hard_neg - self.base), 0.0))
+        return lp, ln
 
     def values(self, st: _State) -> Tuple[Tensor, Optional[Tensor]]:
         self.counts = (st.n_pos.sum(), st.n_neg.sum())
-        return softplus(st.lse_pos) / self.alpha + softplus(st.lse_neg) / self.beta, None
+        lp, ln = self._logsums(st)
+        return softplus(lp) / self.alpha + softplus(ln) / self.beta, None
 
     def begin_grad(self, st: _State, g_row: Tensor, g_col: Optional[Tensor]) -> None:
-        # d L_i / d s_ij: -sigmoid(lse_pos_i) exp(xp_ij - lse_pos_i) on a positive, sigmoid(lse_neg_i)
-        # exp(xn_ij - lse_neg_i) on a negative (a row without one of its sets: 0 there)
-        st.coef = (g_row * torch.sigmoid(st.lse_pos), g_row * torch.sigmoid(st.lse_neg))
+        # dL_i/ds_ij: -sigmoid(lp_i) exp(-alpha (s_ij - hp_i)) / sum_pos_i on a mined positive,
+        # sigmoid(ln_i) exp(beta (s_ij - hn_i)) / sum_neg_i on a mined negative
+        lp, ln = self._logsums(st)
+        fp = torch.where(st.sum_pos > 0, -g_row * torch.sigmoid(lp) / st.sum_pos, 0.0)
+        fn = torch.where(st.sum_neg > 0, g_row * torch.sigmoid(ln) / st.sum_neg, 0.0)
+        st.factors = (fp, fn)
 
     def grad(self, s: Tensor, tile: Tile, st: _State, buf: Optional[Tensor] = None) -> Tensor:
-        assert st.coef is not None
         rows = slice(tile.r0, tile.r1)
-        pos, neg = self._mined(s, tile, st)
-        xp, xn = self._exponents(s, pos, neg)
-        cp, cn = st.coef
-        lp, ln = st.lse_pos[rows].unsqueeze(1), st.lse_neg[rows].unsqueeze(1)
-        # exp(-inf - lse) = 0 off the sets; a row without the set has lse = -inf and no entry there
-        gp = torch.where(pos, xp - lp, -_INF).exp_().mul_(-cp[rows].unsqueeze(1))
-        gn = torch.where(neg, xn - ln, -_INF).exp_().mul_(cn[rows].unsqueeze(1))
-        return s.copy_(gp.add_(gn))
+        pairs = self._split_(s, tile)
+        ri, ci, ep = self._mined_positives(pairs, rows, st)
+        self._mined_negatives_(s, rows, st)
+        return self._grad_(s, (ri, ci, ep), rows, st)
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _State, g_row: Optional[Tensor]) -> Optional[Tensor]:
-        if self.epsilon is not None:
-            self._hardest(s, tile, st)
-        self._sums(s, tile, st)
+        rows = slice(tile.r0, tile.r1)
+        pairs = self._split_(s, tile)
+        self._hardest(pairs, s, rows, st)  # complete rows: final here
+        mined = self._sums(pairs, s, rows, st)  # s: the mined negatives' exponentials
         if g_row is None:
             return None
-        rows = slice(tile.r0, tile.r1)
-        if st.coef is None:
-            st.coef = (torch.zeros_like(st.lse_pos), torch.zeros_like(st.lse_neg))
-        st.coef[0][rows] = g_row[rows] * torch.sigmoid(st.lse_pos[rows])
-        st.coef[1][rows] = g_row[rows] * torch.sigmoid(st.lse_neg[rows])
-        return self.grad(s, tile, st)
+        sub = _State(0, s)
+        sub.hard_pos, sub.hard_neg, sub.sum_pos, sub.sum_neg = (
+            st.hard_pos[rows],
+            st.hard_neg[rows],
+            st.sum_pos[rows],
+            st.sum_neg[rows],
+        )
+        self.begin_grad(sub, g_row[rows], None)
+        assert sub.factors is not None
+        if st.factors is None:
+            st.factors = (torch.zeros_like(st.sum_pos), torch.zeros_like(st.sum_neg))
+        st.factors[0][rows], st.factors[1][rows] = sub.factors
+        return self._grad_(s, mined, rows, st)
 
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
-        st = _State(s.shape[0], s)
-        with torch.no_grad():  # the mined sets are constants, as the miner's indices
+        """The rows by differentiable torch ops on the whole matrix (the dense backend and
+        second derivatives), the sets mined without gradient."""
+        with torch.no_grad():
+            pos = self.row_ids[tile.r0 : tile.r1].unsqueeze(1) == self.col_ids[tile.c0 : tile.c1].unsqueeze(0)
+            others = torch.ones_like(pos)
+            if self.own:
+                tile.self_diagonal(pos).fill_(False)
+                tile.self_diagonal(others).fill_(False)
+            neg = others & ~pos
             if self.epsilon is not None:
-                self._hardest(s.detach(), tile, st)
-            pos, neg = self._mined(s.detach(), tile, st)
+                d = s.detach()
+                hard_pos = d.masked_fill(~pos, _INF).amin(1, keepdim=True) if d.shape[1] else d[:, :0]
+                hard_neg = d.masked_fill(~neg, -_INF).amax(1, keepdim=True) if d.shape[1] else d[:, :0]
+                pos &= d < hard_neg + self.epsilon
+                neg &= d > hard_pos - self.epsilon
         self.counts = (pos.sum().to(s.dtype), neg.sum().to(s.dtype))
-        xp, xn = self._exponents(s, pos, neg)
+        shifted = s - self.base
+        xp, xn = (shifted * -self.alpha).masked_fill(~pos, -_INF), (shifted * self.beta).masked_fill(~neg, -_INF)
         zero = s.new_zeros(s.shape[0], 1)  # log(1 + sum): a row without the set gives 0 (and no NaN gradient)
         rows = torch.logsumexp(torch.cat([xp, zero], 1), 1) / self.alpha
         return rows + torch.logsumexp(torch.cat([xn, zero], 1), 1) / self.beta, None
