@@ -179,3 +179,19 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
                 got = ranks[r][2 * case + 1]
                 assert_close(got, gx[start : start + sizes[r]], f"{strategy}: rank {r}'s rows' grad", *TOL)
             case += 1
+
+
+@pytest.mark.parametrize("fn", [flashcl.multi_similarity_loss, flashcl.circle_loss], ids=["ms", "circle"])
+def test_second_derivatives_equal_the_dense_formula(fn: Any) -> None:
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(11, 5, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (11,), generator=g)
+    v = torch.linspace(0.0, 1.0, 55, dtype=torch.float64).view(11, 5)
+    hvp = []
+    for backend in ("dense", "tiled", "reference"):
+        xx = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(fn(xx, y, backend=backend), xx, create_graph=True)
+        hvp.append(torch.autograd.grad((gx * v).sum(), xx)[0])
+    scale = float(hvp[0].abs().max())
+    assert_close(hvp[1] / scale, hvp[0] / scale, "tiled vs dense", *TOL)
+    assert_close(hvp[2] / scale, hvp[0] / scale, "reference vs dense", *TOL)

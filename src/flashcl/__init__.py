@@ -5,6 +5,7 @@ from types import ModuleType as _ModuleType
 # the public names: this list is __all__ (below) and the API reference's pages (docs/hooks);
 # a new family adds its line here
 from . import distributed
+from .losses.circle import CircleLoss, circle_loss
 from .losses.class_shards import sample_classes
 from .losses.clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
 from .losses.cosent import CoSENTLoss, cosent_loss

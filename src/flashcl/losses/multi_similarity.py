@@ -31,7 +31,15 @@ from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off
 from ..engine.heads import Head, softplus
 
-__all__ = ["multi_similarity_loss", "MultiSimilarityLoss", "MultiSimilarityHead"]
+__all__ = [
+    "multi_similarity_loss",
+    "MultiSimilarityLoss",
+    "MultiSimilarityHead",
+    "Pairs",
+    "split_pairs_",
+    "row_counts",
+    "number",
+]
 
 _INF = float("inf")
 
@@ -49,10 +57,9 @@ class _State:
         self.factors: Optional[Tuple[Tensor, Tensor]] = None
 
 
-class _Pairs:
+class Pairs:
     """A tile's positive pairs as positions (``ri``, ``ci``: few, labels) with their scores
-    ``sp``; the tile itself then holds the negatives' scores (-inf at the positives and
-    the self pair)."""
+    ``sp`` (:func:`split_pairs_`)."""
 
     __slots__ = ("ri", "ci", "sp")
 
@@ -60,7 +67,21 @@ class _Pairs:
         self.ri, self.ci, self.sp = ri, ci, sp
 
 
-def _row_counts(mask: Tensor, chunk: int = 4096) -> Tensor:
+def split_pairs_(s: Tensor, tile: Tile, row_ids: Tensor, col_ids: Tensor, own: bool) -> Pairs:
+    """A tile of scores split by labels: its positives (same id, the self pair left out
+    when ``own``) as positions and scores; ``s`` left holding the negatives' scores, -inf
+    at the positives and the self pair."""
+    pos = row_ids[tile.r0 : tile.r1].unsqueeze(1) == col_ids[tile.c0 : tile.c1].unsqueeze(0)
+    if own:
+        tile.self_diagonal(pos).fill_(False)
+        tile.self_diagonal(s).fill_(-_INF)
+    ri, ci = pos.nonzero(as_tuple=True)
+    pairs = Pairs(ri, ci, s[ri, ci])
+    s.index_put_((ri, ci), s.new_tensor(-_INF))
+    return pairs
+
+
+def row_counts(mask: Tensor, chunk: int = 4096) -> Tensor:
     """Each row's number of True entries, a chunk of columns at a time (a bool tile's sum
     casts it whole to an integer tile first: eight times its memory)."""
     out = torch.zeros(mask.shape[0], dtype=torch.int32, device=mask.device)
@@ -107,24 +128,13 @@ class MultiSimilarityHead(Head):
         self.counts: Optional[Tuple[Tensor, Tensor]] = None
 
     # ------------------------------------------------------------------ a tile's pairs
-    def _split_(self, s: Tensor, tile: Tile) -> _Pairs:
-        """The tile's positives as positions; ``s`` left holding the negatives' scores."""
-        pos = self.row_ids[tile.r0 : tile.r1].unsqueeze(1) == self.col_ids[tile.c0 : tile.c1].unsqueeze(0)
-        if self.own:
-            tile.self_diagonal(pos).fill_(False)
-            tile.self_diagonal(s).fill_(-_INF)
-        ri, ci = pos.nonzero(as_tuple=True)
-        pairs = _Pairs(ri, ci, s[ri, ci])
-        s.index_put_((ri, ci), s.new_tensor(-_INF))
-        return pairs
-
-    def _hardest(self, pairs: _Pairs, neg: Tensor, rows: slice, st: _State) -> None:
+    def _hardest(self, pairs: Pairs, neg: Tensor, rows: slice, st: _State) -> None:
         hp = st.hard_pos[rows]
         hp.scatter_reduce_(0, pairs.ri, pairs.sp, "amin")
         if neg.shape[1]:
             torch.maximum(st.hard_neg[rows], neg.amax(1), out=st.hard_neg[rows])
 
-    def _mined_positives(self, pairs: _Pairs, rows: slice, st: _State) -> Tuple[Tensor, Tensor, Tensor]:
+    def _mined_positives(self, pairs: Pairs, rows: slice, st: _State) -> Tuple[Tensor, Tensor, Tensor]:
         """The kept positives' rows, columns and ``exp(-alpha (s - hardest positive))``."""
         ri, ci, sp = pairs.ri, pairs.ci, pairs.sp
         if self.epsilon is not None:
@@ -136,7 +146,7 @@ class MultiSimilarityHead(Head):
         """In place: the negatives' tile into ``exp(beta (s - hardest negative))`` where mined,
         0 elsewhere; returns each row's number of mined negatives."""
         kept = neg > (-_INF if self.epsilon is None else (st.hard_pos[rows] - self.epsilon).unsqueeze(1))
-        count = _row_counts(kept)
+        count = row_counts(kept)
         if self.epsilon is not None:
             neg.masked_fill_(kept.logical_not_(), -_INF)
         hn = st.hard_neg[rows]
@@ -145,7 +155,7 @@ class MultiSimilarityHead(Head):
         neg.exp_()
         return count
 
-    def _sums(self, pairs: _Pairs, neg: Tensor, rows: slice, st: _State) -> Tuple[Tensor, Tensor, Tensor]:
+    def _sums(self, pairs: Pairs, neg: Tensor, rows: slice, st: _State) -> Tuple[Tensor, Tensor, Tensor]:
         ri, ci, ep = self._mined_positives(pairs, rows, st)
         st.sum_pos[rows].index_add_(0, ri, ep)
         st.n_pos[rows] += torch.bincount(ri, minlength=neg.shape[0]).to(neg.dtype)
@@ -168,7 +178,7 @@ class MultiSimilarityHead(Head):
 
     def reduce(self, s: Tensor, tile: Tile, st: _State, p: int = 0) -> None:
         rows = slice(tile.r0, tile.r1)
-        pairs = self._split_(s, tile)
+        pairs = split_pairs_(s, tile, self.row_ids, self.col_ids, self.own)
         if p == 0:
             self._hardest(pairs, s, rows, st)
         else:
@@ -196,14 +206,14 @@ class MultiSimilarityHead(Head):
 
     def grad(self, s: Tensor, tile: Tile, st: _State, buf: Optional[Tensor] = None) -> Tensor:
         rows = slice(tile.r0, tile.r1)
-        pairs = self._split_(s, tile)
+        pairs = split_pairs_(s, tile, self.row_ids, self.col_ids, self.own)
         ri, ci, ep = self._mined_positives(pairs, rows, st)
         self._mined_negatives_(s, rows, st)
         return self._grad_(s, (ri, ci, ep), rows, st)
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _State, g_row: Optional[Tensor]) -> Optional[Tensor]:
         rows = slice(tile.r0, tile.r1)
-        pairs = self._split_(s, tile)
+        pairs = split_pairs_(s, tile, self.row_ids, self.col_ids, self.own)
         self._hardest(pairs, s, rows, st)  # complete rows: final here
         mined = self._sums(pairs, s, rows, st)  # s: the mined negatives' exponentials
         if g_row is None:
@@ -275,7 +285,7 @@ def _reference_rows(
     return rows, q.new_tensor(float(n_pos)), q.new_tensor(float(n_neg))
 
 
-def _number(value: object, name: str, positive: bool = False, optional: bool = False) -> Optional[float]:
+def number(value: object, name: str, positive: bool = False, optional: bool = False) -> Optional[float]:
     """A hyperparameter as a float: a Python number or a 0-dim tensor without gradient."""
     if value is None and optional:
         return None
@@ -345,10 +355,10 @@ def multi_similarity_loss(
         >>> loss = flashcl.multi_similarity_loss(x, y)
     """
     embeddings, labels = checks.validate_labelled(embeddings, labels, empty=process_group is not None)
-    a = _number(alpha, "alpha", positive=True)
-    b = _number(beta, "beta", positive=True)
-    c = _number(base, "base")
-    eps = _number(epsilon, "epsilon", optional=True)
+    a = number(alpha, "alpha", positive=True)
+    b = number(beta, "beta", positive=True)
+    c = number(base, "base")
+    eps = number(epsilon, "epsilon", optional=True)
     assert a is not None and b is not None and c is not None
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     with autocast_off(embeddings.device.type):
