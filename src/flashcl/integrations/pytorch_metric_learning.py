@@ -28,6 +28,12 @@ labels are all equal.
   row's sorted distances (never the B^3 triplets nor, with the tiled backend, the
   B x B matrix); PML's reducer for the mean over the triplets with a positive loss
   (its default), over all triplets, or their sum; PML's embedding regularizers.
+* :class:`MultiSimilarityLoss` (with :class:`MultiSimilarityMiner`) and
+  :class:`CircleLoss`: :func:`flashcl.multi_similarity_loss` / :func:`flashcl.circle_loss`
+  (each row's mined sets and log-sums on tiles, never the B x B matrix); the miner's
+  output is a :class:`MinedPairs` that the loss mines itself with (PML's pair lists are
+  formed only where something reads them); PML's reducer and regularizers. Pairs from
+  another miner, ``ref_emb`` or another distance are computed by PML's code.
 * :class:`NTXentLoss`: PML's formula, which differs from
   :func:`flashcl.nt_xent_loss` when an anchor has several positives: every
   positive pair ``(a, p)`` is its own softmax against ``a``'s negatives::
@@ -54,16 +60,23 @@ from ..core import CoreSpec, compute_dtype
 from ..engine.engine import Problem
 from ..engine.heads import Head, Tile, mask_columns_
 from ..engine.positives import Positives
+from ..losses.circle import circle_loss
+from ..losses.multi_similarity import multi_similarity_loss
 from .options import FlashclOptions
 
 try:
     from pytorch_metric_learning import distances as _pml_distances
     from pytorch_metric_learning import losses as _pml_losses
+    from pytorch_metric_learning import miners as _pml_miners
     from pytorch_metric_learning import reducers as _pml_reducers
 except ImportError as e:  # pragma: no cover - exercised only without the package
     raise peer_import_error("pytorch_metric_learning", "pytorch-metric-learning", "pytorch_metric_learning", e) from e
 
 __all__ = [
+    "MultiSimilarityLoss",
+    "MultiSimilarityMiner",
+    "MinedPairs",
+    "CircleLoss",
     "SupConLoss",
     "NTXentLoss",
     "CrossBatchMemory",
@@ -698,3 +711,189 @@ class TripletMarginLoss(FlashclOptions, _pml_losses.TripletMarginLoss):
         # accumulated in float32 for half inputs; returned in their dtype, as PML returns it
         value = value.to(embeddings.dtype)
         return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
+
+
+class MinedPairs:
+    """What :class:`MultiSimilarityMiner` returns: the miner's ``epsilon`` and its inputs,
+    which :class:`MultiSimilarityLoss` mines with as it computes (no pair list). Read as
+    PML's ``indices_tuple`` (``a1, p, a2, n = mined``, ``len``, indexing) by anything
+    else, it forms PML's four index lists then, with PML's miner."""
+
+    def __init__(self, miner: Any, embeddings: Tensor, labels: Tensor) -> None:
+        self.epsilon, self._miner, self._inputs = float(miner.epsilon), miner, (embeddings, labels)
+        self._pairs: Optional[Tuple[Tensor, ...]] = None
+
+    def _tuple(self) -> Tuple[Tensor, ...]:
+        if self._pairs is None:
+            embeddings, labels = self._inputs
+            with torch.no_grad():
+                self._pairs = tuple(
+                    _pml_miners.MultiSimilarityMiner.mine(self._miner, embeddings, labels, embeddings, labels)
+                )
+        return self._pairs
+
+    def __len__(self) -> int:
+        return 4
+
+    def __iter__(self) -> Any:
+        return iter(self._tuple())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._tuple()[i]
+
+
+class MultiSimilarityMiner(_pml_miners.MultiSimilarityMiner):
+    """PML's ``MultiSimilarityMiner(epsilon)``; its output (:class:`MinedPairs`) lets
+    :class:`MultiSimilarityLoss` mine as it computes, without the B x B matrix.
+
+    Examples::
+
+        >>> miner = MultiSimilarityMiner(epsilon=0.1)
+        >>> x, y = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        >>> loss = MultiSimilarityLoss()(x, y, miner(x, y))
+    """
+
+    def forward(  # type: ignore[override]
+        self, embeddings: Tensor, labels: Tensor, ref_emb: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None
+    ) -> Any:
+        if ref_emb is not None or _dot_similarity(self.distance) is not True:
+            return super().forward(embeddings, labels, ref_emb, ref_labels)
+        self.reset_stats()
+        return MinedPairs(self, embeddings.detach(), labels)
+
+
+class _PairSets(FlashclOptions):
+    """:class:`MultiSimilarityLoss` and :class:`CircleLoss`: flashcl's per-anchor losses
+    (PML's rule for a batch of at most one pair of each kind inside them), then PML's
+    reducer and embedding regularizers; PML's own code, with a warning, where flashcl
+    does not compute the call."""
+
+    backends = ("auto", "reference", "dense", "tiled")
+    _memory = "B x B similarity and mask matrices"
+
+    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
+        if indices_tuple is not None and not isinstance(indices_tuple, MinedPairs):
+            return "indices_tuple (pairs from another miner than flashcl's MultiSimilarityMiner) is given"
+        if labels is None:
+            return "labels is None"
+        if ref_emb is not None:
+            return "ref_emb is given"
+        if _dot_similarity(self.distance) is not True:  # type: ignore[attr-defined]
+            return f"distance={type(self.distance).__name__} (flashcl: cosine similarity)"  # type: ignore[attr-defined]
+        return None
+
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Optional[Tensor] = None,
+        indices_tuple: Any = None,
+        ref_emb: Optional[Tensor] = None,
+        ref_labels: Optional[Tensor] = None,
+    ) -> Tensor:
+        why = self._why_not(labels, indices_tuple, ref_emb)
+        if why is not None:
+            warnings.warn(
+                f"flashcl {type(self).__name__}: {why}; computed by pytorch-metric-learning's own code "
+                f"({self._memory})",
+                stacklevel=2,
+            )
+            if isinstance(indices_tuple, MinedPairs):
+                indices_tuple = tuple(indices_tuple)
+            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)  # type: ignore[misc]
+        assert labels is not None
+        self.reset_stats()  # type: ignore[attr-defined]
+        emb, labels = checks.validate_labelled(embeddings, labels)
+        rows = self._rows(emb, labels, indices_tuple).to(emb.dtype)
+        loss_dict = {
+            "loss": {
+                "losses": rows,
+                "indices": torch.arange(emb.shape[0], device=emb.device),
+                "reduction_type": "element",
+            }
+        }
+        self.add_embedding_regularization_to_loss_dict(loss_dict, emb)  # type: ignore[attr-defined]
+        return self.reducer(loss_dict, emb, labels)  # type: ignore[attr-defined]
+
+    def _rows(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Tensor:
+        raise NotImplementedError
+
+
+class MultiSimilarityLoss(_PairSets, _pml_losses.MultiSimilarityLoss):
+    """PML's ``MultiSimilarityLoss(alpha, beta, base)``, computed by
+    :func:`flashcl.multi_similarity_loss` in O(B D) memory: without ``indices_tuple``
+    over every pair, with the output of :class:`MultiSimilarityMiner` over the pairs it
+    mines (see the module docstring for what falls back to PML).
+
+    Args:
+        alpha, beta, base: as PML's. Defaults: 2, 50, 0.5.
+        backend: flashcl's backend (``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``).
+        block_size: rows per block of the tiled backend; None picks one.
+        **kwargs: PML's (``distance``, ``reducer``, ``embedding_regularizer``, ...).
+
+    Shape:
+        - embeddings: (B, D); labels: (B,); output: scalar
+
+    Examples::
+
+        >>> loss = MultiSimilarityLoss()(torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+    """
+
+    def __init__(
+        self,
+        alpha: float = 2,
+        beta: float = 50,
+        base: float = 0.5,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(alpha=alpha, beta=beta, base=base, **kwargs)
+        self.set_flashcl_options(backend, block_size)
+
+    def _rows(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Tensor:
+        return multi_similarity_loss(
+            emb,
+            labels,
+            alpha=self.alpha,
+            beta=self.beta,
+            base=self.base,
+            epsilon=None if mined is None else mined.epsilon,
+            reduction="none",
+            backend=self.backend,
+            block_size=self.block_size,
+        )
+
+
+class CircleLoss(_PairSets, _pml_losses.CircleLoss):
+    """PML's ``CircleLoss(m, gamma)``, computed by :func:`flashcl.circle_loss` in O(B D)
+    memory (see the module docstring for what falls back to PML).
+
+    Args:
+        m, gamma: as PML's. Defaults: 0.4, 80.
+        backend: flashcl's backend (``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``).
+        block_size: rows per block of the tiled backend; None picks one.
+        **kwargs: PML's (``distance``, ``reducer``, ``embedding_regularizer``, ...).
+
+    Shape:
+        - embeddings: (B, D); labels: (B,); output: scalar
+
+    Examples::
+
+        >>> loss = CircleLoss()(torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+    """
+
+    def __init__(
+        self, m: float = 0.4, gamma: float = 80, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any
+    ) -> None:
+        super().__init__(m=m, gamma=gamma, **kwargs)
+        self.set_flashcl_options(backend, block_size)
+
+    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
+        if indices_tuple is not None:
+            return "indices_tuple (a miner's pairs) is given"
+        return super()._why_not(labels, indices_tuple, ref_emb)
+
+    def _rows(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Tensor:
+        return circle_loss(
+            emb, labels, m=self.m, gamma=self.gamma, reduction="none", backend=self.backend, block_size=self.block_size
+        )

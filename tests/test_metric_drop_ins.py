@@ -1,0 +1,81 @@
+"""flashcl's pytorch-metric-learning drop-ins for Multi-Similarity (and its miner) and
+Circle loss: the same constructors and calls as PML's classes, equal to them in float64
+(values and gradients, PML's reducers), the miner's output read by PML's own loss, and
+PML's own miner's pairs computed by PML's code with a warning."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+
+pml = pytest.importorskip("pytorch_metric_learning")
+from pytorch_metric_learning import losses, miners, reducers  # noqa: E402
+
+from flashcl.integrations import pytorch_metric_learning as ours  # noqa: E402
+from helpers import assert_close  # noqa: E402
+
+TOL = (1e-10, 1e-9)
+
+
+def _data(seed: int = 0) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(30, 6, dtype=torch.float64, generator=g), torch.randint(0, 4, (30,), generator=g)
+
+
+def _same(peer: Callable[[torch.Tensor], torch.Tensor], drop_in: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    x, _ = _data()
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    want, got = peer(xa), drop_in(xb)
+    scale = max(1.0, float(want.detach().abs()))
+    assert_close(got / scale, want / scale, "value", *TOL)
+    ga, gb = torch.autograd.grad(want, xa)[0], torch.autograd.grad(got, xb)[0]
+    assert_close(gb / scale, ga / scale, "grad", *TOL)
+
+
+@pytest.mark.parametrize("reducer", [None, reducers.SumReducer, reducers.AvgNonZeroReducer])
+def test_multi_similarity_equals_pml(reducer: Any) -> None:
+    _, y = _data()
+    kw = {} if reducer is None else {"reducer": reducer()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # computed by flashcl, no fallback
+        _same(lambda v: losses.MultiSimilarityLoss(**kw)(v, y), lambda v: ours.MultiSimilarityLoss(**kw)(v, y))
+        _same(
+            lambda v: losses.MultiSimilarityLoss(alpha=3, beta=30, base=0.2, **kw)(
+                v, y, miners.MultiSimilarityMiner(0.2)(v, y)
+            ),
+            lambda v: ours.MultiSimilarityLoss(alpha=3, beta=30, base=0.2, **kw)(
+                v, y, ours.MultiSimilarityMiner(0.2)(v, y)
+            ),
+        )
+
+
+def test_the_miners_output_reads_as_pmls_pairs() -> None:
+    x, y = _data(1)
+    mined = ours.MultiSimilarityMiner(0.1)(x, y)
+    assert isinstance(mined, ours.MinedPairs) and len(mined) == 4
+    for a, b in zip(mined, miners.MultiSimilarityMiner(0.1)(x, y)):
+        assert torch.equal(a, b)
+    _same(
+        lambda v: losses.MultiSimilarityLoss()(v, y, miners.MultiSimilarityMiner(0.1)(v, y)),
+        lambda v: losses.MultiSimilarityLoss()(v, y, ours.MultiSimilarityMiner(0.1)(v, y)),
+    )
+
+
+def test_pairs_of_pmls_own_miner_are_computed_by_pml_with_a_warning() -> None:
+    _, y = _data()
+    with pytest.warns(UserWarning, match="another miner"):
+        _same(
+            lambda v: losses.MultiSimilarityLoss()(v, y, miners.MultiSimilarityMiner(0.1)(v, y)),
+            lambda v: ours.MultiSimilarityLoss()(v, y, miners.MultiSimilarityMiner(0.1)(v, y)),
+        )
+
+
+@pytest.mark.parametrize("m,gamma", [(0.4, 80), (0.25, 256)])
+def test_circle_equals_pml(m: float, gamma: float) -> None:
+    _, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _same(lambda v: losses.CircleLoss(m=m, gamma=gamma)(v, y), lambda v: ours.CircleLoss(m=m, gamma=gamma)(v, y))
