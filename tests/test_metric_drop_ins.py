@@ -79,3 +79,29 @@ def test_circle_equals_pml(m: float, gamma: float) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _same(lambda v: losses.CircleLoss(m=m, gamma=gamma)(v, y), lambda v: ours.CircleLoss(m=m, gamma=gamma)(v, y))
+
+
+@pytest.mark.parametrize("regularizer", [False, True])
+def test_proxy_anchor_equals_pml_with_its_proxies(regularizer: bool) -> None:
+    from pytorch_metric_learning import regularizers
+
+    x, y = _data(2)
+    kw = {"weight_regularizer": regularizers.LpRegularizer()} if regularizer else {}
+    torch.manual_seed(0)
+    peer = losses.ProxyAnchorLoss(4, 6, margin=0.2, alpha=16, **kw)
+    torch.manual_seed(0)
+    mine = ours.ProxyAnchorLoss(4, 6, margin=0.2, alpha=16, **kw)
+    assert torch.equal(mine.proxies, peer.proxies)  # initialised as PML's
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = mine(xb, y)
+    want = peer(xa, y)
+    assert mine.proxies.dtype == torch.float64  # cast as PML's
+    assert_close(got, want, "value", *TOL)
+    ga = torch.autograd.grad(want, [xa, peer.proxies])
+    gb = torch.autograd.grad(got, [xb, mine.proxies])
+    for a, b, name in zip(gb, ga, ("rows", "proxies")):
+        assert_close(a, b, name, *TOL)
+    with pytest.warns(UserWarning, match="reducer"):
+        ours.ProxyAnchorLoss(4, 6, reducer=reducers.MeanReducer())(x, y)

@@ -34,6 +34,9 @@ labels are all equal.
   output is a :class:`MinedPairs` that the loss mines itself with (PML's pair lists are
   formed only where something reads them); PML's reducer and regularizers. Pairs from
   another miner, ``ref_emb`` or another distance are computed by PML's code.
+* :class:`ProxyAnchorLoss`: :func:`flashcl.proxy_anchor_loss` over the module's
+  ``proxies`` (initialised and cast as PML's), never the B x C matrix; PML's default
+  ``DivisorReducer`` and its regularizers.
 * :class:`NTXentLoss`: PML's formula, which differs from
   :func:`flashcl.nt_xent_loss` when an anchor has several positives: every
   positive pair ``(a, p)`` is its own softmax against ``a``'s negatives::
@@ -62,6 +65,7 @@ from ..engine.heads import Head, Tile, mask_columns_
 from ..engine.positives import Positives
 from ..losses.circle import circle_loss
 from ..losses.multi_similarity import multi_similarity_loss
+from ..losses.proxy_anchor import proxy_anchor_loss
 from .options import FlashclOptions
 
 try:
@@ -77,6 +81,7 @@ __all__ = [
     "MultiSimilarityMiner",
     "MinedPairs",
     "CircleLoss",
+    "ProxyAnchorLoss",
     "SupConLoss",
     "NTXentLoss",
     "CrossBatchMemory",
@@ -897,3 +902,101 @@ class CircleLoss(_PairSets, _pml_losses.CircleLoss):
         return circle_loss(
             emb, labels, m=self.m, gamma=self.gamma, reduction="none", backend=self.backend, block_size=self.block_size
         )
+
+
+class ProxyAnchorLoss(FlashclOptions, _pml_losses.ProxyAnchorLoss):
+    """PML's ``ProxyAnchorLoss(num_classes, embedding_size, margin, alpha)`` (its
+    ``proxies`` parameter, initialised and cast as PML's), computed by
+    :func:`flashcl.proxy_anchor_loss`: the gradient reaches the rows and the proxies.
+    A miner's ``indices_tuple``, another reducer than PML's default ``DivisorReducer``
+    or another distance run PML's code, with a warning.
+
+    Args:
+        num_classes, embedding_size, margin, alpha: as PML's (defaults 0.1, 32).
+        backend: flashcl's backend (``"auto"`` | ``"reference"`` | ``"dense"`` | ``"tiled"``).
+        block_size: rows per block of the tiled backend; None picks one.
+        **kwargs: PML's (``distance``, ``reducer``, ``weight_regularizer``, ...).
+
+    Shape:
+        - embeddings: (B, D); labels: (B,); output: scalar
+
+    Examples::
+
+        >>> loss_fn = ProxyAnchorLoss(num_classes=10, embedding_size=4)
+        >>> loss = loss_fn(torch.randn(8, 4), torch.randint(0, 10, (8,)))
+    """
+
+    backends = ("auto", "reference", "dense", "tiled")
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_size: int,
+        margin: float = 0.1,
+        alpha: float = 32,
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(num_classes, embedding_size, margin=margin, alpha=alpha, **kwargs)
+        self.set_flashcl_options(backend, block_size)
+
+    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
+        if indices_tuple is not None:
+            return "indices_tuple (a miner's weights) is given"
+        if labels is None:
+            return "labels is None"
+        if ref_emb is not None:
+            return "ref_emb is given"
+        if _dot_similarity(self.distance) is not True:
+            return f"distance={type(self.distance).__name__} (flashcl: cosine similarity)"
+        reducer = self.reducer
+        if isinstance(reducer, _pml_reducers.MultipleReducers):  # with regularizers: one reducer per term
+            reducer = reducer.reducers["pos_loss"] if "pos_loss" in reducer.reducers else reducer.default_reducer
+        if type(reducer) is not _pml_reducers.DivisorReducer:
+            return f"reducer={type(reducer).__name__} (flashcl: PML's default DivisorReducer)"
+        return None
+
+    def forward(  # type: ignore[override]
+        self,
+        embeddings: Tensor,
+        labels: Optional[Tensor] = None,
+        indices_tuple: Any = None,
+        ref_emb: Optional[Tensor] = None,
+        ref_labels: Optional[Tensor] = None,
+    ) -> Tensor:
+        why = self._why_not(labels, indices_tuple, ref_emb)
+        if why is not None:
+            warnings.warn(
+                f"flashcl ProxyAnchorLoss: {why}; computed by pytorch-metric-learning's own code (B x C matrices)",
+                stacklevel=2,
+            )
+            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        assert labels is not None
+        self.reset_stats()
+        emb, labels = checks.validate_labelled(embeddings, labels)
+        self.cast_types(emb.dtype, emb.device)
+        terms = proxy_anchor_loss(
+            emb,
+            labels,
+            self.proxies,
+            margin=self.margin,
+            alpha=self.alpha,
+            reduction="none",
+            backend=self.backend,
+            block_size=self.block_size,
+        ).to(emb.dtype)
+        # each proxy's two terms as one (their mean over the proxies is PML's pos and neg parts together)
+        index = torch.arange(self.num_classes, device=emb.device)
+        loss_dict = {
+            "pos_loss": {"losses": terms, "indices": index, "reduction_type": "element", "divisor": self.num_classes},
+            "neg_loss": {
+                "losses": torch.zeros_like(terms),
+                "indices": index,
+                "reduction_type": "element",
+                "divisor": self.num_classes,
+            },
+        }
+        self.add_weight_regularization_to_loss_dict(loss_dict, self.proxies)
+        self.add_embedding_regularization_to_loss_dict(loss_dict, emb)
+        return self.reducer(loss_dict, emb, labels)

@@ -55,6 +55,7 @@ class _State:
         self.sum_pos, self.sum_neg = like.new_zeros(m), like.new_zeros(m)
         self.n_pos, self.n_neg = like.new_zeros(m), like.new_zeros(m)
         self.factors: Optional[Tuple[Tensor, Tensor]] = None
+        self.rows = slice(None)  # the head's rows this state holds (a block's sub-state: its slice)
 
 
 class Pairs:
@@ -104,8 +105,12 @@ class MultiSimilarityHead(Head):
         row_ids, col_ids: the rows' and the columns' class ids (int64, global columns).
         own: self-contrast: the pair ``(i, i + offset)`` is the anchor itself.
         offset: the column of anchor 0.
-        alpha, beta, base: the loss's weights and shift.
+        alpha, beta, base: the exponents' scales and the positives' shift.
         epsilon: the miner's margin, or None (every pair).
+        neg_base: the negatives' shift (default: ``base``).
+        weights: the factors of each row's two terms, ``L_i = w_p softplus(LSE_P) + w_n
+            softplus(LSE_N)``: numbers, or (M,) tensors of this call's rows (default:
+            ``1 / alpha``, ``1 / beta``).
     """
 
     fuses_rows = True
@@ -121,9 +126,14 @@ class MultiSimilarityHead(Head):
         beta: float,
         base: float,
         epsilon: Optional[float],
+        neg_base: Optional[float] = None,
+        weights: Optional[Tuple[Any, Any]] = None,
     ) -> None:
         self.row_ids, self.col_ids, self.own, self.offset = row_ids, col_ids, own, offset
         self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
+        self.neg_base = base if neg_base is None else neg_base
+        #: each row's factors of its two terms (numbers or (M,) tensors): 1 / alpha, 1 / beta by default
+        self.weights = (1.0 / alpha, 1.0 / beta) if weights is None else weights
         #: the mined pairs' numbers (positive, negative) over this call's rows, once reduced
         self.counts: Optional[Tuple[Tensor, Tensor]] = None
 
@@ -188,21 +198,28 @@ class MultiSimilarityHead(Head):
         """``log(sum_P exp(-alpha (s - base)))`` and ``log(sum_N exp(beta (s - base)))`` per row
         (-inf for an empty set)."""
         lp = torch.log(st.sum_pos).add_(torch.where(st.sum_pos > 0, -self.alpha * (st.hard_pos - self.base), 0.0))
-        ln = torch.log(st.sum_neg).add_(torch.where(st.sum_neg > 0, self.beta * (st.hard_neg - self.base), 0.0))
+        ln = torch.log(st.sum_neg).add_(torch.where(st.sum_neg > 0, self.beta * (st.hard_neg - self.neg_base), 0.0))
         return lp, ln
 
     def values(self, st: _State) -> Tuple[Tensor, Optional[Tensor]]:
         self.counts = (st.n_pos.sum(), st.n_neg.sum())
         lp, ln = self._logsums(st)
-        return softplus(lp) / self.alpha + softplus(ln) / self.beta, None
+        wp, wn = self.weights
+        return wp * softplus(lp) + wn * softplus(ln), None
 
     def begin_grad(self, st: _State, g_row: Tensor, g_col: Optional[Tensor]) -> None:
         # dL_i/ds_ij: -sigmoid(lp_i) exp(-alpha (s_ij - hp_i)) / sum_pos_i on a mined positive,
         # sigmoid(ln_i) exp(beta (s_ij - hn_i)) / sum_neg_i on a mined negative
         lp, ln = self._logsums(st)
-        fp = torch.where(st.sum_pos > 0, -g_row * torch.sigmoid(lp) / st.sum_pos, 0.0)
-        fn = torch.where(st.sum_neg > 0, g_row * torch.sigmoid(ln) / st.sum_neg, 0.0)
+        wp, wn = self._row_weights(st, g_row)
+        fp = torch.where(st.sum_pos > 0, -g_row * wp * self.alpha * torch.sigmoid(lp) / st.sum_pos, 0.0)
+        fn = torch.where(st.sum_neg > 0, g_row * wn * self.beta * torch.sigmoid(ln) / st.sum_neg, 0.0)
         st.factors = (fp, fn)
+
+    def _row_weights(self, st: _State, like: Tensor) -> Tuple[Any, Any]:
+        """The term factors of the rows ``st`` holds (a sub-state's rows: :attr:`rows`)."""
+        rows = getattr(st, "rows", slice(None))
+        return tuple(w[rows] if isinstance(w, Tensor) else w for w in self.weights)  # type: ignore[return-value]
 
     def grad(self, s: Tensor, tile: Tile, st: _State, buf: Optional[Tensor] = None) -> Tensor:
         rows = slice(tile.r0, tile.r1)
@@ -219,6 +236,7 @@ class MultiSimilarityHead(Head):
         if g_row is None:
             return None
         sub = _State(0, s)
+        sub.rows = rows
         sub.hard_pos, sub.hard_neg, sub.sum_pos, sub.sum_neg = (
             st.hard_pos[rows],
             st.hard_neg[rows],
@@ -249,11 +267,12 @@ class MultiSimilarityHead(Head):
                 pos &= d < hard_neg + self.epsilon
                 neg &= d > hard_pos - self.epsilon
         self.counts = (pos.sum().to(s.dtype), neg.sum().to(s.dtype))
-        shifted = s - self.base
-        xp, xn = (shifted * -self.alpha).masked_fill(~pos, -_INF), (shifted * self.beta).masked_fill(~neg, -_INF)
+        xp = ((s - self.base) * -self.alpha).masked_fill(~pos, -_INF)
+        xn = ((s - self.neg_base) * self.beta).masked_fill(~neg, -_INF)
         zero = s.new_zeros(s.shape[0], 1)  # log(1 + sum): a row without the set gives 0 (and no NaN gradient)
-        rows = torch.logsumexp(torch.cat([xp, zero], 1), 1) / self.alpha
-        return rows + torch.logsumexp(torch.cat([xn, zero], 1), 1) / self.beta, None
+        wp, wn = self.weights
+        rows = wp * torch.logsumexp(torch.cat([xp, zero], 1), 1)
+        return rows + wn * torch.logsumexp(torch.cat([xn, zero], 1), 1), None
 
 
 def _reference_rows(

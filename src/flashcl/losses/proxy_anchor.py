@@ -1,0 +1,187 @@
+"""Proxy-Anchor loss (Kim et al., CVPR 2020), exact at any batch: :func:`proxy_anchor_loss`
+and :class:`ProxyAnchorLoss`, the proxies' rows against the batch's on the engine's tiles
+(:class:`~flashcl.losses.multi_similarity.MultiSimilarityHead` configured for it), with
+the per-proxy oracle beside it.
+
+For cosine scores ``s_ki`` between class proxies ``w_k`` and L2-normalised rows ``x_i``::
+
+    L = 1/|P+| sum_{k in P+} log(1 + sum_{i: y_i = k} exp(-alpha (s_ki - delta)))
+      + 1/C    sum_k         log(1 + sum_{i: y_i != k} exp( alpha (s_ki + delta)))
+
+with ``P+`` the classes present in the batch. Across processes the proxies' rows are
+split between the ranks (each rank its share of the sum), the batch's rows are every
+rank's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .. import checks, parallel, runner
+from ..base import LossModule, shared_docs
+from ..checks import Example, example_labels, example_rows
+from ..compiled import compiles
+from ..core import compute_dtype
+from ..engine.engine import Problem, autocast_off
+from .multi_similarity import MultiSimilarityHead, number
+
+__all__ = ["proxy_anchor_loss", "ProxyAnchorLoss"]
+
+
+def _reference_rows(w: Tensor, x: Tensor, labels: Tensor, classes: Tensor, margin: float, alpha: float) -> Tensor:
+    """The oracle: one proxy at a time, ``(w_pos log(1 + sum_pos) + log(1 + sum_neg))``
+    with ``w_pos = C / |P+|`` (the per-proxy terms whose mean over the C proxies is the loss)."""
+    wn = w / torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp_min(1e-12)
+    xn = x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-12)
+    present = int(torch.unique(labels).numel())
+    out = []
+    for row, k in enumerate(classes.tolist()):
+        s = xn @ wn[row]
+        pos, neg = s[labels == k], s[labels != k]
+        one = s.new_zeros(1)
+        term = torch.logsumexp(torch.cat([-alpha * (pos - margin), one]), 0) * (float(w.shape[0]) / max(present, 1))
+        out.append(term + torch.logsumexp(torch.cat([alpha * (neg + margin), one]), 0))
+    return torch.stack(out) if out else (w @ x.T).sum(1)
+
+
+@shared_docs
+@compiles()
+def proxy_anchor_loss(
+    embeddings: Tensor,
+    labels: Tensor,
+    proxies: Tensor,
+    *,
+    margin: float = 0.1,
+    alpha: float = 32.0,
+    reduction: str = "mean",
+    backend: str = "auto",
+    block_size: Optional[int] = None,
+    process_group: Any = None,
+    strategy: str = "all_gather",
+    grad_scale: str = "ddp",
+) -> Tensor:
+    r"""Proxy-Anchor loss (Kim et al. 2020): each class proxy pulls the batch's rows of its
+    class and pushes the others, exact over the whole batch without the B x C matrix;
+    pytorch-metric-learning's ``ProxyAnchorLoss(num_classes, embedding_size, margin, alpha)``
+    with its proxies given, on cosine scores,
+
+    $$
+    L = \frac{1}{|P^+|} \sum_{k \in P^+} \log\Big(1 + \sum_{i: y_i = k} e^{-\alpha (s_{ki} - \delta)}\Big)
+      + \frac{1}{C} \sum_{k} \log\Big(1 + \sum_{i: y_i \ne k} e^{\alpha (s_{ki} + \delta)}\Big)
+    $$
+
+    with ``P+`` the classes with a row in the batch. The gradient reaches the rows and the
+    proxies.
+
+    Args:
+        embeddings: (B, D) rows (L2-normalised here).
+        labels: (B,) class indices in ``[0, C)``.
+        proxies: (C, D) one proxy per class (L2-normalised here; a learnable parameter).
+        margin: ``delta``. Default: 0.1.
+        alpha: the scale (> 0). Default: 32.
+        reduction: ``"mean"`` (the loss above) | ``"sum"`` (C times it) | ``"none"``
+            (each proxy's term, (C,), whose mean is the loss; across processes this
+            rank's share of the proxies).
+        @backend@
+        @process_group@
+
+    Shape:
+        - embeddings: (B, D); labels: (B,); proxies: (C, D); output: scalar, or (C,) with
+          ``reduction="none"`` (across processes: this rank's proxies)
+
+    Examples::
+
+        >>> x, y, w = torch.randn(32, 16), torch.randint(0, 10, (32,)), torch.randn(10, 16)
+        >>> loss = flashcl.proxy_anchor_loss(x, y, w)
+    """
+    embeddings, labels = checks.validate_labelled(embeddings, labels, empty=process_group is not None)
+    proxies = checks.check_float_tensor(proxies, "proxies", (2,))
+    checks.same_device(proxies, embeddings, "proxies", "embeddings")
+    if proxies.shape[1] != embeddings.shape[1]:
+        raise ValueError(
+            f"proxies must be (C, D) with the embeddings' D = {embeddings.shape[1]}, got {tuple(proxies.shape)}"
+        )
+    num_classes = proxies.shape[0]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(
+            f"labels must be class indices in [0, {num_classes}), got {int(labels.min())}..{int(labels.max())}"
+        )
+    delta = number(margin, "margin")
+    scale = number(alpha, "alpha", positive=True)
+    assert delta is not None and scale is not None
+    opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
+    with autocast_off(embeddings.device.type):
+        return _proxy_anchor(embeddings, labels.long(), proxies, delta, scale, opts)
+
+
+def _proxy_anchor(
+    embeddings: Tensor, labels: Tensor, proxies: Tensor, margin: float, alpha: float, opts: checks.Options
+) -> Tensor:
+    """The one body: this rank's share of the proxies against every rank's rows."""
+    cols = parallel.columns(embeddings, opts.strategy, opts.process_group, own=False)
+    every = cols.gather(labels)  # every column's class
+    c = proxies.shape[0]
+    rank, world = (0, 1) if opts.process_group is None else (parallel.rank_of(opts.process_group), len(cols.sizes))
+    c0, c1 = rank * c // world, (rank + 1) * c // world
+    rows, classes = proxies[c0:c1], torch.arange(c0, c1, device=proxies.device)
+    dtype = compute_dtype(embeddings.dtype)
+    present = int((torch.bincount(every, minlength=c) > 0).sum())
+    pos_weight = float(c) / max(present, 1)  # each proxy's term, so that their mean over the C proxies is the loss
+    name = runner.pick_name(
+        opts.backend,
+        ("reference", "dense", "tiled"),
+        rows.shape[0] * cols.total,
+        embeddings,
+        "proxy_anchor_loss",
+        source=cols,
+    )
+    valid = torch.ones(rows.shape[0], dtype=dtype, device=embeddings.device)
+    weights = runner.share(opts.reduction, opts.grad_scale, cols, valid)
+    if name == "reference":
+        out = _reference_rows(rows.to(dtype), cols.keys.to(dtype), every, classes, margin, alpha)
+        return out if weights is None else (weights * out).sum()
+    head = MultiSimilarityHead(
+        classes, every, False, 0, alpha, alpha, margin, None, neg_base=-margin, weights=(pos_weight, 1.0)
+    )
+    one = torch.ones((), dtype=dtype, device=embeddings.device)
+    pair = None if weights is None else (weights, None)
+    return cols.run(rows, one, Problem(head, (), True, 0), pair, opts.block_size, backend=name)
+
+
+class ProxyAnchorLoss(LossModule):
+    """Module form of :func:`proxy_anchor_loss`; the proxies are the call's (a parameter of
+    the model, as a classifier's weights). See :class:`flashcl.integrations.pytorch_metric_learning.ProxyAnchorLoss`
+    for pytorch-metric-learning's class, which holds them.
+
+    Examples::
+
+        >>> proxies = torch.nn.Parameter(torch.randn(10, 16))
+        >>> loss = flashcl.ProxyAnchorLoss()(torch.randn(32, 16), torch.randint(0, 10, (32,)), proxies)
+    """
+
+    def __init__(
+        self,
+        margin: float = 0.1,
+        alpha: float = 32.0,
+        reduction: str = "mean",
+        backend: str = "auto",
+        block_size: Optional[int] = None,
+        process_group: Any = None,
+        strategy: str = "all_gather",
+        grad_scale: str = "ddp",
+    ) -> None:
+        super().__init__(**self.given(locals()))
+
+    def forward(self, embeddings: Tensor, labels: Tensor, proxies: Tensor) -> Tensor:
+        return proxy_anchor_loss(embeddings, labels, proxies, **self.loss_options())
+
+
+def _example_proxy_anchor(g: torch.Generator) -> Example:
+    return Example((example_rows(g, 37, 24), example_labels(g, 37, 11), example_rows(g, 11, 24)), {"alpha": 8.0})
+
+
+#: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
+EXAMPLES = {"proxy_anchor_loss": _example_proxy_anchor}
