@@ -323,3 +323,19 @@ def test_the_flex_suites_implementations_agree(params: dict, impls: tuple) -> No
         loss, _ = flex_workload({**params, "impl": impl})[0]()
         assert abs(loss - reference) < 1e-4 * max(1.0, abs(reference)), (params, impl, loss, reference)
     assert {c["params"]["impl"] for c in flex("quick", "cpu")} == {"flex", "flex-blocks", "dense"}
+
+
+@pytest.mark.slow
+def test_metric_suite_agrees_with_pml(tmp_path) -> None:
+    """``--suite metric --quick``: every loss by flashcl and by pytorch-metric-learning's
+    classes (with its miner), the same values; the bound row against the three GEMMs."""
+    pytest.importorskip("pytorch_metric_learning")
+    assert main(["bench", "--quick", "--suite", "metric", "--cap", "300", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    assert any(r.get("bound_s") for r in rows)
+    for loss in ("multi_similarity", "circle", "proxy_anchor"):
+        vals = {r["label"]: r["loss"] for r in rows if r["params"]["loss"] == loss and "bound" not in r}
+        assert set(vals) == {"flashcl-tiled", "pml"} and abs(vals["pml"] - vals["flashcl-tiled"]) < 1e-4 * abs(
+            vals["pml"]
+        ), (loss, vals)

@@ -781,6 +781,41 @@ def margin(mode: str, device: str) -> List[Case]:
     return cases
 
 
+def metric(mode: str, device: str) -> List[Case]:
+    """Pair-weighted metric learning against pytorch-metric-learning's classes (with its
+    miner): Multi-Similarity, Circle and Proxy-Anchor, D = 512, B from 1,024 to past
+    where PML fits; Multi-Similarity against the three GEMMs at B = 8,192."""
+    d = _size(mode, 32, 512, 512)
+    sizes = _size(mode, (256,), (1024, 4096, 8192, 16384, 32768), (1024, 4096, 8192, 16384, 32768, 65536))
+    bound_b = _size(mode, 256, 8192, 8192)
+    cases: List[Case] = [
+        {
+            "group": f"Multi-Similarity with its miner / the three GEMMs, B = {bound_b}, D = {d}",
+            "label": "flashcl-tiled",
+            "workload": "ranking",
+            "bound": {"workload": "gemm3", "params": {"B": bound_b, "D": d, "device": device}},
+            "repeats": 3,
+            "params": {"B": bound_b, "D": d, "loss": "multi_similarity", "impl": "flashcl-tiled"},
+        }
+    ]
+    names = {"multi_similarity": "Multi-Similarity with its miner", "circle": "Circle", "proxy_anchor": "Proxy-Anchor"}
+    for loss, name in names.items():
+        for impl in ("flashcl-tiled", "pml"):
+            for b in sizes:
+                cases.append(
+                    {
+                        "group": f"{name}, D = {d}",
+                        "label": impl,
+                        "workload": "ranking",
+                        "repeats": 1,
+                        "cap_s": 900.0,
+                        "stop_after_fail": True,
+                        "params": {"B": b, "D": d, "loss": loss, "impl": impl, "device": device},
+                    }
+                )
+    return cases
+
+
 SUITES = {
     "tiled": tiled,
     "contention": contention,
@@ -800,5 +835,6 @@ SUITES = {
     "margin": margin,
     "ssl": ssl,
     "flex": flex,
+    "metric": metric,
 }
 DEFAULT_SUITES = ("neighbors", "simcse", "peers", "scale")

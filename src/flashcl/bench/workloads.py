@@ -609,9 +609,46 @@ def ranking(p: Dict[str, Any]) -> Tuple[Step, int]:
             fn = lambda: peer(x, y)  # noqa: E731
         else:
             raise ValueError(f"unknown cosface impl {impl!r}")
+    elif loss in ("multi_similarity", "circle", "proxy_anchor"):
+        fn, leaves = _metric(p, b, d, impl, dev, g)
     else:
         raise ValueError(f"unknown ranking loss {loss!r}")
     return stepper(fn, leaves, dev), sum(t.numel() * t.element_size() for t in leaves)
+
+
+def _metric(
+    p: Dict[str, Any], b: int, d: int, impl: str, dev: torch.device, g: torch.Generator
+) -> Tuple[Callable[[], torch.Tensor], List[torch.Tensor]]:
+    """Multi-Similarity with its miner (epsilon 0.1), Circle (m 0.4, gamma 80) and
+    Proxy-Anchor (C = B / 8 proxies): B embeddings, 8 per class on average. ``impl``:
+    ``flashcl-tiled`` or ``pml`` (its classes, its miner)."""
+    loss, classes = p["loss"], max(1, b // 8)
+    x = torch.randn(b, d, generator=g).to(dev).requires_grad_(True)
+    y = torch.randint(0, classes, (b,), generator=g).to(dev)
+    w = torch.randn(classes, d, generator=g).to(dev).requires_grad_(True)
+    leaves = [x, w] if loss == "proxy_anchor" else [x]
+    if impl == "flashcl-tiled":
+        if loss == "multi_similarity":
+            return (lambda: flashcl.multi_similarity_loss(x, y, backend="tiled")), leaves
+        if loss == "circle":
+            return (lambda: flashcl.circle_loss(x, y, backend="tiled")), leaves
+        return (lambda: flashcl.proxy_anchor_loss(x, y, w, backend="tiled")), leaves
+    if impl != "pml":
+        raise ValueError(f"unknown metric impl {impl!r}")
+    pml, why = peers.pml_losses()
+    if pml is None:
+        raise NotInstalled(why)
+    if loss == "multi_similarity":
+        from pytorch_metric_learning import miners
+
+        ms, miner = pml.MultiSimilarityLoss(), miners.MultiSimilarityMiner(0.1)
+        return (lambda: ms(x, y, miner(x, y))), leaves
+    if loss == "circle":
+        circle = pml.CircleLoss()
+        return (lambda: circle(x, y)), leaves
+    anchor = pml.ProxyAnchorLoss(classes, d).to(dev)
+    anchor.proxies = torch.nn.Parameter(w.detach())  # the same proxies
+    return (lambda: anchor(x, y)), [x, anchor.proxies]
 
 
 def compiled_step(p: Dict[str, Any]) -> Tuple[Step, int]:
