@@ -808,16 +808,15 @@ class _PairSets(FlashclOptions):
         assert labels is not None
         self.reset_stats()  # type: ignore[attr-defined]
         emb, labels = checks.validate_labelled(embeddings, labels)
-        rows = self._rows(emb, labels, indices_tuple).to(emb.dtype)
-        loss_dict = {
-            "loss": {
-                "losses": rows,
-                "indices": torch.arange(emb.shape[0], device=emb.device),
-                "reduction_type": "element",
-            }
-        }
+        loss_dict = self._loss_dict(emb, labels, indices_tuple)
         self.add_embedding_regularization_to_loss_dict(loss_dict, emb)  # type: ignore[attr-defined]
         return self.reducer(loss_dict, emb, labels)  # type: ignore[attr-defined]
+
+    def _loss_dict(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Dict[str, Any]:
+        """PML's loss dictionary of the call: each anchor's loss (:meth:`_rows`)."""
+        rows = self._rows(emb, labels, mined).to(emb.dtype)
+        index = torch.arange(emb.shape[0], device=emb.device)
+        return {"loss": {"losses": rows, "indices": index, "reduction_type": "element"}}
 
     def _rows(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Tensor:
         raise NotImplementedError
@@ -904,7 +903,7 @@ class CircleLoss(_PairSets, _pml_losses.CircleLoss):
         )
 
 
-class ProxyAnchorLoss(FlashclOptions, _pml_losses.ProxyAnchorLoss):
+class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
     """PML's ``ProxyAnchorLoss(num_classes, embedding_size, margin, alpha)`` (its
     ``proxies`` parameter, initialised and cast as PML's), computed by
     :func:`flashcl.proxy_anchor_loss`: the gradient reaches the rows and the proxies.
@@ -926,7 +925,7 @@ class ProxyAnchorLoss(FlashclOptions, _pml_losses.ProxyAnchorLoss):
         >>> loss = loss_fn(torch.randn(8, 4), torch.randint(0, 10, (8,)))
     """
 
-    backends = ("auto", "reference", "dense", "tiled")
+    _memory = "B x C matrices"
 
     def __init__(
         self,
@@ -944,12 +943,9 @@ class ProxyAnchorLoss(FlashclOptions, _pml_losses.ProxyAnchorLoss):
     def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
         if indices_tuple is not None:
             return "indices_tuple (a miner's weights) is given"
-        if labels is None:
-            return "labels is None"
-        if ref_emb is not None:
-            return "ref_emb is given"
-        if _dot_similarity(self.distance) is not True:
-            return f"distance={type(self.distance).__name__} (flashcl: cosine similarity)"
+        why = super()._why_not(labels, indices_tuple, ref_emb)
+        if why is not None:
+            return why
         reducer = self.reducer
         if isinstance(reducer, _pml_reducers.MultipleReducers):  # with regularizers: one reducer per term
             reducer = reducer.reducers["pos_loss"] if "pos_loss" in reducer.reducers else reducer.default_reducer
@@ -957,24 +953,7 @@ class ProxyAnchorLoss(FlashclOptions, _pml_losses.ProxyAnchorLoss):
             return f"reducer={type(reducer).__name__} (flashcl: PML's default DivisorReducer)"
         return None
 
-    def forward(  # type: ignore[override]
-        self,
-        embeddings: Tensor,
-        labels: Optional[Tensor] = None,
-        indices_tuple: Any = None,
-        ref_emb: Optional[Tensor] = None,
-        ref_labels: Optional[Tensor] = None,
-    ) -> Tensor:
-        why = self._why_not(labels, indices_tuple, ref_emb)
-        if why is not None:
-            warnings.warn(
-                f"flashcl ProxyAnchorLoss: {why}; computed by pytorch-metric-learning's own code (B x C matrices)",
-                stacklevel=2,
-            )
-            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        assert labels is not None
-        self.reset_stats()
-        emb, labels = checks.validate_labelled(embeddings, labels)
+    def _loss_dict(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Dict[str, Any]:
         self.cast_types(emb.dtype, emb.device)
         terms = proxy_anchor_loss(
             emb,
@@ -998,5 +977,4 @@ class ProxyAnchorLoss(FlashclOptions, _pml_losses.ProxyAnchorLoss):
             },
         }
         self.add_weight_regularization_to_loss_dict(loss_dict, self.proxies)
-        self.add_embedding_regularization_to_loss_dict(loss_dict, emb)
-        return self.reducer(loss_dict, emb, labels)
+        return loss_dict
