@@ -124,3 +124,19 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
         rows = torch.cat([r[3 * case + 1] for r in ranks])
         _close((value, rows, proxies), want, f"{strategy}, {world} processes")
         assert rows.shape[0] == sum(sizes)
+
+
+def test_second_derivatives_equal_the_dense_formula() -> None:
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(11, 5, dtype=torch.float64, generator=g), torch.randint(0, 4, (11,), generator=g)
+    w = torch.randn(4, 5, dtype=torch.float64, generator=g)
+    got = []
+    for backend in ("dense", "tiled", "reference"):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        gx, gw = torch.autograd.grad(
+            flashcl.proxy_anchor_loss(xx, y, ww, alpha=8.0, backend=backend), [xx, ww], create_graph=True
+        )
+        got.append(torch.autograd.grad(gx.sum() + gw.pow(2).sum(), [xx, ww]))
+    for other, name in ((got[1], "tiled"), (got[2], "reference")):
+        for a, b in zip(other, got[0]):
+            assert_close(a, b, f"{name} vs dense", *TOL)
