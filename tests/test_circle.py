@@ -115,6 +115,9 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             xl, y[mine], gamma=24.0, process_group=dist.group.WORLD, strategy=strategy, grad_scale="sum"
         )
         out += [loss.detach(), _grad(loss, xl)]
+    xl = x[mine].clone().requires_grad_(True)  # grad_scale="ddp": world x the share, world x the rows' grad
+    loss = flashcl.circle_loss(xl, y[mine], gamma=24.0, process_group=dist.group.WORLD, grad_scale="ddp")
+    out += [loss.detach(), _grad(loss, xl)]
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -129,8 +132,9 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
     xx = x.clone().requires_grad_(True)
     want = losses.CircleLoss(gamma=24.0)(xx, y)
     gx = _grad(want, xx)
-    for case, strategy in enumerate(("all_gather", "ring")):
-        _close(sum(r[2 * case] for r in ranks), want, f"{strategy}: sum of the ranks' values")
+    for case, strategy in enumerate(("all_gather", "ring", "ddp")):
+        factor = world if strategy == "ddp" else 1
+        _close(sum(r[2 * case] for r in ranks) / factor, want, f"{strategy}: the ranks' values")
         for r in range(world):
             start = sum(sizes[:r])
-            _close(ranks[r][2 * case + 1], gx[start : start + sizes[r]], f"{strategy}: rank {r}'s rows' grad")
+            _close(ranks[r][2 * case + 1] / factor, gx[start : start + sizes[r]], f"{strategy}: rank {r}'s rows' grad")

@@ -154,6 +154,10 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
                 xl, y[mine], epsilon=epsilon, process_group=dist.group.WORLD, strategy=strategy, grad_scale="sum"
             )
             out += [loss.detach(), _grad(loss, xl)]
+    # grad_scale="ddp": each rank returns world x its share, its rows' gradient world x theirs
+    xl = x[mine].clone().requires_grad_(True)
+    loss = flashcl.multi_similarity_loss(xl, y[mine], process_group=dist.group.WORLD, grad_scale="ddp")
+    out += [loss.detach(), _grad(loss, xl)]
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -179,6 +183,13 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
                 got = ranks[r][2 * case + 1]
                 assert_close(got, gx[start : start + sizes[r]], f"{strategy}: rank {r}'s rows' grad", *TOL)
             case += 1
+    xx = x.clone().requires_grad_(True)
+    want = _pml(xx, y, 0.1)
+    gx = _grad(want, xx)
+    assert_close(sum(r[2 * case] for r in ranks) / world, want, "ddp: mean of the ranks' values", *TOL)
+    for r in range(world):
+        start = sum(sizes[:r])
+        assert_close(ranks[r][2 * case + 1] / world, gx[start : start + sizes[r]], f"ddp: rank {r}'s grad", *TOL)
 
 
 @pytest.mark.parametrize("fn", [flashcl.multi_similarity_loss, flashcl.circle_loss], ids=["ms", "circle"])
@@ -195,3 +206,19 @@ def test_second_derivatives_equal_the_dense_formula(fn: Any) -> None:
     scale = float(hvp[0].abs().max())
     assert_close(hvp[1] / scale, hvp[0] / scale, "tiled vs dense", *TOL)
     assert_close(hvp[2] / scale, hvp[0] / scale, "reference vs dense", *TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_row_is_mined_as_pml_mines_it(backend: str) -> None:
+    """A NaN score is never the hardest positive and is the hardest negative, as the
+    miner's sorts make it; the NaN pairs are mined by none: every anchor's loss as PML's."""
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(10, 4, dtype=torch.float64, generator=g)
+        y = torch.randint(0, 3, (10,), generator=g)
+        x[seed, seed % 4] = float("nan")
+        for epsilon in (0.1, 0.5):
+            want = _pml(x, y, epsilon, per_row=True)
+            got = flashcl.multi_similarity_loss(x, y, epsilon=epsilon, reduction="none", backend=backend, block_size=3)
+            assert torch.equal(torch.isnan(got), torch.isnan(want)), (seed, got, want)
+            assert_close(got.nan_to_num(), want.nan_to_num(), f"seed {seed}, epsilon {epsilon}", *TOL)

@@ -107,6 +107,10 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             xl, y[mine], ww, alpha=8.0, process_group=dist.group.WORLD, strategy=strategy, grad_scale="sum"
         )
         out += [loss.detach(), *torch.autograd.grad(loss, [xl, ww])]
+    # grad_scale="ddp": world x the share; DDP's mean of the proxies' gradients is then the whole one
+    xl, ww = x[mine].clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss = flashcl.proxy_anchor_loss(xl, y[mine], ww, alpha=8.0, process_group=dist.group.WORLD, grad_scale="ddp")
+    out += [loss.detach(), *torch.autograd.grad(loss, [xl, ww])]
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -118,10 +122,11 @@ def test_across_processes_equals_one_process(world: int, tmp_path) -> None:
     sizes = SIZES[world]
     x, y, w = _data()
     want = _pml(x[: sum(sizes)], y[: sum(sizes)], w, alpha=8.0)
-    for case, strategy in enumerate(("all_gather", "ring")):
-        value = sum(r[3 * case] for r in ranks)
-        proxies = sum(r[3 * case + 2] for r in ranks)  # each rank's part of the proxies' gradient
-        rows = torch.cat([r[3 * case + 1] for r in ranks])
+    for case, strategy in enumerate(("all_gather", "ring", "ddp")):
+        factor = world if strategy == "ddp" else 1
+        value = sum(r[3 * case] for r in ranks) / factor
+        proxies = sum(r[3 * case + 2] for r in ranks) / factor  # each rank's part of the proxies' gradient
+        rows = torch.cat([r[3 * case + 1] for r in ranks]) / factor
         _close((value, rows, proxies), want, f"{strategy}, {world} processes")
         assert rows.shape[0] == sum(sizes)
 
@@ -140,3 +145,19 @@ def test_second_derivatives_equal_the_dense_formula() -> None:
     for other, name in ((got[1], "tiled"), (got[2], "reference")):
         for a, b in zip(other, got[0]):
             assert_close(a, b, f"{name} vs dense", *TOL)
+
+
+def test_rows_and_proxies_of_two_dtypes_give_one_answer() -> None:
+    g = torch.Generator().manual_seed(10)
+    x, y = torch.randn(9, 4, generator=g), torch.randint(0, 3, (9,), generator=g)
+    w = torch.randn(3, 4, dtype=torch.float64, generator=g)
+    got = []
+    for backend in BACKENDS:
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        value = flashcl.proxy_anchor_loss(xx, y, ww, backend=backend)
+        gx, gw = torch.autograd.grad(value, [xx, ww])
+        assert value.dtype == gw.dtype == torch.float64 and gx.dtype == torch.float32
+        got.append((value, gx, gw))
+    for other, backend in zip(got[1:], BACKENDS[1:]):
+        for a, b in zip(other, got[0]):
+            assert_close(a, b, f"{backend} vs reference", 1e-6, 1e-6)

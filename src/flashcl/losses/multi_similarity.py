@@ -52,6 +52,7 @@ class _State:
     def __init__(self, m: int, like: Tensor) -> None:
         self.hard_pos = like.new_full((m,), _INF)
         self.hard_neg = like.new_full((m,), -_INF)
+        self.top_neg = like.new_full((m,), -_INF)  # the largest negative that is a number: the sums' shift
         self.sum_pos, self.sum_neg = like.new_zeros(m), like.new_zeros(m)
         self.n_pos, self.n_neg = like.new_zeros(m), like.new_zeros(m)
         self.factors: Optional[Tuple[Tensor, Tensor]] = None
@@ -139,10 +140,15 @@ class MultiSimilarityHead(Head):
 
     # ------------------------------------------------------------------ a tile's pairs
     def _hardest(self, pairs: Pairs, neg: Tensor, rows: slice, st: _State) -> None:
-        hp = st.hard_pos[rows]
-        hp.scatter_reduce_(0, pairs.ri, pairs.sp, "amin")
+        # as the miner's sorts: a NaN positive is never the hardest, a NaN negative is (then no positive is kept)
+        st.hard_pos[rows].scatter_reduce_(0, pairs.ri, pairs.sp.nan_to_num(nan=_INF, posinf=_INF), "amin")
         if neg.shape[1]:
-            torch.maximum(st.hard_neg[rows], neg.amax(1), out=st.hard_neg[rows])
+            top = neg.amax(1)
+            torch.maximum(st.hard_neg[rows], top, out=st.hard_neg[rows])
+            bad = torch.isnan(top)
+            if bool(bad.any()):
+                top[bad] = neg[bad].nan_to_num(nan=-_INF, neginf=-_INF).amax(1)
+            torch.maximum(st.top_neg[rows], top, out=st.top_neg[rows])
 
     def _mined_positives(self, pairs: Pairs, rows: slice, st: _State) -> Tuple[Tensor, Tensor, Tensor]:
         """The kept positives' rows, columns and ``exp(-alpha (s - hardest positive))``."""
@@ -153,15 +159,15 @@ class MultiSimilarityHead(Head):
         return ri, ci, (sp - st.hard_pos[rows][ri]).mul_(-self.alpha).exp_()
 
     def _mined_negatives_(self, neg: Tensor, rows: slice, st: _State) -> Tensor:
-        """In place: the negatives' tile into ``exp(beta (s - hardest negative))`` where mined,
+        """In place: the negatives' tile into ``exp(beta (s - largest negative))`` where mined,
         0 elsewhere; returns each row's number of mined negatives."""
         kept = neg > (-_INF if self.epsilon is None else (st.hard_pos[rows] - self.epsilon).unsqueeze(1))
         count = row_counts(kept)
         if self.epsilon is not None:
             neg.masked_fill_(kept.logical_not_(), -_INF)
-        hn = st.hard_neg[rows]
-        shift = torch.where(torch.isfinite(hn), hn, torch.zeros_like(hn)).mul_(-self.beta).unsqueeze(1)
-        torch.addcmul(shift, neg, neg.new_ones(()), value=self.beta, out=neg)  # beta (s - hn), one pass
+        top = st.top_neg[rows]
+        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).mul_(-self.beta).unsqueeze(1)
+        torch.addcmul(shift, neg, neg.new_ones(()), value=self.beta, out=neg)  # beta (s - top), one pass
         neg.exp_()
         return count
 
@@ -198,7 +204,7 @@ class MultiSimilarityHead(Head):
         """``log(sum_P exp(-alpha (s - base)))`` and ``log(sum_N exp(beta (s - base)))`` per row
         (-inf for an empty set)."""
         lp = torch.log(st.sum_pos).add_(torch.where(st.sum_pos > 0, -self.alpha * (st.hard_pos - self.base), 0.0))
-        ln = torch.log(st.sum_neg).add_(torch.where(st.sum_neg > 0, self.beta * (st.hard_neg - self.neg_base), 0.0))
+        ln = torch.log(st.sum_neg).add_(torch.where(st.sum_neg > 0, self.beta * (st.top_neg - self.neg_base), 0.0))
         return lp, ln
 
     def values(self, st: _State) -> Tuple[Tensor, Optional[Tensor]]:
@@ -237,9 +243,9 @@ class MultiSimilarityHead(Head):
             return None
         sub = _State(0, s)
         sub.rows = rows
-        sub.hard_pos, sub.hard_neg, sub.sum_pos, sub.sum_neg = (
+        sub.hard_pos, sub.top_neg, sub.sum_pos, sub.sum_neg = (
             st.hard_pos[rows],
-            st.hard_neg[rows],
+            st.top_neg[rows],
             st.sum_pos[rows],
             st.sum_neg[rows],
         )
@@ -262,7 +268,12 @@ class MultiSimilarityHead(Head):
             neg = others & ~pos
             if self.epsilon is not None:
                 d = s.detach()
-                hard_pos = d.masked_fill(~pos, _INF).amin(1, keepdim=True) if d.shape[1] else d[:, :0]
+                # as the miner's sorts: a NaN positive is never the hardest, a NaN negative is
+                hard_pos = (
+                    d.masked_fill(~pos, _INF).nan_to_num(nan=_INF, posinf=_INF).amin(1, keepdim=True)
+                    if d.shape[1]
+                    else d[:, :0]
+                )
                 hard_neg = d.masked_fill(~neg, -_INF).amax(1, keepdim=True) if d.shape[1] else d[:, :0]
                 pos &= d < hard_neg + self.epsilon
                 neg &= d > hard_pos - self.epsilon
@@ -292,8 +303,10 @@ def _reference_rows(
         neg = [j for j in others if int(yk[j]) != int(yq[i])]
         if not math.isnan(epsilon):
             d = s.detach()
-            hard_neg = max((float(d[j]) for j in neg), default=-_INF)
-            hard_pos = min((float(d[j]) for j in pos), default=_INF)
+            # as the miner's sorts: a NaN positive is never the hardest, a NaN negative is
+            negs = [float(d[j]) for j in neg]
+            hard_neg = math.nan if any(math.isnan(v) for v in negs) else max(negs, default=-_INF)
+            hard_pos = min((float(d[j]) for j in pos if not math.isnan(float(d[j]))), default=_INF)
             pos = [j for j in pos if float(d[j]) < hard_neg + epsilon]
             neg = [j for j in neg if float(d[j]) > hard_pos - epsilon]
         n_pos, n_neg = n_pos + len(pos), n_neg + len(neg)

@@ -121,6 +121,9 @@ def _proxy_anchor(
     embeddings: Tensor, labels: Tensor, proxies: Tensor, margin: float, alpha: float, opts: checks.Options
 ) -> Tensor:
     """The one body: this rank's share of the proxies against every rank's rows."""
+    # rows and proxies of two dtypes (bfloat16 rows, float32 proxies): both in the wider, on every backend
+    wide = torch.promote_types(embeddings.dtype, proxies.dtype)
+    embeddings, proxies = embeddings.to(wide), proxies.to(wide)
     cols = parallel.columns(embeddings, opts.strategy, opts.process_group, own=False)
     every = cols.gather(labels)  # every column's class
     c = proxies.shape[0]
