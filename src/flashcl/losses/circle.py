@@ -246,8 +246,7 @@ def _circle(embeddings: Tensor, labels: Tensor, m: float, gamma: float, opts: ch
     )
     weights = runner.share(opts.reduction, opts.grad_scale, cols, valid)
     if name == "reference":
-        keys = embeddings if cols.own and cols.group is None else cols.keys
-        out = _reference_rows(embeddings.to(dtype), keys.to(dtype), row_ids, ids, cols.offset, m, gamma)
+        out = _reference_rows(embeddings.to(dtype), cols.keys.to(dtype), row_ids, ids, cols.offset, m, gamma)
         out = out if weights is None else (weights * out).sum()
     else:
         head = CircleHead(row_ids, ids, True, cols.offset, m, gamma)

@@ -217,14 +217,14 @@ class MultiSimilarityHead(Head):
         # dL_i/ds_ij: -sigmoid(lp_i) exp(-alpha (s_ij - hp_i)) / sum_pos_i on a mined positive,
         # sigmoid(ln_i) exp(beta (s_ij - hn_i)) / sum_neg_i on a mined negative
         lp, ln = self._logsums(st)
-        wp, wn = self._row_weights(st, g_row)
+        wp, wn = self._row_weights(st)
         fp = torch.where(st.sum_pos > 0, -g_row * wp * self.alpha * torch.sigmoid(lp) / st.sum_pos, 0.0)
         fn = torch.where(st.sum_neg > 0, g_row * wn * self.beta * torch.sigmoid(ln) / st.sum_neg, 0.0)
         st.factors = (fp, fn)
 
-    def _row_weights(self, st: _State, like: Tensor) -> Tuple[Any, Any]:
+    def _row_weights(self, st: _State) -> Tuple[Any, Any]:
         """The term factors of the rows ``st`` holds (a sub-state's rows: :attr:`rows`)."""
-        rows = getattr(st, "rows", slice(None))
+        rows = st.rows
         return tuple(w[rows] if isinstance(w, Tensor) else w for w in self.weights)  # type: ignore[return-value]
 
     def grad(self, s: Tensor, tile: Tile, st: _State, buf: Optional[Tensor] = None) -> Tensor:
@@ -413,10 +413,9 @@ def _multi_similarity(
     valid = torch.ones(m, dtype=dtype, device=embeddings.device)
     weights = runner.share(opts.reduction, opts.grad_scale, cols, valid)
     if name == "reference":
-        keys = embeddings if cols.own and cols.group is None else cols.keys
         hyper_ = (alpha, beta, base, math.nan if eps is None else eps)
         rows, n_pos, n_neg = _reference_rows(
-            embeddings.to(dtype), keys.to(dtype), row_ids, ids, cols.offset, True, hyper_
+            embeddings.to(dtype), cols.keys.to(dtype), row_ids, ids, cols.offset, True, hyper_
         )
         out = rows if weights is None else (weights * rows).sum()
     else:
