@@ -38,9 +38,15 @@ def rows_of(
     bias: Any = 0.0,
     normalize: bool = True,
     scores: Optional[Tensor] = None,
+    pos_mod: Optional[Callable[..., Any]] = None,
+    neg_mod: Optional[Callable[..., Any]] = None,
+    constants: Optional[Dict[str, float]] = None,
 ) -> Any:
     """(each anchor's loss (M,), each anchor's counting in a "mean" (M,) bool); ``scores``:
-    a given score matrix instead of ``q`` and ``k`` (self-contrast unless ``cols``)."""
+    a given score matrix instead of ``q`` and ``k`` (self-contrast unless ``cols``).
+    The row statistics are fields of the views (``b``'s with self-contrast);
+    ``kind="multi_similarity"`` / ``"circle"`` with their ``constants`` (alpha, beta, base;
+    m, gamma) as pytorch-metric-learning 2.9 writes them."""
     if scores is not None:
         own = cols is None
         cd = rows if own else cols
@@ -53,9 +59,11 @@ def rows_of(
         kn = qn if own and normalize else (F.normalize(kk, dim=-1) if normalize else kk)
         s = qn @ kn.T / temperature
     m_, n_ = s.shape
-    a, b = views(rows, cd, m_, n_)
-    out = torch.zeros(m_, n_, dtype=torch.bool)
     self_pair = torch.eye(m_, n_, dtype=torch.bool) if own else torch.zeros(m_, n_, dtype=torch.bool)
+    a, b = views(rows, cd, m_, n_)
+    stats = statistics(s.detach(), positive, a, b, self_pair)
+    a, b = views({**rows, **stats}, {**cd, **stats} if own else cd, m_, n_)
+    out = torch.zeros(m_, n_, dtype=torch.bool)
     if not include_self:
         out |= self_pair
     if exclude is not None:
@@ -65,6 +73,8 @@ def rows_of(
     m = torch.where(out | self_pair, torch.zeros_like(m), m)  # the self pair is never a positive
     sp = s if score_mod is None else score_mod(s, a, b).expand(m_, n_)
     w = torch.ones_like(s) if weight is None else weight(a, b).expand(m_, n_).to(s.dtype)
+    if kind in ("multi_similarity", "circle"):
+        return _two_sets(s, a, b, m > 0, ~(out | self_pair) & (m == 0), w, kind, constants or {}, pos_mod, neg_mod)
     if kind == "sigmoid":
         t = sp + bias
         terms = w * (m * _softplus(-t) + (1 - m) * _softplus(t))
@@ -87,6 +97,49 @@ def rows_of(
         loss = per_pair.sum(1)
         valid = has_den & (npos > 0)
     return torch.where(valid, loss, torch.zeros_like(loss)), valid
+
+
+def statistics(s: Tensor, positive: Any, a: Any, b: Any, self_pair: Tensor) -> Dict[str, Tensor]:
+    """Each anchor's hardest positive (lowest s), hardest negative (highest s among the
+    other pairs) and weighted mean positive score, the self pair left out; +inf (-inf)
+    for none."""
+    m = (positive(a, b) if positive is not None else a.index == b.index).expand(s.shape).to(s.dtype)
+    m = torch.where(self_pair, torch.zeros_like(m), m)
+    pos, neg = m > 0, (m == 0) & ~self_pair
+    inf = torch.tensor(float("inf"), dtype=s.dtype)
+    msum = m.sum(1)
+    mean = (m * torch.where(pos, s, torch.zeros_like(s))).sum(1) / torch.where(msum > 0, msum, torch.ones_like(msum))
+    return {
+        "hardest_positive": torch.where(pos, s, inf).amin(1),
+        "hardest_negative": torch.where(neg, s, -inf).amax(1),
+        "positive_score": torch.where(msum > 0, mean, inf),
+    }
+
+
+def _two_sets(
+    s: Tensor, a: Any, b: Any, pos: Tensor, neg: Tensor, w: Tensor, kind: str, c: Dict[str, float], pm: Any, nm: Any
+) -> Any:
+    """Multi-Similarity or Circle over the sets ``pos`` and ``neg``, each term weighted by ``w``."""
+    ninf = torch.full_like(s, float("-inf"))
+    lw = torch.log(w)
+    if kind == "multi_similarity":
+        alpha, beta, base = c.get("alpha", 2.0), c.get("beta", 50.0), c.get("base", 0.5)
+        xp = pm(s, a, b) if pm is not None else -alpha * (s - base)
+        xn = nm(s, a, b) if nm is not None else beta * (s - base)
+        zero = torch.zeros(s.shape[0], 1, dtype=s.dtype)
+        lp = torch.logsumexp(torch.cat([torch.where(pos, xp + lw, ninf), zero], 1), 1)
+        ln = torch.logsumexp(torch.cat([torch.where(neg, xn + lw, ninf), zero], 1), 1)
+        return lp / alpha + ln / beta, torch.ones(s.shape[0], dtype=torch.bool)
+    m, gamma = c.get("m", 0.4), c.get("gamma", 80.0)
+    ap = torch.relu(-s.detach() + 1 + m)
+    an = torch.relu(s.detach() + m)
+    xp = pm(s, a, b) if pm is not None else -ap * (s - (1 - m)) * gamma
+    xn = nm(s, a, b) if nm is not None else an * (s - m) * gamma
+    has = pos.any(1) & neg.any(1)
+    lp = torch.logsumexp(torch.where(pos, xp + lw, ninf), 1)
+    ln = torch.logsumexp(torch.where(neg, xn + lw, ninf), 1)
+    loss = _softplus(torch.where(has, lp + ln, torch.zeros_like(lp)))
+    return torch.where(has, loss, torch.zeros_like(loss)), has
 
 
 def reduce(loss: Tensor, valid: Tensor, reduction: str) -> Tensor:

@@ -131,6 +131,39 @@ def cases(d: Dict[str, torch.Tensor], sl: slice, sl2: slice, kw: Dict[str, Any])
             lambda e, pp, tt: flashcl.flex_loss(e, pp, both_directions=True, temperature=tt, **kw),
             [q, p, t],
         ),
+        "two towers, false-negative margin, both directions": (
+            lambda e, pp: flashcl.flex_loss(
+                e, pp, exclude=lambda a, b, s: s > a.positive_score + 0.5, both_directions=True, temperature=0.2, **kw
+            ),
+            [q, p],
+        ),
+        "multi-similarity, mined by the row statistics": (
+            lambda e: flashcl.flex_loss(
+                e,
+                rows=rows,
+                positive=lambda a, b: a.y == b.y,
+                exclude=lambda a, b, s: torch.where(
+                    a.y == b.y, s >= a.hardest_negative + 0.1, s <= a.hardest_positive - 0.1
+                ),
+                kind="multi_similarity",
+                temperature=1.0,
+                **kw,
+            ),
+            [q],
+        ),
+        "circle, the keys' statistics, learnable margin": (
+            lambda e, mg: flashcl.flex_loss(
+                e,
+                rows=rows,
+                positive=lambda a, b: a.y == b.y,
+                weight=lambda a, b: torch.where(b.hardest_negative > a.hardest_negative, 0.5, 1.0),
+                neg_mod=lambda s, a, b: 16.0 * (s - mg),
+                kind="circle",
+                temperature=1.0,
+                **kw,
+            ),
+            [q, margin],
+        ),
     }
 
 

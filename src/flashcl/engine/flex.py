@@ -19,6 +19,15 @@ With ``s`` the scaled scores and ``s' = score_mod(s, a, b)``, ``m = positive(a, 
   on the tile (and into the tensors it captures).
 * ``kind="sigmoid"``: each pair's ``w_ij [m_ij softplus(-t_ij) + (1 - m_ij) softplus(t_ij)]``,
   ``t = s' + bias``; ``dL/dt = w (sigmoid(t) - m)``.
+* two-set kinds (:class:`PairSets`: Multi-Similarity, Circle): ``P_i = LSE_{j: m_ij > 0}
+  (s'_ij + log w_ij)`` and ``N_i = LSE_{j: m_ij = 0} (s'_ij + log w_ij)`` over the pairs in
+  play, ``s' = pos_mod(s, a, b)`` on the positives and ``neg_mod(s, a, b)`` on the negatives;
+  the row's loss ``f(P_i, N_i)`` and ``dL/ds'_ij = f_P exp(s'_ij + log w_ij - P_i)`` on a
+  positive (``f_N``, ``N_i`` on a negative).
+
+Row statistics (:class:`StatisticsHead`, a first visit without gradient): each anchor's
+hardest positive, hardest negative and mean positive score, read by the functions as
+fields of ``a`` (and, for self-contrast, of ``b``).
 
 Every row's statistics complete in one visit of its tiles: one reduction pass; a block of
 complete rows forms its gradient in the same visit (three GEMMs).
@@ -35,12 +44,57 @@ from torch import Tensor
 from .heads import Head, SoftmaxHead, Tile, lse_inplace, mask_self_, row_dot, scratch, softplus
 from .sparsity import BlockSparsity
 
-__all__ = ["View", "FlexFunctions", "FlexHead", "KINDS", "POSITIVES", "captured_tensors", "takes_scores"]
+__all__ = [
+    "View",
+    "FlexFunctions",
+    "FlexHead",
+    "PairSets",
+    "StatisticsHead",
+    "reads_statistics",
+    "KINDS",
+    "POSITIVES",
+    "STATISTICS",
+    "captured_tensors",
+    "takes_scores",
+]
 
 KINDS = ("softmax", "sigmoid")
 POSITIVES = ("mean", "weighted_mean", "pairs", "sum")
 
 Fn = Callable[..., Any]
+
+#: the row statistics the functions may read as fields of ``a`` (self-contrast: of ``b`` too)
+STATISTICS = ("hardest_positive", "hardest_negative", "positive_score")
+_INF = float("inf")
+
+
+class PairSets:
+    """A two-set kind of flex loss: each anchor's loss ``f(P, N)`` of ``P``, the
+    log-sum-exp of ``pos_mod(s, a, b) + log w`` over its positives, and ``N``, that of
+    ``neg_mod(s, a, b) + log w`` over its negatives (``-inf`` for an empty set). A kind
+    gives the two modified scores' defaults, ``f``, its partial derivatives and the rows
+    a ``"mean"`` counts."""
+
+    #: the kind's name, as ``kind=`` takes it
+    name = ""
+
+    def pos_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        raise NotImplementedError
+
+    def neg_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        raise NotImplementedError
+
+    def loss(self, p: Tensor, n: Tensor) -> Tensor:
+        """Each row's loss from its two log-sum-exps (differentiable)."""
+        raise NotImplementedError
+
+    def slopes(self, p: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(dL/dP, dL/dN)`` of each row, finite (0 where a set is empty)."""
+        raise NotImplementedError
+
+    def counted(self, p: Tensor, n: Tensor) -> Tensor:
+        """The rows a ``"mean"`` counts (bool)."""
+        raise NotImplementedError
 
 
 class View:
@@ -74,6 +128,12 @@ class View:
         got = self._cache.get(name)
         if got is not None:
             return got
+        if name in STATISTICS and name not in self._data:
+            raise AttributeError(
+                f"{self._role}.{name}: the row statistics are the anchors' (a.{name}), and the keys' "
+                f"(b.{name}) with self-contrast only (keys=None); they are computed for a call whose functions "
+                "read them when called on one pair"
+            )
         if name not in self._data:
             fields = ", ".join(sorted(self._data)) or "none"
             raise AttributeError(
@@ -99,7 +159,8 @@ def takes_scores(fn: Fn) -> bool:
 
 class FlexFunctions:
     """The user's functions of a flex loss and their options, checked: ``positive``,
-    ``exclude`` (``exclude_scores``: it takes the scores), ``score_mod``, ``weight``."""
+    ``exclude`` (``exclude_scores``: it takes the scores), ``score_mod``, ``weight``, and a
+    two-set kind's ``pos_mod`` and ``neg_mod`` (one of them or ``score_mod``, never both)."""
 
     def __init__(
         self,
@@ -107,9 +168,29 @@ class FlexFunctions:
         exclude: Optional[Fn],
         score_mod: Optional[Fn],
         weight: Optional[Fn],
+        pos_mod: Optional[Fn] = None,
+        neg_mod: Optional[Fn] = None,
     ) -> None:
         self.positive, self.exclude, self.score_mod, self.weight = positive, exclude, score_mod, weight
+        self.pos_mod, self.neg_mod = pos_mod, neg_mod
         self.exclude_scores = exclude is not None and takes_scores(exclude)
+        #: the scores are modified: the tile's modified scores are formed (and differentiated) by autograd
+        self.modifies = score_mod is not None or pos_mod is not None
+
+    def modify(self, s: Tensor, a: Any, b: Any, m: Tensor) -> Any:
+        """The modified scores of the tile ``s``: ``score_mod``'s, or ``pos_mod``'s on the
+        positives (``m > 0``) and ``neg_mod``'s elsewhere."""
+        if self.score_mod is not None:
+            return self.score_mod(s, a, b)
+        assert self.pos_mod is not None and self.neg_mod is not None
+        r, c = s.shape
+        pos = _tile_result(self.pos_mod(s, a, b), "pos_mod", r, c, s, "float")
+        neg = _tile_result(self.neg_mod(s, a, b), "neg_mod", r, c, s, "float")
+        return torch.where(m > 0, pos, neg)
+
+    def mods(self) -> Tuple[Fn, ...]:
+        """The functions whose results carry the scores' gradient (and the captured tensors')."""
+        return tuple(f for f in (self.score_mod, self.pos_mod, self.neg_mod) if f is not None)
 
 
 def _tile_result(value: Any, name: str, rows: int, cols: int, like: Tensor, kind: str) -> Tensor:
@@ -183,6 +264,7 @@ class _FlexState:
         self.ca: Optional[Tuple[Tensor, Tensor]] = None  # rows' (c, a), once reduced
         self.g_row: Optional[Tensor] = None
         self.lse: Optional[Tensor] = None  # the logsumexps for the gradient (0 where a row has no denominator)
+        self.lse_pos: Optional[Tensor] = None  # a two-set kind's: P for the gradient (``pos`` holds P; ``row``, N)
         self.coef: Optional[Tuple[Tensor, Tensor]] = None  # per row (c g e^{shift - L} or c g, a g)
         self.param_grads: List[Optional[Tensor]] = [None] * n_params
 
@@ -289,7 +371,7 @@ class FlexHead(Head):
     """The flex loss as an engine head (see the module docstring).
 
     Args:
-        kind: ``"softmax"`` | ``"sigmoid"``.
+        kind: ``"softmax"`` | ``"sigmoid"`` | a two-set kind (:class:`PairSets`).
         positives: the softmax kind's ``"mean"`` | ``"weighted_mean"`` | ``"pairs"`` | ``"sum"``.
         fns: the user's functions.
         rows: the data of the tile rows' samples, this process's (M).
@@ -311,9 +393,11 @@ class FlexHead(Head):
         sparsity: the tiles with a pair not excluded (a block mask), or None: every tile.
     """
 
+    fuses_rows = True  # every row's statistics complete in one visit of its tiles
+
     def __init__(
         self,
-        kind: str,
+        kind: Any,
         positives: str,
         fns: FlexFunctions,
         rows: Dict[str, Tensor],
@@ -329,12 +413,15 @@ class FlexHead(Head):
         captured: Tuple[Tensor, ...] = (),
         sparsity: Optional[BlockSparsity] = None,
     ) -> None:
-        self.kind, self.positives, self.fns = kind, positives, fns
+        #: a two-set kind, or None (``kind`` is then ``"softmax"`` or ``"sigmoid"``)
+        self.sets: Optional[PairSets] = kind if isinstance(kind, PairSets) else None
+        self.kind: str = kind.name if isinstance(kind, PairSets) else kind
+        self.positives, self.fns = positives, fns
         self.sparsity = sparsity
         self.rows, self.cols, self.row_base = rows, cols, row_base
         self.own, self.exclude_self, self.offset, self.swapped = own, exclude_self, offset, swapped
-        self.symmetric_tiles = symmetric and sparsity is None  # the panels visit every tile
-        self.fuses_rows = True  # every row's statistics complete in one visit of its tiles
+        # the panels visit every tile (a two-set kind's rows are visited one orientation at a time)
+        self.symmetric_tiles = symmetric and sparsity is None and self.sets is None
         self.bias, self.learn_bias, self.captured = bias, learn_bias, captured
         self.n_params = int(learn_bias) + len(captured)
         #: each row's validity once reduced: the rows a "mean" counts
@@ -362,9 +449,9 @@ class FlexHead(Head):
         if fns.exclude is not None:
             args = (a, b, s.detach()) if fns.exclude_scores else (a, b)
             excl = _tile_result(fns.exclude(*args), "exclude", r, c, s, "bool")
-        raw = _tile_result(fns.positive(a, b), "positive", r, c, s, "weight") if fns.positive else a.index == b.index
+        raw = self._raw_positives(a, b, s)
         binary = raw.dtype == torch.bool
-        if binary and self.kind == "softmax" and fns.score_mod is None and s.device.type == "cpu":
+        if binary and self.kind == "softmax" and not fns.modifies and s.device.type == "cpu":
             sparse = self._sparse_positives(raw, excl, tile, s.dtype)
             if sparse is not None:
                 logw = self._log_weights(a, b, r, c, s)
@@ -379,17 +466,23 @@ class FlexHead(Head):
             mask_self_(m, tile, 0.0)  # the self pair is never a positive
         logw = self._log_weights(a, b, r, c, s)
         s_leaf = sp_graph = None
-        if fns.score_mod is None:
+        if not fns.modifies:
             sp = s
         elif grad:
             with torch.enable_grad():
                 s_leaf = s.detach().clone().requires_grad_(True)
-                sp_graph = _tile_result(fns.score_mod(s_leaf, a, b), "score_mod", r, c, s, "float")
+                sp_graph = _tile_result(fns.modify(s_leaf, a, b, m), "score_mod", r, c, s, "float")
             sp = sp_graph.detach()
         else:
             with torch.no_grad():
-                sp = _tile_result(fns.score_mod(s, a, b), "score_mod", r, c, s, "float")
+                sp = _tile_result(fns.modify(s, a, b, m), "score_mod", r, c, s, "float")
         return _Terms(excl, m, binary, logw, sp, s_leaf, sp_graph)
+
+    def _raw_positives(self, a: View, b: View, s: Tensor) -> Tensor:
+        """``positive(a, b)`` checked and broadcast to the tile (default: the diagonal)."""
+        r, c = s.shape
+        fn = self.fns.positive
+        return _tile_result(fn(a, b), "positive", r, c, s, "weight") if fn else (a.index == b.index).expand(r, c)
 
     def _sparse_positives(
         self, raw: Tensor, excl: Optional[Tensor], tile: Tile, dtype: torch.dtype
@@ -417,7 +510,7 @@ class FlexHead(Head):
 
     def _positive_scores(self, t: _Terms) -> Tensor:
         """``m * s'`` with 0 off the positives (where ``s'`` may be ``-inf`` or NaN)."""
-        if self.fns.score_mod is None:
+        if not self.fns.modifies:
             return t.m * t.sp
         return t.m * torch.where(t.m > 0, t.sp, torch.zeros((), dtype=t.sp.dtype, device=t.sp.device))
 
@@ -425,7 +518,7 @@ class FlexHead(Head):
         """The sums of ``m * s'`` along ``dim``."""
         if t.sparse is not None:
             return t.sparse.score_sums(t.sp, dim)
-        if self.fns.score_mod is None and dim == 1:
+        if not self.fns.modifies and dim == 1:
             return row_dot(t.m, t.sp)
         return self._positive_scores(t).sum(dim)
 
@@ -434,7 +527,7 @@ class FlexHead(Head):
         tile's own buffer when ``s'`` is the tile (no ``score_mod``). A positive whose
         modified score is ``-inf`` is an error."""
         sp = t.sp
-        if self.fns.score_mod is not None:
+        if self.fns.modifies:
             if bool((torch.isneginf(sp) & (t.m > 0)).any()):
                 raise ValueError("score_mod returned -inf on a positive pair: a positive must stay in the denominator")
             z = sp.clone() if t.logw is None else sp + t.logw
@@ -466,14 +559,40 @@ class FlexHead(Head):
     # ------------------------------------------------------------------ reduction
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _FlexState:
         shift = None
-        if self.kind == "softmax" and self.fns.score_mod is None and self.fns.weight is None:
+        if self.kind == "softmax" and not self.fns.modifies and self.fns.weight is None:
             # |z| <= |s| <= bound: one exp per entry. Where a fixed shift is usable at all
             # (2 bound within the exponent range) exp(s) itself neither overflows nor
             # underflows, so the shift is 0 and the tile is exponentiated as it is
             shift = None if SoftmaxHead.usable_shift(bound, like.dtype) is None else 0.0
         if self.kind == "sigmoid":  # every row counts (none at all on a rank without anchors)
             self.valid_rows = torch.ones(m, dtype=torch.bool, device=like.device)
+        if self.sets is not None:  # two log-sum-exps per row: P in ``pos``, N in ``row``
+            st = _FlexState(m, like, self.n_params, "softmax", None)
+            st.pos.fill_(-_INF)
+            return st
         return _FlexState(m, like, self.n_params, self.kind, shift)
+
+    def _sets_z(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Tensor]:
+        """A two-set kind's terms ``s' + log w`` (``-inf`` for the pairs out of both sets) and
+        the positives' mask."""
+        z = t.sp.clone() if t.logw is None else t.sp + t.logw
+        return self._out_(z, t, tile, -_INF), t.m > 0
+
+    def _add_sets(self, st: _FlexState, rows: slice, z: Tensor, pos: Tensor) -> None:
+        """The two log-sum-exps of ``z`` (overwritten) into the accumulators of ``rows``."""
+        if not z.shape[1]:
+            return
+        p = torch.logsumexp(torch.where(pos, z, -_INF), 1)
+        torch.logaddexp(st.pos[rows], p, out=st.pos[rows])
+        torch.logaddexp(st.row[rows], torch.logsumexp(z.masked_fill_(pos, -_INF), 1), out=st.row[rows])
+
+    def _sets_grad_(self, z: Tensor, pos: Tensor, st: _FlexState, rows: slice) -> Tensor:
+        """In place in ``z``: a two-set kind's ``dL/ds'``, ``f_P exp(z - P)`` on the positives
+        and ``f_N exp(z - N)`` on the negatives (0 out of both sets)."""
+        assert st.coef is not None and st.lse is not None and st.lse_pos is not None
+        cp, cn = (x[rows].unsqueeze(1) for x in st.coef)
+        z.sub_(torch.where(pos, st.lse_pos[rows].unsqueeze(1), st.lse[rows].unsqueeze(1))).exp_()
+        return z.mul_(torch.where(pos, cp, cn))
 
     def _add_rows(self, st: _FlexState, rows: slice, pos: Tensor, msum: Tensor, cnt: Tensor) -> None:
         st.pos[rows] += pos
@@ -491,6 +610,9 @@ class FlexHead(Head):
     def reduce(self, s: Tensor, tile: Tile, st: _FlexState, p: int = 0) -> None:
         rows = slice(tile.r0, tile.r1)
         t = self._terms(s, tile)
+        if self.sets is not None:
+            self._add_sets(st, rows, *self._sets_z(t, tile))
+            return
         if self.kind == "sigmoid":
             st.row[rows] += self._pair_losses_(t, tile).sum(1)
             return
@@ -526,6 +648,9 @@ class FlexHead(Head):
         torch.logaddexp(st.row[rows], torch.logsumexp(z, 1), out=st.row[rows])
 
     def finish(self, st: _FlexState, p: int = 0) -> None:
+        if self.sets is not None:
+            self.valid_rows = self.sets.counted(st.pos, st.row)
+            return
         if self.kind == "sigmoid":
             self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
             return
@@ -556,6 +681,11 @@ class FlexHead(Head):
         return torch.where(valid, c, zero), torch.where(valid, a, zero), valid
 
     def values(self, st: _FlexState) -> Tuple[Tensor, Optional[Tensor]]:
+        if self.sets is not None:
+            self.finish(st)
+            assert self.valid_rows is not None
+            rows = self.sets.loss(st.pos, st.row)
+            return torch.where(self.valid_rows, rows, torch.zeros_like(rows)), None
         if self.kind == "sigmoid":
             return st.row, None
         if st.ca is None:  # no row was visited (a rank without anchors)
@@ -568,6 +698,9 @@ class FlexHead(Head):
     # ------------------------------------------------------------------ gradient
     def begin_grad(self, st: _FlexState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
         st.g_row = g_row
+        if self.sets is not None:
+            self._sets_coef(st, slice(None), g_row)
+            return
         if self.kind == "sigmoid":
             return
         assert st.ca is not None
@@ -579,6 +712,23 @@ class FlexHead(Head):
         if st.shift is not None:  # G_ij = exp(z_ij - shift) c_i g_i e^{shift - L_i} - m_ij a_i g_i
             cg = cg * torch.exp(st.shift - st.lse)
         st.coef = (cg, a * g_row)
+
+    def _sets_coef(self, st: _FlexState, rows: slice, g_row: Tensor) -> None:
+        """A two-set kind's per-row factors ``(f_P g, f_N g)`` and finite log-sum-exps for the
+        gradient of ``rows`` (a row not counted: 0)."""
+        assert self.sets is not None and self.valid_rows is not None
+        p, n = st.pos[rows], st.row[rows]
+        dp, dn = self.sets.slopes(p, n)
+        keep = self.valid_rows[rows]
+        zero = torch.zeros((), dtype=p.dtype, device=p.device)
+        coef = (torch.where(keep, dp * g_row, zero), torch.where(keep, dn * g_row, zero))
+        if st.coef is None or st.lse is None or st.lse_pos is None:
+            st.coef = (torch.zeros_like(st.pos), torch.zeros_like(st.row))
+            st.lse, st.lse_pos = torch.zeros_like(st.row), torch.zeros_like(st.pos)
+        st.coef[0][rows], st.coef[1][rows] = coef
+        # an empty set's -inf taken as 0: its members' exp(-inf - 0) = 0, never NaN
+        st.lse_pos[rows] = torch.where(torch.isfinite(p), p, zero)
+        st.lse[rows] = torch.where(torch.isfinite(n), n, zero)
 
     def _softmax_grad_(self, z: Tensor, t: _Terms, st: _FlexState, rows: slice, dim: int) -> Tensor:
         """In place in ``z``: ``dL/ds'`` of the softmax kind, seen from the rows (``dim=1``:
@@ -626,8 +776,10 @@ class FlexHead(Head):
     def grad(self, s: Tensor, tile: Tile, st: _FlexState, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
         rows = slice(tile.r0, tile.r1)
-        t = self._terms(s, tile, grad=self.fns.score_mod is not None)
-        if self.kind == "sigmoid":
+        t = self._terms(s, tile, grad=self.fns.modifies)
+        if self.sets is not None:
+            g = self._sets_grad_(*self._sets_z(t, tile), st, rows)
+        elif self.kind == "sigmoid":
             g = self._sigmoid_grad_(t, tile, st.g_row[rows], 1)
         else:
             g = self._softmax_grad_(self._z_(t, tile), t, st, rows, 1)
@@ -640,7 +792,7 @@ class FlexHead(Head):
         once."""
         assert st.g_row is not None
         rows, b, cols = slice(tile.r0, tile.r1), tile.r1 - tile.r0, slice(tile.r0, tile.c1)
-        t = self._terms(s, tile, grad=self.fns.score_mod is not None)
+        t = self._terms(s, tile, grad=self.fns.modifies)
         if self.kind == "sigmoid":
             g = self._sigmoid_grad_(t, tile, st.g_row[rows], 1)
             g.add_(self._sigmoid_grad_(t, tile, st.g_row[cols], 0))
@@ -653,10 +805,18 @@ class FlexHead(Head):
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _FlexState, g_row: Optional[Tensor]) -> Optional[Tensor]:
         rows = slice(tile.r0, tile.r1)
-        t = self._terms(s, tile, grad=g_row is not None and self.fns.score_mod is not None)
+        t = self._terms(s, tile, grad=g_row is not None and self.fns.modifies)
         if self.valid_rows is None:
             self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
-        if self.kind == "sigmoid":
+        if self.sets is not None:
+            z, pos = self._sets_z(t, tile)
+            self._add_sets(st, rows, z.clone(), pos)  # complete rows: final here
+            self.valid_rows[rows] = self.sets.counted(st.pos[rows], st.row[rows])
+            if g_row is None:
+                return None
+            self._sets_coef(st, rows, g_row[rows])
+            g = self._sets_grad_(z, pos, st, rows)
+        elif self.kind == "sigmoid":
             st.row[rows] = self._pair_losses_(t, tile).sum(1)
             if g_row is None:
                 return None
@@ -703,7 +863,7 @@ class FlexHead(Head):
         if self.exclude_self:
             mask_self_(out, tile, True)  # type: ignore[arg-type]
         fns = self.fns
-        sp = s if fns.score_mod is None else _tile_result(fns.score_mod(s, a, b), "score_mod", r, c, s, "float")
+        sp = s if not fns.modifies else _tile_result(fns.modify(s, a, b, t.m), "score_mod", r, c, s, "float")
         return out, t.m, t.logw, sp
 
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
@@ -712,6 +872,13 @@ class FlexHead(Head):
         out, m, logw, sp = self.dense_terms(s, tile)
         r = s.shape[0]
         zero = torch.zeros((), dtype=s.dtype, device=s.device)
+        if self.sets is not None:
+            z = torch.where(out, -_INF, sp if logw is None else sp + logw)
+            pos = m > 0
+            p = _safe_logsumexp(torch.where(pos, z, -_INF), 1)
+            n = _safe_logsumexp(torch.where(pos, -_INF, z), 1)
+            self.valid_rows = self.sets.counted(p.detach(), n.detach())
+            return torch.where(self.valid_rows, self.sets.loss(p, n), zero), None
         if self.kind == "sigmoid":
             bias = params[0].to(s.dtype) if self.learn_bias and params else self.bias
             x = sp + bias
@@ -721,7 +888,7 @@ class FlexHead(Head):
             rows_loss = torch.where(out, zero, terms).sum(1)
             self.valid_rows = torch.ones(r, dtype=torch.bool, device=s.device)
             return rows_loss, None
-        if self.fns.score_mod is not None and bool((torch.isneginf(sp.detach()) & (m > 0)).any()):
+        if self.fns.modifies and bool((torch.isneginf(sp.detach()) & (m > 0)).any()):
             raise ValueError("score_mod returned -inf on a positive pair: a positive must stay in the denominator")
         z = sp if logw is None else sp + logw
         z = torch.where(out, torch.full((), float("-inf"), dtype=s.dtype, device=s.device), z)
@@ -730,6 +897,128 @@ class FlexHead(Head):
         c_, a_, valid = self._weights(self.positives, lse.detach(), m.sum(1), (m > 0).sum(1).to(s.dtype))
         self.valid_rows = valid
         return torch.where(valid, c_ * torch.where(valid, lse, zero) - a_ * mp.sum(1), zero), None
+
+
+class _Statistics:
+    """A statistics pass's accumulators per row: the lowest positive score, the highest
+    other score, the positives' weighted score sum and weight sum."""
+
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.hard_pos, self.hard_neg = like.new_full((m,), _INF), like.new_full((m,), -_INF)
+        self.pos_sum, self.weight_sum = like.new_zeros(m), like.new_zeros(m)
+
+
+class StatisticsHead(FlexHead):
+    """The row statistics' pass, a head without gradient: each anchor's scaled scores
+    ``s`` before ``score_mod``, over the pairs ``positive`` names (the self pair left out)
+    and the others (the self pair left out); ``exclude`` is not applied (the functions that
+    read the statistics may be ``exclude`` itself). Every tile is visited (no block mask).
+    Its :meth:`values` are zeros; :meth:`statistics` gives the rows' statistics after a run:
+
+    * ``hardest_positive``: the lowest ``s`` among the positives (``+inf``: none);
+    * ``hardest_negative``: the highest among the others (``-inf``: none);
+    * ``positive_score``: the positives' mean ``s``, weighted by ``m`` (``+inf``: none).
+
+    Takes :class:`FlexHead`'s arguments (the kind's are not used).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**dict(kwargs, symmetric=False, sparsity=None))
+        self.sets = None
+        self.result: Optional[_Statistics] = None
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _Statistics:  # type: ignore[override]
+        self.result = _Statistics(m, like)
+        return self.result
+
+    def reduce(self, s: Tensor, tile: Tile, st: _Statistics, p: int = 0) -> None:  # type: ignore[override]
+        rows = slice(tile.r0, tile.r1)
+        a, b = self._views(tile)
+        m = torch.zeros(s.shape, dtype=s.dtype, device=s.device).copy_(self._raw_positives(a, b, s))
+        if bool((m < 0).any()):
+            raise ValueError("positive returned a negative weight: positives are bool, or weights >= 0 (0: none)")
+        others = torch.ones(s.shape, dtype=torch.bool, device=s.device)
+        if self.own:
+            mask_self_(m, tile, 0.0)
+            mask_self_(others, tile, False)
+        pos = m > 0
+        if s.shape[1]:
+            low = torch.where(pos, s, _INF).amin(1)
+            torch.minimum(st.hard_pos[rows], low, out=st.hard_pos[rows])
+            high = torch.where(others & ~pos, s, -_INF).amax(1)
+            torch.maximum(st.hard_neg[rows], high, out=st.hard_neg[rows])
+        st.pos_sum[rows] += torch.where(pos, m * s, 0.0).sum(1)
+        st.weight_sum[rows] += m.sum(1)
+
+    def rows_fused(  # type: ignore[override]
+        self, s: Tensor, tile: Tile, st: _Statistics, g_row: Optional[Tensor]
+    ) -> Optional[Tensor]:
+        self.reduce(s, tile, st)
+        return None
+
+    def finish(self, st: Any, p: int = 0) -> None:
+        pass
+
+    def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
+        self.valid_rows = torch.ones_like(st.pos_sum, dtype=torch.bool)
+        return torch.zeros_like(st.pos_sum), None
+
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+        st = self.state(s.shape[0], s.shape[1], s, None)
+        self.reduce(s.detach(), tile, st)
+        return self.values(st)
+
+    def statistics(self) -> Dict[str, Tensor]:
+        """The statistics of the last run's rows, by name (:data:`STATISTICS`)."""
+        st = self.result
+        assert st is not None, "the statistics pass has not run"
+        has = st.weight_sum > 0
+        mean = st.pos_sum / torch.where(has, st.weight_sum, torch.ones_like(st.weight_sum))
+        return {
+            "hardest_positive": st.hard_pos,
+            "hardest_negative": st.hard_neg,
+            "positive_score": torch.where(has, mean, _INF),
+        }
+
+
+def reads_statistics(
+    fns: FlexFunctions, rows: Dict[str, Tensor], cols: Dict[str, Tensor], like: Tensor, keys_too: bool
+) -> bool:
+    """Whether one of the functions reads a row statistic (:data:`STATISTICS`): each is
+    called once on a tile of one pair whose views record the fields read (the keys'
+    statistics only with ``keys_too``, self-contrast; elsewhere the view's error).
+    ``positive`` may not read them (they are computed from it): a ValueError."""
+    seen: set = set()
+
+    class Recording(View):
+        __slots__ = ()
+
+        def __getattr__(self, name: str) -> Tensor:
+            if name in STATISTICS and name not in self._data and (keys_too or self._role == "a"):
+                seen.add(name)
+                return torch.zeros((1, 1), dtype=like.dtype, device=like.device)
+            return super().__getattr__(name)
+
+    r = min(1, next(iter(rows.values())).shape[0]) if rows else 1
+    c = min(1, next(iter(cols.values())).shape[0]) if cols else 1
+    a = Recording(rows, 0, r, 0, "a", "the anchors' data (rows=)", "a")
+    b = Recording(cols, 0, c, 0, "b", "the keys' data (cols=)", "b")
+    s = torch.zeros(r, c, dtype=like.dtype, device=like.device)
+    with torch.no_grad():
+        if fns.positive is not None:
+            fns.positive(a, b)
+            if seen:
+                raise ValueError(
+                    f"positive reads {', '.join(sorted(seen))}: the row statistics are computed from the "
+                    "positives; exclude, score_mod, weight, pos_mod and neg_mod may read them"
+                )
+        if fns.weight is not None:
+            fns.weight(a, b)
+        if fns.exclude is not None:
+            fns.exclude(a, b, s) if fns.exclude_scores else fns.exclude(a, b)
+        for fn in fns.mods():
+            fn(s, a, b)
+    return bool(seen)
 
 
 def _exp_shifted_(z: Tensor, shift: float) -> Tensor:

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -12,19 +12,145 @@ from torch import Tensor
 from .. import checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
-from ..core import compute_dtype
+from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off, normalize_rows
-from ..engine.flex import KINDS, POSITIVES, FlexFunctions, FlexHead, View, captured_tensors
+from ..engine.flex import (
+    KINDS,
+    POSITIVES,
+    STATISTICS,
+    FlexFunctions,
+    FlexHead,
+    PairSets,
+    StatisticsHead,
+    View,
+    captured_tensors,
+    reads_statistics,
+)
 from ..engine.flex_scores import FlexScores
 from ..engine.heads import softplus
 from ..engine.matryoshka import check_dims
 from ..engine.sparsity import BlockSparsity
 from .flex_blocks import BlockMask
+from .multi_similarity import number
 
-__all__ = ["flex_loss", "FlexLoss", "flex_dense_mask"]
+__all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle"]
 
 Fn = Optional[Callable[..., Any]]
 FLEX_BACKENDS = ("reference", "dense", "tiled")
+
+
+# ----------------------------------------------------------------------------- two-set kinds
+
+
+class FlexMultiSimilarity(PairSets):
+    r"""The Multi-Similarity kind of :func:`flex_loss` (``kind="multi_similarity"`` is this
+    with its defaults): each anchor's loss
+
+    $$
+    rac{1}{lpha} \log\Big(1 + \sum_{j \in P_i} w_{ij} e^{s'_{ij}}\Big)
+    + rac{1}{eta} \log\Big(1 + \sum_{j \in N_i} w_{ij} e^{s'_{ij}}\Big)
+    $$
+
+    over its positives ``P_i`` and its other pairs ``N_i`` in play, with ``s' =
+    -alpha (s - base)`` on the positives and ``beta (s - base)`` on the negatives unless
+    ``pos_mod`` / ``neg_mod`` are given; ``"mean"`` counts every anchor (as
+    pytorch-metric-learning's ``MultiSimilarityLoss``).
+
+    Args:
+        alpha: the positives' scale (> 0). Default: 2.
+        beta: the negatives' scale (> 0). Default: 50.
+        base: the scores' shift. Default: 0.5.
+
+    Examples::
+
+        >>> x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        >>> loss = flashcl.flex_loss(x, rows={"y": y}, positive=lambda a, b: a.y == b.y,
+        ...                          kind=flashcl.FlexMultiSimilarity(beta=40.0), temperature=1.0)
+    """
+
+    name = "multi_similarity"
+
+    def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5) -> None:
+        self.alpha = _number(alpha, "alpha", positive=True)
+        self.beta = _number(beta, "beta", positive=True)
+        self.base = _number(base, "base")
+
+    def __repr__(self) -> str:
+        return f"FlexMultiSimilarity(alpha={self.alpha}, beta={self.beta}, base={self.base})"
+
+    def pos_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        return (s - self.base) * -self.alpha
+
+    def neg_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        return (s - self.base) * self.beta
+
+    def loss(self, p: Tensor, n: Tensor) -> Tensor:
+        return softplus(p) / self.alpha + softplus(n) / self.beta
+
+    def slopes(self, p: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
+        return torch.sigmoid(p) / self.alpha, torch.sigmoid(n) / self.beta
+
+    def counted(self, p: Tensor, n: Tensor) -> Tensor:
+        return torch.ones_like(p, dtype=torch.bool)
+
+
+class FlexCircle(PairSets):
+    r"""The Circle kind of :func:`flex_loss` (``kind="circle"`` is this with its
+    defaults): each anchor's loss
+
+    $$
+    \log\Big(1 + \sum_{j \in P_i} w_{ij} e^{s'_{ij}} \sum_{k \in N_i} w_{ik} e^{s'_{ik}}\Big)
+    $$
+
+    with ``s' = -gamma a_p (s - (1 - m))`` on the positives and ``gamma a_n (s - m)`` on
+    the negatives, ``a_p = relu(1 + m - s)`` and ``a_n = relu(s + m)`` taken as constants
+    (as the paper and pytorch-metric-learning's ``CircleLoss``), unless ``pos_mod`` /
+    ``neg_mod`` are given; ``"mean"`` counts the anchors with both sets.
+
+    Args:
+        m: the relaxation margin. Default: 0.4.
+        gamma: the scale (> 0). Default: 80.
+
+    Examples::
+
+        >>> x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        >>> loss = flashcl.flex_loss(x, rows={"y": y}, positive=lambda a, b: a.y == b.y,
+        ...                          kind=flashcl.FlexCircle(m=0.25, gamma=64.0), temperature=1.0)
+    """
+
+    name = "circle"
+
+    def __init__(self, m: float = 0.4, gamma: float = 80.0) -> None:
+        self.m = _number(m, "m")
+        self.gamma = _number(gamma, "gamma", positive=True)
+
+    def __repr__(self) -> str:
+        return f"FlexCircle(m={self.m}, gamma={self.gamma})"
+
+    def pos_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        return (1.0 + self.m - s.detach()).clamp_min(0.0) * -self.gamma * (s - (1.0 - self.m))
+
+    def neg_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        return (s.detach() + self.m).clamp_min(0.0) * self.gamma * (s - self.m)
+
+    def loss(self, p: Tensor, n: Tensor) -> Tensor:
+        return softplus(p + n)
+
+    def slopes(self, p: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
+        d = torch.sigmoid(p + n)
+        return d, d
+
+    def counted(self, p: Tensor, n: Tensor) -> Tensor:
+        return ~torch.isneginf(p) & ~torch.isneginf(n)
+
+
+#: the two-set kinds by name, as ``kind=`` takes them
+PAIR_SETS = {"multi_similarity": FlexMultiSimilarity, "circle": FlexCircle}
+
+
+def _number(value: object, name: str, positive: bool = False) -> float:
+    """A kind's hyperparameter: a finite number (> 0 when ``positive``)."""
+    return cast(float, number(value, name, positive=positive))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -43,6 +169,8 @@ def _check_data(data: object, name: str, n: int, like: Tensor) -> Dict[str, Tens
     for key, value in data.items():
         if not isinstance(key, str) or not key.isidentifier() or key == "index" or key.startswith("_"):
             raise ValueError(f"{name}: field names are identifiers (not 'index', not starting with '_'), got {key!r}")
+        if key in STATISTICS:
+            raise ValueError(f"{name}: {key!r} is a row statistic's name (the loss computes it): rename the field")
         if not isinstance(value, Tensor):
             raise TypeError(f"{name}[{key!r}] must be a tensor, got {type(value).__name__}")
         if value.dim() == 0 or value.shape[0] != n:
@@ -97,24 +225,26 @@ def _reference_from(
     """The reference's rows, ``score_row(i)`` giving anchor ``i``'s scaled scores (1, N)."""
     fns, out_rows = head.fns, []
     for i in range(anchors):
-        if head.swapped:  # the rows are keys: each pair seen as (anchor, key)
-            a = View(head.cols, 0, n, 0, "b", "the anchors' data (rows=)", "a")
-            b = View(head.rows, i, i + 1, head.row_base, "a", "the keys' data (cols=)", "b")
-        else:
-            a = View(head.rows, i, i + 1, head.row_base, "a", "the anchors' data (rows=)", "a")
-            b = View(head.cols, 0, n, 0, "b", "the keys' data (cols=)", "b")
+        a, b = _anchor_views(head, i, n)
         s = score_row(i)  # (1, N)
-        own = torch.zeros(1, n, dtype=torch.bool, device=like.device)
-        if head.own and 0 <= i + head.offset < n:
-            own[0, i + head.offset] = True
+        own = _own_pair(head, i, n, like.device)
         left = own if head.exclude_self else torch.zeros_like(own)
         if fns.exclude is not None:
             left = left | (fns.exclude(a, b, s.detach()) if fns.exclude_scores else fns.exclude(a, b)).expand(1, n)
         m = (fns.positive(a, b) if fns.positive is not None else a.index == b.index).expand(1, n).to(s.dtype)
         m = torch.where(left | own, torch.zeros_like(m), m)
-        sp = s if fns.score_mod is None else fns.score_mod(s, a, b).expand(1, n)
         w = torch.ones_like(s) if fns.weight is None else fns.weight(a, b).expand(1, n).to(s.dtype)
         keep = (~left)[0]
+        if head.sets is not None:  # the two sets' log-sum-exps, each set's modified scores
+            assert fns.pos_mod is not None and fns.neg_mod is not None
+            pos, neg = keep & (m[0] > 0), keep & (m[0] == 0)
+            lw = torch.log(w[0])
+            p = torch.logsumexp((fns.pos_mod(s, a, b).expand(1, n)[0] + lw)[pos], 0)
+            q_ = torch.logsumexp((fns.neg_mod(s, a, b).expand(1, n)[0] + lw)[neg], 0)
+            counted = bool(head.sets.counted(p.detach().view(1), q_.detach().view(1)))
+            out_rows.append(head.sets.loss(p, q_) if counted else s.sum() * 0)
+            continue
+        sp = s if fns.score_mod is None else fns.score_mod(s, a, b).expand(1, n)
         if head.kind == "sigmoid":
             t = sp[0] + (bias if bias is not None else 0.0)
             terms = w[0] * (m[0] * softplus(-t) + (1 - m[0]) * softplus(t))
@@ -139,6 +269,48 @@ def _reference_from(
         else:  # "pairs"
             out_rows.append(terms.sum())
     return torch.stack(out_rows) if out_rows else like.sum(-1)[:0]
+
+
+def _anchor_views(head: FlexHead, i: int, n: int) -> Tuple[View, View]:
+    """The reference's views of anchor ``i``'s row against the ``n`` keys."""
+    if head.swapped:  # the rows are keys: each pair seen as (anchor, key)
+        a = View(head.cols, 0, n, 0, "b", "the anchors' data (rows=)", "a")
+        b = View(head.rows, i, i + 1, head.row_base, "a", "the keys' data (cols=)", "b")
+    else:
+        a = View(head.rows, i, i + 1, head.row_base, "a", "the anchors' data (rows=)", "a")
+        b = View(head.cols, 0, n, 0, "b", "the keys' data (cols=)", "b")
+    return a, b
+
+
+def _own_pair(head: FlexHead, i: int, n: int, device: torch.device) -> Tensor:
+    """(1, n) bool: anchor ``i``'s self pair (self-contrast), False elsewhere."""
+    own = torch.zeros(1, n, dtype=torch.bool, device=device)
+    if head.own and 0 <= i + head.offset < n:
+        own[0, i + head.offset] = True
+    return own
+
+
+@torch.no_grad()
+def _reference_statistics(
+    score_row: Callable[[int], Tensor], anchors: int, n: int, head: FlexHead, like: Tensor
+) -> Dict[str, Tensor]:
+    """The row statistics one anchor at a time, from their definitions (the oracle)."""
+    inf = float("inf")
+    out: Dict[str, list] = {name: [] for name in STATISTICS}
+    for i in range(anchors):
+        a, b = _anchor_views(head, i, n)
+        s = score_row(i)[0]
+        fn = head.fns.positive
+        m = (fn(a, b) if fn is not None else a.index == b.index).expand(1, n)[0].to(s.dtype)
+        own = _own_pair(head, i, n, like.device)[0]
+        pos = (m > 0) & ~own
+        neg = ~pos & ~own
+        out["hardest_positive"].append(s[pos].min() if bool(pos.any()) else s.new_tensor(inf))
+        out["hardest_negative"].append(s[neg].max() if bool(neg.any()) else s.new_tensor(-inf))
+        mean = (m[pos] * s[pos]).sum() / m[pos].sum() if bool(pos.any()) else s.new_tensor(inf)
+        out["positive_score"].append(mean)
+    empty = like.new_zeros(0, dtype=compute_dtype(like.dtype))
+    return {k: torch.stack(v) if v else empty for k, v in out.items()}
 
 
 def _valid_reference(q: Tensor, k: Tensor, scale: Tensor, head: FlexHead) -> Tensor:
@@ -188,9 +360,7 @@ def _check_block_mask(q: Tensor, k: Tensor, scale: Tensor, head: FlexHead, norma
         )
 
 
-def _tile(m: int, n: int, offset: int) -> Any:
-    from ..engine.heads import Tile
-
+def _tile(m: int, n: int, offset: int) -> Tile:
     return Tile(0, m, 0, n, offset)
 
 
@@ -234,6 +404,44 @@ def _direction(
     return out, head.valid_rows
 
 
+def _statistics(
+    q: Tensor,
+    source: runner.Source,
+    rows: Dict[str, Tensor],
+    cols: Dict[str, Tensor],
+    scale: Tensor,
+    head_args: Dict[str, Any],
+    name: str,
+    opts: checks.Options,
+) -> Dict[str, Tensor]:
+    """The row statistics of the anchors ``q`` against ``source`` (a first visit of every
+    tile, without gradient), by name: :class:`flashcl.engine.flex.StatisticsHead`."""
+    head = StatisticsHead(rows=rows, cols=cols, **head_args)
+    dtype = compute_dtype(q.dtype)
+    with torch.no_grad():
+        if name == "reference":
+            keys = q if source.own else source.keys
+            qn, kn = q.detach().to(dtype), keys.detach().to(dtype)
+            if opts.normalize:
+                qn, kn = normalize_rows(qn), normalize_rows(kn)
+            sc = scale.detach().to(dtype)
+            return _reference_statistics(lambda i: sc * (qn[i : i + 1] @ kn.T), q.shape[0], kn.shape[0], head, q)
+        block = opts.block_size or flex_block(source.total, dtype)
+        problem = Problem(head, (), opts.normalize, head.offset)
+        source.run(q.detach(), scale.detach(), problem, None, block, (), backend=name)
+    return head.statistics()
+
+
+def _captured(fns: FlexFunctions, rows: Dict[str, Tensor], cols: Dict[str, Tensor], like: Tensor) -> Tuple[Tensor, ...]:
+    """The tensors requiring grad that the modifying functions capture, each once."""
+    found: list = []
+    for fn in fns.mods():
+        for t in captured_tensors(fn, _probe(fns, rows, cols, like)):
+            if all(t is not f for f in found):
+                found.append(t)
+    return tuple(found)
+
+
 @shared_docs
 def flex_loss(
     q: Optional[Tensor] = None,
@@ -246,7 +454,9 @@ def flex_loss(
     exclude: Fn = None,
     score_mod: Fn = None,
     weight: Fn = None,
-    kind: str = "softmax",
+    pos_mod: Fn = None,
+    neg_mod: Fn = None,
+    kind: Any = "softmax",
     positives: str = "mean",
     include_self: bool = False,
     both_directions: bool = False,
@@ -284,7 +494,12 @@ def flex_loss(
     targets; ``"pairs"``: not divided, the neighbour loss; ``"sum"``: ``L_i - sum_j m_ij
     s'_ij``, supervised SimCSE as commonly written). ``kind="sigmoid"``: ``sum_j w_ij
     [m_ij softplus(-(s'_ij + b)) + (1 - m_ij) softplus(s'_ij + b)]``, SigLIP's binary
-    cross-entropy with your positives.
+    cross-entropy with your positives. The two-set kinds, ``"multi_similarity"`` and
+    ``"circle"`` (:class:`flashcl.FlexMultiSimilarity`, :class:`flashcl.FlexCircle`), take
+    one log-sum-exp over each anchor's positives, ``P_i = LSE_j (pos_mod(s, a, b)_ij +
+    log w_ij)``, and one over its negatives (its other pairs in play), ``N_i`` with
+    ``neg_mod``, and combine them as pytorch-metric-learning's ``MultiSimilarityLoss`` and
+    ``CircleLoss`` do.
 
     The functions take two views of a tile of pairs: ``a``, its anchors, each field of
     ``rows`` shaped (R, 1, ...), and ``b``, its keys, each field of ``cols`` shaped
@@ -296,6 +511,20 @@ def flex_loss(
         exclude=lambda a, b, s: s > s_pos_bound                  # with the tile's scores (detached)
         score_mod=lambda s, a, b: s - margin * (a.y == b.y)      # a margin; a captured tensor learns
         weight=lambda a, b: torch.where(a.y == b.y, 0.5, 1.0)    # the denominator's weights
+
+    Row statistics: ``a.hardest_positive`` (the lowest scaled score ``s`` among the
+    anchor's positives), ``a.hardest_negative`` (the highest among its other pairs) and
+    ``a.positive_score`` (its positives' mean ``s``, weighted by ``m``), from ``s`` before
+    any modification, the self pair left out and ``exclude`` not applied, over the whole
+    batch (every rank's keys); ``+inf`` (``-inf`` for the hardest negative) where the set
+    is empty; no gradient. ``exclude``, ``score_mod``, ``weight``, ``pos_mod`` and
+    ``neg_mod`` may read them (with self-contrast ``b``'s too); a call whose functions
+    read one (seen by calling each once on a pair) visits the tiles once more first::
+
+        exclude=lambda a, b, s: s > a.positive_score + 0.1       # likely false negatives out
+        exclude=lambda a, b, s: torch.where(a.y == b.y,          # Multi-Similarity's miner
+                                            s >= a.hardest_negative + 0.1,
+                                            s <= a.hardest_positive - 0.1)
 
     Args:
         q: the anchors (M, D).
@@ -316,8 +545,16 @@ def flex_loss(
             ``s`` and in the tensors it captures (their gradients are computed); ``-inf``
             takes a pair out of the denominator (on a positive: an error).
         weight: ``weight(a, b) >= 0``: the denominator's importance weights (softmax), a
-            factor on each pair's term (sigmoid); no gradient.
-        kind: ``"softmax"`` (default) | ``"sigmoid"``.
+            factor on each pair's term (sigmoid), on each term of both sets (two-set
+            kinds); no gradient.
+        pos_mod, neg_mod: a two-set kind's modified scores, ``pos_mod(s, a, b)`` on the
+            positives and ``neg_mod(s, a, b)`` on the negatives, differentiable as
+            ``score_mod`` (``-inf``: out of its set). Default: the kind's.
+        kind: ``"softmax"`` (default) | ``"sigmoid"`` | ``"multi_similarity"`` |
+            ``"circle"`` | a :class:`flashcl.FlexMultiSimilarity` or
+            :class:`flashcl.FlexCircle` with its constants. The two-set kinds take
+            ``positive`` as membership (``m > 0``), not ``score_mod``, ``positives``,
+            ``include_self`` or ``both_directions``.
         positives: ``"mean"`` (default) | ``"weighted_mean"`` | ``"pairs"`` | ``"sum"``.
             An anchor without positives (but with ``"sum"``) or with an empty denominator
             contributes 0 and is not counted by ``reduction="mean"``.
@@ -407,7 +644,7 @@ def _flex(o: Dict[str, Any]) -> Tensor:
         o["normalize"], o["reduction"], backend, block_size, process_group, o["strategy"], o["grad_scale"]
     )
     checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS, "triton"))
-    fns, scale, bias_t = _functions_and_scalars(o, own, q)
+    kind, fns, scale, bias_t = _functions_and_scalars(o, own, q)
     if own and cols is not None:
         raise ValueError("cols is the keys' data; with keys=None the keys are the anchors: give their data as rows=")
     if both_directions and (own or kind != "softmax"):
@@ -430,7 +667,6 @@ def _flex(o: Dict[str, Any]) -> Tensor:
             row_base = 0
         else:
             row_base = sum(parallel.row_counts(q.shape[0], q.device, group)[: parallel.rank_of(group)])
-        captured = captured_tensors(fns.score_mod, _probe(fns, row_data, col_all, q))
         names = FLEX_BACKENDS + (("triton",) if backend == "triton" else ())
         name = runner.pick_name(backend, names, q.shape[0] * source.total, q, "flex_loss")
         if name == "triton":
@@ -439,7 +675,7 @@ def _flex(o: Dict[str, Any]) -> Tensor:
             )
         if source.ring and name != "tiled":
             raise ValueError(f"backend={backend!r} with strategy='ring': round the ring only the tiled backend runs")
-        head_args = dict(
+        head_args: Dict[str, Any] = dict(
             kind=kind,
             positives=o["positives"],
             fns=fns,
@@ -451,8 +687,14 @@ def _flex(o: Dict[str, Any]) -> Tensor:
             sparsity=sparsity,
             bias=0.0 if bias_t is None else float(bias_t.detach()),
             learn_bias=learn_bias,
-            captured=captured,
         )
+        if reads_statistics(fns, row_data, col_all, q, keys_too=own):
+            stats = _statistics(q, source, row_data, col_all, scale, head_args, name, opts)
+            row_data = {**row_data, **stats}
+            if own:  # the keys are every rank's anchors: their statistics travel with them
+                col_all = {**col_all, **{k: source.gather(v) for k, v in stats.items()}}
+        captured = _captured(fns, row_data, col_all, q)
+        head_args["captured"] = captured
         all_params = params + captured
         per_row = opts.reduction == "none"
         out, valid = _direction(q, source, row_data, col_all, scale, head_args, all_params, bias_t, name, opts, per_row)
@@ -500,26 +742,28 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
             f"scores is {m} x {n}: self-contrast (no cols=) takes a square matrix whose diagonal is the self "
             "pair; for two towers give the keys' data as cols="
         )
-    fns, scale, bias_t = _functions_and_scalars(o, own, scores)
+    kind, fns, scale, bias_t = _functions_and_scalars(o, own, scores)
     row_data = _check_data(rows, "rows", m, scores)
     col_data = row_data if own else _check_data(cols, "cols", n, scores)
     dtype = compute_dtype(scores.dtype)
     learn_bias = bias_t is not None and bias_t.requires_grad
-    captured = captured_tensors(fns.score_mod, _probe(fns, row_data, col_data, scores))
-    head = FlexHead(
-        o["kind"],
-        o["positives"],
-        fns,
-        row_data,
-        col_data,
+    head_args: Dict[str, Any] = dict(
+        kind=kind,
+        positives=o["positives"],
+        fns=fns,
         own=own,
         exclude_self=own and not include_self,
         bias=0.0 if bias_t is None else float(bias_t.detach()),
         learn_bias=learn_bias,
-        captured=captured,
     )
-    params: Tuple[Tensor, ...] = ((bias_t,) if learn_bias else ()) + captured  # type: ignore[assignment]
     name = runner.pick_name(backend, FLEX_BACKENDS, m * n, scores, "flex_loss (a given score matrix)")
+    if reads_statistics(fns, row_data, col_data, scores, keys_too=own):
+        stats = _score_statistics(scores, scale, row_data, col_data, head_args, name, block_size)
+        row_data = {**row_data, **stats}
+        col_data = {**col_data, **stats} if own else col_data
+    captured = _captured(fns, row_data, col_data, scores)
+    head = FlexHead(rows=row_data, cols=col_data, captured=captured, **head_args)
+    params: Tuple[Tensor, ...] = ((bias_t,) if learn_bias else ()) + captured  # type: ignore[assignment]
     per_row = opts.reduction == "none"
     with autocast_off(scores.device.type):
         if name == "reference":
@@ -541,12 +785,71 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
     return _reduce([(out, valid)], opts, runner.local(scores))
 
 
-def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[FlexFunctions, Tensor, Any]:
-    """The checked functions, ``1 / temperature`` and the bias tensor (None: none) of a
-    call's options; the kind and the positives' mode checked."""
-    checks.check_choice(o["kind"], "kind", KINDS)
+@torch.no_grad()
+def _score_statistics(
+    scores: Tensor,
+    scale: Tensor,
+    rows: Dict[str, Tensor],
+    cols: Dict[str, Tensor],
+    head_args: Dict[str, Any],
+    name: str,
+    block_size: Optional[int],
+) -> Dict[str, Tensor]:
+    """The row statistics on a given score matrix, a block of rows at a time (the
+    reference: one anchor at a time)."""
+    head = StatisticsHead(rows=rows, cols=cols, **head_args)
+    m, n = scores.shape
+    dtype = compute_dtype(scores.dtype)
+    sc = scale.detach().to(dtype)
+    if name == "reference":
+        return _reference_statistics(lambda i: sc * scores[i : i + 1].to(dtype), m, n, head, scores)
+    st = head.state(m, n, sc, None)
+    block = block_size or flex_block(n, dtype)
+    for r0 in range(0, m, block):
+        r1 = min(m, r0 + block)
+        head.reduce(sc * scores[r0:r1].detach().to(dtype), Tile(r0, r1, 0, n, 0), st)
+    return head.statistics()
+
+
+def _kind(o: Dict[str, Any]) -> Any:
+    """The call's kind, checked: ``"softmax"``, ``"sigmoid"`` or a two-set kind (by name: its
+    defaults); the options a kind does not take refused."""
+    kind = o["kind"]
+    if isinstance(kind, str):
+        checks.check_choice(kind, "kind", KINDS + tuple(PAIR_SETS))
+        kind = PAIR_SETS[kind]() if kind in PAIR_SETS else kind
+    elif not isinstance(kind, PairSets):
+        raise TypeError(
+            f"kind must be 'softmax', 'sigmoid', 'multi_similarity', 'circle' or a two-set kind "
+            f"(flashcl.FlexMultiSimilarity, flashcl.FlexCircle), got {type(kind).__name__}"
+        )
+    if isinstance(kind, PairSets):
+        if o["score_mod"] is not None:
+            raise ValueError(f"kind={kind.name!r} modifies the scores per set: give pos_mod and neg_mod, not score_mod")
+        if o["positives"] != "mean":
+            raise ValueError(f"positives= is the softmax kind's; kind={kind.name!r} has its own reduction of each set")
+        if o["include_self"]:
+            raise ValueError(
+                f"include_self is the softmax and sigmoid kinds'; kind={kind.name!r} leaves the self pair out"
+            )
+    elif o["pos_mod"] is not None or o["neg_mod"] is not None:
+        raise ValueError(
+            "pos_mod and neg_mod are the two-set kinds' (kind='multi_similarity' or 'circle'): use score_mod"
+        )
+    return kind
+
+
+def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[Any, FlexFunctions, Tensor, Any]:
+    """The checked kind, functions, ``1 / temperature`` and the bias tensor (None: none)
+    of a call's options; the positives' mode checked."""
+    kind = _kind(o)
     checks.check_choice(o["positives"], "positives", POSITIVES)
-    fns = FlexFunctions(*(_check_fn(o[name], name) for name in ("positive", "exclude", "score_mod", "weight")))
+    names = ("positive", "exclude", "score_mod", "weight", "pos_mod", "neg_mod")
+    given = [_check_fn(o[name], name) for name in names]
+    if isinstance(kind, PairSets):  # the kind's own modified scores where none is given
+        given[4] = given[4] or kind.pos_mod
+        given[5] = given[5] or kind.neg_mod
+    fns = FlexFunctions(*given)
     if own and fns.positive is None:
         raise ValueError("positive is required for self-contrast (keys=None): which pairs are positives?")
     dtype = compute_dtype(like.dtype)
@@ -556,7 +859,7 @@ def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[
         if o["kind"] != "sigmoid":
             raise ValueError("bias is the sigmoid kind's: kind='sigmoid'")
         bias_t = checks.check_real_scalar(o["bias"], "bias", like.device, dtype)
-    return fns, scale, bias_t
+    return kind, fns, scale, bias_t
 
 
 def _reduce(parts: Any, opts: checks.Options, source: runner.Source) -> Tensor:
@@ -648,7 +951,9 @@ class FlexLoss(LossModule):
         exclude: Fn = None,
         score_mod: Fn = None,
         weight: Fn = None,
-        kind: str = "softmax",
+        pos_mod: Fn = None,
+        neg_mod: Fn = None,
+        kind: Any = "softmax",
         positives: str = "mean",
         include_self: bool = False,
         both_directions: bool = False,
