@@ -670,3 +670,102 @@ def test_a_soft_margin_triplet_loss_refuses_a_margin_as_sentence_transformers() 
     theirs = inspect.signature(st_losses.BatchHardSoftMarginTripletLoss.__init__).parameters
     ours = inspect.signature(fst.BatchHardSoftMarginTripletLoss.__init__).parameters
     assert [p for p in ours if ours[p].kind != inspect.Parameter.KEYWORD_ONLY] == list(theirs)
+
+
+# ---------------------------------------------------------------- the false-negative margin
+
+
+def _mnrl_masked(columns: List[torch.Tensor], config: Dict[str, Any], margin: float) -> torch.Tensor:
+    """MNRL with Qwen3-Embedding's mask written densely: in every selected direction, row i's
+    terms whose similarity exceeds sim(q_i, d_i) + margin left out, the positive pair kept."""
+    q, d, negs = columns[0], columns[1], columns[2:]
+    scale = config.get("scale", 20.0)
+    sim = config.get("similarity_fct", cos_sim)
+    b = q.shape[0]
+    d_all = torch.cat([d, *negs])
+    pos = sim(q, d).diagonal()
+    bar = (pos + margin).detach().unsqueeze(1)
+    cols_all = torch.arange(d_all.shape[0]).unsqueeze(0)
+    rows = torch.arange(b).unsqueeze(1)
+    cols_q = torch.arange(b).unsqueeze(0)
+    inf = float("-inf")
+    terms = {
+        "query_to_doc": (sim(q, d_all), (cols_all != rows) & (sim(q, d_all).detach() > bar)),
+        "query_to_query": (sim(q, q), (cols_q == rows) | (sim(q, q).detach() > bar)),
+        "doc_to_query": (sim(d, q), (cols_q != rows) & (sim(d, q).detach() > bar)),
+        "doc_to_doc": (sim(d, d_all), (cols_all % b == rows) | (sim(d, d_all).detach() > bar)),
+    }
+    chosen = [terms[k] for k in ALL_DIRECTIONS if k in config.get("directions", ("query_to_doc",))]
+    lses = [torch.logsumexp((scale * s).masked_fill(out, inf), 1) for s, out in chosen]
+    if config.get("partition_mode", "joint") == "joint":
+        log_z = torch.logsumexp(torch.stack(lses), 0)
+    else:
+        log_z = torch.stack(lses).mean(0)
+    return (log_z - scale * pos).mean()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"scale": 7.0, "similarity_fct": dot_score},
+        {"directions": ALL_DIRECTIONS},
+        {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+        {"directions": ("query_to_doc", "doc_to_doc"), "scale": 5.0},
+    ],
+    ids=lambda c: ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()) or "default",
+)
+@pytest.mark.parametrize("negatives", [0, 2])
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_mnrl_false_negative_margin_equals_the_dense_mask(config: Dict[str, Any], negatives: int, backend: str):
+    columns = _columns(11, 8, negatives, seed=4)
+    columns[1] = columns[0] + 0.9 * columns[1]  # positives near their queries, some negatives above them
+    margin = 0.05 if config.get("similarity_fct") is not dot_score else 0.5
+    ours = fst.MultipleNegativesRankingLoss(None, false_negative_margin=margin, backend=backend, block_size=4, **config)
+    v, g = _value_and_grads(ours, columns)
+    leaves = [c.clone().requires_grad_(True) for c in columns]
+    want = _mnrl_masked(leaves, config, margin)
+    assert_close(v, want, f"{config}: loss", 1e-10, 1e-10)
+    for i, (a, e) in enumerate(zip(g, torch.autograd.grad(want, leaves))):
+        assert_close(a, e, f"{config}: grad of column {i}", 1e-10, 1e-10)
+    # the mask leaves some pair out here; a margin above every score leaves none (sentence-transformers' value)
+    assert not torch.allclose(v, _mnrl_masked(columns, config, 1e9))
+    wide = fst.MultipleNegativesRankingLoss(None, false_negative_margin=1e9, backend=backend, **config)
+    v_wide, _ = _value_and_grads(wide, columns)
+    v_st, _ = _value_and_grads(st_losses.MultipleNegativesRankingLoss(None, **config), columns)
+    assert_close(v_wide, v_st, f"{config}: no pair left out", 1e-10, 1e-10)
+
+
+def test_mnrl_false_negative_margin_options_and_errors(tiny_model: Any) -> None:
+    loss = fst.CachedMultipleNegativesRankingLoss(_load(tiny_model), false_negative_margin=0.1)
+    assert loss.get_config_dict()["false_negative_margin"] == 0.1
+    assert fst.MultipleNegativesRankingLoss(None).get_config_dict()["false_negative_margin"] is None
+    for kw, match in (
+        ({"false_negative_margin": float("nan")}, "finite"),
+        ({"false_negative_margin": "0.1"}, "finite"),
+        ({"false_negative_margin": 0.1, "hardness_mode": "all_negatives", "hardness_strength": 2.0}, "hardness"),
+        ({"false_negative_margin": 0.1, "backend": "triton"}, "Triton"),
+        ({"false_negative_margin": 0.1, "similarity_fct": lambda a, b: -torch.cdist(a, b)}, "does not compute"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            fst.MultipleNegativesRankingLoss(None, **kw)
+    # the cached loss and every Matryoshka width in one pass, against sentence-transformers' wrapper
+    texts = [_sentences(10, s) for s in (41, 42, 43)]
+    values, grads = [], []
+    for wrapper, cached in ((fst.MatryoshkaLoss, False), (st_losses.MatryoshkaLoss, False), (None, True)):
+        model = _load(tiny_model).double()
+        if cached:
+            inner = fst.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, false_negative_margin=0.02)
+            value = inner([model.tokenize(t) for t in texts], None)
+        else:
+            inner = fst.MultipleNegativesRankingLoss(model, false_negative_margin=0.02, directions=ALL_DIRECTIONS)
+            value = wrapper(model, inner, [32, 16, 8])([model.tokenize(t) for t in texts], None)
+        value.backward()
+        values.append(value.detach())
+        grads.append(_param_grads(model))
+    assert_close(values[0], values[1], "Matryoshka, one pass", 1e-10, 1e-10)
+    for a, e in zip(grads[0], grads[1]):
+        assert_close(a, e, "Matryoshka parameter gradient", 1e-9 * float(e.abs().max()) + 1e-12, 1e-8)
+    model = _load(tiny_model).double()
+    plain = fst.MultipleNegativesRankingLoss(model, false_negative_margin=0.02)
+    assert_close(values[2], plain([model.tokenize(t) for t in texts], None), "cached", 1e-10, 1e-10)

@@ -46,10 +46,15 @@ process's rows against every process's candidates)::
     doc_to_doc:     LSE over d_all_j not of query i of s(d_1i, d_all_j)
     loss = mean_i (log Z_i - s(q_i, d_1i)),  log Z_i = the logsumexp of the selected
     directions' terms (joint) or their mean (per_direction)
+
+With flashcl's ``false_negative_margin=m`` (Qwen3-Embedding's and NV-Retriever's mask of
+likely false negatives), every direction's term of row i whose similarity exceeds
+``sim(q_i, d_1i) + m`` is left out, the positive pair itself kept.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -65,6 +70,7 @@ from ..core import Exclusions, compute_dtype
 from ..engine import matryoshka
 from ..engine.engine import Problem
 from ..engine.heads import SoftmaxHead, Tile
+from ..losses.flex import flex_loss
 from ..losses.gist import gist_loss
 from .options import FlashclOptions
 
@@ -184,18 +190,22 @@ def _mnrl(
     if loss.hardness_mode is not None and loss.hardness_strength > 0:
         fn = _hardness_mask(loss.hardness_mode, offset, world_batch, queries.device)
         boost = (float(loss.hardness_strength) / float(loss.scale), fn)
-    parts = [lse(queries, d_all, SoftmaxHead(ones, boost=boost))]
-    if "query_to_query" in loss.directions:
-        parts.append(lse(queries, q_all, SoftmaxHead(ones, exclude_self=True, offset=offset), offset))
-    if "doc_to_query" in loss.directions:
-        parts.append(lse(local_docs, q_all, SoftmaxHead(ones)))
-    if "doc_to_doc" in loss.directions:
-        own = (
-            offset
-            + torch.arange(b, device=queries.device).unsqueeze(1)
-            + world_batch * torch.arange(len(docs_all_list), device=queries.device).unsqueeze(0)
-        )
-        parts.append(lse(local_docs, d_all, SoftmaxHead(ones, exclude=Exclusions(index=own))))
+    if getattr(loss, "false_negative_margin", None) is not None:
+        sides = (queries, local_docs, q_all, d_all)
+        parts = _filtered_parts(loss, sides, offset, world_batch, normalize, widths, backend, block_size)
+    else:
+        parts = [lse(queries, d_all, SoftmaxHead(ones, boost=boost))]
+        if "query_to_query" in loss.directions:
+            parts.append(lse(queries, q_all, SoftmaxHead(ones, exclude_self=True, offset=offset), offset))
+        if "doc_to_query" in loss.directions:
+            parts.append(lse(local_docs, q_all, SoftmaxHead(ones)))
+        if "doc_to_doc" in loss.directions:
+            own = (
+                offset
+                + torch.arange(b, device=queries.device).unsqueeze(1)
+                + world_batch * torch.arange(len(docs_all_list), device=queries.device).unsqueeze(0)
+            )
+            parts.append(lse(local_docs, d_all, SoftmaxHead(ones, exclude=Exclusions(index=own))))
     stacked = torch.stack(parts)
     log_z = torch.logsumexp(stacked, 0) if loss.partition_mode == "joint" else stacked.mean(0)
     q_c, d_c = queries.to(dtype), local_docs.to(dtype)
@@ -211,11 +221,71 @@ def _mnrl(
     return (log_z - positive).mean()
 
 
+def _filtered_parts(
+    loss: Any,
+    sides: Tuple[Tensor, Tensor, Tensor, Tensor],
+    offset: int,
+    world_batch: int,
+    normalize: bool,
+    widths: Sequence[int],
+    backend: str,
+    block_size: Optional[int],
+) -> List[Tensor]:
+    """MNRL's directions with the false-negative margin (Qwen3-Embedding, NV-Retriever):
+    each row's log-sum-exp over its direction's candidates less those whose scaled score
+    tops the query's positive score by ``false_negative_margin * scale`` (the positive
+    pair itself always kept), as flex calls (:func:`flashcl.flex_loss`, the log-sum-exps
+    as the rows of ``positives="sum"`` with no positive); (B,) each, (W, B) with widths.
+    ``sides``: this process's queries and positive documents, every process's queries
+    and documents (positives, then each column of hard negatives)."""
+    queries, local_docs, q_all, d_all = sides
+    b, device = queries.shape[0], queries.device
+    scale = float(loss.scale)
+    bar = float(loss.false_negative_margin) * scale
+    own = offset + torch.arange(b, device=device)  # each row's query, globally
+    who = {"who": torch.arange(d_all.shape[0], device=device) % world_batch}  # each document's query
+    rules = {  # each direction: (anchors, candidates, their data, the pairs left out)
+        "query_to_doc": (queries, d_all, who, lambda a, b_, s: (b_.index != a.own) & (s > a.bar)),
+        "query_to_query": (queries, q_all, {}, lambda a, b_, s: (b_.index == a.own) | (s > a.bar)),
+        "doc_to_query": (local_docs, q_all, {}, lambda a, b_, s: (b_.index != a.own) & (s > a.bar)),
+        "doc_to_doc": (local_docs, d_all, who, lambda a, b_, s: (b_.who == a.own) | (s > a.bar)),
+    }
+    nothing = torch.zeros((), dtype=torch.bool, device=device)
+    out = []
+    for direction in [d for d in _DIRECTIONS if d in loss.directions]:
+        anchors, keys, cols, left_out = rules[direction]
+        rows_w = []
+        for width in widths or [queries.shape[1]]:
+            qw, dw = queries[:, :width].detach(), local_docs[:, :width].detach()
+            if normalize:
+                qw, dw = F.normalize(qw, dim=1), F.normalize(dw, dim=1)
+            positive = scale * (qw * dw).sum(1).to(compute_dtype(queries.dtype))
+            rows_w.append(
+                flex_loss(
+                    anchors[:, :width],
+                    keys[:, :width],
+                    rows={"own": own, "bar": positive + bar},
+                    cols=cols,
+                    positive=lambda a, b_: nothing,
+                    exclude=left_out,
+                    positives="sum",
+                    temperature=1.0 / scale,
+                    normalize=normalize,
+                    reduction="none",
+                    backend=backend,
+                    block_size=block_size,
+                )
+            )
+        out.append(torch.stack(rows_w) if widths else rows_w[0])
+    return out
+
+
 class _Fallback(FlashclOptions):
     """Warns once per instance when sentence-transformers' own code computes the loss;
     flashcl's options (:class:`FlashclOptions`)."""
 
     _warned = False
+    false_negative_margin: Optional[float] = None
 
     def _flashcl_or_none(self) -> Optional[str]:
         why = _unsupported(self)
@@ -227,6 +297,23 @@ class _Fallback(FlashclOptions):
             )
             self._warned = True
         return why
+
+
+def _set_margin(loss: Any, margin: Optional[float]) -> None:
+    """Checks and stores MNRL's ``false_negative_margin`` (a configuration flashcl computes,
+    since sentence-transformers' own code has no such option)."""
+    if margin is None:
+        return
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise ValueError(f"false_negative_margin must be a finite number or None, got {margin!r}")
+    why = _unsupported(loss)
+    if why is not None:
+        raise ValueError(f"false_negative_margin is computed by flashcl, which does not compute {why}")
+    if loss.hardness_mode is not None and loss.hardness_strength > 0:
+        raise ValueError("false_negative_margin and hardness_mode are not computed together: choose one")
+    if loss.backend == "triton":
+        raise ValueError("false_negative_margin has no Triton kernel (its mask reads the scores): use backend='tiled'")
+    loss.false_negative_margin = float(margin)
 
 
 def _check_embeddings(embeddings: List[Tensor]) -> None:
@@ -257,6 +344,11 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
         others: ``gather_across_devices``, ``directions``, ``partition_mode``,
             ``hardness_mode``, ``hardness_strength`` as in sentence-transformers; see
             the module docstring for which configurations flashcl computes.
+        false_negative_margin: leave out of every direction's candidates those whose
+            similarity tops the query's positive similarity by more than this margin
+            (likely false negatives: Qwen3-Embedding's mask with 0.1, NV-Retriever's);
+            the positive pair itself is kept. None (default): none left out. Not with
+            ``hardness_mode`` or the Triton backend.
         backend: flashcl backend ("auto", "dense", "tiled", "triton").
         block_size: rows per block of the tiled backend (None: automatic).
 
@@ -273,6 +365,7 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
     """
 
     backends = _MNRL_BACKENDS
+    config_keys = (*FlashclOptions.config_keys, "false_negative_margin")
 
     def __init__(
         self,
@@ -285,6 +378,7 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
         hardness_mode: Optional[str] = None,
         hardness_strength: float = 0.0,
         *,
+        false_negative_margin: Optional[float] = None,
         backend: str = "auto",
         block_size: Optional[int] = None,
     ) -> None:
@@ -299,6 +393,7 @@ class MultipleNegativesRankingLoss(_Fallback, _st_losses.MultipleNegativesRankin
             hardness_strength=hardness_strength,
         )
         self.set_flashcl_options(backend, block_size)
+        _set_margin(self, false_negative_margin)
 
     def compute_loss_from_embeddings(self, embeddings: List[Tensor], labels: Optional[Tensor] = None) -> Tensor:
         _check_embeddings(embeddings)
@@ -318,6 +413,7 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
             ``mini_batch_num_tokens``, ``gather_across_devices``, ``directions``,
             ``partition_mode``, ``show_progress_bar``, ``hardness_mode``,
             ``hardness_strength`` as in sentence-transformers.
+        false_negative_margin: as :class:`MultipleNegativesRankingLoss`'s.
         backend: flashcl backend. block_size: rows per block (None: automatic).
 
     Shape:
@@ -330,6 +426,7 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
     """
 
     backends = _MNRL_BACKENDS
+    config_keys = (*FlashclOptions.config_keys, "false_negative_margin")
 
     def __init__(
         self,
@@ -345,6 +442,7 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
         hardness_mode: Optional[str] = None,
         hardness_strength: float = 0.0,
         *,
+        false_negative_margin: Optional[float] = None,
         backend: str = "auto",
         block_size: Optional[int] = None,
     ) -> None:
@@ -362,6 +460,7 @@ class CachedMultipleNegativesRankingLoss(_Fallback, _st_losses.CachedMultipleNeg
             hardness_strength=hardness_strength,
         )
         self.set_flashcl_options(backend, block_size)
+        _set_margin(self, false_negative_margin)
 
     def calculate_loss(
         self, reps: List[List[Tensor]], labels: Optional[Tensor] = None, *, with_backward: bool = False

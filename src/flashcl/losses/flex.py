@@ -43,13 +43,10 @@ FLEX_BACKENDS = ("reference", "dense", "tiled")
 
 
 class FlexMultiSimilarity(PairSets):
-    r"""The Multi-Similarity kind of :func:`flex_loss` (``kind="multi_similarity"`` is this
-    with its defaults): each anchor's loss
+    """The Multi-Similarity kind of :func:`flex_loss` (``kind="multi_similarity"`` is this
+    with its defaults): each anchor's loss ::
 
-    $$
-    rac{1}{lpha} \log\Big(1 + \sum_{j \in P_i} w_{ij} e^{s'_{ij}}\Big)
-    + rac{1}{eta} \log\Big(1 + \sum_{j \in N_i} w_{ij} e^{s'_{ij}}\Big)
-    $$
+        1/alpha log(1 + sum_{j in P_i} w_ij exp(s'_ij)) + 1/beta log(1 + sum_{j in N_i} w_ij exp(s'_ij))
 
     over its positives ``P_i`` and its other pairs ``N_i`` in play, with ``s' =
     -alpha (s - base)`` on the positives and ``beta (s - base)`` on the negatives unless
@@ -95,12 +92,10 @@ class FlexMultiSimilarity(PairSets):
 
 
 class FlexCircle(PairSets):
-    r"""The Circle kind of :func:`flex_loss` (``kind="circle"`` is this with its
-    defaults): each anchor's loss
+    """The Circle kind of :func:`flex_loss` (``kind="circle"`` is this with its
+    defaults): each anchor's loss ::
 
-    $$
-    \log\Big(1 + \sum_{j \in P_i} w_{ij} e^{s'_{ij}} \sum_{k \in N_i} w_{ik} e^{s'_{ik}}\Big)
-    $$
+        log(1 + sum_{j in P_i} w_ij exp(s'_ij) * sum_{k in N_i} w_ik exp(s'_ik))
 
     with ``s' = -gamma a_p (s - (1 - m))`` on the positives and ``gamma a_n (s - m)`` on
     the negatives, ``a_p = relu(1 + m - s)`` and ``a_n = relu(s + m)`` taken as constants
