@@ -324,3 +324,66 @@ def _towers(**kw: Any) -> Any:
 def test_bad_input_is_a_clear_error(call: Any, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("backend,block", BACKENDS)
+@pytest.mark.parametrize("kind", ["multi_similarity", "circle"])
+def test_corners_of_the_two_set_kinds(backend: str, block: Any, kind: str) -> None:
+    """One sample; every label the same (no negatives: the miner keeps no positive); no
+    positives at all; a width of one; an extreme temperature; each against the formula."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(9, 5, generator=g, dtype=F64)
+    cases = [
+        (x[:1], torch.zeros(1, dtype=torch.long), 1.0),
+        (x, torch.zeros(9, dtype=torch.long), 1.0),
+        (x, torch.arange(9), 1.0),
+        (x[:, :1], torch.randint(0, 3, (9,), generator=g), 1.0),
+        (x, torch.randint(0, 3, (9,), generator=g), 1e-3),
+    ]
+    for i, (e, y, temp) in enumerate(cases):
+        for exclude in (None, _mined(0.1)):
+            e1 = e.clone().requires_grad_(True)
+            want = reduce(
+                *rows_of(e1, None, {"y": y}, None, positive=_labels, exclude=exclude, temperature=temp, kind=kind),
+                "mean",
+            )
+            e2 = e.clone().requires_grad_(True)
+            got = flashcl.flex_loss(
+                e2,
+                rows={"y": y},
+                positive=_labels,
+                exclude=exclude,
+                kind=kind,
+                temperature=temp,
+                backend=backend,
+                block_size=block,
+            )
+            assert torch.isfinite(got), (i, float(got))
+            assert_close(got, want, f"{kind} case {i}", *TOL)
+            assert_close(_grads(got, [e2])[0], _grads(want, [e1])[0], f"{kind} case {i}: gradient", *TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_are_no_worse_than_the_dense_backend(dtype: torch.dtype) -> None:
+    d = _data(13, m=40)
+    x, y = d["q"], torch.randint(0, 4, (40,), generator=torch.Generator().manual_seed(1))
+    opts = dict(rows={"y": y}, positive=_labels, exclude=_mined(0.1), kind="multi_similarity", temperature=1.0)
+    exact = flashcl.flex_loss(x, backend="dense", **opts)
+    dense = flashcl.flex_loss(x.to(dtype), backend="dense", **opts)
+    tiled = flashcl.flex_loss(x.to(dtype), backend="tiled", block_size=8, **opts)
+    assert tiled.dtype == dense.dtype
+    assert abs(float(tiled) - float(exact)) <= abs(float(dense) - float(exact)) + 1e-2 * abs(float(exact))
+
+
+def test_the_dense_mask_gives_the_statistics_it_uses() -> None:
+    d = _data(14)
+    rows = {"y": d["y"]}
+    got = flashcl.flex_dense_mask(d["q"], rows=rows, positive=_labels, exclude=_mined(0.1), temperature=1.0)
+    eye = torch.eye(13, dtype=torch.bool)
+    s = F.normalize(d["q"], dim=-1) @ F.normalize(d["q"], dim=-1).T
+    want = flex_oracle.statistics(s, _labels, *flex_oracle.views(rows, rows, 13, 13), eye)
+    for name, value in want.items():
+        assert_close(got[name], value, name, *TOL)
+    pos = (d["y"][:, None] == d["y"][None, :]) & ~eye
+    out = torch.where(pos, s >= want["hardest_negative"][:, None] + 0.1, s <= want["hardest_positive"][:, None] - 0.1)
+    assert torch.equal(got["excluded"], out | eye)

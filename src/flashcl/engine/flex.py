@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .heads import Head, SoftmaxHead, Tile, lse_inplace, mask_self_, row_dot, scratch, softplus
+from .heads import Head, SoftmaxHead, Tile, lse_inplace, mask_self_, row_dot, scattered_lse, scratch, softplus
 from .sparsity import BlockSparsity
 
 __all__ = [
@@ -177,15 +177,18 @@ class FlexFunctions:
         #: the scores are modified: the tile's modified scores are formed (and differentiated) by autograd
         self.modifies = score_mod is not None or pos_mod is not None
 
-    def modify(self, s: Tensor, a: Any, b: Any, m: Tensor) -> Any:
+    def modify(self, s: Tensor, a: Any, b: Any, m: Any) -> Any:
         """The modified scores of the tile ``s``: ``score_mod``'s, or ``pos_mod``'s on the
-        positives (``m > 0``) and ``neg_mod``'s elsewhere."""
+        positives (``m > 0``, or their positions ``(rows, columns)``) and ``neg_mod``'s
+        elsewhere."""
         if self.score_mod is not None:
             return self.score_mod(s, a, b)
         assert self.pos_mod is not None and self.neg_mod is not None
         r, c = s.shape
         pos = _tile_result(self.pos_mod(s, a, b), "pos_mod", r, c, s, "float")
         neg = _tile_result(self.neg_mod(s, a, b), "neg_mod", r, c, s, "float")
+        if isinstance(m, tuple):  # few positives: their entries put into the negatives' tile
+            return neg.index_put(m, pos[m])
         return torch.where(m > 0, pos, neg)
 
     def mods(self) -> Tuple[Fn, ...]:
@@ -451,11 +454,18 @@ class FlexHead(Head):
             excl = _tile_result(fns.exclude(*args), "exclude", r, c, s, "bool")
         raw = self._raw_positives(a, b, s)
         binary = raw.dtype == torch.bool
-        if binary and self.kind == "softmax" and not fns.modifies and s.device.type == "cpu":
+        if (
+            binary
+            and s.device.type == "cpu"
+            and (self.sets is not None or (self.kind == "softmax" and not fns.modifies))
+        ):
             sparse = self._sparse_positives(raw, excl, tile, s.dtype)
             if sparse is not None:
                 logw = self._log_weights(a, b, r, c, s)
-                return _Terms(excl, None, True, logw, s, None, None, sparse)
+                if self.sets is None:
+                    return _Terms(excl, None, True, logw, s, None, None, sparse)
+                sp, s_leaf, sp_graph = self._modified(s, a, b, (sparse.ri, sparse.ci), grad)
+                return _Terms(excl, None, True, logw, sp, s_leaf, sp_graph, sparse)
         m = torch.empty((r, c), dtype=s.dtype, device=s.device)
         m.copy_(raw)
         if not binary and bool((m < 0).any()):
@@ -465,18 +475,23 @@ class FlexHead(Head):
         if self.own:
             mask_self_(m, tile, 0.0)  # the self pair is never a positive
         logw = self._log_weights(a, b, r, c, s)
-        s_leaf = sp_graph = None
-        if not fns.modifies:
-            sp = s
-        elif grad:
-            with torch.enable_grad():
-                s_leaf = s.detach().clone().requires_grad_(True)
-                sp_graph = _tile_result(fns.modify(s_leaf, a, b, m), "score_mod", r, c, s, "float")
-            sp = sp_graph.detach()
-        else:
-            with torch.no_grad():
-                sp = _tile_result(fns.modify(s, a, b, m), "score_mod", r, c, s, "float")
+        sp, s_leaf, sp_graph = self._modified(s, a, b, m, grad) if fns.modifies else (s, None, None)
         return _Terms(excl, m, binary, logw, sp, s_leaf, sp_graph)
+
+    def _modified(
+        self, s: Tensor, a: View, b: View, m: Any, grad: bool
+    ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """``(s', the scores as a leaf, s' on its graph)``: the modified scores, with the
+        graph for the backward through them when ``grad``; ``m``: the positives' weights or
+        positions (:meth:`FlexFunctions.modify`)."""
+        r, c = s.shape
+        if not grad:
+            with torch.no_grad():
+                return _tile_result(self.fns.modify(s, a, b, m), "score_mod", r, c, s, "float"), None, None
+        with torch.enable_grad():
+            s_leaf = s.detach().clone().requires_grad_(True)
+            sp_graph = _tile_result(self.fns.modify(s_leaf, a, b, m), "score_mod", r, c, s, "float")
+        return sp_graph.detach(), s_leaf, sp_graph
 
     def _raw_positives(self, a: View, b: View, s: Tensor) -> Tensor:
         """``positive(a, b)`` checked and broadcast to the tile (default: the diagonal)."""
@@ -572,27 +587,39 @@ class FlexHead(Head):
             return st
         return _FlexState(m, like, self.n_params, self.kind, shift)
 
-    def _sets_z(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Tensor]:
+    def _sets_z(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Any]:
         """A two-set kind's terms ``s' + log w`` (``-inf`` for the pairs out of both sets) and
-        the positives' mask."""
+        the positives: a mask, or (few) their positions ``(rows, columns)``."""
         z = t.sp.clone() if t.logw is None else t.sp + t.logw
-        return self._out_(z, t, tile, -_INF), t.m > 0
+        pos = (t.sparse.ri, t.sparse.ci) if t.sparse is not None else t.m > 0
+        return self._out_(z, t, tile, -_INF), pos
 
-    def _add_sets(self, st: _FlexState, rows: slice, z: Tensor, pos: Tensor) -> None:
+    def _add_sets(self, st: _FlexState, rows: slice, z: Tensor, pos: Any) -> None:
         """The two log-sum-exps of ``z`` (overwritten) into the accumulators of ``rows``."""
         if not z.shape[1]:
             return
-        p = torch.logsumexp(torch.where(pos, z, -_INF), 1)
+        if isinstance(pos, tuple):
+            p = scattered_lse(z[pos], pos[0], z.shape[0])
+            z.index_put_(pos, z.new_tensor(-_INF))
+        else:
+            p = torch.logsumexp(torch.where(pos, z, -_INF), 1)
+            z.masked_fill_(pos, -_INF)
         torch.logaddexp(st.pos[rows], p, out=st.pos[rows])
-        torch.logaddexp(st.row[rows], torch.logsumexp(z.masked_fill_(pos, -_INF), 1), out=st.row[rows])
+        torch.logaddexp(st.row[rows], torch.logsumexp(z, 1), out=st.row[rows])
 
-    def _sets_grad_(self, z: Tensor, pos: Tensor, st: _FlexState, rows: slice) -> Tensor:
+    def _sets_grad_(self, z: Tensor, pos: Any, st: _FlexState, rows: slice) -> Tensor:
         """In place in ``z``: a two-set kind's ``dL/ds'``, ``f_P exp(z - P)`` on the positives
         and ``f_N exp(z - N)`` on the negatives (0 out of both sets)."""
         assert st.coef is not None and st.lse is not None and st.lse_pos is not None
-        cp, cn = (x[rows].unsqueeze(1) for x in st.coef)
-        z.sub_(torch.where(pos, st.lse_pos[rows].unsqueeze(1), st.lse[rows].unsqueeze(1))).exp_()
-        return z.mul_(torch.where(pos, cp, cn))
+        cp, cn = (x[rows] for x in st.coef)
+        lp, ln = st.lse_pos[rows], st.lse[rows]
+        if isinstance(pos, tuple):  # the negatives' part over the tile, the positives' at their entries
+            ri = pos[0]
+            zp = z[pos]
+            z.sub_(ln.unsqueeze(1)).exp_().mul_(cn.unsqueeze(1))
+            return z.index_put_(pos, zp.sub_(lp[ri]).exp_().mul_(cp[ri]))
+        z.sub_(torch.where(pos, lp.unsqueeze(1), ln.unsqueeze(1))).exp_()
+        return z.mul_(torch.where(pos, cp.unsqueeze(1), cn.unsqueeze(1)))
 
     def _add_rows(self, st: _FlexState, rows: slice, pos: Tensor, msum: Tensor, cnt: Tensor) -> None:
         st.pos[rows] += pos
@@ -934,7 +961,20 @@ class StatisticsHead(FlexHead):
     def reduce(self, s: Tensor, tile: Tile, st: _Statistics, p: int = 0) -> None:  # type: ignore[override]
         rows = slice(tile.r0, tile.r1)
         a, b = self._views(tile)
-        m = torch.zeros(s.shape, dtype=s.dtype, device=s.device).copy_(self._raw_positives(a, b, s))
+        raw = self._raw_positives(a, b, s)
+        few = self._sparse_positives(raw, None, tile, s.dtype) if raw.dtype == torch.bool else None
+        if few is not None:  # the positives' entries gathered; the rest is the tile with them at -inf
+            sp = s[few.ri, few.ci]
+            st.hard_pos[rows].scatter_reduce_(0, few.ri, sp, "amin")
+            st.pos_sum[rows].index_add_(0, few.ri, sp)
+            st.weight_sum[rows] += few.counts(1)
+            s.index_put_((few.ri, few.ci), s.new_tensor(-_INF))
+            if self.own:
+                mask_self_(s, tile, -_INF)
+            if s.shape[1]:
+                torch.maximum(st.hard_neg[rows], s.amax(1), out=st.hard_neg[rows])
+            return
+        m = torch.zeros(s.shape, dtype=s.dtype, device=s.device).copy_(raw)
         if bool((m < 0).any()):
             raise ValueError("positive returned a negative weight: positives are bool, or weights >= 0 (0: none)")
         others = torch.ones(s.shape, dtype=torch.bool, device=s.device)
@@ -965,7 +1005,7 @@ class StatisticsHead(FlexHead):
 
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         st = self.state(s.shape[0], s.shape[1], s, None)
-        self.reduce(s.detach(), tile, st)
+        self.reduce(s.detach().clone(), tile, st)  # reduce may overwrite its tile
         return self.values(st)
 
     def statistics(self) -> Dict[str, Tensor]:

@@ -58,6 +58,7 @@ __all__ = [
     "mask_columns_",
     "scratch",
     "softplus_rows_",
+    "scattered_lse",
 ]
 
 
@@ -667,6 +668,15 @@ class SoftmaxHead(Head):
             pc = s.gather(0, ci.clamp_min(0).unsqueeze(0)).squeeze(0)
             cols = torch.where(ci >= 0, softplus(_logsumexp(cin, 0) - pc) + (1 - cw) * pc, _logsumexp(s, 0))
         return rows, cols
+
+
+def scattered_lse(x: Tensor, rows: Tensor, m: int) -> Tensor:
+    """Each of ``m`` rows' logsumexp of the entries ``x`` that belong to it (``rows``: the
+    row of each entry); -inf for a row with none."""
+    top = x.new_full((m,), float("-inf")).scatter_reduce_(0, rows, x, "amax")
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = x.new_zeros(m).index_add_(0, rows, (x - safe[rows]).exp_())
+    return total.log_().add_(safe)
 
 
 def softplus(t: Tensor) -> Tensor:

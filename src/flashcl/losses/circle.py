@@ -26,7 +26,7 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.heads import Head, softplus
+from ..engine.heads import Head, scattered_lse, softplus
 from .multi_similarity import Pairs, number, split_pairs_
 
 __all__ = ["circle_loss", "CircleLoss", "CircleHead"]
@@ -39,14 +39,6 @@ class _State:
         self.lse_pos = like.new_full((m,), -_INF)
         self.lse_neg = like.new_full((m,), -_INF)
         self.coef: Optional[Tensor] = None
-
-
-def _row_lse(x: Tensor, rows: Tensor, m: int) -> Tensor:
-    """Each row's logsumexp of the entries ``x`` at rows ``rows`` (-inf for none)."""
-    top = x.new_full((m,), -_INF).scatter_reduce_(0, rows, x, "amax")
-    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    total = x.new_zeros(m).index_add_(0, rows, (x - safe[rows]).exp_())
-    return total.log_().add_(safe)
 
 
 class CircleHead(Head):
@@ -85,7 +77,7 @@ class CircleHead(Head):
         rows = slice(tile.r0, tile.r1)
         pairs = split_pairs_(s, tile, self.row_ids, self.col_ids, self.own)
         xp, _ = self._positives(pairs)
-        torch.logaddexp(st.lse_pos[rows], _row_lse(xp, pairs.ri, s.shape[0]), out=st.lse_pos[rows])
+        torch.logaddexp(st.lse_pos[rows], scattered_lse(xp, pairs.ri, s.shape[0]), out=st.lse_pos[rows])
         slope = self._negatives_(s, pairs, tile)
         if s.shape[1]:
             torch.logaddexp(st.lse_neg[rows], torch.logsumexp(s, 1), out=st.lse_neg[rows])

@@ -888,7 +888,8 @@ def flex_dense_mask(
     """What a flex loss's functions say, as dense (M, N) tensors, for debugging (as
     FlexAttention's ``create_mask``): ``"positive"`` (the weights ``m``, 0 where a pair is
     left out), ``"excluded"`` (out of every set, the self pair included), ``"score"``
-    (the modified scores ``s'``) and ``"weight"``. O(M N) memory: small batches.
+    (the modified scores ``s'``) and ``"weight"``; and the row statistics the functions read
+    (``"hardest_positive"``, ... (M,)). O(M N) memory: small batches.
 
     Args:
         q, keys, rows, cols: the embeddings and their data, as :func:`flex_loss`.
@@ -897,7 +898,7 @@ def flex_dense_mask(
 
     Shape:
         - q: (M, D); keys: (N, D); output: a dict of (M, N) tensors (N = M for
-          self-contrast).
+          self-contrast) and of the statistics read, (M,).
 
     Examples::
 
@@ -915,18 +916,30 @@ def flex_dense_mask(
     fns = FlexFunctions(positive, exclude, score_mod, weight)
     if own and positive is None:
         raise ValueError("positive is required for self-contrast (keys=None)")
-    head = FlexHead("softmax", "mean", fns, row_data, col_data, own=own, exclude_self=own and not include_self)
+    args: Dict[str, Any] = dict(
+        kind="softmax", positives="mean", fns=fns, own=own, exclude_self=own and not include_self
+    )
     dtype = compute_dtype(q.dtype)
     qn, kn = q.to(dtype), k.to(dtype)
     if normalize:
         qn, kn = normalize_rows(qn), normalize_rows(kn)
     s = (qn @ kn.T) / temperature
-    out, m, logw, sp = head.dense_terms(s, _tile(q.shape[0], k.shape[0], 0))
+    tile = _tile(q.shape[0], k.shape[0], 0)
+    stats: Dict[str, Tensor] = {}
+    if reads_statistics(fns, row_data, col_data, q, keys_too=own):
+        counter = StatisticsHead(rows=row_data, cols=col_data, **args)
+        counter.dense(s, tile)
+        stats = counter.statistics()
+        row_data = {**row_data, **stats}
+        col_data = {**col_data, **stats} if own else col_data
+    head = FlexHead(rows=row_data, cols=col_data, **args)
+    out, m, logw, sp = head.dense_terms(s, tile)
     return {
         "positive": m,
         "excluded": out,
         "score": sp,
         "weight": torch.ones_like(s) if logw is None else torch.exp(logw),
+        **stats,
     }
 
 
