@@ -163,3 +163,19 @@ def positives_forms(request: Any, monkeypatch: Any) -> None:
 
     if request.param == "sparse":
         monkeypatch.setattr(flex, "SPARSE_POSITIVES_MAX_DENSITY", 1.0)
+
+
+def sample_data(seed: int, m: int = 13, n: int = 17, d: int = 6) -> Dict[str, Any]:
+    """Embeddings and per-sample data of the flex tests (float64, seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "q": torch.randn(m, d, generator=g, dtype=torch.float64),
+        "k": torch.randn(n, d, generator=g, dtype=torch.float64),
+        "y": torch.randint(0, 4, (m,), generator=g),
+        "ky": torch.randint(0, 4, (n,), generator=g),
+        "t": torch.randn(m, generator=g, dtype=torch.float64).cumsum(0),
+        "soft": torch.rand(m, 3, generator=g, dtype=torch.float64),
+        "ksoft": torch.rand(n, 3, generator=g, dtype=torch.float64),
+        "doc": torch.randint(0, 5, (m,), generator=g),
+        "kdoc": torch.randint(0, 5, (n,), generator=g),
+    }

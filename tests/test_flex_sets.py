@@ -8,13 +8,14 @@ against its dense formula; the errors."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, List
 
 import flex_oracle
 import pytest
 import torch
 import torch.nn.functional as F
 from flex_oracle import reduce, rows_of
+from flex_oracle import sample_data as _data
 
 import flashcl
 from helpers import assert_close
@@ -37,18 +38,6 @@ def _positives_form(request: Any, monkeypatch: Any) -> None:
 F64 = torch.float64
 TOL = (1e-10, 1e-9)
 BACKENDS = [("reference", None), ("dense", None), ("tiled", 5), ("tiled", None)]
-
-
-def _data(seed: int, m: int = 13, n: int = 17, d: int = 6) -> Dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "q": torch.randn(m, d, generator=g, dtype=F64),
-        "k": torch.randn(n, d, generator=g, dtype=F64),
-        "y": torch.randint(0, 4, (m,), generator=g),
-        "ky": torch.randint(0, 4, (n,), generator=g),
-        "doc": torch.randint(0, 5, (m,), generator=g),
-        "kdoc": torch.randint(0, 5, (n,), generator=g),
-    }
 
 
 def _grads(loss: torch.Tensor, leaves: List[torch.Tensor], up: Any = None) -> List[torch.Tensor]:
