@@ -1,7 +1,7 @@
 """flashcl's pytorch-metric-learning drop-ins for Multi-Similarity (and its miner) and
 Circle loss: the same constructors and calls as PML's classes, equal to them in float64
 (values and gradients, PML's reducers), the miner's output read by PML's own loss, and
-PML's own miner's pairs computed by PML's code with a warning."""
+PML's own miners' pairs (any miner) computed by flashcl over exactly those pairs."""
 
 from __future__ import annotations
 
@@ -64,13 +64,94 @@ def test_the_miners_output_reads_as_pmls_pairs() -> None:
     )
 
 
-def test_pairs_of_pmls_own_miner_are_computed_by_pml_with_a_warning() -> None:
+MINERS = {
+    "multi-similarity": lambda: miners.MultiSimilarityMiner(0.1),
+    "triplets": lambda: miners.TripletMarginMiner(0.2),
+    "pair margins": lambda: miners.PairMarginMiner(0.2, 0.5),
+    "batch hard": lambda: miners.BatchHardMiner(),
+}
+LOSSES = {
+    "multi-similarity": (
+        lambda: losses.MultiSimilarityLoss(3.0, 40.0, 0.4),
+        ours.MultiSimilarityLoss,
+        (3.0, 40.0, 0.4),
+    ),
+    "circle": (lambda: losses.CircleLoss(0.25, 64.0), ours.CircleLoss, (0.25, 64.0)),
+}
+
+
+@pytest.mark.parametrize("miner", sorted(MINERS))
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
+@pytest.mark.parametrize("labels", [True, False])
+def test_the_pairs_of_pmls_own_miners_equal_pml(miner: str, loss: str, backend: str, labels: bool) -> None:
+    """PML's own ``indices_tuple`` (pairs or triplets), with or without labels: the
+    loss over exactly those pairs, computed by flashcl (no warning), equal to PML's."""
     _, y = _data()
-    with pytest.warns(UserWarning, match="another miner"):
+    peer, drop_in, args = LOSSES[loss]
+    mine = MINERS[miner]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _same(
-            lambda v: losses.MultiSimilarityLoss()(v, y, miners.MultiSimilarityMiner(0.1)(v, y)),
-            lambda v: ours.MultiSimilarityLoss()(v, y, miners.MultiSimilarityMiner(0.1)(v, y)),
+            lambda v: peer()(v, y if labels else None, mine(v, y)),
+            lambda v: drop_in(*args, backend=backend, block_size=7)(v, y if labels else None, mine(v, y)),
         )
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
+@pytest.mark.parametrize("mined", [False, True])
+def test_ref_emb_equals_pml(loss: str, backend: str, mined: bool) -> None:
+    """``ref_emb`` / ``ref_labels``: every pair of a row and a reference (or a miner's pairs
+    of them), as PML."""
+    _, y = _data()
+    g = torch.Generator().manual_seed(3)
+    ref, ref_y = torch.randn(23, 6, dtype=torch.float64, generator=g), torch.randint(0, 4, (23,), generator=g)
+    peer, drop_in, args = LOSSES[loss]
+    mine = miners.MultiSimilarityMiner(0.1)
+
+    def call(fn: Any, v: torch.Tensor) -> torch.Tensor:
+        pairs = mine(v, y, ref, ref_y) if mined else None
+        return fn(v, y, pairs, ref, ref_y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _same(lambda v: call(peer(), v), lambda v: call(drop_in(*args, backend=backend, block_size=7), v))
+    one = torch.zeros(1, dtype=torch.long)  # one row, one reference of its label: PML's rule gives 0
+    x, _ = _data()
+    for fn in (peer(), drop_in(*args)):
+        assert float(fn(x[:1], one, None, ref[:1], one)) == 0.0
+
+
+def test_circle_takes_flashcls_miner_and_edge_lists_as_pml() -> None:
+    _, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _same(
+            lambda v: losses.CircleLoss()(v, y, miners.MultiSimilarityMiner(0.1)(v, y)),
+            lambda v: ours.CircleLoss()(v, y, ours.MultiSimilarityMiner(0.1)(v, y)),
+        )
+    one, none = torch.tensor([0]), torch.tensor([], dtype=torch.long)
+    for lists in ((one, one + 1, one, one + 2), (none, none, none, none), (one, one + 1, none, none)):
+        for peer, drop_in in (
+            (losses.CircleLoss(), ours.CircleLoss()),
+            (losses.MultiSimilarityLoss(), ours.MultiSimilarityLoss()),
+        ):
+            _same(lambda v, f=peer, t=lists: f(v, y, t), lambda v, f=drop_in, t=lists: f(v, y, t))  # type: ignore[misc]
+
+
+def test_lists_flashcl_does_not_compute_are_pmls_with_a_warning() -> None:
+    _, y = _data()
+    a = torch.tensor([0, 1])
+    with pytest.warns(UserWarning, match="pairs a sample with itself"):
+        _same(
+            lambda v: losses.MultiSimilarityLoss()(v, y, (a, a, a, a + 1)),
+            lambda v: ours.MultiSimilarityLoss()(v, y, (a, a, a, a + 1)),
+        )
+    x, _ = _data()
+    both = (a, a + 1, a, a + 1)
+    with pytest.warns(UserWarning, match="both positive and negative"), pytest.raises(AssertionError):
+        ours.CircleLoss()(x, y, both)  # PML refuses a pair in both sets
 
 
 @pytest.mark.parametrize("m,gamma", [(0.4, 80), (0.25, 256)])

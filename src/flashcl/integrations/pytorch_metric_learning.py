@@ -33,7 +33,11 @@ labels are all equal.
   (each row's mined sets and log-sums on tiles, never the B x B matrix); the miner's
   output is a :class:`MinedPairs` that the loss mines itself with (PML's pair lists are
   formed only where something reads them); PML's reducer and regularizers. Pairs from
-  another miner, ``ref_emb`` or another distance are computed by PML's code.
+  another miner (PML's own ``indices_tuple``: pairs or triplets; for ``CircleLoss`` the
+  miner's pairs too) are the positives and negatives of a two-set
+  :func:`flashcl.flex_loss` (:class:`PairLists`), read tile by tile, and so are the pairs of
+  the rows and ``ref_emb`` (with ``ref_labels`` or a miner's pairs); another distance, or
+  lists pairing a sample with itself, are computed by PML's code.
 * :class:`ProxyAnchorLoss`: :func:`flashcl.proxy_anchor_loss` over the module's
   ``proxies`` (initialised and cast as PML's), never the B x C matrix; PML's default
   ``DivisorReducer`` and its regularizers.
@@ -64,6 +68,7 @@ from ..engine.engine import Problem
 from ..engine.heads import Head, Tile, mask_columns_
 from ..engine.positives import Positives
 from ..losses.circle import circle_loss
+from ..losses.flex import FlexCircle, FlexMultiSimilarity, flex_loss
 from ..losses.multi_similarity import multi_similarity_loss
 from ..losses.proxy_anchor import proxy_anchor_loss
 from .options import FlashclOptions
@@ -73,6 +78,7 @@ try:
     from pytorch_metric_learning import losses as _pml_losses
     from pytorch_metric_learning import miners as _pml_miners
     from pytorch_metric_learning import reducers as _pml_reducers
+    from pytorch_metric_learning.utils import loss_and_miner_utils as _pml_lmu
 except ImportError as e:  # pragma: no cover - exercised only without the package
     raise peer_import_error("pytorch_metric_learning", "pytorch-metric-learning", "pytorch_metric_learning", e) from e
 
@@ -767,6 +773,50 @@ class MultiSimilarityMiner(_pml_miners.MultiSimilarityMiner):
         return MinedPairs(self, embeddings.detach(), labels)
 
 
+class PairLists:
+    """A miner's pairs as PML gives them (``(a1, p, a2, n)``, or triplets ``(a, p, n)``),
+    read tile by tile: ``positive`` and ``exclude`` functions of a flex loss (the pairs
+    ``(a1, p)`` its positives, ``(a2, n)`` its negatives, every other pair left out), from
+    the pairs' sorted keys ``i * columns + j``; ``own``: the columns are the rows
+    themselves (no ``ref_emb``)."""
+
+    def __init__(self, indices_tuple: Any, columns: int, own: bool = True) -> None:
+        a1, p, a2, n = (torch.as_tensor(x).long() for x in _pml_lmu.convert_to_pairs(indices_tuple, None))
+        self.lengths = (len(a1), len(p), len(a2), len(n))
+        self.batch = columns
+        self.pos = torch.unique(a1 * columns + p)
+        self.any = torch.unique(torch.cat([self.pos, a2 * columns + n]))
+        #: why flashcl cannot compute them (a pair of a sample with itself, a pair in both sets), or None
+        self.why_not: Optional[str] = None
+        if own and (bool((a1 == p).any()) or bool((a2 == n).any())):
+            self.why_not = "indices_tuple pairs a sample with itself"
+        elif len(self.any) < len(self.pos) + len(torch.unique(a2 * columns + n)):
+            self.why_not = "indices_tuple has a pair both positive and negative"
+
+    def positive(self, a: Any, b: Any) -> Tensor:
+        return torch.isin(a.index * self.batch + b.index, self.pos.to(a.index.device))
+
+    def exclude(self, a: Any, b: Any) -> Tensor:
+        return ~torch.isin(a.index * self.batch + b.index, self.any.to(a.index.device))
+
+    def rows(self, emb: Tensor, keys: Optional[Tensor], kind: Any, backend: str, block_size: Optional[int]) -> Tensor:
+        """Each anchor's loss of the two-set ``kind`` over these pairs of the rows ``emb``
+        and ``keys`` (None: the rows themselves) (PML's rule: 0 when every list has at most
+        one entry)."""
+        rows = flex_loss(
+            emb,
+            keys,
+            positive=self.positive,
+            exclude=self.exclude,
+            kind=kind,
+            temperature=1.0,
+            reduction="none",
+            backend=backend,
+            block_size=block_size,
+        )
+        return rows * float(not all(length <= 1 for length in self.lengths))
+
+
 class _PairSets(FlashclOptions):
     """:class:`MultiSimilarityLoss` and :class:`CircleLoss`: flashcl's per-anchor losses
     (PML's rule for a batch of at most one pair of each kind inside them), then PML's
@@ -776,13 +826,15 @@ class _PairSets(FlashclOptions):
     backends = ("auto", "reference", "dense", "tiled")
     _memory = "B x B similarity and mask matrices"
 
-    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
-        if indices_tuple is not None and not isinstance(indices_tuple, MinedPairs):
-            return "indices_tuple (pairs from another miner than flashcl's MultiSimilarityMiner) is given"
-        if labels is None:
+    def _why_not(
+        self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor], ref_labels: Optional[Tensor]
+    ) -> Optional[str]:
+        if isinstance(indices_tuple, PairLists) and indices_tuple.why_not is not None:
+            return indices_tuple.why_not
+        if labels is None and not isinstance(indices_tuple, PairLists):
             return "labels is None"
-        if ref_emb is not None:
-            return "ref_emb is given"
+        if ref_emb is not None and ref_labels is None and not isinstance(indices_tuple, PairLists):
+            return "ref_emb is given without ref_labels"
         if _dot_similarity(self.distance) is not True:  # type: ignore[attr-defined]
             return f"distance={type(self.distance).__name__} (flashcl: cosine similarity)"  # type: ignore[attr-defined]
         return None
@@ -795,28 +847,80 @@ class _PairSets(FlashclOptions):
         ref_emb: Optional[Tensor] = None,
         ref_labels: Optional[Tensor] = None,
     ) -> Tensor:
-        why = self._why_not(labels, indices_tuple, ref_emb)
+        given = indices_tuple
+        keys = embeddings if ref_emb is None else ref_emb
+        lists = self._pairs_as_lists(indices_tuple) or (ref_emb is not None and isinstance(indices_tuple, MinedPairs))
+        if lists and isinstance(keys, Tensor) and keys.dim() == 2:
+            indices_tuple = PairLists(tuple(indices_tuple), keys.shape[0], own=ref_emb is None)
+        why = self._why_not(labels, indices_tuple, ref_emb, ref_labels)
         if why is not None:
             warnings.warn(
                 f"flashcl {type(self).__name__}: {why}; computed by pytorch-metric-learning's own code "
                 f"({self._memory})",
                 stacklevel=2,
             )
-            if isinstance(indices_tuple, MinedPairs):
-                indices_tuple = tuple(indices_tuple)
-            return super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)  # type: ignore[misc]
-        assert labels is not None
+            if isinstance(given, MinedPairs):
+                given = tuple(given)
+            return super().forward(embeddings, labels, given, ref_emb, ref_labels)  # type: ignore[misc]
         self.reset_stats()  # type: ignore[attr-defined]
-        emb, labels = checks.validate_labelled(embeddings, labels)
-        loss_dict = self._loss_dict(emb, labels, indices_tuple)
+        if labels is None:  # the pairs alone define the sets
+            emb = checks.check_float_tensor(embeddings, "embeddings", (2,))
+        else:
+            emb, labels = checks.validate_labelled(embeddings, labels)
+        ref = None
+        if ref_emb is not None:
+            ref = checks.check_keys(ref_emb, "ref_emb", emb)
+            if ref_labels is not None:
+                ref, ref_labels = checks.validate_labelled(ref, ref_labels)
+        loss_dict = self._loss_dict(emb, labels, indices_tuple, ref, ref_labels)
         self.add_embedding_regularization_to_loss_dict(loss_dict, emb)  # type: ignore[attr-defined]
         return self.reducer(loss_dict, emb, labels)  # type: ignore[attr-defined]
 
-    def _loss_dict(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Dict[str, Any]:
-        """PML's loss dictionary of the call: each anchor's loss (:meth:`_rows`)."""
-        rows = self._rows(emb, labels, mined).to(emb.dtype)
+    def _pairs_as_lists(self, indices_tuple: Any) -> bool:
+        """Whether this call's ``indices_tuple`` is computed from its pair lists: any a miner
+        gives but the lazy :class:`MinedPairs` this loss mines with itself."""
+        return indices_tuple is not None and not isinstance(indices_tuple, MinedPairs)
+
+    def _loss_dict(
+        self, emb: Tensor, labels: Any, mined: Any, ref: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None
+    ) -> Dict[str, Any]:
+        """PML's loss dictionary of the call: each anchor's loss (:meth:`_rows`; against
+        ``ref`` and its labels, or over a miner's pairs, a two-set flex loss)."""
+        if isinstance(mined, PairLists):
+            rows = mined.rows(emb, ref, self._kind(), self.backend, self.block_size)
+        elif ref is not None:
+            assert ref_labels is not None
+            rows = self._rows_against(emb, labels, ref, ref_labels)
+        else:
+            rows = self._rows(emb, labels, mined)
         index = torch.arange(emb.shape[0], device=emb.device)
-        return {"loss": {"losses": rows, "indices": index, "reduction_type": "element"}}
+        return {"loss": {"losses": rows.to(emb.dtype), "indices": index, "reduction_type": "element"}}
+
+    def _kind(self) -> Any:
+        """The two-set kind of :func:`flashcl.flex_loss` this loss is over explicit pairs."""
+        raise NotImplementedError
+
+    def _rows_against(self, emb: Tensor, labels: Tensor, ref: Tensor, ref_labels: Tensor) -> Tensor:
+        """Each row's loss against the rows ``ref`` (PML's ``ref_emb``: every pair of a row
+        and a reference, none of them the row itself), PML's rule from the pairs' numbers."""
+        rows = flex_loss(
+            emb,
+            ref,
+            rows={"y": labels},
+            cols={"y": ref_labels},
+            positive=lambda a, b: a.y == b.y,
+            kind=self._kind(),
+            temperature=1.0,
+            reduction="none",
+            backend=self.backend,
+            block_size=self.block_size,
+        )
+        ids = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)[1]
+        counts = torch.bincount(ids[: len(labels)], minlength=int(ids.max()) + 1 if len(ids) else 0)
+        ref_counts = torch.bincount(ids[len(labels) :], minlength=counts.numel())
+        pos = int((counts * ref_counts).sum())
+        neg = len(labels) * len(ref_labels) - pos
+        return rows * float(pos > 1 or neg > 1)
 
     def _rows(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Tensor:
         raise NotImplementedError
@@ -826,7 +930,9 @@ class MultiSimilarityLoss(_PairSets, _pml_losses.MultiSimilarityLoss):
     """PML's ``MultiSimilarityLoss(alpha, beta, base)``, computed by
     :func:`flashcl.multi_similarity_loss` in O(B D) memory: without ``indices_tuple``
     over every pair, with the output of :class:`MultiSimilarityMiner` over the pairs it
-    mines (see the module docstring for what falls back to PML).
+    mines, with any other miner's ``indices_tuple`` over its pairs (a two-set
+    :func:`flashcl.flex_loss`), with ``ref_emb`` against the references (see the module
+    docstring for what falls back to PML).
 
     Args:
         alpha, beta, base: as PML's. Defaults: 2, 50, 0.5.
@@ -854,6 +960,9 @@ class MultiSimilarityLoss(_PairSets, _pml_losses.MultiSimilarityLoss):
         super().__init__(alpha=alpha, beta=beta, base=base, **kwargs)
         self.set_flashcl_options(backend, block_size)
 
+    def _kind(self) -> Any:
+        return FlexMultiSimilarity(float(self.alpha), float(self.beta), float(self.base))
+
     def _rows(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Tensor:
         return multi_similarity_loss(
             emb,
@@ -870,7 +979,9 @@ class MultiSimilarityLoss(_PairSets, _pml_losses.MultiSimilarityLoss):
 
 class CircleLoss(_PairSets, _pml_losses.CircleLoss):
     """PML's ``CircleLoss(m, gamma)``, computed by :func:`flashcl.circle_loss` in O(B D)
-    memory (see the module docstring for what falls back to PML).
+    memory; a miner's ``indices_tuple`` (flashcl's :class:`MultiSimilarityMiner`'s too) and
+    ``ref_emb`` by a two-set :func:`flashcl.flex_loss` (see the module docstring for what
+    falls back to PML).
 
     Args:
         m, gamma: as PML's. Defaults: 0.4, 80.
@@ -892,10 +1003,11 @@ class CircleLoss(_PairSets, _pml_losses.CircleLoss):
         super().__init__(m=m, gamma=gamma, **kwargs)
         self.set_flashcl_options(backend, block_size)
 
-    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
-        if indices_tuple is not None:
-            return "indices_tuple (a miner's pairs) is given"
-        return super()._why_not(labels, indices_tuple, ref_emb)
+    def _pairs_as_lists(self, indices_tuple: Any) -> bool:
+        return indices_tuple is not None  # flashcl's MultiSimilarityMiner's pairs too, formed as PML's lists
+
+    def _kind(self) -> Any:
+        return FlexCircle(float(self.m), float(self.gamma))
 
     def _rows(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Tensor:
         return circle_loss(
@@ -940,10 +1052,17 @@ class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
         super().__init__(num_classes, embedding_size, margin=margin, alpha=alpha, **kwargs)
         self.set_flashcl_options(backend, block_size)
 
-    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
+    def _pairs_as_lists(self, indices_tuple: Any) -> bool:
+        return False  # its indices_tuple weighs the rows: PML's code
+
+    def _why_not(
+        self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor], ref_labels: Optional[Tensor]
+    ) -> Optional[str]:
         if indices_tuple is not None:
             return "indices_tuple (a miner's weights) is given"
-        why = super()._why_not(labels, indices_tuple, ref_emb)
+        if ref_emb is not None:
+            return "ref_emb is given"
+        why = super()._why_not(labels, indices_tuple, ref_emb, ref_labels)
         if why is not None:
             return why
         reducer = self.reducer
@@ -953,7 +1072,9 @@ class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
             return f"reducer={type(reducer).__name__} (flashcl: PML's default DivisorReducer)"
         return None
 
-    def _loss_dict(self, emb: Tensor, labels: Tensor, mined: Optional[MinedPairs]) -> Dict[str, Any]:
+    def _loss_dict(
+        self, emb: Tensor, labels: Any, mined: Any, ref: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None
+    ) -> Dict[str, Any]:
         self.cast_types(emb.dtype, emb.device)
         terms = proxy_anchor_loss(
             emb,
