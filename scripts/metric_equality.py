@@ -135,14 +135,14 @@ def main() -> None:
             for key in ranks[0]
         }
     for name in CASES:
-        want = grads(lambda v, p: pml(name, v, y, p), [x, proxies])
+        want = grads(lambda v, p, n=name: pml(n, v, y, p), [x, proxies])
         cells = []
         for backend in ("reference", "dense", "tiled"):
-            cells.append(gap(grads(lambda v, p: ours(name, v, y, p, backend=backend), [x, proxies]), want))
+            cells.append(gap(grads(lambda v, p, n=name, bk=backend: ours(n, v, y, p, backend=bk), [x, proxies]), want))
         if name == "Proxy-Anchor":
             cells.append(float("nan"))
         else:
-            cells.append(gap(grads(lambda v, p: flex(name, v, y, "tiled") + 0 * p.sum(), [x, proxies]), want))
+            cells.append(gap(grads(lambda v, p, n=name: flex(n, v, y, "tiled") + 0 * p.sum(), [x, proxies]), want))
         for world in (2, 3):
             cells.append(max(gap(across[world][(s, name)], want) for s in ("all_gather", "ring")))
         print(f"| {name} | " + " | ".join("n/a" if c != c else f"{c:.1e}" for c in cells) + " |")
