@@ -47,8 +47,9 @@ def main() -> None:
     seconds = time.perf_counter() - start
     peak = status_mb("VmHWM") - base - x.numel() * 4 / 2**20
     one = b * b * 4 / 2**20
+    name = "Multi-Similarity with its miner" + (" (flex)" if flex else "")
     print(
-        f"Multi-Similarity with its miner{' (flex)' if flex else ''}, B = {b:,}, D = {d}: loss {float(loss.detach()):.6f}, {seconds:.1f} s, "
+        f"{name}, B = {b:,}, D = {d}: loss {float(loss.detach()):.6f}, {seconds:.1f} s, "
         f"peak {peak:.0f} MB beyond the inputs and their gradient (one float32 B x B matrix: {one:.0f} MB)"
     )
 
