@@ -162,6 +162,28 @@ def test_circle_equals_pml(m: float, gamma: float) -> None:
         _same(lambda v: losses.CircleLoss(m=m, gamma=gamma)(v, y), lambda v: ours.CircleLoss(m=m, gamma=gamma)(v, y))
 
 
+@pytest.mark.parametrize("miner", [*sorted(MINERS), "flashcl's"])
+@pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
+def test_proxy_anchor_with_a_miners_weights_equals_pml(miner: str, backend: str) -> None:
+    """PML weighs each row's terms by its share of the miner's indices; computed by flashcl."""
+    x, y = _data(4)
+    mine = ours.MultiSimilarityMiner(0.1) if miner == "flashcl's" else MINERS[miner]()
+    torch.manual_seed(0)
+    peer = losses.ProxyAnchorLoss(5, 6, margin=0.2, alpha=16).double()
+    torch.manual_seed(0)
+    drop_in = ours.ProxyAnchorLoss(5, 6, margin=0.2, alpha=16, backend=backend, block_size=7).double()
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    want = peer(xa, y, miners.MultiSimilarityMiner(0.1)(xa, y) if miner == "flashcl's" else mine(xa, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = drop_in(xb, y, mine(xb, y))
+    assert_close(got, want, "value", *TOL)
+    ga = torch.autograd.grad(want, [xa, peer.proxies])
+    gb = torch.autograd.grad(got, [xb, drop_in.proxies])
+    for a, b, name in zip(gb, ga, ("rows", "proxies")):
+        assert_close(a, b, name, *TOL)
+
+
 @pytest.mark.parametrize("regularizer", [False, True])
 def test_proxy_anchor_equals_pml_with_its_proxies(regularizer: bool) -> None:
     from pytorch_metric_learning import regularizers

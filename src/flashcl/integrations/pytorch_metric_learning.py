@@ -40,7 +40,8 @@ labels are all equal.
   lists pairing a sample with itself, are computed by PML's code.
 * :class:`ProxyAnchorLoss`: :func:`flashcl.proxy_anchor_loss` over the module's
   ``proxies`` (initialised and cast as PML's), never the B x C matrix; PML's default
-  ``DivisorReducer`` and its regularizers.
+  ``DivisorReducer`` and its regularizers; a miner's ``indices_tuple`` as PML's row
+  weights (a two-set :func:`flashcl.flex_loss` of the proxies against the rows).
 * :class:`NTXentLoss`: PML's formula, which differs from
   :func:`flashcl.nt_xent_loss` when an anchor has several positives: every
   positive pair ``(a, p)`` is its own softmax against ``a``'s negatives::
@@ -65,7 +66,8 @@ from .. import checks, runner
 from ..base import peer_import_error
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import Problem
-from ..engine.heads import Head, Tile, mask_columns_
+from ..engine.flex import PairSets
+from ..engine.heads import Head, Tile, mask_columns_, softplus
 from ..engine.positives import Positives
 from ..losses.circle import circle_loss
 from ..losses.flex import FlexCircle, FlexMultiSimilarity, flex_loss
@@ -1018,9 +1020,11 @@ class CircleLoss(_PairSets, _pml_losses.CircleLoss):
 class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
     """PML's ``ProxyAnchorLoss(num_classes, embedding_size, margin, alpha)`` (its
     ``proxies`` parameter, initialised and cast as PML's), computed by
-    :func:`flashcl.proxy_anchor_loss`: the gradient reaches the rows and the proxies.
-    A miner's ``indices_tuple``, another reducer than PML's default ``DivisorReducer``
-    or another distance run PML's code, with a warning.
+    :func:`flashcl.proxy_anchor_loss`: the gradient reaches the rows and the proxies. A
+    miner's ``indices_tuple`` weighs each row's terms as PML weighs them (a two-set
+    :func:`flashcl.flex_loss` of the proxies against the rows); another reducer than PML's
+    default ``DivisorReducer``, ``ref_emb`` or another distance run PML's code, with a
+    warning.
 
     Args:
         num_classes, embedding_size, margin, alpha: as PML's (defaults 0.1, 32).
@@ -1058,8 +1062,6 @@ class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
     def _why_not(
         self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor], ref_labels: Optional[Tensor]
     ) -> Optional[str]:
-        if indices_tuple is not None:
-            return "indices_tuple (a miner's weights) is given"
         if ref_emb is not None:
             return "ref_emb is given"
         why = super()._why_not(labels, indices_tuple, ref_emb, ref_labels)
@@ -1076,16 +1078,19 @@ class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
         self, emb: Tensor, labels: Any, mined: Any, ref: Optional[Tensor] = None, ref_labels: Optional[Tensor] = None
     ) -> Dict[str, Any]:
         self.cast_types(emb.dtype, emb.device)
-        terms = proxy_anchor_loss(
-            emb,
-            labels,
-            self.proxies,
-            margin=self.margin,
-            alpha=self.alpha,
-            reduction="none",
-            backend=self.backend,
-            block_size=self.block_size,
-        ).to(emb.dtype)
+        if mined is not None:
+            terms = self._weighted_terms(emb, labels, tuple(mined)).to(emb.dtype)
+        else:
+            terms = proxy_anchor_loss(
+                emb,
+                labels,
+                self.proxies,
+                margin=self.margin,
+                alpha=self.alpha,
+                reduction="none",
+                backend=self.backend,
+                block_size=self.block_size,
+            ).to(emb.dtype)
         # each proxy's two terms as one (their mean over the proxies is PML's pos and neg parts together)
         index = torch.arange(self.num_classes, device=emb.device)
         loss_dict = {
@@ -1099,3 +1104,51 @@ class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
         }
         self.add_weight_regularization_to_loss_dict(loss_dict, self.proxies)
         return loss_dict
+
+    def _weighted_terms(self, emb: Tensor, labels: Tensor, indices_tuple: Tuple[Tensor, ...]) -> Tensor:
+        """Each proxy's two terms with a miner's weights, as PML weighs them (each sample's
+        terms shifted by its weight - 1, the weight its share of the miner's indices): a
+        flex loss of the proxies against the rows, the shift as a denominator weight."""
+        shift = _pml_lmu.convert_to_weights(indices_tuple, labels, dtype=emb.dtype) - 1
+        present = int(torch.unique(labels).numel())
+        kind = _ProxyAnchorSets(float(self.alpha), float(self.margin), self.num_classes / max(present, 1))
+        return flex_loss(
+            self.proxies,
+            emb,
+            rows={"c": torch.arange(self.num_classes, device=emb.device)},
+            cols={"y": labels, "w": torch.exp(shift)},
+            positive=lambda a, b: a.c == b.y,
+            weight=lambda a, b: b.w,
+            kind=kind,
+            temperature=1.0,
+            reduction="none",
+            backend=self.backend,
+            block_size=self.block_size,
+        )
+
+
+class _ProxyAnchorSets(PairSets):
+    """Proxy-Anchor's two sums of a proxy over the rows as a two-set kind: ``pos_factor
+    softplus(P) + softplus(N)`` with ``P`` over its class's rows of ``-alpha (s - margin)``,
+    ``N`` over the others of ``alpha (s + margin)`` (``pos_factor``: C over the classes
+    present, so that the mean over the proxies is PML's two divisors)."""
+
+    name = "proxy_anchor"
+
+    def __init__(self, alpha: float, margin: float, pos_factor: float) -> None:
+        self.alpha, self.margin, self.pos_factor = alpha, margin, pos_factor
+
+    def pos_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        return (s - self.margin) * -self.alpha
+
+    def neg_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        return (s + self.margin) * self.alpha
+
+    def loss(self, p: Tensor, n: Tensor) -> Tensor:
+        return self.pos_factor * softplus(p) + softplus(n)
+
+    def slopes(self, p: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
+        return self.pos_factor * torch.sigmoid(p), torch.sigmoid(n)
+
+    def counted(self, p: Tensor, n: Tensor) -> Tensor:
+        return torch.ones_like(p, dtype=torch.bool)
