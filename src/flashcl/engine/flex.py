@@ -270,6 +270,7 @@ class _FlexState:
         self.lse_pos: Optional[Tensor] = None  # a two-set kind's: P for the gradient (``pos`` holds P; ``row``, N)
         self.coef: Optional[Tuple[Tensor, Tensor]] = None  # per row (c g e^{shift - L} or c g, a g)
         self.param_grads: List[Optional[Tensor]] = [None] * n_params
+        self.stats: Any = None  # the anchors' statistics' accumulators, formed in a first pass
 
 
 #: binary positives are kept as their positions (:class:`_Positives`) while at most this
@@ -394,6 +395,9 @@ class FlexHead(Head):
         captured: the tensors ``score_mod`` captures that require grad (the head's
             parameters after the bias).
         sparsity: the tiles with a pair not excluded (a block mask), or None: every tile.
+        inline_statistics: the functions read the anchors' row statistics (``a``'s only; not
+            swapped, every tile visited): a first reduction pass forms them (a block of
+            complete rows, on the scores it holds), instead of a visit of their own.
     """
 
     fuses_rows = True  # every row's statistics complete in one visit of its tiles
@@ -415,6 +419,7 @@ class FlexHead(Head):
         learn_bias: bool = False,
         captured: Tuple[Tensor, ...] = (),
         sparsity: Optional[BlockSparsity] = None,
+        inline_statistics: bool = False,
     ) -> None:
         #: a two-set kind, or None (``kind`` is then ``"softmax"`` or ``"sigmoid"``)
         self.sets: Optional[PairSets] = kind if isinstance(kind, PairSets) else None
@@ -429,6 +434,22 @@ class FlexHead(Head):
         self.n_params = int(learn_bias) + len(captured)
         #: each row's validity once reduced: the rows a "mean" counts
         self.valid_rows: Optional[Tensor] = None
+        #: the anchors' statistics' own head (their first pass), or None
+        self.counter: Optional[StatisticsHead] = None
+        if inline_statistics:
+            self.rows = dict(rows)  # the statistics' fields are this head's, filled as they are formed
+            self.passes = 2
+            self.symmetric_tiles = False
+            self.counter = StatisticsHead(
+                kind="softmax", positives="mean", fns=fns, rows=self.rows, cols=cols, row_base=row_base, own=own,
+                exclude_self=exclude_self, offset=offset,
+            )  # fmt: skip
+
+    def _publish(self, st: Any, rows: slice) -> None:
+        """The statistics of ``rows`` (complete: every tile of theirs counted) as the
+        anchors' fields the functions read."""
+        for name, value in statistics_of(st, rows).items():
+            self.rows[name][rows] = value
 
     # ------------------------------------------------------------------ a tile's terms
     def _views(self, tile: Tile) -> Tuple[View, View]:
@@ -573,6 +594,14 @@ class FlexHead(Head):
 
     # ------------------------------------------------------------------ reduction
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _FlexState:
+        st = self._state(m, n, like, bound)
+        if self.counter is not None:
+            st.stats = self.counter.state(m, n, like, None)
+            for name in STATISTICS:
+                self.rows[name] = like.new_zeros(m)
+        return st
+
+    def _state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _FlexState:
         shift = None
         if self.kind == "softmax" and not self.fns.modifies and self.fns.weight is None:
             # |z| <= |s| <= bound: one exp per entry. Where a fixed shift is usable at all
@@ -635,6 +664,9 @@ class FlexHead(Head):
             torch.logaddexp(st.row[rows], torch.logsumexp(z, dim), out=st.row[rows])
 
     def reduce(self, s: Tensor, tile: Tile, st: _FlexState, p: int = 0) -> None:
+        if self.counter is not None and p == 0:  # the first pass: the statistics
+            self.counter.reduce(s, tile, st.stats)
+            return
         rows = slice(tile.r0, tile.r1)
         t = self._terms(s, tile)
         if self.sets is not None:
@@ -675,6 +707,9 @@ class FlexHead(Head):
         torch.logaddexp(st.row[rows], torch.logsumexp(z, 1), out=st.row[rows])
 
     def finish(self, st: _FlexState, p: int = 0) -> None:
+        if self.counter is not None and p == 0:
+            self._publish(st.stats, slice(None))
+            return
         if self.sets is not None:
             self.valid_rows = self.sets.counted(st.pos, st.row)
             return
@@ -709,14 +744,14 @@ class FlexHead(Head):
 
     def values(self, st: _FlexState) -> Tuple[Tensor, Optional[Tensor]]:
         if self.sets is not None:
-            self.finish(st)
+            self.finish(st, self.passes - 1)
             assert self.valid_rows is not None
             rows = self.sets.loss(st.pos, st.row)
             return torch.where(self.valid_rows, rows, torch.zeros_like(rows)), None
         if self.kind == "sigmoid":
             return st.row, None
         if st.ca is None:  # no row was visited (a rank without anchors)
-            self.finish(st)
+            self.finish(st, self.passes - 1)
         assert st.ca is not None
         c, a = st.ca
         zero = torch.zeros((), dtype=st.row.dtype, device=st.row.device)
@@ -832,6 +867,9 @@ class FlexHead(Head):
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _FlexState, g_row: Optional[Tensor]) -> Optional[Tensor]:
         rows = slice(tile.r0, tile.r1)
+        if self.counter is not None:  # complete rows: their statistics, then their terms
+            self.counter.reduce(s.clone(), tile, st.stats)
+            self._publish(st.stats, rows)
         t = self._terms(s, tile, grad=g_row is not None and self.fns.modifies)
         if self.valid_rows is None:
             self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
@@ -896,6 +934,12 @@ class FlexHead(Head):
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         """The losses from the whole score matrix by differentiable torch ops (the dense
         backend; second derivatives); the captured tensors enter through ``score_mod``."""
+        if self.counter is not None:
+            counted = self.counter.state(s.shape[0], s.shape[1], s, None)
+            self.counter.reduce(s.detach().clone(), tile, counted)
+            for name in STATISTICS:
+                self.rows[name] = s.new_zeros(s.shape[0])
+            self._publish(counted, slice(None))
         out, m, logw, sp = self.dense_terms(s, tile)
         r = s.shape[0]
         zero = torch.zeros((), dtype=s.dtype, device=s.device)
@@ -1010,24 +1054,30 @@ class StatisticsHead(FlexHead):
 
     def statistics(self) -> Dict[str, Tensor]:
         """The statistics of the last run's rows, by name (:data:`STATISTICS`)."""
-        st = self.result
-        assert st is not None, "the statistics pass has not run"
-        has = st.weight_sum > 0
-        mean = st.pos_sum / torch.where(has, st.weight_sum, torch.ones_like(st.weight_sum))
-        return {
-            "hardest_positive": st.hard_pos,
-            "hardest_negative": st.hard_neg,
-            "positive_score": torch.where(has, mean, _INF),
-        }
+        assert self.result is not None, "the statistics pass has not run"
+        return statistics_of(self.result, slice(None))
+
+
+def statistics_of(st: _Statistics, rows: slice) -> Dict[str, Tensor]:
+    """The statistics of ``rows`` from a statistics pass's accumulators, by name."""
+    weight_sum = st.weight_sum[rows]
+    has = weight_sum > 0
+    mean = st.pos_sum[rows] / torch.where(has, weight_sum, torch.ones_like(weight_sum))
+    return {
+        "hardest_positive": st.hard_pos[rows].clone(),
+        "hardest_negative": st.hard_neg[rows].clone(),
+        "positive_score": torch.where(has, mean, _INF),
+    }
 
 
 def reads_statistics(
     fns: FlexFunctions, rows: Dict[str, Tensor], cols: Dict[str, Tensor], like: Tensor, keys_too: bool
-) -> bool:
-    """Whether one of the functions reads a row statistic (:data:`STATISTICS`): each is
-    called once on a tile of one pair whose views record the fields read (the keys'
-    statistics only with ``keys_too``, self-contrast; elsewhere the view's error).
-    ``positive`` may not read them (they are computed from it): a ValueError."""
+) -> Tuple[str, ...]:
+    """Which views' row statistics (:data:`STATISTICS`) the functions read: ``()``,
+    ``("a",)``, ``("b",)`` or both; each function is called once on a tile of one pair
+    whose views record the fields read (the keys' statistics only with ``keys_too``,
+    self-contrast; elsewhere the view's error). ``positive`` may not read them (they
+    are computed from it): a ValueError."""
     seen: set = set()
 
     class Recording(View):
@@ -1035,7 +1085,7 @@ def reads_statistics(
 
         def __getattr__(self, name: str) -> Tensor:
             if name in STATISTICS and name not in self._data and (keys_too or self._role == "a"):
-                seen.add(name)
+                seen.add((self._role, name))
                 return torch.zeros((1, 1), dtype=like.dtype, device=like.device)
             return super().__getattr__(name)
 
@@ -1049,7 +1099,7 @@ def reads_statistics(
             fns.positive(a, b)
             if seen:
                 raise ValueError(
-                    f"positive reads {', '.join(sorted(seen))}: the row statistics are computed from the "
+                    f"positive reads {', '.join(sorted(n for _, n in seen))}: the row statistics are computed from the "
                     "positives; exclude, score_mod, weight, pos_mod and neg_mod may read them"
                 )
         if fns.weight is not None:
@@ -1058,7 +1108,7 @@ def reads_statistics(
             fns.exclude(a, b, s) if fns.exclude_scores else fns.exclude(a, b)
         for fn in fns.mods():
             fn(s, a, b)
-    return bool(seen)
+    return tuple(sorted({role for role, _ in seen}))
 
 
 def _exp_shifted_(z: Tensor, shift: float) -> Tensor:

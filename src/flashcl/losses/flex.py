@@ -683,7 +683,14 @@ def _flex(o: Dict[str, Any]) -> Tensor:
             bias=0.0 if bias_t is None else float(bias_t.detach()),
             learn_bias=learn_bias,
         )
-        if reads_statistics(fns, row_data, col_all, q, keys_too=own):
+        sides = reads_statistics(fns, row_data, col_all, q, keys_too=own)
+        if sides == ("a",) and name != "reference" and sparsity is None and not both_directions:
+            # the anchors' own: formed by the loss's head in a first pass (complete row blocks: on the
+            # scores they hold); the fields here stand in for them where a function is probed
+            dtype = compute_dtype(q.dtype)
+            row_data = {**row_data, **{k: q.new_zeros(q.shape[0], dtype=dtype) for k in STATISTICS}}
+            head_args["inline_statistics"] = True
+        elif sides:
             stats = _statistics(q, source, row_data, col_all, scale, head_args, name, opts)
             row_data = {**row_data, **stats}
             if own:  # the keys are every rank's anchors: their statistics travel with them
