@@ -25,9 +25,11 @@ With ``s`` the scaled scores and ``s' = score_mod(s, a, b)``, ``m = positive(a, 
   the row's loss ``f(P_i, N_i)`` and ``dL/ds'_ij = f_P exp(s'_ij + log w_ij - P_i)`` on a
   positive (``f_N``, ``N_i`` on a negative).
 
-Row statistics (:class:`StatisticsHead`, a first visit without gradient): each anchor's
-hardest positive, hardest negative and mean positive score, read by the functions as
-fields of ``a`` (and, for self-contrast, of ``b``).
+Row statistics (:class:`StatisticsHead`): each anchor's hardest positive, hardest negative
+and mean positive score, read by the functions as fields of ``a`` (and, for self-contrast,
+of ``b``): the anchors' alone in the head's first reduction pass (``inline_statistics``;
+a block of complete rows forms them on the scores it holds), the keys' too in a visit of
+their own without gradient.
 
 Every row's statistics complete in one visit of its tiles: one reduction pass; a block of
 complete rows forms its gradient in the same visit (three GEMMs).

@@ -513,8 +513,10 @@ def flex_loss(
     any modification, the self pair left out and ``exclude`` not applied, over the whole
     batch (every rank's keys); ``+inf`` (``-inf`` for the hardest negative) where the set
     is empty; no gradient. ``exclude``, ``score_mod``, ``weight``, ``pos_mod`` and
-    ``neg_mod`` may read them (with self-contrast ``b``'s too); a call whose functions
-    read one (seen by calling each once on a pair) visits the tiles once more first::
+    ``neg_mod`` may read them (with self-contrast ``b``'s too; which are read is seen by
+    calling each function once on a pair). The anchors' are formed in the loss's own visit
+    of the tiles; the keys', or with ``both_directions`` or ``block_mask``, cost a visit of
+    their own first::
 
         exclude=lambda a, b, s: s > a.positive_score + 0.1       # likely false negatives out
         exclude=lambda a, b, s: torch.where(a.y == b.y,          # Multi-Similarity's miner
