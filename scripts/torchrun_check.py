@@ -49,6 +49,17 @@ def _cases() -> Dict[str, Callable[..., torch.Tensor]]:
         cases[f"triplet {mining}"] = lambda x, y, lab, m=mining, **kw: flashcl.triplet_loss(
             x, lab, margin=0.5, mining=m, **kw
         )
+    cases["multi-similarity"] = lambda x, y, lab, **kw: flashcl.multi_similarity_loss(x, lab, **kw)
+    cases["circle"] = lambda x, y, lab, **kw: flashcl.circle_loss(x, lab, **kw)
+    cases["flex, mined"] = lambda x, y, lab, **kw: flashcl.flex_loss(
+        x,
+        rows={"y": lab},
+        positive=lambda a, b: a.y == b.y,
+        exclude=lambda a, b, s: torch.where(a.y == b.y, s >= a.hardest_negative + 0.1, s <= a.hardest_positive - 0.1),
+        kind="multi_similarity",
+        temperature=1.0,
+        **kw,
+    )
     return cases
 
 

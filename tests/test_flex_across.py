@@ -33,6 +33,7 @@ RUNS = [  # (strategy, backend, grad_scale)
     ("all_gather", "tiled", "ddp"),
     ("ring", "tiled", "sum"),
     ("ring", "tiled", "ddp"),
+    ("ring", "auto", "sum"),  # round the ring "auto" is the tiled backend
 ]
 TOL = (1e-10, 1e-9)
 

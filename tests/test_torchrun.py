@@ -1,7 +1,8 @@
 """Launched as users launch multi-machine jobs: two torchrun launchers (standing in
 for two machines) of two processes each, c10d rendezvous on the loopback address,
-gloo: SupCon, InfoNCE, CLIP, SigLIP and the triplet losses (every mining) on both
-strategies, and a DDP step, equal to one process (scripts/torchrun_check.py)."""
+gloo: SupCon, InfoNCE, CLIP, SigLIP, the triplet losses (every mining), Multi-Similarity,
+Circle and a flex loss mined by its row statistics on both strategies, and a DDP step,
+equal to one process (scripts/torchrun_check.py)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,6 @@ def test_two_torchrun_launchers_of_two_processes_equal_one_process(tmp_path: pat
     # the ranks of a launcher share its output: their lines may interleave
     found = re.findall(r"rank (\d)/4 (.+?) +(all_gather|ring) +max error \S+ (ok|DIFFERS)", "\n".join(outputs))
     # 4 ranks x (7 losses x 2 strategies + the DDP step)
-    assert len(found) == 4 * (7 * 2 + 1), "\n".join(outputs)
+    assert len(found) == 4 * (10 * 2 + 1), "\n".join(outputs)  # 10 losses, 2 strategies, the DDP step
     assert all(verdict == "ok" for *_, verdict in found), found
     assert sum(name.startswith("triplet") and strategy == "ring" for _, name, strategy, _ in found) == 4 * 3

@@ -665,13 +665,12 @@ def _flex(o: Dict[str, Any]) -> Tensor:
         else:
             row_base = sum(parallel.row_counts(q.shape[0], q.device, group)[: parallel.rank_of(group)])
         names = FLEX_BACKENDS + (("triton",) if backend == "triton" else ())
-        name = runner.pick_name(backend, names, q.shape[0] * source.total, q, "flex_loss")
+        # round the ring (strategy="ring") the runner picks the tiled backend, or refuses another
+        name = runner.pick_name(backend, names, q.shape[0] * source.total, q, "flex_loss", source=source)
         if name == "triton":
             raise ValueError(
                 "flex_loss has no Triton kernel (the functions run on each tile in torch): use backend='tiled'"
             )
-        if source.ring and name != "tiled":
-            raise ValueError(f"backend={backend!r} with strategy='ring': round the ring only the tiled backend runs")
         head_args: Dict[str, Any] = dict(
             kind=kind,
             positives=o["positives"],
