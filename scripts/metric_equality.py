@@ -9,8 +9,9 @@ values summed and their gradient rows joined) against PML on the concatenated ba
 
 from __future__ import annotations
 
-import datetime
 import os
+import pathlib
+import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -20,6 +21,9 @@ import torch.multiprocessing as mp
 from pytorch_metric_learning import losses, miners
 
 import flashcl
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+from helpers import close_group, init_gloo  # noqa: E402
 
 F64 = torch.float64
 B, D, C = 48, 12, 6
@@ -92,14 +96,7 @@ def gap(a: Tuple[torch.Tensor, List[torch.Tensor]], b: Tuple[torch.Tensor, List[
 
 
 def worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
+    init_gloo(rank, world, out_dir)
     x, y, proxies = data()
     sizes = SIZES[world]
     mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
@@ -113,7 +110,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
 
             out[(strategy, name)] = grads(call, [x[mine], proxies])
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 def main() -> None:

@@ -179,3 +179,14 @@ def sample_data(seed: int, m: int = 13, n: int = 17, d: int = 6) -> Dict[str, An
         "doc": torch.randint(0, 5, (m,), generator=g),
         "kdoc": torch.randint(0, 5, (n,), generator=g),
     }
+
+
+#: the flex tests' tolerances (float64) and backends with their block sizes
+TOL = (1e-10, 1e-9)
+BACKENDS = [("reference", None), ("dense", None), ("tiled", 5), ("tiled", None)]
+
+
+def grads(loss: Tensor, leaves: Any, up: Any = None) -> Any:
+    """``loss``'s gradients with respect to ``leaves`` (zeros where it does not reach one)."""
+    got = torch.autograd.grad(loss, leaves, up, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(got, leaves)]

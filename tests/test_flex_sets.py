@@ -8,13 +8,14 @@ against its dense formula; the errors."""
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import flex_oracle
 import pytest
 import torch
 import torch.nn.functional as F
-from flex_oracle import reduce, rows_of
+from flex_oracle import BACKENDS, TOL, reduce, rows_of
+from flex_oracle import grads as _grads
 from flex_oracle import sample_data as _data
 
 import flashcl
@@ -36,13 +37,6 @@ def _positives_form(request: Any, monkeypatch: Any) -> None:
 
 
 F64 = torch.float64
-TOL = (1e-10, 1e-9)
-BACKENDS = [("reference", None), ("dense", None), ("tiled", 5), ("tiled", None)]
-
-
-def _grads(loss: torch.Tensor, leaves: List[torch.Tensor], up: Any = None) -> List[torch.Tensor]:
-    got = torch.autograd.grad(loss, leaves, up, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(got, leaves)]
 
 
 def _labels(a: Any, b: Any) -> torch.Tensor:
