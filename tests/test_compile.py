@@ -6,12 +6,13 @@ training step compiled whole equals the eager step; what cannot run compiled say
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
 
 import flashcl
-from flashcl.compiled import operator_args
+from flashcl.compiled import operator, operator_args
 from helpers import CASES, TOL, assert_close, moved
 
 AOT = "aot_eager"  # dynamo + AOTAutograd (the forward and backward graphs) without inductor's codegen
@@ -283,7 +284,7 @@ def test_operator_fake_matches_real(name: str, reduction: str) -> None:
     inputs = [t.detach().float().requires_grad_(True) for t in case.tensors]
     kwargs = {k: moved(v, "cpu", torch.float32) for k, v in case.kwargs.items()}
     args = operator_args(case.fn.__name__, [*inputs, *case.extra], dict(kwargs, reduction=reduction))
-    torch.library.opcheck(torch.ops.flashcl.loss.default, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(operator(case.fn.__name__), args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.slow
@@ -301,7 +302,7 @@ def test_half_precision_compiled_equals_eager(name: str, dtype: torch.dtype) -> 
     inputs = [t.detach().to(dtype).requires_grad_(True) for t in case.tensors]
     kwargs = {k: moved(v, "cpu", dtype) for k, v in case.kwargs.items()}
     torch.library.opcheck(
-        torch.ops.flashcl.loss.default,
+        operator(case.fn.__name__),
         operator_args(case.fn.__name__, [*inputs, *case.extra], kwargs),
         test_utils=("test_faketensor",),
     )
@@ -328,5 +329,34 @@ def test_no_grad_forms_no_gradient_and_equals_eager() -> None:
         got = loss(x, labels)
         args = operator_args("supcon_loss", [x, labels], {})
     assert not got.requires_grad
-    assert args[3] == [False, False]  # no input is marked for a gradient inside the operator
+    assert not any(args[-2])  # no input is marked for a gradient inside the operator
     assert_close(got, flashcl.supcon_loss(x.detach(), labels), "no_grad value", *TOL[torch.float32])
+
+
+def test_an_option_its_slot_does_not_take_is_named_when_compiled() -> None:
+    """The operator's arguments are typed: an option of another type is refused where the
+    call is traced, naming the option and what it takes (eagerly: the loss's own error)."""
+    torch._dynamo.reset()
+    x, labels = torch.randn(8, 4), torch.arange(8) % 2
+    with pytest.raises(TypeError, match="temperature"):
+        flashcl.supcon_loss(x, labels, temperature="0.1")
+    loss = torch.compile(flashcl.supcon_loss, fullgraph=True, backend=AOT)
+    with pytest.raises(Exception, match="temperature of type str cannot enter a compiled flashcl loss"):
+        loss(x, labels, temperature="0.1")
+    with pytest.raises(Exception, match="matryoshka_dims of type int"):
+        torch.compile(flashcl.clip_loss, fullgraph=True, backend=AOT)(x, x, 10.0, matryoshka_dims=4)
+
+
+def test_each_loss_has_its_own_typed_operator() -> None:
+    """One operator per public loss, its schema the loss's parameters (process_group left
+    out), typed; a number travels as a 0-dim tensor beside its kind."""
+    from flashcl.compiled import LOSSES
+
+    for name, fn in LOSSES.items():
+        schema = str(operator(name)._schema)
+        assert schema.startswith(f"flashcl::{name}("), schema
+        for param in inspect.signature(fn).parameters:
+            assert (param in schema) == (param != "process_group"), (name, param)
+    schema = str(operator("clip_loss")._schema)
+    assert "Tensor? image_embeds" in schema and "str? reduction" in schema and "str logit_scale__kind" in schema
+    assert "SymInt[]? matryoshka_dims" in schema and "float[]? matryoshka_weights" in schema
