@@ -22,7 +22,7 @@ from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
 
 import flashcl  # noqa: E402
 from flashcl.integrations import sentence_transformers as fst  # noqa: E402
-from helpers import TOL, assert_close, close_group, spawn  # noqa: E402
+from helpers import TOL, assert_close, close_group, init_gloo, spawn  # noqa: E402
 
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CONFIGS: List[Dict[str, Any]] = [
@@ -769,3 +769,43 @@ def test_mnrl_false_negative_margin_options_and_errors(tiny_model: Any) -> None:
     model = _load(tiny_model).double()
     plain = fst.MultipleNegativesRankingLoss(model, false_negative_margin=0.02)
     assert_close(values[2], plain([model.tokenize(t) for t in texts], None), "cached", 1e-10, 1e-10)
+
+
+def _margin_gather_worker(rank: int, world: int, out_dir: str) -> None:
+    import os
+
+    init_gloo(rank, world, out_dir)
+    columns = _columns(2 * 7, 6, 1, seed=22)
+    columns[1] = columns[0] + 0.9 * columns[1]
+    local = [c[7 * rank : 7 * rank + 7] for c in columns]
+    results = {}
+    for i, config in enumerate(MARGIN_GATHER_CONFIGS):
+        loss = fst.MultipleNegativesRankingLoss(
+            None, gather_across_devices=True, false_negative_margin=0.05, backend="tiled", block_size=3, **config
+        )
+        results[i] = _value_and_grads(loss, local)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+MARGIN_GATHER_CONFIGS: List[Dict[str, Any]] = [{}, {"directions": ALL_DIRECTIONS}]
+
+
+def test_mnrl_false_negative_margin_across_devices(tmp_path: Any) -> None:
+    """gather_across_devices with the margin: each rank's rows against every rank's
+    candidates; the ranks' values and gradients add up to those of the dense mask on the
+    concatenated batch (each rank's loss a mean over its half of the rows)."""
+    spawn(_margin_gather_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    columns = _columns(2 * 7, 6, 1, seed=22)
+    columns[1] = columns[0] + 0.9 * columns[1]
+    for i, config in enumerate(MARGIN_GATHER_CONFIGS):
+        leaves = [c.clone().requires_grad_(True) for c in columns]
+        want = 2 * _mnrl_masked(leaves, config, 0.05)
+        assert not torch.allclose(want, 2 * _mnrl_masked(columns, config, 1e9))  # the margin leaves pairs out
+        grads = torch.autograd.grad(want, leaves)
+        assert_close(ranks[0][i][0] + ranks[1][i][0], want, f"{config}: summed loss", 1e-10, 1e-10)
+        for r in range(2):
+            for j, g in enumerate(grads):
+                got = ranks[r][i][1][j]
+                assert_close(got, g[7 * r : 7 * r + 7], f"{config}: rank {r}, column {j}", 1e-10, 1e-10)
