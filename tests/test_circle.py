@@ -5,7 +5,6 @@ option errors, and across 2 and 3 gloo processes, both strategies, equal to one 
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Any, List
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import flashcl
-from helpers import assert_close, close_group, spawn
+from helpers import assert_close, close_group, init_gloo, spawn
 
 pml = pytest.importorskip("pytorch_metric_learning")
 from pytorch_metric_learning import losses, reducers  # noqa: E402
@@ -96,14 +95,7 @@ def _data() -> Any:
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
+    init_gloo(rank, world, out_dir)
     sizes = SIZES[world]
     x, y = _data()
     x, y = x[: sum(sizes)], y[: sum(sizes)]

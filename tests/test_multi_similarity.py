@@ -5,7 +5,6 @@ and across 2 and 3 gloo processes, both strategies, equal to one process."""
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Any, List, Optional
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import flashcl
-from helpers import assert_close, close_group, spawn
+from helpers import assert_close, close_group, init_gloo, spawn
 
 pml = pytest.importorskip("pytorch_metric_learning")
 from pytorch_metric_learning import losses, miners, reducers  # noqa: E402
@@ -132,14 +131,7 @@ SIZES = {2: [7, 4], 3: [5, 0, 8]}  # uneven, a rank with no rows of its own
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
+    init_gloo(rank, world, out_dir)
     sizes = SIZES[world]
     g = torch.Generator().manual_seed(11)
     x = torch.randn(sum(sizes), 5, dtype=torch.float64, generator=g)

@@ -182,6 +182,26 @@ def check_real_scalar(value: object, name: str, device: torch.device, dtype: tor
     return tensor
 
 
+def number(value: object, name: str, positive: bool = False) -> float:
+    """A hyperparameter as a float: a Python number or a 0-dim tensor without gradient,
+    finite (and > 0 with ``positive``); a ValueError that names it otherwise."""
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.requires_grad:
+            raise ValueError(f"{name} must be a number (or a 0-dim tensor without gradient), got {value!r}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise ValueError(f"{name} must be finite{' and > 0' if positive else ''}, got {v}")
+    return v
+
+
+def optional_number(value: object, name: str, positive: bool = False) -> Optional[float]:
+    """:func:`number`, or None for None."""
+    return None if value is None else number(value, name, positive)
+
+
 def check_block(block_size: Optional[int], name: str = "block_size") -> None:
     """None or a positive int."""
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):

@@ -27,7 +27,7 @@ from ..compiled import compiles
 from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off
 from ..engine.heads import Head, scattered_lse, softplus
-from .multi_similarity import Pairs, number, split_pairs_
+from .multi_similarity import Pairs, split_pairs_
 
 __all__ = ["circle_loss", "CircleLoss", "CircleHead"]
 
@@ -211,9 +211,8 @@ def circle_loss(
         >>> loss = flashcl.circle_loss(x, y)
     """
     embeddings, labels = checks.validate_labelled(embeddings, labels, empty=process_group is not None)
-    relax = number(m, "m")
-    scale = number(gamma, "gamma", positive=True)
-    assert relax is not None and scale is not None
+    relax = checks.number(m, "m")
+    scale = checks.number(gamma, "gamma", positive=True)
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     with autocast_off(embeddings.device.type):
         return _circle(embeddings, labels.long(), relax, scale, opts)

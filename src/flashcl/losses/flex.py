@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -31,7 +31,6 @@ from ..engine.heads import softplus
 from ..engine.matryoshka import check_dims
 from ..engine.sparsity import BlockSparsity
 from .flex_blocks import BlockMask
-from .multi_similarity import number
 
 __all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle"]
 
@@ -68,9 +67,9 @@ class FlexMultiSimilarity(PairSets):
     name = "multi_similarity"
 
     def __init__(self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5) -> None:
-        self.alpha = _number(alpha, "alpha", positive=True)
-        self.beta = _number(beta, "beta", positive=True)
-        self.base = _number(base, "base")
+        self.alpha = checks.number(alpha, "alpha", positive=True)
+        self.beta = checks.number(beta, "beta", positive=True)
+        self.base = checks.number(base, "base")
 
     def __repr__(self) -> str:
         return f"FlexMultiSimilarity(alpha={self.alpha}, beta={self.beta}, base={self.base})"
@@ -116,8 +115,8 @@ class FlexCircle(PairSets):
     name = "circle"
 
     def __init__(self, m: float = 0.4, gamma: float = 80.0) -> None:
-        self.m = _number(m, "m")
-        self.gamma = _number(gamma, "gamma", positive=True)
+        self.m = checks.number(m, "m")
+        self.gamma = checks.number(gamma, "gamma", positive=True)
 
     def __repr__(self) -> str:
         return f"FlexCircle(m={self.m}, gamma={self.gamma})"
@@ -141,11 +140,6 @@ class FlexCircle(PairSets):
 
 #: the two-set kinds by name, as ``kind=`` takes them
 PAIR_SETS = {"multi_similarity": FlexMultiSimilarity, "circle": FlexCircle}
-
-
-def _number(value: object, name: str, positive: bool = False) -> float:
-    """A kind's hyperparameter: a finite number (> 0 when ``positive``)."""
-    return cast(float, number(value, name, positive=positive))
 
 
 # ----------------------------------------------------------------------------- checks

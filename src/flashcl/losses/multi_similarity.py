@@ -38,7 +38,6 @@ __all__ = [
     "Pairs",
     "split_pairs_",
     "row_counts",
-    "number",
 ]
 
 _INF = float("inf")
@@ -317,22 +316,6 @@ def _reference_rows(
     return rows, q.new_tensor(float(n_pos)), q.new_tensor(float(n_neg))
 
 
-def number(value: object, name: str, positive: bool = False, optional: bool = False) -> Optional[float]:
-    """A hyperparameter as a float: a Python number or a 0-dim tensor without gradient."""
-    if value is None and optional:
-        return None
-    if isinstance(value, Tensor):
-        if value.dim() != 0 or value.requires_grad:
-            raise ValueError(f"{name} must be a number (or a 0-dim tensor without gradient), got {value!r}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v) or (positive and v <= 0):
-        raise ValueError(f"{name} must be finite{' and > 0' if positive else ''}, got {v}")
-    return v
-
-
 @shared_docs
 @compiles()
 def multi_similarity_loss(
@@ -387,11 +370,10 @@ def multi_similarity_loss(
         >>> loss = flashcl.multi_similarity_loss(x, y)
     """
     embeddings, labels = checks.validate_labelled(embeddings, labels, empty=process_group is not None)
-    a = number(alpha, "alpha", positive=True)
-    b = number(beta, "beta", positive=True)
-    c = number(base, "base")
-    eps = number(epsilon, "epsilon", optional=True)
-    assert a is not None and b is not None and c is not None
+    a = checks.number(alpha, "alpha", positive=True)
+    b = checks.number(beta, "beta", positive=True)
+    c = checks.number(base, "base")
+    eps = checks.optional_number(epsilon, "epsilon")
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     with autocast_off(embeddings.device.type):
         return _multi_similarity(embeddings, labels.long(), (a, b, c, eps), opts)

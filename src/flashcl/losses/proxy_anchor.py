@@ -26,7 +26,7 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
-from .multi_similarity import MultiSimilarityHead, number
+from .multi_similarity import MultiSimilarityHead
 
 __all__ = ["proxy_anchor_loss", "ProxyAnchorLoss"]
 
@@ -109,9 +109,8 @@ def proxy_anchor_loss(
         raise ValueError(
             f"labels must be class indices in [0, {num_classes}), got {int(labels.min())}..{int(labels.max())}"
         )
-    delta = number(margin, "margin")
-    scale = number(alpha, "alpha", positive=True)
-    assert delta is not None and scale is not None
+    delta = checks.number(margin, "margin")
+    scale = checks.number(alpha, "alpha", positive=True)
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)
     with autocast_off(embeddings.device.type):
         return _proxy_anchor(embeddings, labels.long(), proxies, delta, scale, opts)
