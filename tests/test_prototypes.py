@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flashcl.engine import prototypes
-from flashcl.engine.prototype_loss import PrototypeCrossEntropy
+from flashcl.engine.prototype_loss import prototype_cross_entropy
 from flashcl.engine.prototypes import (
     Prototypes,
     RowsJoin,
@@ -79,13 +79,16 @@ def test_fused_loss_equals_the_dense_formula(block: int, normalize: bool, target
         fn = sinkhorn_targets(yh, teacher, 1.0 / tt, int(targets.split("-")[1]), block)
     else:
         fn = softmax_targets(yh, teacher, center if targets == "softmax-centred" else None, 1.0 / tt, block)
-    got = PrototypeCrossEntropy.apply(*mine, fn, 1.0 / ts, block, normalize)
+    got = prototype_cross_entropy(*mine, fn, 1.0 / ts, normalize, rows_block=block)
     assert_close(got, want.detach(), f"{targets}: rows", *TOL)
     for a, e, name in zip(torch.autograd.grad(got, mine, up), want_grads, ("rows", "prototypes")):
         assert_close(a, e, f"{targets}: {name}' gradient", *TOL)
     # the targets themselves, block by block
-    blocks = [fn(k0, min(k0 + block, 19), torch.empty(11, block, dtype=torch.float64)) for k0 in range(0, 19, block)]
-    assert_close(torch.cat(blocks, 1), p, "targets", *TOL)
+    blocks = [
+        fn.rows(r0, min(r0 + block, 11), torch.empty(min(block, 11 - r0), 19, dtype=torch.float64))
+        for r0 in range(0, 11, block)
+    ]
+    assert_close(torch.cat(blocks), p, "targets", *TOL)
     assert_close(logit_sums(yh, teacher) / yh.shape[0], t.mean(0), "the center", *TOL)
 
 
@@ -123,7 +126,7 @@ def test_weighted_scalar_by_blocks_of_rows_equals_the_dense_formula(
     else:
         fn = softmax_targets(yh, teacher, center, 1.0 / tt, 7)
     mine = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
-    got = PrototypeCrossEntropy.apply(*mine, fn, 1.0 / ts, 7, normalize, weights, rows_block)
+    got = prototype_cross_entropy(*mine, fn, 1.0 / ts, normalize, weights, rows_block)
     assert_close(got, want.detach(), f"{targets}: the scalar", *TOL)
     got.backward(torch.tensor(3.0, dtype=torch.float64), retain_graph=True)
     for a, e, name in zip(mine, want_grads, ("rows", "prototypes")):
@@ -136,7 +139,7 @@ def test_weighted_scalar_by_blocks_of_rows_equals_the_dense_formula(
         alone = [x.clone(), w.clone()]
         alone[i].requires_grad_(True)
         (g,) = torch.autograd.grad(
-            PrototypeCrossEntropy.apply(*alone, fn, 1.0 / ts, 7, normalize, weights, rows_block), alone[i]
+            prototype_cross_entropy(*alone, fn, 1.0 / ts, normalize, weights, rows_block), alone[i]
         )
         assert_close(g, want_grads[i], f"{targets}: leaf {i} alone", *TOL)
 
@@ -187,7 +190,7 @@ def test_stacked_views_by_blocks_of_images_equal_the_dense_formula(
             per_view.append(softmax_targets(yh, teacher, center, 1.0 / tt, 7))
     fn = paired_targets(per_view, pairs, b)
     mine = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
-    got = PrototypeCrossEntropy.apply(*mine, fn, 1.0 / ts, 7, True, weights, rows_block)
+    got = prototype_cross_entropy(*mine, fn, 1.0 / ts, True, weights, rows_block)
     assert_close(got, want.detach(), f"{pairs}: the scalar", *TOL)
     got.backward(retain_graph=True)
     for a, e, name in zip(mine, want_grads, ("rows", "prototypes")):
@@ -262,11 +265,9 @@ def _sinkhorn_worker(rank: int, world: int, out_dir: str, logs: bool) -> None:
     yh = unit_rows(y[rows], True)[0]
     fn = sinkhorn_targets(yh, Prototypes(wt, True), 1 / 0.04, 3, 7, _GlooJoin())
     mine = [x[rows].clone().requires_grad_(True), w.clone().requires_grad_(True)]
-    loss = PrototypeCrossEntropy.apply(*mine, fn, 10.0, 7, True).sum()
+    loss = prototype_cross_entropy(*mine, fn, 10.0, True).sum()
     grads = torch.autograd.grad(loss, mine)
-    p = torch.cat(
-        [fn(k0, min(k0 + 7, 19), torch.empty(yh.shape[0], 7, dtype=torch.float64)) for k0 in range(0, 19, 7)], 1
-    )
+    p = fn.rows(0, yh.shape[0], torch.empty(yh.shape[0], 19, dtype=torch.float64))
     torch.save((p, loss.detach(), grads), os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -334,7 +335,7 @@ def test_crop_pairs_by_paired_targets_equal_lightly(block: int) -> None:
     per_view = [softmax_targets(unit_rows(y, True)[0], teacher, center, 1 / 0.04, block) for y in teacher_rows]
     pairs = [[i for i in range(2) if i != j] for j in range(4)]
     stacked = torch.cat(mine[:-1])
-    rows = PrototypeCrossEntropy.apply(stacked, mine[-1], paired_targets(per_view, pairs, b), 10.0, block, True)
+    rows = prototype_cross_entropy(stacked, mine[-1], paired_targets(per_view, pairs, b), 10.0, True, rows_block=block)
     total = rows.sum() / (sum(map(len, pairs)) * b)
     mine = [stacked, mine[-1]]
     want_grads = [torch.cat(want_grads[:-1]), want_grads[-1]]
@@ -373,7 +374,7 @@ def test_logits_wider_than_float32s_exponent_range_stay_exact(targets: str) -> N
         else sinkhorn_targets(yh, teacher, 1 / tt, 3, 7)
     )
     mine = [x.float().requires_grad_(True), w.float().requires_grad_(True)]
-    got = PrototypeCrossEntropy.apply(*mine, fn, 1 / ts, 7, False, weights.float())
+    got = prototype_cross_entropy(*mine, fn, 1 / ts, False, weights.float())
     assert torch.isfinite(got), got
     assert_close(got.double(), want.detach(), f"{targets}: the loss", 1e-4, 1e-3)
     got.backward()

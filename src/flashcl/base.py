@@ -17,9 +17,10 @@ DOCS: Dict[str, str] = {
     logits, ``"dense"`` below) | ``"tiled"`` (blocks: no rows x K, or B x B, tensor) |
     ``"dense"`` (the whole matrix, as lightly and DINOv2 write it) | ``"reference"``
     (one row at a time; the tests' oracle). No Triton kernel: ``"triton"`` is an error.
-block_size: prototypes (KoLeo: rows) per block of the tiled backend (a scalar loss visits
-    blocks of images, every view's rows of them, against every prototype, each of as many
-    entries); None picks one.
+block_size: sets the tiled backend's blocks: blocks of images, every view's rows of
+    them, against every prototype, each of as many entries as ``block_size``
+    prototypes against every row (Sinkhorn-Knopp's scalings take blocks of
+    ``block_size`` prototypes; KoLeo: rows per block); None picks one.
 process_group: None (default: this process's rows) or a process group of
     ``torch.distributed``: the loss over every rank's rows (local batch sizes may
     differ; a rank may have none), the prototypes replicated; the sums over the rows (Sinkhorn-Knopp's, the

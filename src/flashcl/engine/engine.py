@@ -296,6 +296,9 @@ class Driver:
     #: why this driver's losses have no second derivatives (None: they have, through
     #: the dense formula); raised as a RuntimeError on ``create_graph=True``
     no_second_derivatives: Optional[str] = None
+    #: applies a head's :meth:`~flashcl.engine.heads.Head.row_factor` (heads with
+    #: ``factored_rows`` run only on such a driver)
+    applies_row_factor = False
 
     def num_columns(self, ops: Operands) -> int:
         """Columns of the whole score matrix (more than ``k``'s rows when the other
@@ -597,6 +600,8 @@ class EngineFunction(FusedFunction):
         *params: Tensor,
     ) -> Tensor:
         head = problem.head
+        if head.factored_rows and not driver.applies_row_factor:
+            raise ValueError(f"{type(driver).__name__} does not apply {type(head).__name__}'s row factors")
         s = float(scale)
         ops = operands(q_in, k_in, s, problem.normalize, driver.lazy, block, problem.offset)
         m, n = ops.q.shape[0], driver.num_columns(ops)
@@ -622,6 +627,7 @@ class EngineFunction(FusedFunction):
         else:
             driver.forward(ops, head, st, None, None, None)
         driver.release()  # before the linear terms: their temporaries need not stack on the tile buffers
+        head.release(st)
         rows, cols = head.values(st)
         if raws is None:
             raws = _raws(ops, problem, driver, block)
@@ -679,6 +685,7 @@ class EngineFunction(FusedFunction):
             dq, dk = _new_grads(ops)
             dscale = driver.backward(ops, head, st, dq, dk)
         driver.release()
+        head.release(st)
         dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk, st)
         dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
         return (dq_in, dk_in, dscale, *head.param_grads(st, n_params))

@@ -177,6 +177,11 @@ class Head:
     symmetric_tiles: bool = False
     kernel: Optional[KernelId] = None
     sparsity: Optional[BlockSparsity] = None
+    #: :meth:`grad` and :meth:`rows_fused` return ``dL/ds`` less a factor of each row,
+    #: :meth:`row_factor`, that the driver applies to the block's rows (rows x D)
+    #: instead of the tile (rows x N): one pass over the tile fewer. Only drivers with
+    #: :attr:`~flashcl.engine.engine.Driver.applies_row_factor` take such a head.
+    factored_rows: bool = False
 
     # ------------------------------------------------------------ Triton kernels
     def kernel_args(self) -> KernelArgs:
@@ -234,6 +239,15 @@ class Head:
         :attr:`fuses_rows` is True; otherwise the drivers run :meth:`reduce` per
         pass, then :meth:`grad`."""
         raise NotImplementedError
+
+    def row_factor(self, st: Any, tile: Tile) -> Tensor:
+        """With :attr:`factored_rows`: the factor of each of the tile's rows that the
+        tile returned by :meth:`grad` / :meth:`rows_fused` leaves out, (rows,)."""
+        raise NotImplementedError
+
+    def release(self, st: Any) -> None:
+        """Drops the buffers the head keeps in ``st`` between tiles; called when a pass
+        over the tiles ends (the state itself lives on until the backward)."""
 
     # ------------------------------------------------------ symmetric panels
     def reduce_panel(self, s: Tensor, tile: Tile, st: Any, p: int, buf: Tensor) -> None:

@@ -1,10 +1,9 @@
 """Self-distillation over prototypes (DINO, iBOT, SwAV) without the rows x K logits:
 the prototypes, the teacher's target distributions over them and Sinkhorn-Knopp, every
 logit formed a block at a time; the cross-entropy against the student's softmax that
-takes them is :mod:`flashcl.engine.prototype_loss`'s. A scalar loss visits blocks of
-images, every student view's rows of them in one product, against every prototype (each
-row's softmax and targets complete in its block, each distinct sum of teacher views'
-targets formed once); per-row losses and Sinkhorn-Knopp's scalings visit blocks of
+takes them is :mod:`flashcl.engine.prototype_loss`'s, a head on the engine's row blocks.
+The targets are formed by blocks of images, every prototype's (each distinct sum of
+teacher views' targets once per block); Sinkhorn-Knopp's scalings visit blocks of
 prototypes against every row.
 
 For student rows ``x`` (B, D) and prototypes ``W`` (K, D), teacher rows ``y`` and the
@@ -28,7 +27,7 @@ losses (:mod:`flashcl.losses.self_distill`) and the drop-ins build on it.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -72,30 +71,18 @@ def inverse_norms(x: Tensor) -> Tensor:
 
 class Prototypes:
     """Prototypes ``w`` (K, D) as given and their inverse norms (with ``normalize``):
-    a tile of logits ``rows w^_k . scale`` for a block of them, the block's unit rows
-    (block x D) formed for its GEMM, never all of them (a second K x D tensor) and
-    never a scaling pass over the B x block tile."""
+    tiles of logits ``rows . w^_k scale``, never all unit prototypes at once (a second
+    K x D tensor)."""
 
     def __init__(self, w: Tensor, normalize: bool) -> None:
         self.w, self.normalized = w, normalize
         self.inv = inverse_norms(w) if normalize else torch.ones(w.shape[0], dtype=w.dtype, device=w.device)
         self.k = w.shape[0]
 
-    def unit(self, k0: int, k1: int, scale: float = 1.0) -> Tensor:
-        """The block's prototypes ``w^_k . scale`` (block x D)."""
-        return self.w[k0:k1] * (self.inv[k0:k1] * scale).unsqueeze(1)
-
-    def tile(
-        self, rows: Tensor, k0: int, k1: int, scale: float, out: Tensor, extra: Sequence[Union[Tensor, float]] = ()
-    ) -> Tensor:
-        """``rows . w^_k scale`` for the block; ``extra``: per-prototype columns (a (K,)
-        vector or a constant) appended to the block, ``rows`` then ``D + len(extra)``
-        wide: a shift of every column or row folded into the GEMM (no pass over the
-        tile)."""
-        unit = self.unit(k0, k1, scale)
-        if extra:
-            cols = [e[k0:k1].unsqueeze(1) if isinstance(e, Tensor) else unit.new_full((k1 - k0, 1), e) for e in extra]
-            unit = torch.cat([unit, *cols], 1)
+    def tile(self, rows: Tensor, k0: int, k1: int, scale: float, out: Tensor) -> Tensor:
+        """``rows . w^_k scale`` for the block of prototypes ``k0 .. k1`` (their unit rows
+        formed for the GEMM, block x D)."""
+        unit = self.w[k0:k1] * (self.inv[k0:k1] * scale).unsqueeze(1)
         return torch.mm(rows, unit.T, out=out[:, : k1 - k0])
 
     def rows_tile(self, rows: Tensor, scale: float, out: Tensor, shift: Optional[Tensor] = None) -> Tensor:
@@ -258,21 +245,18 @@ Group = Tuple[List[int], Optional[Tensor]]
 
 
 class Blocks:
-    """A teacher's target probabilities, never all of them at once: ``blocks(k0, k1,
-    out)`` writes those of prototypes ``k0 .. k1`` (every row) into ``out`` and returns
-    that view; ``blocks.rows(r0, r1, out)`` (one teacher view's) those of rows
-    ``r0 .. r1`` against every prototype. For ``views`` stacked student views of
-    ``b = count / views`` images each (view ``s``: rows ``s b .. (s + 1) b``),
-    ``groups(i0, i1, scratch)`` gives the targets of images ``i0 .. i1`` of every view
-    at once: each distinct tile with the views that take it (a scalar loss's pass, whose
-    rows are complete in a block), its tiles in ``scratch`` (``tiles`` of them, each at
-    least ``i1 - i0`` rows x K); ``mass``: each row's sum over the prototypes where it
-    is known before any pass (1 for a softmax, and for Sinkhorn-Knopp after an
-    iteration), else None."""
+    """A teacher's target probabilities, never all of them at once: ``blocks.rows(r0,
+    r1, out)`` (one teacher view's) writes those of rows ``r0 .. r1`` against every
+    prototype into ``out`` and returns it. For ``views`` stacked student views of ``b =
+    count / views`` images each (view ``s``: rows ``s b .. (s + 1) b``), ``groups(i0,
+    i1, scratch)`` gives the targets of images ``i0 .. i1`` of every view at once: each
+    distinct tile with the views that take it, its tiles in ``scratch`` (``tiles`` of
+    them, each at least ``i1 - i0`` rows x K); ``mass``: each row's sum over the
+    prototypes where it is known before any pass (1 for a softmax, and for
+    Sinkhorn-Knopp after an iteration), else None."""
 
     def __init__(
         self,
-        fn: Targets,
         mass: Optional[Tensor],
         rows: Optional[Targets],
         count: int,
@@ -280,11 +264,8 @@ class Blocks:
         views: int = 1,
         groups: Optional[Callable[[int, int, Tensor], List[Group]]] = None,
     ) -> None:
-        self.fn, self.mass, self.count, self.tiles, self.views = fn, mass, count, tiles, views
+        self.mass, self.count, self.tiles, self.views = mass, count, tiles, views
         self._rows, self._groups = rows, groups
-
-    def __call__(self, k0: int, k1: int, out: Tensor) -> Tensor:
-        return self.fn(k0, k1, out)
 
     def rows(self, r0: int, r1: int, out: Tensor) -> Tensor:
         if self._rows is None:
@@ -298,24 +279,11 @@ class Blocks:
 
 
 def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv_temp: float, block: int) -> Blocks:
-    """The centred, sharpened softmax ``softmax_k((t_bk - c_k) / tau_t)``: by blocks of
-    prototypes (the rows' logsumexp formed in one pass first, when first asked), or by
-    blocks of rows (each row's softmax whole)."""
-    (b, d), k = rows.shape, w_t.k
+    """The centred, sharpened softmax ``softmax_k((t_bk - c_k) / tau_t)`` by blocks of
+    rows (each row's softmax whole): a fixed shift where the logits' range allows it
+    (no pass for each row's maximum)."""
+    b, k = rows.shape[0], w_t.k
     c = rows.new_zeros(k) if center is None else center.to(rows.dtype).reshape(k) * inv_temp
-    aug: List[Tensor] = []
-
-    def targets(k0: int, k1: int, out: Tensor) -> Tensor:
-        if not aug:
-            # rows [y^, -1, -lse_b] against prototypes [w^_k / tau, c_k, 1]: the GEMM gives t / tau - c - lse
-            aug.append(torch.cat([rows, rows.new_full((b, 1), -1.0), rows.new_zeros(b, 1)], 1))
-            buf = rows.new_empty(b, min(block, k))
-            bound = _bound(rows, w_t, inv_temp)
-            hi, lo = bound - float(c.min()) if k else 0.0, -bound - float(c.max()) if k else 0.0
-            aug[0][:, d + 1] = -_lse_pass(aug[0], w_t, inv_temp, block, buf, (c, 1.0), hi, lo)
-        return w_t.tile(aug[0], k0, k1, inv_temp, out, (c, 1.0)).exp_()
-
-    # by rows: a fixed shift where the logits' range allows it (no pass for each row's maximum)
     bound = _bound(rows, w_t, inv_temp)
     hi, lo = bound - float(c.min()) if k else 0.0, -bound - float(c.max()) if k else 0.0
     fixed = hi - lo <= EXP_RANGE.get(rows.dtype, 0.0)
@@ -326,35 +294,28 @@ def softmax_targets(rows: Tensor, w_t: Prototypes, center: Optional[Tensor], inv
         e = (t if fixed else t.sub_(t.amax(1, keepdim=True))).exp_()
         return e.div_(e.sum(1, keepdim=True))
 
-    return Blocks(targets, rows.new_ones(b), row_targets, b)
+    return Blocks(rows.new_ones(b), row_targets, b)
 
 
 def scaled_targets(
     rows: Tensor, w_t: Prototypes, inv_temp: float, u: Tensor, v: Tensor, mass: Optional[Tensor] = None
 ) -> Blocks:
     """Sinkhorn-Knopp's targets ``exp(t_bk / tau_t + u_k + v_b)`` from its log scalings
-    (:func:`sinkhorn_scalings`; ``v``: these rows'), by blocks of prototypes or of rows;
-    ``mass``: the rows' sums where known (1 after an iteration)."""
-
+    (:func:`sinkhorn_scalings`; ``v``: these rows'), by blocks of rows; ``mass``: the
+    rows' sums where known (1 after an iteration)."""
     u, v = u.to(rows.dtype), v.to(rows.dtype)
-    aug: List[Tensor] = []
-
-    def targets(k0: int, k1: int, out: Tensor) -> Tensor:
-        if not aug:  # rows [y^, 1, v_b] against prototypes [w^_k / tau, u_k, 1]: the GEMM gives the log targets
-            aug.append(torch.cat([rows, rows.new_ones(rows.shape[0], 1), v.unsqueeze(1)], 1))
-        return w_t.tile(aug[0], k0, k1, inv_temp, out, (u, 1.0)).exp_()
 
     def row_targets(r0: int, r1: int, out: Tensor) -> Tensor:
         return w_t.rows_tile(rows[r0:r1], inv_temp, out, u).add_(v[r0:r1].unsqueeze(1)).exp_()
 
-    return Blocks(targets, mass, row_targets, rows.shape[0])
+    return Blocks(mass, row_targets, rows.shape[0])
 
 
 def sinkhorn_targets(
     rows: Tensor, w_t: Prototypes, inv_temp: float, iterations: int, block: int, join: Optional[RowsJoin] = None
 ) -> Blocks:
     """DINOv2's Sinkhorn-Knopp targets (:func:`sinkhorn_scalings`) as a function of a
-    block of prototypes written into a buffer."""
+    block of rows written into a buffer."""
     u, v = sinkhorn_scalings(rows, w_t, inv_temp, iterations, block, join)
     return scaled_targets(rows, w_t, inv_temp, u, v, rows.new_ones(rows.shape[0]) if iterations > 0 else None)
 
@@ -363,13 +324,12 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
     """The targets of stacked student views (view ``s``: rows ``s b .. (s + 1) b``): the
     sum of the teacher views ``pairs[s]``' targets (the cross-entropy is linear in its
     targets, so a student view against several teacher views, DINO's crop pairs, is one
-    pass with their sum); each teacher view's block formed once per block of prototypes
-    (``views``: each teacher view's targets, ``b`` rows each), or, by rows, once per
-    block of images, each distinct sum once for every student view that takes it."""
-    scratch: List[Tensor] = []
+    pass with their sum); each teacher view's tile formed once per block of images
+    (``views``: each teacher view's targets, ``b`` rows each), each distinct sum once
+    for every student view that takes it."""
     used = sorted({t for ts in pairs for t in ts})
-    # the distinct sets of teacher views, each with the student views that take it; by rows, a set
-    # of two or more has a tile of its own (after the teacher views')
+    # the distinct sets of teacher views, each with the student views that take it; a set of two or
+    # more has a tile of its own (after the teacher views')
     sets: Dict[Tuple[int, ...], List[int]] = {}
     for s, ts in enumerate(pairs):
         sets.setdefault(tuple(ts), []).append(s)
@@ -387,20 +347,6 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
         for t in ts[2:]:
             dst.add_(tiles[t])
         return dst
-
-    def targets(k0: int, k1: int, out: Tensor) -> Tensor:
-        width = k1 - k0
-        if not scratch or scratch[0].shape[2] < width:
-            scratch[:] = [out.new_empty(len(views), b, out.shape[1])]
-        tiles = {t: views[t](k0, k1, scratch[0][t]) for t in used}
-        for ts, ss in sets.items():  # each distinct sum once, copied to the other views that take it
-            first = out[ss[0] * b : (ss[0] + 1) * b, :width]
-            got = summed(ts, tiles, first)
-            for s in ss:
-                dst = out[s * b : (s + 1) * b, :width]
-                if got is not dst:
-                    dst.copy_(got)
-        return out[:, :width]
 
     def groups(i0: int, i1: int, scratch: Tensor) -> List[Group]:
         m = i1 - i0
@@ -420,42 +366,12 @@ def paired_targets(views: Sequence[Blocks], pairs: Sequence[Sequence[int]], b: i
     if known and len(known) == len(used):
         rows = {t: m for t, m in zip(used, known)}
         mass = torch.cat([sum((rows[t] for t in ts), torch.zeros_like(known[0])) for ts in pairs])
-    return Blocks(targets, mass, None, len(pairs) * b, len(used) + len(slot), len(pairs), groups)
+    return Blocks(mass, None, len(pairs) * b, len(used) + len(slot), len(pairs), groups)
 
 
 #: per dtype, the widest range of logits whose exponentials, shifted by their bound, stay normal
 #: numbers (wider: every sum a logsumexp; a dtype not named: always logsumexps)
 EXP_RANGE = {torch.float32: 80.0, torch.float64: 700.0}
-
-
-def _lse_pass(
-    aug: Tensor,
-    protos: Prototypes,
-    scale: float,
-    block: int,
-    buf: Tensor,
-    extra: Sequence[Union[Tensor, float]],
-    hi: float,
-    lo: float,
-) -> Tensor:
-    """Each row's logsumexp over every block of its logits, the GEMM of ``aug`` (whose
-    last column multiplies the last of ``extra``, 1: a constant shift) against the
-    prototypes. Logits within ``[lo, hi]``: with a range of at most 80 (float32) the
-    shift is the bound ``hi`` itself, folded into the GEMM, and a pass is ``exp`` and a
-    sum; else each row's running maximum (a logsumexp per block)."""
-    total = aug.new_zeros(aug.shape[0])
-    if hi - lo <= EXP_RANGE.get(aug.dtype, 0.0):
-        aug[:, -1] = -hi
-        for k0 in _blocks(protos.k, block):
-            total += protos.tile(aug, k0, min(k0 + block, protos.k), scale, buf, extra).exp_().sum(1)
-        return total.log_().add_(hi)
-    aug[:, -1] = 0.0
-    lse = total.fill_(float("-inf"))
-    for k0 in _blocks(protos.k, block):
-        lse = torch.logaddexp(
-            lse, torch.logsumexp(protos.tile(aug, k0, min(k0 + block, protos.k), scale, buf, extra), 1)
-        )
-    return lse
 
 
 def _bound(rows: Tensor, protos: Prototypes, scale: float) -> float:

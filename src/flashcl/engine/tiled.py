@@ -13,6 +13,12 @@ three-GEMM bound): 1.19x fused against 1.57x unfused. Heads with a column
 direction (CLIP) need every column's reduction before any gradient: a second
 pass, four GEMMs (the floor).
 
+With ``lazy=True`` the normalised rows are never copied (a K x D table of
+prototypes is as large as the scores of many blocks): each block's scores are the
+GEMM of the raw rows, its columns then scaled by their inverse norms, and the
+gradient's tile is scaled so before its GEMMs, ``dk`` accumulated as
+``diag(1/|k|) dK`` and rescaled at the end.
+
 Self-contrast (SupCon, NT-Xent) takes :mod:`flashcl.engine.panels` instead; a given
 score matrix (the neighbour loss) :mod:`flashcl.engine.scores`.
 """
@@ -27,21 +33,25 @@ from torch import Tensor
 from . import threads
 from .engine import Driver, Operands
 from .heads import Head, Tile
+from .positives import raw_rows
 
 __all__ = ["RowBlocks"]
 
 
 class RowBlocks(Driver):
     """Blocks of complete rows against every column (see the module docstring).
-    The block buffers are made once per call and shared by its passes."""
+    The block buffers are made once per call and shared by its passes. ``lazy``: the
+    normalised rows are not copied (two sets of rows: ``k`` is not ``q``)."""
 
     uses_grad_operands = True
+    applies_row_factor = True
 
-    def __init__(self, device_type: str = "cpu") -> None:
+    def __init__(self, device_type: str = "cpu", lazy: bool = False) -> None:
         self._s: Optional[Tensor] = None
         self._s2: Optional[Tensor] = None
         self._gk: Optional[Tensor] = None
         self._device_type = device_type
+        self.lazy = lazy
 
     def _blocks(self, ops: Operands, head: Head, kind: str) -> Iterator[int]:
         """The row blocks' starts, the thread count chosen by :func:`flashcl.engine.threads.blocks`."""
@@ -50,13 +60,15 @@ class RowBlocks(Driver):
         return threads.blocks(kind, range(0, m, ops.block), lambda r0: min(ops.block, m - r0) * n, self._device_type)
 
     def _buffers(self, ops: Operands, second: bool) -> None:
-        q, k = ops.q, ops.k
+        if self.lazy and ops.same:
+            raise ValueError("lazy row blocks take two sets of rows (k is not q)")
+        q, n = raw_rows(ops.q)[0], ops.k.shape[0]
         b = min(ops.block, q.shape[0])
         if self._s is None:
-            self._s = q.new_empty(b, k.shape[0])
+            self._s = q.new_empty(b, n)
             self._gk = q.new_empty(b, q.shape[1])
         if second and self._s2 is None:
-            self._s2 = q.new_empty(b, k.shape[0])
+            self._s2 = q.new_empty(b, n)
 
     def release(self) -> None:
         self._s = self._s2 = self._gk = None
@@ -65,26 +77,47 @@ class RowBlocks(Driver):
         """The scores of rows ``r0:r1`` against every column, or against ``cols`` (a run
         of kept tiles), in the block buffer."""
         assert self._s is not None
-        if cols is None:
-            return torch.mm(ops.q[r0:r1] * ops.scale, ops.k.T, out=self._s[: r1 - r0])
-        c0, c1 = cols
+        c0, c1 = (0, ops.k.shape[0]) if cols is None else cols
         out = self._s.view(-1)[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-        return torch.mm(ops.q[r0:r1] * ops.scale, ops.k[c0:c1].T, out=out)
+        k, inv = raw_rows(ops.k)
+        s = torch.mm(ops.q[r0:r1] * ops.scale, k[c0:c1].T, out=out)
+        return s if inv is None else s.mul_(inv[c0:c1])
 
     def _accumulate(
-        self, g: Tensor, r0: int, ops: Operands, dq: Tensor, dk: Tensor, cols: Optional[Tuple[int, int]] = None
+        self,
+        g: Tensor,
+        r0: int,
+        ops: Operands,
+        dq: Tensor,
+        dk: Tensor,
+        cols: Optional[Tuple[int, int]] = None,
+        factor: Optional[Tensor] = None,
     ) -> Tensor:
         """dq_blk += scale G K, dk += scale G^T Q_blk (K: the columns ``cols``, default
-        all); returns sum_ij G_ij q_i.k_j."""
+        all; ``G = diag(factor) g``, the factor applied to the block's rows); returns
+        sum_ij G_ij q_i.k_j. Lazy ``k``: ``g`` scaled by its inverse norms in place, dk's
+        rows accumulated as ``dK / |k|`` (:meth:`_rescale`)."""
         assert self._gk is not None
         b = g.shape[0]
         qb = ops.q_grad[r0 : r0 + b]
         c0, c1 = (0, ops.k.shape[0]) if cols is None else cols
-        gk = torch.mm(g, ops.k_grad[c0:c1], out=self._gk[:b])
+        k, inv = raw_rows(ops.k_grad)
+        if inv is not None:
+            g.mul_(inv[c0:c1])
+        gk = torch.mm(g, k[c0:c1], out=self._gk[:b])
+        if factor is not None:
+            gk.mul_(factor.unsqueeze(1))
         dscale = torch.dot(gk.reshape(-1), qb.reshape(-1))
         dq[r0 : r0 + b].add_(gk, alpha=ops.scale)
-        dk[c0:c1].addmm_(g.T, qb, alpha=ops.scale)
+        dk[c0:c1].addmm_(g.T, qb if factor is None else qb * factor.unsqueeze(1), alpha=ops.scale)
         return dscale
+
+    @staticmethod
+    def _rescale(ops: Operands, dk: Tensor) -> None:
+        """Lazy ``k``: dk's rows, accumulated as ``dK / |k|``, times ``|k|``."""
+        if raw_rows(ops.k)[1] is not None:
+            assert ops.k_norms is not None
+            dk.mul_(ops.k_norms.unsqueeze(1))
 
     @staticmethod
     def _runs(ops: Operands, head: Head, r0: int) -> List[Optional[Tuple[int, int]]]:
@@ -105,15 +138,19 @@ class RowBlocks(Driver):
         sparsity = head.sparsity
         if head.fuses_rows and (sparsity is None or sparsity.max_runs <= 1):
             # a row block's kept tiles in one run: its rows complete there (the rest contributes nothing)
-            dscale = None if g_row is None else ops.q.new_zeros(())
+            dscale = None if g_row is None else dq.new_zeros(())  # type: ignore[union-attr]
             for r0 in self._blocks(ops, head, "fused"):
                 r1 = min(r0 + ops.block, m)
                 for cols in self._runs(ops, head, r0):
                     c0, c1 = (0, n) if cols is None else cols
-                    g = head.rows_fused(self._scores(ops, r0, r1, cols), Tile(r0, r1, c0, c1, ops.offset), st, g_row)
+                    tile = Tile(r0, r1, c0, c1, ops.offset)
+                    g = head.rows_fused(self._scores(ops, r0, r1, cols), tile, st, g_row)
                     if g is not None and dscale is not None:
                         assert dq is not None and dk is not None
-                        dscale += self._accumulate(g, r0, ops, dq, dk, cols)
+                        dscale += self._accumulate(g, r0, ops, dq, dk, cols, self._factor(head, st, tile))
+            if dscale is not None:
+                assert dk is not None
+                self._rescale(ops, dk)
             return dscale
         for p in range(head.passes):
             for r0 in self._blocks(ops, head, f"reduce{p}"):
@@ -127,11 +164,17 @@ class RowBlocks(Driver):
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         self._buffers(ops, second=head.has_columns)
         m, n = ops.q.shape[0], ops.k.shape[0]
-        dscale = ops.q.new_zeros(())
+        dscale = dq.new_zeros(())
         for r0 in self._blocks(ops, head, "backward"):
             r1 = min(r0 + ops.block, m)
             for cols in self._runs(ops, head, r0):
                 c0, c1 = (0, n) if cols is None else cols
-                g = head.grad(self._scores(ops, r0, r1, cols), Tile(r0, r1, c0, c1, ops.offset), st, self._s2)
-                dscale += self._accumulate(g, r0, ops, dq, dk, cols)
+                tile = Tile(r0, r1, c0, c1, ops.offset)
+                g = head.grad(self._scores(ops, r0, r1, cols), tile, st, self._s2)
+                dscale += self._accumulate(g, r0, ops, dq, dk, cols, self._factor(head, st, tile))
+        self._rescale(ops, dk)
         return dscale
+
+    @staticmethod
+    def _factor(head: Head, st: Any, tile: Tile) -> Optional[Tensor]:
+        return head.row_factor(st, tile) if head.factored_rows else None

@@ -26,7 +26,7 @@ from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.prototype_loss import PrototypeCrossEntropy, soft_cross_entropy
+from ..engine.prototype_loss import prototype_cross_entropy, soft_cross_entropy
 from ..engine.prototypes import (
     Blocks,
     Prototypes,
@@ -185,8 +185,9 @@ class Teacher:
         self.iterations, self.joint, self.normalize, self.b, self.join = iterations, joint, normalize, b, join
 
     def tiled(self, block: int) -> List[Blocks]:
-        """Each view's targets, a block of prototypes at a time (their rows' sums known
-        for a softmax and after a Sinkhorn iteration: 1)."""
+        """Each view's targets, a block of rows at a time (their rows' sums known for a
+        softmax and after a Sinkhorn iteration: 1); Sinkhorn-Knopp's scalings formed
+        first by blocks of ``block`` prototypes."""
         protos = Prototypes(self.w_t, self.normalize)
         t, n, d = self.rows.shape
         unit = unit_rows(self.rows.reshape(t * n, d), self.normalize)[0].view(t, n, d)
@@ -317,17 +318,14 @@ def distill_rows(
     def tiled() -> Tensor:
         block = block_size or auto_prototype_block(max(s, teacher.rows.shape[0]) * b, k)
         fn = paired_targets(teacher.tiled(block), pairs, b)
-        # a scalar visits blocks of images, every view's rows of them (block_size given: as many entries as
-        # a block of prototypes), and forms its gradients in that pass; per row, blocks of prototypes,
-        # recomputed in the backward
+        # blocks of images, every view's rows of them (block_size given: as many entries as a block of
+        # prototypes); a scalar forms its gradients in that pass, per row the backward recomputes them
         rows_block = None if block_size is None else max(1, block_size * b // max(1, k))
-        out = PrototypeCrossEntropy.apply(
-            student.reshape(s * b, d), w, fn, inv_temp, block, teacher.normalize, r, rows_block
-        )
+        out = prototype_cross_entropy(student.reshape(s * b, d), w, fn, inv_temp, teacher.normalize, r, rows_block)
         return out if r is not None else out.view(s, b) * own
 
     def dense() -> Tensor:
-        targets = [p(0, k, torch.empty(b, k, dtype=dtype, device=student.device)) for p in teacher.tiled(k)]
+        targets = [p.rows(0, b, torch.empty(b, k, dtype=dtype, device=student.device)) for p in teacher.tiled(k)]
         return _weigh(_dense_rows(x, wc, inv_temp, targets, pairs, teacher.normalize), own, r)
 
     def reference() -> Tensor:
