@@ -129,6 +129,80 @@ def test_test_only_head_on_every_backend(backend: str, self_contrast: bool, redu
     _check(backend, self_contrast, reduce, block)
 
 
+class FactoredSigmoidPairsHead(SigmoidPairsHead):
+    """The same loss, its gradient tiles returned less the upstream gradient of each
+    row, which the driver applies to the block's rows (``factored_rows``)."""
+
+    factored_rows = True
+
+    def begin_grad(self, st: _State, g_row: Tensor, g_col: Optional[Tensor]) -> None:
+        st.g_row = g_row
+
+    def grad(self, s: Tensor, tile: Tile, st: _State, buf: Optional[Tensor] = None) -> Tensor:
+        z = self._z(tile, s)
+        return -z * torch.sigmoid(-z * (s + self.bias))
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _State, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        st.g_row = g_row
+        g = super().rows_fused(s, tile, st, None if g_row is None else torch.ones_like(g_row))
+        return g
+
+    def row_factor(self, st: _State, tile: Tile) -> Tensor:
+        assert st.g_row is not None
+        return st.g_row[tile.r0 : tile.r1]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("factored", [True, False])
+@pytest.mark.parametrize("reduce", [True, False])
+def test_row_blocks_with_lazy_rows_and_row_factors(reduce: bool, factored: bool, lazy: bool, fused: bool) -> None:
+    """RowBlocks with the normalised rows never copied (``lazy``: the columns' norms
+    scale each tile and the gradient's) and with a head that leaves each row's
+    upstream gradient to the driver: the loss and every gradient (rows, columns,
+    scale) equal the formula, with or without the fused forward; the inputs untouched."""
+    from flashcl.engine.tiled import RowBlocks
+
+    q, k, lq, lk = _data()
+    q[3] *= 1e-3  # rows of very different norms
+    k[5] *= 40.0
+    w = torch.linspace(0.5, 1.5, q.shape[0], dtype=F64)
+    cls = FactoredSigmoidPairsHead if factored else SigmoidPairsHead
+    results = []
+    for impl in ("flashcl", "formula"):
+        qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        sc = torch.tensor(3.0, dtype=F64, requires_grad=True)
+        if impl == "formula":
+            rows = formula(qq, kk, lq, lk, sc, -1.5)
+            out = (w * rows).sum() if reduce else rows
+        else:
+            head = cls(lq, lk, -1.5, symmetric=False)
+            head.fuses_rows = fused
+            out = engine.run(qq, kk, sc, Problem(head), RowBlocks("cpu", lazy=lazy), (w, None) if reduce else None, 4)
+            assert torch.equal(qq.detach(), q) and torch.equal(kk.detach(), k)
+        loss = out if reduce else (out * w).sum()
+        results.append((out.detach(), torch.autograd.grad(loss * 1.3, [qq, kk, sc])))
+    (got, got_g), (exp, exp_g) = results
+    assert_close(got, exp, "loss", 1e-10, 1e-10)
+    for name, a, e in zip(("rows", "columns", "scale"), got_g, exp_g):
+        assert_close(a, e, f"{name}' gradient", 1e-10, 1e-10)
+
+
+def test_row_factors_and_lazy_rows_are_refused_where_no_driver_applies_them() -> None:
+    """A head with row factors on a driver that does not apply them, and lazy row
+    blocks of one set of rows (``k`` is ``q``), are errors, not a wrong gradient."""
+    from flashcl.engine.panels import UpperPanels
+    from flashcl.engine.tiled import RowBlocks
+
+    q, _, lq, _ = _data()
+    sc = torch.tensor(2.0, dtype=F64)
+    head = FactoredSigmoidPairsHead(lq, lq, 0.0, symmetric=True)
+    with pytest.raises(ValueError, match="row factors"):
+        engine.run(q, None, sc, Problem(head), UpperPanels("cpu"), None, 4)
+    with pytest.raises(ValueError, match="two sets of rows"):
+        engine.run(q, None, sc, Problem(SigmoidPairsHead(lq, lq, 0.0, False)), RowBlocks("cpu", lazy=True), None, 4)
+
+
 def test_drivers_chosen() -> None:
     q, k, lq, lk = _data()
     head = SigmoidPairsHead(lq, lq, 0.0, symmetric=True)

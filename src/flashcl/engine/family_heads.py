@@ -237,6 +237,9 @@ class SoftTargetHead(Head):
     def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
         return (-st.cross if self.own_is_teacher else st.own_lse - st.cross), None
 
+    def release(self, st: Any) -> None:
+        st.work.buf = None  # the other side's tile: not kept with the state until the backward
+
     def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
         rows = slice(tile.r0, tile.r1)
         g = st.g_row[rows].unsqueeze(1)
