@@ -57,6 +57,8 @@ __all__ = [
     "autocast_off",
     "differentiable_grads",
     "normalize_rows",
+    "visit_values",
+    "visit_grads",
 ]
 
 
@@ -673,22 +675,69 @@ class EngineFunction(FusedFunction):
         else:
             g = grad_out.to(dtype)
             g_row, g_col = g[:m], (g[m:] if head.has_columns else None)
-        dq, dk = _new_grads(ops)
         head.begin_grad(st, g_row, g_col)
         try:
-            dscale = driver.backward(ops, head, st, dq, dk)
+            dq, dk, dscale = _grad_visit(ops, head, driver, st)
         except KernelFailure as failure:  # the forward's reductions stand; the gradient by the fallback
             driver = ctx.driver = _fall_back(driver, failure)
             ops = operands(q_in, k_in, float(scale), problem.normalize, driver.lazy, block, problem.offset)
             if driver.uses_grad_operands:
                 ops.form_grad_operands()
-            dq, dk = _new_grads(ops)
-            dscale = driver.backward(ops, head, st, dq, dk)
-        driver.release()
-        head.release(st)
+            dq, dk, dscale = _grad_visit(ops, head, driver, st)
         dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk, st)
         dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
         return (dq_in, dk_in, dscale, *head.param_grads(st, n_params))
+
+
+def _grad_visit(ops: Operands, head: Head, driver: Driver, st: Any) -> Tuple[Tensor, Tensor, Tensor]:
+    """The driver's gradient visit (``head.begin_grad`` called): (dq, dk, d scale) with
+    respect to the normalised rows; the buffers released after."""
+    dq, dk = _new_grads(ops)
+    dscale = driver.backward(ops, head, st, dq, dk)
+    driver.release()
+    head.release(st)
+    return dq, dk, dscale
+
+
+def visit_values(
+    q: Tensor, k: Tensor, scale: Tensor, problem: Problem, driver: Driver, block: int
+) -> Tuple[Tensor, Any]:
+    """The per-row losses of a problem without linear terms and the head's state, by
+    ``driver``, without a graph: for an autograd Function of a loss's own that joins
+    processes in its head (:meth:`~flashcl.engine.heads.Head.finish`) and forms its
+    backward with :func:`visit_grads`."""
+    if problem.linears:
+        raise ValueError("visit_values computes a head without linear terms")
+    head = problem.head
+    ops = operands(q, k, float(scale), problem.normalize, driver.lazy, block, problem.offset)
+    st = head.state(ops.q.shape[0], driver.num_columns(ops), raw_rows(ops.q)[0], driver.bound(ops))
+    driver.forward(ops, head, st, None, None, None)
+    driver.release()
+    head.release(st)
+    return head.values(st)[0], st
+
+
+def visit_grads(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    problem: Problem,
+    driver: Driver,
+    block: int,
+    st: Any,
+    g_row: Tensor,
+    n_params: int,
+) -> Tuple[Optional[Tensor], ...]:
+    """After :func:`visit_values`: the gradients of ``sum_i g_row_i rows_i`` with
+    respect to ``q``, ``k`` (in their dtypes), the scale and the head's ``n_params``
+    learnable tensors."""
+    ops = operands(q, k, float(scale), problem.normalize, driver.lazy, block, problem.offset)
+    if driver.uses_grad_operands:
+        ops.form_grad_operands()
+    problem.head.begin_grad(st, g_row, None)
+    dq, dk, dscale = _grad_visit(ops, problem.head, driver, st)
+    dq_in, dk_in = _input_grads(ops, dq, dk, q, k)
+    return (dq_in, dk_in, dscale, *problem.head.param_grads(st, n_params))
 
 
 def run(

@@ -1,5 +1,6 @@
-"""The margin softmax's tiles over class proxies (CosFace, ArcFace): the target
-logits and the visit of the classes in blocks (:func:`visit`), for the losses of
+"""The margin softmax over class proxies (CosFace, ArcFace): the target logits
+(:func:`target_logits`) and the head over blocks of classes (:class:`MarginHead`, on
+:class:`~flashcl.engine.columns.ColumnBlocks`), for the losses of
 :mod:`flashcl.losses.margin` on one process and with the classes sharded across
 processes (:mod:`flashcl.losses.class_shards`, which joins the slices through a
 :class:`Shard`)."""
@@ -7,14 +8,27 @@ processes (:mod:`flashcl.losses.class_shards`, which joins the slices through a
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..core import compute_dtype
+from .columns import ColumnBlocks
+from .engine import Problem, normalize_rows, visit_grads, visit_values
+from .heads import Head, Tile
 
-__all__ = ["TARGETS", "Shard", "visit", "orthogonal", "sine", "auto_class_block"]
+__all__ = [
+    "TARGETS",
+    "Shard",
+    "MarginHead",
+    "Margin",
+    "target_rows",
+    "target_logits",
+    "orthogonal",
+    "sine",
+    "auto_class_block",
+]
 
 
 def _cosface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
@@ -83,124 +97,176 @@ class Shard:
         return t
 
 
-def visit(
-    e: Tensor,
-    w: Tensor,
-    scale: Tensor,
-    labels: Tensor,
-    opts: Tuple[Any, ...],
-    weights: Optional[Tensor],
-    needs: Tuple[bool, ...],
-    lse: Optional[Tensor],
-    shard: Optional[Shard] = None,
-    scale_rows: bool = False,
-) -> Tuple[Tensor, Tensor, Optional[List[Optional[Tensor]]]]:
-    """The rows' losses and logsumexps (a first visit unless ``lse`` is given) and,
-    with ``weights``, the gradients of ``sum weights * rows`` for the inputs that
-    ``needs`` marks (a second visit). ``w`` holds ``k`` proxies per class (rows
-    ``c k .. c k + k - 1``; a class's logit is its closest proxy's); ``labels`` index
-    ``w``'s classes, -1 for a row whose class another rank's slice holds (``shard``
-    then joins the slices: the rows' losses are global, the gradients this slice's
-    part). ``scale_rows``: the scale's gradient per row (its sum is the scale's)."""
-    name, margin, easy, block, k = opts
-    target = TARGETS[name]
-    dtype = compute_dtype(e.dtype)
-    s = float(scale)
-    b, c = e.shape[0], w.shape[0] // k
-    ed = e.detach().to(dtype)
-    e_norm = torch.linalg.vector_norm(ed, dim=1).clamp_min(1e-12)
-    eh = ed / e_norm.unsqueeze(1)
-    wd = w.detach()
-    # the norms in the wider of the two dtypes (class weights may be wider than the embeddings)
-    norm_dtype = torch.promote_types(wd.dtype, dtype)
-    w_inv = 1.0 / torch.linalg.vector_norm(wd, dim=1, dtype=norm_dtype).to(dtype).clamp_min(1e-12)
-    own = (labels >= 0).nonzero().flatten()  # the rows whose class this slice holds
-    ly = labels[own]
-    # the target cosines and logits, from the closest proxy of each label's class
-    cand = wd.view(c, k, wd.shape[1])[ly].to(dtype) * w_inv.view(c, k)[ly].unsqueeze(2)
-    ky = torch.einsum("nkd,nd->nk", cand, eh[own]).argmax(1) if k > 1 else torch.zeros_like(ly)
-    wy = cand[torch.arange(own.numel(), device=e.device), ky]
-    row_y = ly * k + ky  # the winning proxy's row of w
-    eo = eh[own]
-    c_y = (eo * wy).sum(1)
-    # the target's gradient runs along the unit vectors orthogonal to e^ (for e) and to
-    # w^_y (for w), formed from the vectors: through the projections it would carry
-    # d logit / d cos, unbounded at cos = +-1 for ArcFace, times a difference of rounding
-    across_e = orthogonal(wy, eo, c_y)
-    sin = torch.linalg.vector_norm(across_e, dim=1)
-    t_own, t_slope = target(c_y, sin, margin, easy)
-    t = eh.new_zeros(b).index_copy_(0, own, t_own)
-    width = min(block, c)
-    buf = eh.new_empty(b, width * k)
+class _MarginState:
+    def __init__(self, m: int, like: Tensor, scale_rows: bool) -> None:
+        self.mx = like.new_full((m,), float("-inf"))
+        self.total = like.new_zeros(m)
+        self.lse: Optional[Tensor] = None
+        self.t: Optional[Tensor] = None  # every row's target logit (joined over the slices)
+        self.g: Optional[Tensor] = None
+        self.du: Optional[Tensor] = None
+        self.scale_rows = like.new_zeros(m) if scale_rows else None
 
-    def tile(c0: int, c1: int) -> Tuple[Tensor, Optional[Tensor]]:
-        """Block ``c0:c1``'s logits ``s cos`` (each class's closest proxy, whose index
-        is returned for ``k > 1``), the targets' replaced by ``s f(cos_y)``."""
-        out = torch.mm(eh, wd[c0 * k : c1 * k].to(dtype).T, out=buf[:, : (c1 - c0) * k])
-        out.mul_(w_inv[c0 * k : c1 * k].unsqueeze(0) * s)
+
+class MarginHead(Head):
+    """The margin softmax over class proxies (CosFace, ArcFace): per row
+    ``LSE_j a_ij - a_iy`` with ``a_ij = s cos_ij`` (a class's cosine its closest
+    proxy's, ``k`` proxies per class in consecutive columns) and the target logit
+    ``a_iy = u_i`` given (:func:`target_logits`, the head's one learnable tensor: its
+    gradient ``dL/du_i = g_i (p_iy - 1)``, the margin's own through autograd).
+    ``labels``: each row's class among the columns' (``-1``: held by another slice of
+    the classes, whose ``shard`` joins the rows' logsumexps and target logits in
+    :meth:`finish`). Its tiles go by blocks of whole classes
+    (:class:`~flashcl.engine.columns.ColumnBlocks`); the gradient's tiles leave each
+    row's upstream gradient to the driver. ``scale_rows``: each row's gradient of the
+    scale from the tiles (``sum_j p_ij a_ij / s`` without the target), kept in the state."""
+
+    factored_rows = True
+
+    def __init__(
+        self, labels: Tensor, u: Tensor, k: int, scale: float, shard: Optional[Shard] = None, scale_rows: bool = False
+    ) -> None:
+        self.labels, self.u, self.k, self.scale = labels, u, k, scale
+        self.shard, self.scale_rows = shard or Shard(), scale_rows
+        self.own = (labels >= 0).nonzero().flatten()
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
+        return _MarginState(m, like, self.scale_rows)
+
+    def _logits(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
+        """The tile's class logits (each class's closest proxy, whose index is returned
+        for ``k > 1``) with the targets' replaced by ``u``; the rows and columns of the
+        targets in the tile."""
+        c0, c1 = tile.c0 // self.k, tile.c1 // self.k
         arg = None
-        if k > 1:
-            out, arg = out.view(b, c1 - c0, k).max(2)
+        z = s
+        if self.k > 1:
+            z, arg = s.view(s.shape[0], c1 - c0, self.k).max(2)
+        ly = self.labels[self.own]
         inside = (ly >= c0) & (ly < c1)
-        out[own[inside], ly[inside] - c0] = s * t_own[inside]
-        return out, arg
+        rows, cols = self.own[inside], ly[inside] - c0
+        z[rows, cols] = self.u[rows]
+        return z, arg, rows, cols
 
-    if lse is None:
-        mx = eh.new_full((b,), float("-inf"))
-        total = eh.new_zeros(b)
-        for c0 in range(0, c, block):
-            z, _ = tile(c0, min(c0 + block, c))
-            new_mx = torch.maximum(mx, z.amax(1))
-            total = total * torch.exp(mx - new_mx) + z.sub_(new_mx.unsqueeze(1)).exp_().sum(1)
-            mx = new_mx
-        lse = (shard or Shard()).lse(mx, total)
-    rows = lse - s * (t if shard is None else shard.targets(t))
-    if weights is None:
-        return rows, lse, None
-    need_e, need_w, need_scale = needs
-    de_hat = torch.zeros_like(eh) if need_e else None
-    dw = torch.empty_like(w) if need_w else None
-    # d rows / d s = sum_j p_ij a_ij - a_iy with logit = s a: the logits are kept for it
-    logits = eh.new_empty(b, width) if need_scale else None
-    wo = weights[own]
-    dscale = eh.new_zeros(b).index_add_(0, own, -(wo * t_own))  # per row: a share of it is a rank's
-    # d sum(weights * rows) / d logit_y = weighted softmax - weight; times s and the slope;
-    # nothing along a direction that is rounding noise (see sine)
-    coef = (torch.exp(s * t_own - lse[own]) * wo - wo) * s * t_slope
-    coef = torch.where(sin > _noise(dtype), coef, torch.zeros_like(coef))
-    unit_e = across_e / sin.clamp_min(_noise(dtype)).unsqueeze(1)
-    across_w = orthogonal(eo, wy, c_y)
-    unit_w = across_w / torch.linalg.vector_norm(across_w, dim=1).clamp_min(_noise(dtype)).unsqueeze(1)
-    for c0 in range(0, c, block):
-        c1 = min(c0 + block, c)
-        z, arg = tile(c0, c1)
+    def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
+        z, _, _, _ = self._logits(s, tile)
+        new = torch.maximum(st.mx, z.amax(1))
+        st.total = st.total * torch.exp(st.mx - new) + z.sub_(new.unsqueeze(1)).exp_().sum(1)
+        st.mx = new
+
+    def finish(self, st: Any, p: int = 0) -> None:
+        st.lse = self.shard.lse(st.mx, st.total)
+        st.t = self.shard.targets(self.u)
+
+    def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
+        return st.lse - st.t, None
+
+    def begin_grad(self, st: Any, g_row: Tensor, g_col: Optional[Tensor]) -> None:
+        st.g = g_row
+        # d rows / d u = p_iy - 1 on the slice that holds the row's class (expm1: no 1 - 1 near p = 1)
+        du = torch.zeros_like(self.u)
+        du[self.own] = g_row[self.own] * torch.expm1(self.u[self.own] - st.lse[self.own])
+        st.du = du
+
+    def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
+        z, arg, rows, cols = self._logits(s, tile)
+        logits = z.clone() if st.scale_rows is not None else None
+        p = z.sub_(st.lse.unsqueeze(1)).exp_()
+        p[rows, cols] = 0.0  # the target's gradient is u's
         if logits is not None:
-            kept = logits[:, : c1 - c0].copy_(z)
-        p = z.sub_(lse.unsqueeze(1)).exp_().mul_(weights.unsqueeze(1))  # weighted softmax of the block
-        if logits is not None:
-            dscale += torch.bmm(p.unsqueeze(1), kept.unsqueeze(2)).view(b) / s
-        # d rows_i / d logit_ij = softmax_ij, d logit / d cos = s; the targets' terms apart (coef)
-        inside = (ly >= c0) & (ly < c1)
-        p[own[inside], ly[inside] - c0] = 0.0
-        g = p.mul_(s)
-        if arg is not None:  # each class's gradient to its closest proxy
-            g = torch.zeros(b, c1 - c0, k, dtype=dtype, device=e.device).scatter_(2, arg.unsqueeze(2), g.unsqueeze(2))
-            g = g.view(b, (c1 - c0) * k)
-        wb = wd[c0 * k : c1 * k].to(dtype) * w_inv[c0 * k : c1 * k].unsqueeze(1)
-        if de_hat is not None:
-            de_hat.addmm_(g, wb)
-        if dw is not None:
-            dwh = g.T @ eh  # d / d w^ of the block's proxies; through w^ = w / |w|:
-            dwh.sub_(wb * (wb * dwh).sum(1, keepdim=True)).mul_(w_inv[c0 * k : c1 * k].unsqueeze(1))
-            ys = row_y[inside]
-            dwh.index_add_(0, ys - c0 * k, (coef[inside] * w_inv[ys]).unsqueeze(1) * unit_w[inside])
-            dw[c0 * k : c1 * k] = dwh
-    de = None
-    if de_hat is not None:  # through e^ = e / |e|
-        de = de_hat - eh * (eh * de_hat).sum(1, keepdim=True)
-        de.index_add_(0, own, coef.unsqueeze(1) * unit_e)
-        de = de / e_norm.unsqueeze(1)
-    return rows, lse, [de, dw, (dscale if scale_rows else dscale.sum()) if need_scale else None]
+            logits[rows, cols] = 0.0
+            st.scale_rows += (p * logits).sum(1) / self.scale
+        if arg is None:
+            return p
+        out = s.zero_().view(s.shape[0], -1, self.k)  # each class's gradient to its closest proxy
+        out.scatter_(2, arg.unsqueeze(2), p.unsqueeze(2))
+        return s
+
+    def row_factor(self, st: Any, tile: Tile) -> Tensor:
+        return st.g
+
+    def param_grads(self, st: Any, n: int) -> Tuple[Optional[Tensor], ...]:
+        return (st.du,)
+
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+        (u,) = params
+        z = s.view(s.shape[0], -1, self.k).amax(2) if self.k > 1 else s
+        z = z.index_put((self.own, self.labels[self.own]), u[self.own])
+        return torch.logsumexp(z, dim=1) - u, None
+
+
+def target_rows(e: Tensor, w: Tensor, labels: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The rows whose class ``w`` holds (``labels >= 0``) and, for each, the row of
+    ``w`` of its class's closest proxy (``k`` per class: rows ``y k .. y k + k - 1``)."""
+    own = (labels >= 0).nonzero().flatten()
+    ly = labels[own]
+    if k == 1:
+        return own, ly
+    dtype = compute_dtype(e.dtype)
+    cand = w.detach().reshape(-1, k, w.shape[1])[ly].to(dtype)
+    best = torch.einsum(
+        "nkd,nd->nk", cand / torch.linalg.vector_norm(cand, dim=2, keepdim=True), e.detach()[own].to(dtype)
+    )
+    return own, ly * k + best.argmax(1)
+
+
+def target_logits(e: Tensor, wy: Tensor, scale: Tensor, target: str, margin: float, easy: bool) -> Tensor:
+    """Each row's target logit ``s f(cos_y)`` (:data:`TARGETS`) from its embedding and
+    its class's proxy ``wy`` (rows of the same count), by differentiable torch ops:
+    the sine formed from the vectors (:func:`orthogonal`, :func:`sine`), so that the
+    gradient is bounded at ``cos = +-1``."""
+    dtype = compute_dtype(e.dtype)
+    eh, wh = normalize_rows(e.to(dtype)), normalize_rows(wy.to(dtype))
+    c = (eh * wh).sum(1)
+    t, _ = TARGETS[target](c, sine(orthogonal(wh, eh, c)), margin, easy)
+    return t * scale
+
+
+class Margin:
+    """One call's margin softmax on the engine: the target logits (O(B D), apart) and
+    a :class:`MarginHead` over blocks of ``block`` classes
+    (:class:`~flashcl.engine.columns.ColumnBlocks`). ``opts``: ``(target, margin,
+    easy, block, k)``; ``shard`` joins the slices of the classes held by other
+    processes; ``scale_rows``: each row's part of the scale's gradient is kept."""
+
+    def __init__(
+        self,
+        e: Tensor,
+        w: Tensor,
+        scale: Tensor,
+        labels: Tensor,
+        opts: Tuple[Any, ...],
+        shard: Optional[Shard] = None,
+        scale_rows: bool = False,
+    ) -> None:
+        self.target, self.margin, self.easy, block, k = opts
+        self.own, self.rows_y = target_rows(e, w, labels, k)
+        t = target_logits(e.detach()[self.own], w.detach()[self.rows_y], scale.detach(), *opts[:3])
+        self.u = t.new_zeros(e.shape[0]).index_copy_(0, self.own, t)
+        self.problem = Problem(MarginHead(labels, self.u, k, float(scale), shard, scale_rows))
+        self.block = block * k
+        self.st: Any = None
+
+    def values(self, e: Tensor, w: Tensor, scale: Tensor) -> Tensor:
+        """Each row's loss (the head's state kept for :meth:`grads`)."""
+        rows, self.st = visit_values(e, w, scale, self.problem, ColumnBlocks(), self.block)
+        return rows
+
+    def grads(self, e: Tensor, w: Tensor, scale: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The gradients of ``sum_i g_i rows_i``: ``e``'s and ``w``'s (this slice's
+        classes' part), and the scale's: per row with ``scale_rows`` (their sum is the
+        scale's), else the sum."""
+        de, dw, tiles, du = visit_grads(e, w, scale, self.problem, ColumnBlocks(), self.block, self.st, g, 1)
+        assert de is not None and dw is not None and tiles is not None and du is not None
+        with torch.enable_grad():  # the target logits' part, through their formula: into the target rows alone
+            leaves = [e.detach()[self.own].requires_grad_(True), w.detach()[self.rows_y].requires_grad_(True)]
+            t = target_logits(leaves[0], leaves[1], scale.detach(), self.target, self.margin, self.easy)
+            d_e, d_w = torch.autograd.grad(t, leaves, du[self.own])
+        de.index_add_(0, self.own, d_e.to(de.dtype))
+        dw.index_add_(0, self.rows_y, d_w.to(dw.dtype))
+        dscale = du * (self.u / float(scale))  # d u / d s = u / s
+        head_rows = self.st.scale_rows  # the tiles' part per row, where kept
+        return de, dw, dscale.sum() + tiles if head_rows is None else dscale + g * head_rows
 
 
 def auto_class_block(b: int, c: int, k: int = 1) -> int:

@@ -5,7 +5,7 @@ and sampled classes (:func:`sample_classes`: every class with a sample in the ba
 and a uniform sample of the others).
 
 Sharded, every rank's embeddings are gathered (O(B_global D)); each rank visits its
-own classes for every global row in blocks (:func:`flashcl.engine.proxies.visit`),
+own classes for every global row in blocks (the engine's column blocks with a margin head),
 the ranks join their running logsumexps and the target logits (formed by the rank
 that holds each label's class) with two all-reduces of B_global numbers, and the
 backward pass sums the embeddings' gradients over the ranks (one all-reduce of
@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import parallel, runner
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction
-from ..engine.proxies import Shard, auto_class_block, visit
+from ..engine.proxies import Margin, Shard, auto_class_block
 
 __all__ = ["sample_classes", "sharded_margin", "kept_labels"]
 
@@ -44,12 +44,14 @@ class _GroupShard(Shard):
 class _ShardedMargin(FusedFunction):
     """``apply(e, w, scale, labels, opts, weights, factor, sizes, group, share) -> rows``: the
     global rows' losses (every rank alike) of this rank's embeddings ``e`` and every
-    rank's, over every rank's class slice; ``labels``: the global rows' classes in this
-    slice's ``w`` (-1: another slice's). Backward: ``weights`` (the global rows' factors
-    of a scalar loss, or None: the gathered upstream gradients of each rank's own rows);
-    this rank's rows' embedding gradient (summed over the slices, times ``factor``),
-    this slice's weight gradient, the scale's (summed over the slices; ``share``: of
-    this rank's rows only, its share of a replicated parameter's gradient)."""
+    rank's, over every rank's class slice (a :class:`~flashcl.engine.proxies.MarginHead`
+    on :class:`~flashcl.engine.columns.ColumnBlocks` joined by a :class:`_GroupShard`);
+    ``labels``: the global rows' classes in this slice's ``w`` (-1: another slice's).
+    Backward: ``weights`` (the global rows' factors of a scalar loss, or None: the
+    gathered upstream gradients of each rank's own rows); this rank's rows' embedding
+    gradient (summed over the slices, times ``factor``), this slice's weight gradient,
+    the scale's (summed over the slices; ``share``: of this rank's rows only, its share
+    of a replicated parameter's gradient)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -66,9 +68,10 @@ class _ShardedMargin(FusedFunction):
         share: bool,
     ) -> Tensor:
         everyone = parallel.gather_plain(e, group)
-        rows, lse, _ = visit(everyone, w, scale, labels, opts, None, (False,) * 3, None, _GroupShard(group))
-        FusedFunction.setup(ctx, (e, w, scale), (everyone, labels, lse))
-        ctx.opts, ctx.weights, ctx.factor, ctx.group, ctx.sizes, ctx.share = opts, weights, factor, group, sizes, share
+        ctx.margin = Margin(everyone, w, scale, labels, opts, _GroupShard(group), scale_rows=ctx.needs_input_grad[2])
+        rows = ctx.margin.values(everyone, w, scale)
+        FusedFunction.setup(ctx, (e, w, scale), (everyone,))
+        ctx.weights, ctx.factor, ctx.group, ctx.sizes, ctx.share = weights, factor, group, sizes, share
         return rows
 
     @classmethod
@@ -77,22 +80,17 @@ class _ShardedMargin(FusedFunction):
 
     @classmethod
     def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
-        _, w, scale, everyone, labels, lse = saved
+        _, w, scale, everyone = saved
         rank = parallel.rank_of(ctx.group)
         start, mine = sum(ctx.sizes[:rank]), ctx.sizes[rank]  # this rank's rows among everyone's
         dtype = compute_dtype(everyone.dtype)
         if ctx.weights is not None:  # a scalar loss: every rank holds every row's factor alike
-            weights = grad.to(dtype)
+            g = grad.to(dtype)
         else:  # each rank's own rows' upstream gradients
-            weights = parallel.gather_plain(grad[start : start + mine].to(dtype), ctx.group)
-        needs = tuple(ctx.needs_input_grad[:3])
-        wanted = (True, needs[1], needs[2])
-        grads = visit(everyone, w, scale, labels, ctx.opts, weights, wanted, lse, scale_rows=True)[2]
-        assert grads is not None
-        de, dw, dscale = grads
-        assert de is not None
+            g = parallel.gather_plain(grad[start : start + mine].to(dtype), ctx.group)
+        de, dw, dscale = ctx.margin.grads(everyone, w, scale, g)
         de = parallel.sum_across(de, ctx.group)[start : start + mine] * ctx.factor
-        if dscale is not None:  # per global row, summed over the slices
+        if ctx.needs_input_grad[2]:  # per global row, summed over the slices
             dscale = parallel.sum_across(dscale, ctx.group)
             dscale = (dscale[start : start + mine] if ctx.share else dscale).sum()
         return de, dw, dscale

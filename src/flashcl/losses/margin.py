@@ -1,17 +1,19 @@
 """Margin softmax over class proxies (CosFace, ArcFace) without the B x C logits:
 :func:`cosface_loss`, :func:`arcface_loss` and their Modules.
 
-The class weights ``W`` (C, D) are visited in blocks of classes: each block's
-cosines ``e^_i . w^_j`` (the embeddings normalised, the block's weights scaled by
-their inverse norms, never a normalised copy of W) feed a running logsumexp per
-row; a second visit forms each block's gradient and writes its rows of ``dW``
-straight into the one (C, D) tensor that becomes ``W.grad``. Beyond the weights
-and their gradient, memory is O(B D + B x block)."""
+The class weights ``W`` (C, D) are visited in blocks of classes (the engine's
+:class:`~flashcl.engine.columns.ColumnBlocks` with a
+:class:`~flashcl.engine.proxies.MarginHead`): each block's cosines ``e^_i . w^_j``
+(the block's weights normalised as it is formed, never a normalised copy of W) feed
+a running logsumexp per row; a second visit forms each block's gradient and writes
+its rows of ``dW``. The target logits ``s f(cos_y)`` are formed apart, in O(B D), by
+differentiable ops. Beyond the weights and their gradient, memory is O(B D + B x
+block)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -22,7 +24,7 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..engine.proxies import TARGETS, TargetFn, auto_class_block, orthogonal, sine, visit
+from ..engine.proxies import TARGETS, Margin, TargetFn, auto_class_block, orthogonal, sine
 from .class_shards import kept_labels, sharded_margin
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
@@ -73,30 +75,21 @@ def _reference_rows(
 
 
 class _MarginRows(FusedFunction):
-    """Per-row margin-softmax losses over class blocks (see the module docstring);
-    ``weights``: each row's factor of a scalar loss, whose gradient is then formed
-    in the forward pass (both visits)."""
+    """``apply(e, w, scale, labels, opts, weights) -> rows``: per-row margin-softmax
+    losses over blocks of classes (:class:`~flashcl.engine.proxies.Margin`);
+    ``weights``: each row's factor of a scalar loss, whose gradient is then formed in
+    the forward pass (both visits)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        e: Tensor,
-        w: Tensor,
-        scale: Tensor,
-        labels: Tensor,
-        target: str,
-        margin: float,
-        easy: bool,
-        weights: Optional[Tensor],
-        block: int,
-        k: int = 1,
+        ctx: Any, e: Tensor, w: Tensor, scale: Tensor, labels: Tensor, opts: Tuple[Any, ...], weights: Optional[Tensor]
     ) -> Tensor:
-        ctx.opts = (target, margin, easy, block, k)
-        ctx.weights = weights
-        needs = tuple(ctx.needs_input_grad[:3])
-        fused = weights is not None and any(needs)
-        rows, lse, grads = visit(e, w, scale, labels, ctx.opts, weights if fused else None, needs, None)
-        FusedFunction.setup(ctx, (e, w, scale), (labels, lse), grads=grads)
+        ctx.margin, ctx.opts, ctx.weights = Margin(e, w, scale, labels, opts), opts, weights
+        rows = ctx.margin.values(e, w, scale)
+        grads = None
+        if weights is not None and any(ctx.needs_input_grad[:3]):
+            grads = ctx.margin.grads(e, w, scale, weights)
+        FusedFunction.setup(ctx, (e, w, scale), (labels,), grads=grads)
         return rows if weights is None else (weights * rows).sum()
 
     @classmethod
@@ -109,11 +102,9 @@ class _MarginRows(FusedFunction):
 
     @classmethod
     def recompute(cls, ctx: Any, grad_out: Tensor, saved: Any) -> Any:
-        e, w, scale, labels, lse = saved
+        e, w, scale, _ = saved
         g = grad_out.to(compute_dtype(e.dtype))
-        weights = g if ctx.weights is None else ctx.weights * g
-        _, _, grads = visit(e, w, scale, labels, ctx.opts, weights, tuple(ctx.needs_input_grad[:3]), lse)
-        return grads
+        return ctx.margin.grads(e, w, scale, g if ctx.weights is None else ctx.weights * g)
 
 
 def _margin_loss(
@@ -208,7 +199,7 @@ def _margin(
         block = opts.block_size or auto_class_block(b, class_weights.shape[0] // k, k)
         ones = torch.ones(b, dtype=scale.dtype, device=embeddings.device)
         weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
-        return _MarginRows.apply(embeddings, class_weights, scale, labels, target, margin, easy, weights, block, k)
+        return _MarginRows.apply(embeddings, class_weights, scale, labels, (target, margin, easy, block, k), weights)
 
     impls = {"reference": formula(_reference_rows), "dense": formula(_dense_rows), "tiled": tiled}
     return runner.pick(backend, impls, b * class_weights.shape[0], embeddings, "the margin losses", auto="tiled")()
