@@ -370,7 +370,7 @@ def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype, lazy: bool) -> Tupl
     return x / norms.unsqueeze(1), norms
 
 
-def all_finite(x: Tensor, chunk: int = 1 << 20) -> bool:
+def all_finite(x: Tensor, chunk: int = 1 << 18) -> bool:
     """No NaN or infinite entry in ``x``, without a temporary of its size (as
     ``torch.isfinite(x).all()`` makes): a NaN or an infinity makes the sum
     non-finite, and a float64 sum of finite float32 entries cannot overflow. (A
