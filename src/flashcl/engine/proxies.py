@@ -25,6 +25,7 @@ __all__ = [
     "Margin",
     "target_rows",
     "target_logits",
+    "margin_rows",
     "orthogonal",
     "sine",
     "auto_class_block",
@@ -189,10 +190,17 @@ class MarginHead(Head):
         return (st.du,)
 
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
-        (u,) = params
-        z = s.view(s.shape[0], -1, self.k).amax(2) if self.k > 1 else s
-        z = z.index_put((self.own, self.labels[self.own]), u[self.own])
-        return torch.logsumexp(z, dim=1) - u, None
+        return margin_rows(s, self.labels, params[0], self.k), None
+
+
+def margin_rows(s: Tensor, labels: Tensor, u: Tensor, k: int = 1) -> Tensor:
+    """Per-row losses ``LSE_j a_ij - u_i`` from the whole logits ``s`` (rows x C k:
+    a class's its closest proxy's) with the target logits ``u`` set in (on the rows
+    whose class ``s`` holds, ``labels >= 0``), by differentiable torch ops."""
+    z = s.view(s.shape[0], -1, k).amax(2) if k > 1 else s
+    own = (labels >= 0).nonzero().flatten()
+    z = z.index_put((own, labels[own]), u[own])
+    return torch.logsumexp(z, dim=1) - u
 
 
 def target_rows(e: Tensor, w: Tensor, labels: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -210,7 +218,7 @@ def target_rows(e: Tensor, w: Tensor, labels: Tensor, k: int) -> Tuple[Tensor, T
     return own, ly * k + best.argmax(1)
 
 
-def target_logits(e: Tensor, wy: Tensor, scale: Tensor, target: str, margin: float, easy: bool) -> Tensor:
+def target_logits(e: Tensor, wy: Tensor, scale: Tensor, target: TargetFn, margin: float, easy: bool) -> Tensor:
     """Each row's target logit ``s f(cos_y)`` (:data:`TARGETS`) from its embedding and
     its class's proxy ``wy`` (rows of the same count), by differentiable torch ops:
     the sine formed from the vectors (:func:`orthogonal`, :func:`sine`), so that the
@@ -218,7 +226,7 @@ def target_logits(e: Tensor, wy: Tensor, scale: Tensor, target: str, margin: flo
     dtype = compute_dtype(e.dtype)
     eh, wh = normalize_rows(e.to(dtype)), normalize_rows(wy.to(dtype))
     c = (eh * wh).sum(1)
-    t, _ = TARGETS[target](c, sine(orthogonal(wh, eh, c)), margin, easy)
+    t, _ = target(c, sine(orthogonal(wh, eh, c)), margin, easy)
     return t * scale
 
 
@@ -239,9 +247,12 @@ class Margin:
         shard: Optional[Shard] = None,
         scale_rows: bool = False,
     ) -> None:
-        self.target, self.margin, self.easy, block, k = opts
+        name, self.margin, self.easy, block, k = opts
+        self.target = TARGETS[name]
         self.own, self.rows_y = target_rows(e, w, labels, k)
-        t = target_logits(e.detach()[self.own], w.detach()[self.rows_y], scale.detach(), *opts[:3])
+        t = target_logits(
+            e.detach()[self.own], w.detach()[self.rows_y], scale.detach(), self.target, self.margin, self.easy
+        )
         self.u = t.new_zeros(e.shape[0]).index_copy_(0, self.own, t)
         self.problem = Problem(MarginHead(labels, self.u, k, float(scale), shard, scale_rows))
         self.block = block * k

@@ -24,7 +24,7 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..engine.proxies import TARGETS, Margin, TargetFn, auto_class_block, orthogonal, sine
+from ..engine.proxies import TARGETS, Margin, TargetFn, auto_class_block, margin_rows, sine, target_logits, target_rows
 from .class_shards import kept_labels, sharded_margin
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
@@ -38,18 +38,11 @@ def _dense_rows(
     """Per-row losses on the B x C logits (differentiable): the dense backend and
     the second-derivative path. ``k`` proxies per class: a class's cosine is its
     closest proxy's."""
-    eh, wh = normalize_rows(e), normalize_rows(w)
-    rows = torch.arange(e.shape[0], device=e.device)
-    cos = eh @ wh.T
-    wy = wh[labels]
-    if k > 1:
-        per = cos.view(e.shape[0], -1, k)
-        wy = wh[labels * k + per[rows, labels].argmax(1)]
-        cos = per.amax(2)
-    c = cos[rows, labels]
-    t, _ = target(c, sine(orthogonal(wy, eh, c)), margin, easy)
-    logits = cos.index_put((rows, labels), t) * scale
-    return torch.logsumexp(logits, dim=1) - logits[rows, labels]
+    own, rows_y = target_rows(e, w, labels, k)
+    u = torch.zeros_like(labels, dtype=e.dtype).index_put(
+        (own,), target_logits(e[own], w[rows_y], scale, target, margin, easy)
+    )
+    return margin_rows((normalize_rows(e) @ normalize_rows(w).T) * scale, labels, u, k)
 
 
 def _reference_rows(
