@@ -52,6 +52,9 @@ class RowBlocks(Driver):
         self._gk: Optional[Tensor] = None
         self._device_type = device_type
         self.lazy = lazy
+        # the columns as stored and their inverse norms (lazy), for the scores and for the gradient's GEMMs
+        self._k: Optional[Tuple[Tensor, Optional[Tensor]]] = None
+        self._k_grad: Optional[Tuple[Tensor, Optional[Tensor]]] = None
 
     def _blocks(self, ops: Operands, head: Head, kind: str) -> Iterator[int]:
         """The row blocks' starts, the thread count chosen by :func:`flashcl.engine.threads.blocks`."""
@@ -67,19 +70,20 @@ class RowBlocks(Driver):
         if self._s is None:
             self._s = q.new_empty(b, n)
             self._gk = q.new_empty(b, q.shape[1])
+            self._k = raw_rows(ops.k)
         if second and self._s2 is None:
             self._s2 = q.new_empty(b, n)
 
     def release(self) -> None:
-        self._s = self._s2 = self._gk = None
+        self._s = self._s2 = self._gk = self._k = self._k_grad = None
 
     def _scores(self, ops: Operands, r0: int, r1: int, cols: Optional[Tuple[int, int]] = None) -> Tensor:
         """The scores of rows ``r0:r1`` against every column, or against ``cols`` (a run
         of kept tiles), in the block buffer."""
-        assert self._s is not None
+        assert self._s is not None and self._k is not None
         c0, c1 = (0, ops.k.shape[0]) if cols is None else cols
         out = self._s.view(-1)[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-        k, inv = raw_rows(ops.k)
+        k, inv = self._k
         s = torch.mm(ops.q[r0:r1] * ops.scale, k[c0:c1].T, out=out)
         return s if inv is None else s.mul_(inv[c0:c1])
 
@@ -101,7 +105,9 @@ class RowBlocks(Driver):
         b = g.shape[0]
         qb = ops.q_grad[r0 : r0 + b]
         c0, c1 = (0, ops.k.shape[0]) if cols is None else cols
-        k, inv = raw_rows(ops.k_grad)
+        if self._k_grad is None:
+            self._k_grad = raw_rows(ops.k_grad)
+        k, inv = self._k_grad
         if inv is not None:
             g.mul_(inv[c0:c1])
         gk = torch.mm(g, k[c0:c1], out=self._gk[:b])
@@ -147,7 +153,8 @@ class RowBlocks(Driver):
                     g = head.rows_fused(self._scores(ops, r0, r1, cols), tile, st, g_row)
                     if g is not None and dscale is not None:
                         assert dq is not None and dk is not None
-                        dscale += self._accumulate(g, r0, ops, dq, dk, cols, self._factor(head, st, tile))
+                        factor = head.row_factor(st, tile) if head.factored_rows else None
+                        dscale += self._accumulate(g, r0, ops, dq, dk, cols, factor)
             if dscale is not None:
                 assert dk is not None
                 self._rescale(ops, dk)
@@ -171,10 +178,7 @@ class RowBlocks(Driver):
                 c0, c1 = (0, n) if cols is None else cols
                 tile = Tile(r0, r1, c0, c1, ops.offset)
                 g = head.grad(self._scores(ops, r0, r1, cols), tile, st, self._s2)
-                dscale += self._accumulate(g, r0, ops, dq, dk, cols, self._factor(head, st, tile))
+                factor = head.row_factor(st, tile) if head.factored_rows else None
+                dscale += self._accumulate(g, r0, ops, dq, dk, cols, factor)
         self._rescale(ops, dk)
         return dscale
-
-    @staticmethod
-    def _factor(head: Head, st: Any, tile: Tile) -> Optional[Tensor]:
-        return head.row_factor(st, tile) if head.factored_rows else None
