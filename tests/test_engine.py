@@ -188,9 +188,40 @@ def test_row_blocks_with_lazy_rows_and_row_factors(reduce: bool, factored: bool,
         assert_close(a, e, f"{name}' gradient", 1e-10, 1e-10)
 
 
+@pytest.mark.parametrize("block", [1, 4, 100])
+@pytest.mark.parametrize("factored", [True, False])
+@pytest.mark.parametrize("reduce", [True, False])
+def test_column_blocks(reduce: bool, factored: bool, block: int) -> None:
+    """ColumnBlocks (blocks of columns against every row, two visits) with the test's
+    head as it is, or leaving each row's upstream gradient to the driver: the loss and
+    every gradient (rows, columns, scale) equal the formula."""
+    from flashcl.engine.columns import ColumnBlocks
+
+    q, k, lq, lk = _data()
+    w = torch.linspace(0.5, 1.5, q.shape[0], dtype=F64)
+    cls = FactoredSigmoidPairsHead if factored else SigmoidPairsHead
+    results = []
+    for impl in ("flashcl", "formula"):
+        qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        sc = torch.tensor(3.0, dtype=F64, requires_grad=True)
+        if impl == "formula":
+            rows = formula(qq, kk, lq, lk, sc, -1.5)
+            out = (w * rows).sum() if reduce else rows
+        else:
+            problem = Problem(cls(lq, lk, -1.5, symmetric=False))
+            out = engine.run(qq, kk, sc, problem, ColumnBlocks(), (w, None) if reduce else None, block)
+        loss = out if reduce else (out * w).sum()
+        results.append((out.detach(), torch.autograd.grad(loss * 1.3, [qq, kk, sc])))
+    (got, got_g), (exp, exp_g) = results
+    assert_close(got, exp, "loss", 1e-10, 1e-10)
+    for name, a, e in zip(("rows", "columns", "scale"), got_g, exp_g):
+        assert_close(a, e, f"{name}' gradient", 1e-10, 1e-10)
+
+
 def test_row_factors_and_lazy_rows_are_refused_where_no_driver_applies_them() -> None:
     """A head with row factors on a driver that does not apply them, and lazy row
     blocks of one set of rows (``k`` is ``q``), are errors, not a wrong gradient."""
+    from flashcl.engine.columns import ColumnBlocks
     from flashcl.engine.panels import UpperPanels
     from flashcl.engine.tiled import RowBlocks
 
@@ -201,6 +232,8 @@ def test_row_factors_and_lazy_rows_are_refused_where_no_driver_applies_them() ->
         engine.run(q, None, sc, Problem(head), UpperPanels("cpu"), None, 4)
     with pytest.raises(ValueError, match="two sets of rows"):
         engine.run(q, None, sc, Problem(SigmoidPairsHead(lq, lq, 0.0, False)), RowBlocks("cpu", lazy=True), None, 4)
+    with pytest.raises(ValueError, match="two sets of rows"):
+        engine.run(q, None, sc, Problem(SigmoidPairsHead(lq, lq, 0.0, False)), ColumnBlocks(), None, 4)
 
 
 def test_drivers_chosen() -> None:
