@@ -273,10 +273,10 @@ def prototype_cross_entropy(
     b, d = x.shape[0] // views, x.shape[1]
     n = max(1, min(b, rows_block or auto_rows_block(w.shape[0], views + targets.tiles)))
     # image by image: a block of whole images holds every view's rows of them
-    rows = x if views == 1 else x.view(views, b, d).transpose(0, 1).reshape(b * views, d)
+    rows = x if views == 1 else x.reshape(views, b, d).transpose(0, 1).reshape(b * views, d)
     reduce = None
     if weights is not None:
-        r = weights if views == 1 else weights.view(views, b).T.reshape(-1)
+        r = weights if views == 1 else weights.reshape(views, b).T.reshape(-1)
         reduce = (r.to(compute_dtype(x.dtype)), None)
     scale = torch.tensor(inv_temp, dtype=compute_dtype(x.dtype), device=x.device)
     problem = Problem(SoftCrossEntropyHead(targets), normalize=normalize)
