@@ -152,22 +152,12 @@ class FactoredSigmoidPairsHead(SigmoidPairsHead):
         return st.g_row[tile.r0 : tile.r1]
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("lazy", [True, False])
-@pytest.mark.parametrize("factored", [True, False])
-@pytest.mark.parametrize("reduce", [True, False])
-def test_row_blocks_with_lazy_rows_and_row_factors(reduce: bool, factored: bool, lazy: bool, fused: bool) -> None:
-    """RowBlocks with the normalised rows never copied (``lazy``: the columns' norms
-    scale each tile and the gradient's) and with a head that leaves each row's
-    upstream gradient to the driver: the loss and every gradient (rows, columns,
-    scale) equal the formula, with or without the fused forward; the inputs untouched."""
-    from flashcl.engine.tiled import RowBlocks
-
-    q, k, lq, lk = _data()
-    q[3] *= 1e-3  # rows of very different norms
-    k[5] *= 40.0
+def _driver_against_formula(
+    q: Tensor, k: Tensor, lq: Tensor, lk: Tensor, head: Head, driver: Any, reduce: bool, block: int
+) -> None:
+    """The test's head run by ``driver`` (two sets of rows) against the formula: the
+    loss and every gradient (rows, columns, scale); the inputs untouched."""
     w = torch.linspace(0.5, 1.5, q.shape[0], dtype=F64)
-    cls = FactoredSigmoidPairsHead if factored else SigmoidPairsHead
     results = []
     for impl in ("flashcl", "formula"):
         qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
@@ -176,9 +166,7 @@ def test_row_blocks_with_lazy_rows_and_row_factors(reduce: bool, factored: bool,
             rows = formula(qq, kk, lq, lk, sc, -1.5)
             out = (w * rows).sum() if reduce else rows
         else:
-            head = cls(lq, lk, -1.5, symmetric=False)
-            head.fuses_rows = fused
-            out = engine.run(qq, kk, sc, Problem(head), RowBlocks("cpu", lazy=lazy), (w, None) if reduce else None, 4)
+            out = engine.run(qq, kk, sc, Problem(head), driver, (w, None) if reduce else None, block)
             assert torch.equal(qq.detach(), q) and torch.equal(kk.detach(), k)
         loss = out if reduce else (out * w).sum()
         results.append((out.detach(), torch.autograd.grad(loss * 1.3, [qq, kk, sc])))
@@ -188,34 +176,36 @@ def test_row_blocks_with_lazy_rows_and_row_factors(reduce: bool, factored: bool,
         assert_close(a, e, f"{name}' gradient", 1e-10, 1e-10)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("factored", [True, False])
+@pytest.mark.parametrize("reduce", [True, False])
+def test_row_blocks_with_lazy_rows_and_row_factors(reduce: bool, factored: bool, lazy: bool, fused: bool) -> None:
+    """RowBlocks with the normalised rows never copied (``lazy``: the columns' norms
+    scale each tile and the gradient's) and with a head that leaves each row's
+    upstream gradient to the driver, with or without the fused forward, on rows of
+    very different norms."""
+    from flashcl.engine.tiled import RowBlocks
+
+    q, k, lq, lk = _data()
+    q[3] *= 1e-3
+    k[5] *= 40.0
+    head = (FactoredSigmoidPairsHead if factored else SigmoidPairsHead)(lq, lk, -1.5, symmetric=False)
+    head.fuses_rows = fused
+    _driver_against_formula(q, k, lq, lk, head, RowBlocks("cpu", lazy=lazy), reduce, 4)
+
+
 @pytest.mark.parametrize("block", [1, 4, 100])
 @pytest.mark.parametrize("factored", [True, False])
 @pytest.mark.parametrize("reduce", [True, False])
 def test_column_blocks(reduce: bool, factored: bool, block: int) -> None:
     """ColumnBlocks (blocks of columns against every row, two visits) with the test's
-    head as it is, or leaving each row's upstream gradient to the driver: the loss and
-    every gradient (rows, columns, scale) equal the formula."""
+    head as it is, or leaving each row's upstream gradient to the driver."""
     from flashcl.engine.columns import ColumnBlocks
 
     q, k, lq, lk = _data()
-    w = torch.linspace(0.5, 1.5, q.shape[0], dtype=F64)
-    cls = FactoredSigmoidPairsHead if factored else SigmoidPairsHead
-    results = []
-    for impl in ("flashcl", "formula"):
-        qq, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
-        sc = torch.tensor(3.0, dtype=F64, requires_grad=True)
-        if impl == "formula":
-            rows = formula(qq, kk, lq, lk, sc, -1.5)
-            out = (w * rows).sum() if reduce else rows
-        else:
-            problem = Problem(cls(lq, lk, -1.5, symmetric=False))
-            out = engine.run(qq, kk, sc, problem, ColumnBlocks(), (w, None) if reduce else None, block)
-        loss = out if reduce else (out * w).sum()
-        results.append((out.detach(), torch.autograd.grad(loss * 1.3, [qq, kk, sc])))
-    (got, got_g), (exp, exp_g) = results
-    assert_close(got, exp, "loss", 1e-10, 1e-10)
-    for name, a, e in zip(("rows", "columns", "scale"), got_g, exp_g):
-        assert_close(a, e, f"{name}' gradient", 1e-10, 1e-10)
+    head = (FactoredSigmoidPairsHead if factored else SigmoidPairsHead)(lq, lk, -1.5, symmetric=False)
+    _driver_against_formula(q, k, lq, lk, head, ColumnBlocks(), reduce, block)
 
 
 def test_row_factors_and_lazy_rows_are_refused_where_no_driver_applies_them() -> None:
