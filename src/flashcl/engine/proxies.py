@@ -16,7 +16,7 @@ from torch import Tensor
 from ..core import compute_dtype
 from .columns import ColumnBlocks
 from .engine import Problem, normalize_rows, visit_grads, visit_values
-from .heads import Head, Tile
+from .heads import Head, Tile, lse_inplace
 
 __all__ = [
     "TARGETS",
@@ -87,12 +87,12 @@ TARGETS = {"cosface": _cosface, "arcface": _arcface}
 
 class Shard:
     """How a rank's slice of the classes meets the others' (see
-    :mod:`flashcl.losses.proxies`): ``lse(mx, total)`` joins each row's running max and
-    sum over this slice into the global logsumexp, ``targets(t)`` the target logits
-    that each row's owner formed (zeros elsewhere)."""
+    :mod:`flashcl.losses.class_shards`): ``lse(part)`` joins each row's logsumexp over
+    this slice into the global one, ``targets(t)`` the target logits that each row's
+    owner formed (zeros elsewhere)."""
 
-    def lse(self, mx: Tensor, total: Tensor) -> Tensor:
-        return mx + total.log()
+    def lse(self, part: Tensor) -> Tensor:
+        return part
 
     def targets(self, t: Tensor) -> Tensor:
         return t
@@ -100,9 +100,7 @@ class Shard:
 
 class _MarginState:
     def __init__(self, m: int, like: Tensor, scale_rows: bool) -> None:
-        self.mx = like.new_full((m,), float("-inf"))
-        self.total = like.new_zeros(m)
-        self.lse: Optional[Tensor] = None
+        self.lse = like.new_full((m,), float("-inf"))  # over this slice's classes, then every slice's
         self.t: Optional[Tensor] = None  # every row's target logit (joined over the slices)
         self.g: Optional[Tensor] = None
         self.du: Optional[Tensor] = None
@@ -150,13 +148,10 @@ class MarginHead(Head):
         return z, arg, rows, cols
 
     def reduce(self, s: Tensor, tile: Tile, st: Any, p: int = 0) -> None:
-        z, _, _, _ = self._logits(s, tile)
-        new = torch.maximum(st.mx, z.amax(1))
-        st.total = st.total * torch.exp(st.mx - new) + z.sub_(new.unsqueeze(1)).exp_().sum(1)
-        st.mx = new
+        st.lse = torch.logaddexp(st.lse, lse_inplace(self._logits(s, tile)[0])[0])
 
     def finish(self, st: Any, p: int = 0) -> None:
-        st.lse = self.shard.lse(st.mx, st.total)
+        st.lse = self.shard.lse(st.lse)
         st.t = self.shard.targets(self.u)
 
     def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:

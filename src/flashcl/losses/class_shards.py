@@ -33,9 +33,9 @@ class _GroupShard(Shard):
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def lse(self, mx: Tensor, total: Tensor) -> Tensor:
-        top = parallel.max_across(mx, self.group)
-        return top + parallel.sum_across(total * torch.exp(mx - top), self.group).log()
+    def lse(self, part: Tensor) -> Tensor:
+        top = parallel.max_across(part, self.group)
+        return top + parallel.sum_across(torch.exp(part - top), self.group).log()
 
     def targets(self, t: Tensor) -> Tensor:
         return parallel.sum_across(t, self.group)
