@@ -336,3 +336,37 @@ def test_embeddings_and_class_weights_of_different_dtypes(arc, dtypes) -> None:
         assert_close(out, want[0], f"{backend}: value", 1e-5, 1e-5)
         assert_close(ge, want[1][0], f"{backend}: embedding gradient", 1e-5, 1e-4)
         assert_close(gw, want[1][1], f"{backend}: class-weight gradient", 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_margin_head_on_the_engine_equals_its_dense_form(k: int) -> None:
+    """MarginHead as any head: run by the engine on column blocks (its target logits a
+    learnable input) and by its dense form, the rows and the gradients of the rows,
+    the proxies, the scale and the target logits agree; the target logits' gradient is
+    ``g (p_iy - 1)``."""
+    from flashcl import engine
+    from flashcl.engine.columns import ColumnBlocks
+    from flashcl.engine.proxies import MarginHead
+
+    g = torch.Generator().manual_seed(21)
+    e = torch.randn(9, 5, dtype=torch.float64, generator=g)
+    w = torch.randn(7 * k, 5, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 7, (9,), generator=g)
+    u0 = torch.randn(9, dtype=torch.float64, generator=g)
+    up = torch.linspace(0.5, 1.5, 9, dtype=torch.float64)
+    out = []
+    for driver in (ColumnBlocks(), None):
+        leaves = [e.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+        scale = torch.tensor(6.0, dtype=torch.float64, requires_grad=True)
+        u = u0.clone().requires_grad_(True)
+        problem = engine.Problem(MarginHead(y, u0, k, 6.0))
+        rows = engine.run(leaves[0], leaves[1], scale, problem, driver, None, 2 * k, (u,))
+        out.append((rows.detach(), torch.autograd.grad((rows * up).sum(), [*leaves, scale, u])))
+    (got, got_g), (want, want_g) = out
+    assert_close(got, want, "rows", 1e-12, 1e-10)
+    for name, a, b in zip(("embeddings", "proxies", "scale", "target logits"), got_g, want_g):
+        assert_close(a, b, f"{name}' gradient", 1e-12, 1e-10)
+    logits = (F.normalize(e, dim=1) @ F.normalize(w, dim=1).T * 6.0).view(9, 7, k).amax(2)
+    logits[torch.arange(9), y] = u0
+    p_y = torch.softmax(logits, dim=1)[torch.arange(9), y]
+    assert_close(got_g[3], up * (p_y - 1), "d rows / d u", 1e-12, 1e-10)

@@ -208,7 +208,9 @@ def target_rows(e: Tensor, w: Tensor, labels: Tensor, k: int) -> Tuple[Tensor, T
     dtype = compute_dtype(e.dtype)
     cand = w.detach().reshape(-1, k, w.shape[1])[ly].to(dtype)
     best = torch.einsum(
-        "nkd,nd->nk", cand / torch.linalg.vector_norm(cand, dim=2, keepdim=True), e.detach()[own].to(dtype)
+        "nkd,nd->nk",
+        cand / torch.linalg.vector_norm(cand, dim=2, keepdim=True).clamp_min(1e-12),
+        e.detach()[own].to(dtype),
     )
     return own, ly * k + best.argmax(1)
 
