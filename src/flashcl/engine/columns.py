@@ -16,11 +16,12 @@ proxies is as large as many tiles): each block's are formed for its GEMMs.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import threads
 from .engine import Driver, Operands
 from .heads import Head, Tile
 
@@ -33,9 +34,16 @@ class ColumnBlocks(Driver):
     lazy = True
     applies_row_factor = True
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu") -> None:
         self._s: Optional[Tensor] = None
         self._rows: Optional[Tensor] = None
+        self._device_type = device_type
+
+    def _blocks(self, ops: Operands, head: Head, kind: str) -> Iterator[int]:
+        """The column blocks' starts, the thread count chosen by :func:`flashcl.engine.threads.blocks`."""
+        m, n = ops.q.shape[0], ops.k.shape[0]
+        kind = f"columns.{kind}.{type(head).__name__}.{ops.q.shape[1]}"  # blocks that cost alike per entry
+        return threads.blocks(kind, range(0, n, ops.block), lambda c0: m * min(ops.block, n - c0), self._device_type)
 
     def release(self) -> None:
         self._s = self._rows = None
@@ -59,7 +67,7 @@ class ColumnBlocks(Driver):
             raise ValueError("column blocks take two sets of rows (k is not q)")
         n = ops.k.shape[0]
         for p in range(head.passes):
-            for c0 in range(0, n, ops.block):
+            for c0 in self._blocks(ops, head, f"reduce{p}"):
                 s, _, tile = self._tile(ops, c0, min(c0 + ops.block, n))
                 head.reduce(s, tile, st, p)
             head.finish(st, p)
@@ -69,7 +77,7 @@ class ColumnBlocks(Driver):
         n = ops.k.shape[0]
         gk: Optional[Tensor] = None
         scaled: Optional[Tensor] = None  # the rows times their factor (the same in every tile)
-        for c0 in range(0, n, ops.block):
+        for c0 in self._blocks(ops, head, "backward"):
             c1 = min(c0 + ops.block, n)
             s, cols, tile = self._tile(ops, c0, c1)
             g = head.grad(s, tile, st)

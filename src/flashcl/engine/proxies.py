@@ -257,14 +257,16 @@ class Margin:
 
     def values(self, e: Tensor, w: Tensor, scale: Tensor) -> Tensor:
         """Each row's loss (the head's state kept for :meth:`grads`)."""
-        rows, self.st = visit_values(e, w, scale, self.problem, ColumnBlocks(), self.block)
+        rows, self.st = visit_values(e, w, scale, self.problem, ColumnBlocks(e.device.type), self.block)
         return rows
 
     def grads(self, e: Tensor, w: Tensor, scale: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """The gradients of ``sum_i g_i rows_i``: ``e``'s and ``w``'s (this slice's
         classes' part), and the scale's: per row with ``scale_rows`` (their sum is the
         scale's), else the sum."""
-        de, dw, tiles, du = visit_grads(e, w, scale, self.problem, ColumnBlocks(), self.block, self.st, g, 1)
+        de, dw, tiles, du = visit_grads(
+            e, w, scale, self.problem, ColumnBlocks(e.device.type), self.block, self.st, g, 1
+        )
         assert de is not None and dw is not None and tiles is not None and du is not None
         with torch.enable_grad():  # the target logits' part, through their formula: into the target rows alone
             leaves = [e.detach()[self.own].requires_grad_(True), w.detach()[self.rows_y].requires_grad_(True)]
