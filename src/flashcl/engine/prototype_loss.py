@@ -81,13 +81,13 @@ class _RowStats:
     loss and its logits' gradient follow without cancellation (:func:`soft_cross_entropy`'s
     form): the largest logit ``top`` and its prototype ``idx``, ``rest = sum_{k != idx}
     exp(z_k - top)``, ``mass = sum_k p_k`` and ``cross = sum_k p_k (top - z_k)``
-    (:func:`soft_terms`); the upstream gradient ``g`` and the targets' scratch tiles."""
+    (:func:`soft_terms`); the gradient tiles' row factor and the targets' scratch tiles."""
 
     def __init__(self, n: int, like: Tensor) -> None:
         self.top = like.new_zeros(n)
         self.idx = torch.zeros(n, dtype=torch.long, device=like.device)
         self.rest, self.mass, self.cross = (like.new_zeros(n) for _ in range(3))
-        self.g: Optional[Tensor] = None
+        self.factor: Optional[Tensor] = None
         self.scratch: Optional[Tensor] = None
 
     def rows(self) -> Tensor:
@@ -132,9 +132,10 @@ class SoftCrossEntropyHead(Head):
     The rows of ``targets.views`` stacked views come interleaved, image by image (row
     ``i views + v``: image ``i`` of view ``v``), and a block holds whole images, so
     that each distinct sum of teacher views' targets is formed once per block for
-    every view that takes it. Its gradient tiles are ``p - mass softmax``, their
-    rows' factor (minus the upstream gradient) applied by the driver
-    (:attr:`~flashcl.engine.heads.Head.factored_rows`)."""
+    every view that takes it. Its gradient tiles leave each row's upstream gradient
+    to the driver (:attr:`~flashcl.engine.heads.Head.factored_rows`): the fused pass
+    forms ``p - mass softmax`` (its factor minus the upstream gradient), the
+    recomputing one ``mass softmax - p`` (:func:`soft_gradient_rows_`)."""
 
     fuses_rows = True
     factored_rows = True
@@ -179,7 +180,7 @@ class SoftCrossEntropyHead(Head):
         st.rest[r] = e.sum(1)
         if g_row is None:
             return None
-        st.g = g_row
+        st.factor = -g_row
         rest, idxs = st.rest[r].view(m, views), idx.view(m, views)
         for ss, p in groups:  # the logits' gradient less its factor: p - mass softmax
             for v in ss:
@@ -198,26 +199,23 @@ class SoftCrossEntropyHead(Head):
         return st.rows(), None
 
     def begin_grad(self, st: Any, g_row: Tensor, g_col: Optional[Tensor]) -> None:
-        st.g = g_row
+        st.factor = g_row
 
     def grad(self, s: Tensor, tile: Tile, st: Any, buf: Optional[Tensor] = None) -> Tensor:
         groups, images = self._groups(s, tile, st)
         r, views, m = slice(tile.r0, tile.r1), self.targets.views, images.stop - images.start
-        factor = (st.mass[r] / (1.0 + st.rest[r])).unsqueeze(1)
-        e = s.sub_(st.top[r].unsqueeze(1)).exp_().mul_(factor)  # mass softmax
-        zs, idxs = e.view(m, views, -1), st.idx[r].view(m, views)
+        zs = s.view(m, views, -1)
+        top, idx, rest, mass = (t[r].view(m, views) for t in (st.top, st.idx, st.rest, st.mass))
         for ss, p in groups:
             for v in ss:
-                zv = zs[:, v]
-                if p is None:
-                    zv.zero_()
-                    continue
-                torch.sub(p, zv, out=zv)
-                _at_top_(zv, idxs[:, v])
+                if p is None:  # no targets, a mass of 0: no gradient
+                    zs[:, v].zero_()
+                else:
+                    soft_gradient_rows_(zs[:, v], [p], top[:, v], idx[:, v], rest[:, v], mass[:, v])
         return s
 
     def row_factor(self, st: Any, tile: Tile) -> Tensor:
-        return -st.g[tile.r0 : tile.r1]
+        return st.factor[tile.r0 : tile.r1]
 
     def release(self, st: Any) -> None:
         st.scratch = None

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..core import compute_dtype
 from .columns import ColumnBlocks
 from .engine import Problem, normalize_rows, visit_grads, visit_values
-from .heads import Head, Tile, lse_inplace
+from .heads import Head, Tile, lse_inplace, row_dot
 
 __all__ = [
     "TARGETS",
@@ -171,7 +171,7 @@ class MarginHead(Head):
         p[rows, cols] = 0.0  # the target's gradient is u's
         if logits is not None:
             logits[rows, cols] = 0.0
-            st.scale_rows += (p * logits).sum(1) / self.scale
+            st.scale_rows += row_dot(p, logits) / self.scale
         if arg is None:
             return p
         out = s.zero_().view(s.shape[0], -1, self.k)  # each class's gradient to its closest proxy
