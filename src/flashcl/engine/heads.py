@@ -59,6 +59,7 @@ __all__ = [
     "scratch",
     "softplus_rows_",
     "scattered_lse",
+    "row_dot",
 ]
 
 

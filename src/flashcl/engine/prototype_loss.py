@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..core import compute_dtype
 from .engine import Problem, run
-from .heads import Head, Tile
+from .heads import Head, Tile, row_dot
 from .prototypes import Blocks, Group
 from .tiled import RowBlocks
 
@@ -290,15 +290,11 @@ def auto_rows_block(k: int, tiles: int) -> int:
     return max(1, (1 << 24) // (max(1, tiles) * max(1, k)))
 
 
-def _row_dots(p: Tensor, z: Tensor, chunk: int = 8192) -> Tensor:
-    """Each row's ``sum_k p_bk z_bk``, a chunk of columns at a time (no copy of the
-    tiles); an entry of ``p = 0`` takes no part (0 log 0 = 0: a ``-inf`` logit there is
-    no NaN)."""
-    out = p.new_zeros(p.shape[0])
-    scratch = p.new_empty(p.shape[0], min(chunk, p.shape[1]))
-    for c0 in range(0, p.shape[1], chunk):
-        c1 = min(c0 + chunk, p.shape[1])
-        out += torch.mul(p[:, c0:c1], z[:, c0:c1], out=scratch[:, : c1 - c0]).sum(1)
+def _row_dots(p: Tensor, z: Tensor) -> Tensor:
+    """Each row's ``sum_k p_bk z_bk`` (:func:`~flashcl.engine.heads.row_dot`: no copy of
+    the tiles), an entry of ``p = 0`` taking no part (0 log 0 = 0: a ``-inf`` logit there
+    is no NaN)."""
+    out = row_dot(p, z)
     bad = torch.isnan(out)
     if bool(bad.any()):  # 0 x inf in a row: its terms again, those of p = 0 left out
         rows = bad.nonzero().squeeze(1)
