@@ -322,3 +322,26 @@ def test_all_finite_sees_every_non_finite_entry() -> None:
         w = z.clone()
         w[at] = float("nan")
         assert not all_finite(w, chunk=8) and not all_finite(w.T, chunk=8), at
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16])
+def test_row_max_is_max_by_runs(dtype: torch.dtype) -> None:
+    """heads.row_max: the rows' largest entries and an index of each, as ``max(1)``, by
+    runs of columns where the width allows, else ``max(1)`` itself."""
+    from flashcl.engine.heads import row_max
+
+    g = torch.Generator().manual_seed(3)
+    for m, n, width in ((5, 1024, 128), (4, 1024, 32), (3, 1000, 128), (2, 256, 128), (0, 1024, 128)):
+        s = torch.randn(m, n, generator=g).to(dtype)
+        if m > 2:
+            s[1] = -5.0
+            s[1, [7, 300, 900]] = 2.0  # ties: any of them
+            s[2] = float("-inf")
+            s[2, n - 1] = -1e30  # the largest in the last run
+        for t in (s, s[:, ::1], torch.cat([s, s], 1)[:, :n]):  # contiguous, and rows with a wider stride
+            top, idx = row_max(t, width)
+            want = t.max(1).values
+            assert torch.equal(top, want), (m, n, width)
+            assert idx.dtype == torch.long and torch.equal(t.gather(1, idx.unsqueeze(1)).squeeze(1), want)
+        if m > 2:
+            assert int(row_max(s, width)[1][2]) == n - 1

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..core import compute_dtype
 from .engine import Problem, run
-from .heads import Head, Tile, row_dot
+from .heads import Head, Tile, row_dot, row_max
 from .prototypes import Blocks, Group
 from .tiled import RowBlocks
 
@@ -163,7 +163,7 @@ class SoftCrossEntropyHead(Head):
     def rows_fused(self, s: Tensor, tile: Tile, st: Any, g_row: Optional[Tensor]) -> Optional[Tensor]:
         groups, images = self._groups(s, tile, st)
         r, views, m = slice(tile.r0, tile.r1), self.targets.views, images.stop - images.start
-        top, idx = s.max(1)
+        top, idx = row_max(s)
         st.top[r], st.idx[r] = top, idx
         zs = s.sub_(top.unsqueeze(1)).view(m, views, -1)  # z - top <= 0, exactly 0 at idx
         mass, cross = st.mass[r].view(m, views), st.cross[r].view(m, views)
