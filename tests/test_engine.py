@@ -315,13 +315,17 @@ def test_all_finite_sees_every_non_finite_entry() -> None:
     y[0, 0], y[4, 2] = float("inf"), float("-inf")  # opposite infinities: their sum is NaN, still caught
     assert not all_finite(y)
     assert not all_finite(torch.tensor([1.0, float("nan")], dtype=torch.bfloat16))
-    # a chunk of rows at a time (no float64 copy of the whole input): every chunk is seen
-    z = torch.randn(37, 5)
-    assert all_finite(z, chunk=8) and all_finite(z[:, ::2], chunk=3)
-    for at in ((0, 0), (12, 4), (36, 1)):
-        w = z.clone()
-        w[at] = float("nan")
-        assert not all_finite(w, chunk=8) and not all_finite(w.T, chunk=8), at
+    assert all_finite(torch.tensor(2.0)) and not all_finite(torch.tensor(float("nan")))
+    # every position (the vectorised body and its tail), every float dtype, strided, transposed and expanded views
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        z = torch.randn(37, 19).to(dtype)
+        assert all_finite(z) and all_finite(z[:, ::2]) and all_finite(z.T) and all_finite(z[:1].expand(5, 19))
+        for at in ((0, 0), (12, 4), (36, 18), (36, 17), (20, 16)):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                w = z.clone()
+                w[at] = bad
+                assert not all_finite(w) and not all_finite(w.T), (dtype, at, bad)
+                assert not all_finite(w[:, at[1] % 2 :: 2]) and not all_finite(w[at[0] : at[0] + 1].expand(4, 19))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16])
