@@ -507,3 +507,26 @@ def test_sinkhorn_iterations_and_reductions_on_every_path(iterations: int, reduc
         out[backend] = (loss.detach(), *torch.autograd.grad(loss, [a, wa], up))
     for got, want, name in zip(out["tiled"], out["reference"], ("value", "rows", "prototypes")):
         assert_close(got, want, f"{iterations} iterations, {reduction}: {name}", *TOL)
+
+
+@pytest.mark.parametrize("targets", ["softmax", "sinkhorn"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_tiled_over_many_prototypes_equals_reference(targets: str, reduction: str) -> None:
+    """K = 1,024 prototypes: the tiled head's largest logits found by runs of columns
+    (heads.row_max's path for wide tiles), one view and DINO's stacked views; the loss
+    and both gradients equal the reference in float64."""
+    g = torch.Generator().manual_seed(11)
+    for s, t, pairs in ((1, 1, "all"), (4, 2, "cross")):
+        x, y, w = _r(g, s, 24, 16), _r(g, t, 24, 16), _r(g, 1024, 16)
+        center = 0.1 * _r(g, 1024) if targets == "softmax" else None
+        up = torch.rand(s * 24, generator=g, dtype=torch.float64)
+        out = {}
+        for backend in ("reference", "tiled"):
+            xs, ws = _leaf(x), _leaf(w)
+            v = flashcl.dino_loss(
+                xs, y, ws, targets=targets, center=center, pairs=pairs, reduction=reduction, backend=backend
+            )
+            (v if reduction == "mean" else (v.reshape(-1) * up).sum()).backward()
+            out[backend] = (v.detach(), xs.grad, ws.grad)
+        for name, a, b in zip(("loss", "grad x", "grad w"), out["tiled"], out["reference"]):
+            assert_close(a, b, f"{name}, {targets}, {pairs}", *TOL)
