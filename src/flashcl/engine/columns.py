@@ -75,21 +75,23 @@ class ColumnBlocks(Driver):
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         n = ops.k.shape[0]
+        # every tile holds every row: one factor per row for the whole visit (None: the tiles carry it)
+        factor = head.row_factor(st, Tile(0, ops.q.shape[0], 0, n, ops.offset))
         gk: Optional[Tensor] = None
-        scaled: Optional[Tensor] = None  # the rows times their factor (the same in every tile)
+        scaled: Optional[Tensor] = None  # the rows times their factor
         for c0 in self._blocks(ops, head, "backward"):
             c1 = min(c0 + ops.block, n)
             s, cols, tile = self._tile(ops, c0, c1)
             g = head.grad(s, tile, st)
             assert self._rows is not None
             if scaled is None:
-                scaled = self._rows * head.row_factor(st, tile).unsqueeze(1) if head.factored_rows else self._rows
+                scaled = self._rows if factor is None else self._rows * factor.unsqueeze(1)
             gk = torch.mm(g, cols) if gk is None else gk.addmm_(g, cols)
             torch.mm(g.T, scaled, out=dk[c0:c1]).mul_(ops.scale)
         if gk is None:
             return dq.new_zeros(())
         assert self._rows is not None
-        if head.factored_rows:
-            gk.mul_(head.row_factor(st, Tile(0, self._rows.shape[0], 0, n, ops.offset)).unsqueeze(1))
+        if factor is not None:
+            gk.mul_(factor.unsqueeze(1))
         dq.add_(gk, alpha=ops.scale)
         return torch.dot(gk.reshape(-1), self._rows.reshape(-1))

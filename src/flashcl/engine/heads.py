@@ -256,10 +256,11 @@ class Head:
         pass, then :meth:`grad`."""
         raise NotImplementedError
 
-    def row_factor(self, st: Any, tile: Tile) -> Tensor:
+    def row_factor(self, st: Any, tile: Tile) -> Optional[Tensor]:
         """With :attr:`factored_rows`: the factor of each of the tile's rows that the
-        tile returned by :meth:`grad` / :meth:`rows_fused` leaves out, (rows,)."""
-        raise NotImplementedError
+        tile returned by :meth:`grad` / :meth:`rows_fused` leaves out, (rows,); None
+        (without it): the tiles carry every factor."""
+        return None
 
     def release(self, st: Any) -> None:
         """Drops the buffers the head keeps in ``st`` between tiles; called when a pass

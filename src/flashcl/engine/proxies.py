@@ -32,31 +32,25 @@ __all__ = [
 ]
 
 
-def _cosface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
-    """CosFace's target logit ``cos - m`` and its derivative in ``cos`` times ``sin``
-    (see :func:`_arcface`)."""
-    return c - margin, sin
+def _cosface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tensor:
+    """CosFace's target logit ``cos - m`` (the arguments as :func:`_arcface`'s)."""
+    return c - margin
 
 
-def _arcface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tuple[Tensor, Tensor]:
+def _arcface(c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tensor:
     """ArcFace's target logit ``cos(theta + m)``, with ``theta`` the angle whose cosine
     is ``c`` and whose sine is ``sin`` (the norm of the class direction's part
     orthogonal to the embedding, formed from the vectors: accurate at ``theta`` near 0
     and pi, where ``acos`` has an infinite derivative); past ``theta > pi - m``
     (where it would stop decreasing) ``cos - m sin(m)``, as insightface and
-    pytorch-metric-learning; ``easy``: ``cos`` itself where ``cos <= 0``.
-
-    Returns the logit and ``d logit / d cos * sin(theta)``: the gradient's
-    coefficient on the unit vector orthogonal to the embedding, bounded where the
-    derivative in ``cos`` alone is not (``sin(theta + m)``, ``sin(m)`` at
-    ``theta = 0``). Written without ``acos``, so that autograd through it (the dense
-    and reference backends) is finite at ``cos = +-1`` as well."""
+    pytorch-metric-learning; ``easy``: ``cos`` itself where ``cos <= 0``. Written
+    without ``acos``, so that autograd through it is finite at ``cos = +-1`` as well
+    (its derivative times ``sin(theta)`` is ``sin(theta + m)``, ``sin(m)`` at
+    ``theta = 0``)."""
     cos_m, sin_m = math.cos(margin), math.sin(margin)
     phi = c * cos_m - sin * sin_m  # cos(theta + m)
-    slope = sin * cos_m + c * sin_m  # sin(theta + m) = d cos(theta + m) / d cos * sin(theta)
     keep = c > 0 if easy else c >= -cos_m  # theta <= pi - m
-    other = c if easy else c - margin * sin_m
-    return torch.where(keep, phi, other), torch.where(keep, slope, sin)
+    return torch.where(keep, phi, c if easy else c - margin * sin_m)
 
 
 def orthogonal(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
@@ -80,7 +74,7 @@ def sine(across: Tensor) -> Tensor:
     return torch.where(sin > _noise(sin.dtype), sin, sin.detach())
 
 
-TargetFn = Callable[[Tensor, Tensor, float, bool], Tuple[Tensor, Tensor]]
+TargetFn = Callable[[Tensor, Tensor, float, bool], Tensor]
 #: the target logits by name (a name, not a function, crosses processes in the call check)
 TARGETS = {"cosface": _cosface, "arcface": _arcface}
 
@@ -223,8 +217,7 @@ def target_logits(e: Tensor, wy: Tensor, scale: Tensor, target: TargetFn, margin
     dtype = compute_dtype(e.dtype)
     eh, wh = normalize_rows(e.to(dtype)), normalize_rows(wy.to(dtype))
     c = (eh * wh).sum(1)
-    t, _ = target(c, sine(orthogonal(wh, eh, c)), margin, easy)
-    return t * scale
+    return target(c, sine(orthogonal(wh, eh, c)), margin, easy) * scale
 
 
 class Margin:

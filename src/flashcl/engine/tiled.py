@@ -153,7 +153,7 @@ class RowBlocks(Driver):
                     g = head.rows_fused(self._scores(ops, r0, r1, cols), tile, st, g_row)
                     if g is not None and dscale is not None:
                         assert dq is not None and dk is not None
-                        factor = head.row_factor(st, tile) if head.factored_rows else None
+                        factor = head.row_factor(st, tile)
                         dscale += self._accumulate(g, r0, ops, dq, dk, cols, factor)
             if dscale is not None:
                 assert dk is not None
@@ -178,7 +178,7 @@ class RowBlocks(Driver):
                 c0, c1 = (0, n) if cols is None else cols
                 tile = Tile(r0, r1, c0, c1, ops.offset)
                 g = head.grad(self._scores(ops, r0, r1, cols), tile, st, self._s2)
-                factor = head.row_factor(st, tile) if head.factored_rows else None
+                factor = head.row_factor(st, tile)
                 dscale += self._accumulate(g, r0, ops, dq, dk, cols, factor)
         self._rescale(ops, dk)
         return dscale

@@ -60,7 +60,7 @@ def _reference_rows(
         best = int(per[y].argmax())
         cos = torch.stack([row.max() for row in per])
         sin = sine((wn[y * k + best] - cos[y] * eh).unsqueeze(0))  # the sine of the angle between e_i and w_y
-        t, _ = target(cos[y : y + 1], sin, margin, easy)
+        t = target(cos[y : y + 1], sin, margin, easy)
         others = torch.cat([cos[:y], cos[y + 1 :]]) * scale
         top = t[0] * scale
         out.append(torch.logsumexp(torch.cat([top.reshape(1), others]), dim=0) - top)
