@@ -339,7 +339,7 @@ def test_the_built_ins_are_flex_calls(backend: str) -> None:
         (
             lambda q, y: flashcl.flex_loss(q, rows={"y": y}, positive=lambda a, b: torch.ones(3, 3, dtype=torch.bool)),
             ValueError,
-            "does not broadcast to the tile",
+            "broadcasts to the tile.s pairs",
         ),
         (
             lambda q, y: flashcl.flex_loss(
@@ -647,3 +647,58 @@ def test_mixed_dtypes_give_one_answer_or_one_error() -> None:
         except (ValueError, TypeError) as e:
             outcomes.add(type(e).__name__)
     assert len(outcomes) == 1, outcomes
+
+
+def _wider(a: Any, b: Any) -> torch.Tensor:
+    """One column too many for any tile."""
+    return torch.ones(a.index.shape[0], b.index.shape[1] + 1, dtype=torch.bool)
+
+
+BAD_RESULTS = {
+    "positive of a wider shape": (dict(positive=_wider), ValueError, "positive must return"),
+    "exclude as float 0/1": (
+        dict(positive=lambda a, b: a.y == b.y, exclude=lambda a, b: (a.y == b.y).double()),
+        TypeError,
+        "exclude must return a bool tensor",
+    ),
+    "weight as int": (
+        dict(positive=lambda a, b: a.y == b.y, weight=lambda a, b: (a.y == b.y).long()),
+        TypeError,
+        "weight must return a bool or floating tensor",
+    ),
+    "score_mod as bool": (
+        dict(positive=lambda a, b: a.y == b.y, score_mod=lambda s, a, b: s > 0),
+        TypeError,
+        "score_mod must return a floating tensor",
+    ),
+    "score_mod of a wider shape": (
+        dict(positive=lambda a, b: a.y == b.y, score_mod=lambda s, a, b: torch.cat([s, s[:, :1]], 1)),
+        ValueError,
+        "score_mod must return",
+    ),
+    "pos_mod of a wider shape": (
+        dict(positive=lambda a, b: a.y == b.y, kind="circle", pos_mod=lambda s, a, b: torch.cat([s, s[:, :1]], 1)),
+        ValueError,
+        "pos_mod must return",
+    ),
+    "positive on another device": (
+        dict(positive=lambda a, b: (a.y == b.y).to("meta")),
+        ValueError,
+        "positive must return .* on the scores' device",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RESULTS))
+@pytest.mark.parametrize("backend,block", BACKENDS)
+@pytest.mark.parametrize("given", ["embeddings", "scores"])
+def test_a_bad_function_result_is_named_on_every_backend(case: str, backend: str, block: Any, given: str) -> None:
+    """Each function's result checked before it is used, on every backend and on a given score
+    matrix: the error names the function, what it must return and the tile's shape."""
+    d = _data(0)
+    opts, error, match = BAD_RESULTS[case]
+    x = d["q"] if given == "embeddings" else d["q"] @ d["q"].T
+    where = {"q": x} if given == "embeddings" else {"scores": x}
+    with pytest.raises(error, match=match) as caught:
+        flashcl.flex_loss(**where, rows={"y": d["y"]}, backend=backend, block_size=block, **opts)
+    assert "the tile's pairs (" in str(caught.value)

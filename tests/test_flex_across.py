@@ -36,6 +36,7 @@ RUNS = [  # (strategy, backend, grad_scale)
     ("ring", "auto", "sum"),  # round the ring "auto" is the tiled backend
 ]
 TOL = (1e-10, 1e-9)
+GAP = 0.05  # the circle case's margin between two anchors' hardest negatives
 
 
 def data(total: int) -> Dict[str, torch.Tensor]:
@@ -157,7 +158,8 @@ def cases(d: Dict[str, torch.Tensor], sl: slice, sl2: slice, kw: Dict[str, Any])
                 e,
                 rows=rows,
                 positive=lambda a, b: a.y == b.y,
-                weight=lambda a, b: torch.where(b.hardest_negative > a.hardest_negative, 0.5, 1.0),
+                # a margin: mutual hardest negatives tie in exact arithmetic (rounding would decide)
+                weight=lambda a, b: torch.where(b.hardest_negative > a.hardest_negative + GAP, 0.5, 1.0),
                 neg_mod=lambda s, a, b: 16.0 * (s - mg),
                 kind="circle",
                 temperature=1.0,
@@ -192,6 +194,21 @@ def worker(rank: int, world: int, out_dir: str) -> None:
             results[(strategy, backend, grad_scale, name)] = (loss.detach(), _grads(loss, leaves))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_data_decides_no_comparison_by_rounding(world: int) -> None:
+    """The circle case compares two anchors' hardest negatives with a margin: in its data no
+    difference lies within 1e-6 of the margin, so that no backend's rounding (the dot products'
+    order differs by backend, strategy and machine) can turn a verdict."""
+    d = data(sum(SIZES[world]))
+    rows = {"y": d["y"]}
+    q = torch.nn.functional.normalize(d["q"], dim=-1)
+    a, b = flex_oracle.views(rows, rows, q.shape[0], q.shape[0])
+    s = q @ q.T
+    hn = flex_oracle.statistics(s, lambda a, b: a.y == b.y, a, b, torch.eye(q.shape[0], dtype=torch.bool))
+    gaps = hn["hardest_negative"][None, :] - hn["hardest_negative"][:, None] - GAP
+    assert float(gaps.abs().min()) > 1e-6, float(gaps.abs().min())
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -257,3 +274,123 @@ def _none_worker(rank: int, world: int, out_dir: str) -> None:
     grads = torch.autograd.grad((loss * up).sum(), leaves)
     torch.save([g.detach() for g in grads], os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
+
+
+QUEUE = 6  # the shared keys' rows (a queue every rank holds alike)
+
+
+def _queue_calls(d: Dict[str, torch.Tensor], sl: slice, sl2: slice, kw: Dict[str, Any]) -> Dict[str, Case]:
+    """Keys without gradient: a queue every rank holds alike (shared: once), and a frozen
+    tower's keys, each rank its own (``shared_keys=False``: gathered)."""
+    rows = {"y": d["y"][sl]}
+    queue, queue_y = d["k"][:QUEUE], d["ky"][:QUEUE]
+    frozen, frozen_y = d["k"][sl2], d["ky"][sl2]
+    t = torch.tensor(0.3, dtype=F64)
+    return {
+        "a queue": (
+            lambda e, tt: flashcl.flex_loss(
+                e, queue, rows=rows, cols={"ky": queue_y}, positive=lambda a, b: a.y == b.ky, temperature=tt, **kw
+            ),
+            [d["q"][sl], t],
+        ),
+        "a queue, sigmoid, sum": (
+            lambda e: flashcl.flex_loss(
+                e,
+                queue,
+                rows=rows,
+                cols={"ky": queue_y},
+                positive=lambda a, b: a.y == b.ky,
+                kind="sigmoid",
+                reduction="sum",
+                **kw,
+            ),  # fmt: skip
+            [d["q"][sl]],
+        ),
+        "a frozen tower": (
+            lambda e: flashcl.flex_loss(
+                e,
+                frozen,
+                rows=rows,
+                cols={"ky": frozen_y},
+                positive=lambda a, b: a.y == b.ky,
+                shared_keys=False,
+                **kw,
+            ),  # fmt: skip
+            [d["q"][sl]],
+        ),
+    }
+
+
+def _queue_worker(rank: int, world: int, out_dir: str) -> None:
+    init_gloo(rank, world, out_dir)
+    sizes = SIZES[world]
+    d = data(sum(sizes))
+    results: Dict[Any, Any] = {}
+    for strategy, backend, grad_scale in RUNS:
+        kw = dict(
+            backend=backend, process_group=dist.group.WORLD, strategy=strategy, grad_scale=grad_scale, block_size=3
+        )
+        for name, (fn, inputs) in _queue_calls(d, shard(sizes, rank), shard(sizes, rank, 2), kw).items():
+            leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+            loss = fn(*leaves)
+            results[(strategy, backend, grad_scale, name)] = (loss.detach(), _grads(loss, leaves))
+    # a queue that differs between the ranks: a ValueError on every rank, both strategies
+    for strategy in ("all_gather", "ring"):
+        q = d["q"][shard(sizes, rank)]
+        try:
+            flashcl.flex_loss(
+                q, d["k"][rank : rank + QUEUE], rows={"y": d["y"][shard(sizes, rank)]},
+                cols={"ky": d["ky"][:QUEUE]}, positive=lambda a, b: a.y == b.ky, process_group=dist.group.WORLD,
+                strategy=strategy, backend="tiled",
+            )  # fmt: skip
+            results[("different", strategy)] = "no error"
+        except ValueError as e:
+            results[("different", strategy)] = str(e)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    close_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_keys_without_gradient_enter_once(world: int, tmp_path: Any) -> None:
+    """A queue every rank holds alike (keys without gradient) enters the global loss once, on
+    every backend and strategy, both ``grad_scale`` values: the sum of the ranks' values and
+    their gradients equal one process on the concatenated queries with the queue once; a
+    frozen tower's keys (``shared_keys=False``) are every rank's; a queue that differs between
+    the ranks is a ValueError on every rank."""
+    spawn(_queue_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    sizes = SIZES[world]
+    d = data(sum(sizes))
+    for name, (fn, inputs) in _queue_calls(d, slice(None), slice(None), {"backend": "reference"}).items():
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+        want = fn(*leaves)
+        want_grads = _grads(want, leaves)
+        for strategy, backend, grad_scale in RUNS:
+            what = f"{strategy}/{backend}/{grad_scale}/{name}"
+            scale = world if grad_scale == "ddp" else 1
+            got = [r[(strategy, backend, grad_scale, name)] for r in ranks]
+            assert_close(sum(v for v, _ in got) / scale, want, f"{what}: sum of the ranks' values", *TOL)
+            for i, g in enumerate(want_grads):
+                if g.dim() == 0:
+                    assert_close(sum(r[1][i] for r in got) / scale, g, f"{what}: summed scalar grad {i}", *TOL)
+                    continue
+                for r in range(world):
+                    assert_close(got[r][1][i] / scale, g[shard(sizes, r)], f"{what}: rank {r} grad {i}", *TOL)
+    for strategy in ("all_gather", "ring"):
+        for r in range(world):
+            message = ranks[r][("different", strategy)]
+            assert "differ" in message and "shared_keys=False" in message, (strategy, r, message)
+
+
+def test_shared_keys_refused_where_it_cannot_hold() -> None:
+    """``shared_keys`` checked on one process too: True takes keys without gradient and
+    not both directions, and keys at all; any other value than a bool or None refused."""
+    q, k = torch.randn(5, 4), torch.randn(7, 4)
+    with pytest.raises(ValueError, match="without gradient"):
+        flashcl.flex_loss(q, k.requires_grad_(), shared_keys=True)
+    with pytest.raises(ValueError, match="both_directions"):
+        flashcl.flex_loss(q, torch.randn(5, 4), shared_keys=True, both_directions=True)
+    with pytest.raises(ValueError, match="shared_keys takes keys"):
+        flashcl.flex_loss(q, positive=lambda a, b: a.index == b.index, shared_keys=True)
+    with pytest.raises((TypeError, ValueError), match="shared_keys"):
+        flashcl.flex_loss(q, torch.randn(7, 4), shared_keys="yes")

@@ -294,7 +294,11 @@ def _towers(**kw: Any) -> Any:
         (_call(kind="circle", positives="sum"), ValueError, "positives"),
         (_call(kind="circle", include_self=True), ValueError, "include_self"),
         (_towers(kind="circle", both_directions=True), ValueError, "both_directions"),
-        (_call(kind="circle", pos_mod=lambda s, a, b: s.new_zeros(2, 3)), ValueError, "pos_mod returned shape"),
+        (
+            _call(kind="circle", pos_mod=lambda s, a, b: s.new_zeros(2, 3)),
+            ValueError,
+            "pos_mod must return a floating tensor that broadcasts",
+        ),
         (_call(rows={"y": torch.zeros(13), "hardest_positive": torch.zeros(13)}), ValueError, "row statistic"),
         (_towers(exclude=lambda a, b, s: s > b.positive_score), AttributeError, "self-contrast only"),
         (_call(positive=lambda a, b: (a.y == b.y) & (a.hardest_negative > 0)), ValueError, "positive reads"),

@@ -242,7 +242,9 @@ def test_pml_supcon_adapter_equals_pml_on_random_cases() -> None:
         (want, want_grad), (got, got_grad), (exact, exact_grad) = results
         where = f"case {trial}: B={b} D={d} t={t} {dist.__name__} scale={scale} ref={bool(kw)}"
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, w=where: f"{w}: loss: {m}")
-        tol = 1e-5 * max(1.0, float(want_grad.abs().max()))
+        # float32 rounding of s / t, amplified by 1 / t below t = 0.1: how far two float32 sums of the
+        # same terms may differ on two CPUs (their vector widths order the sums differently)
+        tol = 1e-5 * max(1.0, float(want_grad.abs().max())) * max(1.0, 0.1 / t)
         if abs(float(want) - float(exact)) < 1e-4:
             # PML counts the same anchors in float64: the gradient no further from
             # float64 than PML's own float32 one (at D = 1 a normalised gradient is

@@ -69,9 +69,10 @@ classes: (K,) sorted indices of the classes kept this step (sampled classes,
     ``torch.distributed``: the loss over the concatenation of every rank's inputs in
     rank order (local batch sizes may differ; a rank may have none, (0, D) inputs: it
     takes part with nothing of its own), as :mod:`flashcl.distributed` computes it;
-    every rank calls with the same options. Keys without gradient
-    (a queue's) are the same on every rank and enter the global loss once; ranks
-    that pass different options or keys get a ValueError each.
+    every rank calls with the same options. Keys that every rank holds alike (a
+    queue: ``ref=``, ``negatives=``, :func:`flashcl.flex_loss`'s keys without gradient)
+    enter the global loss once; ranks that pass different options or such keys get
+    a ValueError each.
 strategy: across processes, ``"all_gather"`` (the candidates gathered with an
     autograd-aware collective) | ``"ring"`` (candidate blocks passed around a ring:
     no rank holds the global batch). Every option takes both.

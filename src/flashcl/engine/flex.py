@@ -58,6 +58,7 @@ __all__ = [
     "STATISTICS",
     "captured_tensors",
     "takes_scores",
+    "tile_result",
 ]
 
 KINDS = ("softmax", "sigmoid")
@@ -187,8 +188,8 @@ class FlexFunctions:
             return self.score_mod(s, a, b)
         assert self.pos_mod is not None and self.neg_mod is not None
         r, c = s.shape
-        pos = _tile_result(self.pos_mod(s, a, b), "pos_mod", r, c, s, "float")
-        neg = _tile_result(self.neg_mod(s, a, b), "neg_mod", r, c, s, "float")
+        pos = tile_result(self.pos_mod(s, a, b), "pos_mod", r, c, s, "float")
+        neg = tile_result(self.neg_mod(s, a, b), "neg_mod", r, c, s, "float")
         if isinstance(m, tuple):  # few positives: their entries put into the negatives' tile
             return neg.index_put(m, pos[m])
         return torch.where(m > 0, pos, neg)
@@ -198,30 +199,39 @@ class FlexFunctions:
         return tuple(f for f in (self.score_mod, self.pos_mod, self.neg_mod) if f is not None)
 
 
-def _tile_result(value: Any, name: str, rows: int, cols: int, like: Tensor, kind: str) -> Tensor:
+_MUST_RETURN = {
+    "bool": "a bool tensor (True: the pair is out of every set)",
+    "weight": "a bool or floating tensor (weights >= 0)",
+    "float": "a floating tensor",
+}
+
+
+def tile_result(value: Any, name: str, rows: int, cols: int, like: Tensor, kind: str) -> Tensor:
     """A function's result checked against the tile: a tensor on the scores' device that
     broadcasts to (rows, cols) by torch's rules, of the dtype its role takes (``kind``:
-    ``"bool"``, ``"weight"`` (bool or floating), ``"float"``); returned broadcast (a view)."""
+    ``"bool"``, ``"weight"`` (bool or floating), ``"float"``); returned broadcast (a view).
+    Every error names the function, the tile's shape and what it must return."""
+    must = f"{name} must return {_MUST_RETURN[kind]} that broadcasts to the tile's pairs ({rows}, {cols})"
     if not isinstance(value, Tensor):
         if kind == "float" or isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must return a tensor, got {type(value).__name__}")
+            raise TypeError(f"{must}, got {type(value).__name__}")
         value = torch.tensor(float(value), dtype=like.dtype, device=like.device)
     if value.device != like.device:
-        raise ValueError(f"{name} returned a tensor on {value.device}; the scores are on {like.device}")
-    if kind == "bool" and value.dtype != torch.bool:
-        raise TypeError(f"{name} must return a bool tensor (True: left out), got {value.dtype}")
-    if kind == "weight" and value.dtype != torch.bool and not value.is_floating_point():
-        raise TypeError(f"{name} must return a bool or floating tensor, got {value.dtype}")
-    if kind == "float" and not value.is_floating_point():
-        raise TypeError(f"{name} must return a floating tensor, got {value.dtype}")
+        raise ValueError(f"{must} on the scores' device ({like.device}), got a tensor on {value.device}")
+    if (
+        (kind == "bool" and value.dtype != torch.bool)
+        or (kind == "weight" and value.dtype != torch.bool and not value.is_floating_point())
+        or (kind == "float" and not value.is_floating_point())
+    ):
+        raise TypeError(f"{must}, got {value.dtype}")
     try:
         shape = torch.broadcast_shapes(value.shape, (rows, cols))
     except RuntimeError:
         shape = None
     if shape != (rows, cols):
         raise ValueError(
-            f"{name} returned shape {tuple(value.shape)}, which does not broadcast to the tile ({rows}, {cols}) "
-            "(a's fields are (R, 1, ...), b's (1, C, ...): reduce a field's trailing dimensions)"
+            f"{must}, got shape {tuple(value.shape)} (a's fields are (R, 1, ...), b's (1, C, ...): reduce a "
+            "field's trailing dimensions)"
         )
     return value.expand(rows, cols)
 
@@ -358,7 +368,7 @@ class _Terms:
             cnt = self.sparse.counts(dim)
             return cnt, cnt
         msum = self.m.sum(dim)
-        return msum, (msum if self.binary else (self.m > 0).sum(dim).to(msum.dtype))
+        return msum, (msum if self.binary else (self.m != 0).sum(dim).to(msum.dtype))
 
     def columns(self, start: int) -> _Terms:
         """The positives of the columns from ``start`` on (a panel's part below the diagonal)."""
@@ -474,7 +484,7 @@ class FlexHead(Head):
         excl = None
         if fns.exclude is not None:
             args = (a, b, s.detach()) if fns.exclude_scores else (a, b)
-            excl = _tile_result(fns.exclude(*args), "exclude", r, c, s, "bool")
+            excl = tile_result(fns.exclude(*args), "exclude", r, c, s, "bool")
         raw = self._raw_positives(a, b, s)
         binary = raw.dtype == torch.bool
         if (
@@ -510,17 +520,17 @@ class FlexHead(Head):
         r, c = s.shape
         if not grad:
             with torch.no_grad():
-                return _tile_result(self.fns.modify(s, a, b, m), "score_mod", r, c, s, "float"), None, None
+                return tile_result(self.fns.modify(s, a, b, m), "score_mod", r, c, s, "float"), None, None
         with torch.enable_grad():
             s_leaf = s.detach().clone().requires_grad_(True)
-            sp_graph = _tile_result(self.fns.modify(s_leaf, a, b, m), "score_mod", r, c, s, "float")
+            sp_graph = tile_result(self.fns.modify(s_leaf, a, b, m), "score_mod", r, c, s, "float")
         return sp_graph.detach(), s_leaf, sp_graph
 
     def _raw_positives(self, a: View, b: View, s: Tensor) -> Tensor:
         """``positive(a, b)`` checked and broadcast to the tile (default: the diagonal)."""
         r, c = s.shape
         fn = self.fns.positive
-        return _tile_result(fn(a, b), "positive", r, c, s, "weight") if fn else (a.index == b.index).expand(r, c)
+        return tile_result(fn(a, b), "positive", r, c, s, "weight") if fn else (a.index == b.index).expand(r, c)
 
     def _sparse_positives(
         self, raw: Tensor, excl: Optional[Tensor], tile: Tile, dtype: torch.dtype
@@ -541,7 +551,7 @@ class FlexHead(Head):
         """``log weight(a, b)``, checked, or None without a weight function."""
         if self.fns.weight is None:
             return None
-        w = _tile_result(self.fns.weight(a, b), "weight", r, c, s, "weight").to(s.dtype)
+        w = tile_result(self.fns.weight(a, b), "weight", r, c, s, "weight").to(s.dtype)
         if bool((w < 0).any()):
             raise ValueError("weight returned a negative weight: weights are >= 0 (0: out of the denominator)")
         return torch.log(w)
@@ -622,8 +632,11 @@ class FlexHead(Head):
         """A two-set kind's terms ``s' + log w`` (``-inf`` for the pairs out of both sets) and
         the positives: a mask, or (few) their positions ``(rows, columns)``."""
         z = t.sp.clone() if t.logw is None else t.sp + t.logw
-        pos = (t.sparse.ri, t.sparse.ci) if t.sparse is not None else t.m > 0
-        return self._out_(z, t, tile, -_INF), pos
+        if t.sparse is not None:
+            return self._out_(z, t, tile, -_INF), (t.sparse.ri, t.sparse.ci)
+        if not t.binary:  # a NaN membership weight makes its set NaN
+            z.addcmul_(t.m, torch.zeros((), dtype=z.dtype, device=z.device))
+        return self._out_(z, t, tile, -_INF), t.m != 0
 
     def _add_sets(self, st: _FlexState, rows: slice, z: Tensor, pos: Any) -> None:
         """The two log-sum-exps of ``z`` (overwritten) into the accumulators of ``rows``."""
@@ -733,7 +746,7 @@ class FlexHead(Head):
             c = torch.where(has, msum / cnt.clamp_min(1), zero)
             a = torch.where(has, 1.0 / cnt.clamp_min(1), zero)
         elif positives == "weighted_mean":
-            has = has & (msum > 0)
+            has = has & (msum != 0)  # a NaN weight's row counted (and NaN)
             c = has.to(msum.dtype)
             a = torch.where(has, 1.0 / torch.where(has, msum, torch.ones_like(msum)), zero)
         elif positives == "pairs":
@@ -757,7 +770,7 @@ class FlexHead(Head):
         assert st.ca is not None
         c, a = st.ca
         zero = torch.zeros((), dtype=st.row.dtype, device=st.row.device)
-        return torch.where(c > 0, c * st.row, zero) - a * st.pos, None
+        return torch.where(c == 0, zero, c * st.row) - a * st.pos, None  # a NaN c stays NaN
 
     # ------------------------------------------------------------------ gradient
     def begin_grad(self, st: _FlexState, g_row: Tensor, g_col: Optional[Tensor]) -> None:
@@ -813,11 +826,13 @@ class FlexHead(Head):
             d.mul_(torch.exp(t.logw))
         return self._out_(d.mul_(g.unsqueeze(dim)), t, tile, 0.0)
 
-    def _through_mod(self, g: Tensor, t: _Terms, st: _FlexState, diagonal: int = 0) -> Tensor:
+    def _through_mod(self, g: Tensor, t: _Terms, st: _FlexState, tile: Tile, diagonal: int = 0) -> Tensor:
         """``dL/ds`` from ``dL/ds'`` through ``score_mod`` (the captured tensors' and the
-        bias's gradients added to the state's); ``diagonal``: a panel's leading block of
-        that many columns holds each of its pairs twice (once per orientation), so the
-        parameters take half of it."""
+        bias's gradients added to the state's), 0 on the pairs out of every set whatever
+        the function's slope there (a NaN or an infinite one: ``0 x inf`` is no gradient
+        of a pair the loss leaves out); ``diagonal``: a panel's leading block of that many
+        columns holds each of its pairs twice (once per orientation), so the parameters
+        take half of it."""
         if self.kind == "sigmoid" and self.learn_bias:
             _add(st.param_grads, 0, g.sum() - (0.5 * g[:, :diagonal].sum() if diagonal else 0.0))
         if t.sp_graph is None:
@@ -835,7 +850,7 @@ class FlexHead(Head):
         gs = grads[0] if grads[0] is not None else torch.zeros_like(g)
         if diagonal and self.captured:
             gs[:, :diagonal].mul_(2.0)  # score_mod acts on each pair alone: its gradient is linear in g
-        return gs
+        return self._out_(gs, t, tile, 0.0)
 
     def grad(self, s: Tensor, tile: Tile, st: _FlexState, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
@@ -847,7 +862,7 @@ class FlexHead(Head):
             g = self._sigmoid_grad_(t, tile, st.g_row[rows], 1)
         else:
             g = self._softmax_grad_(self._z_(t, tile), t, st, rows, 1)
-        g = self._through_mod(g, t, st)
+        g = self._through_mod(g, t, st, tile)
         return g if g is s else s.copy_(g)
 
     def grad_panel(self, s: Tensor, tile: Tile, st: _FlexState, buf: Tensor) -> Tensor:
@@ -864,7 +879,7 @@ class FlexHead(Head):
             z = self._z_(t, tile)
             other = scratch(buf, z).copy_(z)
             g = self._softmax_grad_(z, t, st, rows, 1).add_(self._softmax_grad_(other, t, st, cols, 0))
-        g = self._through_mod(g, t, st, diagonal=b)
+        g = self._through_mod(g, t, st, tile, diagonal=b)
         return g if g is s else s.copy_(g)
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _FlexState, g_row: Optional[Tensor]) -> Optional[Tensor]:
@@ -912,26 +927,35 @@ class FlexHead(Head):
             zero = torch.zeros((), dtype=z.dtype, device=z.device)
             factor = torch.where(total > 0, c * gr / torch.where(total > 0, total, 1.0), zero)
             g = t.sub_positive_(z.mul_(factor.unsqueeze(1)), a * gr, 1)
-        g = self._through_mod(g, t, st)
+        g = self._through_mod(g, t, st, tile)
         return g if g is s else s.copy_(g)
 
     def param_grads(self, st: _FlexState, n: int) -> Tuple[Optional[Tensor], ...]:
         return tuple(st.param_grads[:n]) + (None,) * (n - len(st.param_grads))
 
     # ------------------------------------------------------------------ dense form
-    def dense_terms(self, s: Tensor, tile: Tile) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+    def dense_terms(
+        self, s: Tensor, tile: Tile, guard: bool = False
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
         """``(out, m, logw, s')`` of the whole matrix: the pairs out of every set (the self
         pair unless ``include_self``), the positives' weights, the log weights, the
-        modified scores (differentiable in ``s``)."""
+        modified scores (differentiable in ``s``). ``guard``: the pairs out of every set
+        enter the functions as constants and leave them (and the log weights) as 0, so
+        that nothing of theirs (a NaN, an infinite slope) reaches a gradient."""
         r, c = s.shape
         a, b = self._views(tile)
         t = self._terms(s.detach(), tile)
         out = torch.zeros((r, c), dtype=torch.bool, device=s.device) if t.excl is None else t.excl.clone()
         if self.exclude_self:
             mask_self_(out, tile, True)  # type: ignore[arg-type]
-        fns = self.fns
-        sp = s if not fns.modifies else _tile_result(fns.modify(s, a, b, t.m), "score_mod", r, c, s, "float")
-        return out, t.m, t.logw, sp
+        fns, logw = self.fns, t.logw
+        if guard:
+            s = torch.where(out, s.detach(), s)
+            logw = None if logw is None else torch.where(out, 0.0, logw)
+        sp = s if not fns.modifies else tile_result(fns.modify(s, a, b, t.m), "score_mod", r, c, s, "float")
+        if guard and fns.modifies:
+            sp = torch.where(out, 0.0, sp)
+        return out, t.m, logw, sp
 
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         """The losses from the whole score matrix by differentiable torch ops (the dense
@@ -942,12 +966,13 @@ class FlexHead(Head):
             for name in STATISTICS:
                 self.rows[name] = s.new_zeros(s.shape[0])
             self._publish(counted, slice(None))
-        out, m, logw, sp = self.dense_terms(s, tile)
+        out, m, logw, sp = self.dense_terms(s, tile, guard=True)
         r = s.shape[0]
         zero = torch.zeros((), dtype=s.dtype, device=s.device)
         if self.sets is not None:
             z = torch.where(out, -_INF, sp if logw is None else sp + logw)
-            pos = m > 0
+            z = z + 0.0 * m  # a NaN membership weight makes its set NaN
+            pos = m != 0
             p = _safe_logsumexp(torch.where(pos, z, -_INF), 1)
             n = _safe_logsumexp(torch.where(pos, -_INF, z), 1)
             self.valid_rows = self.sets.counted(p.detach(), n.detach())
@@ -965,9 +990,9 @@ class FlexHead(Head):
             raise ValueError("score_mod returned -inf on a positive pair: a positive must stay in the denominator")
         z = sp if logw is None else sp + logw
         z = torch.where(out, torch.full((), float("-inf"), dtype=s.dtype, device=s.device), z)
-        mp = torch.where(m > 0, m * sp, zero)
+        mp = torch.where(m == 0, zero, m * sp)  # a NaN weight stays NaN
         lse = _safe_logsumexp(z, 1)
-        c_, a_, valid = self._weights(self.positives, lse.detach(), m.sum(1), (m > 0).sum(1).to(s.dtype))
+        c_, a_, valid = self._weights(self.positives, lse.detach(), m.sum(1), (m != 0).sum(1).to(s.dtype))
         self.valid_rows = valid
         return torch.where(valid, c_ * torch.where(valid, lse, zero) - a_ * mp.sum(1), zero), None
 

@@ -56,7 +56,7 @@ def soft_cross_entropy(z: Tensor, p: Tensor, owned: bool = False) -> Tensor:
     d = (z.sub_(top) if owned else z - top).scatter_(-1, idx, 0.0)
     rest = _OthersExpSum.apply(d, idx)
     if bool(torch.isinf(d).any()):  # a logit of -inf (probability 0): its target's term 0, not 0 x inf
-        d = torch.where(p > 0, d, torch.zeros_like(d))
+        d = torch.where(p == 0, torch.zeros_like(d), d)  # a NaN target stays NaN
     return p.sum(-1) * torch.log1p(rest) - torch.linalg.vecdot(p, d, dim=-1)
 
 
@@ -299,5 +299,5 @@ def _row_dots(p: Tensor, z: Tensor) -> Tensor:
     if bool(bad.any()):  # 0 x inf in a row: its terms again, those of p = 0 left out
         rows = bad.nonzero().squeeze(1)
         pr, zr = p[rows], z[rows]
-        out[rows] = torch.where(pr > 0, pr * zr, torch.zeros_like(zr)).sum(1)
+        out[rows] = torch.where(pr == 0, torch.zeros_like(zr), pr * zr).sum(1)  # a NaN target stays NaN
     return out

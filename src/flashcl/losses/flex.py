@@ -25,6 +25,7 @@ from ..engine.flex import (
     View,
     captured_tensors,
     reads_statistics,
+    tile_result,
 )
 from ..engine.flex_scores import FlexScores
 from ..engine.heads import softplus
@@ -219,32 +220,37 @@ def _reference_from(
         own = _own_pair(head, i, n, like.device)
         left = own if head.exclude_self else torch.zeros_like(own)
         if fns.exclude is not None:
-            left = left | (fns.exclude(a, b, s.detach()) if fns.exclude_scores else fns.exclude(a, b)).expand(1, n)
-        m = (fns.positive(a, b) if fns.positive is not None else a.index == b.index).expand(1, n).to(s.dtype)
-        m = torch.where(left | own, torch.zeros_like(m), m)
-        w = torch.ones_like(s) if fns.weight is None else fns.weight(a, b).expand(1, n).to(s.dtype)
+            excluded = fns.exclude(a, b, s.detach()) if fns.exclude_scores else fns.exclude(a, b)
+            left = left | tile_result(excluded, "exclude", 1, n, s, "bool")
+        m = tile_result(fns.positive(a, b), "positive", 1, n, s, "weight") if fns.positive is not None else None
+        m = (a.index == b.index).expand(1, n) if m is None else m
+        m = torch.where(left | own, 0.0, m.to(s.dtype))
+        if fns.weight is None:
+            w = torch.ones_like(s)
+        else:  # a pair out of every set takes no part, whatever its weight (NaN included)
+            w = torch.where(left, 1.0, tile_result(fns.weight(a, b), "weight", 1, n, s, "weight").to(s.dtype))
         keep = (~left)[0]
         if head.sets is not None:  # the two sets' log-sum-exps, each set's modified scores
             assert fns.pos_mod is not None and fns.neg_mod is not None
-            pos, neg = keep & (m[0] > 0), keep & (m[0] == 0)
-            lw = torch.log(w[0])
-            p = torch.logsumexp((fns.pos_mod(s, a, b).expand(1, n)[0] + lw)[pos], 0)
-            q_ = torch.logsumexp((fns.neg_mod(s, a, b).expand(1, n)[0] + lw)[neg], 0)
+            pos, neg = keep & (m[0] != 0), keep & (m[0] == 0)
+            lw = torch.log(w[0]) + 0.0 * m[0]  # a NaN membership weight makes its set NaN
+            p = torch.logsumexp((_guarded(fns.pos_mod, "pos_mod", s, left, a, b)[0] + lw)[pos], 0)
+            q_ = torch.logsumexp((_guarded(fns.neg_mod, "neg_mod", s, left, a, b)[0] + lw)[neg], 0)
             counted = bool(head.sets.counted(p.detach().view(1), q_.detach().view(1)))
             out_rows.append(head.sets.loss(p, q_) if counted else s.sum() * 0)
             continue
-        sp = s if fns.score_mod is None else fns.score_mod(s, a, b).expand(1, n)
+        sp = s if fns.score_mod is None else _guarded(fns.score_mod, "score_mod", s, left, a, b)
         if head.kind == "sigmoid":
             t = sp[0] + (bias if bias is not None else 0.0)
             terms = w[0] * (m[0] * softplus(-t) + (1 - m[0]) * softplus(t))
             out_rows.append(terms[keep].sum())
             continue
-        den = keep & (w[0] > 0) & ~torch.isneginf(sp[0])
+        den = keep & (w[0] != 0) & ~torch.isneginf(sp[0])  # a NaN weight is in it (and the row NaN)
         if not bool(den.any()):
             out_rows.append(s.sum() * 0)
             continue
         lse = torch.logsumexp(sp[0][den] + torch.log(w[0][den]), 0)
-        pos = m[0] > 0
+        pos = m[0] != 0
         npos, msum = int(pos.sum()), m[0].sum()
         terms = m[0][pos] * (lse - sp[0][pos])  # each positive's cross-entropy, weighted
         if head.positives == "sum":
@@ -258,6 +264,14 @@ def _reference_from(
         else:  # "pairs"
             out_rows.append(terms.sum())
     return torch.stack(out_rows) if out_rows else like.sum(-1)[:0]
+
+
+def _guarded(fn: Callable[..., Any], name: str, s: Tensor, left: Tensor, a: View, b: View) -> Tensor:
+    """``fn(s, a, b)`` on a reference row, checked, with the pairs out of every set
+    (``left``) entering as constants and leaving as 0: nothing of theirs (a NaN, an
+    infinite slope) reaches the scores' gradient."""
+    out = tile_result(fn(torch.where(left, s.detach(), s), a, b), name, 1, s.shape[1], s, "float")
+    return torch.where(left, 0.0, out)
 
 
 def _anchor_views(head: FlexHead, i: int, n: int) -> Tuple[View, View]:
@@ -460,6 +474,7 @@ def flex_loss(
     process_group: Any = None,
     strategy: str = "all_gather",
     grad_scale: str = "ddp",
+    shared_keys: Optional[bool] = None,
     matryoshka_dims: Optional[Sequence[int]] = None,
     matryoshka_weights: Optional[Sequence[float]] = None,
 ) -> Tensor:
@@ -568,6 +583,14 @@ def flex_loss(
         @backend@ No Triton kernel: ``"auto"`` picks ``"tiled"`` from 2^20 pairs,
             ``"dense"`` below; ``"reference"`` calls the functions one anchor at a time.
         @process_group@
+        shared_keys: across processes, whether ``keys`` are keys that every rank holds
+            alike (a queue, a memory bank, cluster prototypes): they enter the global loss
+            once (as rank 0's), and ranks that pass different ones get a ValueError each;
+            False: each rank's own keys, gathered from every rank (a frozen tower's keys,
+            without gradient). Default (None): shared when ``keys`` carries no gradient
+            (``requires_grad`` False) and not ``both_directions``, each rank's own
+            otherwise. True takes keys without gradient, not ``both_directions``. One
+            process: no effect.
         @matryoshka@
 
     Matryoshka widths visit the tiles once per width. Under ``torch.compile`` the call is
@@ -649,9 +672,22 @@ def _flex(o: Dict[str, Any]) -> Tensor:
     learn_bias = bias_t is not None and bias_t.requires_grad
     params: Tuple[Tensor, ...] = (bias_t,) if learn_bias else ()  # type: ignore[assignment]
     group = opts.process_group
+    shared = _shared_keys(o["shared_keys"], keys, group, both_directions)
     with autocast_off(q.device.type):
-        source = parallel.columns(q if own else keys, opts.strategy, group, own=own)  # type: ignore[arg-type]
-        col_all = {k: source.gather(v) for k, v in col_data.items()}
+        if shared:  # every rank's keys alike: once, after rank 0's none (compared across the ranks)
+            assert keys is not None
+            try:
+                source = parallel.columns(keys[:0], opts.strategy, group, shared=keys)
+                col_all = {k: source.gather(v[:0], shared=v) for k, v in col_data.items()}
+            except ValueError as e:
+                raise ValueError(
+                    f"{e}. flex_loss: keys without gradient are taken as shared keys (a queue, prototypes) that "
+                    "every rank holds alike; for each rank's own keys without gradient (a frozen tower's) pass "
+                    "shared_keys=False"
+                ) from e
+        else:
+            source = parallel.columns(q if own else keys, opts.strategy, group, own=own)  # type: ignore[arg-type]
+            col_all = {k: source.gather(v) for k, v in col_data.items()}
         if own:
             row_base = source.offset
         elif group is None:
@@ -714,6 +750,30 @@ def _flex(o: Dict[str, Any]) -> Tensor:
                 _direction(keys, back, col_data, q_all, scale, swapped, all_params, bias_t, name, opts, per_row)
             )
         return _reduce(parts, opts, source)
+
+
+def _shared_keys(flag: Any, keys: Optional[Tensor], group: Any, both_directions: bool) -> bool:
+    """Whether ``keys`` join the column source once, as keys every rank holds alike
+    (``shared_keys``: None, the keys without gradient); checked on one process too."""
+    if flag is not None:
+        checks.check_bool(flag, "shared_keys")
+    if keys is None:
+        if flag:
+            raise ValueError("shared_keys takes keys: with keys=None the keys are every rank's anchors")
+        return False
+    # both directions make the keys anchors too: a batch of each rank's own
+    shared = not (keys.requires_grad or both_directions) if flag is None else bool(flag)
+    if shared and keys.requires_grad:
+        raise ValueError(
+            "shared_keys=True takes keys without gradient (a queue, prototypes: the same on every rank); "
+            "keys with gradient are each rank's own (shared_keys=False)"
+        )
+    if shared and both_directions:
+        raise ValueError(
+            "shared_keys=True with both_directions: shared keys (the same on every rank, entering once) would be "
+            "anchors on every rank; both directions take each rank's own keys"
+        )
+    return shared and group is not None
 
 
 def _flex_scores(o: Dict[str, Any]) -> Tensor:
@@ -977,6 +1037,7 @@ class FlexLoss(LossModule):
         process_group: Any = None,
         strategy: str = "all_gather",
         grad_scale: str = "ddp",
+        shared_keys: Optional[bool] = None,
         matryoshka_dims: Optional[Sequence[int]] = None,
         matryoshka_weights: Optional[Sequence[float]] = None,
     ) -> None:

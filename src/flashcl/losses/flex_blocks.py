@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import Tensor
 
-from ..engine.flex import View, _tile_result
+from ..engine.flex import View, tile_result
 
 __all__ = ["BlockMask", "flex_block_mask"]
 
@@ -180,7 +180,7 @@ def flex_block_mask(
         r0, r1 = i * block_size, min((i + 1) * block_size, m)
         a = View(row_data, r0, r1, 0, "a", "the anchors' data (rows=)", "a")
         b = View(col_data, 0, n_, 0, "b", "the keys' data (cols=)", "b")
-        out = _tile_result(exclude(a, b), "exclude", r1 - r0, n_, like, "bool").clone()
+        out = tile_result(exclude(a, b), "exclude", r1 - r0, n_, like, "bool").clone()
         if own and not include_self:
             out.diagonal(offset=r0).fill_(True)
         pad = cb * block_size - n_
