@@ -174,3 +174,17 @@ def test_one_body_per_loss_and_no_across_copy() -> None:
         tree = ast.parse(FILES[p])
         names = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         assert not [n for n in names if "across" in n], (p.name, names)
+
+
+def test_import_loads_no_compiler() -> None:
+    """``import flashcl`` stays light: torch's compiler (dynamo, and with it sympy and
+    triton) loads when something first compiles, not at import (it cost 1.8 s and 150 MB)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, flashcl; "
+        "print(' '.join(m for m in ('torch._dynamo', 'torch._inductor', 'sympy', 'triton') if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == [], f"import flashcl loaded {loaded}"

@@ -203,6 +203,28 @@ def test_pml_adapters(name: str) -> None:
     assert_close(ours(e, y), theirs(e, y), f"{name}: with a reducer and a regularizer", *TOL)
 
 
+@pytest.mark.parametrize("name", ["CosFaceLoss", "ArcFaceLoss", "SubCenterArcFaceLoss"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pml_adapters_return_the_embeddings_dtype(name: str, dtype: torch.dtype) -> None:
+    """Half-precision embeddings (the classes' weights cast to them, as PML does): the loss
+    comes back in their dtype, as PML's does, and within its rounding of PML's value."""
+    pml = pytest.importorskip("pytorch_metric_learning")
+    from flashcl.integrations import pytorch_metric_learning as fpml
+
+    e, y, _ = _data(b=10, d=5, c=11, seed=11)
+    e = e.to(dtype)
+    torch.manual_seed(4)
+    ours = getattr(fpml, name)(num_classes=11, embedding_size=5)
+    torch.manual_seed(4)
+    theirs = getattr(pml.losses, name)(num_classes=11, embedding_size=5)
+    got = ours(e.clone().requires_grad_(True), y)
+    assert got.dtype == dtype, f"{name}: {got.dtype}"
+    want = theirs(e.float(), y)  # PML's own formula, in float32 on the half inputs
+    if dtype == torch.float16:  # where PML itself runs in the half dtype, its dtype too
+        assert theirs(e, y).dtype == dtype
+    assert abs(float(got.detach()) - float(want)) <= 2e-2 * abs(float(want)), (name, float(got.detach()), float(want))
+
+
 SIZES = {2: [5, 8], 3: [4, 1, 7]}
 
 

@@ -562,7 +562,7 @@ class _MarginAdapter(FlashclOptions):
             backend=self.backend,
             block_size=self.block_size,
             subcenters=int(getattr(self, "sub_centers", 1)),
-        )
+        ).to(embeddings.dtype)  # computed in float32 for half inputs; returned in theirs, as PML returns it
         loss_dict = {
             "loss": {
                 "losses": losses * miner_weights,

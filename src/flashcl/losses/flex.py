@@ -623,10 +623,16 @@ def flex_loss(
     return torch.stack(parts).sum(0)
 
 
-@torch.compiler.disable
 def _flex(o: Dict[str, Any]) -> Tensor:
     """:func:`flex_loss` at one width: eager under ``torch.compile`` (the user's functions
-    are Python run on each tile)."""
+    are Python run on each tile), the compiler's ``disable`` taken only when compiling, so
+    that importing flashcl does not load it."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_flex_eager)(o)
+    return _flex_eager(o)
+
+
+def _flex_eager(o: Dict[str, Any]) -> Tensor:
     if o["scores"] is not None or o["q"] is None:
         return _flex_scores(o)
     q, keys, rows, cols, kind = o["q"], o["keys"], o["rows"], o["cols"], o["kind"]

@@ -144,10 +144,14 @@ def warn_if_swapped(teacher: Sequence[Tensor], student: Sequence[Tensor], call: 
 def load_center(state_dict: Dict[str, Any], key: str, own: Optional[Tensor]) -> Optional[Tensor]:
     """For a Module's ``_load_from_state_dict``: the checkpoint's center ``state_dict[key]``
     (if any) put in the shape of ``own``, the Module's center buffer (None: (K,)), and
-    returned. Any shape of K values loads: (K,), lightly's (1, 1, K), DINOv2's (1, K). A
+    returned. Any shape of K values loads: (K,), lightly's (1, 1, K), DINOv2's (1, K), and
+    under ``key + ".center"`` (lightly's ``IBOTPatchLoss``, whose center is a module). A
     different count of values is a ValueError that names both. (``load_state_dict``
     hands its hooks a copy of the caller's dict: the caller's is left as it was.)"""
     value = state_dict.get(key)
+    nested = key + ".center"  # lightly's Center module (its IBOTPatchLoss's checkpoint): "center.center"
+    if value is None and isinstance(state_dict.get(nested), Tensor):
+        value = state_dict.pop(nested)
     if not isinstance(value, Tensor):
         return None
     k = value.numel()
