@@ -330,18 +330,129 @@ def _window_module(tmp_path: Any) -> Any:
     return path, module
 
 
-def test_a_loss_no_built_in_matches_gets_a_flex_call_in_its_own_names(tmp_path: Any) -> None:
-    """A time-window SupCon written as a loop: no built-in matches; the report prints
-    the loss as a flex call with the function's names, which runs as printed and, with
-    the window filled in as the loop has it, is the loop's loss."""
+def test_a_loss_no_built_in_matches_gets_the_flex_call_that_equals_it(tmp_path: Any) -> None:
+    """A time-window SupCon written as a loop: no built-in matches; the doctor names the flex
+    call (its window and temperature found) whose value and gradient equal the loop's at every
+    size, in the function's names, and it runs as printed."""
     _, mod = _window_module(tmp_path)
     emb, stamps = torch.randn(48, 8, requires_grad=True), torch.randn(48)
     report = flashcl.doctor(mod.window_loss, emb, stamps, sizes=[48, 96], repeats=3)
+    assert report.replacement is not None, report.text()
+    call = report.replacement.call
+    assert call.startswith("flashcl.flex_loss(emb, ") and 'rows={"stamps": stamps}' in call
+    assert "<= 1," in call and "temperature=0.1," in call, call
+    printed = pasted_into(call, ["emb", "stamps"], [emb, stamps])
+    assert torch.allclose(printed, mod.window_loss(emb, stamps), rtol=1e-5)
+
+
+def test_a_constant_it_cannot_infer_is_named_in_the_template(tmp_path: Any) -> None:
+    """A window no tried width has (0.37): the report prints the flex call to fill in, in the
+    function's names, and says which part it could not infer; with the window filled in as
+    the loop has it, it is the loop's loss."""
+    _, mod = _window_module(tmp_path)
+    odd = mod.window_loss.__globals__
+    code = WINDOW_LOSS.replace("<= 1.0", "<= 0.37")
+    exec(code, odd)
+    emb, stamps = torch.randn(48, 8, requires_grad=True), torch.randn(48)
+    report = flashcl.doctor(odd["window_loss"], emb, stamps, sizes=[48, 96], repeats=3)
     assert report.replacement is None and report.flex_template is not None
     text = report.text()
     assert "as a flex loss in your names" in text and 'rows={"stamps": stamps}' in report.flex_template
-    printed = pasted_into(report.flex_template, ["emb", "stamps"], [emb, stamps])
-    assert torch.allclose(printed, mod.window_loss(emb, stamps), rtol=1e-5)
+    assert "could not infer: tried a window" in report.flex_template
+    filled = report.flex_template.replace("<= 0.1,", "<= 0.37,")
+    printed = pasted_into(filled, ["emb", "stamps"], [emb, stamps])
+    assert torch.allclose(printed, odd["window_loss"](emb, stamps), rtol=1e-5)
+
+
+# Losses as users write them, from published code (not ours): the doctor must print a flex
+# call that runs and equals each one.
+PUBLISHED = '''
+import torch
+import torch.nn.functional as F
+
+
+def multilabel_supcon(features, labels):
+    """Supervised contrastive loss of SupContrast (Khosla et al.; HobbitLong/SupContrast's
+    losses.py, one view, contrast_mode 'all'), its mask from multi-hot labels (a shared
+    label), as multi-label users adapt it, the features normalised first."""
+    temperature, base_temperature = 0.07, 0.07
+    features = F.normalize(features, dim=1)
+    batch_size = features.shape[0]
+    labels = labels.float()
+    mask = (torch.matmul(labels, labels.T) > 0).float()
+    anchor_dot_contrast = torch.div(torch.matmul(features, features.T), temperature)
+    logits_max, _ = torch.max(anchor_dot_contrast, dim=1, keepdim=True)
+    logits = anchor_dot_contrast - logits_max.detach()
+    logits_mask = torch.scatter(torch.ones_like(mask), 1, torch.arange(batch_size).view(-1, 1), 0)
+    mask = mask * logits_mask
+    exp_logits = torch.exp(logits) * logits_mask
+    log_prob = logits - torch.log(exp_logits.sum(1, keepdim=True))
+    mask_pos_pairs = mask.sum(1)
+    mask_pos_pairs = torch.where(mask_pos_pairs < 1e-6, 1, mask_pos_pairs)
+    mean_log_prob_pos = (mask * log_prob).sum(1) / mask_pos_pairs
+    loss = -(temperature / base_temperature) * mean_log_prob_pos
+    return loss.view(1, batch_size).mean()
+
+
+def age_window(z_i, z_j, age):
+    """Two towers whose positives are the pairs within two years of age (the age of a
+    subject, as in age-aware contrastive learning), a loop over the anchors."""
+    z_i, z_j = F.normalize(z_i, dim=1), F.normalize(z_j, dim=1)
+    logits = z_i @ z_j.T / 0.1
+    losses = []
+    for i in range(z_i.shape[0]):
+        pos = (age - age[i]).abs() <= 2.0
+        losses.append(-torch.log_softmax(logits[i], 0)[pos].mean())
+    return torch.stack(losses).mean()
+'''
+
+
+def _published(tmp_path: Any) -> Any:
+    import importlib.util
+
+    path = tmp_path / "published.py"
+    path.write_text(PUBLISHED)
+    spec = importlib.util.spec_from_file_location("published", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return path, module
+
+
+def test_the_doctor_prints_a_flex_call_equal_to_a_multilabel_supcon(tmp_path: Any) -> None:
+    """Multi-hot labels (ints): a shared label as the positive, the loop's own temperature."""
+    _, mod = _published(tmp_path)
+    x, labels = torch.randn(40, 8, requires_grad=True), torch.randint(0, 2, (40, 5))
+    report = flashcl.doctor(mod.multilabel_supcon, x, labels, sizes=[40, 80], repeats=3)
+    assert report.replacement is not None, report.text()
+    call = report.replacement.call
+    assert "(a.labels & b.labels).any(-1)" in call and "temperature=0.07" in call, call
+    assert torch.allclose(pasted_into(call, ["features", "labels"], [x, labels]), mod.multilabel_supcon(x, labels))
+
+
+def test_the_doctor_gives_two_towers_per_sample_data_to_both(tmp_path: Any) -> None:
+    """Two towers and a per-sample age (no gradient): the keys' view reads it too (cols=)."""
+    _, mod = _published(tmp_path)
+    z_i, z_j, age = torch.randn(40, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True), torch.randn(40)
+    report = flashcl.doctor(mod.age_window, z_i, z_j, age, sizes=[40, 80], repeats=3)
+    assert report.replacement is not None, report.text()
+    call = report.replacement.call
+    assert 'rows={"age": age}, cols={"age": age}' in call and "(a.age - b.age).abs() <= 2," in call, call
+    printed = pasted_into(call, ["z_i", "z_j", "age"], [z_i, z_j, age])
+    assert torch.allclose(printed, mod.age_window(z_i, z_j, age))
+
+
+def test_cli_doctor_takes_inputs_without_gradient(tmp_path: Any, capsys: Any) -> None:
+    """``--no-grad age``: the ages carry no gradient, the comparison leaves them out, and the
+    flex call is named; an unknown name or an integer input is a clear error."""
+    path, _ = _published(tmp_path)
+    args = ["doctor", f"{path}:age_window", "--shape", "n,8", "--shape", "n,8", "--shape", "n", "--sizes", "40,80"]
+    assert main(args + ["--no-grad", "age"]) == 0
+    out = capsys.readouterr().out
+    assert 'same loss and gradient as: flashcl.flex_loss(z_i, z_j, rows={"age": age}, cols={"age": age}' in out
+    with pytest.raises(SystemExit, match="not a parameter"):
+        main(args + ["--no-grad", "height"])
+    with pytest.raises(SystemExit, match="integer"):
+        main(["doctor", f"{path}:multilabel_supcon", "--shape", "n,8", "--shape", "n,5:int:2", "--no-grad", "1"])
 
 
 def test_a_candidate_is_checked_at_every_size_and_timed(tmp_path: Any) -> None:
@@ -352,7 +463,9 @@ def test_a_candidate_is_checked_at_every_size_and_timed(tmp_path: Any) -> None:
     assert good.replacement is not None and good.replacement.call == "your candidate as_flex"
     assert "same loss and gradient as: your candidate as_flex" in good.text()
     bad = flashcl.doctor(mod.window_loss, emb, stamps, sizes=[48, 96], repeats=3, candidate=mod.as_flex_too_warm)
-    assert not any(c.same for c in bad.candidate_checks) and bad.replacement is None
+    assert not any(c.same for c in bad.candidate_checks)
+    # the doctor's own search then names the call that does equal the loop
+    assert bad.replacement is not None and "temperature=0.1," in bad.replacement.call
     assert all(c.where.startswith("emb[") and c.grad_error > 1e-3 for c in bad.candidate_checks)
     assert "DIFFERS" in bad.text()
     with pytest.raises(TypeError, match="candidate"):

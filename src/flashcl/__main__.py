@@ -50,6 +50,7 @@ def _doctor(args: argparse.Namespace) -> int:
         inputs = inputs_from_shapes(args.shape, sizes[0], seed=args.seed)
     except ValueError as e:
         raise SystemExit(f"flashcl doctor: {e}") from e
+    _without_grad(fn, inputs, args.no_grad or [])
     params = _positional_parameters(fn)
     if params is not None and len(args.shape) < params:
         raise SystemExit(
@@ -71,6 +72,22 @@ def _doctor(args: argparse.Namespace) -> int:
             f.write(report.to_json())
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _without_grad(fn: Callable[..., Any], inputs: List[Any], names: List[str]) -> None:
+    """``--no-grad NAME``: the floating inputs named (the function's parameter, or its
+    position from 0) made without gradient, in place (ages, soft labels, a frozen tower's
+    output), so that the comparison leaves them out."""
+    from .tools.doctor import parameter_names
+
+    given = parameter_names(fn, len(inputs)) or []
+    for name in names:
+        index = int(name) if name.isdigit() else (given.index(name) if name in given else None)
+        if index is None or index >= len(inputs):
+            raise SystemExit(f"flashcl doctor: --no-grad {name}: not a parameter of the function ({', '.join(given)})")
+        if not inputs[index].is_floating_point():
+            raise SystemExit(f"flashcl doctor: --no-grad {name}: an integer input has no gradient already")
+        inputs[index] = inputs[index].detach()
 
 
 _DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -141,6 +158,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="repeat once per input, in order: 'n,n' (float, requires grad), 'n,128', 'n:int:5' "
         "(int64 in [0, 5)); n is the batch size. E.g. --shape n,128 --shape n:int:10 for "
         "loss(embeddings, labels)",
+    )
+    doc.add_argument(
+        "--no-grad",
+        action="append",
+        metavar="NAME",
+        help="a floating input without gradient (ages, soft labels, a frozen tower's output): the function's "
+        "parameter name or position; repeat for several. Its gradient is then left out of the comparison",
     )
     doc.add_argument("--sizes", default="250,500,1000", help="batch sizes n to run at (default 250,500,1000)")
     doc.add_argument("--seed", type=int, default=0, help="random and torch are seeded with it before each call")

@@ -465,18 +465,19 @@ def _find_replacement(
 ) -> Optional[Replacement]:
     """The flashcl call whose value and gradient equal the function's at every size
     (``every_size``: the inputs at each size, the largest last), the candidates
-    whose value at the largest size is closest tried first; timed at the largest."""
+    whose value at the smallest size is closest tried first; timed at the largest."""
     inputs = every_size[-1]
     user = [_grads(functools.partial(_call, fn, ins, seed), ins) for ins in every_size]
-    with torch.no_grad():
+    with torch.no_grad():  # the values at the smallest size first: the candidates are many
         values = []
-        for i, (_, cand) in enumerate(_candidates(inputs, seed)):
+        for i, (_, cand) in enumerate(_candidates(every_size[0], seed)):
             try:
                 value = float(cand())
             except (ValueError, TypeError):
                 continue
-            if _close(value, user[-1][0]):
-                values.append((abs(value - user[-1][0]), i))
+            if _close(value, user[0][0]):  # the closest first; those equal to rounding in the families' order
+                rel = abs(value - user[0][0]) / max(1.0, abs(user[0][0]))
+                values.append((rel if rel > 1e-5 else 0.0, i))
     names = parameter_names(fn, len(inputs))
     per_size = [_candidates(ins, seed, names) for ins in every_size]
     for _, i in sorted(values):

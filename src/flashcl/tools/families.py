@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -262,8 +262,151 @@ def _cosent(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
     return f"cosent_loss at scales {_words(_COSENT_SCALES)}, cosine or AnglE's angle similarity", out
 
 
-#: every family the doctor tries, each on the inputs it takes
-_FAMILIES = (_neighbor, _supcon, _triplet, _margin, _two_towers, _cosent)
+_WINDOWS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class _Field(NamedTuple):
+    field: str  # the name the views carry it by (an identifier)
+    written: str  # the user's name for it
+    t: Tensor
+
+
+class _FlexLayout(NamedTuple):
+    """A flex call's inputs: the anchors ``q``, the keys ``k`` (None: self-contrast), the
+    per-sample fields of ``rows=`` and of ``cols=`` (two towers of one length: the same
+    fields in both, so that ``b`` reads them too)."""
+
+    q: Tensor
+    k: Optional[Tensor]
+    rows: List[_Field]
+    cols: List[_Field]
+
+
+def _flex_layout(inputs: Sequence[Any], name: Namer) -> Optional[_FlexLayout]:
+    """The embeddings (the first 2-D floating input; a second one of the same width: the
+    keys) and every other per-sample tensor as a field of the anchors (and, where the keys
+    are as many, of the keys), or None for inputs a flex loss does not take (a square
+    score matrix alone, no embeddings)."""
+    tensors = [t for t in inputs if isinstance(t, Tensor)]
+    matrices = [t for t in tensors if t.is_floating_point() and t.dim() == 2]
+    if not matrices or (len(tensors) == 1 and matrices[0].shape[0] == matrices[0].shape[1]):
+        return None
+    q = next((t for t in matrices if t.requires_grad), matrices[0])
+    k = next((t for t in matrices if t is not q and t.shape[1] == q.shape[1]), None)
+    rows: List[_Field] = []
+    cols: List[_Field] = []
+
+    def field(t: Tensor, default: str) -> _Field:
+        written = name(t, default)
+        return _Field(written if written.isidentifier() else default, written, t)
+
+    for i, t in enumerate(tensors):
+        if t is q or t is k or t.dim() == 0:
+            continue
+        if t.shape[0] == q.shape[0]:
+            rows.append(field(t, f"x{i}"))
+            if k is not None and k.shape[0] == q.shape[0]:
+                cols.append(rows[-1])
+        elif k is not None and t.shape[0] == k.shape[0]:
+            cols.append(field(t, f"k{i}"))
+    return _FlexLayout(q, k, rows, cols)
+
+
+def _positive_forms(layout: _FlexLayout) -> Tuple[List[Tuple[str, bool]], str]:
+    """The positives a flex call may take from the first field of the anchors (and its
+    namesake of the keys): ``[(code, weighted)]`` and, in words, what was tried. Equal
+    labels; a window on a number (several widths); a shared label of multi-hot labels,
+    or their Jaccard similarity as weights; soft labels' dot product as weights."""
+    if not layout.rows:
+        return [], "no per-sample data: the diagonal (two towers) or nothing to infer (self-contrast)"
+    f = layout.rows[0]
+    other = f.field if layout.k is None or f in layout.cols else (layout.cols[0].field if layout.cols else None)
+    if other is None:
+        return [], f"the keys carry no data to compare with {f.written}"
+    a, b, t = f"a.{f.field}", f"b.{other}", f.t
+    if t.dim() == 1 and not t.is_floating_point():
+        return [(f"{a} == {b}", False)], f"equal {f.written}"
+    if t.dim() == 1:
+        forms = [(f"({a} - {b}).abs() <= {w:g}", False) for w in _WINDOWS]
+        return forms, f"a window |{a} - {b}| <= w on {f.written}, w = {_words(_WINDOWS)}"
+    if t.dim() == 2 and not t.is_floating_point():
+        return [
+            (f"({a} & {b}).any(-1)", False),
+            (f"({a} & {b}).sum(-1) / ({a} | {b}).sum(-1).clamp_min(1)", True),
+        ], f"a shared label of the multi-hot {f.written}, or their Jaccard similarity as weights"
+    if t.dim() == 2:
+        return [(f"({a} * {b}).sum(-1)", True)], f"the dot product of the soft labels {f.written} as weights"
+    return [], f"{f.written} has {t.dim()} dimensions: write the positive yourself"
+
+
+def _namespace(layout: _FlexLayout, name: Namer) -> Dict[str, Any]:
+    """The names a printed call reads, bound to the inputs (``args[i]``: the i-th of a
+    tuple ``args``), with ``flashcl`` and ``torch``."""
+    import flashcl
+
+    ns: Dict[str, Any] = {"flashcl": flashcl, "torch": torch}
+    starred: Dict[str, Dict[int, Tensor]] = {}
+    pairs = [(layout.q, name(layout.q, "embeddings"))]
+    pairs += [] if layout.k is None else [(layout.k, name(layout.k, "keys"))]
+    pairs += [(f.t, f.written) for f in layout.rows + layout.cols]
+    for t, written in pairs:
+        if written.isidentifier():
+            ns[written] = t
+        else:  # "args[i]"
+            base, index = written[:-1].split("[", 1)
+            starred.setdefault(base, {})[int(index)] = t
+    for base, items in starred.items():
+        ns[base] = tuple(items.get(i) for i in range(max(items) + 1))
+    return ns
+
+
+def _flex_call(layout: _FlexLayout, name: Namer, options: str, sep: str = " ") -> str:
+    """``flashcl.flex_loss(...)`` in the user's names with ``options`` (keyword text)."""
+    parts = [name(layout.q, "embeddings")]
+    if layout.k is not None:
+        parts.append(name(layout.k, "keys"))
+    if layout.rows:
+        parts.append("rows={" + ", ".join(f'"{f.field}": {f.written}' for f in layout.rows) + "}")
+    if layout.cols:
+        parts.append("cols={" + ", ".join(f'"{f.field}": {f.written}' for f in layout.cols) + "}")
+    return "flashcl.flex_loss(" + ("," + sep).join(parts + [options]) + ")"
+
+
+def _flex(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
+    """Flex calls whose positives come from the per-sample data (its first field): each
+    positive form with the positives' modes, temperatures, normalised or not, and the
+    reductions (the mean over the anchors with positives, the sum, the sum over the
+    batch's size); each built by evaluating the printed call, so that it runs as printed."""
+    layout = _flex_layout(inputs, name)
+    if layout is None:
+        return None
+    forms, words = _positive_forms(layout)
+    if not forms:
+        return None
+    ns = _namespace(layout, name)
+    n = f"{name(layout.q, 'embeddings')}.shape[0]"
+    modes = [("weighted_mean", False), ("mean", False)] if forms[0][1] else [("mean", False), ("sum", False)]
+    if layout.k is None:
+        modes.append(("mean", True))
+    out: List[Candidate] = []
+    for code, weighted in forms:
+        for positives, include_self in [("weighted_mean", False)] if weighted else modes:
+            for t in _TEMPERATURES:
+                for normalize in (True, False):
+                    for red, tail in (("mean", ""), ("sum", ""), ("sum", f" / {n}")):
+                        options = (
+                            f"positive=lambda a, b: {code}, positives='{positives}', "
+                            + ("include_self=True, " if include_self else "")
+                            + f"temperature={t}, normalize={normalize}, reduction='{red}'"
+                        )
+                        call = _flex_call(layout, name, options) + tail
+                        out.append((call, eval(f"lambda: {call}", ns)))  # noqa: S307 - the printed call, as printed
+    temps = _words(_TEMPERATURES)
+    return f"flex_loss with positives from {words}, at temperatures {temps}, normalised or not", out
+
+
+#: every family the doctor tries, each on the inputs it takes (flex last: a built-in is named first)
+_FAMILIES = (_neighbor, _supcon, _triplet, _margin, _two_towers, _cosent, _flex)
 
 
 def families(inputs: Sequence[Any]) -> List[str]:
@@ -294,56 +437,33 @@ def candidates(inputs: Sequence[Any], seed: int, names: Optional[Sequence[str]] 
 
 
 def flex_template(inputs: Sequence[Any], names: Optional[Sequence[str]] = None) -> Optional[str]:
-    """The loss as a :func:`flashcl.flex_loss` call in the user's names, to fill in: the
-    embeddings (the first 2-D floating input; a second one of the same width: the
-    keys), every other per-sample tensor as a field of ``rows=`` (the anchors') or
-    ``cols=`` (the keys'), and a positive function from the first field (equality of an
-    integer field, a window on a floating one). None for inputs a flex loss does not
-    take (a square score matrix alone, no embeddings)."""
+    """The loss as a :func:`flashcl.flex_loss` call in the user's names, to fill in where
+    no call the doctor tried matched: the embeddings (the first 2-D floating input; a
+    second one of the same width: the keys), every other per-sample tensor as a field of
+    ``rows=`` (and of ``cols=`` where the keys are as many), a first positive function
+    from the first field, and comments that say what could not be inferred. None for
+    inputs a flex loss does not take (a square score matrix alone, no embeddings)."""
     name = _namer(inputs, names)
-    tensors = [t for t in inputs if isinstance(t, Tensor)]
-    matrices = [t for t in tensors if t.is_floating_point() and t.dim() == 2]
-    if not matrices or (len(tensors) == 1 and matrices[0].shape[0] == matrices[0].shape[1]):
+    layout = _flex_layout(inputs, name)
+    if layout is None:
         return None
-    q = matrices[0]
-    k = next((t for t in matrices[1:] if t.shape[1] == q.shape[1]), None)
-    rows, cols = [], []
-    for t in tensors:
-        if t is q or t is k or t.dim() == 0:
-            continue
-        if t.shape[0] == q.shape[0]:
-            rows.append(t)
-        elif k is not None and t.shape[0] == k.shape[0]:
-            cols.append(t)
-
-    def field(t: Tensor, default: str) -> str:
-        written = name(t, default)
-        return written if written.isidentifier() else default
-
-    row_fields = [(field(t, f"x{i}"), name(t, f"x{i}"), t) for i, t in enumerate(rows)]
-    col_fields = [(field(t, f"k{i}"), name(t, f"k{i}"), t) for i, t in enumerate(cols)]
-    lines = ["flashcl.flex_loss(", f"    {name(q, 'embeddings')},"]
-    if k is not None:
-        lines.append(f"    {name(k, 'keys')},")
-    if row_fields:
-        lines.append("    rows={" + ", ".join(f'"{f}": {w}' for f, w, _ in row_fields) + "},")
-    if col_fields:
-        lines.append("    cols={" + ", ".join(f'"{f}": {w}' for f, w, _ in col_fields) + "},")
-    if row_fields:
-        f, _, t = row_fields[0]
-        other = next((g for g, _, _ in col_fields), f) if k is not None else f
-        if t.is_floating_point():
-            test = f"(a.{f} - b.{other}).abs() <= 1.0"
-        else:
-            test = f"a.{f} == b.{other}"
-        lines.append(f"    positive=lambda a, b: {test},  # the positives: bool, or weights >= 0")
-    elif k is None:
-        lines.append("    positive=lambda a, b: ...,  # the positives of each pair (a: anchors, b: keys)")
+    forms, words = _positive_forms(layout)
+    lines = ["flashcl.flex_loss(", f"    {name(layout.q, 'embeddings')},"]
+    if layout.k is not None:
+        lines.append(f"    {name(layout.k, 'keys')},")
+    if layout.rows:
+        lines.append("    rows={" + ", ".join(f'"{f.field}": {f.written}' for f in layout.rows) + "},")
+    if layout.cols:
+        lines.append("    cols={" + ", ".join(f'"{f.field}": {f.written}' for f in layout.cols) + "},")
+    if forms:
+        lines.append(f"    positive=lambda a, b: {forms[0][0]},  # could not infer: tried {words}")
+    elif layout.k is None:
+        lines.append(f"    positive=lambda a, b: ...,  # which pairs are positives? ({words})")
     else:
         lines.append("    # positive: the diagonal (a.index == b.index) unless given")
     lines += [
         "    exclude=None,  # pairs out of every set: lambda a, b: ... (duplicates, false negatives)",
-        "    temperature=0.1,",
+        f"    temperature=0.1,  # could not infer: tried {_words(_TEMPERATURES)} with each positive above",
         ")",
     ]
     return "\n".join(lines)
