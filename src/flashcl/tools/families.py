@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import random
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from ..losses.clip import clip_loss
 from ..losses.cosent import cosent_loss
+from ..losses.flex import flex_loss
 from ..losses.info_nce import info_nce_loss
 from ..losses.margin import arcface_loss, cosface_loss
 from ..losses.neighbor import neighbor_loss
@@ -342,9 +344,8 @@ def _positive_forms(layout: _FlexLayout) -> Tuple[List[Tuple[str, bool]], str]:
 def _namespace(layout: _FlexLayout, name: Namer) -> Dict[str, Any]:
     """The names a printed call reads, bound to the inputs (``args[i]``: the i-th of a
     tuple ``args``), with ``flashcl`` and ``torch``."""
-    import flashcl
-
-    ns: Dict[str, Any] = {"flashcl": flashcl, "torch": torch}
+    # the printed call's ``flashcl.flex_loss``: the function itself (the package is what imports this module)
+    ns: Dict[str, Any] = {"flashcl": SimpleNamespace(flex_loss=flex_loss), "torch": torch}
     starred: Dict[str, Dict[int, Tensor]] = {}
     pairs = [(layout.q, name(layout.q, "embeddings"))]
     pairs += [] if layout.k is None else [(layout.k, name(layout.k, "keys"))]
