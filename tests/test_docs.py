@@ -53,3 +53,14 @@ def test_code_block_runs(name: str, code: str, tmp_path: pathlib.Path) -> None:
     assert done.returncode == 0, f"{name} failed:\n{done.stderr[-3000:]}"
     if "print(" in code:
         assert done.stdout.strip(), f"{name} printed nothing"
+
+
+def test_the_readme_is_one_screen() -> None:
+    """The README is a newcomer's first screen: the two commands first, install, a short
+    example, the results, the documentation's map; the rest lives in docs/."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 120, f"README.md has {len(lines)} lines: move the detail into docs/"
+    assert lines[2] == "```bash" and lines[3].startswith("./run.sh bench") and lines[4].startswith("./run.sh test")
+    for heading in ("## Install", "## Quickstart", "## Results", "## Documentation"):
+        assert heading in lines, heading
