@@ -77,15 +77,20 @@ def test_stripes_deterministic() -> None:
     assert torch.equal(first[0], again[0]) and all(torch.equal(a, b) for a, b in zip(first[1], again[1]))
 
 
-def test_tiled_on_cuda_half_takes_stripes() -> None:
+def test_tiled_half_takes_stripes() -> None:
+    """Half precision takes the stripes: on CUDA always; elsewhere for two sets of rows (the
+    symmetric self-contrast panels compute 2/3 of the products there)."""
     from flashcl import runner as backends
     from flashcl.engine import Problem
     from flashcl.engine.heads import SoftmaxHead
 
     problem = Problem(SoftmaxHead(torch.ones(4)))
+    keys = torch.ones(4, 2)
     assert isinstance(backends.driver("tiled", problem, None, "cuda", torch.bfloat16), Stripes)
     assert not isinstance(backends.driver("tiled", problem, None, "cuda", torch.float32), Stripes)
     assert not isinstance(backends.driver("tiled", problem, None, "cpu", torch.bfloat16), Stripes)
+    assert isinstance(backends.driver("tiled", problem, keys, "cpu", torch.bfloat16), Stripes)
+    assert not isinstance(backends.driver("tiled", problem, keys, "cpu", torch.float32), Stripes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ..core import compute_dtype
 from .heads import Head, Tile
-from .positives import PositiveTerm, Rows, RowScaled, class_sums, raw_rows
+from .positives import PositiveTerm, Rows, RowScaled, class_sums, raw_rows, rows_dtype
 
 __all__ = [
     "Problem",
@@ -57,6 +57,7 @@ __all__ = [
     "autocast_off",
     "differentiable_grads",
     "normalize_rows",
+    "RowsDone",
     "visit_values",
     "visit_grads",
 ]
@@ -277,6 +278,15 @@ class Operands:
         """Forms :attr:`q_grad` and :attr:`k_grad` now."""
         self._q_grad, self._k_grad = self.q_grad, self.k_grad
 
+    @property
+    def like(self) -> Tensor:
+        """A tensor of the compute dtype on the rows' device (the heads' accumulators are
+        made like it): the rows themselves, or, where they are the inputs as given (half
+        precision), an empty float32 one."""
+        raw = raw_rows(self.q)[0]
+        dtype = rows_dtype(self.q)
+        return raw if raw.dtype == dtype else raw.new_empty(0, dtype=dtype)
+
 
 class Driver:
     """Visits the tiles of a problem; see the module docstring.
@@ -301,6 +311,15 @@ class Driver:
     #: applies a head's :meth:`~flashcl.engine.heads.Head.row_factor` (heads with
     #: ``factored_rows`` run only on such a driver)
     applies_row_factor = False
+    #: takes the rows as given, in their own dtype, with float32 inverse norms (a
+    #: :class:`~flashcl.engine.positives.RowScaled` of the inputs): no float32 copy of
+    #: half-precision embeddings; the driver casts what it multiplies
+    raw_inputs = False
+    #: each block of rows it visits holds every column, so that a row's gradient is whole
+    #: when its block is done: with :class:`RowsDone` as ``dq`` the driver hands each
+    #: block's gradient to it (``dq.finish(r0, rows)``) instead of accumulating an M x D
+    #: float32 ``dq``
+    completes_rows = False
 
     def num_columns(self, ops: Operands) -> int:
         """Columns of the whole score matrix (more than ``k``'s rows when the other
@@ -359,8 +378,26 @@ def _fall_back(driver: Driver, failure: KernelFailure) -> Driver:
     return driver.fallback
 
 
-def _prepare(x: Tensor, normalize: bool, dtype: torch.dtype, lazy: bool) -> Tuple[Rows, Optional[Tensor]]:
-    """Cast (never in place) and optionally L2-normalise rows: (rows, norms)."""
+def _row_norms(x: Tensor, dtype: torch.dtype, block: int = 4096) -> Tensor:
+    """Each row's L2 norm in ``dtype``, a block of rows at a time (no copy of ``x`` in it)."""
+    out = torch.empty(x.shape[0], dtype=dtype, device=x.device)
+    for r0 in range(0, x.shape[0], block):
+        out[r0 : r0 + block] = torch.linalg.vector_norm(x[r0 : r0 + block].to(dtype), dim=1)
+    return out
+
+
+def _prepare(
+    x: Tensor, normalize: bool, dtype: torch.dtype, lazy: bool, raw: bool = False
+) -> Tuple[Rows, Optional[Tensor]]:
+    """Cast (never in place) and optionally L2-normalise rows: (rows, norms). ``raw``:
+    the rows as given with their inverse norms in ``dtype`` (1 without normalising),
+    as a :class:`RowScaled` whose blocks come out in ``dtype``: no copy."""
+    if raw:
+        x = x.detach()
+        if not normalize:
+            return RowScaled(x, torch.ones(x.shape[0], dtype=dtype, device=x.device)), None
+        norms = _row_norms(x, dtype).clamp_min_(NORM_EPS)
+        return RowScaled(x, 1.0 / norms), norms
     x = x.detach().to(dtype)
     if not normalize:
         return x, None
@@ -418,17 +455,19 @@ def scores_product(q: Tensor, k: Tensor) -> Tensor:
 
 def _max_row_norm(rows: Rows) -> float:
     raw, inv = raw_rows(rows)
-    norms = torch.linalg.vector_norm(raw, dim=1)
+    norms = _row_norms(raw, rows_dtype(rows))
     return float((norms if inv is None else norms * inv).max()) if norms.numel() else 0.0
 
 
 def operands(
-    q_in: Tensor, k_in: Optional[Tensor], scale: float, normalize: bool, lazy: bool, block: int, offset: int = 0
+    q_in: Tensor, k_in: Optional[Tensor], scale: float, normalize: bool, driver: Driver, block: int, offset: int = 0
 ) -> Operands:
-    """Casts and normalises the inputs (``k_in=None``: k is q) for a driver."""
+    """Casts and normalises the inputs (``k_in=None``: k is q) for ``driver`` (lazily, or
+    as given: :attr:`Driver.lazy`, :attr:`Driver.raw_inputs`)."""
     dtype = compute_dtype(q_in.dtype)
-    q, q_norms = _prepare(q_in, normalize, dtype, lazy)
-    k, k_norms = (q, q_norms) if k_in is None else _prepare(k_in, normalize, dtype, lazy)
+    lazy, raw = driver.lazy, driver.raw_inputs
+    q, q_norms = _prepare(q_in, normalize, dtype, lazy, raw)
+    k, k_norms = (q, q_norms) if k_in is None else _prepare(k_in, normalize, dtype, lazy, raw)
     # Cauchy-Schwarz: |s_ij| <= scale * max |q^_i| * max |k^_j|
     qmax = 1.0 if normalize else _max_row_norm(q)
     kmax = qmax if k_in is None or normalize else _max_row_norm(k)
@@ -518,6 +557,47 @@ def dense_output(
     return _output(rows, cols, reduce_weights)
 
 
+class RowsDone:
+    """``dq`` completed a block of rows at a time (for a driver that
+    :attr:`~Driver.completes_rows`, two sets of rows, every linear term a row's): each
+    block's gradient with respect to the normalised rows, handed over by
+    :meth:`finish`, gets the linear terms' part of those rows, the normalisation's
+    backward, and is written once in the inputs' dtype into :attr:`out`. Only ``dk``
+    then accumulates over the call in float32: the M x D float32 ``dq`` (4 GB at a
+    million rows of 1,024) is never made."""
+
+    def __init__(self, ops: Operands, problem: Problem, st: Any, g_row: Tensor, q_in: Tensor) -> None:
+        self.ops, self.problem, self.st, self.g_row, self.q_in = ops, problem, st, g_row, q_in
+        #: the gradient of the anchors as given (their dtype and shape)
+        self.out = torch.empty(q_in.shape, dtype=q_in.dtype, device=q_in.device)
+        self._sums: Optional[List[Optional[Tensor]]] = None
+
+    @staticmethod
+    def applies(ops: Operands, problem: Problem, driver: Driver) -> bool:
+        return driver.completes_rows and not ops.same and all(lin.target == "row" for lin in problem.linears)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return rows_dtype(self.ops.q)
+
+    def finish(self, r0: int, rows: Tensor) -> None:
+        """Rows ``r0 .. r0 + len(rows)``'s gradient (float32, with respect to the normalised
+        rows, complete but for the linear terms), overwritten, written into :attr:`out`."""
+        ops, head = self.ops, self.problem.head
+        r1 = r0 + rows.shape[0]
+        if self._sums is None:
+            self._sums = [lin.column_sums(ops.k, ops.block) for lin in self.problem.linears]
+        for lin, sums in zip(self.problem.linears, self._sums):
+            w = self.g_row[r0:r1] * head.linear_grad_weight(self.st, "row", lin.weight, slice(r0, r1))
+            lin.grad_rows_(ops.k, ops.scale, w, rows, r0, sums)
+        if ops.q_norms is not None:
+            normalize_backward_(rows, self.q_in[r0:r1], block=rows.shape[0])
+        self.out[r0:r1] = rows
+
+
+Grad = Any  # a float32 gradient accumulator, or a :class:`RowsDone`
+
+
 def _linear_grads(
     ops: Operands,
     problem: Problem,
@@ -525,17 +605,20 @@ def _linear_grads(
     raws: List[Tensor],
     g_row: Tensor,
     g_col: Optional[Tensor],
-    dq: Tensor,
+    dq: Grad,
     dk: Tensor,
     st: Any,
 ) -> Tensor:
-    """Adds the linear terms' gradients; returns their part of d scale."""
-    dscale = dq.new_zeros(())
+    """Adds the linear terms' gradients (with ``dq`` a :class:`RowsDone`, the rows' sides
+    are in already: the columns' alone); returns their part of d scale."""
+    dscale = dk.new_zeros(())
     for lin, raw in zip(problem.linears, raws):
         g = g_row if lin.target == "row" else g_col
         assert g is not None
         w = g * problem.head.linear_grad_weight(st, lin.target, lin.weight)
-        if lin.target == "row":
+        if isinstance(dq, RowsDone):
+            lin.grad_cols_(ops.q, ops.k, ops.scale, w, dk, ops.block, driver.class_sums)
+        elif lin.target == "row":
             lin.grad_(ops.q, ops.k, ops.scale, w, dq, dk, ops.block, driver.class_sums)
         else:  # a column term: the same computation with the two sides swapped
             lin.grad_(ops.k, ops.q, ops.scale, w, dk, dq, ops.block, driver.class_sums)
@@ -554,21 +637,28 @@ def _raws(ops: Operands, problem: Problem, driver: Driver, block: int) -> List[T
 
 
 def _input_grads(
-    ops: Operands, dq: Tensor, dk: Tensor, q_in: Tensor, k_in: Optional[Tensor]
+    ops: Operands, dq: Grad, dk: Tensor, q_in: Tensor, k_in: Optional[Tensor]
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """The normalisation's backward and the cast back to the inputs' dtypes."""
+    """The normalisation's backward and the cast back to the inputs' dtypes (``dq`` a
+    :class:`RowsDone`: done a block at a time already)."""
+    done = isinstance(dq, RowsDone)
     if ops.q_norms is not None:
-        normalize_backward_(dq, q_in, block=ops.block)
+        if not done:
+            normalize_backward_(dq, q_in, block=ops.block)
         if not ops.same:
             assert k_in is not None
             normalize_backward_(dk, k_in, block=ops.block)
-    return dq.to(q_in.dtype), None if ops.same else dk.to(k_in.dtype)  # type: ignore[union-attr]
+    dq_in = dq.out if done else dq.to(q_in.dtype)
+    return dq_in, None if ops.same else dk.to(k_in.dtype)  # type: ignore[union-attr]
 
 
-def _new_grads(ops: Operands) -> Tuple[Tensor, Tensor]:
-    dk = torch.zeros_like(raw_rows(ops.k)[0])
-    dq = dk if ops.same else torch.zeros_like(raw_rows(ops.q)[0])
-    return dq, dk
+def _new_grads(ops: Operands, done: Optional[RowsDone] = None) -> Tuple[Grad, Tensor]:
+    """``(dq, dk)``: float32 accumulators (one when k is q), or ``done`` as ``dq``."""
+    dtype = rows_dtype(ops.k)
+    dk = torch.zeros(ops.k.shape, dtype=dtype, device=raw_rows(ops.k)[0].device)
+    if done is not None:
+        return done, dk
+    return (dk if ops.same else torch.zeros(ops.q.shape, dtype=dtype, device=dk.device)), dk
 
 
 class EngineFunction(FusedFunction):
@@ -599,13 +689,13 @@ class EngineFunction(FusedFunction):
         if head.factored_rows and not driver.applies_row_factor:
             raise ValueError(f"{type(driver).__name__} does not apply {type(head).__name__}'s row factors")
         s = float(scale)
-        ops = operands(q_in, k_in, s, problem.normalize, driver.lazy, block, problem.offset)
+        ops = operands(q_in, k_in, s, problem.normalize, driver, block, problem.offset)
         m, n = ops.q.shape[0], driver.num_columns(ops)
         needs_grad = any(ctx.needs_input_grad[:3]) or any(ctx.needs_input_grad[7:])
         if needs_grad and driver.uses_grad_operands:
             ops.form_grad_operands()
         fused = reduce_weights is not None and needs_grad
-        st = head.state(m, n, raw_rows(ops.q)[0], driver.bound(ops))
+        st = head.state(m, n, ops.like, driver.bound(ops))
         raws: Optional[List[Tensor]] = None
         if head.takes_in("row") or head.takes_in("col"):  # the pivots' scores, before the tiles that need them
             raws = _raws(ops, problem, driver, block)
@@ -615,7 +705,8 @@ class EngineFunction(FusedFunction):
         if fused:
             assert reduce_weights is not None
             r, u = reduce_weights
-            dq, dk = _new_grads(ops)
+            done = RowsDone(ops, problem, st, r, q_in) if RowsDone.applies(ops, problem, driver) else None
+            dq, dk = _new_grads(ops, done)
             dscale = driver.forward(ops, head, st, r if not head.has_columns else None, dq, dk)
             if dscale is None:  # the driver could not form it in the same visit: a second pass now
                 head.begin_grad(st, r, u)
@@ -658,7 +749,7 @@ class EngineFunction(FusedFunction):
         n_params = ctx.n_inputs - 3
         problem, driver, block = ctx.problem, ctx.driver, ctx.block
         head, st = problem.head, ctx.st
-        ops = operands(q_in, k_in, float(scale), problem.normalize, driver.lazy, block, problem.offset)
+        ops = operands(q_in, k_in, float(scale), problem.normalize, driver, block, problem.offset)
         if driver.uses_grad_operands:
             ops.form_grad_operands()
         m = ops.q.shape[0]
@@ -670,23 +761,30 @@ class EngineFunction(FusedFunction):
             g = grad_out.to(dtype)
             g_row, g_col = g[:m], (g[m:] if head.has_columns else None)
         head.begin_grad(st, g_row, g_col)
+
+        def done() -> Optional[RowsDone]:
+            return RowsDone(ops, problem, st, g_row, q_in) if RowsDone.applies(ops, problem, driver) else None
+
         try:
-            dq, dk, dscale = _grad_visit(ops, head, driver, st)
+            dq, dk, dscale = _grad_visit(ops, head, driver, st, done())
         except KernelFailure as failure:  # the forward's reductions stand; the gradient by the fallback
             driver = ctx.driver = _fall_back(driver, failure)
-            ops = operands(q_in, k_in, float(scale), problem.normalize, driver.lazy, block, problem.offset)
+            ops = operands(q_in, k_in, float(scale), problem.normalize, driver, block, problem.offset)
             if driver.uses_grad_operands:
                 ops.form_grad_operands()
-            dq, dk, dscale = _grad_visit(ops, head, driver, st)
+            dq, dk, dscale = _grad_visit(ops, head, driver, st, done())
         dscale = dscale + _linear_grads(ops, problem, driver, ctx.raws, g_row, g_col, dq, dk, st)
         dq_in, dk_in = _input_grads(ops, dq, dk, q_in, k_in)
         return (dq_in, dk_in, dscale, *head.param_grads(st, n_params))
 
 
-def _grad_visit(ops: Operands, head: Head, driver: Driver, st: Any) -> Tuple[Tensor, Tensor, Tensor]:
+def _grad_visit(
+    ops: Operands, head: Head, driver: Driver, st: Any, done: Optional[RowsDone] = None
+) -> Tuple[Grad, Tensor, Tensor]:
     """The driver's gradient visit (``head.begin_grad`` called): (dq, dk, d scale) with
-    respect to the normalised rows; the buffers released after."""
-    dq, dk = _new_grads(ops)
+    respect to the normalised rows (``done``: dq's rows completed by it); the buffers
+    released after."""
+    dq, dk = _new_grads(ops, done)
     dscale = driver.backward(ops, head, st, dq, dk)
     driver.release()
     head.release(st)
@@ -703,8 +801,8 @@ def visit_values(
     if problem.linears:
         raise ValueError("visit_values computes a head without linear terms")
     head = problem.head
-    ops = operands(q, k, float(scale), problem.normalize, driver.lazy, block, problem.offset)
-    st = head.state(ops.q.shape[0], driver.num_columns(ops), raw_rows(ops.q)[0], driver.bound(ops))
+    ops = operands(q, k, float(scale), problem.normalize, driver, block, problem.offset)
+    st = head.state(ops.q.shape[0], driver.num_columns(ops), ops.like, driver.bound(ops))
     driver.forward(ops, head, st, None, None, None)
     driver.release()
     head.release(st)
@@ -725,7 +823,7 @@ def visit_grads(
     """After :func:`visit_values`: the gradients of ``sum_i g_row_i rows_i`` with
     respect to ``q``, ``k`` (in their dtypes), the scale and the head's ``n_params``
     learnable tensors."""
-    ops = operands(q, k, float(scale), problem.normalize, driver.lazy, block, problem.offset)
+    ops = operands(q, k, float(scale), problem.normalize, driver, block, problem.offset)
     if driver.uses_grad_operands:
         ops.form_grad_operands()
     problem.head.begin_grad(st, g_row, None)

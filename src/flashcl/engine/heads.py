@@ -318,9 +318,10 @@ class Head:
         value: 0 on the rows whose term the head takes in."""
         return weight
 
-    def linear_grad_weight(self, st: Any, target: str, weight: Tensor) -> Tensor:
-        """The weight of the positive term of ``target`` in the gradient, once reduced."""
-        return weight
+    def linear_grad_weight(self, st: Any, target: str, weight: Tensor, rows: slice = slice(None)) -> Tensor:
+        """The weight of the positive term of ``target`` in the gradient, once reduced,
+        of the rows (or columns) ``rows``."""
+        return weight[rows]
 
 
 class _SoftmaxState:
@@ -517,15 +518,16 @@ class SoftmaxHead(Head):
         pivot = self.pivot if target == "row" else self.col_pivot
         return weight if pivot is None else torch.where(pivot[0] >= 0, torch.zeros_like(weight), weight)
 
-    def linear_grad_weight(self, st: _SoftmaxState, target: str, weight: Tensor) -> Tensor:
+    def linear_grad_weight(self, st: _SoftmaxState, target: str, weight: Tensor, rows: slice = slice(None)) -> Tensor:
         pivot = self.pivot if target == "row" else self.col_pivot
         x = st.x if target == "row" else st.y
         if pivot is None:
-            return weight
+            return weight[rows]
         assert x is not None, "the pivots' logsumexps are reduced before the gradient"
-        c = self.row_weight if target == "row" else torch.ones_like(weight)
+        w = weight[rows]
+        c = self.row_weight[rows] if target == "row" else torch.ones_like(w)
         # -(d loss / d s_ij*) = w - c + c sigmoid(x): small where the positive dominates, and no 1 - 1 in it
-        return torch.where(pivot[0] >= 0, (weight - c) + c * torch.sigmoid(x), weight)
+        return torch.where(pivot[0][rows] >= 0, (w - c) + c * torch.sigmoid(x[rows]), w)
 
     def values(self, st: _SoftmaxState) -> Tuple[Tensor, Optional[Tensor]]:
         rows, cols = self.row_weight * st.row, st.col

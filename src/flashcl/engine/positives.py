@@ -25,6 +25,7 @@ from ..core import CoreSpec, Tile
 
 __all__ = [
     "RowScaled",
+    "rows_dtype",
     "Positives",
     "PositiveTerm",
     "class_sums",
@@ -58,6 +59,13 @@ def raw_rows(rows: Rows) -> Tuple[Tensor, Optional[Tensor]]:
     return (rows.x, rows.s) if isinstance(rows, RowScaled) else (rows, None)
 
 
+def rows_dtype(rows: Rows) -> torch.dtype:
+    """The dtype of ``rows``' blocks: a :class:`RowScaled` of half-precision rows and
+    float32 scales gives float32 blocks."""
+    raw, inv = raw_rows(rows)
+    return raw.dtype if inv is None else torch.promote_types(raw.dtype, inv.dtype)
+
+
 #: ``class_sums(x, ids, num_classes, block, weight)``: sum of the rows of x (times
 #: weight) per class id, (num_classes, D). The distributed ring swaps in a version
 #: that adds every rank's rows.
@@ -67,7 +75,7 @@ ClassSums = Callable[[Rows, Tensor, int, int, Optional[Tensor]], Tensor]
 def class_sums(x: Rows, ids: Tensor, num_classes: int, block: int, weight: Optional[Tensor] = None) -> Tensor:
     """Sum of the rows of x (times weight) per class id: (num_classes, D), in row
     blocks so that no temporary of x's size is made."""
-    out = raw_rows(x)[0].new_zeros(num_classes, x.shape[1])
+    out = raw_rows(x)[0].new_zeros(num_classes, x.shape[1], dtype=rows_dtype(x))
     for r0 in range(0, x.shape[0], block):
         rows = x[r0 : r0 + block]
         out.index_add_(0, ids[r0 : r0 + block], rows if weight is None else rows * weight[r0 : r0 + block].unsqueeze(1))
@@ -180,7 +188,7 @@ class PositiveTerm:
         """``sum_j m_ij q^_i . k^_j`` per anchor (M,), without the M x N matrix."""
         pos = self.positives
         m, n = q.shape[0], k.shape[0]
-        out = raw_rows(q)[0].new_empty(m)
+        out = raw_rows(q)[0].new_empty(m, dtype=rows_dtype(q))
         k_sums = None
         if pos.index is None:
             assert pos.row_labels is not None and pos.col_labels is not None
@@ -215,39 +223,69 @@ class PositiveTerm:
         sums: ClassSums = class_sums,
     ) -> None:
         """Adds the gradient of ``-sum_i w_i sum_j m_ij s_ij`` (``s = scale q^.k^``) to
-        dq, dk (gradients with respect to the normalised rows; dk may be dq)."""
+        dq, dk (gradients with respect to the normalised rows; dk may be dq): the rows'
+        side (:meth:`grad_rows_`) a block at a time, then the columns' (:meth:`grad_cols_`)."""
+        k_sums = self.column_sums(k, block, sums)
+        for r0 in range(0, q.shape[0], block):
+            r1 = min(r0 + block, q.shape[0])
+            self.grad_rows_(k, scale, w[r0:r1], dq[r0:r1], r0, k_sums)
+        self.grad_cols_(q, k, scale, w, dk, block, sums)
+
+    def column_sums(self, k: Rows, block: int, sums: ClassSums = class_sums) -> Optional[Tensor]:
+        """What :meth:`grad_rows_` reads of the columns once: each class's sum of ``k^``
+        (labels), or None (explicit columns)."""
+        pos = self.positives
+        if pos.index is not None:
+            return None
+        assert pos.col_labels is not None
+        return sums(k, pos.col_labels, pos.num_classes, block, None)
+
+    def grad_rows_(self, k: Rows, scale: float, w: Tensor, out: Tensor, r0: int, k_sums: Optional[Tensor]) -> None:
+        """The rows' side of the gradient, of the rows ``r0 .. r0 + len(out)`` into ``out``
+        (``w``: their weights): ``-scale w_i sum_j m_ij k^_j``. A row's part is whole here
+        (the columns' side adds to the columns' gradient only), so that a driver whose
+        stripes hold every column can complete each row's gradient in its stripe."""
+        pos = self.positives
+        r1, n = r0 + out.shape[0], k.shape[0]
+        if pos.index is not None:
+            out.add_(k[pos.index[r0:r1]].sum(1) * (w * -scale).unsqueeze(1))
+            return
+        assert pos.row_labels is not None and k_sums is not None
+        out.sub_(k_sums[pos.row_labels[r0:r1]] * (w * scale).unsqueeze(1))
+        if pos.self_pairs and pos.self_index is not None:
+            rows = pos.self_hits()[r0:r1].nonzero().squeeze(1)
+            if rows.numel():
+                out.index_add_(0, rows, k[pos.self_index[r0:r1][rows]] * (w[rows] * scale).unsqueeze(1))
+        elif pos.self_pairs:
+            a, b = pos.self_rows(r0, r1, n)
+            out[a - r0 : b - r0].add_(k[a + pos.offset : b + pos.offset] * (w[a - r0 : b - r0] * scale).unsqueeze(1))
+
+    def grad_cols_(
+        self, q: Rows, k: Rows, scale: float, w: Tensor, dk: Tensor, block: int, sums: ClassSums = class_sums
+    ) -> None:
+        """The columns' side of the gradient into ``dk``: ``-scale sum_i w_i m_ij q^_i``."""
         pos = self.positives
         m, n = q.shape[0], k.shape[0]
         if pos.index is not None:
             kk = pos.index.shape[1]
             for r0 in range(0, m, block):
                 r1 = min(r0 + block, m)
-                idx = pos.index[r0:r1]
                 wb = (w[r0:r1] * -scale).unsqueeze(1)
-                dq[r0:r1].add_(k[idx].sum(1) * wb)
-                dk.index_add_(0, idx.reshape(-1), (q[r0:r1] * wb).repeat_interleave(kk, dim=0))
+                dk.index_add_(0, pos.index[r0:r1].reshape(-1), (q[r0:r1] * wb).repeat_interleave(kk, dim=0))
             return
         assert pos.row_labels is not None and pos.col_labels is not None
-        k_sums = sums(k, pos.col_labels, pos.num_classes, block, None)
         wq_sums = sums(q, pos.row_labels, pos.num_classes, block, w)
-        for r0 in range(0, m, block):
-            r1 = min(r0 + block, m)
-            dq[r0:r1].sub_(k_sums[pos.row_labels[r0:r1]] * (w[r0:r1] * scale).unsqueeze(1))
         for c0 in range(0, n, block):
             c1 = min(c0 + block, n)
             dk[c0:c1].sub_(wq_sums[pos.col_labels[c0:c1]], alpha=scale)
         if pos.self_pairs and pos.self_index is not None:
             rows = pos.self_hits().nonzero().squeeze(1)
             if rows.numel():
-                ws = (w[rows] * scale).unsqueeze(1)
-                dq.index_add_(0, rows, k[pos.self_index[rows]] * ws)
-                dk.index_add_(0, pos.self_index[rows], q[rows] * ws)
+                dk.index_add_(0, pos.self_index[rows], q[rows] * (w[rows] * scale).unsqueeze(1))
         elif pos.self_pairs:
             for r0 in range(0, m, block):
                 a, b = pos.self_rows(r0, min(r0 + block, m), n)
-                ws = (w[a:b] * scale).unsqueeze(1)
-                dq[a:b].add_(k[a + pos.offset : b + pos.offset] * ws)
-                dk[a + pos.offset : b + pos.offset].add_(q[a:b] * ws)
+                dk[a + pos.offset : b + pos.offset].add_(q[a:b] * (w[a:b] * scale).unsqueeze(1))
 
     def dense(self, s: Tensor) -> Tensor:
         """``sum_j m_ij s_ij`` per row from the whole score matrix, by differentiable ops."""

@@ -1,23 +1,31 @@
-"""The tiled backend's driver for float16/bfloat16 on CUDA: stripes of rows,
-tensor-core GEMMs with float32 output.
+"""The tiled backend's driver for float16/bfloat16: stripes of rows, GEMMs of the
+half-precision embeddings with float32 output (tensor cores on CUDA).
 
 For each stripe of ``block`` rows (as Liger-Kernel's fused linear cross-entropy
 does for its logits):
 
 * scores ``S = scale * diag(iq) X_blk Y^T diag(ik)`` by one GEMM of the raw
   half-precision embeddings with float32 output (``iq``, ``ik``: float32 inverse
-  row norms, so that the normalised rows are never rounded to half precision);
+  row norms, so that the normalised rows are never rounded to half precision, and
+  never copied: the engine hands the inputs as given, :attr:`~flashcl.engine.engine.Driver.raw_inputs`);
 * the head reduces the stripe (complete rows) and turns it into ``G = dL/dS`` in
   the same visit (float32);
 * ``dQ^_blk = scale (G diag(ik)) Y`` and ``dK^ += scale (diag(iq_blk) G)^T X_blk``
-  by two GEMMs, ``G`` rounded once to the inputs' dtype, float32 output.
+  by two GEMMs, ``G`` rounded once to the inputs' dtype, float32 output. ``dQ`` of a
+  stripe is complete in it: it is finished there (the linear terms, the
+  normalisation's backward) and written once in the inputs' dtype
+  (:class:`~flashcl.engine.engine.RowsDone`); only ``dK`` accumulates in float32.
 
 Three GEMMs for a row-only loss (four for CLIP, whose column reductions need a
-second pass), no atomics: the same inputs give bitwise the same result. Memory:
-the gradients' float32 accumulators and one stripe's buffers, ``block x N`` x
-(4 + 2 + 2) bytes; ``block_size`` sets it (default: :func:`flashcl.runner.auto_block`,
-256 MB on CUDA). On a CPU (tests) the half GEMMs are emulated by float32 GEMMs of
-the same half values, which is what tensor cores compute.
+second pass), no atomics: the same inputs give bitwise the same result. Memory
+beyond the inputs and their gradients: ``dK``'s float32 accumulator and one stripe's
+buffers, ``block x N`` x (4 + 2) bytes (``block_size`` sets it; default:
+:func:`flashcl.runner.auto_block`). InfoNCE at B = 16,384, D = 768 in bfloat16 on
+the 2-core CPU: 196-207 MB with float32 copies of the embeddings and both gradients'
+accumulators, see docs/gpu.md for the figure after (``python scripts/stripe_memory.py
+16384 768 bfloat16``). Off CUDA (tests, CPUs) the half GEMMs are emulated by float32
+GEMMs of the same half values, a chunk of columns at a time (what tensor cores
+compute, with no float32 copy of the keys).
 """
 
 from __future__ import annotations
@@ -27,11 +35,15 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .engine import Driver, Operands
+from .engine import Driver, Operands, RowsDone
 from .heads import Head, Tile
-from .positives import raw_rows
+from .positives import rows_dtype
 
 __all__ = ["Stripes", "mm_f32"]
+
+
+#: columns of the keys cast to float32 at a time where the half GEMMs are emulated
+EMULATED_CHUNK = 2048
 
 
 def mm_f32(a: Tensor, b: Tensor) -> Tensor:
@@ -46,10 +58,30 @@ def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _emulated(x: Tensor) -> bool:
+    """Half precision off CUDA: the GEMMs emulated in float32, by chunks."""
+    return x.dtype in (torch.float16, torch.bfloat16) and not x.is_cuda
+
+
 class Stripes(Driver):
     """See the module docstring."""
 
     lazy = True
+    raw_inputs = True
+    completes_rows = True
+
+    def __init__(self) -> None:
+        self._s: Optional[Tensor] = None  # the stripe's scores (float32), reused
+        self._g: Optional[Tensor] = None  # G rounded to the inputs' dtype, reused
+
+    def release(self) -> None:
+        self._s = self._g = None
+
+    def _buffers(self, rows: int, n: int, x: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+        if self._s is None or self._g is None:
+            self._s = torch.empty(rows, n, dtype=dtype, device=x.device)
+            self._g = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        return self._s, self._g
 
     @staticmethod
     def _inputs(ops: Operands) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -57,7 +89,7 @@ class Stripes(Driver):
         assert ops.q_in is not None
         x = ops.q_in.contiguous()
         y = x if ops.same else ops.k_in.contiguous()  # type: ignore[union-attr]
-        dtype = raw_rows(ops.q)[0].dtype  # float32 for half inputs
+        dtype = rows_dtype(ops.q)  # float32 for half inputs
         iq = (1.0 / ops.q_norms).to(dtype) if ops.q_norms is not None else x.new_ones(x.shape[0], dtype=dtype)
         if ops.same:
             ik = iq
@@ -65,33 +97,79 @@ class Stripes(Driver):
             ik = (1.0 / ops.k_norms).to(dtype) if ops.k_norms is not None else y.new_ones(y.shape[0], dtype=dtype)
         return x, y, iq, ik
 
-    @staticmethod
-    def _scores(ops: Operands, x: Tensor, y: Tensor, iq: Tensor, ik: Tensor, r0: int, r1: int) -> Tensor:
-        s = mm_f32(x[r0:r1], y.T)
+    def _scores(self, ops: Operands, x: Tensor, y: Tensor, iq: Tensor, ik: Tensor, r0: int, r1: int) -> Tensor:
+        """The stripe's scores ``scale diag(iq) X_blk Y^T diag(ik)``, in the stripe buffer
+        off CUDA (a fresh tensor from the allocator's cache on CUDA)."""
+        xb = x[r0:r1]
+        if x.is_cuda:
+            s = mm_f32(xb, y.T)
+        else:
+            assert self._s is not None
+            s = self._s[: r1 - r0]
+            if _emulated(x):  # the half values in float32, a chunk of the keys at a time
+                xf = xb.float()
+                for c0 in range(0, y.shape[0], EMULATED_CHUNK):
+                    c1 = min(c0 + EMULATED_CHUNK, y.shape[0])
+                    s[:, c0:c1] = torch.mm(xf, y[c0:c1].float().T)
+            else:
+                torch.mm(xb, y.T, out=s)
         return s.mul_((iq[r0:r1] * ops.scale).unsqueeze(1)).mul_(ik.unsqueeze(0))
 
     @staticmethod
+    def _times(g: Tensor, y: Tensor) -> Tensor:
+        """``g @ y`` (float32; ``g`` rounded to the inputs' dtype): by chunks of ``y``'s rows
+        where emulated."""
+        if not _emulated(y):
+            return mm_f32(g, y)
+        out = torch.zeros(g.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+        for c0 in range(0, y.shape[0], EMULATED_CHUNK):
+            c1 = min(c0 + EMULATED_CHUNK, y.shape[0])
+            out.addmm_(g[:, c0:c1].float(), y[c0:c1].float())
+        return out
+
+    @staticmethod
+    def _add_transposed(dk: Tensor, g: Tensor, xb: Tensor, alpha: float) -> None:
+        """``dk += alpha g^T xb`` (``g`` rounded to the inputs' dtype): by chunks of ``dk``'s
+        rows where emulated."""
+        if not _emulated(xb):
+            dk.add_(mm_f32(g.T.contiguous(), xb), alpha=alpha)
+            return
+        xf = xb.float()
+        for c0 in range(0, dk.shape[0], EMULATED_CHUNK):
+            c1 = min(c0 + EMULATED_CHUNK, dk.shape[0])
+            dk[c0:c1].addmm_(g[:, c0:c1].float().T, xf, alpha=alpha)
+
     def _accumulate(
-        g: Tensor, r0: int, ops: Operands, x: Tensor, y: Tensor, iq: Tensor, ik: Tensor, dq: Tensor, dk: Tensor
+        self, g: Tensor, r0: int, ops: Operands, x: Tensor, y: Tensor, iq: Tensor, ik: Tensor, dq: Any, dk: Tensor
     ) -> Tensor:
-        """dq^_blk += scale G k^, dk^ += scale G^T q^_blk; returns sum_ij G_ij q^_i.k^_j."""
+        """dq^_blk += scale G k^ (with :class:`RowsDone`: the stripe's rows finished there),
+        dk^ += scale G^T q^_blk; returns sum_ij G_ij q^_i.k^_j. ``G`` is rounded once to the
+        inputs' dtype for each product (in the reused buffer off CUDA)."""
         b = g.shape[0]
         xb = x[r0 : r0 + b]
-        gk = mm_f32((g * ik.unsqueeze(0)).to(x.dtype), y)  # G k^ (float32)
+        gb = (
+            self._g[:b]
+            if self._g is not None and not x.is_cuda
+            else torch.empty(g.shape, dtype=x.dtype, device=x.device)
+        )
+        gk = self._times(torch.mul(g, ik.unsqueeze(0), out=gb), y)  # G k^ (float32)
         qb = xb.to(gk.dtype) * iq[r0 : r0 + b].unsqueeze(1)  # q^ rows (never in place: xb may be the input)
         dscale = torch.dot(gk.reshape(-1), qb.reshape(-1))
-        dq[r0 : r0 + b].add_(gk, alpha=ops.scale)
-        gq = (g * iq[r0 : r0 + b].unsqueeze(1)).to(x.dtype)  # diag(iq) G, rounded once
-        dk.add_(mm_f32(gq.T.contiguous(), xb), alpha=ops.scale)
+        if isinstance(dq, RowsDone):
+            dq.finish(r0, gk.mul_(ops.scale))
+        else:
+            dq[r0 : r0 + b].add_(gk, alpha=ops.scale)
+        self._add_transposed(dk, torch.mul(g, iq[r0 : r0 + b].unsqueeze(1), out=gb), xb, ops.scale)  # diag(iq) G
         return dscale
 
     def forward(
-        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Any, dk: Optional[Tensor]
     ) -> Optional[Tensor]:
         x, y, iq, ik = self._inputs(ops)
         m, n = x.shape[0], y.shape[0]
+        self._buffers(min(ops.block, m), n, x, iq.dtype)
         if head.fuses_rows:
-            dscale = None if g_row is None else dq.new_zeros(())  # type: ignore[union-attr]
+            dscale = None if g_row is None else iq.new_zeros(())
             for r0 in range(0, m, ops.block):
                 r1 = min(r0 + ops.block, m)
                 g = head.rows_fused(self._scores(ops, x, y, iq, ik, r0, r1), Tile(r0, r1, 0, n, ops.offset), st, g_row)
@@ -106,10 +184,11 @@ class Stripes(Driver):
             head.finish(st, p)
         return None
 
-    def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
+    def backward(self, ops: Operands, head: Head, st: Any, dq: Any, dk: Tensor) -> Tensor:
         x, y, iq, ik = self._inputs(ops)
         m, n = x.shape[0], y.shape[0]
-        dscale = dq.new_zeros(())
+        self._buffers(min(ops.block, m), n, x, iq.dtype)
+        dscale = iq.new_zeros(())
         for r0 in range(0, m, ops.block):
             r1 = min(r0 + ops.block, m)
             g = head.grad(self._scores(ops, x, y, iq, ik, r0, r1), Tile(r0, r1, 0, n, ops.offset), st)
