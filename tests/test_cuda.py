@@ -186,3 +186,31 @@ def test_neighbor_loss_tiled_on_cuda_adds_no_matrix_beyond_the_gradient() -> Non
     ref = flashcl.neighbor_loss(x.detach().double().cpu(), idx.cpu(), backend="dense")
     got = flashcl.neighbor_loss(x.detach(), idx, backend="tiled")
     assert abs(float(got) - float(ref)) <= 1e-5 * abs(float(ref))
+
+
+@needs_triton
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("name", ["supcon", "info_nce_hard_neg", "nt_xent", "siglip", "clip"])
+def test_stripes_eager_and_fused_bfloat16_no_worse_than_dense(name: str, kernels: bool) -> None:
+    """The stripes with their element-wise work eager and by the fused stripe kernels
+    (flashcl.triton.stripe), in bfloat16 on the device: loss and every gradient (the
+    temperature's, a sum over every pair, included) no worse than the dense backend's."""
+    from flashcl.engine import engine
+    from flashcl.engine.stripes import Stripes
+
+    case = CASES[name]
+    dtype = torch.bfloat16
+    rounded = Case(
+        case.name, case.fn, [t.to(dtype).double() for t in case.tensors], case.extra, case.kwargs, case.scalar_kw
+    )
+    ref_loss, ref_grads = rounded.run("reference", "mean", torch.float64)
+    dense = rounded.run("dense", "mean", dtype, device="cuda")
+    run = engine.run
+    engine.run = lambda q, k, s, p, d, w, blk, param=(): run(q, k, s, p, Stripes(kernels=kernels), w, 5, param)
+    try:
+        got = rounded.run("tiled", "mean", dtype, device="cuda")
+    finally:
+        engine.run = run
+    for i, (a, d, r) in enumerate(zip([got[0]] + got[1], [dense[0]] + dense[1], [ref_loss] + ref_grads)):
+        e, ed = float((a.double() - r).abs().max()), float((d.double() - r).abs().max())
+        assert e <= 1.5 * ed + 2e-2, f"{name}/kernels={kernels}: output {i}: {e:.3g} vs dense {ed:.3g}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -275,3 +276,134 @@ def test_narrow_half_precision_is_computed_by_the_tiled_backend(monkeypatch) -> 
         assert resolve("auto", 10**8, cuda, dtype, 63) == "tiled"
         assert resolve("auto", 10**8, cuda, dtype, 64) == "triton"
     assert resolve("auto", 10**8, cuda, torch.float32, 6) == "triton"
+
+
+# ----------------------------------------------------------------------------- the fused stripe kernels
+
+STRIPE_CASES = sorted(
+    name
+    for name, c in CASES.items()
+    if c.fn is not flashcl.neighbor_loss and not name.endswith(("tiny_temperature", "large_scale"))
+)
+#: the cases whose heads the stripe kernels compute: those the Triton backend's kernels compute
+#: (the masked softmax and the softplus head), rows only (CLIP's columns take the eager stripes)
+STRIPE_KERNEL_CASES = {name for name in STRIPE_CASES if CASES[name].kernels and CASES[name].fn is not flashcl.clip_loss}
+
+
+def _with_stripe_kernels(case: Case, reduction: str, dtype: torch.dtype, block: int) -> Tuple[Any, List[str]]:
+    """The case on the stripes with the fused kernels asked for (blocks of ``block`` rows),
+    and the kernels that ran."""
+    from flashcl.engine import engine
+    from flashcl.engine.stripes import Stripes
+    from flashcl.triton import stripe
+
+    ran: List[str] = []
+    originals = {name: getattr(stripe, name) for name in ("softmax_rows", "softmax_grad", "softplus_rows")}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            ran.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    run = engine.run
+
+    def with_kernels(q, k, scale, problem, driver, reduce_weights, blk, *params):  # noqa: ANN001
+        return run(q, k, scale, problem, Stripes(kernels=True), reduce_weights, block, *params)
+
+    try:
+        for name in originals:
+            setattr(stripe, name, counted(name))
+        engine.run = with_kernels
+        return case.run("tiled", reduction, dtype), ran
+    finally:
+        engine.run = run
+        for name, fn in originals.items():
+            setattr(stripe, name, fn)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("name", STRIPE_CASES)
+def test_stripe_kernels_float32_match_reference(name: str, reduction: str) -> None:
+    """Every embedding loss on the stripes with the fused kernels (ragged blocks of 4 rows)
+    equals the float64 reference, loss and every gradient; the kernels ran where the head
+    has them (a fused forward pass, and with reduction="none" the backward's second pass)."""
+    want_loss, want_grads = CASES[name].run("reference", reduction, torch.float64)
+    (loss, grads), ran = _with_stripe_kernels(CASES[name], reduction, torch.float32, 4)
+    assert bool(ran) == (name in STRIPE_KERNEL_CASES), (name, sorted(set(ran)))
+    assert_close(loss, want_loss, f"{name}/{reduction}: loss", *TOL[torch.float32])
+    for i, (a, e) in enumerate(zip(grads, want_grads)):
+        assert_close(a, e, f"{name}/{reduction}: grad {i}", *TOL[torch.float32])
+
+
+@pytest.mark.parametrize("name", ["info_nce_hard_neg", "supcon", "siglip", "nt_xent"])
+def test_stripe_kernels_bfloat16_no_worse_than_dense(name: str) -> None:
+    """bfloat16 inputs: the kernels' G'' written in bfloat16 once; the loss and the
+    embeddings' gradients against the float64 reference on the same rounded inputs no worse
+    than the dense backend's. (The interpreter truncates float32 to bfloat16 where a GPU
+    rounds to nearest: a bias of half an ulp on every entry, which a sum over every pair, the
+    temperature's gradient, shows; tests/test_cuda.py checks it on the device.)"""
+    case = CASES[name]
+    dtype = torch.bfloat16
+    tensors = [t.to(dtype).to(torch.float64) for t in case.tensors]
+    rounded = Case(case.name, case.fn, tensors, case.extra, case.kwargs, case.scalar_kw)
+    ref_loss, ref_grads = rounded.run("reference", "mean", torch.float64)
+    dense = rounded.run("dense", "mean", dtype)
+    (loss, grads), ran = _with_stripe_kernels(rounded, "mean", dtype, 5)
+    assert ran
+    outputs = zip([loss] + grads, [dense[0]] + dense[1], [ref_loss] + ref_grads)
+    for i, (s_out, d_out, r_out) in list(enumerate(outputs))[: 1 + len(tensors)]:
+        es = float((s_out.double() - r_out).abs().max())
+        ed = float((d_out.double() - r_out).abs().max())
+        assert es <= 1.5 * ed + 1e-2, f"{name}: output {i}: stripe kernels {es:.3g} vs dense {ed:.3g}"
+
+
+def test_stripe_softmax_kernels_against_torch() -> None:
+    """The two softmax kernels alone on a ragged stripe (3 column blocks and a remainder):
+    the row logsumexps with the anchor and an indexed column out (a row with none left:
+    -inf), and G'' = coef exp(s - lse) ik (0 where out) in float32 and in bfloat16 within an
+    ulp of torch's rounding (the interpreter truncates)."""
+    from flashcl.triton import stripe
+
+    g = torch.Generator().manual_seed(1)
+    b, n, r0, off = 6, 3 * stripe.BLOCK_N + 37, 3, 1
+    p = torch.randn(b, n, generator=g)
+    iq, ik = torch.rand(b, generator=g) + 0.5, torch.rand(n, generator=g) + 0.5
+    excl = torch.full((r0 + b,), -1, dtype=torch.int64)
+    excl[r0 + 1], excl[r0 + 4] = 2000, 5
+    scale = 2.5
+    s = scale * iq[:, None].double() * ik[None, :].double() * p.double()
+    out = torch.zeros(b, n, dtype=torch.bool)
+    for i in range(b):
+        out[i, r0 + i + off] = True
+        if int(excl[r0 + i]) >= 0:
+            out[i, int(excl[r0 + i])] = True
+    lse = stripe.softmax_rows(p, iq, ik, scale, r0, True, off, excl)
+    want = torch.logsumexp(s.masked_fill(out, float("-inf")), 1)
+    assert_close(lse, want, "lse", 1e-5, 1e-6)
+    coef = torch.rand(b, generator=g)
+    want_g = (coef[:, None].double() * torch.exp(s - want[:, None]) * ik[None, :].double()).masked_fill(out, 0.0)
+    g32 = stripe.softmax_grad(p, iq, ik, scale, r0, True, off, excl, lse, coef, torch.empty(b, n))
+    assert_close(g32, want_g, "G'' float32", 1e-6, 1e-5)
+    g16 = stripe.softmax_grad(p, iq, ik, scale, r0, True, off, excl, lse, coef, torch.empty(b, n, dtype=torch.bfloat16))
+    ulp = want_g.abs().float() * 2.0**-7 + 1e-30
+    assert bool(((g16.double() - want_g).abs() <= ulp).all())
+    one = stripe.softmax_rows(p[:, :1], iq, ik[:1], scale, 0, True, -1, None)  # row 1's only column is itself
+    assert torch.isneginf(one[1]) and bool(torch.isfinite(one[[0, 2, 3, 4, 5]]).all())
+
+
+def test_stripe_softplus_kernel_against_torch() -> None:
+    from flashcl.triton import stripe
+
+    g = torch.Generator().manual_seed(2)
+    b, n = 5, 2 * stripe.BLOCK_N + 11
+    p = 3.0 * torch.randn(b, n, generator=g)
+    iq, ik = torch.rand(b, generator=g) + 0.5, torch.rand(n, generator=g) + 0.5
+    t = 4.0 * iq[:, None].double() * ik[None, :].double() * p.double() - 1.5
+    coef = torch.rand(b, generator=g)
+    out = torch.empty(b, n)
+    sp, sig = stripe.softplus_rows(p, iq, ik, 4.0, -1.5, coef, out)
+    assert_close(sp, torch.nn.functional.softplus(t).sum(1), "softplus sums", 1e-4, 1e-5)
+    assert_close(sig, torch.sigmoid(t).sum(1), "sigmoid sums", 1e-4, 1e-5)
+    assert_close(out, coef[:, None].double() * torch.sigmoid(t) * ik[None, :].double(), "G''", 1e-6, 1e-5)

@@ -221,6 +221,16 @@ class Head:
         """The columns' logsumexp the gradient kernels need (a head with columns), or None."""
         return None
 
+    def kernel_rows(
+        self, st: Any, rows: slice, first: Tensor, second: Optional[Tensor], g_row: Optional[Tensor]
+    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """A stripe's rows ``rows`` (complete) reduced by the stripe kernels
+        (:mod:`flashcl.triton.stripe`): ``first`` their logsumexps without the pivots
+        (the softmax head) or their softplus sums (``second``: their sigmoid sums). Returns
+        (the logsumexps the gradient subtracts, or None; each row's factor of its
+        gradient tile for the upstream ``g_row``, or None without it)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ state
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
         """Fresh accumulators for an (m, n) problem; ``bound``: a value ``>= max |s_ij|``
@@ -673,6 +683,14 @@ class SoftmaxHead(Head):
         assert st.g_row is not None
         return st.g_row, st.g_col
 
+    def kernel_rows(
+        self, st: _SoftmaxState, rows: slice, first: Tensor, second: Optional[Tensor], g_row: Optional[Tensor]
+    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        st.row[rows] = first.to(st.row.dtype)  # complete rows: final (as rows_fused leaves them)
+        st.summing = False
+        self._take_in(st, rows)  # the pivots taken in: the softmax with them
+        return st.row[rows], None if g_row is None else (g_row * self.row_weight)[rows]
+
     # ------------------------------------------------------------ dense form
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         lse_in = s
@@ -827,6 +845,15 @@ class SoftplusHead(Head):
     def kernel_weights(self, st: _SoftplusState) -> Tuple[Tensor, Optional[Tensor]]:
         assert st.g_row is not None
         return st.g_row, None
+
+    def kernel_rows(
+        self, st: _SoftplusState, rows: slice, first: Tensor, second: Optional[Tensor], g_row: Optional[Tensor]
+    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        assert second is not None
+        st.row[rows], st.sig[rows] = first.to(st.row.dtype), second.to(st.sig.dtype)
+        if g_row is not None:
+            st.g_row = g_row  # for param_grads
+        return None, None if g_row is None else g_row[rows]
 
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         b = params[0].to(s.dtype) if params else torch.tensor(self.bias, dtype=s.dtype, device=s.device)
