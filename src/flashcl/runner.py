@@ -649,10 +649,12 @@ def auto_block(
     GEMMs (inner dimension = block rows for ``G^T Q_blk``) lose ~30% of their
     speed at 256 rows and CLIP went from ~1.65x to ~1.4x of the bound at 512.
     On CUDA the stripes' GEMMs want many rows and device memory is large: 256 MB
-    of score buffer per stripe (provisional: not yet timed on a GPU).
+    of score buffer per stripe, at least 64 rows (at a million keys: 64 rows, 384 MB
+    with the stripe's ``G''``, beside the keys' 3 GB gradient accumulator at D = 768;
+    provisional: not yet timed on a GPU).
     """
     if device_type == "cuda":
-        budget, floor = 256 * 2**20, 256
+        budget, floor = 256 * 2**20, 64
     else:
         budget, floor = (8 * 2**20, 128) if self_contrast else (16 * 2**20, 256)
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -440,9 +440,10 @@ def dist(mode: str, device: str) -> List[Case]:
 def gpu(mode: str, device: str) -> List[Case]:
     """GPU figures (``--device cuda``): InfoNCE, SupCon, CLIP and SigLIP through
     flashcl's Triton kernels and its tiled backend (tensor-core stripes for half
-    precision), beside Inf-CL (InfoNCE) and open_clip (CLIP, SigLIP), bfloat16, against the three
-    cuBLAS GEMMs of the same shape; and InfoNCE in float32 (IEEE) at D = 768
-    against float32 GEMMs. Each (loss, D) is one panel of the plot."""
+    precision, their element-wise work by the fused stripe kernels and eagerly),
+    beside Inf-CL (InfoNCE) and open_clip (CLIP, SigLIP), bfloat16, against the three
+    cuBLAS GEMMs of the same shape; and InfoNCE in float32 (IEEE) at D = 768 against
+    float32 GEMMs. Each (loss, D) is one panel of the plot."""
     # in the order of priority (a device run may be cut short): the widths users
     # train with first, then the other widths, then the largest batches
     sizes = _size(
@@ -451,11 +452,13 @@ def gpu(mode: str, device: str) -> List[Case]:
         ((32768, 768), (32768, 4096), (32768, 256), (32768, 1024), (131072, 768), (131072, 4096)),
         tuple((b, d) for b in (32768, 131072) for d in (768, 4096, 256, 1024)) + ((262144, 768),),
     )
+    # flashcl-tiled: the stripes with the fused stripe kernels (the default on CUDA);
+    # flashcl-stripes-eager: the same stripes, their element-wise work in eager passes
     impls = {
-        "info_nce": ("flashcl-triton", "flashcl-tiled", "inf_cl"),
-        "supcon": ("flashcl-triton", "flashcl-tiled"),
-        "clip": ("flashcl-triton", "flashcl-tiled", "open_clip"),
-        "siglip": ("flashcl-triton", "flashcl-tiled", "open_clip"),
+        "info_nce": ("flashcl-tiled", "flashcl-stripes-eager", "flashcl-triton", "inf_cl"),
+        "supcon": ("flashcl-tiled", "flashcl-stripes-eager", "flashcl-triton"),
+        "clip": ("flashcl-tiled", "flashcl-stripes-eager", "flashcl-triton", "open_clip"),
+        "siglip": ("flashcl-tiled", "flashcl-stripes-eager", "flashcl-triton", "open_clip"),
     }
     cases: List[Case] = []
     for b, d in sizes:

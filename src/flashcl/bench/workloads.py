@@ -9,6 +9,7 @@ installed raises :class:`NotInstalled`.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from typing import Any, Callable, Dict, List, Tuple
@@ -72,7 +73,27 @@ def _two_towers(p: Dict[str, Any]) -> Tuple[int, int, str, torch.device, torch.T
 
 
 def _flashcl_backend(impl: str) -> str:
-    return impl.split("-", 1)[1]
+    """The backend of a ``flashcl-<backend>`` impl (``flashcl-stripes-eager``: the tiled one)."""
+    return "tiled" if impl == "flashcl-stripes-eager" else impl.split("-", 1)[1]
+
+
+def _stripes_form(impl: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``fn`` with the tiled backend's stripes computing each stripe's element-wise work
+    eagerly (``flashcl-stripes-eager``), beside the default's fused stripe kernels."""
+    if impl != "flashcl-stripes-eager":
+        return fn
+    from .. import runner
+    from ..engine.stripes import Stripes
+
+    def eager() -> torch.Tensor:
+        made = runner.Stripes
+        runner.Stripes = functools.partial(Stripes, kernels=False)  # type: ignore[misc]
+        try:
+            return fn()
+        finally:
+            runner.Stripes = made  # type: ignore[misc]
+
+    return eager
 
 
 def gemm3(p: Dict[str, Any]) -> Tuple[Step, int]:
@@ -142,6 +163,7 @@ def supcon(p: Dict[str, Any]) -> Tuple[Step, int]:
     if impl.startswith("flashcl-"):
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.supcon_loss(e, labels, temperature=t, backend=backend, **kw)  # noqa: E731
+        fn = _stripes_form(impl, fn)
     elif impl == "simcse-vectorized":
         fn = lambda: simcse_vectorized(e, labels, t)  # noqa: E731
     elif impl == "simcse-per-sample":
@@ -194,6 +216,7 @@ def clip(p: Dict[str, Any]) -> Tuple[Step, int]:
     if impl.startswith("flashcl-"):
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.clip_loss(img, txt, scale, backend=backend)  # noqa: E731
+        fn = _stripes_form(impl, fn)
     elif impl == "torch-ce":
 
         def fn() -> torch.Tensor:
@@ -224,6 +247,7 @@ def siglip(p: Dict[str, Any]) -> Tuple[Step, int]:
     if impl.startswith("flashcl-"):
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.siglip_loss(img, txt, scale, bias, backend=backend)  # noqa: E731
+        fn = _stripes_form(impl, fn)
     elif impl == "open_clip":
         module, why = peers.open_clip_loss_module()
         if module is None:
@@ -243,6 +267,7 @@ def info_nce(p: Dict[str, Any]) -> Tuple[Step, int]:
     if impl.startswith("flashcl-") and impl != "flashcl-st-adapter":
         backend = _flashcl_backend(impl)
         fn = lambda: flashcl.info_nce_loss(q, k, temperature=t, backend=backend)  # noqa: E731
+        fn = _stripes_form(impl, fn)
     elif impl == "F.cross_entropy":
         fn = lambda: F.cross_entropy(F.normalize(q, dim=1) @ F.normalize(k, dim=1).T / t, target)  # noqa: E731
     elif impl == "F.linear_cross_entropy(chunked)":
