@@ -8,9 +8,10 @@ from . import distributed
 from .losses.circle import CircleLoss, circle_loss
 from .losses.class_shards import sample_classes
 from .losses.clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
+from .losses.contrastive import ContrastiveLoss, contrastive_loss
 from .losses.cosent import CoSENTLoss, cosent_loss
 from .losses.distill import DistillLoss, distill_loss
-from .losses.flex import FlexCircle, FlexLoss, FlexMultiSimilarity, flex_dense_mask, flex_loss
+from .losses.flex import FlexCircle, FlexLoss, FlexMultiSimilarity, FlexPairSum, flex_dense_mask, flex_loss
 from .losses.flex_blocks import BlockMask, flex_block_mask
 from .losses.gist import GistLoss, gist_loss
 from .losses.info_nce import InfoNCELoss, info_nce_loss

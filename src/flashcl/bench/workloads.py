@@ -87,7 +87,7 @@ def _stripes_form(impl: str, fn: Callable[[], torch.Tensor]) -> Callable[[], tor
 
     def eager() -> torch.Tensor:
         made = runner.Stripes
-        runner.Stripes = functools.partial(Stripes, kernels=False)  # type: ignore[misc]
+        runner.Stripes = functools.partial(Stripes, kernels=False)  # type: ignore[misc,assignment]
         try:
             return fn()
         finally:

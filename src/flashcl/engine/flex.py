@@ -48,6 +48,7 @@ from .sparsity import BlockSparsity
 
 __all__ = [
     "View",
+    "PairSum",
     "FlexFunctions",
     "FlexHead",
     "PairSets",
@@ -98,6 +99,38 @@ class PairSets:
     def counted(self, p: Tensor, n: Tensor) -> Tensor:
         """The rows a ``"mean"`` counts (bool)."""
         raise NotImplementedError
+
+
+class PairSum:
+    """The pair-sum kind of flex loss: each anchor's loss the sum of its pairs' own terms,
+    ``pos_mod(x, a, b)`` on its positives and ``neg_mod(x, a, b)`` on its other pairs in
+    play, each times its weight ``w``, with ``x`` the pair's score ``s`` or, with
+    ``distance``, a distance from it (the rows normalised, at temperature 1):
+    ``"euclidean"``, ``sqrt(2 - 2 s)`` (its slope at 0 taken as 0, as ``torch.cdist``'s),
+    or ``"squared"``, ``2 - 2 s``. No log-sum-exp: the classic contrastive loss (Hadsell et
+    al.), pytorch-metric-learning's ``ContrastiveLoss`` and TCN's hinge are of this kind."""
+
+    name = "pair_sum"
+    DISTANCES = ("euclidean", "squared")
+
+    def __init__(self, distance: Optional[str] = None) -> None:
+        if distance is not None and distance not in self.DISTANCES:
+            raise ValueError(f"distance must be None, 'euclidean' or 'squared', got {distance!r}")
+        self.distance = distance
+
+    def __repr__(self) -> str:
+        return f"FlexPairSum(distance={self.distance!r})"
+
+    def view(self, s: Tensor) -> Tensor:
+        """What the functions see of the scores ``s`` (cosines: normalised rows, temperature 1)."""
+        if self.distance is None:
+            return s
+        squared = (2.0 - 2.0 * s).clamp_min(0.0)
+        if self.distance == "squared":
+            return squared
+        positive = squared > 0  # sqrt's slope at 0 is infinite: 0 there, as torch.cdist's backward
+        tiny = torch.finfo(squared.dtype).tiny
+        return torch.where(positive, squared.clamp_min(tiny).sqrt(), torch.zeros((), dtype=s.dtype, device=s.device))
 
 
 class View:
@@ -283,6 +316,10 @@ class _FlexState:
         self.coef: Optional[Tuple[Tensor, Tensor]] = None  # per row (c g e^{shift - L} or c g, a g)
         self.param_grads: List[Optional[Tensor]] = [None] * n_params
         self.stats: Any = None  # the anchors' statistics' accumulators, formed in a first pass
+        # the pair sum: ``pos`` and ``row`` hold each row's sums of its positives' and its
+        # negatives' terms, these their counts; ``scales`` each set's factor once counted
+        self.pos_cnt, self.neg_cnt = vec(), vec()
+        self.scales: Tuple[Any, Any] = (1.0, 1.0)
 
 
 #: binary positives are kept as their positions (:class:`_Positives`) while at most this
@@ -432,16 +469,26 @@ class FlexHead(Head):
         captured: Tuple[Tensor, ...] = (),
         sparsity: Optional[BlockSparsity] = None,
         inline_statistics: bool = False,
+        set_means: Optional[str] = None,
+        join: Optional[Callable[[Tensor], Tensor]] = None,
     ) -> None:
-        #: a two-set kind, or None (``kind`` is then ``"softmax"`` or ``"sigmoid"``)
+        #: a two-set kind, or None (``kind`` is then ``"softmax"``, ``"sigmoid"`` or the pair sum)
         self.sets: Optional[PairSets] = kind if isinstance(kind, PairSets) else None
-        self.kind: str = kind.name if isinstance(kind, PairSets) else kind
+        #: the pair-sum kind, or None
+        self.pair_sum: Optional[PairSum] = kind if isinstance(kind, PairSum) else None
+        self.kind: str = kind.name if isinstance(kind, (PairSets, PairSum)) else kind
+        #: the pair sum's reduction of each set: None (the terms summed), ``"mean"`` (each set's
+        #: terms over its pairs in play) or ``"mean_nonzero"`` (each set's terms above 0, over
+        #: their count), the counts over every rank (``join``: their sum over the ranks)
+        self.set_means, self.join = set_means, join or (lambda x: x)
+        if set_means is not None:
+            self.fuses_rows = False  # the counts of every row come before any gradient
         self.positives, self.fns = positives, fns
         self.sparsity = sparsity
         self.rows, self.cols, self.row_base = rows, cols, row_base
         self.own, self.exclude_self, self.offset, self.swapped = own, exclude_self, offset, swapped
         # the panels visit every tile (a two-set kind's rows are visited one orientation at a time)
-        self.symmetric_tiles = symmetric and sparsity is None and self.sets is None
+        self.symmetric_tiles = symmetric and sparsity is None and self.sets is None and self.pair_sum is None
         self.bias, self.learn_bias, self.captured = bias, learn_bias, captured
         self.n_params = int(learn_bias) + len(captured)
         #: each row's validity once reduced: the rows a "mean" counts
@@ -620,13 +667,57 @@ class FlexHead(Head):
             # (2 bound within the exponent range) exp(s) itself neither overflows nor
             # underflows, so the shift is 0 and the tile is exponentiated as it is
             shift = None if SoftmaxHead.usable_shift(bound, like.dtype) is None else 0.0
-        if self.kind == "sigmoid":  # every row counts (none at all on a rank without anchors)
+        if self.kind in ("sigmoid", "pair_sum"):  # every row counts (none at all on a rank without anchors)
             self.valid_rows = torch.ones(m, dtype=torch.bool, device=like.device)
         if self.sets is not None:  # two log-sum-exps per row: P in ``pos``, N in ``row``
             st = _FlexState(m, like, self.n_params, "softmax", None)
             st.pos.fill_(-_INF)
             return st
         return _FlexState(m, like, self.n_params, self.kind, shift)
+
+    # ------------------------------------------------------------------ the pair sum
+    def _pair_terms(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Tensor, Tensor]:
+        """The pair sum's ``(w s', positives, negatives)`` of a tile: each pair's weighted
+        term (0 out of play), and the two sets' masks of the pairs in play (with
+        ``"mean_nonzero"``: their terms above 0)."""
+        terms = t.sp if t.logw is None else t.sp * torch.exp(t.logw)
+        play = torch.ones(terms.shape, dtype=torch.bool, device=terms.device)
+        self._out_(play, t, tile, False)  # type: ignore[arg-type]
+        pos = play & (t.m != 0)
+        neg = play & (t.m == 0)
+        if self.set_means == "mean_nonzero":
+            pos, neg = pos & (terms > 0), neg & (terms > 0)
+        zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
+        return torch.where(pos | neg, terms, zero), pos, neg
+
+    def _add_pair_sums(self, st: _FlexState, rows: slice, terms: Tensor, pos: Tensor, neg: Tensor) -> None:
+        zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
+        pos_terms = torch.where(pos, terms, zero).sum(1)
+        st.pos[rows] += pos_terms
+        st.row[rows] += torch.where(neg, terms, zero).sum(1)
+        st.pos_cnt[rows] += pos.sum(1).to(st.pos_cnt.dtype)
+        st.neg_cnt[rows] += neg.sum(1).to(st.neg_cnt.dtype)
+
+    def pair_scales(self, pos_cnt: Tensor, neg_cnt: Tensor) -> Tuple[Any, Any]:
+        """The pair sum's factor of each set from its rows' counts: 1 (the terms summed), or
+        1 / the set's count over every rank (0 for an empty set; a collective across
+        processes: every rank calls it alike)."""
+        if self.set_means is None:
+            return 1.0, 1.0
+        counts = self.join(torch.stack([pos_cnt.sum(), neg_cnt.sum()]))
+        scales = torch.where(counts > 0, 1.0 / counts.clamp_min(1.0), torch.zeros_like(counts))
+        return scales[0], scales[1]
+
+    def _pair_grad(self, t: _Terms, tile: Tile, st: _FlexState, g_row: Tensor, rows: slice) -> Tensor:
+        """``dL/ds'`` of the pair sum: the row's weight times its set's factor times ``w``."""
+        terms, pos, neg = self._pair_terms(t, tile)
+        a, b = st.scales
+        g = g_row[rows].unsqueeze(1)
+        zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
+        d = torch.where(pos, g * a, torch.where(neg, g * b, zero))
+        if t.logw is not None:
+            d = d * torch.exp(t.logw)
+        return torch.where(pos | neg, d, zero)
 
     def _sets_z(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Any]:
         """A two-set kind's terms ``s' + log w`` (``-inf`` for the pairs out of both sets) and
@@ -687,6 +778,9 @@ class FlexHead(Head):
         if self.sets is not None:
             self._add_sets(st, rows, *self._sets_z(t, tile))
             return
+        if self.pair_sum is not None:
+            self._add_pair_sums(st, rows, *self._pair_terms(t, tile))
+            return
         if self.kind == "sigmoid":
             st.row[rows] += self._pair_losses_(t, tile).sum(1)
             return
@@ -728,6 +822,10 @@ class FlexHead(Head):
         if self.sets is not None:
             self.valid_rows = self.sets.counted(st.pos, st.row)
             return
+        if self.pair_sum is not None:
+            st.scales = self.pair_scales(st.pos_cnt, st.neg_cnt)
+            self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
+            return
         if self.kind == "sigmoid":
             self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
             return
@@ -763,6 +861,11 @@ class FlexHead(Head):
             assert self.valid_rows is not None
             rows = self.sets.loss(st.pos, st.row)
             return torch.where(self.valid_rows, rows, torch.zeros_like(rows)), None
+        if self.pair_sum is not None:
+            if self.set_means is not None and not isinstance(st.scales[0], Tensor):  # not reduced (no rows)
+                self.finish(st, self.passes - 1)
+            a, b = st.scales
+            return a * st.pos + b * st.row, None
         if self.kind == "sigmoid":
             return st.row, None
         if st.ca is None:  # no row was visited (a rank without anchors)
@@ -778,7 +881,7 @@ class FlexHead(Head):
         if self.sets is not None:
             self._sets_coef(st, slice(None), g_row)
             return
-        if self.kind == "sigmoid":
+        if self.kind in ("sigmoid", "pair_sum"):
             return
         assert st.ca is not None
         c, a = st.ca
@@ -858,6 +961,8 @@ class FlexHead(Head):
         t = self._terms(s, tile, grad=self.fns.modifies)
         if self.sets is not None:
             g = self._sets_grad_(*self._sets_z(t, tile), st, rows)
+        elif self.pair_sum is not None:
+            g = self._pair_grad(t, tile, st, st.g_row, rows)
         elif self.kind == "sigmoid":
             g = self._sigmoid_grad_(t, tile, st.g_row[rows], 1)
         else:
@@ -898,6 +1003,12 @@ class FlexHead(Head):
                 return None
             self._sets_coef(st, rows, g_row[rows])
             g = self._sets_grad_(z, pos, st, rows)
+        elif self.pair_sum is not None:  # the terms summed (no set's count): complete rows are final
+            st.pos[rows], st.row[rows], st.pos_cnt[rows], st.neg_cnt[rows] = 0.0, 0.0, 0.0, 0.0
+            self._add_pair_sums(st, rows, *self._pair_terms(t, tile))
+            if g_row is None:
+                return None
+            g = self._pair_grad(t, tile, st, g_row, rows)
         elif self.kind == "sigmoid":
             st.row[rows] = self._pair_losses_(t, tile).sum(1)
             if g_row is None:
@@ -977,6 +1088,15 @@ class FlexHead(Head):
             n = _safe_logsumexp(torch.where(pos, -_INF, z), 1)
             self.valid_rows = self.sets.counted(p.detach(), n.detach())
             return torch.where(self.valid_rows, self.sets.loss(p, n), zero), None
+        if self.pair_sum is not None:
+            terms = sp if logw is None else sp * torch.exp(logw)
+            pos, neg = ~out & (m != 0), ~out & (m == 0)
+            if self.set_means == "mean_nonzero":
+                pos, neg = pos & (terms.detach() > 0), neg & (terms.detach() > 0)
+            a, b = self.pair_scales(pos.sum(1).to(s.dtype), neg.sum(1).to(s.dtype))
+            self.valid_rows = torch.ones(r, dtype=torch.bool, device=s.device)
+            rows_loss = a * torch.where(pos, terms, zero).sum(1) + b * torch.where(neg, terms, zero).sum(1)
+            return rows_loss, None
         if self.kind == "sigmoid":
             bias = params[0].to(s.dtype) if self.learn_bias and params else self.bias
             x = sp + bias

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -21,6 +22,7 @@ from ..engine.flex import (
     FlexFunctions,
     FlexHead,
     PairSets,
+    PairSum,
     StatisticsHead,
     View,
     captured_tensors,
@@ -33,7 +35,7 @@ from ..engine.matryoshka import check_dims
 from ..engine.sparsity import BlockSparsity
 from .flex_blocks import BlockMask
 
-__all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle"]
+__all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle", "FlexPairSum"]
 
 Fn = Optional[Callable[..., Any]]
 FLEX_BACKENDS = ("reference", "dense", "tiled")
@@ -139,8 +141,39 @@ class FlexCircle(PairSets):
         return ~torch.isneginf(p) & ~torch.isneginf(n)
 
 
-#: the two-set kinds by name, as ``kind=`` takes them
-PAIR_SETS = {"multi_similarity": FlexMultiSimilarity, "circle": FlexCircle}
+class FlexPairSum(PairSum):
+    """The pair-sum kind of :func:`flex_loss` (``kind="pair_sum"`` is this without a
+    distance): each anchor's loss ::
+
+        sum_{j in P_i} w_ij pos_mod(x_ij, a, b) + sum_{k in N_i} w_ik neg_mod(x_ik, a, b)
+
+    over its positives ``P_i`` and its other pairs in play ``N_i``, no log-sum-exp: the
+    classic contrastive loss (Hadsell et al. 2006), pytorch-metric-learning's
+    ``ContrastiveLoss``, TCN's hinge. ``x`` is the scaled score ``s``, or with
+    ``distance`` a distance of the normalised rows (``temperature=1``): ``"euclidean"``,
+    ``sqrt(2 - 2 s)`` (its slope at 0 taken as 0, as ``torch.cdist``'s), or
+    ``"squared"``, ``2 - 2 s``. ``reduction``: ``"mean_nonzero"`` averages each set's
+    terms above 0 over their count and adds the two sets (pytorch-metric-learning's
+    ``AvgNonZeroReducer``), ``"mean"`` each set's terms over its pairs (its
+    ``MeanReducer``), ``"sum"`` every term, ``"none"`` each anchor's sum.
+
+    Args:
+        distance: None (the scores), ``"euclidean"`` or ``"squared"``. Default: None.
+
+    Examples::
+
+        >>> x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        >>> loss = flashcl.flex_loss(x, rows={"y": y}, positive=lambda a, b: a.y == b.y,
+        ...                          kind=flashcl.FlexPairSum(distance="euclidean"), temperature=1.0,
+        ...                          pos_mod=lambda d, a, b: d.pow(2),
+        ...                          neg_mod=lambda d, a, b: (1.0 - d).clamp_min(0).pow(2), reduction="sum")
+    """
+
+
+#: the kinds with sets of their own by name, as ``kind=`` takes them (their defaults)
+PAIR_SETS = {"multi_similarity": FlexMultiSimilarity, "circle": FlexCircle, "pair_sum": FlexPairSum}
+#: the reductions of the pair-sum kind beyond every loss's
+PAIR_SUM_REDUCTIONS = ("mean", "mean_nonzero", "sum", "none")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -205,6 +238,8 @@ def _reference_rows(
     """Each anchor's loss one anchor at a time, from the formulas (the oracle): its row of
     scores against every key, the functions called on that row."""
     if q.shape[0] == 0:  # no anchors: the keys stay in the graph (a gathered key's backward is collective)
+        if head.pair_sum is not None:  # the sets' counts are joined over the ranks: take part
+            head.pair_scales(q.new_zeros(0), q.new_zeros(0))
         return (q @ k.T).sum(1)
     return _reference_from(lambda i: scale * (q[i : i + 1] @ k.T), q.shape[0], k.shape[0], head, bias, q)
 
@@ -214,6 +249,7 @@ def _reference_from(
 ) -> Tensor:
     """The reference's rows, ``score_row(i)`` giving anchor ``i``'s scaled scores (1, N)."""
     fns, out_rows = head.fns, []
+    pair_sums: List[Tuple[Tensor, ...]] = []  # the pair sum's (positives' sum, negatives', their counts)
     for i in range(anchors):
         a, b = _anchor_views(head, i, n)
         s = score_row(i)  # (1, N)
@@ -230,6 +266,15 @@ def _reference_from(
         else:  # a pair out of every set takes no part, whatever its weight (NaN included)
             w = torch.where(left, 1.0, tile_result(fns.weight(a, b), "weight", 1, n, s, "weight").to(s.dtype))
         keep = (~left)[0]
+        if head.pair_sum is not None:  # each pair's own term, summed per set
+            assert fns.pos_mod is not None and fns.neg_mod is not None
+            pos, neg = keep & (m[0] != 0), keep & (m[0] == 0)
+            tp = w[0] * _guarded(fns.pos_mod, "pos_mod", s, left, a, b)[0]
+            tn = w[0] * _guarded(fns.neg_mod, "neg_mod", s, left, a, b)[0]
+            if head.set_means == "mean_nonzero":  # the terms above 0 alone
+                pos, neg = pos & (tp.detach() > 0), neg & (tn.detach() > 0)
+            pair_sums.append((tp[pos].sum(), tn[neg].sum(), pos.sum().to(s.dtype), neg.sum().to(s.dtype)))
+            continue
         if head.sets is not None:  # the two sets' log-sum-exps, each set's modified scores
             assert fns.pos_mod is not None and fns.neg_mod is not None
             pos, neg = keep & (m[0] != 0), keep & (m[0] == 0)
@@ -263,6 +308,10 @@ def _reference_from(
             out_rows.append(terms.sum() / msum)
         else:  # "pairs"
             out_rows.append(terms.sum())
+    if head.pair_sum is not None:
+        sp, sn, cp, cn = (torch.stack(x) for x in zip(*pair_sums))
+        a_, b_ = head.pair_scales(cp, cn)
+        return a_ * sp + b_ * sn
     return torch.stack(out_rows) if out_rows else like.sum(-1)[:0]
 
 
@@ -660,9 +709,8 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
         block_size = block_mask.block_size
         n_keys = q.shape[0] if own else keys.shape[0]  # type: ignore[union-attr]
         sparsity = BlockSparsity(block_mask.keep, block_size, q.shape[0], n_keys)
-    opts = checks.Options(
-        o["normalize"], o["reduction"], backend, block_size, process_group, o["strategy"], o["grad_scale"]
-    )
+    reduction, set_means = _pair_reductions(o)
+    opts = checks.Options(o["normalize"], reduction, backend, block_size, process_group, o["strategy"], o["grad_scale"])
     checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS, "triton"))
     kind, fns, scale, bias_t = _functions_and_scalars(o, own, q)
     if own and cols is not None:
@@ -719,6 +767,8 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
             sparsity=sparsity,
             bias=0.0 if bias_t is None else float(bias_t.detach()),
             learn_bias=learn_bias,
+            set_means=set_means,
+            join=None if group is None else functools.partial(parallel.sum_across, group=group),
         )
         sides = reads_statistics(fns, row_data, col_all, q, keys_too=own)
         if sides == ("a",) and name != "reference" and sparsity is None and not both_directions:
@@ -797,7 +847,8 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
     if o["process_group"] is not None:
         raise ValueError("scores= takes one process (each rank's rows of a given matrix: use neighbor_loss)")
     checks.check_choice(backend, "backend", ("auto", *FLEX_BACKENDS))
-    opts = checks.Options(True, o["reduction"], backend, block_size, None, o["strategy"], o["grad_scale"])
+    reduction, set_means = _pair_reductions(o)
+    opts = checks.Options(True, reduction, backend, block_size, None, o["strategy"], o["grad_scale"])
     m, n = scores.shape
     own = cols is None
     if own and m != n:
@@ -818,6 +869,7 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
         exclude_self=own and not include_self,
         bias=0.0 if bias_t is None else float(bias_t.detach()),
         learn_bias=learn_bias,
+        set_means=set_means,
     )
     name = runner.pick_name(backend, FLEX_BACKENDS, m * n, scores, "flex_loss (a given score matrix)")
     if reads_statistics(fns, row_data, col_data, scores, keys_too=own):
@@ -881,12 +933,17 @@ def _kind(o: Dict[str, Any]) -> Any:
     if isinstance(kind, str):
         checks.check_choice(kind, "kind", KINDS + tuple(PAIR_SETS))
         kind = PAIR_SETS[kind]() if kind in PAIR_SETS else kind
-    elif not isinstance(kind, PairSets):
+    elif not isinstance(kind, (PairSets, PairSum)):
         raise TypeError(
-            f"kind must be 'softmax', 'sigmoid', 'multi_similarity', 'circle' or a two-set kind "
-            f"(flashcl.FlexMultiSimilarity, flashcl.FlexCircle), got {type(kind).__name__}"
+            f"kind must be 'softmax', 'sigmoid', 'multi_similarity', 'circle', 'pair_sum' or a kind with sets "
+            f"(flashcl.FlexMultiSimilarity, flashcl.FlexCircle, flashcl.FlexPairSum), got {type(kind).__name__}"
         )
-    if isinstance(kind, PairSets):
+    if isinstance(kind, PairSum):
+        if o["pos_mod"] is None or o["neg_mod"] is None:
+            raise ValueError("kind='pair_sum' sums each pair's own term: give both pos_mod and neg_mod")
+        if o["both_directions"]:
+            raise ValueError("both_directions takes kind='softmax'")
+    if isinstance(kind, (PairSets, PairSum)):
         if o["score_mod"] is not None:
             raise ValueError(f"kind={kind.name!r} modifies the scores per set: give pos_mod and neg_mod, not score_mod")
         if o["positives"] != "mean":
@@ -897,9 +954,26 @@ def _kind(o: Dict[str, Any]) -> Any:
             )
     elif o["pos_mod"] is not None or o["neg_mod"] is not None:
         raise ValueError(
-            "pos_mod and neg_mod are the two-set kinds' (kind='multi_similarity' or 'circle'): use score_mod"
+            "pos_mod and neg_mod are the kinds with sets' (kind='multi_similarity', 'circle' or 'pair_sum'): "
+            "use score_mod"
         )
+    if o["reduction"] == "mean_nonzero" and not isinstance(kind, PairSum):
+        raise ValueError("reduction='mean_nonzero' averages a pair sum's terms: kind='pair_sum'")
     return kind
+
+
+def _pair_reductions(o: Dict[str, Any]) -> Tuple[str, Optional[str]]:
+    """``(the engine's reduction, the pair sum's set means)`` of a call's ``reduction``: a
+    pair sum's ``"mean"`` and ``"mean_nonzero"`` are each set's means, their rows summed."""
+    reduction = o["reduction"]
+    pair_sum = o["kind"] == "pair_sum" or isinstance(o["kind"], PairSum)
+    if pair_sum:
+        checks.check_choice(reduction, "reduction", PAIR_SUM_REDUCTIONS)
+        if reduction in ("mean", "mean_nonzero"):
+            return "sum", reduction
+    elif reduction == "mean_nonzero":
+        raise ValueError("reduction='mean_nonzero' averages a pair sum's terms: kind='pair_sum'")
+    return reduction, None
 
 
 def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[Any, FlexFunctions, Tensor, Any]:
@@ -912,6 +986,14 @@ def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[
     if isinstance(kind, PairSets):  # the kind's own modified scores where none is given
         given[4] = given[4] or kind.pos_mod
         given[5] = given[5] or kind.neg_mod
+    if isinstance(kind, PairSum) and kind.distance is not None:
+        temperature = o["temperature"]
+        if not o["normalize"] or isinstance(temperature, Tensor) or float(temperature) != 1.0:
+            raise ValueError(
+                f"distance={kind.distance!r} is a distance of normalised rows from their cosines: normalize=True "
+                "and temperature=1.0"
+            )
+        given[4], given[5] = (_on_distance(fn, kind) for fn in given[4:6])
     fns = FlexFunctions(*given)
     if own and fns.positive is None:
         raise ValueError("positive is required for self-contrast (keys=None): which pairs are positives?")
@@ -923,6 +1005,13 @@ def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[
             raise ValueError("bias is the sigmoid kind's: kind='sigmoid'")
         bias_t = checks.check_real_scalar(o["bias"], "bias", like.device, dtype)
     return kind, fns, scale, bias_t
+
+
+def _on_distance(fn: Fn, kind: PairSum) -> Fn:
+    """``fn`` called on the pair sum's distance view of the scores."""
+    if fn is None:
+        return None
+    return lambda s, a, b: fn(kind.view(s), a, b)
 
 
 def _reduce(parts: Any, opts: checks.Options, source: runner.Source) -> Tensor:
