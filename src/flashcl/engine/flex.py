@@ -107,7 +107,8 @@ class PairSum:
     play, each times its weight ``w``, with ``x`` the pair's score ``s`` or, with
     ``distance``, a distance from it (the rows normalised, at temperature 1):
     ``"euclidean"``, ``sqrt(2 - 2 s)`` (its slope at 0 taken as 0, as ``torch.cdist``'s),
-    or ``"squared"``, ``2 - 2 s``. No log-sum-exp: the classic contrastive loss (Hadsell et
+    or ``"squared"``, ``2 - 2 s``; a pair whose ``2 - 2 s`` is within 8 ulps of 0
+    (identical rows to rounding) is at distance 0. No log-sum-exp: the classic contrastive loss (Hadsell et
     al.), pytorch-metric-learning's ``ContrastiveLoss`` and TCN's hinge are of this kind."""
 
     name = "pair_sum"
@@ -125,7 +126,10 @@ class PairSum:
         """What the functions see of the scores ``s`` (cosines: normalised rows, temperature 1)."""
         if self.distance is None:
             return s
-        squared = (2.0 - 2.0 * s).clamp_min(0.0)
+        squared = 2.0 - 2.0 * s
+        # identical rows to rounding (a cosine of 1 within a few ulps: duplicates) are at distance 0, as
+        # torch.cdist's exact differences put them; the cosine cannot resolve a closer pair
+        squared = torch.where(squared > 8 * torch.finfo(s.dtype).eps, squared, torch.zeros((), dtype=s.dtype))
         if self.distance == "squared":
             return squared
         positive = squared > 0  # sqrt's slope at 0 is infinite: 0 there, as torch.cdist's backward
@@ -676,11 +680,12 @@ class FlexHead(Head):
         return _FlexState(m, like, self.n_params, self.kind, shift)
 
     # ------------------------------------------------------------------ the pair sum
-    def _pair_terms(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Tensor, Tensor]:
-        """The pair sum's ``(w s', positives, negatives)`` of a tile: each pair's weighted
-        term (0 out of play), and the two sets' masks of the pairs in play (with
-        ``"mean_nonzero"``: their terms above 0)."""
-        terms = t.sp if t.logw is None else t.sp * torch.exp(t.logw)
+    def _pair_terms(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """The pair sum's ``(w s', positives, negatives, w)`` of a tile: each pair's weighted
+        term (0 out of play), the two sets' masks of the pairs in play (with
+        ``"mean_nonzero"``: their terms above 0), and the weights (None: 1)."""
+        w = None if t.logw is None else torch.exp(t.logw)
+        terms = t.sp if w is None else t.sp * w
         play = torch.ones(terms.shape, dtype=torch.bool, device=terms.device)
         self._out_(play, t, tile, False)  # type: ignore[arg-type]
         pos = play & (t.m != 0)
@@ -688,20 +693,23 @@ class FlexHead(Head):
         if self.set_means == "mean_nonzero":
             pos, neg = pos & (terms > 0), neg & (terms > 0)
         zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
-        return torch.where(pos | neg, terms, zero), pos, neg
+        return torch.where(pos | neg, terms, zero), pos, neg, w
 
-    def _add_pair_sums(self, st: _FlexState, rows: slice, terms: Tensor, pos: Tensor, neg: Tensor) -> None:
+    def _add_pair_sums(
+        self, st: _FlexState, rows: slice, terms: Tensor, pos: Tensor, neg: Tensor, w: Optional[Tensor]
+    ) -> None:
+        """The sets' sums of ``terms`` and their counts (their pairs' weights summed) into
+        the accumulators of ``rows``."""
         zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
-        pos_terms = torch.where(pos, terms, zero).sum(1)
-        st.pos[rows] += pos_terms
+        st.pos[rows] += torch.where(pos, terms, zero).sum(1)
         st.row[rows] += torch.where(neg, terms, zero).sum(1)
-        st.pos_cnt[rows] += pos.sum(1).to(st.pos_cnt.dtype)
-        st.neg_cnt[rows] += neg.sum(1).to(st.neg_cnt.dtype)
+        st.pos_cnt[rows] += pos.sum(1).to(terms.dtype) if w is None else torch.where(pos, w, zero).sum(1)
+        st.neg_cnt[rows] += neg.sum(1).to(terms.dtype) if w is None else torch.where(neg, w, zero).sum(1)
 
     def pair_scales(self, pos_cnt: Tensor, neg_cnt: Tensor) -> Tuple[Any, Any]:
-        """The pair sum's factor of each set from its rows' counts: 1 (the terms summed), or
-        1 / the set's count over every rank (0 for an empty set; a collective across
-        processes: every rank calls it alike)."""
+        """The pair sum's factor of each set from its rows' counts (their pairs' weights
+        summed): 1 (the terms summed), or 1 / the set's count over every rank (0 for an
+        empty set; a collective across processes: every rank calls it alike)."""
         if self.set_means is None:
             return 1.0, 1.0
         counts = self.join(torch.stack([pos_cnt.sum(), neg_cnt.sum()]))
@@ -710,7 +718,7 @@ class FlexHead(Head):
 
     def _pair_grad(self, t: _Terms, tile: Tile, st: _FlexState, g_row: Tensor, rows: slice) -> Tensor:
         """``dL/ds'`` of the pair sum: the row's weight times its set's factor times ``w``."""
-        terms, pos, neg = self._pair_terms(t, tile)
+        terms, pos, neg, _ = self._pair_terms(t, tile)
         a, b = st.scales
         g = g_row[rows].unsqueeze(1)
         zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
@@ -1093,7 +1101,8 @@ class FlexHead(Head):
             pos, neg = ~out & (m != 0), ~out & (m == 0)
             if self.set_means == "mean_nonzero":
                 pos, neg = pos & (terms.detach() > 0), neg & (terms.detach() > 0)
-            a, b = self.pair_scales(pos.sum(1).to(s.dtype), neg.sum(1).to(s.dtype))
+            w = torch.ones_like(terms) if logw is None else torch.exp(logw)
+            a, b = self.pair_scales(torch.where(pos, w, zero).sum(1), torch.where(neg, w, zero).sum(1))
             self.valid_rows = torch.ones(r, dtype=torch.bool, device=s.device)
             rows_loss = a * torch.where(pos, terms, zero).sum(1) + b * torch.where(neg, terms, zero).sum(1)
             return rows_loss, None

@@ -56,7 +56,7 @@ labels are all equal.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,8 @@ from ..engine.flex import PairSets
 from ..engine.heads import Head, Tile, mask_columns_, softplus
 from ..engine.positives import Positives
 from ..losses.circle import circle_loss
-from ..losses.flex import FlexCircle, FlexMultiSimilarity, flex_loss
+from ..losses.contrastive import contrastive_loss
+from ..losses.flex import FlexCircle, FlexMultiSimilarity, FlexPairSum, flex_loss
 from ..losses.multi_similarity import multi_similarity_loss
 from ..losses.proxy_anchor import proxy_anchor_loss
 from .options import FlashclOptions
@@ -97,6 +98,7 @@ __all__ = [
     "ArcFaceLoss",
     "SubCenterArcFaceLoss",
     "TripletMarginLoss",
+    "ContrastiveLoss",
 ]
 
 
@@ -726,6 +728,128 @@ class TripletMarginLoss(FlashclOptions, _pml_losses.TripletMarginLoss):
         return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
 
 
+def _pair_distance(distance: Any) -> Optional[Tuple[str, bool]]:
+    """flashcl's ``(distance, normalize)`` of :func:`flashcl.contrastive_loss` for a PML
+    distance, or None: ``LpDistance(p=2)`` of normalised rows (``power`` 1: euclidean, 2:
+    squared), ``CosineSimilarity`` and ``DotProductSimilarity`` (``power`` 1)."""
+    d = distance
+    if type(d) is _pml_distances.LpDistance and d.p == 2 and d.power in (1, 2) and d.normalize_embeddings:
+        return ("euclidean" if d.power == 1 else "squared"), True
+    normalize = _dot_similarity(d)
+    return None if normalize is None else ("similarity", normalize)
+
+
+#: PML's reducers of pair losses, as flashcl's pair-sum reductions (each set reduced, the sets added)
+_PAIR_REDUCERS = {"AvgNonZeroReducer": "mean_nonzero", "MeanReducer": "mean", "SumReducer": "sum"}
+
+
+class ContrastiveLoss(FlashclOptions, _pml_losses.ContrastiveLoss):
+    """PML's ``ContrastiveLoss`` (its constructor: ``pos_margin=0``, ``neg_margin=1``,
+    ``distance``, ``reducer``, ``embedding_regularizer``, plus ``backend`` and
+    ``block_size``), computed by :func:`flashcl.contrastive_loss` over every pair of the
+    batch (or against ``ref_emb``) without the B x B distance matrix, or, over a miner's
+    pairs or triplets (``indices_tuple``), a pair-sum flex loss over exactly those pairs.
+
+    flashcl computes it with ``LpDistance(p=2)`` of normalised rows (the default; ``power``
+    1 or 2), ``CosineSimilarity`` or ``DotProductSimilarity``, and the reducers
+    ``AvgNonZeroReducer`` (the default), ``MeanReducer`` and ``SumReducer`` (the same for
+    both sets); another distance or reducer, or a miner's pairs that pair a sample with
+    itself or put a pair in both sets, are computed by PML's own code, with a warning that
+    names the case.
+
+    Examples::
+
+        >>> from flashcl.integrations.pytorch_metric_learning import ContrastiveLoss
+        >>> loss_fn = ContrastiveLoss(pos_margin=0.0, neg_margin=0.8)
+        >>> loss = loss_fn(torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    """
+
+    backends = ("auto", "reference", "dense", "tiled")
+
+    def __init__(self, *args: Any, backend: str = "auto", block_size: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_flashcl_options(backend, block_size)
+
+    def _set_reducers(self) -> List[Any]:
+        """PML's reducer of each set (and of a regularizer's term, which PML reduces apart)."""
+        reducer = self.reducer
+        if isinstance(reducer, _pml_reducers.MultipleReducers):  # one per set (and per regularizer)
+            return [r for name, r in reducer.reducers.items() if name in ("pos_loss", "neg_loss")]
+        return [reducer]
+
+    def _reduction(self) -> Optional[str]:
+        """The reduction both sets take, or None where PML's reducers are not flashcl's."""
+        parts = self._set_reducers()
+        names = {type(r).__name__ for r in parts}
+        if len(names) != 1 or any(getattr(r, "collect_stats", False) for r in parts):
+            return None
+        reducer_type = type(parts[0])
+        if reducer_type is _pml_reducers.AvgNonZeroReducer and (parts[0].low != 0 or parts[0].high is not None):
+            return None
+        return _PAIR_REDUCERS.get(names.pop())
+
+    def _why_not(self, labels: Optional[Tensor], indices_tuple: Any, ref_emb: Optional[Tensor]) -> Optional[str]:
+        if isinstance(indices_tuple, PairLists) and indices_tuple.why_not is not None:
+            return indices_tuple.why_not
+        if labels is None and indices_tuple is None:
+            return "labels is None"
+        d = self.distance
+        if _pair_distance(d) is None:
+            return (
+                f"distance={type(d).__name__} (p={d.p}, power={d.power}, normalize_embeddings={d.normalize_embeddings})"
+            )
+        if self._reduction() is None:
+            return "reducer=" + ", ".join(sorted({type(r).__name__ for r in self._set_reducers()}))
+        return None
+
+    def compute_loss(
+        self, embeddings: Tensor, labels: Tensor, indices_tuple: Any, ref_emb: Any, ref_labels: Any
+    ) -> Dict[str, Any]:
+        own_ref = ref_emb is embeddings  # PML's forward sets ref_emb to the embeddings when none is given
+        keys = None if own_ref else ref_emb
+        given = indices_tuple
+        if indices_tuple is not None and isinstance(embeddings, Tensor) and embeddings.dim() == 2:
+            n = embeddings.shape[0] if keys is None else keys.shape[0]
+            indices_tuple = PairLists(tuple(indices_tuple), n, own=keys is None)
+        why = self._why_not(labels, indices_tuple, keys)
+        if why is not None:
+            warnings.warn(
+                f"flashcl ContrastiveLoss: {why}; computed by pytorch-metric-learning's own code (its B x B "
+                "distance matrix)",
+                stacklevel=3,
+            )
+            return super().compute_loss(embeddings, labels, given, ref_emb, ref_labels)
+        distance, normalize = _pair_distance(self.distance)  # type: ignore[misc]
+        reduction = self._reduction()
+        assert reduction is not None
+        m_pos, m_neg = float(self.pos_margin), float(self.neg_margin)
+        if isinstance(indices_tuple, PairLists):  # exactly the miner's pairs: a pair-sum flex loss
+            if distance == "similarity":
+                kind = FlexPairSum()
+                pos_mod, neg_mod = (lambda x, a, b: (m_pos - x).relu()), (lambda x, a, b: (x - m_neg).relu())
+            else:
+                kind = FlexPairSum(distance=distance)
+                pos_mod, neg_mod = (lambda x, a, b: (x - m_pos).relu()), (lambda x, a, b: (m_neg - x).relu())
+            value = flex_loss(
+                embeddings, keys, positive=indices_tuple.positive, exclude=indices_tuple.exclude, kind=kind,
+                weight=indices_tuple.multiplicity, pos_mod=pos_mod, neg_mod=neg_mod, temperature=1.0,
+                normalize=normalize, reduction=reduction, backend=self.backend, block_size=self.block_size,
+            )  # fmt: skip
+            value = value * float(not all(length <= 1 for length in indices_tuple.lengths))
+        else:
+            value = contrastive_loss(
+                embeddings, labels.reshape(-1), keys, None if keys is None else ref_labels.reshape(-1),
+                pos_margin=m_pos, neg_margin=m_neg, distance=distance, normalize=normalize, reduction=reduction,
+                backend=self.backend, block_size=self.block_size,
+            )  # fmt: skip
+        # accumulated in float32 for half inputs; returned in their dtype, as PML returns it
+        value = value.to(embeddings.dtype)
+        return {
+            "pos_loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"},
+            "neg_loss": self.zero_loss(),
+        }
+
+
 class MinedPairs:
     """What :class:`MultiSimilarityMiner` returns: the miner's ``epsilon`` and its inputs,
     which :class:`MultiSimilarityLoss` mines with as it computes (no pair list). Read as
@@ -786,7 +910,8 @@ class PairLists:
         a1, p, a2, n = (torch.as_tensor(x).long() for x in _pml_lmu.convert_to_pairs(indices_tuple, None))
         self.lengths = (len(a1), len(p), len(a2), len(n))
         self.batch = columns
-        self.pos = torch.unique(a1 * columns + p)
+        self.pos, self.pos_counts = torch.unique(a1 * columns + p, return_counts=True)
+        self.neg, self.neg_counts = torch.unique(a2 * columns + n, return_counts=True)
         self.any = torch.unique(torch.cat([self.pos, a2 * columns + n]))
         #: why flashcl cannot compute them (a pair of a sample with itself, a pair in both sets), or None
         self.why_not: Optional[str] = None
@@ -800,6 +925,18 @@ class PairLists:
 
     def exclude(self, a: Any, b: Any) -> Tensor:
         return ~torch.isin(a.index * self.batch + b.index, self.any.to(a.index.device))
+
+    def multiplicity(self, a: Any, b: Any) -> Tensor:
+        """How many times each pair is in its list (a triplet miner repeats its pairs: PML's
+        pair losses count each entry), 1 for the pairs in neither."""
+        key = a.index * self.batch + b.index
+        out = torch.ones(key.shape, dtype=torch.float64, device=key.device)
+        for keys, counts in ((self.pos, self.pos_counts), (self.neg, self.neg_counts)):
+            if keys.numel():
+                keys, counts = keys.to(key.device), counts.to(key.device)
+                at = torch.searchsorted(keys, key).clamp_max(keys.numel() - 1)
+                out = torch.where(keys[at] == key, counts[at].to(out.dtype), out)
+        return out
 
     def rows(self, emb: Tensor, keys: Optional[Tensor], kind: Any, backend: str, block_size: Optional[int]) -> Tensor:
         """Each anchor's loss of the two-set ``kind`` over these pairs of the rows ``emb``

@@ -273,7 +273,7 @@ def _reference_from(
             tn = w[0] * _guarded(fns.neg_mod, "neg_mod", s, left, a, b)[0]
             if head.set_means == "mean_nonzero":  # the terms above 0 alone
                 pos, neg = pos & (tp.detach() > 0), neg & (tn.detach() > 0)
-            pair_sums.append((tp[pos].sum(), tn[neg].sum(), pos.sum().to(s.dtype), neg.sum().to(s.dtype)))
+            pair_sums.append((tp[pos].sum(), tn[neg].sum(), w[0][pos].sum(), w[0][neg].sum()))
             continue
         if head.sets is not None:  # the two sets' log-sum-exps, each set's modified scores
             assert fns.pos_mod is not None and fns.neg_mod is not None
