@@ -298,3 +298,49 @@ def test_drop_in_says_where_pml_computes(kwargs: Dict[str, Any], match: str) -> 
     with pytest.warns(UserWarning, match=match):
         got = ContrastiveLoss(**kwargs)(d["x"], d["y"])
     assert_close(got, losses.ContrastiveLoss(**kwargs)(d["x"], d["y"]), "value", *TOL)
+
+
+# ----------------------------------------------------------------------------- the compiled tiles
+
+
+@pytest.mark.slow  # three compiles of the tile functions: about 30 s on 2 cores
+def test_compiled_tiles_equal_the_eager_ones() -> None:
+    """The pair sum's tile functions compiled by torch.compile (the default from 2^24 pairs)
+    give the eager tiles' value and gradient, every reduction, with weights, an exclusion
+    and a NaN on an excluded pair; options they cannot take are refused by name."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(29, 6, generator=g, dtype=F64)
+    y = torch.randint(0, 4, (29,), generator=g)
+    v = torch.ones(29, dtype=F64)
+    v[3] = float("nan")
+    opts: Dict[str, Any] = dict(
+        rows={"y": y, "v": v},
+        positive=lambda a, b: a.y == b.y,
+        exclude=lambda a, b: (a.index == 3) | (b.index == 3),
+        weight=lambda a, b: 1.0 + (a.y - b.y).abs() * b.v,
+        kind=flashcl.FlexPairSum(distance="euclidean"),
+        pos_mod=lambda d, a, b: (d - 0.1).relu(),
+        neg_mod=lambda d, a, b: (0.9 - d).relu().pow(2),
+        temperature=1.0,
+        backend="tiled",
+        block_size=8,
+    )
+    for reduction in ("mean_nonzero", "sum", "none"):
+        results = []
+        for compiled in (False, True):
+            xx = x.clone().requires_grad_(True)
+            loss = flashcl.flex_loss(xx, reduction=reduction, compiled=compiled, **opts)
+            up = torch.linspace(0.5, 1.5, loss.numel(), dtype=F64).reshape(loss.shape)
+            results.append((loss.detach(), torch.autograd.grad((loss * up).sum(), xx)[0]))
+        (want, want_grad), (got, grad) = results
+        assert bool(torch.isfinite(want).all()), reduction
+        assert_close(got, want, f"{reduction}: value", *TOL)
+        assert_close(grad, want_grad, f"{reduction}: gradient", *TOL)
+    margin = torch.tensor(0.5, dtype=F64, requires_grad=True)
+    with pytest.raises(ValueError, match="compiled=True"):
+        flashcl.flex_loss(x, rows={"y": y}, positive=lambda a, b: a.y == b.y, compiled=True)
+    with pytest.raises(ValueError, match="captures a tensor"):
+        flashcl.flex_loss(
+            x, rows={"y": y}, positive=lambda a, b: a.y == b.y, kind="pair_sum", pos_mod=lambda s, a, b: s,
+            neg_mod=lambda s, a, b: (s - margin).relu(), compiled=True, backend="tiled",
+        )  # fmt: skip

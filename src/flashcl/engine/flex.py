@@ -38,6 +38,8 @@ complete rows forms its gradient in the same visit (three GEMMs).
 from __future__ import annotations
 
 import inspect
+import warnings
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -475,6 +477,7 @@ class FlexHead(Head):
         inline_statistics: bool = False,
         set_means: Optional[str] = None,
         join: Optional[Callable[[Tensor], Tensor]] = None,
+        compiled: bool = False,
     ) -> None:
         #: a two-set kind, or None (``kind`` is then ``"softmax"``, ``"sigmoid"`` or the pair sum)
         self.sets: Optional[PairSets] = kind if isinstance(kind, PairSets) else None
@@ -485,6 +488,8 @@ class FlexHead(Head):
         #: terms over its pairs in play) or ``"mean_nonzero"`` (each set's terms above 0, over
         #: their count), the counts over every rank (``join``: their sum over the ranks)
         self.set_means, self.join = set_means, join or (lambda x: x)
+        #: the pair sum's tile functions compiled by ``torch.compile`` (:class:`CompiledPairs`)
+        self.compiled = CompiledPairs(self) if compiled and self.pair_sum is not None else None
         if set_means is not None:
             self.fuses_rows = False  # the counts of every row come before any gradient
         self.positives, self.fns = positives, fns
@@ -526,9 +531,10 @@ class FlexHead(Head):
         b = View(self.cols, tile.c0, tile.c1, 0, "b", "the keys' data (cols=)", "b")
         return a, b
 
-    def _terms(self, s: Tensor, tile: Tile, grad: bool = False) -> _Terms:
+    def _terms(self, s: Tensor, tile: Tile, grad: bool = False, modify: bool = True) -> _Terms:
         """The tile's terms (:class:`_Terms`), the functions called once each, checked;
-        ``grad``: with the graph of ``score_mod`` for the backward through it."""
+        ``grad``: with the graph of ``score_mod`` for the backward through it; ``modify``:
+        False leaves the scores as they are (the compiled tile functions modify them)."""
         r, c = s.shape
         a, b = self._views(tile)
         fns = self.fns
@@ -559,7 +565,7 @@ class FlexHead(Head):
         if self.own:
             mask_self_(m, tile, 0.0)  # the self pair is never a positive
         logw = self._log_weights(a, b, r, c, s)
-        sp, s_leaf, sp_graph = self._modified(s, a, b, m, grad) if fns.modifies else (s, None, None)
+        sp, s_leaf, sp_graph = self._modified(s, a, b, m, grad) if fns.modifies and modify else (s, None, None)
         return _Terms(excl, m, binary, logw, sp, s_leaf, sp_graph)
 
     def _modified(
@@ -782,6 +788,8 @@ class FlexHead(Head):
             self.counter.reduce(s, tile, st.stats)
             return
         rows = slice(tile.r0, tile.r1)
+        if self.compiled is not None and self.compiled.reduce(s, tile, st):
+            return
         t = self._terms(s, tile)
         if self.sets is not None:
             self._add_sets(st, rows, *self._sets_z(t, tile))
@@ -966,6 +974,10 @@ class FlexHead(Head):
     def grad(self, s: Tensor, tile: Tile, st: _FlexState, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
         rows = slice(tile.r0, tile.r1)
+        if self.compiled is not None:
+            g = self.compiled.grad(s, tile, st, st.g_row)
+            if g is not None:
+                return s.copy_(g)
         t = self._terms(s, tile, grad=self.fns.modifies)
         if self.sets is not None:
             g = self._sets_grad_(*self._sets_z(t, tile), st, rows)
@@ -1000,9 +1012,17 @@ class FlexHead(Head):
         if self.counter is not None:  # complete rows: their statistics, then their terms
             self.counter.reduce(s.clone(), tile, st.stats)
             self._publish(st.stats, rows)
-        t = self._terms(s, tile, grad=g_row is not None and self.fns.modifies)
         if self.valid_rows is None:
             self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
+        if self.compiled is not None:  # complete rows: their sums final here
+            st.pos[rows], st.row[rows], st.pos_cnt[rows], st.neg_cnt[rows] = 0.0, 0.0, 0.0, 0.0
+            if g_row is None and self.compiled.reduce(s, tile, st):
+                return None
+            if g_row is not None:
+                g = self.compiled.grad(s, tile, st, g_row, add_sums=True)
+                if g is not None:
+                    return s.copy_(g)
+        t = self._terms(s, tile, grad=g_row is not None and self.fns.modifies)
         if self.sets is not None:
             z, pos = self._sets_z(t, tile)
             self._add_sets(st, rows, z.clone(), pos)  # complete rows: final here
@@ -1124,6 +1144,161 @@ class FlexHead(Head):
         c_, a_, valid = self._weights(self.positives, lse.detach(), m.sum(1), (m != 0).sum(1).to(s.dtype))
         self.valid_rows = valid
         return torch.where(valid, c_ * torch.where(valid, lse, zero) - a_ * mp.sum(1), zero), None
+
+
+def _namespace(view: View) -> SimpleNamespace:
+    """A view's fields as plain attributes (what ``torch.compile`` traces without a guard of
+    the view's own)."""
+    fields = {name: getattr(view, name) for name in view._data}
+    return SimpleNamespace(**fields, index=view.index)
+
+
+def _pair_sum_terms(
+    s: Tensor, member: Tensor, play: Tensor, w: Optional[Tensor], a: Any, b: Any, pos_fn: Fn, neg_fn: Fn, nonzero: bool
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """The pair sum's terms of a tile (0 out of play; the pairs out of play enter the
+    functions as constants) and its two sets' masks."""
+    s_in = torch.where(play, s, s.detach())
+    t = torch.where(member, pos_fn(s_in, a, b), neg_fn(s_in, a, b))
+    if w is not None:
+        t = t * w
+    t = torch.where(play, t, torch.zeros((), dtype=s.dtype, device=s.device))
+    pos, neg = play & member, play & ~member
+    if nonzero:
+        pos, neg = pos & (t > 0), neg & (t > 0)
+    return t, pos, neg
+
+
+def _pair_sum_rows(
+    s: Tensor, member: Tensor, play: Tensor, w: Optional[Tensor], a: Any, b: Any, pos_fn: Fn, neg_fn: Fn, nonzero: bool
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each row's sums of its two sets' terms and the sets' counts (their weights summed)."""
+    t, pos, neg = _pair_sum_terms(s, member, play, w, a, b, pos_fn, neg_fn, nonzero)
+    zero = torch.zeros((), dtype=s.dtype, device=s.device)
+    ones = torch.ones_like(t) if w is None else w
+    return (
+        torch.where(pos, t, zero).sum(1),
+        torch.where(neg, t, zero).sum(1),
+        torch.where(pos, ones, zero).sum(1),
+        torch.where(neg, ones, zero).sum(1),
+    )
+
+
+def _pair_sum_grad(
+    s: Tensor,
+    member: Tensor,
+    play: Tensor,
+    w: Optional[Tensor],
+    a: Any,
+    b: Any,
+    pos_fn: Fn,
+    neg_fn: Fn,
+    nonzero: bool,
+    coef_pos: Tensor,
+    coef_neg: Tensor,
+) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+    """``dL/ds`` of the tile for the rows' factors of each set (by ``torch.func.grad``
+    through the functions), and the rows' sums and counts."""
+
+    def total(x: Tensor) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        sums = _pair_sum_rows(x, member, play, w, a, b, pos_fn, neg_fn, nonzero)
+        return (sums[0] * coef_pos).sum() + (sums[1] * coef_neg).sum(), sums
+
+    return torch.func.grad(total, has_aux=True)(s)
+
+
+_COMPILED: Dict[str, Any] = {}
+
+
+def _compiled(name: str) -> Any:
+    """A pair-sum tile function compiled by ``torch.compile`` (made once per process;
+    dynamic in the tile's shape, so that a ragged last tile needs no compile of its own)."""
+    fn = _COMPILED.get(name)
+    if fn is None:
+        target: Any = _pair_sum_rows if name == "rows" else _pair_sum_grad
+        fn = _COMPILED[name] = torch.compile(target, dynamic=True)
+    return fn
+
+
+class CompiledPairs:
+    """The pair-sum kind's tile work (:func:`_pair_sum_rows`, :func:`_pair_sum_grad`)
+    compiled by ``torch.compile``, the user's functions fused into it (inductor: C++ on the
+    CPU, Triton on CUDA), as FlexAttention compiles ``score_mod``: the eager head's two
+    dozen passes over each tile become one or two loops. The masks and weights come from
+    the eager head (the functions that decide them run once per tile); every function's
+    result is checked eagerly on the first tile's first row. A compile that fails falls
+    back to the eager head, with one warning."""
+
+    def __init__(self, head: FlexHead) -> None:
+        self.head = head
+        self.checked = False
+
+    def _inputs(self, s: Tensor, tile: Tile) -> Tuple[Any, ...]:
+        head = self.head
+        if not self.checked:  # the eager checks of every function's result, on one row
+            head._terms(s[:1].clone(), Tile(tile.r0, tile.r0 + 1, tile.c0, tile.c1, tile.offset))
+            self.checked = True
+        t = head._terms(s, tile, modify=False)
+        play = torch.ones(s.shape, dtype=torch.bool, device=s.device)
+        head._out_(play, t, tile, False)  # type: ignore[arg-type]
+        member = t.m != 0
+        w = None if t.logw is None else torch.exp(t.logw)
+        a, b = head._views(tile)
+        fns = head.fns
+        return (
+            s,
+            member,
+            play,
+            w,
+            _namespace(a),
+            _namespace(b),
+            fns.pos_mod,
+            fns.neg_mod,
+            head.set_means == "mean_nonzero",
+        )
+
+    def _call(self, name: str, *args: Any) -> Any:
+        try:
+            return _compiled(name)(*args)
+        except Exception as e:  # noqa: BLE001 - any compile failure: the eager head computes it
+            warnings.warn(
+                f"flashcl: the pair sum's tile function did not compile ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:120]}); computing it eagerly",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self.head.compiled = None
+            return None
+
+    def reduce(self, s: Tensor, tile: Tile, st: Any) -> bool:
+        """The tile's sums and counts into the state; False where the eager head must."""
+        out = self._call("rows", *self._inputs(s, tile))
+        if out is None:
+            return False
+        self._add(st, slice(tile.r0, tile.r1), out)
+        return True
+
+    def grad(self, s: Tensor, tile: Tile, st: Any, g_row: Tensor, add_sums: bool = False) -> Optional[Tensor]:
+        """``dL/ds`` of the tile (each set's factor from the state's scales), with
+        ``add_sums`` the sums and counts into the state too; None where the eager head must."""
+        rows = slice(tile.r0, tile.r1)
+        a, b = st.scales
+        coef_pos = (g_row[rows] * a).to(s.dtype)
+        coef_neg = (g_row[rows] * b).to(s.dtype)
+        out = self._call("grad", *self._inputs(s, tile), coef_pos, coef_neg)
+        if out is None:
+            return None
+        g, sums = out
+        if add_sums:
+            self._add(st, rows, sums)
+        return g
+
+    @staticmethod
+    def _add(st: Any, rows: slice, sums: Tuple[Tensor, ...]) -> None:
+        st.pos[rows] += sums[0]
+        st.row[rows] += sums[1]
+        st.pos_cnt[rows] += sums[2]
+        st.neg_cnt[rows] += sums[3]
 
 
 class _Statistics:
