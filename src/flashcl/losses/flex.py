@@ -170,6 +170,45 @@ class FlexPairSum(PairSum):
     """
 
 
+class PositiveLSE(PairSets):
+    """The softmax kind with ``positives="lse"``: each anchor's loss ``LSE_{Den} (s' + log w)
+    - LSE_{Pos} (s' + log w)``, the probability mass of its positives (MIL-NCE, the soft
+    nearest-neighbour loss, SupCon's ``L_in`` but its ``log |P|``), computed as
+    ``softplus(N - P)`` from the log-sum-exps over the positives (``P``) and over the other
+    pairs of the denominator (``N``): exact near a loss of 0, where the difference of two
+    log-sum-exps would cancel. Binary positives; an anchor without one is not counted."""
+
+    name = "softmax"
+
+    def __init__(self, score_mod: Fn = None) -> None:
+        mod = score_mod if score_mod is not None else (lambda s, a, b: s)
+        self.pos_mod = self.neg_mod = mod  # type: ignore[method-assign,assignment]
+
+    def loss(self, p: Tensor, n: Tensor) -> Tensor:
+        return softplus(n - p)
+
+    def slopes(self, p: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
+        d = torch.sigmoid(n - p)
+        return -d, d
+
+    def counted(self, p: Tensor, n: Tensor) -> Tensor:
+        return ~torch.isneginf(p)
+
+
+def _binary(fn: Fn) -> Fn:
+    """``positive`` checked to give binary positives (``positives="lse"``)."""
+    if fn is None:
+        return None
+
+    def positive(a: Any, b: Any) -> Any:
+        out = fn(a, b)
+        if isinstance(out, Tensor) and out.dtype != torch.bool and bool(((out != 0) & (out != 1)).any()):
+            raise ValueError("positives='lse' takes binary positives: positive must return bool (or 0/1)")
+        return out
+
+    return positive
+
+
 #: the kinds with sets of their own by name, as ``kind=`` takes them (their defaults)
 PAIR_SETS = {"multi_similarity": FlexMultiSimilarity, "circle": FlexCircle, "pair_sum": FlexPairSum}
 #: the reductions of the pair-sum kind beyond every loss's
@@ -939,6 +978,14 @@ def _kind(o: Dict[str, Any]) -> Any:
     """The call's kind, checked: ``"softmax"``, ``"sigmoid"`` or a two-set kind (by name: its
     defaults); the options a kind does not take refused."""
     kind = o["kind"]
+    if kind == "softmax" and o["positives"] == "lse":  # the positives' log-sum-exp: two sets
+        if o["pos_mod"] is not None or o["neg_mod"] is not None:
+            raise ValueError("pos_mod and neg_mod are the kinds with sets': positives='lse' takes score_mod")
+        if o["include_self"] or o["both_directions"]:
+            raise ValueError(
+                "positives='lse' leaves the self pair out and takes one direction (no include_self, no both_directions)"
+            )
+        return PositiveLSE(o["score_mod"])
     if isinstance(kind, str):
         checks.check_choice(kind, "kind", KINDS + tuple(PAIR_SETS))
         kind = PAIR_SETS[kind]() if kind in PAIR_SETS else kind
@@ -952,6 +999,8 @@ def _kind(o: Dict[str, Any]) -> Any:
             raise ValueError("kind='pair_sum' sums each pair's own term: give both pos_mod and neg_mod")
         if o["both_directions"]:
             raise ValueError("both_directions takes kind='softmax'")
+    if o["positives"] == "lse":
+        raise ValueError("positives='lse' is the softmax kind's (the positives' log-sum-exp)")
     if isinstance(kind, (PairSets, PairSum)):
         if o["score_mod"] is not None:
             raise ValueError(f"kind={kind.name!r} modifies the scores per set: give pos_mod and neg_mod, not score_mod")
@@ -988,10 +1037,12 @@ def _pair_reductions(o: Dict[str, Any]) -> Tuple[str, Optional[str]]:
 def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[Any, FlexFunctions, Tensor, Any]:
     """The checked kind, functions, ``1 / temperature`` and the bias tensor (None: none)
     of a call's options; the positives' mode checked."""
+    checks.check_choice(o["positives"], "positives", POSITIVES + ("lse",))
     kind = _kind(o)
-    checks.check_choice(o["positives"], "positives", POSITIVES)
     names = ("positive", "exclude", "score_mod", "weight", "pos_mod", "neg_mod")
     given = [_check_fn(o[name], name) for name in names]
+    if isinstance(kind, PositiveLSE):  # the modified scores are each set's; positives binary
+        given[0], given[2] = _binary(given[0]), None
     if isinstance(kind, PairSets):  # the kind's own modified scores where none is given
         given[4] = given[4] or kind.pos_mod
         given[5] = given[5] or kind.neg_mod

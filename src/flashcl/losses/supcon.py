@@ -13,6 +13,7 @@ from ..base import LossModule, reject_pml_call, shared_docs
 from ..checks import Example, Scalar, check_keys, class_ids, example_labels, example_rows, no_matryoshka
 from ..compiled import compiles
 from ..core import CoreSpec, compute_dtype
+from .flex import flex_loss
 from .multilabel import multilabel_supcon
 
 
@@ -70,10 +71,15 @@ def supcon_loss(
 
         positives="mean":  LSE_{j in Den(i)} s_ij - (1/|P(i)|) sum_{p in P(i)} s_ip
         positives="sum":   LSE_{j in Den(i)} s_ij - sum_{p in P(i)} s_ip
+        positives="lse":   LSE_{j in Den(i)} s_ij - LSE_{p in P(i)} s_ip + log |P(i)|
 
     where ``Den(i)`` is every sample but ``i`` (``include_self=False``) or every
     sample (``include_self=True``). The defaults are SupCon's ``L_out`` (Khosla
-    et al., 2020). ``positives="sum", include_self=True, temperature=0.05`` is
+    et al., 2020); ``positives="lse"`` is their ``L_in``, ``-log((1/|P(i)|) sum_p
+    exp(s_ip) / sum_{a != i} exp(s_ia))``: the positives' probability mass, its
+    ``log |P(i)|`` term a constant (no gradient), computed as ``softplus(LSE_{negatives}
+    - LSE_{positives})`` so that it stays exact near 0 (class-id labels; no ``ref``, no
+    ``include_self``, no Matryoshka widths). ``positives="sum", include_self=True, temperature=0.05`` is
     the supervised SimCSE loss as it is commonly written (every same-label
     sample's score subtracted from a logsumexp over the whole batch, self
     included), every anchor counted.
@@ -101,7 +107,7 @@ def supcon_loss(
             must exceed, in [0, 1). Default: 0.3.
         temperature: float or 0-dim tensor (a learnable temperature gets its
             gradient). Default: 0.1.
-        positives: ``"mean"`` (default) or ``"sum"`` over each anchor's positives.
+        positives: ``"mean"`` (default), ``"sum"`` or ``"lse"`` over each anchor's positives.
         include_self: keep ``j = i`` in the denominator. Default: False.
         normalize: L2-normalise the embeddings first. Default: True.
         reduction: ``"mean"`` | ``"sum"`` | ``"none"`` (per-anchor losses).
@@ -157,9 +163,14 @@ def supcon_loss(
         _check_threshold(overlap_threshold)
         raise ValueError("overlap_threshold is for multi-hot (B, C) labels; these labels are class ids (B,)")
     embeddings, labels = checks.validate_labelled(embeddings, labels, (2, 3), empty=process_group is not None)
-    checks.check_choice(positives, "positives", ("mean", "sum"))
+    checks.check_choice(positives, "positives", ("mean", "sum", "lse"))
     checks.check_bool(include_self, "include_self")
     opts = checks.Options(normalize, reduction, backend, block_size, process_group, strategy, grad_scale)
+    if positives == "lse":
+        if include_self or ref is not None or ref_labels is not None or ref_self is not None:
+            raise ValueError("positives='lse' (SupCon's L_in) takes the batch alone: no include_self, no ref")
+        no_matryoshka(matryoshka_dims, matryoshka_weights, "positives='lse'")
+        return _supcon_in(embeddings, labels, temperature, opts)
     scale = 1.0 / checks.check_positive_scalar(
         temperature, "temperature", embeddings.device, compute_dtype(embeddings.dtype)
     )
@@ -243,6 +254,30 @@ def _supcon(
     )
     out = runner.run(flat, cols, scale, spec, opts, widths=widths)
     return out.reshape(views, b).T if opts.reduction == "none" and embeddings.dim() == 3 else out
+
+
+def _supcon_in(embeddings: Tensor, labels: Tensor, temperature: Scalar, opts: checks.Options) -> Tensor:
+    """SupCon's ``L_in`` (``positives="lse"``): the positive-LSE flex loss of the views, plus
+    each counted anchor's ``log |P(i)|`` (its positives over every rank)."""
+    b = embeddings.shape[0]
+    views = 1 if embeddings.dim() == 2 else embeddings.shape[1]
+    flat = embeddings if embeddings.dim() == 2 else embeddings.transpose(0, 1).reshape(b * views, embeddings.shape[-1])
+    ids = labels.long().repeat(views)
+    rows = flex_loss(
+        flat, rows={"y": ids}, positive=lambda a, c: a.y == c.y, positives="lse", temperature=temperature,
+        normalize=opts.normalize, reduction="none", backend=opts.backend, block_size=opts.block_size,
+        process_group=opts.process_group, strategy=opts.strategy,
+    )  # fmt: skip
+    every = ids if opts.process_group is None else parallel.gather_plain(ids, opts.process_group)
+    uniq, inv = torch.unique(torch.cat([every, ids]), return_inverse=True)
+    sizes = torch.bincount(inv[: every.shape[0]], minlength=uniq.shape[0])
+    count = (sizes[inv[every.shape[0] :]] - 1).to(rows.dtype)  # |P(i)|: the same label, not itself
+    valid = count > 0
+    rows = rows + torch.where(valid, torch.log(count.clamp_min(1.0)), torch.zeros_like(count))
+    if opts.reduction == "none":
+        return rows.reshape(views, b).T if embeddings.dim() == 3 else rows
+    source = parallel.reduction_over(opts.process_group)
+    return runner.reduce_total(rows.sum(), valid.sum(), opts.reduction, opts.grad_scale, source)
 
 
 class SupConLoss(LossModule):
