@@ -22,6 +22,7 @@ from .losses.multi_similarity import MultiSimilarityLoss, multi_similarity_loss
 from .losses.neighbor import NeighborLoss, neighbor_loss, sample_neighbors
 from .losses.nt_xent import NTXentLoss, nt_xent_loss
 from .losses.proxy_anchor import ProxyAnchorLoss, proxy_anchor_loss
+from .losses.rank_n_contrast import RankNContrastLoss, rank_n_contrast_loss
 from .losses.self_distill import DINOLoss, dino_loss, prototype_center
 from .losses.supcon import SupConLoss, supcon_loss
 from .losses.swav import SwAVLoss, swav_loss
