@@ -15,10 +15,14 @@ engine forms them in its forward pass; the backward only scales them by the upst
 gradient. A per-row loss (``reduction="none"``) is differentiated by a second
 operator, ``flashcl::<loss name>_backward``, which recomputes it.
 
-Not available compiled, each with an error that says so: ``process_group`` (the
-collectives run outside the graph: compile the encoder, not the loss, or call
-the loss eagerly), and an option whose value its slot does not take (a Python
-object where the loss takes numbers, strings or tensors). Second derivatives through
+With ``process_group=`` the operator takes the group's name (read while dynamo traces
+the call, a constant of the graph) and finds the group again by it: the loss's
+collectives, and the check that every rank makes the same call, run inside the
+operator as they run eagerly, so that a step compiled with ``fullgraph=True`` holds the
+loss whole, and a scalar loss's gradients (their collectives included) are formed in
+the same call. Not available compiled, with an error that says so: an option whose
+value its slot does not take (a Python object where the loss takes numbers, strings
+or tensors). Second derivatives through
 a compiled loss are refused by torch's AOTAutograd; they keep working eagerly.
 """
 
@@ -32,6 +36,7 @@ import typing
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
+import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
 
 from .core import compute_dtype
@@ -46,6 +51,7 @@ LOSSES: Dict[str, Callable[..., Tensor]] = {}
 _ROWS: Dict[str, Callable[[Tensor], Sequence[Any]]] = {}
 _SLOTS: Dict[str, List[_Slot]] = {}
 _DEFAULT_REDUCTION: Dict[str, str] = {}
+_BATCH_DIMS: Dict[str, Optional[Dict[str, int]]] = {}
 
 _NUMBER_KINDS = ("none", "tensor", "float", "int")
 
@@ -56,7 +62,8 @@ class _Slot:
     ``Tensor?`` and a ``str`` that says which, a number travelling as a 0-dim tensor:
     under ``dynamic=True`` dynamo holds a Python number as a symbol), ``"int"``
     (``SymInt?``), ``"ints"`` (``SymInt[]?``), ``"floats"`` (``float[]?``), ``"bool"``,
-    ``"str"`` (``str?``) or ``"group"`` (``process_group``: not in the operator)."""
+    ``"str"`` (``str?``) or ``"group"`` (``process_group``: ``str?``, the group's name,
+    the group found again by it inside the operator)."""
 
     __slots__ = ("name", "kind")
 
@@ -74,6 +81,7 @@ class _Slot:
             "floats": f"float[]? {n}",
             "bool": f"bool {n}",
             "str": f"str? {n}",
+            "group": f"str? {n}",
         }[self.kind]
 
 
@@ -119,6 +127,8 @@ def _encode(slot: _Slot, value: Any, loss: str) -> List[Any]:
         )
 
     kind = slot.kind
+    if kind == "group":
+        return [None if value is None else _group_name(value, loss)]
     if kind == "number":
         if value is None or isinstance(value, Tensor):
             return [value, "none" if value is None else "tensor"]
@@ -150,8 +160,6 @@ def _tensors(slots: Sequence[_Slot], values: Sequence[Any]) -> List[Tensor]:
     out: List[Tensor] = []
     i = 0
     for slot in slots:
-        if slot.kind == "group":
-            continue
         value = values[i]
         if slot.kind in ("tensor", "number") and isinstance(value, Tensor):
             out.append(value)
@@ -167,8 +175,6 @@ def _call(name: str, values: Sequence[Any], tensors: Sequence[Tensor]) -> Tensor
     replaced = iter(tensors)
     i = 0
     for slot in _SLOTS[name]:
-        if slot.kind == "group":
-            continue
         value = values[i]
         if slot.kind == "number":  # a tensor, or a number travelling as one
             kind = values[i + 1]
@@ -185,9 +191,24 @@ def _call(name: str, values: Sequence[Any], tensors: Sequence[Tensor]) -> Tensor
                 value = tuple(next(replaced) for _ in value)
             elif slot.kind in ("ints", "floats") and value is not None:
                 value = tuple(value)
+            elif slot.kind == "group" and value is not None:
+                value = c10d._resolve_process_group(value)
             i += 1
         kwargs[slot.name] = value
+    if kwargs.get("process_group") is not None:  # as the eager call checks it
+        collectives.same_call(LOSSES[name], (), kwargs, _BATCH_DIMS[name])
     return LOSSES[name](**kwargs)
+
+
+def _group_name(group: Any, loss: str) -> str:
+    """The name of ``process_group`` (a ``ProcessGroup``), by which the operator finds it;
+    read while dynamo traces the call (the name is a constant of the graph)."""
+    if not isinstance(group, c10d.ProcessGroup):
+        raise TypeError(
+            f"{loss}: process_group of type {type(group).__name__} cannot enter a compiled flashcl loss "
+            "(it takes a torch.distributed ProcessGroup); call the loss outside torch.compile"
+        )
+    return str(group.group_name)
 
 
 _AUTOCAST = functools.reduce(
@@ -253,7 +274,7 @@ def _register(name: str) -> None:
     same call) and ``flashcl::<name>_backward`` (a per-row loss's gradient, recomputed),
     their schemas typed from the loss's signature (:class:`_Slot`), their fake
     implementations and the first one's backward."""
-    slots = [slot for slot in _SLOTS[name] if slot.kind != "group"]
+    slots = _SLOTS[name]
     params = ", ".join(slot.schema() for slot in slots)
     first = next(i for i, slot in enumerate(slots) if slot.kind == "tensor")
     count = sum(2 if slot.kind == "number" else 1 for slot in slots)
@@ -388,6 +409,7 @@ def compiles(
     def wrap(fn: F) -> F:
         name = fn.__name__
         LOSSES[name], _ROWS[name], _DEFAULT_REDUCTION[name] = fn, rows, _default_reduction(fn)
+        _BATCH_DIMS[name] = batch_dims
         _SLOTS[name] = _slots(fn)
         _register(name)
 
@@ -397,11 +419,6 @@ def compiles(
                 if kwargs.get("process_group") is not None:
                     collectives.same_call(fn, args, kwargs, batch_dims)
                 return fn(*args, **kwargs)
-            if kwargs.get("process_group") is not None:
-                raise RuntimeError(
-                    f"{name}: process_group cannot run inside torch.compile (its collectives run outside "
-                    "the graph); compile the encoder and call the loss eagerly"
-                )
             return operator(name)(*operator_args(name, args, kwargs))[0]
 
         return loss  # type: ignore[return-value]
@@ -424,8 +441,7 @@ def operator_args(name: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tup
     bound.apply_defaults()
     values: List[Any] = []
     for slot in _SLOTS[name]:
-        if slot.kind != "group":
-            values.extend(_encode(slot, bound.arguments[slot.name], name))
+        values.extend(_encode(slot, bound.arguments[slot.name], name))
     grad_mode = torch.is_grad_enabled()  # under no_grad no gradient is formed
     tensors = _tensors(_SLOTS[name], values)
     needs_grad = [grad_mode and t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in tensors]
