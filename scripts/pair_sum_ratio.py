@@ -5,7 +5,7 @@ ContrastiveLoss where it fits; then, in a fresh measure, the peak memory beyond 
 their gradient (the process's one-time costs taken by a small call first):
 
     python scripts/pair_sum_ratio.py 8192 768          # the ratios
-    python scripts/pair_sum_ratio.py 65536 512 memory  # the peak memory of one call
+    python scripts/pair_sum_ratio.py 65536 512 memory [compiled|eager]  # the peak memory of one call
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Callable, List
 import torch
 
 import flashcl
+from flashcl.losses import flex as flex_module
 from flashcl.tools.procmem import reset_peak, status_mb
 
 
@@ -46,8 +47,14 @@ def main() -> None:
         return call
 
     if len(sys.argv) > 3 and sys.argv[3] == "memory":
-        small = e[:512].clone().requires_grad_(True)
-        flashcl.contrastive_loss(small, labels[:512], backend="tiled").backward()
+        # warm-up at 4,096 rows (2^24 pairs: the compiled tiles), so that the compiler's own
+        # code and caches (process memory, once per process) are not counted as the loss's
+        compiled = None if len(sys.argv) <= 4 else sys.argv[4] == "compiled"
+        if compiled is not None:  # the default route's threshold, moved for this measure
+            flex_module.COMPILE_FROM = 0 if compiled else b * b + 1
+        small = e[:4096].clone().requires_grad_(True)
+        flashcl.contrastive_loss(small, labels[:4096], backend="tiled").backward()
+        del small
         x = e.clone().requires_grad_(True)
         base = reset_peak() or 0.0
         t0 = time.perf_counter()
@@ -55,9 +62,11 @@ def main() -> None:
         loss.backward()
         seconds = time.perf_counter() - t0
         peak = (status_mb("VmHWM") or 0.0) - base - x.numel() * 4 / 2**20
+        route = {None: "default", True: "compiled", False: "eager"}[compiled]
         print(
-            f"contrastive_loss, B = {b:,}, D = {d}, float32, tiled: {seconds:.1f} s, peak {peak:.0f} MB beyond the "
-            f"inputs and their gradient (a B x B float32 distance matrix alone: {b * b * 4 / 2**20:,.0f} MB)"
+            f"contrastive_loss, B = {b:,}, D = {d}, float32, tiled ({route} tiles): {seconds:.1f} s, peak "
+            f"{peak:.0f} MB beyond the inputs and their gradient (a B x B float32 distance matrix alone: "
+            f"{b * b * 4 / 2**20:,.0f} MB)"
         )
         return
     s, grad = torch.empty(b, b), torch.rand(b, b, generator=g)

@@ -224,7 +224,6 @@ def cosface_by_hand(emb: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) ->
                 "margin=0.3",
                 "mining='hard'",
                 "distance='euclidean'",
-                "normalize=False",
             ],
         ),
         (
@@ -263,6 +262,7 @@ FAMILY_INPUTS = {
     "class weights (C, D) and (D, C)": lambda: [torch.randn(9, 4), torch.randint(0, 4, (9,)), torch.randn(4, 4)],
     "two towers": lambda: [torch.randn(6, 4), torch.randn(6, 4)],
     "pairs with scores": lambda: [torch.randn(6, 4), torch.randn(6, 4), torch.rand(6)],
+    "views and regression targets": lambda: [torch.randn(9, 2, 4), torch.rand(9, 1)],
 }
 
 
@@ -479,3 +479,133 @@ def test_cli_doctor_takes_a_candidate(tmp_path: Any, capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "your candidate against your function" in out and "DIFFERS" not in out
     assert "same loss and gradient as: your candidate as_flex" in out
+
+
+def pml_contrastive_loops(emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """pytorch-metric-learning's ContrastiveLoss (defaults: the Euclidean distance of the
+    normalised rows, margins 0 and 1, the mean over each set's non-zero terms) as a loop
+    over the anchors."""
+    d = torch.cdist(F.normalize(emb, dim=1), F.normalize(emb, dim=1))
+    pos, neg = [], []
+    for i in range(emb.shape[0]):
+        same = labels == labels[i]
+        same[i] = False
+        other = labels != labels[i]
+        pos.append(torch.relu(d[i][same] - 0.0))
+        neg.append(torch.relu(1.0 - d[i][other]))
+    p, n = torch.cat(pos), torch.cat(neg)
+    return p[p > 0].mean() + n[n > 0].mean()
+
+
+def hadsell_squared(emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hadsell et al.'s contrastive loss as commonly vectorised: 0.5 d^2 on the positives,
+    0.5 relu(m - d)^2 on the negatives, normalised embeddings, the mean over every pair."""
+    z = F.normalize(emb, dim=1)
+    d = torch.cdist(z, z)
+    same = (labels[:, None] == labels[None, :]).to(emb.dtype)
+    return (0.5 * same * d.pow(2) + 0.5 * (1 - same) * torch.relu(2.0 - d).pow(2)).mean()
+
+
+def supcon_l_in_loops(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """SupCon's L_in (Khosla et al. eq. 3): the log of the positives' mean probability,
+    a loop over the anchors."""
+    z = F.normalize(features, dim=1)
+    losses = []
+    for i in range(features.shape[0]):
+        s = z[i] @ z.T / 0.1
+        others = torch.arange(features.shape[0]) != i
+        pos = others & (labels == labels[i])
+        if not bool(pos.any()):
+            continue
+        prob = torch.exp(s[pos]) / torch.exp(s[others]).sum()
+        losses.append(-torch.log(prob.mean()))
+    return torch.stack(losses).mean()
+
+
+def snnl_cleverhans(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """cleverhans' soft nearest-neighbour loss (SNNL, cos_distance=True, temperature 0.5)
+    written in torch: its STABILITY_EPS of 1e-5 left in."""
+    eps, t = 1e-5, 0.5
+    cos = F.normalize(x, dim=-1) @ F.normalize(x, dim=-1).T
+    f = torch.exp(-(1.0 - cos) / t) - torch.eye(x.shape[0])
+    pick = f / (eps + f.sum(1, keepdim=True))
+    masked = pick * (y[:, None] == y[None, :])
+    return (-torch.log(eps + masked.sum(1))).mean()
+
+
+def rnc_published(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Rank-N-Contrast's published RnCLoss.forward (temperature 2, L1 label distance, L2
+    feature similarity): a loop over the positives' columns, a B x B mask at each step."""
+    t = 2.0
+    features = torch.cat([features[:, 0], features[:, 1]], dim=0)
+    labels = labels.repeat(2, 1)
+    label_diffs = torch.abs(labels[:, None, :] - labels[None, :, :]).sum(dim=-1)
+    logits = -(features[:, None, :] - features[None, :, :]).norm(2, dim=-1).div(t)
+    logits_max, _ = torch.max(logits, dim=1, keepdim=True)
+    logits = logits - logits_max.detach()
+    exp_logits = logits.exp()
+    n = logits.shape[0]
+    keep = (1 - torch.eye(n)).bool()
+    logits = logits.masked_select(keep).view(n, n - 1)
+    exp_logits = exp_logits.masked_select(keep).view(n, n - 1)
+    label_diffs = label_diffs.masked_select(keep).view(n, n - 1)
+    loss = torch.zeros(())
+    for k in range(n - 1):
+        pos_logits = logits[:, k]
+        neg_mask = (label_diffs >= label_diffs[:, k].view(-1, 1)).float()
+        pos_log_probs = pos_logits - torch.log((neg_mask * exp_logits).sum(dim=-1))
+        loss = loss + -(pos_log_probs / (n * (n - 1))).sum()
+    return loss
+
+
+@pytest.mark.parametrize(
+    "fn, make, want",
+    [
+        (
+            pml_contrastive_loops,
+            lambda: (torch.randn(40, 8, requires_grad=True), torch.randint(0, 4, (40,))),
+            ["flashcl.contrastive_loss(emb, labels,", "neg_margin=1,", "distance='euclidean'", "'mean_nonzero'"],
+        ),
+        (
+            hadsell_squared,
+            lambda: (torch.randn(40, 8, requires_grad=True), torch.randint(0, 4, (40,))),
+            [
+                "flashcl.FlexPairSum(distance='euclidean')",
+                "0.5 * d.pow(2)",
+                "0.5 * (2 - d).relu().pow(2)",
+                "/ emb.shape[0] ** 2",
+            ],
+        ),
+        (
+            supcon_l_in_loops,
+            lambda: (torch.randn(40, 8, requires_grad=True), torch.randint(0, 4, (40,))),
+            ["flashcl.supcon_loss(features, labels,", "temperature=0.1", "positives='lse'"],
+        ),
+        (
+            snnl_cleverhans,
+            lambda: (torch.randn(40, 8, requires_grad=True), torch.randint(0, 4, (40,))),
+            ['flashcl.flex_loss(x, rows={"y": y}', "a.y == b.y", "positives='lse'", "temperature=0.5"],
+        ),
+        (
+            rnc_published,
+            lambda: (torch.randn(20, 2, 8, requires_grad=True), torch.rand(20, 1)),
+            ["flashcl.rank_n_contrast_loss(features, labels, temperature=2, reduction='mean')"],
+        ),
+    ],
+    ids=["PML ContrastiveLoss", "Hadsell squared", "SupCon L_in", "SNNL", "Rank-N-Contrast"],
+)
+def test_doctor_names_the_pair_sum_positive_lse_and_rank_forms(fn, make, want) -> None:
+    """Losses users write by hand as sums of per-pair terms, as the positives' probability
+    mass, or with a denominator per pair (the published code of each): the doctor names
+    the call (a built-in, or the flex call of the form) equal in value and gradient at
+    every size, and it runs as printed in the function's names."""
+    inputs = make()
+    base = inputs[0].shape[0]
+    report = flashcl.doctor(fn, *inputs, sizes=[base, 2 * base], repeats=3)
+    assert report.replacement is not None, report.text()
+    for part in want:
+        assert part in report.replacement.call, report.replacement.call
+    names = list(inspect.signature(fn).parameters)
+    pasted = pasted_into(report.replacement.call, names, list(inputs))
+    value, expected = float(pasted.detach()), float(fn(*inputs).detach())
+    assert abs(value - expected) <= 1e-4 * max(1.0, abs(expected)), report.replacement.call

@@ -15,12 +15,14 @@ import torch
 from torch import Tensor
 
 from ..losses.clip import clip_loss
+from ..losses.contrastive import contrastive_loss
 from ..losses.cosent import cosent_loss
-from ..losses.flex import flex_loss
+from ..losses.flex import FlexPairSum, flex_loss
 from ..losses.info_nce import info_nce_loss
 from ..losses.margin import arcface_loss, cosface_loss
 from ..losses.neighbor import neighbor_loss
 from ..losses.nt_xent import nt_xent_loss
+from ..losses.rank_n_contrast import rank_n_contrast_loss
 from ..losses.supcon import supcon_loss
 from ..losses.triplet import triplet_loss
 
@@ -34,6 +36,10 @@ _COSENT_SCALES = (1.0, 5.0, 10.0, 16.0, 20.0, 30.0, 32.0, 50.0, 64.0)
 _MARGIN_SCALES = (10.0, 16.0, 30.0, 32.0, 64.0)
 _COSFACE_MARGINS = (0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5)
 _ARCFACE_MARGINS = (0.1, 0.2, 0.3, 0.4, 0.5)
+#: the negatives' margins of the pair sums (pytorch-metric-learning's default 1; Hadsell's often 1 or 2)
+_PAIR_MARGINS = (0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 5.0)
+#: Rank-N-Contrast's temperatures (the published default 2)
+_RNC_TEMPERATURES = (0.1, 0.5, 1.0, 2.0, 3.0, 5.0)
 
 Candidate = Tuple[str, Callable[[], Tensor]]
 #: how a family names an input in the call it prints: the user's parameter, or a default
@@ -109,19 +115,64 @@ def _supcon(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
     ne, ny = name(e, "embeddings"), name(y, "labels")
     out: List[Candidate] = []
     for t in _TEMPERATURES:
-        for pos in ("mean", "sum"):
-            for inc in (False, True):
-                for red in ("mean", "sum"):
-                    call = (
-                        f"flashcl.supcon_loss({ne}, {ny}, temperature={t}, positives='{pos}', "
-                        f"include_self={inc}, reduction='{red}')"
-                    )
-                    fn = functools.partial(
-                        supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red
-                    )
-                    out.append((call, fn))
-    words = f"supcon_loss at temperatures {_words(_TEMPERATURES)}, positives mean / sum, include_self, mean / sum"
+        for pos, inc in [(p, i) for p in ("mean", "sum") for i in (False, True)] + [("lse", False)]:
+            for red in ("mean", "sum"):
+                call = (
+                    f"flashcl.supcon_loss({ne}, {ny}, temperature={t}, positives='{pos}', "
+                    f"include_self={inc}, reduction='{red}')"
+                )
+                fn = functools.partial(supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red)
+                out.append((call, fn))
+    words = (
+        f"supcon_loss at temperatures {_words(_TEMPERATURES)}, positives mean / sum (include_self or not) / lse "
+        "(SupCon's L_in), mean / sum"
+    )
     return words, out
+
+
+def _contrastive(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
+    """The classic contrastive loss as pytorch-metric-learning computes it: hinges on the
+    distances of positive and negative pairs, each set's mean over its non-zero terms or
+    over its pairs, or the sum."""
+    pair = _labelled(inputs)
+    if pair is None:
+        return None
+    e, y = pair
+    ne, ny = name(e, "embeddings"), name(y, "labels")
+    out: List[Candidate] = []
+    for m in _PAIR_MARGINS:
+        for distance in ("euclidean", "squared"):
+            for red in ("mean_nonzero", "mean", "sum"):
+                call = (
+                    f"flashcl.contrastive_loss({ne}, {ny}, neg_margin={m:g}, distance='{distance}', reduction='{red}')"
+                )
+                fn = functools.partial(contrastive_loss, e, y, neg_margin=m, distance=distance, reduction=red)
+                out.append((call, fn))
+    words = (
+        f"contrastive_loss (pytorch-metric-learning's ContrastiveLoss) at margins {_words(_PAIR_MARGINS)}, "
+        "euclidean / squared distances of the normalised rows, the mean over non-zero terms / mean / sum"
+    )
+    return words, out
+
+
+def _rank_n_contrast(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
+    """Rank-N-Contrast: features (B, D), or (B, V, D) views as the published code takes
+    them, and a regression target per sample (B,) or (B, K)."""
+    tensors = [t for t in inputs if isinstance(t, Tensor)]
+    if len(tensors) != 2 or not all(t.is_floating_point() for t in tensors):
+        return None
+    f, y = tensors
+    if f.dim() not in (2, 3) or y.dim() not in (1, 2) or y.shape[0] != f.shape[0] or y.requires_grad:
+        return None
+    if f.dim() == 2 and y.dim() == 2 and y.shape[1] == f.shape[1]:
+        return None  # two towers of one width, not features and targets
+    nf, ny = name(f, "features"), name(y, "labels")
+    out: List[Candidate] = []
+    for t in _RNC_TEMPERATURES:
+        for red in ("mean", "sum"):
+            call = f"flashcl.rank_n_contrast_loss({nf}, {ny}, temperature={t:g}, reduction='{red}')"
+            out.append((call, functools.partial(rank_n_contrast_loss, f, y, temperature=t, reduction=red)))
+    return f"rank_n_contrast_loss at temperatures {_words(_RNC_TEMPERATURES)}, mean / sum", out
 
 
 def _triplet(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, List[Candidate]]]:
@@ -345,7 +396,7 @@ def _namespace(layout: _FlexLayout, name: Namer) -> Dict[str, Any]:
     """The names a printed call reads, bound to the inputs (``args[i]``: the i-th of a
     tuple ``args``), with ``flashcl`` and ``torch``."""
     # the printed call's ``flashcl.flex_loss``: the function itself (the package is what imports this module)
-    ns: Dict[str, Any] = {"flashcl": SimpleNamespace(flex_loss=flex_loss), "torch": torch}
+    ns: Dict[str, Any] = {"flashcl": SimpleNamespace(flex_loss=flex_loss, FlexPairSum=FlexPairSum), "torch": torch}
     starred: Dict[str, Dict[int, Tensor]] = {}
     pairs = [(layout.q, name(layout.q, "embeddings"))]
     pairs += [] if layout.k is None else [(layout.k, name(layout.k, "keys"))]
@@ -389,25 +440,55 @@ def _flex(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, 
     modes = [("weighted_mean", False), ("mean", False)] if forms[0][1] else [("mean", False), ("sum", False)]
     if layout.k is None:
         modes.append(("mean", True))
+    if not forms[0][1]:
+        modes.append(("lse", False))  # the positives' probability mass (the soft nearest-neighbour loss)
     out: List[Candidate] = []
+
+    def add(options: str, tail: str = "") -> None:
+        call = _flex_call(layout, name, options) + tail
+        out.append((call, eval(f"lambda: {call}", ns)))  # noqa: S307 - the printed call, as printed
+
     for code, weighted in forms:
         for positives, include_self in [("weighted_mean", False)] if weighted else modes:
             for t in _TEMPERATURES:
                 for normalize in (True, False):
                     for red, tail in (("mean", ""), ("sum", ""), ("sum", f" / {n}")):
-                        options = (
+                        add(
                             f"positive=lambda a, b: {code}, positives='{positives}', "
                             + ("include_self=True, " if include_self else "")
-                            + f"temperature={t}, normalize={normalize}, reduction='{red}'"
+                            + f"temperature={t}, normalize={normalize}, reduction='{red}'",
+                            tail,
                         )
-                        call = _flex_call(layout, name, options) + tail
-                        out.append((call, eval(f"lambda: {call}", ns)))  # noqa: S307 - the printed call, as printed
     temps = _words(_TEMPERATURES)
-    return f"flex_loss with positives from {words}, at temperatures {temps}, normalised or not", out
+    words = f"flex_loss with positives from {words}, at temperatures {temps}, normalised or not"
+    if not layout.rows[0].t.is_floating_point():  # labels: Hadsell's squared contrastive loss as a pair sum
+        code = forms[0][0]
+        tails = (
+            ("mean", ""),
+            ("sum", ""),
+            ("sum", f" / {n}"),
+            ("sum", f" / {n} ** 2"),
+            ("sum", f" / ({n} * ({n} - 1))"),
+        )
+        for half in ("", "0.5 * "):
+            for m in _PAIR_MARGINS:
+                for red, tail in tails:
+                    add(
+                        f"positive=lambda a, b: {code}, kind=flashcl.FlexPairSum(distance='euclidean'), "
+                        f"pos_mod=lambda d, a, b: {half}d.pow(2), "
+                        f"neg_mod=lambda d, a, b: {half}({m:g} - d).relu().pow(2), "
+                        f"temperature=1.0, reduction='{red}'",
+                        tail,
+                    )
+        words += (
+            "; Hadsell's squared contrastive loss on the normalised rows (d^2 on positives, relu(m - d)^2 on the "
+            f"others, halved or not) as a pair sum at margins {_words(_PAIR_MARGINS)}, the mean of each set, the sum, over n, n^2 or n(n - 1)"
+        )
+    return words, out
 
 
 #: every family the doctor tries, each on the inputs it takes (flex last: a built-in is named first)
-_FAMILIES = (_neighbor, _supcon, _triplet, _margin, _two_towers, _cosent, _flex)
+_FAMILIES = (_neighbor, _supcon, _contrastive, _triplet, _margin, _two_towers, _cosent, _rank_n_contrast, _flex)
 
 
 def families(inputs: Sequence[Any]) -> List[str]:
