@@ -67,6 +67,9 @@ def main() -> None:
                 )
             except subprocess.TimeoutExpired:
                 print(f"B = {b}: {impl}: over {time.perf_counter() - start:.0f} s", flush=True)
+            except subprocess.CalledProcessError as e:  # killed by the kernel: out of memory
+                how = "killed (out of memory)" if e.returncode == -9 else f"failed ({e.returncode})"
+                print(f"B = {b}, D = {d}: {impl}: {how} after {time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

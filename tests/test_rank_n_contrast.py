@@ -14,6 +14,7 @@ import torch
 
 import flashcl
 from helpers import assert_close, close_group, init_gloo, spawn
+from rnc_forms import rnc_published
 
 F64 = torch.float64
 TOL = (1e-10, 1e-9)
@@ -68,6 +69,19 @@ def test_equals_the_formula(backend: str, block: Any, reduction: str) -> None:
         f"{backend}/{reduction}: gradient",
         *TOL,
     )
+
+
+@pytest.mark.parametrize("t", [2.0, 0.5])
+@pytest.mark.parametrize("backend,block", BACKENDS)
+def test_equals_the_published_code(backend: str, block: Any, t: float) -> None:
+    """The published RnCLoss's own steps (its row maximum subtracted, its mask per positive
+    column), label ties included, in float64: value and gradient."""
+    d = _data(3, b=11, dims=1)
+    a, b = d["f"].clone().requires_grad_(True), d["f"].clone().requires_grad_(True)
+    got = flashcl.rank_n_contrast_loss(a, d["y"], temperature=t, backend=backend, block_size=block)
+    want = rnc_published(b, d["y"], t)
+    assert_close(got, want, f"{backend}: value", *TOL)
+    assert_close(torch.autograd.grad(got, a)[0], torch.autograd.grad(want, b)[0], f"{backend}: gradient", *TOL)
 
 
 @pytest.mark.parametrize("backend,block", BACKENDS)
