@@ -290,7 +290,7 @@ def _towers(**kw: Any) -> Any:
         (_call(kind="triplet"), ValueError, "kind"),
         (_call(kind=losses.CircleLoss()), TypeError, "kind must be"),
         (_call(kind="circle", score_mod=lambda s, a, b: s), ValueError, "pos_mod and neg_mod, not score_mod"),
-        (_call(pos_mod=lambda s, a, b: s), ValueError, "two-set kinds"),
+        (_call(pos_mod=lambda s, a, b: s), ValueError, "kinds with two sets of pairs"),
         (_call(kind="circle", positives="sum"), ValueError, "positives"),
         (_call(kind="circle", include_self=True), ValueError, "include_self"),
         (_towers(kind="circle", both_directions=True), ValueError, "both_directions"),

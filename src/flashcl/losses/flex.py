@@ -980,7 +980,9 @@ def _kind(o: Dict[str, Any]) -> Any:
     kind = o["kind"]
     if kind == "softmax" and o["positives"] == "lse":  # the positives' log-sum-exp: two sets
         if o["pos_mod"] is not None or o["neg_mod"] is not None:
-            raise ValueError("pos_mod and neg_mod are the kinds with sets': positives='lse' takes score_mod")
+            raise ValueError(
+                "pos_mod and neg_mod are for the kinds with two sets of pairs: positives='lse' takes score_mod"
+            )
         if o["include_self"] or o["both_directions"]:
             raise ValueError(
                 "positives='lse' leaves the self pair out and takes one direction (no include_self, no both_directions)"
@@ -1012,8 +1014,8 @@ def _kind(o: Dict[str, Any]) -> Any:
             )
     elif o["pos_mod"] is not None or o["neg_mod"] is not None:
         raise ValueError(
-            "pos_mod and neg_mod are the kinds with sets' (kind='multi_similarity', 'circle' or 'pair_sum'): "
-            "use score_mod"
+            "pos_mod and neg_mod are for the kinds with two sets of pairs (kind='multi_similarity', 'circle' or "
+            "'pair_sum'): use score_mod"
         )
     if o["reduction"] == "mean_nonzero" and not isinstance(kind, PairSum):
         raise ValueError("reduction='mean_nonzero' averages a pair sum's terms: kind='pair_sum'")

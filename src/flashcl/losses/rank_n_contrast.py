@@ -297,10 +297,9 @@ def _rank_n_contrast(flat: Tensor, y: Tensor, t: float, opts: checks.Options) ->
         rows = _dense_rows(q, k, y, ky, t, offset) * per_anchor
     else:
         block = opts.block_size or max(1, min(m, (1 << 18) // max(1, n)))
-        weights = None
-        if opts.reduction != "none":  # each anchor's mean over its positives, summed or over every rank's anchors
-            factor = parallel.grad_factor(opts.grad_scale, group) * per_anchor
-            weights = q.new_full((m,), factor / (n if opts.reduction == "mean" else 1))
+        # each anchor's mean over its positives, summed or over every rank's anchors (n of them)
+        source = parallel.reduction_over(group)
+        weights = runner.share(opts.reduction, opts.grad_scale, source, q.new_full((m,), per_anchor), float(n))
         out = _RankNContrast.apply(q, k, y, ky, t, offset, block, weights, group is None)
         return out if weights is not None else out * per_anchor
     if opts.reduction == "none":

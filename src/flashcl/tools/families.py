@@ -482,7 +482,8 @@ def _flex(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, 
                     )
         words += (
             "; Hadsell's squared contrastive loss on the normalised rows (d^2 on positives, relu(m - d)^2 on the "
-            f"others, halved or not) as a pair sum at margins {_words(_PAIR_MARGINS)}, the mean of each set, the sum, over n, n^2 or n(n - 1)"
+            f"others, halved or not) as a pair sum at margins {_words(_PAIR_MARGINS)}, the mean of each set, the "
+            "sum, over n, n^2 or n(n - 1)"
         )
     return words, out
 
