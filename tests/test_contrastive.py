@@ -35,6 +35,14 @@ CONFIGS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {
         dict(distance=distances.DotProductSimilarity(normalize_embeddings=False), pos_margin=1.0, neg_margin=0.0),
         dict(distance="similarity", normalize=False, pos_margin=1.0, neg_margin=0.0),
     ),
+    "euclidean, unnormalised": (
+        dict(distance=distances.LpDistance(normalize_embeddings=False), neg_margin=3.0),
+        dict(normalize=False, neg_margin=3.0),
+    ),
+    "squared, unnormalised": (
+        dict(distance=distances.LpDistance(normalize_embeddings=False, power=2), pos_margin=0.5, neg_margin=6.0),
+        dict(distance="squared", normalize=False, pos_margin=0.5, neg_margin=6.0),
+    ),
     "MeanReducer": (dict(reducer=reducers.MeanReducer()), dict(reduction="mean")),
     "SumReducer": (dict(reducer=reducers.SumReducer(), neg_margin=0.9), dict(reduction="sum", neg_margin=0.9)),
 }
@@ -96,6 +104,79 @@ def test_per_anchor_sums(backend: str, block: Any) -> None:
     )
 
 
+@pytest.mark.parametrize("towers", [False, True])
+@pytest.mark.parametrize("distance", ["euclidean", "squared"])
+@pytest.mark.parametrize("backend,block", BACKENDS)
+def test_pair_sum_on_unnormalised_distances(backend: str, block: Any, distance: str, towers: bool) -> None:
+    """A flex pair sum on distances of the rows as given (``normalize=False``): Hadsell's
+    squared form with a per-pair weight and an exclusion, against torch.cdist written out,
+    value and the gradients of both sides (self-contrast: the self pair out)."""
+    d = _data(4)
+    b = len(d["y"])
+    x, k = d["x"].clone().requires_grad_(True), d["x"].flip(0).clone().requires_grad_(True)
+    xw, kw = d["x"].clone().requires_grad_(True), d["x"].flip(0).clone().requires_grad_(True)
+    ky = d["y"].flip(0)
+    kwargs: Dict[str, Any] = dict(
+        rows={"y": d["y"]},
+        positive=lambda a, b: a.y == b.y,
+        exclude=lambda a, b: (a.index + b.index) % 7 == 0,
+        weight=lambda a, b: 1.0 + (a.index % 3 == b.index % 2).to(F64),
+        kind=flashcl.FlexPairSum(distance=distance),
+        pos_mod=lambda dd, a, b: 0.5 * dd.pow(2),
+        neg_mod=lambda dd, a, b: 0.5 * (4.0 - dd).relu().pow(2),
+        temperature=1.0,
+        normalize=False,
+        reduction="none",
+        backend=backend,
+        block_size=block,
+    )
+    if towers:
+        got = flashcl.flex_loss(x, k, cols={"y": ky}, **kwargs)
+    else:
+        got = flashcl.flex_loss(x, **kwargs)
+    other, other_y = (kw, ky) if towers else (xw, d["y"])
+    dist = torch.cdist(xw, other)
+    dist = dist.pow(2) if distance == "squared" else dist
+    i, j = torch.arange(b)[:, None], torch.arange(b)[None, :]
+    out = ((i + j) % 7 == 0) | (torch.zeros(b, b, dtype=torch.bool) if towers else (i == j))
+    w = 1.0 + (i % 3 == j % 2).to(F64)
+    same = d["y"][:, None] == other_y[None, :]
+    terms = torch.where(same, 0.5 * dist.pow(2), 0.5 * (4.0 - dist).relu().pow(2)) * w
+    want = torch.where(out, 0.0, terms).sum(1)
+    up = torch.linspace(0.5, 1.5, b, dtype=F64)
+    assert_close(got, want, f"{backend}: rows", *TOL)
+    wrt, wrt_want = ([x, k], [xw, kw]) if towers else ([x], [xw])
+    for a, e in zip(torch.autograd.grad((got * up).sum(), wrt), torch.autograd.grad((want * up).sum(), wrt_want)):
+        assert_close(a, e, f"{backend}: gradient", *TOL)
+
+
+def test_unnormalised_distances_refuse_what_they_cannot_form() -> None:
+    """The scores are not formed on unnormalised distances: an exclusion reading them and
+    the row statistics are refused by name; temperature must be 1."""
+    d = _data(5)
+    base: Dict[str, Any] = dict(
+        rows={"y": d["y"]},
+        positive=lambda a, b: a.y == b.y,
+        kind=flashcl.FlexPairSum(distance="euclidean"),
+        pos_mod=lambda dd, a, b: dd,
+        neg_mod=lambda dd, a, b: (1.0 - dd).relu(),
+        temperature=1.0,
+        normalize=False,
+    )
+    with pytest.raises(ValueError, match="exclude of \\(a, b, s\\) reads the scores"):
+        flashcl.flex_loss(d["x"], **dict(base, exclude=lambda a, b, s: s > 0.5))
+    with pytest.raises(ValueError, match="row statistics"):
+        flashcl.flex_loss(d["x"], **dict(base, weight=lambda a, b: (a.hardest_negative > 0).to(F64) + 1.0))
+    with pytest.raises(ValueError, match="temperature=1.0"):
+        flashcl.flex_loss(d["x"], **dict(base, temperature=0.5))
+    with pytest.raises(ValueError, match="positive is required"):
+        flashcl.flex_loss(d["x"], **dict(base, positive=None))
+    x = d["x"].clone()
+    x[3, 1] = float("nan")
+    rows = flashcl.flex_loss(x, **dict(base, reduction="none"))
+    assert torch.isnan(rows[3]) and torch.isnan(rows).sum() == len(rows)  # row 3 is every anchor's key
+
+
 @pytest.mark.parametrize("backend,block", BACKENDS)
 def test_corners_as_pytorch_metric_learning(backend: str, block: Any) -> None:
     """One sample (no pair: 0), a pair of one label (one positive pair each way), one label
@@ -140,7 +221,6 @@ def test_half_precision_no_worse_than_dense(dtype: torch.dtype) -> None:
     "kwargs,error,match",
     [
         (dict(distance="manhattan"), ValueError, "distance"),
-        (dict(normalize=False), ValueError, "normalize=True"),
         (dict(pos_margin=float("nan")), ValueError, "pos_margin"),
         (dict(neg_margin="1"), (TypeError, ValueError), "neg_margin"),
         (dict(reduction="max"), ValueError, "reduction"),
@@ -193,12 +273,17 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     out: Dict[Any, Any] = {}
     for strategy, backend, grad_scale in RUNS:
         for reduction in REDUCTIONS:
-            x = d["x"][sl].clone().requires_grad_(True)
-            loss = flashcl.contrastive_loss(
-                x, d["y"][sl], neg_margin=0.9, reduction=reduction, backend=backend, block_size=3,
-                process_group=dist.group.WORLD, strategy=strategy, grad_scale=grad_scale,
-            )  # fmt: skip
-            out[(strategy, backend, grad_scale, reduction)] = (loss.detach(), torch.autograd.grad(loss, x)[0])
+            for normalize in (True, False):
+                x = d["x"][sl].clone().requires_grad_(True)
+                loss = flashcl.contrastive_loss(
+                    x, d["y"][sl], neg_margin=0.9 if normalize else 3.0, normalize=normalize, reduction=reduction,
+                    backend=backend, block_size=3, process_group=dist.group.WORLD, strategy=strategy,
+                    grad_scale=grad_scale,
+                )  # fmt: skip
+                out[(strategy, backend, grad_scale, reduction, normalize)] = (
+                    loss.detach(),
+                    torch.autograd.grad(loss, x)[0],
+                )
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()
 
@@ -211,14 +296,17 @@ def test_across_processes_equals_one_process(world: int, tmp_path: Any) -> None:
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     sizes = SIZES[world]
     d = _data(world, b=sum(sizes))
-    for reduction in REDUCTIONS:
+    for reduction, normalize in [(r, n) for r in REDUCTIONS for n in (True, False)]:
         x = d["x"].clone().requires_grad_(True)
-        want = flashcl.contrastive_loss(x, d["y"], neg_margin=0.9, reduction=reduction, backend="reference")
+        want = flashcl.contrastive_loss(
+            x, d["y"], neg_margin=0.9 if normalize else 3.0, normalize=normalize, reduction=reduction,
+            backend="reference",
+        )  # fmt: skip
         want_grad = torch.autograd.grad(want, x)[0]
         for strategy, backend, grad_scale in RUNS:
-            key = (strategy, backend, grad_scale, reduction)
+            key = (strategy, backend, grad_scale, reduction, normalize)
             scale = world if grad_scale == "ddp" else 1
-            what = "/".join(key)
+            what = "/".join(map(str, key))
             assert_close(sum(r[key][0] for r in ranks) / scale, want, f"{what}: value", *TOL)
             for r in range(world):
                 sl = slice(sum(sizes[:r]), sum(sizes[: r + 1]))
@@ -248,6 +336,14 @@ def _drop_in_cases() -> Dict[str, Tuple[Dict[str, Any], Any]]:
             lambda loss, x, y, r, ry: loss(x, y, miners.TripletMarginMiner(margin=0.3)(x, y)),
         ),
         "batch-hard triplets": ({}, lambda loss, x, y, r, ry: loss(x, y, miners.BatchHardMiner()(x, y))),
+        "unnormalised, a pair miner": (
+            dict(distance=distances.LpDistance(normalize_embeddings=False), neg_margin=3.0),
+            lambda loss, x, y, r, ry: loss(x, y, miners.PairMarginMiner(1.0, 2.5)(x, y)),
+        ),
+        "unnormalised squared, ref_emb": (
+            dict(distance=distances.LpDistance(normalize_embeddings=False, power=2), neg_margin=6.0),
+            lambda loss, x, y, r, ry: loss(x, y, ref_emb=r, ref_labels=ry),
+        ),
         "an embedding regularizer": (
             dict(embedding_regularizer=regularizers.LpRegularizer()),
             lambda loss, x, y, r, ry: loss(x, y),
@@ -285,7 +381,7 @@ def test_drop_in_equals_pytorch_metric_learning(case: str, backend: str) -> None
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(distance=distances.LpDistance(normalize_embeddings=False)), "distance=LpDistance"),
+        (dict(distance=distances.LpDistance(p=1)), "distance=LpDistance"),
         (dict(reducer=reducers.ThresholdReducer(high=0.5)), "reducer=ThresholdReducer"),
     ],
 )

@@ -500,9 +500,8 @@ def pml_contrastive_loops(emb: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 def hadsell_squared(emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Hadsell et al.'s contrastive loss as commonly vectorised: 0.5 d^2 on the positives,
-    0.5 relu(m - d)^2 on the negatives, normalised embeddings, the mean over every pair."""
-    z = F.normalize(emb, dim=1)
-    d = torch.cdist(z, z)
+    0.5 relu(m - d)^2 on the negatives, the embeddings as given, the mean over every pair."""
+    d = torch.cdist(emb, emb)
     same = (labels[:, None] == labels[None, :]).to(emb.dtype)
     return (0.5 * same * d.pow(2) + 0.5 * (1 - same) * torch.relu(2.0 - d).pow(2)).mean()
 
@@ -549,6 +548,7 @@ def snnl_cleverhans(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 "flashcl.FlexPairSum(distance='euclidean')",
                 "0.5 * d.pow(2)",
                 "0.5 * (2 - d).relu().pow(2)",
+                "normalize=False",
                 "/ emb.shape[0] ** 2",
             ],
         ),

@@ -107,14 +107,18 @@ class PairSum:
     """The pair-sum kind of flex loss: each anchor's loss the sum of its pairs' own terms,
     ``pos_mod(x, a, b)`` on its positives and ``neg_mod(x, a, b)`` on its other pairs in
     play, each times its weight ``w``, with ``x`` the pair's score ``s`` or, with
-    ``distance``, a distance from it (the rows normalised, at temperature 1):
-    ``"euclidean"``, ``sqrt(2 - 2 s)`` (its slope at 0 taken as 0, as ``torch.cdist``'s),
-    or ``"squared"``, ``2 - 2 s``; a pair whose ``2 - 2 s`` is within 8 ulps of 0
-    (identical rows to rounding) is at distance 0. No log-sum-exp: the classic contrastive loss (Hadsell et
+    ``distance``, a distance from it (at temperature 1): of normalised rows ``"euclidean"``,
+    ``sqrt(2 - 2 s)`` (its slope at 0 taken as 0, as ``torch.cdist``'s), or ``"squared"``,
+    ``2 - 2 s``, a pair whose ``2 - 2 s`` is within 8 ulps of 0 (identical rows to rounding)
+    at distance 0; of unnormalised rows (:attr:`squared_scores`) from the squared distances
+    the loss lowers to scores. No log-sum-exp: the classic contrastive loss (Hadsell et
     al.), pytorch-metric-learning's ``ContrastiveLoss`` and TCN's hinge are of this kind."""
 
     name = "pair_sum"
     DISTANCES = ("euclidean", "squared")
+    #: the scores are the squared distances themselves (unnormalised rows, lowered by the
+    #: loss to ``[x, |x|^2, 1] . [-2 y, 1, |y|^2]``), not cosines
+    squared_scores = False
 
     def __init__(self, distance: Optional[str] = None) -> None:
         if distance is not None and distance not in self.DISTANCES:
@@ -125,18 +129,23 @@ class PairSum:
         return f"FlexPairSum(distance={self.distance!r})"
 
     def view(self, s: Tensor) -> Tensor:
-        """What the functions see of the scores ``s`` (cosines: normalised rows, temperature 1)."""
+        """What the functions see of the scores ``s`` (cosines: normalised rows, temperature 1;
+        with :attr:`squared_scores` the squared distances, negative ones by rounding at 0)."""
         if self.distance is None:
             return s
-        squared = 2.0 - 2.0 * s
-        # identical rows to rounding (a cosine of 1 within a few ulps: duplicates) are at distance 0, as
-        # torch.cdist's exact differences put them; the cosine cannot resolve a closer pair
-        squared = torch.where(squared > 8 * torch.finfo(s.dtype).eps, squared, torch.zeros((), dtype=s.dtype))
+        zero = torch.zeros((), dtype=s.dtype, device=s.device)
+        if self.squared_scores:  # as torch.cdist's matrix-product path: rounding below 0 is 0 (NaN stays)
+            squared = torch.where(s < 0, zero, s)
+        else:
+            squared = 2.0 - 2.0 * s
+            # identical rows to rounding (a cosine of 1 within a few ulps: duplicates) are at distance 0, as
+            # torch.cdist's exact differences put them; the cosine cannot resolve a closer pair
+            squared = torch.where((squared > 8 * torch.finfo(s.dtype).eps) | squared.isnan(), squared, zero)
         if self.distance == "squared":
             return squared
         positive = squared > 0  # sqrt's slope at 0 is infinite: 0 there, as torch.cdist's backward
         tiny = torch.finfo(squared.dtype).tiny
-        return torch.where(positive, squared.clamp_min(tiny).sqrt(), torch.zeros((), dtype=s.dtype, device=s.device))
+        return torch.where(positive | squared.isnan(), squared.clamp_min(tiny).sqrt(), zero)
 
 
 class View:

@@ -730,11 +730,12 @@ class TripletMarginLoss(FlashclOptions, _pml_losses.TripletMarginLoss):
 
 def _pair_distance(distance: Any) -> Optional[Tuple[str, bool]]:
     """flashcl's ``(distance, normalize)`` of :func:`flashcl.contrastive_loss` for a PML
-    distance, or None: ``LpDistance(p=2)`` of normalised rows (``power`` 1: euclidean, 2:
-    squared), ``CosineSimilarity`` and ``DotProductSimilarity`` (``power`` 1)."""
+    distance, or None: ``LpDistance(p=2)`` (``power`` 1: euclidean, 2: squared; of the
+    normalised rows or of the rows as given), ``CosineSimilarity`` and
+    ``DotProductSimilarity`` (``power`` 1)."""
     d = distance
-    if type(d) is _pml_distances.LpDistance and d.p == 2 and d.power in (1, 2) and d.normalize_embeddings:
-        return ("euclidean" if d.power == 1 else "squared"), True
+    if type(d) is _pml_distances.LpDistance and d.p == 2 and d.power in (1, 2):
+        return ("euclidean" if d.power == 1 else "squared"), bool(d.normalize_embeddings)
     normalize = _dot_similarity(d)
     return None if normalize is None else ("similarity", normalize)
 
@@ -750,8 +751,8 @@ class ContrastiveLoss(FlashclOptions, _pml_losses.ContrastiveLoss):
     batch (or against ``ref_emb``) without the B x B distance matrix, or, over a miner's
     pairs or triplets (``indices_tuple``), a pair-sum flex loss over exactly those pairs.
 
-    flashcl computes it with ``LpDistance(p=2)`` of normalised rows (the default; ``power``
-    1 or 2), ``CosineSimilarity`` or ``DotProductSimilarity``, and the reducers
+    flashcl computes it with ``LpDistance(p=2)`` (the default; ``power`` 1 or 2, normalised
+    rows or not), ``CosineSimilarity`` or ``DotProductSimilarity``, and the reducers
     ``AvgNonZeroReducer`` (the default), ``MeanReducer`` and ``SumReducer`` (the same for
     both sets); another distance or reducer, or a miner's pairs that pair a sample with
     itself or put a pair in both sets, are computed by PML's own code, with a warning that

@@ -73,14 +73,16 @@ def contrastive_loss(
     $$
 
     with ``d`` the Euclidean distance of the L2-normalised rows (``distance="euclidean"``,
-    its slope at 0 taken as 0, as ``torch.cdist``'s) or its square (``"squared"``); with
-    ``distance="similarity"`` the cosine similarity (the plain dot product with
-    ``normalize=False``) and the margins the other way round, ``max(0, m^+ - s)`` and
-    ``max(0, s - m^-)``. ``reduction="mean_nonzero"`` (default) averages each set's terms
-    above 0 and adds the two (PML's ``AvgNonZeroReducer``), ``"mean"`` each set's terms over
-    its pairs (``MeanReducer``), ``"sum"`` every term (``SumReducer``), ``"none"`` each
-    anchor's sum (B,). As PML, a batch with at most one positive and at most one negative
-    pair gives 0. Hadsell's squared form is a flex call (docs/flex.md).
+    its slope at 0 taken as 0, as ``torch.cdist``'s) or its square (``"squared"``), of the
+    rows as given with ``normalize=False`` (from ``|x|^2 + |y|^2 - 2 x.y``, as
+    ``torch.cdist`` computes it for more than 25 rows); with ``distance="similarity"`` the
+    cosine similarity (the plain dot product with ``normalize=False``) and the margins the
+    other way round, ``max(0, m^+ - s)`` and ``max(0, s - m^-)``. ``reduction="mean_nonzero"``
+    (default) averages each set's terms above 0 and adds the two (PML's
+    ``AvgNonZeroReducer``), ``"mean"`` each set's terms over its pairs (``MeanReducer``),
+    ``"sum"`` every term (``SumReducer``), ``"none"`` each anchor's sum (B,). As PML, a
+    batch with at most one positive and at most one negative pair gives 0. Hadsell's
+    squared form is a flex call (docs/flex.md).
 
     Args:
         embeddings: (B, D) rows.
@@ -91,7 +93,7 @@ def contrastive_loss(
         pos_margin: the positive pairs' margin ``m+``. Default: 0.
         neg_margin: the negative pairs' margin ``m-``. Default: 1.
         distance: ``"euclidean"`` (default) | ``"squared"`` | ``"similarity"``.
-        normalize: L2-normalise the rows (the distances take normalised rows). Default: True.
+        normalize: L2-normalise the rows first. Default: True.
         reduction: ``"mean_nonzero"`` (default) | ``"mean"`` | ``"sum"`` | ``"none"``.
         @backend@
         @process_group@
@@ -115,11 +117,6 @@ def contrastive_loss(
         ref, ref_labels = checks.validate_labelled(ref, ref_labels, names=("ref", "ref_labels"), empty=empty)
     checks.check_choice(distance, "distance", DISTANCES)
     checks.check_bool(normalize, "normalize")
-    if distance != "similarity" and not normalize:
-        raise ValueError(
-            f"distance={distance!r} is the distance of L2-normalised rows (normalize=True); unnormalised rows "
-            "take distance='similarity' (the dot product)"
-        )
     m_pos = checks.number(pos_margin, "pos_margin")
     m_neg = checks.number(neg_margin, "neg_margin")
     if distance == "similarity":

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -27,6 +28,7 @@ from ..engine.flex import (
     View,
     captured_tensors,
     reads_statistics,
+    takes_scores,
     tile_result,
 )
 from ..engine.flex_scores import FlexScores
@@ -150,9 +152,11 @@ class FlexPairSum(PairSum):
     over its positives ``P_i`` and its other pairs in play ``N_i``, no log-sum-exp: the
     classic contrastive loss (Hadsell et al. 2006), pytorch-metric-learning's
     ``ContrastiveLoss``, TCN's hinge. ``x`` is the scaled score ``s``, or with
-    ``distance`` a distance of the normalised rows (``temperature=1``): ``"euclidean"``,
+    ``distance`` a distance (``temperature=1``): of the normalised rows ``"euclidean"``,
     ``sqrt(2 - 2 s)`` (its slope at 0 taken as 0, as ``torch.cdist``'s), or
-    ``"squared"``, ``2 - 2 s``. ``reduction``: ``"mean_nonzero"`` averages each set's
+    ``"squared"``, ``2 - 2 s``; with ``normalize=False`` of the rows as given, from
+    ``|x|^2 + |y|^2 - 2 x.y`` (an ``exclude`` of the scores and the row statistics are
+    not taken there). ``reduction``: ``"mean_nonzero"`` averages each set's
     terms above 0 over their count and adds the two sets (pytorch-metric-learning's
     ``AvgNonZeroReducer``), ``"mean"`` each set's terms over its pairs (its
     ``MeanReducer``), ``"sum"`` every term, ``"none"`` each anchor's sum.
@@ -731,6 +735,9 @@ def _flex(o: Dict[str, Any]) -> Tensor:
 def _flex_eager(o: Dict[str, Any]) -> Tensor:
     if o["scores"] is not None or o["q"] is None:
         return _flex_scores(o)
+    kind = o["kind"]
+    if isinstance(kind, PairSum) and kind.distance is not None and not kind.squared_scores and o["normalize"] is False:
+        return _flex_eager(_squared_distances(o))
     q, keys, rows, cols, kind = o["q"], o["keys"], o["rows"], o["cols"], o["kind"]
     include_self, both_directions, symmetric = o["include_self"], o["both_directions"], o["symmetric"]
     block_mask, block_size, process_group, backend = o["block_mask"], o["block_size"], o["process_group"], o["backend"]
@@ -818,6 +825,11 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
             join=None if group is None else functools.partial(parallel.sum_across, group=group),
         )
         sides = reads_statistics(fns, row_data, col_all, q, keys_too=own)
+        if sides and o.get("lowered"):
+            raise ValueError(
+                "the row statistics (hardest_negative, ...) are of the scores, which a distance of unnormalised rows "
+                "does not form: normalize=True, or a pair sum without them"
+            )
         if sides == ("a",) and name != "reference" and sparsity is None and not both_directions:
             # the anchors' own: formed by the loss's head in a first pass (complete row blocks: on the
             # scores they hold); the fields here stand in for them where a function is probed
@@ -854,6 +866,64 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
                 _direction(keys, back, col_data, q_all, scale, swapped, all_params, bias_t, name, opts, per_row)
             )
         return _reduce(parts, opts, source)
+
+
+def _squared_distances(o: Dict[str, Any]) -> Dict[str, Any]:
+    """A pair sum on distances of unnormalised rows, lowered to one whose scores are the
+    squared distances: ``[x, |x|^2, 1] . [-2 y, 1, |y|^2] = |x - y|^2`` (the matrix-product
+    form torch.cdist takes, in float32 for half inputs), the rows' norms differentiated by
+    autograd through the two lowered matrices. Self-contrast becomes the anchors against
+    their lowered twins, each self pair left out by its global position (``a.index ==
+    b.index``), the anchors' data the keys' too."""
+    q, keys = o["q"], o["keys"]
+    empty = o["process_group"] is not None
+    q = checks.check_float_tensor(q, "q", (2,), empty)
+    own = keys is None
+    if own:
+        if o["cols"] is not None:
+            raise ValueError(
+                "cols is the keys' data; with keys=None the keys are the anchors: give their data as rows="
+            )
+        if o["positive"] is None:
+            raise ValueError("positive is required for self-contrast (keys=None): which pairs are positives?")
+        _shared_keys(o["shared_keys"], None, None, False)  # shared_keys=True refused
+    else:
+        keys = checks.check_keys(keys, "keys", q, empty)
+    exclude = _check_fn(o["exclude"], "exclude")
+    if exclude is not None and takes_scores(exclude):
+        raise ValueError(
+            "exclude of (a, b, s) reads the scores, which a distance of unnormalised rows does not form (the loss "
+            "computes the squared distances): write it of (a, b), or as pos_mod / neg_mod of the distance"
+        )
+    dtype = compute_dtype(q.dtype)
+    x, y = q.to(dtype), (q if own else keys).to(dtype)
+    ones_x, ones_y = x.new_ones(x.shape[0], 1), y.new_ones(y.shape[0], 1)
+    lowered = copy.copy(o["kind"])
+    lowered.squared_scores = True
+    out = dict(
+        o,
+        q=torch.cat([x, x.pow(2).sum(1, keepdim=True), ones_x], 1),
+        keys=torch.cat([-2.0 * y, ones_y, y.pow(2).sum(1, keepdim=True)], 1),
+        kind=lowered,
+        lowered=True,
+    )
+    if own:
+        out.update(cols=o["rows"], exclude=_self_pairs_out(exclude), shared_keys=False, symmetric=False)
+    return out
+
+
+def _self_pairs_out(exclude: Fn) -> Fn:
+    """``exclude`` with each self pair (the same global position) out of every set too."""
+
+    def out(a: Any, b: Any) -> Any:
+        same = a.index == b.index
+        if exclude is None:
+            return same
+        e = exclude(a, b)
+        # anything but a bool tensor: the head's check names exclude and what it must return
+        return same | e if isinstance(e, Tensor) and e.dtype == torch.bool else e
+
+    return out
 
 
 def _shared_keys(flag: Any, keys: Optional[Tensor], group: Any, both_directions: bool) -> bool:
@@ -1050,10 +1120,10 @@ def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[
         given[5] = given[5] or kind.neg_mod
     if isinstance(kind, PairSum) and kind.distance is not None:
         temperature = o["temperature"]
-        if not o["normalize"] or isinstance(temperature, Tensor) or float(temperature) != 1.0:
+        if isinstance(temperature, Tensor) or float(temperature) != 1.0:
             raise ValueError(
-                f"distance={kind.distance!r} is a distance of normalised rows from their cosines: normalize=True "
-                "and temperature=1.0"
+                f"distance={kind.distance!r} is a distance of the rows (normalised with normalize=True): "
+                "temperature=1.0"
             )
         given[4], given[5] = (_on_distance(fn, kind) for fn in given[4:6])
     fns = FlexFunctions(*given)

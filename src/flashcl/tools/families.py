@@ -142,15 +142,19 @@ def _contrastive(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tupl
     out: List[Candidate] = []
     for m in _PAIR_MARGINS:
         for distance in ("euclidean", "squared"):
-            for red in ("mean_nonzero", "mean", "sum"):
-                call = (
-                    f"flashcl.contrastive_loss({ne}, {ny}, neg_margin={m:g}, distance='{distance}', reduction='{red}')"
-                )
-                fn = functools.partial(contrastive_loss, e, y, neg_margin=m, distance=distance, reduction=red)
-                out.append((call, fn))
+            for normalize in (True, False):
+                for red in ("mean_nonzero", "mean", "sum"):
+                    call = (
+                        f"flashcl.contrastive_loss({ne}, {ny}, neg_margin={m:g}, distance='{distance}', "
+                        f"normalize={normalize}, reduction='{red}')"
+                    )
+                    fn = functools.partial(
+                        contrastive_loss, e, y, neg_margin=m, distance=distance, normalize=normalize, reduction=red
+                    )
+                    out.append((call, fn))
     words = (
         f"contrastive_loss (pytorch-metric-learning's ContrastiveLoss) at margins {_words(_PAIR_MARGINS)}, "
-        "euclidean / squared distances of the normalised rows, the mean over non-zero terms / mean / sum"
+        "euclidean / squared distances, normalised or not, the mean over non-zero terms / mean / sum"
     )
     return words, out
 
@@ -472,17 +476,18 @@ def _flex(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str, 
         )
         for half in ("", "0.5 * "):
             for m in _PAIR_MARGINS:
-                for red, tail in tails:
-                    add(
-                        f"positive=lambda a, b: {code}, kind=flashcl.FlexPairSum(distance='euclidean'), "
-                        f"pos_mod=lambda d, a, b: {half}d.pow(2), "
-                        f"neg_mod=lambda d, a, b: {half}({m:g} - d).relu().pow(2), "
-                        f"temperature=1.0, reduction='{red}'",
-                        tail,
-                    )
+                for normalize in (True, False):
+                    for red, tail in tails:
+                        add(
+                            f"positive=lambda a, b: {code}, kind=flashcl.FlexPairSum(distance='euclidean'), "
+                            f"pos_mod=lambda d, a, b: {half}d.pow(2), "
+                            f"neg_mod=lambda d, a, b: {half}({m:g} - d).relu().pow(2), "
+                            f"temperature=1.0, normalize={normalize}, reduction='{red}'",
+                            tail,
+                        )
         words += (
-            "; Hadsell's squared contrastive loss on the normalised rows (d^2 on positives, relu(m - d)^2 on the "
-            f"others, halved or not) as a pair sum at margins {_words(_PAIR_MARGINS)}, the mean of each set, the "
+            "; Hadsell's squared contrastive loss (d^2 on positives, relu(m - d)^2 on the others, halved or not, "
+            f"the rows normalised or not) as a pair sum at margins {_words(_PAIR_MARGINS)}, the mean of each set, the "
             "sum, over n, n^2 or n(n - 1)"
         )
     return words, out
