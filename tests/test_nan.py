@@ -169,3 +169,16 @@ def test_a_nan_teacher_row_gives_nan(targets: str, backend: str) -> None:
         return
     assert bool(bad.any()), f"{backend}: {rows}"
     assert_close(rows[~bad], clean[~bad], f"{backend}: the other images' terms", *TOL)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("backend,block", FLEX_BACKENDS)
+def test_a_nan_row_gives_nan_through_the_pair_sums_distances(backend: str, block: Any, normalize: bool) -> None:
+    """A NaN embedding's distances are NaN (the distance view read a NaN cosine as 0): every
+    anchor pairs with that row, so every anchor's sum and the mean are NaN."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(9, 4, dtype=F64, generator=g), torch.randint(0, 3, (9,), generator=g)
+    x[ANCHOR, 1] = NAN
+    rows = flashcl.contrastive_loss(x, y, normalize=normalize, reduction="none", backend=backend, block_size=block)
+    assert torch.isnan(rows).all(), rows
+    assert torch.isnan(flashcl.contrastive_loss(x, y, normalize=normalize, backend=backend, block_size=block))

@@ -705,8 +705,9 @@ class FlexHead(Head):
         self._out_(play, t, tile, False)  # type: ignore[arg-type]
         pos = play & (t.m != 0)
         neg = play & (t.m == 0)
-        if self.set_means == "mean_nonzero":
-            pos, neg = pos & (terms > 0), neg & (terms > 0)
+        if self.set_means == "mean_nonzero":  # a NaN term is counted (and makes its set NaN)
+            counted = (terms > 0) | terms.isnan()
+            pos, neg = pos & counted, neg & counted
         zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
         return torch.where(pos | neg, terms, zero), pos, neg, w
 
@@ -1128,8 +1129,9 @@ class FlexHead(Head):
         if self.pair_sum is not None:
             terms = sp if logw is None else sp * torch.exp(logw)
             pos, neg = ~out & (m != 0), ~out & (m == 0)
-            if self.set_means == "mean_nonzero":
-                pos, neg = pos & (terms.detach() > 0), neg & (terms.detach() > 0)
+            if self.set_means == "mean_nonzero":  # a NaN term is counted (and makes its set NaN)
+                counted = (terms.detach() > 0) | terms.detach().isnan()
+                pos, neg = pos & counted, neg & counted
             w = torch.ones_like(terms) if logw is None else torch.exp(logw)
             a, b = self.pair_scales(torch.where(pos, w, zero).sum(1), torch.where(neg, w, zero).sum(1))
             self.valid_rows = torch.ones(r, dtype=torch.bool, device=s.device)
@@ -1173,8 +1175,9 @@ def _pair_sum_terms(
         t = t * w
     t = torch.where(play, t, torch.zeros((), dtype=s.dtype, device=s.device))
     pos, neg = play & member, play & ~member
-    if nonzero:
-        pos, neg = pos & (t > 0), neg & (t > 0)
+    if nonzero:  # a NaN term is counted (and makes its set NaN)
+        counted = (t > 0) | t.isnan()
+        pos, neg = pos & counted, neg & counted
     return t, pos, neg
 
 

@@ -756,7 +756,8 @@ class ContrastiveLoss(FlashclOptions, _pml_losses.ContrastiveLoss):
     ``AvgNonZeroReducer`` (the default), ``MeanReducer`` and ``SumReducer`` (the same for
     both sets); another distance or reducer, or a miner's pairs that pair a sample with
     itself or put a pair in both sets, are computed by PML's own code, with a warning that
-    names the case.
+    names the case. A NaN term (a NaN embedding) makes the loss NaN, where PML's
+    ``AvgNonZeroReducer`` leaves it out (``NaN > 0`` is False) and returns a number.
 
     Examples::
 

@@ -314,8 +314,9 @@ def _reference_from(
             pos, neg = keep & (m[0] != 0), keep & (m[0] == 0)
             tp = w[0] * _guarded(fns.pos_mod, "pos_mod", s, left, a, b)[0]
             tn = w[0] * _guarded(fns.neg_mod, "neg_mod", s, left, a, b)[0]
-            if head.set_means == "mean_nonzero":  # the terms above 0 alone
-                pos, neg = pos & (tp.detach() > 0), neg & (tn.detach() > 0)
+            if head.set_means == "mean_nonzero":  # the terms above 0 alone, and NaN ones (NaN propagates)
+                pos = pos & ((tp.detach() > 0) | tp.detach().isnan())
+                neg = neg & ((tn.detach() > 0) | tn.detach().isnan())
             pair_sums.append((tp[pos].sum(), tn[neg].sum(), w[0][pos].sum(), w[0][neg].sum()))
             continue
         if head.sets is not None:  # the two sets' log-sum-exps, each set's modified scores
