@@ -109,10 +109,14 @@ def test_layers_only_look_down() -> None:
         assert not any(m.startswith("flashcl.losses") for m in _reach(name)), name
 
 
-def test_the_oracle_imports_nothing_of_the_engine() -> None:
+def test_the_oracles_import_nothing_of_the_engine() -> None:
     # the reference backend checks every other backend: sharing their preparation,
-    # heads or lowering would let one mistake agree with itself
-    assert _reach("flashcl.reference") <= {"flashcl.core"}
+    # heads or lowering would let one mistake agree with itself; the families' oracles
+    # (flashcl.reference.families) live beside it under the same rule
+    oracles = {n for n in MODULES if n == "flashcl.reference" or n.startswith("flashcl.reference.")}
+    assert {"flashcl.reference", "flashcl.reference.families"} <= oracles
+    for name in oracles:
+        assert _reach(name) - oracles <= {"flashcl.core"}, (name, _reach(name))
     assert _reach("flashcl.core") == set()
 
 

@@ -706,8 +706,8 @@ class FlexHead(Head):
         pos = play & (t.m != 0)
         neg = play & (t.m == 0)
         if self.set_means == "mean_nonzero":  # a NaN term is counted (and makes its set NaN)
-            counted = (terms > 0) | terms.isnan()
-            pos, neg = pos & counted, neg & counted
+            nonzero = (terms > 0) | terms.isnan()
+            pos, neg = pos & nonzero, neg & nonzero
         zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
         return torch.where(pos | neg, terms, zero), pos, neg, w
 
@@ -1130,8 +1130,8 @@ class FlexHead(Head):
             terms = sp if logw is None else sp * torch.exp(logw)
             pos, neg = ~out & (m != 0), ~out & (m == 0)
             if self.set_means == "mean_nonzero":  # a NaN term is counted (and makes its set NaN)
-                counted = (terms.detach() > 0) | terms.detach().isnan()
-                pos, neg = pos & counted, neg & counted
+                nonzero = (terms.detach() > 0) | terms.detach().isnan()
+                pos, neg = pos & nonzero, neg & nonzero
             w = torch.ones_like(terms) if logw is None else torch.exp(logw)
             a, b = self.pair_scales(torch.where(pos, w, zero).sum(1), torch.where(neg, w, zero).sum(1))
             self.valid_rows = torch.ones(r, dtype=torch.bool, device=s.device)
@@ -1176,8 +1176,8 @@ def _pair_sum_terms(
     t = torch.where(play, t, torch.zeros((), dtype=s.dtype, device=s.device))
     pos, neg = play & member, play & ~member
     if nonzero:  # a NaN term is counted (and makes its set NaN)
-        counted = (t > 0) | t.isnan()
-        pos, neg = pos & counted, neg & counted
+        kept = (t > 0) | t.isnan()
+        pos, neg = pos & kept, neg & kept
     return t, pos, neg
 
 

@@ -27,6 +27,7 @@ from ..compiled import compiles
 from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off
 from ..engine.heads import Head, scattered_lse, softplus
+from ..reference.families import circle_rows as _reference_rows
 from .multi_similarity import Pairs, split_pairs_
 
 __all__ = ["circle_loss", "CircleLoss", "CircleHead"]
@@ -140,26 +141,6 @@ class CircleHead(Head):
         both = pos.any(1) & neg.any(1)
         total = torch.where(both, lp + ln, torch.zeros_like(lp))  # no -inf on the graph (its gradient: NaN)
         return torch.where(both, softplus(total), torch.zeros_like(total)), None
-
-
-def _reference_rows(q: Tensor, keys: Tensor, yq: Tensor, yk: Tensor, offset: int, m: float, gamma: float) -> Tensor:
-    """The oracle: one anchor at a time, as the paper writes it (the weights detached)."""
-    qn = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-12)
-    kn = keys / torch.linalg.vector_norm(keys, dim=1, keepdim=True).clamp_min(1e-12)
-    out = []
-    for i in range(q.shape[0]):
-        s = kn @ qn[i]
-        others = [j for j in range(keys.shape[0]) if j != i + offset]
-        pos = [j for j in others if int(yk[j]) == int(yq[i])]
-        neg = [j for j in others if int(yk[j]) != int(yq[i])]
-        if not pos or not neg:
-            out.append(s.sum() * 0.0)
-            continue
-        sp, sn = s[pos], s[neg]
-        xp = -gamma * (1.0 + m - sp.detach()).clamp_min(0.0) * (sp - (1.0 - m))
-        xn = gamma * (sn.detach() + m).clamp_min(0.0) * (sn - m)
-        out.append(softplus(torch.logsumexp(xp, 0) + torch.logsumexp(xn, 0)))
-    return torch.stack(out) if out else (q @ keys.T).sum(1)
 
 
 @shared_docs

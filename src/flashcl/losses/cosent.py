@@ -14,6 +14,7 @@ from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off, normalize_rows
+from ..reference.families import cosent_sum as _reference_loss
 
 __all__ = ["cosent_loss", "CoSENTLoss", "pair_scores"]
 
@@ -58,16 +59,6 @@ def _dense_loss(z: Tensor, labels: Tensor) -> Tensor:
     diff = z.unsqueeze(1) - z.unsqueeze(0)
     diff = diff.masked_fill(~(labels.unsqueeze(1) < labels.unsqueeze(0)), float("-inf"))
     return torch.logsumexp(torch.cat([diff.new_zeros(1), diff.reshape(-1)]), dim=0)
-
-
-def _reference_loss(z: Tensor, labels: Tensor) -> Tensor:
-    """The same sum pair by pair, in Python loops (the ``"reference"`` backend: the oracle)."""
-    terms = [z[:0].sum()]  # the 1 of log(1 + ...): a zero on the graph of z
-    for i in range(z.shape[0]):
-        for j in range(z.shape[0]):
-            if bool(labels[i] < labels[j]):
-                terms.append(z[i] - z[j])
-    return torch.logsumexp(torch.stack(terms), dim=0)
 
 
 _LOSSES = {"reference": _reference_loss, "dense": _dense_loss, "tiled": _sorted_loss}

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -16,27 +15,10 @@ from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
 from ..engine.neighbours import KoLeoRows, koleo_dense
+from ..reference.families import koleo_rows as _koleo_reference
 from .self_distill import check_options, check_temperature
 
 __all__ = ["koleo_loss", "KoLeoLoss"]
-
-
-def _koleo_reference(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor:
-    """One row at a time: the nearest other row by the largest cosine (first on a
-    tie), ``-log(|x^_i - x^_j + eps| + eps)``."""
-    unit = lambda v: v / v.norm().clamp_min(eps)  # noqa: E731
-    kh = [unit(k) for k in keys]
-    out = []
-    for i, row in enumerate(q):
-        qh = unit(row)
-        best, at = -math.inf, 0
-        for j, k in enumerate(kh):
-            dot = -1.0 if j == i + offset else float((qh @ k).detach())
-            if dot > best:
-                best, at = dot, j
-        out.append(-torch.log(torch.linalg.vector_norm(qh - kh[at] + eps) + eps))
-    # no rows (a rank's empty part): (0,), on the graph of the rows and of the gathered keys
-    return torch.stack(out) if out else (q @ keys.T).sum(1)
 
 
 @shared_docs

@@ -30,6 +30,7 @@ from ..compiled import compiles
 from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off
 from ..engine.heads import Head, softplus
+from ..reference.families import multi_similarity_rows as _reference_rows
 
 __all__ = [
     "multi_similarity_loss",
@@ -283,37 +284,6 @@ class MultiSimilarityHead(Head):
         wp, wn = self.weights
         rows = wp * torch.logsumexp(torch.cat([xp, zero], 1), 1)
         return rows + wn * torch.logsumexp(torch.cat([xn, zero], 1), 1), None
-
-
-def _reference_rows(
-    q: Tensor, keys: Tensor, yq: Tensor, yk: Tensor, offset: int, own: bool, opts: Tuple[float, ...]
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """The oracle: one anchor at a time, the cosines of its pairs, its mined sets and its
-    loss (``opts``: alpha, beta, base, epsilon or NaN for none); (rows, mined positives,
-    mined negatives)."""
-    alpha, beta, base, epsilon = opts
-    qn = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-12)
-    kn = keys / torch.linalg.vector_norm(keys, dim=1, keepdim=True).clamp_min(1e-12)
-    out, n_pos, n_neg = [], 0, 0
-    for i in range(q.shape[0]):
-        s = kn @ qn[i]
-        others = [j for j in range(keys.shape[0]) if not (own and j == i + offset)]
-        pos = [j for j in others if int(yk[j]) == int(yq[i])]
-        neg = [j for j in others if int(yk[j]) != int(yq[i])]
-        if not math.isnan(epsilon):
-            d = s.detach()
-            # as the miner's sorts: a NaN positive is never the hardest, a NaN negative is
-            negs = [float(d[j]) for j in neg]
-            hard_neg = math.nan if any(math.isnan(v) for v in negs) else max(negs, default=-_INF)
-            hard_pos = min((float(d[j]) for j in pos if not math.isnan(float(d[j]))), default=_INF)
-            pos = [j for j in pos if float(d[j]) < hard_neg + epsilon]
-            neg = [j for j in neg if float(d[j]) > hard_pos - epsilon]
-        n_pos, n_neg = n_pos + len(pos), n_neg + len(neg)
-        one = s.new_zeros(1)
-        lp = torch.logsumexp(torch.cat([-alpha * (s[pos] - base), one]), 0) / alpha
-        out.append(lp + torch.logsumexp(torch.cat([beta * (s[neg] - base), one]), 0) / beta)
-    rows = torch.stack(out) if out else (q @ keys.T).sum(1)
-    return rows, q.new_tensor(float(n_pos)), q.new_tensor(float(n_neg))
 
 
 @shared_docs

@@ -5,7 +5,7 @@ sets, formed tile by tile from the label rows (never B x B; the head:
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -13,7 +13,8 @@ from torch import Tensor
 from .. import checks, parallel, runner
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.family_heads import JaccardHead, jaccard, jaccard_row_weights
+from ..engine.family_heads import JaccardHead, jaccard_row_weights
+from ..reference.families import multilabel_rows as _reference
 from ..runner import auto_block
 
 __all__ = ["multilabel_supcon"]
@@ -30,37 +31,6 @@ def check_multi_hot(labels: Tensor, like: Tensor, name: str) -> Tensor:
     if labels.dtype != torch.bool and not bool(((labels == 0) | (labels == 1)).all()):
         raise ValueError(f"{name} of shape (B, C) must be multi-hot: 0/1 or bool entries")
     return labels.to(compute_dtype(like.dtype))
-
-
-def _reference(
-    q: Tensor,
-    k: Tensor,
-    yq: Tensor,
-    yk: Tensor,
-    scale: Tensor,
-    threshold: float,
-    positives: str,
-    include_self: bool,
-    normalize: bool,
-    offset: int = 0,
-) -> Tuple[Tensor, Tensor]:
-    """The per-anchor losses by the formula on the whole matrices (the oracle): the
-    self column at ``i + offset`` (the anchors are k's rows from ``offset``)."""
-    dtype = compute_dtype(q.dtype)
-    q, k = q.to(dtype), k.to(dtype)
-    if normalize:
-        q, k = torch.nn.functional.normalize(q, dim=1), torch.nn.functional.normalize(k, dim=1)
-    s = scale.to(dtype) * q @ k.T
-    j = jaccard(yq, yk)
-    own = torch.zeros_like(s, dtype=torch.bool)
-    own[torch.arange(q.shape[0]), torch.arange(q.shape[0]) + offset] = True
-    pos = (j > threshold) & ~own
-    den = s.masked_fill(own, float("-inf")) if not include_self else s
-    log_prob = s - torch.logsumexp(den, dim=1, keepdim=True)
-    terms = torch.where(pos, j * log_prob, torch.zeros_like(s)).sum(1)
-    count = pos.sum(1).to(dtype)
-    rows = -terms / count.clamp_min(1) if positives == "mean" else -terms
-    return torch.where(count > 0, rows, torch.zeros_like(rows)), (count > 0).to(dtype)
 
 
 def multilabel_supcon(

@@ -26,25 +26,10 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
+from ..reference.families import proxy_anchor_rows as _reference_rows
 from .multi_similarity import MultiSimilarityHead
 
 __all__ = ["proxy_anchor_loss", "ProxyAnchorLoss"]
-
-
-def _reference_rows(w: Tensor, x: Tensor, labels: Tensor, classes: Tensor, margin: float, alpha: float) -> Tensor:
-    """The oracle: one proxy at a time, ``(w_pos log(1 + sum_pos) + log(1 + sum_neg))``
-    with ``w_pos = C / |P+|`` (the per-proxy terms whose mean over the C proxies is the loss)."""
-    wn = w / torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp_min(1e-12)
-    xn = x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-12)
-    present = int(torch.unique(labels).numel())
-    out = []
-    for row, k in enumerate(classes.tolist()):
-        s = xn @ wn[row]
-        pos, neg = s[labels == k], s[labels != k]
-        one = s.new_zeros(1)
-        term = torch.logsumexp(torch.cat([-alpha * (pos - margin), one]), 0) * (float(w.shape[0]) / max(present, 1))
-        out.append(term + torch.logsumexp(torch.cat([alpha * (neg + margin), one]), 0))
-    return torch.stack(out) if out else (w @ x.T).sum(1)
 
 
 @shared_docs

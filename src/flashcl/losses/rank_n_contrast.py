@@ -28,8 +28,9 @@ from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction, autocast_off
+from ..reference.families import rank_n_contrast_rows as reference_rows
 
-__all__ = ["rank_n_contrast_loss", "RankNContrastLoss", "reference_rows"]
+__all__ = ["rank_n_contrast_loss", "RankNContrastLoss"]
 
 BACKENDS = ("reference", "dense", "tiled")
 _INF = float("inf")
@@ -166,24 +167,6 @@ def _visit(
     if weights is None:
         return rows, None
     return rows, (dq, None if same else dk)
-
-
-def reference_rows(q: Tensor, k: Tensor, yq: Tensor, yk: Tensor, t: float, offset: int) -> Tensor:
-    """Each anchor's ``sum_j l_ij`` as the published code forms it (the oracle): the scores
-    ``-||z_i - z_j|| / t`` of direct differences, and for each positive in turn the mask of
-    the denominators at least as far in label space."""
-    m, n = q.shape[0], k.shape[0]
-    logits = -(q[:, None, :] - k[None, :, :]).norm(2, dim=-1) / t
-    diffs = (yq[:, None, :] - yk[None, :, :]).abs().sum(-1)
-    out = []
-    for i in range(m):
-        others = [j for j in range(n) if j != i + offset]
-        total = logits.new_zeros(())
-        for j in others:
-            den = [kk for kk in others if diffs[i, kk] >= diffs[i, j]]
-            total = total + torch.logsumexp(logits[i, den], 0) - logits[i, j]
-        out.append(total)
-    return torch.stack(out) if out else logits.sum(1)
 
 
 def _dense_rows(q: Tensor, k: Tensor, yq: Tensor, yk: Tensor, t: float, offset: int) -> Tensor:

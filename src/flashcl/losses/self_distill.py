@@ -39,6 +39,7 @@ from ..engine.prototypes import (
     softmax_targets,
     unit_rows,
 )
+from ..reference.families import self_distill_rows as _reference_rows
 
 __all__ = ["dino_loss", "prototype_center", "DINOLoss", "load_center", "warn_if_swapped"]
 
@@ -262,23 +263,6 @@ def _unit_reference(w: Tensor, normalize: bool) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- the body
-
-
-def _reference_rows(
-    x: Tensor, w: Tensor, inv_temp: float, targets: List[Tensor], pairs: List[List[int]], normalize: bool
-) -> Tensor:
-    """Per-row losses one row at a time (the oracle):
-    ``sum_{t in pairs[s]} -sum_k p_t(k) log softmax_k(x^ . w^_k / tau_s)``."""
-    unit = _unit_reference(w, normalize)
-    out = []
-    for s, view in enumerate(x):
-        rows = []
-        for b, row in enumerate(view):
-            lsm = torch.log_softmax((unit @ _unit_row(row, normalize)) * inv_temp, 0)
-            terms = [-(targets[t][b] * lsm).sum() for t in pairs[s]]
-            rows.append(torch.stack(terms).sum() if terms else lsm.new_zeros(()))
-        out.append(_stack(rows, (view @ unit.T).sum(-1)))  # no rows (a rank's empty part): (0,), on the graph
-    return torch.stack(out)
 
 
 def _dense_rows(

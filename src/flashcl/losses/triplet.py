@@ -49,6 +49,7 @@ from ..engine.triplets import (
     grads_from,
 )
 from ..parallel.ring import RingDriver, ring_pass
+from ..reference.families import triplet_rows as _reference_rows
 
 __all__ = ["triplet_loss", "TripletLoss", "distances"]
 
@@ -62,71 +63,6 @@ TRIPLET_BACKENDS = ("auto", "reference", "dense", "tiled")
 
 def _value(t: Tensor) -> float:
     return float(t.detach())
-
-
-def _reference_rows(
-    x: Tensor,
-    y: Tensor,
-    mining: str,
-    margin: float,
-    soft: bool,
-    distance: str,
-    k: Optional[Tensor] = None,
-    yk: Optional[Tensor] = None,
-    offset: int = 0,
-) -> Tuple[Tensor, Tensor]:
-    """Per-anchor losses and counts by loops over the anchors, positives and
-    negatives, each distance formed on its own (the oracle). ``k``, ``yk``: every
-    sample of the batch and its label when the anchors ``x`` are its rows from
-    ``offset`` (default: the anchors themselves)."""
-    k = x if k is None else k
-    yk = y if yk is None else yk
-
-    def dist(i: int, j: int) -> Tensor:
-        if j == i + offset:
-            return x[i, :0].sum()
-        if distance == "cosine":
-            return 1.0 - (x[i] * k[j]).sum()
-        sq = (k[j] * k[j]).sum() - 2.0 * (x[i] * k[j]).sum() + (x[i] * x[i]).sum()
-        sq = sq.clamp_min(0.0)
-        return sq if distance == "squared" or bool(sq == 0) else sq.sqrt()
-
-    def hinge(v: Tensor) -> Tensor:
-        return torch.nn.functional.softplus(v) if soft else v.clamp_min(0.0)
-
-    b, n = x.shape[0], k.shape[0]
-    rows, counts = [], []
-    for i in range(b):
-        ps = [j for j in range(n) if j != i + offset and bool(yk[j] == y[i])]
-        ns = [j for j in range(n) if bool(yk[j] != y[i])]
-        if mining == "all":
-            terms = [hinge(dist(i, p) - dist(i, n) + margin) for p in ps for n in ns]
-            rows.append(sum(terms, x[i, :0].sum()))
-            counts.append(sum(int(_value(t) > 0) for t in terms))
-        elif mining == "hard":
-            every = [dist(i, j) for j in range(n)]
-            hp = max([every[p] for p in ps], key=_value) if ps else x[i, :0].sum()
-            if ns:
-                hn = min([every[n] for n in ns], key=_value)
-            else:
-                hn = max(every, key=_value) + min(every, key=_value)
-            rows.append(hinge(hp - hn + margin))
-            counts.append(1)
-        else:
-            every = [dist(i, j) for j in range(n)]
-            total = x[i, :0].sum()
-            for p in ps:
-                farther = [every[n] for n in ns if _value(every[n]) > _value(every[p])]
-                if farther:
-                    semi = min(farther, key=_value)
-                elif ns:
-                    semi = max([every[n] for n in ns], key=_value)
-                else:
-                    semi = min(every, key=_value)
-                total = total + hinge(every[p] - semi + margin)
-            rows.append(total)
-            counts.append(len(ps))
-    return torch.stack(rows), torch.tensor(counts, device=x.device)
 
 
 # ---------------------------------------------------------------- public

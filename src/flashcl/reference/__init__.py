@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .core import CoreSpec, Tile, compute_dtype
+from ..core import CoreSpec, Tile, compute_dtype
 
 
 def prepare(q: Tensor, k: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Tensor]:
