@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..core import STATISTICS, View, tile_result
 from .heads import Head, SoftmaxHead, Tile, lse_inplace, mask_self_, row_dot, scattered_lse, scratch, softplus
 from .sparsity import BlockSparsity
 
@@ -69,8 +70,6 @@ POSITIVES = ("mean", "weighted_mean", "pairs", "sum")
 
 Fn = Callable[..., Any]
 
-#: the row statistics the functions may read as fields of ``a`` (self-contrast: of ``b`` too)
-STATISTICS = ("hardest_positive", "hardest_negative", "positive_score")
 _INF = float("inf")
 
 
@@ -148,53 +147,6 @@ class PairSum:
         return torch.where(positive | squared.isnan(), squared.clamp_min(tiny).sqrt(), zero)
 
 
-class View:
-    """A tile's anchors (``a``) or keys (``b``): the per-sample data's fields as attributes,
-    each shaped (R, 1, ...) for the anchors and (1, C, ...) for the keys, and ``index``, their
-    global positions (an int64 tensor of the same layout)."""
-
-    __slots__ = ("_data", "_lo", "_hi", "_base", "_side", "_cache", "_owner", "_role")
-
-    def __init__(self, data: Dict[str, Tensor], lo: int, hi: int, base: int, side: str, owner: str, role: str) -> None:
-        # side: "a" lays the samples along the tile's rows (R, 1, ...), "b" along its columns (1, C, ...)
-        self._data, self._lo, self._hi, self._base, self._side = data, lo, hi, base, side
-        self._cache: Dict[str, Tensor] = {}
-        self._owner, self._role = owner, role  # for the errors: "the anchors' data (rows=)", "a"
-
-    def _shape(self, x: Tensor) -> Tensor:
-        return x.unsqueeze(1) if self._side == "a" else x.unsqueeze(0)
-
-    @property
-    def index(self) -> Tensor:
-        got = self._cache.get("index")
-        if got is None:
-            device = next(iter(self._data.values())).device if self._data else None
-            got = self._shape(torch.arange(self._lo + self._base, self._hi + self._base, device=device))
-            self._cache["index"] = got
-        return got
-
-    def __getattr__(self, name: str) -> Tensor:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        got = self._cache.get(name)
-        if got is not None:
-            return got
-        if name in STATISTICS and name not in self._data:
-            raise AttributeError(
-                f"{self._role}.{name}: the row statistics are the anchors' (a.{name}), and the keys' "
-                f"(b.{name}) with self-contrast only (keys=None); they are computed for a call whose functions "
-                "read them when called on one pair"
-            )
-        if name not in self._data:
-            fields = ", ".join(sorted(self._data)) or "none"
-            raise AttributeError(
-                f"{self._role}.{name}: no field {name!r} in {self._owner} (its fields: {fields}; every view has .index)"
-            )
-        got = self._shape(self._data[name][self._lo : self._hi])
-        self._cache[name] = got
-        return got
-
-
 def takes_scores(fn: Fn) -> bool:
     """Whether ``exclude`` takes the tile's scores as a third argument."""
     try:
@@ -245,43 +197,6 @@ class FlexFunctions:
     def mods(self) -> Tuple[Fn, ...]:
         """The functions whose results carry the scores' gradient (and the captured tensors')."""
         return tuple(f for f in (self.score_mod, self.pos_mod, self.neg_mod) if f is not None)
-
-
-_MUST_RETURN = {
-    "bool": "a bool tensor (True: the pair is out of every set)",
-    "weight": "a bool or floating tensor (weights >= 0)",
-    "float": "a floating tensor",
-}
-
-
-def tile_result(value: Any, name: str, rows: int, cols: int, like: Tensor, kind: str) -> Tensor:
-    """A function's result checked against the tile: a tensor on the scores' device that
-    broadcasts to (rows, cols) by torch's rules, of the dtype its role takes (``kind``:
-    ``"bool"``, ``"weight"`` (bool or floating), ``"float"``); returned broadcast (a view).
-    Every error names the function, the tile's shape and what it must return."""
-    must = f"{name} must return {_MUST_RETURN[kind]} that broadcasts to the tile's pairs ({rows}, {cols})"
-    if not isinstance(value, Tensor):
-        if kind == "float" or isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{must}, got {type(value).__name__}")
-        value = torch.tensor(float(value), dtype=like.dtype, device=like.device)
-    if value.device != like.device:
-        raise ValueError(f"{must} on the scores' device ({like.device}), got a tensor on {value.device}")
-    if (
-        (kind == "bool" and value.dtype != torch.bool)
-        or (kind == "weight" and value.dtype != torch.bool and not value.is_floating_point())
-        or (kind == "float" and not value.is_floating_point())
-    ):
-        raise TypeError(f"{must}, got {value.dtype}")
-    try:
-        shape = torch.broadcast_shapes(value.shape, (rows, cols))
-    except RuntimeError:
-        shape = None
-    if shape != (rows, cols):
-        raise ValueError(
-            f"{must}, got shape {tuple(value.shape)} (a's fields are (R, 1, ...), b's (1, C, ...): reduce a "
-            "field's trailing dimensions)"
-        )
-    return value.expand(rows, cols)
 
 
 def captured_tensors(fn: Optional[Fn], probe: Callable[[Fn], Tensor]) -> Tuple[Tensor, ...]:

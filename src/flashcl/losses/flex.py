@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -29,12 +29,12 @@ from ..engine.flex import (
     captured_tensors,
     reads_statistics,
     takes_scores,
-    tile_result,
 )
 from ..engine.flex_scores import FlexScores
 from ..engine.heads import softplus
 from ..engine.matryoshka import check_dims
 from ..engine.sparsity import BlockSparsity
+from ..reference.flex import FlexSpec, flex_rows, flex_statistics
 from .flex_blocks import BlockMask
 
 __all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle", "FlexPairSum"]
@@ -271,151 +271,36 @@ def _probe(fns: FlexFunctions, rows: Dict[str, Tensor], cols: Dict[str, Tensor],
 # ----------------------------------------------------------------------------- the reference
 
 
+def _spec(head_args: Dict[str, Any], rows: Dict[str, Tensor], cols: Dict[str, Tensor]) -> FlexSpec:
+    """The oracle's reading of a call (:class:`flashcl.reference.flex.FlexSpec`), from the
+    call's options as the loss hands them to a head, not from the head."""
+    kind = head_args["kind"]
+    name = "sets" if isinstance(kind, PairSets) else ("pair_sum" if isinstance(kind, PairSum) else kind)
+    return FlexSpec(
+        fns=head_args["fns"],
+        kind=name,
+        sets=kind if isinstance(kind, PairSets) else None,
+        positives=head_args["positives"],
+        set_means=head_args.get("set_means"),
+        rows=rows,
+        cols=cols,
+        row_base=head_args.get("row_base", 0),
+        own=head_args.get("own", False),
+        exclude_self=head_args.get("exclude_self", False),
+        offset=head_args.get("offset", 0),
+        swapped=head_args.get("swapped", False),
+        join=head_args.get("join") or (lambda x: x),
+    )
+
+
 def _reference_rows(
-    q: Tensor,
-    k: Tensor,
-    scale: Tensor,
-    head: FlexHead,
-    bias: Optional[Tensor],
-) -> Tensor:
-    """Each anchor's loss one anchor at a time, from the formulas (the oracle): its row of
-    scores against every key, the functions called on that row."""
+    q: Tensor, k: Tensor, scale: Tensor, spec: FlexSpec, bias: Optional[Tensor]
+) -> Tuple[Tensor, Tensor]:
+    """The oracle's rows and the rows a "mean" counts, each anchor's scores against every key."""
+    rows, valid = flex_rows(lambda i: scale * (q[i : i + 1] @ k.T), q.shape[0], k.shape[0], spec, bias, q)
     if q.shape[0] == 0:  # no anchors: the keys stay in the graph (a gathered key's backward is collective)
-        if head.pair_sum is not None:  # the sets' counts are joined over the ranks: take part
-            head.pair_scales(q.new_zeros(0), q.new_zeros(0))
-        return (q @ k.T).sum(1)
-    return _reference_from(lambda i: scale * (q[i : i + 1] @ k.T), q.shape[0], k.shape[0], head, bias, q)
-
-
-def _reference_from(
-    score_row: Callable[[int], Tensor], anchors: int, n: int, head: FlexHead, bias: Optional[Tensor], like: Tensor
-) -> Tensor:
-    """The reference's rows, ``score_row(i)`` giving anchor ``i``'s scaled scores (1, N)."""
-    fns, out_rows = head.fns, []
-    pair_sums: List[Tuple[Tensor, ...]] = []  # the pair sum's (positives' sum, negatives', their counts)
-    for i in range(anchors):
-        a, b = _anchor_views(head, i, n)
-        s = score_row(i)  # (1, N)
-        own = _own_pair(head, i, n, like.device)
-        left = own if head.exclude_self else torch.zeros_like(own)
-        if fns.exclude is not None:
-            excluded = fns.exclude(a, b, s.detach()) if fns.exclude_scores else fns.exclude(a, b)
-            left = left | tile_result(excluded, "exclude", 1, n, s, "bool")
-        m = tile_result(fns.positive(a, b), "positive", 1, n, s, "weight") if fns.positive is not None else None
-        m = (a.index == b.index).expand(1, n) if m is None else m
-        m = torch.where(left | own, 0.0, m.to(s.dtype))
-        if fns.weight is None:
-            w = torch.ones_like(s)
-        else:  # a pair out of every set takes no part, whatever its weight (NaN included)
-            w = torch.where(left, 1.0, tile_result(fns.weight(a, b), "weight", 1, n, s, "weight").to(s.dtype))
-        keep = (~left)[0]
-        if head.pair_sum is not None:  # each pair's own term, summed per set
-            assert fns.pos_mod is not None and fns.neg_mod is not None
-            pos, neg = keep & (m[0] != 0), keep & (m[0] == 0)
-            tp = w[0] * _guarded(fns.pos_mod, "pos_mod", s, left, a, b)[0]
-            tn = w[0] * _guarded(fns.neg_mod, "neg_mod", s, left, a, b)[0]
-            if head.set_means == "mean_nonzero":  # the terms above 0 alone, and NaN ones (NaN propagates)
-                pos = pos & ((tp.detach() > 0) | tp.detach().isnan())
-                neg = neg & ((tn.detach() > 0) | tn.detach().isnan())
-            pair_sums.append((tp[pos].sum(), tn[neg].sum(), w[0][pos].sum(), w[0][neg].sum()))
-            continue
-        if head.sets is not None:  # the two sets' log-sum-exps, each set's modified scores
-            assert fns.pos_mod is not None and fns.neg_mod is not None
-            pos, neg = keep & (m[0] != 0), keep & (m[0] == 0)
-            lw = torch.log(w[0]) + 0.0 * m[0]  # a NaN membership weight makes its set NaN
-            p = torch.logsumexp((_guarded(fns.pos_mod, "pos_mod", s, left, a, b)[0] + lw)[pos], 0)
-            q_ = torch.logsumexp((_guarded(fns.neg_mod, "neg_mod", s, left, a, b)[0] + lw)[neg], 0)
-            counted = bool(head.sets.counted(p.detach().view(1), q_.detach().view(1)))
-            out_rows.append(head.sets.loss(p, q_) if counted else s.sum() * 0)
-            continue
-        sp = s if fns.score_mod is None else _guarded(fns.score_mod, "score_mod", s, left, a, b)
-        if head.kind == "sigmoid":
-            t = sp[0] + (bias if bias is not None else 0.0)
-            terms = w[0] * (m[0] * softplus(-t) + (1 - m[0]) * softplus(t))
-            out_rows.append(terms[keep].sum())
-            continue
-        den = keep & (w[0] != 0) & ~torch.isneginf(sp[0])  # a NaN weight is in it (and the row NaN)
-        if not bool(den.any()):
-            out_rows.append(s.sum() * 0)
-            continue
-        lse = torch.logsumexp(sp[0][den] + torch.log(w[0][den]), 0)
-        pos = m[0] != 0
-        npos, msum = int(pos.sum()), m[0].sum()
-        terms = m[0][pos] * (lse - sp[0][pos])  # each positive's cross-entropy, weighted
-        if head.positives == "sum":
-            out_rows.append(lse - (m[0][pos] * sp[0][pos]).sum())
-        elif npos == 0:
-            out_rows.append(s.sum() * 0)
-        elif head.positives == "mean":
-            out_rows.append(terms.sum() / npos)
-        elif head.positives == "weighted_mean":
-            out_rows.append(terms.sum() / msum)
-        else:  # "pairs"
-            out_rows.append(terms.sum())
-    if head.pair_sum is not None:
-        sp, sn, cp, cn = (torch.stack(x) for x in zip(*pair_sums))
-        a_, b_ = head.pair_scales(cp, cn)
-        return a_ * sp + b_ * sn
-    return torch.stack(out_rows) if out_rows else like.sum(-1)[:0]
-
-
-def _guarded(fn: Callable[..., Any], name: str, s: Tensor, left: Tensor, a: View, b: View) -> Tensor:
-    """``fn(s, a, b)`` on a reference row, checked, with the pairs out of every set
-    (``left``) entering as constants and leaving as 0: nothing of theirs (a NaN, an
-    infinite slope) reaches the scores' gradient."""
-    out = tile_result(fn(torch.where(left, s.detach(), s), a, b), name, 1, s.shape[1], s, "float")
-    return torch.where(left, 0.0, out)
-
-
-def _anchor_views(head: FlexHead, i: int, n: int) -> Tuple[View, View]:
-    """The reference's views of anchor ``i``'s row against the ``n`` keys."""
-    if head.swapped:  # the rows are keys: each pair seen as (anchor, key)
-        a = View(head.cols, 0, n, 0, "b", "the anchors' data (rows=)", "a")
-        b = View(head.rows, i, i + 1, head.row_base, "a", "the keys' data (cols=)", "b")
-    else:
-        a = View(head.rows, i, i + 1, head.row_base, "a", "the anchors' data (rows=)", "a")
-        b = View(head.cols, 0, n, 0, "b", "the keys' data (cols=)", "b")
-    return a, b
-
-
-def _own_pair(head: FlexHead, i: int, n: int, device: torch.device) -> Tensor:
-    """(1, n) bool: anchor ``i``'s self pair (self-contrast), False elsewhere."""
-    own = torch.zeros(1, n, dtype=torch.bool, device=device)
-    if head.own and 0 <= i + head.offset < n:
-        own[0, i + head.offset] = True
-    return own
-
-
-@torch.no_grad()
-def _reference_statistics(
-    score_row: Callable[[int], Tensor], anchors: int, n: int, head: FlexHead, like: Tensor
-) -> Dict[str, Tensor]:
-    """The row statistics one anchor at a time, from their definitions (the oracle)."""
-    inf = float("inf")
-    out: Dict[str, list] = {name: [] for name in STATISTICS}
-    for i in range(anchors):
-        a, b = _anchor_views(head, i, n)
-        s = score_row(i)[0]
-        fn = head.fns.positive
-        m = (fn(a, b) if fn is not None else a.index == b.index).expand(1, n)[0].to(s.dtype)
-        own = _own_pair(head, i, n, like.device)[0]
-        pos = (m > 0) & ~own
-        neg = ~pos & ~own
-        out["hardest_positive"].append(s[pos].min() if bool(pos.any()) else s.new_tensor(inf))
-        out["hardest_negative"].append(s[neg].max() if bool(neg.any()) else s.new_tensor(-inf))
-        mean = (m[pos] * s[pos]).sum() / m[pos].sum() if bool(pos.any()) else s.new_tensor(inf)
-        out["positive_score"].append(mean)
-    empty = like.new_zeros(0, dtype=compute_dtype(like.dtype))
-    return {k: torch.stack(v) if v else empty for k, v in out.items()}
-
-
-def _valid_reference(q: Tensor, k: Tensor, scale: Tensor, head: FlexHead) -> Tensor:
-    """The rows a "mean" counts, from the dense formula's rule (no gradient)."""
-    with torch.no_grad():
-        s = scale.detach() * (q.detach() @ k.detach().T)
-        head.dense(s, _tile(q.shape[0], k.shape[0], head.offset), ())
-    assert head.valid_rows is not None
-    return head.valid_rows
+        rows = (q @ k.T).sum(1)
+    return rows, valid
 
 
 def flex_block(n: int, dtype: torch.dtype) -> int:
@@ -490,8 +375,7 @@ def _direction(
             qn = normalize_rows(qn)
             kn = qn if source.own else normalize_rows(kn)
         with autocast_off(q.device.type):
-            out = _reference_rows(qn, kn, scale.to(dtype), head, bias)
-        valid = _valid_reference(qn, kn, scale, head)
+            out, valid = _reference_rows(qn, kn, scale.to(dtype), _spec(head_args, rows, cols), bias)
         return (out if per_row else torch.where(valid, out, torch.zeros_like(out)).sum()), valid
     weights = None if per_row else (torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device), None)
     block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
@@ -521,7 +405,8 @@ def _statistics(
             if opts.normalize:
                 qn, kn = normalize_rows(qn), normalize_rows(kn)
             sc = scale.detach().to(dtype)
-            return _reference_statistics(lambda i: sc * (qn[i : i + 1] @ kn.T), q.shape[0], kn.shape[0], head, q)
+            spec = _spec(head_args, rows, cols)
+            return flex_statistics(lambda i: sc * (qn[i : i + 1] @ kn.T), q.shape[0], kn.shape[0], spec, q)
         block = opts.block_size or flex_block(source.total, dtype)
         problem = Problem(head, (), opts.normalize, head.offset)
         source.run(q.detach(), scale.detach(), problem, None, block, (), backend=name)
@@ -1000,11 +885,11 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
     params: Tuple[Tensor, ...] = ((bias_t,) if learn_bias else ()) + captured  # type: ignore[assignment]
     per_row = opts.reduction == "none"
     with autocast_off(scores.device.type):
+        valid: Optional[Tensor] = None
         if name == "reference":
             sc = scale.to(dtype)
-            out = _reference_from(lambda i: sc * scores[i : i + 1].to(dtype), m, n, head, bias_t, scores)
-            with torch.no_grad():
-                head.dense(scale.detach() * scores.detach().to(dtype), _tile(m, n, 0), ())
+            spec = _spec(head_args, row_data, col_data)
+            out, valid = flex_rows(lambda i: sc * scores[i : i + 1].to(dtype), m, n, spec, bias_t, scores)
         elif name == "dense":
             bias_param = (bias_t,) if learn_bias else ()
             out, _ = head.dense(scale * scores.to(dtype), _tile(m, n, 0), bias_param + captured)  # type: ignore
@@ -1012,7 +897,7 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
             weights = None if per_row else torch.ones(m, dtype=dtype, device=scores.device)
             block = block_size or flex_block(n, dtype)
             out = FlexScores.apply(scores, scale, head, weights, block, *params)
-    valid = head.valid_rows
+    valid = head.valid_rows if valid is None else valid
     assert valid is not None
     if name != "tiled" and not per_row:
         out = torch.where(valid, out, torch.zeros_like(out)).sum()
@@ -1036,7 +921,7 @@ def _score_statistics(
     dtype = compute_dtype(scores.dtype)
     sc = scale.detach().to(dtype)
     if name == "reference":
-        return _reference_statistics(lambda i: sc * scores[i : i + 1].to(dtype), m, n, head, scores)
+        return flex_statistics(lambda i: sc * scores[i : i + 1].to(dtype), m, n, _spec(head_args, rows, cols), scores)
     st = head.state(m, n, sc, None)
     block = block_size or flex_block(n, dtype)
     for r0 in range(0, m, block):
