@@ -24,7 +24,8 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..engine.proxies import TARGETS, Margin, TargetFn, auto_class_block, margin_rows, sine, target_logits, target_rows
+from ..engine.proxies import TARGETS, Margin, TargetFn, auto_class_block, margin_rows, target_logits, target_rows
+from ..reference.families import margin_rows as margin_oracle_rows
 from .class_shards import kept_labels, sharded_margin
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
@@ -43,28 +44,6 @@ def _dense_rows(
         (own,), target_logits(e[own], w[rows_y], scale, target, margin, easy)
     )
     return margin_rows((normalize_rows(e) @ normalize_rows(w).T) * scale, labels, u, k)
-
-
-def _reference_rows(
-    e: Tensor, w: Tensor, labels: Tensor, target: TargetFn, margin: float, scale: Tensor, easy: bool, k: int = 1
-) -> Tensor:
-    """Per-row losses one row at a time from the published formula (the oracle):
-    ``-log(exp(s f(cos_y)) / (exp(s f(cos_y)) + sum_{j != y} exp(s cos_j)))``, a
-    class's cosine its closest proxy's (``k`` per class)."""
-    wn = w / w.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    out = []
-    for i in range(e.shape[0]):
-        eh = e[i] / e[i].norm().clamp_min(1e-12)
-        per = (wn @ eh).view(-1, k)
-        y = int(labels[i])
-        best = int(per[y].argmax())
-        cos = torch.stack([row.max() for row in per])
-        sin = sine((wn[y * k + best] - cos[y] * eh).unsqueeze(0))  # the sine of the angle between e_i and w_y
-        t = target(cos[y : y + 1], sin, margin, easy)
-        others = torch.cat([cos[:y], cos[y + 1 :]]) * scale
-        top = t[0] * scale
-        out.append(torch.logsumexp(torch.cat([top.reshape(1), others]), dim=0) - top)
-    return torch.stack(out)
 
 
 class _MarginRows(FusedFunction):
@@ -180,10 +159,10 @@ def _margin(
     if group is not None:
         rows_of = parallel.Columns(embeddings, 0, [b], False, group)
 
-    def formula(fn: Any) -> Any:
+    def formula(fn: Any, given: Any) -> Any:
         def rows() -> Tensor:
             e, w = embeddings.to(scale.dtype), class_weights.to(scale.dtype)
-            out = fn(e, w, labels, TARGETS[target], margin, scale, easy, k)
+            out = fn(e, w, labels, given, margin, scale, easy, k)
             return runner.reduce(out, torch.ones_like(out), opts.reduction, opts.grad_scale, rows_of)
 
         return rows
@@ -194,7 +173,12 @@ def _margin(
         weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
         return _MarginRows.apply(embeddings, class_weights, scale, labels, (target, margin, easy, block, k), weights)
 
-    impls = {"reference": formula(_reference_rows), "dense": formula(_dense_rows), "tiled": tiled}
+    # the oracle takes the target's name (its own formulas), the dense rows the engine's target function
+    impls = {
+        "reference": formula(margin_oracle_rows, target),
+        "dense": formula(_dense_rows, TARGETS[target]),
+        "tiled": tiled,
+    }
     return runner.pick(backend, impls, b * class_weights.shape[0], embeddings, "the margin losses", auto="tiled")()
 
 

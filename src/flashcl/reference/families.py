@@ -21,6 +21,7 @@ __all__ = [
     "circle_rows",
     "cosent_sum",
     "koleo_rows",
+    "margin_rows",
     "multi_similarity_rows",
     "multilabel_rows",
     "proxy_anchor_rows",
@@ -89,6 +90,45 @@ def koleo_rows(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor:
         out.append(-torch.log(torch.linalg.vector_norm(qh - kh[at] + eps) + eps))
     # no rows (a rank's empty part): (0,), on the graph of the rows and of the gathered keys
     return torch.stack(out) if out else (q @ keys.T).sum(1)
+
+
+def _margin_target(kind: str, c: Tensor, sin: Tensor, margin: float, easy: bool) -> Tensor:
+    """The target class's logit before the scale: CosFace (Wang et al. 2018) ``cos - m``;
+    ArcFace (Deng et al. 2019, insightface's code) ``cos(theta + m)`` from the angle's
+    cosine and sine, past ``theta > pi - m`` ``cos - m sin(m)``, with ``easy``: ``cos``
+    itself where ``cos <= 0``."""
+    if kind == "cosface":
+        return c - margin
+    cos_m, sin_m = math.cos(margin), math.sin(margin)
+    phi = c * cos_m - sin * sin_m
+    if easy:
+        return torch.where(c > 0, phi, c)
+    return torch.where(c >= -cos_m, phi, c - margin * sin_m)
+
+
+def margin_rows(
+    e: Tensor, w: Tensor, labels: Tensor, kind: str, margin: float, scale: Tensor, easy: bool, k: int = 1
+) -> Tensor:
+    """The margin softmax over class proxies one row at a time:
+    ``-log(exp(s f(cos_y)) / (exp(s f(cos_y)) + sum_{j != y} exp(s cos_j)))``, a class's
+    cosine its closest proxy's (``k`` per class, the sub-centers). The angle's sine is the
+    norm of the class direction's part orthogonal to the embedding (exact near 0 and pi,
+    where ``acos`` is not); below 64 ulps, the angle's direction rounding's alone, no
+    gradient flows through it (0, the subgradient at the tip of the cone)."""
+    wn = _unit(w)
+    out = []
+    for i in range(e.shape[0]):
+        eh = _unit(e[i])
+        per = (wn @ eh).view(-1, k)
+        y = int(labels[i])
+        best = int(per[y].argmax())
+        cos = torch.stack([row.max() for row in per])
+        sin = torch.linalg.vector_norm(wn[y * k + best] - cos[y] * eh).reshape(1)
+        sin = torch.where(sin > 64 * torch.finfo(sin.dtype).eps, sin, sin.detach())
+        top = _margin_target(kind, cos[y : y + 1], sin, margin, easy)[0] * scale
+        others = torch.cat([cos[:y], cos[y + 1 :]]) * scale
+        out.append(torch.logsumexp(torch.cat([top.reshape(1), others]), dim=0) - top)
+    return torch.stack(out)
 
 
 def multi_similarity_rows(
