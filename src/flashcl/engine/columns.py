@@ -60,18 +60,14 @@ class ColumnBlocks(Driver):
         s = torch.mm(self._rows, cols.T, out=out).mul_(ops.scale)
         return s, cols, Tile(0, self._rows.shape[0], c0, c1, ops.offset)
 
-    def forward(
-        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
-    ) -> Optional[Tensor]:
+    def reduce(self, ops: Operands, head: Head, st: Any, p: int) -> None:
+        # no rows_fused: a block's gradient needs every block's reductions
         if ops.same:
             raise ValueError("column blocks take two sets of rows (k is not q)")
         n = ops.k.shape[0]
-        for p in range(head.passes):
-            for c0 in self._blocks(ops, head, f"reduce{p}"):
-                s, _, tile = self._tile(ops, c0, min(c0 + ops.block, n))
-                head.reduce(s, tile, st, p)
-            head.finish(st, p)
-        return None  # a block's gradient needs every block's reductions
+        for c0 in self._blocks(ops, head, f"reduce{p}"):
+            s, _, tile = self._tile(ops, c0, min(c0 + ops.block, n))
+            head.reduce(s, tile, st, p)
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         n = ops.k.shape[0]

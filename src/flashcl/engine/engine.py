@@ -20,9 +20,10 @@ module does what is common to all of them, once:
 ``dense_values`` is also the dense backend: the whole score matrix as one tile,
 differentiated by autograd.
 
-Driver protocol (see :class:`Driver`): ``forward`` runs the head's reduction
-passes over every tile (calling ``head.finish`` after each) and, when asked and
-able, accumulates the gradient in the same visit; ``backward`` recomputes each
+Driver protocol (see :class:`Driver`): ``reduce`` visits every tile for one of the
+head's reduction passes (the loop over the passes, with ``head.finish`` after each,
+is :meth:`Driver.forward`'s, once for every driver); ``rows_fused``, where the driver
+can, reduces complete rows and accumulates their gradient in the same visit; ``backward`` recomputes each
 tile, turns it into ``dL/ds`` with ``head.grad`` and accumulates
 ``dq^ += scale G k^``, ``dk^ += scale G^T q^``. Both return
 ``sum_ij G_ij q^_i . k^_j`` (the scale's gradient).
@@ -334,7 +335,36 @@ class Driver:
         self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
     ) -> Optional[Tensor]:
         """Every reduction pass; with ``g_row`` (and dq, dk), also the gradient when the
-        driver can form it in the same visit: then returns d scale (else None)."""
+        driver can form it in the same visit: then returns d scale (else None).
+
+        The pass loop is the engine's, here once for every driver: the rows' fused visit
+        (:meth:`rows_fused`) where the head and the driver both offer it, else each of the
+        head's :attr:`~flashcl.engine.heads.Head.passes` by :meth:`reduce`, then
+        ``head.finish``. A driver whose kernels reduce every pass at once (the Triton
+        one) overrides this instead."""
+        if head.fuses_rows and self.fuses(ops, head):
+            return self.rows_fused(ops, head, st, g_row, dq, dk)
+        for p in range(head.passes):
+            self.reduce(ops, head, st, p)
+            head.finish(st, p)
+        return None
+
+    def reduce(self, ops: Operands, head: Head, st: Any, p: int) -> None:
+        """Pass ``p`` of the head's reductions: every tile handed to ``head.reduce`` (or
+        ``head.reduce_panel``)."""
+        raise NotImplementedError
+
+    def fuses(self, ops: Operands, head: Head) -> bool:
+        """Whether :meth:`rows_fused` can visit this call (asked only of heads with
+        :attr:`~flashcl.engine.heads.Head.fuses_rows`): each row complete in one visit."""
+        return False
+
+    def rows_fused(
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Any, dk: Optional[Tensor]
+    ) -> Optional[Tensor]:
+        """One visit of complete rows, each reduced by ``head.rows_fused`` and, with
+        ``g_row``, its gradient accumulated into dq, dk: returns d scale (None without
+        ``g_row``)."""
         raise NotImplementedError
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:

@@ -79,17 +79,13 @@ class UpperPanels(Driver):
             s.mul_(inv[r0:].unsqueeze(0))
         return s
 
-    def forward(
-        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
-    ) -> Optional[Tensor]:
+    def reduce(self, ops: Operands, head: Head, st: Any, p: int) -> None:
+        # no rows_fused: a panel's gradient needs the reductions of rows not yet visited
         buf, buf2 = self._buffers(ops)
         m = ops.q.shape[0]
-        for p in range(head.passes):
-            for r0 in self._blocks(ops, head, f"reduce{p}"):
-                r1 = min(r0 + ops.block, m)
-                head.reduce_panel(self._scores(ops, r0, r1, buf), Tile(r0, r1, r0, m), st, p, buf2)
-            head.finish(st, p)
-        return None  # a panel's gradient needs the reductions of rows not yet visited
+        for r0 in self._blocks(ops, head, f"reduce{p}"):
+            r1 = min(r0 + ops.block, m)
+            head.reduce_panel(self._scores(ops, r0, r1, buf), Tile(r0, r1, r0, m), st, p, buf2)
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         buf, buf2 = self._buffers(ops)

@@ -289,38 +289,42 @@ class Stripes(Driver):
             p, iqb, ik, ops.scale, r0, args.exclude_self, args.offset, args.excluded, lse.float(), coef * iqb, gb
         )
 
-    def forward(
+    def fuses(self, ops: Operands, head: Head) -> bool:
+        return True  # every stripe holds its rows' every column
+
+    def rows_fused(
         self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Any, dk: Optional[Tensor]
     ) -> Optional[Tensor]:
         x, y, iq, ik = self._inputs(ops)
         m, n = x.shape[0], y.shape[0]
         self._buffers(min(ops.block, m), n, x, iq.dtype)
-        args = self._kernel(ops, head, x) if head.fuses_rows else None
-        if head.fuses_rows:
-            dscale = None if g_row is None else iq.new_zeros(())
-            for r0 in range(0, m, ops.block):
-                r1 = min(r0 + ops.block, m)
-                if args is not None:
-                    gpp = self._kernel_rows(args, ops, head, st, g_row, x, y, iq, ik, r0, r1)
-                    if gpp is not None and dscale is not None:
-                        assert dk is not None
-                        dscale += self._accumulate_once(gpp, r0, ops, x, y, dq, dk)
-                    continue
-                tile = Tile(r0, r1, 0, n, ops.offset)
-                g = head.rows_fused(self._scores(ops, x, y, iq, ik, r0, r1), tile, st, g_row)
-                if g is not None and dscale is not None:
-                    assert dq is not None and dk is not None
-                    dscale += self._gradient(g, r0, ops, x, y, iq, ik, dq, dk)
-            if dscale is not None and self._once(ops, x):
-                assert dk is not None
-                self._rescale(ops, dk)
-            return dscale
-        for p in range(head.passes):
-            for r0 in range(0, m, ops.block):
-                r1 = min(r0 + ops.block, m)
-                head.reduce(self._scores(ops, x, y, iq, ik, r0, r1), Tile(r0, r1, 0, n, ops.offset), st, p)
-            head.finish(st, p)
-        return None
+        args = self._kernel(ops, head, x)
+        dscale = None if g_row is None else iq.new_zeros(())
+        for r0 in range(0, m, ops.block):
+            r1 = min(r0 + ops.block, m)
+            if args is not None:
+                gpp = self._kernel_rows(args, ops, head, st, g_row, x, y, iq, ik, r0, r1)
+                if gpp is not None and dscale is not None:
+                    assert dk is not None
+                    dscale += self._accumulate_once(gpp, r0, ops, x, y, dq, dk)
+                continue
+            tile = Tile(r0, r1, 0, n, ops.offset)
+            g = head.rows_fused(self._scores(ops, x, y, iq, ik, r0, r1), tile, st, g_row)
+            if g is not None and dscale is not None:
+                assert dq is not None and dk is not None
+                dscale += self._gradient(g, r0, ops, x, y, iq, ik, dq, dk)
+        if dscale is not None and self._once(ops, x):
+            assert dk is not None
+            self._rescale(ops, dk)
+        return dscale
+
+    def reduce(self, ops: Operands, head: Head, st: Any, p: int) -> None:
+        x, y, iq, ik = self._inputs(ops)
+        m, n = x.shape[0], y.shape[0]
+        self._buffers(min(ops.block, m), n, x, iq.dtype)
+        for r0 in range(0, m, ops.block):
+            r1 = min(r0 + ops.block, m)
+            head.reduce(self._scores(ops, x, y, iq, ik, r0, r1), Tile(r0, r1, 0, n, ops.offset), st, p)
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Any, dk: Tensor) -> Tensor:
         x, y, iq, ik = self._inputs(ops)

@@ -136,37 +136,39 @@ class RowBlocks(Driver):
             raise ValueError(f"the block mask's blocks are {sparsity.block} rows; the driver's {ops.block}")
         return list(sparsity.runs(r0))
 
-    def forward(
-        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
+    def fuses(self, ops: Operands, head: Head) -> bool:
+        # a row block's kept tiles in one run: its rows complete there (the rest contributes nothing)
+        return head.sparsity is None or head.sparsity.max_runs <= 1
+
+    def rows_fused(
+        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Any, dk: Optional[Tensor]
     ) -> Optional[Tensor]:
         self._buffers(ops, second=False)
         m, n = ops.q.shape[0], ops.k.shape[0]
-        sparsity = head.sparsity
-        if head.fuses_rows and (sparsity is None or sparsity.max_runs <= 1):
-            # a row block's kept tiles in one run: its rows complete there (the rest contributes nothing)
-            dscale = None if g_row is None else dq.new_zeros(())  # type: ignore[union-attr]
-            for r0 in self._blocks(ops, head, "fused"):
-                r1 = min(r0 + ops.block, m)
-                for cols in self._runs(ops, head, r0):
-                    c0, c1 = (0, n) if cols is None else cols
-                    tile = Tile(r0, r1, c0, c1, ops.offset)
-                    g = head.rows_fused(self._scores(ops, r0, r1, cols), tile, st, g_row)
-                    if g is not None and dscale is not None:
-                        assert dq is not None and dk is not None
-                        factor = head.row_factor(st, tile)
-                        dscale += self._accumulate(g, r0, ops, dq, dk, cols, factor)
-            if dscale is not None:
-                assert dk is not None
-                self._rescale(ops, dk)
-            return dscale
-        for p in range(head.passes):
-            for r0 in self._blocks(ops, head, f"reduce{p}"):
-                r1 = min(r0 + ops.block, m)
-                for cols in self._runs(ops, head, r0):
-                    c0, c1 = (0, n) if cols is None else cols
-                    head.reduce(self._scores(ops, r0, r1, cols), Tile(r0, r1, c0, c1, ops.offset), st, p)
-            head.finish(st, p)
-        return None
+        dscale = None if g_row is None else dq.new_zeros(())
+        for r0 in self._blocks(ops, head, "fused"):
+            r1 = min(r0 + ops.block, m)
+            for cols in self._runs(ops, head, r0):
+                c0, c1 = (0, n) if cols is None else cols
+                tile = Tile(r0, r1, c0, c1, ops.offset)
+                g = head.rows_fused(self._scores(ops, r0, r1, cols), tile, st, g_row)
+                if g is not None and dscale is not None:
+                    assert dk is not None
+                    factor = head.row_factor(st, tile)
+                    dscale += self._accumulate(g, r0, ops, dq, dk, cols, factor)
+        if dscale is not None:
+            assert dk is not None
+            self._rescale(ops, dk)
+        return dscale
+
+    def reduce(self, ops: Operands, head: Head, st: Any, p: int) -> None:
+        self._buffers(ops, second=False)
+        m, n = ops.q.shape[0], ops.k.shape[0]
+        for r0 in self._blocks(ops, head, f"reduce{p}"):
+            r1 = min(r0 + ops.block, m)
+            for cols in self._runs(ops, head, r0):
+                c0, c1 = (0, n) if cols is None else cols
+                head.reduce(self._scores(ops, r0, r1, cols), Tile(r0, r1, c0, c1, ops.offset), st, p)
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         self._buffers(ops, second=head.has_columns)

@@ -107,28 +107,23 @@ class RingDriver(Driver):
     def _scores(self, ops: Operands, kb: Tensor, r0: int, r1: int, buf: Tensor) -> Tensor:
         return torch.mm(ops.q[r0:r1] * ops.scale, kb.T, out=buf[: (r1 - r0) * kb.shape[0]].view(r1 - r0, -1))
 
-    def forward(
-        self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
-    ) -> Optional[Tensor]:
+    def reduce(self, ops: Operands, head: Head, st: Any, p: int) -> None:
         m, d = ops.q.shape
         buf = ops.q.new_empty(min(ops.block, m) * max(self.sizes))  # one score buffer for every block
-        for p in range(head.passes):
-            current = ops.k
-            for step in range(self.world):
-                col0, next_size = self._blocks(ops, step)
-                # a rank with no rows of its own passes an empty block: no tile to visit
-                for r0 in range(0, m if current.shape[0] else 0, ops.block):
-                    r1 = min(r0 + ops.block, m)
-                    head.reduce(
-                        self._scores(ops, current, r0, r1, buf),
-                        Tile(r0, r1, col0, col0 + current.shape[0], ops.offset),
-                        st,
-                        p,
-                    )
-                if step < self.world - 1:
-                    (current,) = ring_pass([current], [(next_size, d)], self.group)
-            head.finish(st, p)
-        return None
+        current = ops.k
+        for step in range(self.world):
+            col0, next_size = self._blocks(ops, step)
+            # a rank with no rows of its own passes an empty block: no tile to visit
+            for r0 in range(0, m if current.shape[0] else 0, ops.block):
+                r1 = min(r0 + ops.block, m)
+                head.reduce(
+                    self._scores(ops, current, r0, r1, buf),
+                    Tile(r0, r1, col0, col0 + current.shape[0], ops.offset),
+                    st,
+                    p,
+                )
+            if step < self.world - 1:
+                (current,) = ring_pass([current], [(next_size, d)], self.group)
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         m, d = ops.q.shape
