@@ -68,7 +68,7 @@ from . import checks, reference
 from .core import CoreSpec, Exclusions, compute_dtype
 from .engine import engine, matryoshka
 from .engine.engine import Driver, Problem, ReduceWeights, autocast_off, normalize_rows
-from .engine.heads import SoftmaxHead, SoftplusHead
+from .engine.heads import SoftmaxHead, SoftplusHead, kernel_of
 from .engine.panels import UpperPanels
 from .engine.positives import (
     Positives,
@@ -281,13 +281,13 @@ def run(
         q,
         "this loss",
         source=source,
-        kernel=problem.head.kernel if widths is None else None,
+        kernel=kernel_of(problem.head) if widths is None else None,
     )
     if widths is None and name in ("dense", "tiled", "triton"):
         # the positives a head takes in (a tiny loss's precision), where its backend computes them: the
         # Triton kernels leave out the rows' pivots, not the columns' (CLIP's one-process pass stays as it was)
         with_pivots = problem_of(spec, m, n, dtype, across=source.group is not None)
-        if name != "triton" or with_pivots.head.kernel is not None:
+        if name != "triton" or kernel_of(with_pivots.head) is not None:
             problem = with_pivots
     weights = _scalar_weights(spec, problem, m, opts, source, dtype, q.device, valid_weight)
     if widths is not None:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .heads import Head, Tile
+from .heads import Head, PivotHead, Tile, grad_weight, takes_in, value_weight
 from .positives import PositiveTerm, Rows, RowScaled, class_sums, raw_rows, rows_dtype
 
 __all__ = [
@@ -536,7 +536,7 @@ def normalize_backward_(grad: Tensor, x: Tensor, eps: float = NORM_EPS, block: i
 def _add_linear(
     rows: Tensor, cols: Optional[Tensor], lin: PositiveTerm, value: Tensor, scale: Any, head: Head
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    weight = head.linear_value_weight(lin.target, lin.weight)  # 0 where the head takes the term in
+    weight = value_weight(head, lin.target, lin.weight)  # 0 where the head takes the term in
     if lin.target == "row":
         return rows - scale * weight * value, cols
     assert cols is not None, "a column linear term needs a head with columns"
@@ -618,7 +618,7 @@ class RowsDone:
         if self._sums is None:
             self._sums = [lin.column_sums(ops.k, ops.block) for lin in self.problem.linears]
         for lin, sums in zip(self.problem.linears, self._sums):
-            w = self.g_row[r0:r1] * head.linear_grad_weight(self.st, "row", lin.weight, slice(r0, r1))
+            w = self.g_row[r0:r1] * grad_weight(head, self.st, "row", lin.weight, slice(r0, r1))
             lin.grad_rows_(ops.k, ops.scale, w, rows, r0, sums)
         if ops.q_norms is not None:
             normalize_backward_(rows, self.q_in[r0:r1], block=rows.shape[0])
@@ -645,7 +645,7 @@ def _linear_grads(
     for lin, raw in zip(problem.linears, raws):
         g = g_row if lin.target == "row" else g_col
         assert g is not None
-        w = g * problem.head.linear_grad_weight(st, lin.target, lin.weight)
+        w = g * grad_weight(problem.head, st, lin.target, lin.weight)
         if isinstance(dq, RowsDone):
             lin.grad_cols_(ops.q, ops.k, ops.scale, w, dk, ops.block, driver.class_sums)
         elif lin.target == "row":
@@ -727,9 +727,10 @@ class EngineFunction(FusedFunction):
         fused = reduce_weights is not None and needs_grad
         st = head.state(m, n, ops.like, driver.bound(ops))
         raws: Optional[List[Tensor]] = None
-        if head.takes_in("row") or head.takes_in("col"):  # the pivots' scores, before the tiles that need them
+        if isinstance(head, PivotHead) and (head.takes_in("row") or head.takes_in("col")):
+            # the pivots' scores, before the tiles that need them
             raws = _raws(ops, problem, driver, block)
-            pivots = {lin.target: s * raw for lin, raw in zip(problem.linears, raws) if head.takes_in(lin.target)}
+            pivots = {lin.target: s * raw for lin, raw in zip(problem.linears, raws) if takes_in(head, lin.target)}
             head.prepare(st, (pivots.get("row"), pivots.get("col")))
         dq = dk = dscale = None
         if fused:

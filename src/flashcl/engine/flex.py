@@ -46,7 +46,17 @@ import torch
 from torch import Tensor
 
 from ..core import STATISTICS, View, tile_result
-from .heads import Head, SoftmaxHead, Tile, lse_inplace, mask_self_, row_dot, scattered_lse, scratch, softplus
+from .heads import (
+    PanelHead,
+    SoftmaxHead,
+    Tile,
+    lse_inplace,
+    mask_self_,
+    row_dot,
+    scattered_lse,
+    scratch,
+    softplus,
+)
 from .sparsity import BlockSparsity
 
 __all__ = [
@@ -350,7 +360,7 @@ class _Terms:
         return z.addcmul_(self.m, coef.unsqueeze(dim), value=-1.0)
 
 
-class FlexHead(Head):
+class FlexHead(PanelHead):
     """The flex loss as an engine head (see the module docstring).
 
     Args:

@@ -21,8 +21,12 @@ A head answers, for a tile ``s`` (rows ``tile.r0:tile.r1``, columns
   each row's (and column's) loss;
 * optionally :meth:`Head.rows_fused`: a tile of complete rows reduced *and*
   turned into its gradient in one visit (the fused forward of scalar losses:
-  three GEMMs instead of four), and the symmetric-panel methods that the
-  self-contrast driver calls (defaults are built from the two above).
+  three GEMMs instead of four).
+
+What only some drivers ask is a capability beside the core: :class:`KernelHead`
+(the Triton kernels), :class:`PanelHead` (the self-contrast driver's panels in one
+pass; without it the driver builds them from :meth:`Head.reduce` and
+:meth:`Head.grad`), :class:`PivotHead` (a positive term the head computes itself).
 
 Tiles may be overwritten in place by every method (the drivers recompute
 scores when they need them again), so that no second buffer of a tile's size
@@ -50,6 +54,16 @@ __all__ = [
     "KernelId",
     "KernelArgs",
     "Head",
+    "KernelHead",
+    "PanelHead",
+    "PivotHead",
+    "kernel_of",
+    "kernel_args",
+    "reduce_panel",
+    "grad_panel",
+    "takes_in",
+    "value_weight",
+    "grad_weight",
     "SoftmaxHead",
     "SoftplusHead",
     "Exclusions",
@@ -182,54 +196,24 @@ class Head:
         symmetric_tiles: for self-contrast (``k is q``, no offset) its tile values and
             gradients depend on ``(i, j)`` symmetrically, so that the self-contrast
             driver may visit only the panels on and above the diagonal.
-        kernel: the Triton tile function that implements it, or None.
         sparsity: the tiles where some pair contributes (:mod:`flashcl.engine.sparsity`),
             or None (every tile): the row-block driver skips the others.
+
+    What only some drivers ask is a capability of its own: :class:`KernelHead` (the
+    Triton kernels), :class:`PanelHead` (a head's own symmetric panels),
+    :class:`PivotHead` (a positive term the head computes itself).
     """
 
     passes: int = 1
     fuses_rows: bool = False
     has_columns: bool = False
     symmetric_tiles: bool = False
-    kernel: Optional[KernelId] = None
     sparsity: Optional[BlockSparsity] = None
     #: :meth:`grad` and :meth:`rows_fused` return ``dL/ds`` less a factor of each row,
     #: :meth:`row_factor`, that the driver applies to the block's rows (rows x D)
     #: instead of the tile (rows x N): one pass over the tile fewer. Only drivers with
     #: :attr:`~flashcl.engine.engine.Driver.applies_row_factor` take such a head.
     factored_rows: bool = False
-
-    # ------------------------------------------------------------ Triton kernels
-    def kernel_args(self) -> KernelArgs:
-        """The kernels' arguments for this head; a ValueError that says what to use
-        when the kernels cannot compute it."""
-        raise ValueError(
-            f"the triton backend has kernels for the softmax and softplus heads only, not for "
-            f"{type(self).__name__}: use backend='tiled'"
-        )
-
-    def kernel_state(self, st: Any, first: Tensor, second: Optional[Tensor]) -> None:
-        """Takes the reductions as the row kernel computed them (``second``: the
-        columns' logsumexp for a head with columns, or the softplus head's sigmoid sums)."""
-        raise NotImplementedError
-
-    def kernel_weights(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
-        """(weight of each row's tiles, of each column's) for the gradient kernels."""
-        raise NotImplementedError
-
-    def kernel_column_lse(self, st: Any) -> Optional[Tensor]:
-        """The columns' logsumexp the gradient kernels need (a head with columns), or None."""
-        return None
-
-    def kernel_rows(
-        self, st: Any, rows: slice, first: Tensor, second: Optional[Tensor], g_row: Optional[Tensor]
-    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        """A stripe's rows ``rows`` (complete) reduced by the stripe kernels
-        (:mod:`flashcl.triton.stripe`): ``first`` their logsumexps without the pivots
-        (the softmax head) or their softplus sums (``second``: their sigmoid sums). Returns
-        (the logsumexps the gradient subtracts, or None; each row's factor of its
-        gradient tile for the upstream ``g_row``, or None without it)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ state
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> Any:
@@ -276,29 +260,6 @@ class Head:
         """Drops the buffers the head keeps in ``st`` between tiles; called when a pass
         over the tiles ends (the state itself lives on until the backward)."""
 
-    # ------------------------------------------------------ symmetric panels
-    def reduce_panel(self, s: Tensor, tile: Tile, st: Any, p: int, buf: Tensor) -> None:
-        """Self-contrast panel ``S[r0:r1, r0:]``: its rows' contributions and, through
-        ``s_ji = s_ij``, those of the rows right of the diagonal block. ``buf``: a free
-        buffer of the panel's size."""
-        b = tile.r1 - tile.r0
-        rest = None
-        if tile.c1 > tile.r1:
-            rest = scratch(buf, s)[:, b:]
-            rest.copy_(s[:, b:])
-        self.reduce(s, tile, st, p)
-        if rest is not None:
-            self.reduce(rest.T, Tile(tile.r1, tile.c1, tile.r0, tile.r1, -tile.offset), st, p)
-
-    def grad_panel(self, s: Tensor, tile: Tile, st: Any, buf: Tensor) -> Tensor:
-        """``H = G + G^T`` on the panel (the gradient of its rows plus, transposed, that
-        of the rows it stands for below the diagonal), in ``s``."""
-        other = scratch(buf, s)
-        other.copy_(s)
-        g = self.grad(s, tile, st)
-        gt = self.grad(other.T, tile.transposed(), st)
-        return g.add_(gt.T)
-
     # ------------------------------------------------------------ dense form
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         """The per-row (and per-column) losses from the whole score matrix ``s``, by
@@ -311,7 +272,122 @@ class Head:
         :meth:`grad` / :meth:`rows_fused`; heads without any: ``n`` Nones."""
         return (None,) * n
 
-    # ------------------------------------------------------ a linear term the head takes in
+
+# ---------------------------------------------------------------------- capabilities
+# What only some drivers ask of a head, each a class of its own beside Head's core: the
+# Triton kernels (KernelHead), a head's own symmetric panels (PanelHead), a positive
+# term the head computes itself (PivotHead). A driver asks with isinstance (or the
+# functions below); a head without the capability runs on the other drivers.
+
+
+class KernelHead(Head):
+    """A head the Triton kernels implement (:attr:`kernel`): what the Triton driver
+    and the stripe kernels ask of it.
+
+    Attributes:
+        kernel: the Triton tile function that implements it; None on an instance the
+            kernels cannot compute (masks from the data), whose :meth:`kernel_args` says why.
+    """
+
+    kernel: Optional[KernelId] = None
+
+    def kernel_args(self) -> KernelArgs:
+        """The kernels' arguments for this head; a ValueError that says what to use
+        when the kernels cannot compute it."""
+        raise NotImplementedError
+
+    def kernel_state(self, st: Any, first: Tensor, second: Optional[Tensor]) -> None:
+        """Takes the reductions as the row kernel computed them (``second``: the
+        columns' logsumexp for a head with columns, or the softplus head's sigmoid sums)."""
+        raise NotImplementedError
+
+    def kernel_weights(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
+        """(weight of each row's tiles, of each column's) for the gradient kernels."""
+        raise NotImplementedError
+
+    def kernel_column_lse(self, st: Any) -> Optional[Tensor]:
+        """The columns' logsumexp the gradient kernels need (a head with columns), or None."""
+        return None
+
+    def kernel_rows(
+        self, st: Any, rows: slice, first: Tensor, second: Optional[Tensor], g_row: Optional[Tensor]
+    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """A stripe's rows ``rows`` (complete) reduced by the stripe kernels
+        (:mod:`flashcl.triton.stripe`): ``first`` their logsumexps without the pivots
+        (the softmax head) or their softplus sums (``second``: their sigmoid sums). Returns
+        (the logsumexps the gradient subtracts, or None; each row's factor of its
+        gradient tile for the upstream ``g_row``, or None without it)."""
+        raise NotImplementedError
+
+
+def kernel_of(head: Head) -> Optional[KernelId]:
+    """The Triton tile function that implements ``head``, or None."""
+    return head.kernel if isinstance(head, KernelHead) else None
+
+
+def kernel_args(head: Head) -> KernelArgs:
+    """``head``'s kernel arguments; a ValueError that says what to use when the kernels
+    cannot compute it."""
+    if not isinstance(head, KernelHead):
+        raise ValueError(
+            f"the triton backend has kernels for the softmax and softplus heads only, not for "
+            f"{type(head).__name__}: use backend='tiled'"
+        )
+    return head.kernel_args()
+
+
+class PanelHead(Head):
+    """A head with symmetric tiles (:attr:`~Head.symmetric_tiles`) that visits the
+    self-contrast driver's panels itself, in one pass over each (the driver otherwise
+    reduces a panel's rows and, transposed, its columns by :meth:`~Head.reduce` and
+    :meth:`~Head.grad`)."""
+
+    def reduce_panel(self, s: Tensor, tile: Tile, st: Any, p: int, buf: Tensor) -> None:
+        """Self-contrast panel ``S[r0:r1, r0:]``: its rows' contributions and, through
+        ``s_ji = s_ij``, those of the rows right of the diagonal block. ``buf``: a free
+        buffer of the panel's size."""
+        raise NotImplementedError
+
+    def grad_panel(self, s: Tensor, tile: Tile, st: Any, buf: Tensor) -> Tensor:
+        """``H = G + G^T`` on the panel (the gradient of its rows plus, transposed, that
+        of the rows it stands for below the diagonal), in ``s``."""
+        raise NotImplementedError
+
+
+def reduce_panel(head: Head, s: Tensor, tile: Tile, st: Any, p: int, buf: Tensor) -> None:
+    """Pass ``p`` over the self-contrast panel ``S[r0:r1, r0:]`` (see
+    :meth:`PanelHead.reduce_panel`): the head's own, or its rows and, through
+    ``s_ji = s_ij``, the rows right of the diagonal block by :meth:`Head.reduce`."""
+    if isinstance(head, PanelHead):
+        head.reduce_panel(s, tile, st, p, buf)
+        return
+    b = tile.r1 - tile.r0
+    rest = None
+    if tile.c1 > tile.r1:
+        rest = scratch(buf, s)[:, b:]
+        rest.copy_(s[:, b:])
+    head.reduce(s, tile, st, p)
+    if rest is not None:
+        head.reduce(rest.T, Tile(tile.r1, tile.c1, tile.r0, tile.r1, -tile.offset), st, p)
+
+
+def grad_panel(head: Head, s: Tensor, tile: Tile, st: Any, buf: Tensor) -> Tensor:
+    """``H = G + G^T`` on the panel (see :meth:`PanelHead.grad_panel`): the head's own,
+    or by :meth:`Head.grad` on the panel and on its transpose."""
+    if isinstance(head, PanelHead):
+        return head.grad_panel(s, tile, st, buf)
+    other = scratch(buf, s)
+    other.copy_(s)
+    g = head.grad(s, tile, st)
+    gt = head.grad(other.T, tile.transposed(), st)
+    return g.add_(gt.T)
+
+
+class PivotHead(Head):
+    """A head that computes the value of a positive term itself (its pivots: see
+    :class:`SoftmaxHead`'s ``pivot``): what the engine asks before the tiles and when
+    it adds the linear terms."""
+
     def prepare(self, st: Any, pivots: Tuple[Optional[Tensor], Optional[Tensor]]) -> None:
         """Before the tiles: the scores of the positive term the head takes in (each
         row's, each column's; see :class:`SoftmaxHead`'s ``pivot``), when it does."""
@@ -332,6 +408,23 @@ class Head:
         """The weight of the positive term of ``target`` in the gradient, once reduced,
         of the rows (or columns) ``rows``."""
         return weight[rows]
+
+
+def takes_in(head: Head, target: str) -> bool:
+    """Whether ``head`` computes the positive term of ``target`` itself (:class:`PivotHead`)."""
+    return isinstance(head, PivotHead) and head.takes_in(target)
+
+
+def value_weight(head: Head, target: str, weight: Tensor) -> Tensor:
+    """The weight of the positive term of ``target`` in the value (see
+    :meth:`PivotHead.linear_value_weight`): ``weight`` for a head without pivots."""
+    return head.linear_value_weight(target, weight) if isinstance(head, PivotHead) else weight
+
+
+def grad_weight(head: Head, st: Any, target: str, weight: Tensor, rows: slice = slice(None)) -> Tensor:
+    """The weight of the positive term of ``target`` in the gradient of ``rows`` (see
+    :meth:`PivotHead.linear_grad_weight`): ``weight[rows]`` for a head without pivots."""
+    return head.linear_grad_weight(st, target, weight, rows) if isinstance(head, PivotHead) else weight[rows]
 
 
 class _SoftmaxState:
@@ -365,7 +458,7 @@ class _SoftmaxState:
         return self.shift
 
 
-class SoftmaxHead(Head):
+class SoftmaxHead(KernelHead, PanelHead, PivotHead):
     """The masked softmax: per row ``c_i * LSE_{j in Den(i)} s_ij`` and, with
     ``columns``, per column ``LSE_i s_ij`` (CLIP's column direction).
 
@@ -779,7 +872,7 @@ class _SoftplusState:
         self.g_col: Optional[Tensor] = None
 
 
-class SoftplusHead(Head):
+class SoftplusHead(KernelHead):
     """SigLIP's sigmoid loss over pairs: per row ``sum_j softplus(s_ij + b) - b |Pos(i)|``.
 
     With the positive term ``-sum_{j in Pos(i)} s_ij`` (a :class:`~flashcl.engine.positives.PositiveTerm`

@@ -5,11 +5,11 @@ When the candidates are the anchors (``k is q``, the self mask on the diagonal)
 (:attr:`~flashcl.engine.heads.Head.symmetric_tiles`): only the panels ``S[I, I:]`` on and
 above the diagonal are computed. Each gives its rows' reductions and, through
 ``s_ji = s_ij``, those of the rows right of its diagonal block
-(:meth:`~flashcl.engine.heads.Head.reduce_panel`). The reduction costs half a GEMM.
+(:func:`~flashcl.engine.heads.reduce_panel`). The reduction costs half a GEMM.
 
 The gradient ``d loss / dE = scale (G + G^T) E``: ``H = G + G^T`` is symmetric
 and each upper panel gives both ``H[I, I:]`` and ``H[I:, I]``
-(:meth:`~flashcl.engine.heads.Head.grad_panel`), so the whole gradient costs one
+(:func:`~flashcl.engine.heads.grad_panel`), so the whole gradient costs one
 recomputation of half the matrix and two GEMMs over half of it: one GEMM of
 B^2 D in all, where the unsymmetric path needs two.
 
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import threads
 from .engine import Driver, Operands
-from .heads import Head, Tile
+from .heads import Head, Tile, grad_panel, reduce_panel
 from .positives import raw_rows
 
 __all__ = ["UpperPanels"]
@@ -85,7 +85,7 @@ class UpperPanels(Driver):
         m = ops.q.shape[0]
         for r0 in self._blocks(ops, head, f"reduce{p}"):
             r1 = min(r0 + ops.block, m)
-            head.reduce_panel(self._scores(ops, r0, r1, buf), Tile(r0, r1, r0, m), st, p, buf2)
+            reduce_panel(head, self._scores(ops, r0, r1, buf), Tile(r0, r1, r0, m), st, p, buf2)
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
         buf, buf2 = self._buffers(ops)
@@ -98,7 +98,7 @@ class UpperPanels(Driver):
             r1 = min(r0 + ops.block, m)
             b = r1 - r0
             er = raw[r0:r1]
-            h = head.grad_panel(self._scores(ops, r0, r1, buf), Tile(r0, r1, r0, m), st, buf2)
+            h = grad_panel(head, self._scores(ops, r0, r1, buf), Tile(r0, r1, r0, m), st, buf2)
             if inv is not None:
                 h.mul_(inv[r0:r1].unsqueeze(1)).mul_(inv[r0:].unsqueeze(0))
             # diagonal block: H_II = G_II + G_II^T, counted once

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .engine import Driver, Operands, RowsDone
-from .heads import Head, KernelArgs, KernelId, Tile
+from .heads import Head, KernelArgs, KernelHead, KernelId, Tile, kernel_args, kernel_of
 from .positives import rows_dtype
 
 __all__ = ["Stripes", "mm_f32"]
@@ -114,7 +114,7 @@ class Stripes(Driver):
 
     def _kernel(self, ops: Operands, head: Head, x: Tensor) -> Optional[KernelArgs]:
         """The head's stripe kernels' arguments where they run here, else None."""
-        if head.kernel is None or head.has_columns or not self._once(ops, x):
+        if kernel_of(head) is None or head.has_columns or not self._once(ops, x):
             return None
         if x.dtype not in (torch.bfloat16, torch.float32):
             return None
@@ -126,7 +126,7 @@ class Stripes(Driver):
         if not wanted:
             return None
         try:
-            return head.kernel_args()
+            return kernel_args(head)
         except ValueError:  # masks the kernels do not take (a function of the data)
             return None
 
@@ -263,11 +263,12 @@ class Stripes(Driver):
         backward: bool = False,
     ) -> Optional[Tensor]:
         """The stripe kernels' pass over rows ``r0 .. r1``: in the forward pass the head's
-        reductions of them (:meth:`~flashcl.engine.heads.Head.kernel_rows`) and, with
+        reductions of them (:meth:`~flashcl.engine.heads.KernelHead.kernel_rows`) and, with
         ``g_row``, ``G''`` in the inputs' dtype; ``backward``: ``G''`` from the head's
         reduced state and its weights (after ``begin_grad``)."""
         from ..triton import stripe
 
+        assert isinstance(head, KernelHead)
         p = self._products(x, y, r0, r1)
         iqb, rows = iq[r0:r1], slice(r0, r1)
         gb = self._g[: r1 - r0] if self._g is not None and not x.is_cuda else torch.empty_like(p, dtype=x.dtype)

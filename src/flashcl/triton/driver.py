@@ -12,7 +12,7 @@ import triton
 from torch import Tensor
 
 from ..engine.engine import Driver, KernelFailure, Operands
-from ..engine.heads import Head
+from ..engine.heads import Head, KernelHead, kernel_args
 from ..engine.positives import raw_rows
 from . import HALF_MIN_WIDTH
 from .kernels import dk_kernel, dq_kernel, lse_kernel
@@ -200,7 +200,7 @@ class TritonDriver(Driver):
     lazy = True
 
     def __init__(self, head: Head, config: Optional[Config] = None, fallback: Optional[Driver] = None) -> None:
-        head.kernel_args()  # the head's ValueError when the kernels cannot compute it
+        kernel_args(head)  # the head's ValueError when the kernels cannot compute it
         self.config = config
         self.fallback = fallback
 
@@ -255,6 +255,7 @@ class TritonDriver(Driver):
     def forward(
         self, ops: Operands, head: Head, st: Any, g_row: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor]
     ) -> Optional[Tensor]:
+        assert isinstance(head, KernelHead)
         qc, kc, iq, ik = self._inputs(ops)
         self._refuse_known_bad(qc)
         cfg = self._cfg(qc.shape[1], qc.dtype)
@@ -280,6 +281,7 @@ class TritonDriver(Driver):
         return None
 
     def backward(self, ops: Operands, head: Head, st: Any, dq: Tensor, dk: Tensor) -> Tensor:
+        assert isinstance(head, KernelHead)
         qc, kc, iq, ik = self._inputs(ops)
         self._refuse_known_bad(qc)
         cfg = self._cfg(qc.shape[1], qc.dtype)
