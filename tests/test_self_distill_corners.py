@@ -222,6 +222,17 @@ def test_koleo_self_product_rule_of_each_peer() -> None:
     assert float(ours.KoLeoLoss()(x)) == pytest.approx(-0.6931, abs=1e-4)
     for backend in ("reference", "dense", "tiled"):
         assert float(flashcl.koleo_loss(x, backend=backend)) > 8.0
+        # lightly's rule as an option of the loss, on every backend
+        a, e = _leaf(x), _leaf(x)
+        got, want = flashcl.koleo_loss(a, self_score=-2.0, backend=backend), peer.KoLeoLoss()(e)
+        assert_close(got, want, f"{backend}: self_score=-2", *TOL)
+        assert_close(torch.autograd.grad(got, a)[0], torch.autograd.grad(want, e)[0], "its gradient", *TOL)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "x", True, torch.tensor(-2.0, requires_grad=True)])
+def test_koleo_self_score_refuses_what_is_not_a_finite_number(bad: object) -> None:
+    with pytest.raises(ValueError, match="self_score"):
+        flashcl.koleo_loss(torch.randn(5, 3), self_score=bad)  # type: ignore[arg-type]
 
 
 @needs_lightly

@@ -27,9 +27,8 @@ from torch import Tensor, nn
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ..core import compute_dtype
-from ..engine.engine import autocast_off
-from ..engine.neighbours import KoLeoRows
-from ..losses.self_distill import check_temperature, load_center, warn_if_swapped
+from ..losses.koleo import koleo_loss
+from ..losses.self_distill import load_center, warn_if_swapped
 from .prototype_logits import float32_value, paired_rows, sinkhorn_codes, softmax_targets
 
 __all__ = ["DINOLoss", "IBOTPatchLoss", "IBOTPlusPlusPatchLoss", "KoLeoLoss", "SwaVLoss", "PrototypeHead"]
@@ -260,11 +259,11 @@ class IBOTPlusPlusPatchLoss(IBOTPatchLoss):
 
 
 class KoLeoLoss(nn.Module):
-    """lightly's ``KoLeoLoss``: with ``p = 2`` by flashcl's tiled neighbour search (no
-    B x B matrix); another ``p`` by lightly's formula. lightly's rule for the self
-    product (-2 in the search, so that a row whose every other row is antipodal has
-    one of those as its neighbour); :func:`flashcl.koleo_loss` keeps DINOv2's (-1: that
-    row is its own neighbour).
+    """lightly's ``KoLeoLoss``: with ``p = 2`` by :func:`flashcl.koleo_loss` (the
+    neighbours searched a tile at a time, no B x B matrix) with lightly's rule for the
+    self product (``self_score=-2``: a row whose every other row is antipodal has one
+    of those as its neighbour; DINOv2's -1, the default there, makes it its own);
+    another ``p`` by lightly's formula.
 
     Examples::
 
@@ -278,9 +277,7 @@ class KoLeoLoss(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.p == 2:
-            eps = check_temperature(self.eps, "eps")
-            with autocast_off(x.device.type):
-                return KoLeoRows.apply(x, None, 0, eps, 512, 8192, -2.0).mean()
+            return koleo_loss(x, eps=self.eps, self_score=-2.0)
         x = F.normalize(x, p=2, dim=-1, eps=self.eps)
         cos = (x @ x.t()).fill_diagonal_(-2)
         return -(self.pairwise_distance(x, x[cos.argmax(dim=1)]) + self.eps).log().mean()

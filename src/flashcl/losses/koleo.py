@@ -27,6 +27,7 @@ def koleo_loss(
     x: Tensor,
     *,
     eps: float = 1e-8,
+    self_score: float = -1.0,
     reduction: str = "mean",
     backend: str = "auto",
     block_size: Optional[int] = None,
@@ -46,14 +47,16 @@ def koleo_loss(
     found a tile at a time and the gradient formed a block of rows at a time (at B =
     65,536 and D = 256: under 20 MB beyond the input). Equal to DINOv2's ``KoLeoLoss``,
     its rule for the self product included (-1 in the search: a row whose every other
-    row is antipodal is its own neighbour); lightly's ``KoLeoLoss`` takes -2 there and
-    equals it elsewhere (:class:`flashcl.integrations.lightly.KoLeoLoss` keeps
-    lightly's rule). Second derivatives (``create_graph=True``) on every backend, on the
+    row is antipodal is its own neighbour); lightly's ``KoLeoLoss`` takes -2 there
+    (``self_score=-2``) and equals it elsewhere. Second derivatives (``create_graph=True``) on every backend, on the
     tiled one through the dense formula (memory O(B^2) on that path only).
 
     Args:
         x: the rows, (B, D) (DINOv2: the student's class tokens of one global crop).
         eps: Default: 1e-8.
+        self_score: the row's product with itself in the search for its neighbour, a
+            finite number: -1 (DINOv2's, the default) or -2 (lightly's: a row whose every
+            other row is antipodal then has one of those as its neighbour).
         reduction: ``"mean"`` (default) | ``"sum"`` | ``"none"``.
         @prototype_options@
 
@@ -73,6 +76,7 @@ def koleo_loss(
     if x.shape[1] == 0:
         raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
     e = check_temperature(eps, "eps")
+    diagonal = checks.number(self_score, "self_score")
     check_options(backend, reduction, grad_scale, block_size, True)
     dtype = compute_dtype(x.dtype)
     with autocast_off(x.device.type):
@@ -82,13 +86,13 @@ def koleo_loss(
         others = x if keys is None else keys
 
         def tiled() -> Tensor:
-            return KoLeoRows.apply(x, keys, offset, e, block_size or 512, 8192)
+            return KoLeoRows.apply(x, keys, offset, e, block_size or 512, 8192, diagonal)
 
         def dense() -> Tensor:
-            return koleo_dense(x.to(dtype), others.to(dtype), offset, e)
+            return koleo_dense(x.to(dtype), others.to(dtype), offset, e, diagonal)
 
         def reference() -> Tensor:
-            return _koleo_reference(x.to(dtype), others.to(dtype), offset, e)
+            return _koleo_reference(x.to(dtype), others.to(dtype), offset, e, diagonal)
 
         impls = {"reference": reference, "dense": dense, "tiled": tiled}
         rows = runner.pick(backend, impls, x.shape[0] * others.shape[0], x, "koleo_loss")()
@@ -110,6 +114,7 @@ class KoLeoLoss(LossModule):
     def __init__(
         self,
         eps: float = 1e-8,
+        self_score: float = -1.0,
         reduction: str = "mean",
         backend: str = "auto",
         block_size: Optional[int] = None,

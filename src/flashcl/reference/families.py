@@ -71,9 +71,10 @@ def cosent_sum(z: Tensor, labels: Tensor) -> Tensor:
     return torch.logsumexp(torch.stack(terms), dim=0)
 
 
-def koleo_rows(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor:
+def koleo_rows(q: Tensor, keys: Tensor, offset: int, eps: float, self_score: float = -1.0) -> Tensor:
     """KoLeo (Sablayrolles et al. 2019, DINOv2's form) one row at a time: the nearest other
-    row by the largest cosine (first on a tie), ``-log(|x^_i - x^_j + eps| + eps)``."""
+    row by the largest cosine (first on a tie; the row itself at ``self_score``),
+    ``-log(|x^_i - x^_j + eps| + eps)``."""
 
     def unit(v: Tensor) -> Tensor:
         return v / v.norm().clamp_min(eps)
@@ -84,7 +85,7 @@ def koleo_rows(q: Tensor, keys: Tensor, offset: int, eps: float) -> Tensor:
         qh = unit(row)
         best, at = -math.inf, 0
         for j, k in enumerate(kh):
-            dot = -1.0 if j == i + offset else float((qh @ k).detach())
+            dot = self_score if j == i + offset else float((qh @ k).detach())
             if dot > best:
                 best, at = dot, j
         out.append(-torch.log(torch.linalg.vector_norm(qh - kh[at] + eps) + eps))
