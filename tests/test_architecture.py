@@ -120,6 +120,22 @@ def test_the_oracles_import_nothing_of_the_engine() -> None:
     assert _reach("flashcl.core") == set()
 
 
+def test_drop_ins_call_losses_not_the_engine() -> None:
+    # a drop-in maps a peer's call onto flashcl's losses; the engine's heads, problems and
+    # autograd Functions are the losses' business. The drop-ins still built on the engine
+    # directly (their own heads), named here until they call a loss
+    direct = {
+        name
+        for name in MODULES
+        if name.startswith("flashcl.integrations.")
+        and any(m.startswith("flashcl.engine") or m == "flashcl.runner" for m in GRAPH[name])
+    }
+    assert direct == {
+        "flashcl.integrations.pytorch_metric_learning",
+        "flashcl.integrations.sentence_transformers",
+    }, direct
+
+
 def test_at_most_15_modules_at_the_top() -> None:
     # (a module's length is a review question, not a failure: files go by concern, not by a count)
     top = sorted(p.name for p in ROOT.glob("*.py"))

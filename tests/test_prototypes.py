@@ -213,7 +213,7 @@ def koleo_as_dinov2(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 @pytest.mark.parametrize("tiles", [(1, 1), (3, 5), (64, 64)])
 def test_koleo_neighbours_in_tiles_equal_dinov2(tiles) -> None:
-    from flashcl.engine.neighbours import nearest_neighbours
+    from flashcl.losses.koleo import nearest_neighbours
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(37, 5, dtype=torch.float64, generator=g)

@@ -36,11 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..engine.neighbours import nearest_neighbours
-from ..losses.koleo import koleo_loss
+from ..losses.koleo import koleo_loss, nearest_neighbours
+from ..losses.prototype_logits import paired_rows, sinkhorn_codes, softmax_targets
 from ..losses.self_distill import load_center
 from .lightly import PrototypeHead
-from .prototype_logits import paired_rows, sinkhorn_codes, softmax_targets
 
 __all__ = ["DINOLoss", "iBOTPatchLoss", "KoLeoLoss", "PrototypeHead"]
 

@@ -28,8 +28,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ..core import compute_dtype
 from ..losses.koleo import koleo_loss
+from ..losses.prototype_logits import float32_value, paired_rows, sinkhorn_codes, softmax_targets
 from ..losses.self_distill import load_center, warn_if_swapped
-from .prototype_logits import float32_value, paired_rows, sinkhorn_codes, softmax_targets
 
 __all__ = ["DINOLoss", "IBOTPatchLoss", "IBOTPlusPlusPatchLoss", "KoLeoLoss", "SwaVLoss", "PrototypeHead"]
 

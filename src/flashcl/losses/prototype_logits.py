@@ -1,4 +1,5 @@
-"""The self-distillation losses on logits that the lightly and DINOv2 drop-ins share: the
+"""The self-distillation family's losses on given logits (a projection head's output
+rather than embeddings against prototypes), which the lightly and DINOv2 drop-ins share: the
 cross-entropy of student views against paired teacher targets, in the form of
 :func:`flashcl.engine.prototype_loss.soft_cross_entropy` (no cancellation near collapse,
 nothing of the logits' size saved), the teacher's centred softmax a block of rows at a
