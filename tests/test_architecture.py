@@ -98,15 +98,17 @@ def test_no_import_circle_counting_imports_inside_functions() -> None:
 
 
 def test_layers_only_look_down() -> None:
-    above_engine = {"flashcl.runner", "flashcl.compiled", "flashcl.checks", "flashcl.distributed"}
+    above_engine = {"flashcl.runner", "flashcl.backends", "flashcl.compiled", "flashcl.checks", "flashcl.distributed"}
     for name in MODULES:
         if name.startswith("flashcl.engine"):
             reached = _reach(name)
             assert not reached & above_engine, (name, reached & above_engine)
             assert not any(m.startswith(("flashcl.losses", "flashcl.parallel")) for m in reached), name
-    # the column source and the runner know no loss
-    for name in ("flashcl.runner", "flashcl.parallel.collectives"):
+    # the column source and the runner know no loss; where a problem runs (backends) knows
+    # neither the runner nor the processes: the walk of a call goes down, never back up
+    for name in ("flashcl.runner", "flashcl.parallel.collectives", "flashcl.backends"):
         assert not any(m.startswith("flashcl.losses") for m in _reach(name)), name
+    assert not any(m.startswith(("flashcl.runner", "flashcl.parallel")) for m in _reach("flashcl.backends"))
 
 
 def test_the_oracles_import_nothing_of_the_engine() -> None:
@@ -158,9 +160,9 @@ def _called(node: ast.Call, name: str) -> bool:
 
 def test_backends_are_resolved_in_one_module() -> None:
     # resolve(backend, entries, device, dtype, ...): not a path's resolve()
-    assert _calls(lambda n: _called(n, "resolve") and len(n.args) >= 4) == {"flashcl.runner"}
-    # the driver for a backend name, too (the others ask runner.pick_name / runner.run)
-    assert _calls(lambda n: _called(n, "driver") and len(n.args) >= 3) == {"flashcl.runner"}
+    assert _calls(lambda n: _called(n, "resolve") and len(n.args) >= 4) == {"flashcl.backends"}
+    # the driver for a backend name, too (the others ask backends.pick_name / runner.run)
+    assert _calls(lambda n: _called(n, "driver") and len(n.args) >= 3) == {"flashcl.backends"}
 
 
 def _compares_reduction(node: ast.AST) -> bool:

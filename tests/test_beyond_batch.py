@@ -551,7 +551,7 @@ def test_bad_input_names_the_argument(name: str) -> None:
 def test_auto_never_picks_the_kernels_for_masks_computed_from_the_data(monkeypatch: Any) -> None:
     # on CUDA "auto" would pick the Triton kernels, which take no such masks: the
     # losses must tell resolve that their head has no kernel
-    from flashcl import runner as backends
+    from flashcl import backends
 
     seen: List[Optional[str]] = []
     original = backends.resolve

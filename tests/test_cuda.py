@@ -160,7 +160,7 @@ def test_triton_large_batch_bfloat16_matches_float64() -> None:
 
 @needs_triton
 def test_auto_on_cuda() -> None:
-    from flashcl.runner import AUTO_TRITON_MAX_WIDTH, resolve
+    from flashcl.backends import AUTO_TRITON_MAX_WIDTH, resolve
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert resolve("auto", 10**8, torch.device("cuda"), dtype, AUTO_TRITON_MAX_WIDTH) == "triton"

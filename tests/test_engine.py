@@ -15,8 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashcl import engine
-from flashcl import runner as backends
+from flashcl import backends, engine
 from flashcl.engine import Problem
 from flashcl.engine.heads import Head, Tile
 from helpers import assert_close, close_group, spawn

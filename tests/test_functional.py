@@ -333,7 +333,7 @@ def test_case_table_covers_every_loss() -> None:
 
 
 def test_auto_backend_rule() -> None:
-    from flashcl.runner import resolve as _resolve_backend
+    from flashcl.backends import resolve as _resolve_backend
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert _resolve_backend("auto", (1 << 20) - 1, cpu, torch.float32) == "dense"
@@ -342,7 +342,7 @@ def test_auto_backend_rule() -> None:
     # float64 never goes to the kernels, whatever the device
     assert _resolve_backend("auto", 1 << 20, cuda, torch.float64) == "tiled"
     # the kernels up to AUTO_TRITON_MAX_WIDTH on CUDA, the tiled backend's stripes above
-    from flashcl.runner import AUTO_TRITON_MAX_WIDTH as w
+    from flashcl.backends import AUTO_TRITON_MAX_WIDTH as w
 
     if importlib.util.find_spec("triton") is not None:
         assert _resolve_backend("auto", 1 << 20, cuda, torch.float32, w) == "triton"

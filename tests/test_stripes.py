@@ -88,7 +88,7 @@ def test_stripes_deterministic() -> None:
 def test_tiled_half_takes_stripes() -> None:
     """Half precision takes the stripes: on CUDA always; elsewhere for two sets of rows (the
     symmetric self-contrast panels compute 2/3 of the products there)."""
-    from flashcl import runner as backends
+    from flashcl import backends
     from flashcl.engine import Problem
     from flashcl.engine.heads import SoftmaxHead
 

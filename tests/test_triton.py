@@ -253,8 +253,8 @@ def test_narrow_half_precision_is_computed_by_the_tiled_backend(monkeypatch) -> 
     import warnings
 
     import flashcl.triton.driver as driver
+    from flashcl.backends import resolve
     from flashcl.engine import engine
-    from flashcl.runner import resolve
 
     monkeypatch.setattr(driver, "_interpreted", lambda: False)  # as on a GPU
     monkeypatch.setattr(driver, "_FAILED", None)

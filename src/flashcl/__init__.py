@@ -5,6 +5,7 @@ from types import ModuleType as _ModuleType
 # the public names: this list is __all__ (below) and the API reference's pages (docs/hooks);
 # a new family adds its line here
 from . import distributed
+from .backends import AUTO_TILED_MIN_ENTRIES
 from .losses.circle import CircleLoss, circle_loss
 from .losses.class_shards import sample_classes
 from .losses.clip import ClipLoss, SigLipLoss, clip_loss, siglip_loss
@@ -27,7 +28,6 @@ from .losses.self_distill import DINOLoss, dino_loss, prototype_center
 from .losses.supcon import SupConLoss, supcon_loss
 from .losses.swav import SwAVLoss, swav_loss
 from .losses.triplet import TripletLoss, triplet_loss
-from .runner import AUTO_TILED_MIN_ENTRIES
 from .tools.doctor import doctor
 from .training import metrics
 from .training.cached import cached_step

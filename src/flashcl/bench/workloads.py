@@ -82,16 +82,16 @@ def _stripes_form(impl: str, fn: Callable[[], torch.Tensor]) -> Callable[[], tor
     eagerly (``flashcl-stripes-eager``), beside the default's fused stripe kernels."""
     if impl != "flashcl-stripes-eager":
         return fn
-    from .. import runner
+    from .. import backends
     from ..engine.stripes import Stripes
 
     def eager() -> torch.Tensor:
-        made = runner.Stripes
-        runner.Stripes = functools.partial(Stripes, kernels=False)  # type: ignore[misc,assignment]
+        made = backends.Stripes
+        backends.Stripes = functools.partial(Stripes, kernels=False)  # type: ignore[misc,assignment]
         try:
             return fn()
         finally:
-            runner.Stripes = made  # type: ignore[misc]
+            backends.Stripes = made  # type: ignore[misc]
 
     return eager
 

@@ -519,10 +519,24 @@ class SoftmaxHead(KernelHead, PanelHead, PivotHead):
             not columns and self_index is None and exclude is None and boost is None and _paired(pivot, offset)
         )
         self.fuses_rows = not columns  # the column direction needs every row's scores first
+        self.kernel = self.kernel_for(exclude_self, columns, self_index, exclude, boost, pivot is not None)
+
+    @staticmethod
+    def kernel_for(
+        exclude_self: bool,
+        columns: bool,
+        self_index: Optional[Tensor],
+        exclude: Optional[Exclusions],
+        boost: Optional[Tuple[float, Any]],
+        pivots: bool,
+    ) -> Optional[KernelId]:
+        """The Triton kernel of a head made with these options (``pivots``: with rows'
+        pivots), or None: before the head is made (a backend chosen first)."""
         if (exclude is not None and exclude.fn is not None) or boost is not None:
-            self.kernel = None  # masks computed by a function: no Triton kernel for them
-        if pivot is not None and (columns or exclude is not None or (exclude_self and self_index is not None)):
-            self.kernel = None  # the kernels leave out one indexed column per row (the pivot), of the rows only
+            return None  # masks computed by a function: no Triton kernel for them
+        if pivots and (columns or exclude is not None or (exclude_self and self_index is not None)):
+            return None  # the kernels leave out one indexed column per row (the pivot), of the rows only
+        return KernelId.SOFTMAX
 
     def _boost_(self, s: Tensor, tile: Tile) -> None:
         """In place: the boosted entries' logits ``s (1 + f)``."""

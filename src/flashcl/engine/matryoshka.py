@@ -29,10 +29,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..core import compute_dtype
 from .engine import NORM_EPS, FusedFunction, Problem, autocast_off, finite_rows, normalize_rows
 from .heads import Tile
 
-__all__ = ["check_dims", "prefix_scales", "head_values", "linear_terms"]
+__all__ = ["check_dims", "prefix_scales", "head_values", "linear_terms", "run_widths"]
 
 
 #: Normalised widths up to this many coordinates are differentiated apart (see
@@ -406,3 +407,49 @@ def linear_terms(
             assert cols is not None
             cols = cols - scale * lin.weight * lin.positives.sums(kh, qh)
     return rows, cols
+
+
+def run_widths(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    problem: Problem,
+    ds: List[int],
+    ws: List[float],
+    weights: Optional[Tuple[Tensor, Optional[Tensor]]],
+    block_size: Optional[int],
+) -> Tensor:
+    """``problem`` (its rows normalised per width with ``problem.normalize``) at every
+    prefix width ``ds`` (weights ``ws``), summed, in one pass over per-segment partial
+    scores; ``weights``: a scalar reduction's ``(r, u)`` (None: per-row losses)."""
+    m, dtype = q.shape[0], compute_dtype(q.dtype)
+    with autocast_off(q.device.type):
+        qc = q.to(dtype)
+        kc = None if k is None else k.to(dtype)
+        aq = prefix_scales(qc, ds, problem.normalize)
+        ak = aq if kc is None else prefix_scales(kc, ds, problem.normalize)
+        sc = scale.to(dtype)
+        if weights is not None and not problem.head.has_columns:
+            # a scalar: the heads' weighted rows in one call (its gradient formed in the
+            # same pass), then each width's positive terms
+            per_width = torch.tensor(ws, dtype=dtype, device=q.device).unsqueeze(1) * weights[0].unsqueeze(0)
+            out = head_values(qc, kc, aq, ak, scale, problem, ds, block_size, per_width)
+            zeros = torch.zeros(m, dtype=dtype, device=q.device)
+            for i, d in enumerate(ds):
+                rows, _ = linear_terms(qc, kc, aq, ak, sc, problem, i, d, zeros, None)
+                out = out + (per_width[i] * rows).sum()
+            return out
+        values = head_values(qc, kc, aq, ak, scale, problem, ds, block_size)
+        total: Optional[Tensor] = None
+        for i, (d, w) in enumerate(zip(ds, ws)):
+            cols = values[i, m:] if problem.head.has_columns else None
+            rows, cols = linear_terms(qc, kc, aq, ak, sc, problem, i, d, values[i, :m], cols)
+            if weights is None:
+                part = rows if cols is None else 0.5 * (rows + cols)
+            else:
+                part = (weights[0] * rows).sum()
+                if cols is not None and weights[1] is not None:
+                    part = part + (weights[1] * cols).sum()
+            total = w * part if total is None else total + w * part
+    assert total is not None
+    return total

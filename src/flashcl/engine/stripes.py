@@ -20,7 +20,7 @@ Three GEMMs for a row-only loss (four for CLIP, whose column reductions need a
 second pass), no atomics: the same inputs give bitwise the same result. Memory
 beyond the inputs and their gradients: ``dK``'s float32 accumulator and one stripe's
 buffers, ``block x N`` x (4 + 2) bytes (``block_size`` sets it; default:
-:func:`flashcl.runner.auto_block`). InfoNCE at B = 16,384, D = 768 in bfloat16 on
+:func:`flashcl.backends.auto_block`). InfoNCE at B = 16,384, D = 768 in bfloat16 on
 the 2-core CPU: 196-207 MB with float32 copies of the embeddings and both gradients'
 accumulators, see docs/gpu.md for the figure after (``python scripts/stripe_memory.py
 16384 768 bfloat16``). Off CUDA (tests, CPUs) the half GEMMs are emulated by float32

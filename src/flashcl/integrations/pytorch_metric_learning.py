@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import checks, runner
+from .. import backends, checks, runner
 from ..base import peer_import_error
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import Problem
@@ -475,9 +475,9 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
             (emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype), device=emb.device
         )
         entries = emb.shape[0] * ref.shape[0]
-        name = runner.pick_name(self.backend, runner.ENGINE_BACKENDS, entries, emb, "NTXentLoss", kernel=None)
+        name = backends.pick_name(self.backend, backends.ENGINE_BACKENDS, entries, emb, "NTXentLoss", kernel=None)
         keys, weighted = None if ref is emb else ref, (weights, None)
-        value = runner.run_problem(emb, keys, 1.0 / temperature, problem, name, weighted, self.block_size)
+        value = backends.run_problem(emb, keys, 1.0 / temperature, problem, name, weighted, self.block_size)
         value = value.to(emb.dtype)
         return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
 

@@ -64,7 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import parallel, runner
+from .. import backends, parallel
 from ..base import peer_import_error
 from ..core import Exclusions, compute_dtype
 from ..engine import matryoshka
@@ -160,8 +160,8 @@ def _mnrl(
     dtype = compute_dtype(queries.dtype)
     scale = torch.tensor(float(loss.scale), dtype=dtype, device=queries.device)
     ones = torch.ones(b, dtype=dtype, device=queries.device)
-    name = runner.pick_name(
-        backend, runner.ENGINE_BACKENDS, b * d_all.shape[0], queries, "MultipleNegativesRankingLoss", kernel=None
+    name = backends.pick_name(
+        backend, backends.ENGINE_BACKENDS, b * d_all.shape[0], queries, "MultipleNegativesRankingLoss", kernel=None
     )
     widths: List[int] = []
     width_weights = None
@@ -173,7 +173,7 @@ def _mnrl(
         """(B,) the rows' logsumexp; (M, B) with widths."""
         problem = Problem(head, (), normalize, offset)
         if not widths:
-            return runner.run_problem(q, k, scale, problem, name, None, block_size)
+            return backends.run_problem(q, k, scale, problem, name, None, block_size)
         qc, kc = q.to(dtype), k.to(dtype)
         return matryoshka.head_values(
             qc,
@@ -593,7 +593,7 @@ def _gist_gathered(
     scale = torch.tensor(1.0 / float(loss.temperature), dtype=scale_dtype(anchor), device=anchor.device)
     b = anchor.shape[0]
     entries = b * (p_all.shape[0] * (1 + int(loss.contrast_positives)) + b * int(loss.contrast_anchors))
-    name = runner.pick_name(loss.backend, runner.ENGINE_BACKENDS, entries, anchor, "GISTEmbedLoss", kernel=None)
+    name = backends.pick_name(loss.backend, backends.ENGINE_BACKENDS, entries, anchor, "GISTEmbedLoss", kernel=None)
     rows = gist_rows(
         anchor,
         positive,

@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
@@ -213,7 +213,7 @@ def _circle(embeddings: Tensor, labels: Tensor, m: float, gamma: float, opts: ch
     valid = ((mine >= 2) & (mine < cols.total)).to(dtype)
     pos_pairs = float((sizes * (sizes - 1)).sum())
     neg_pairs = float(cols.total) ** 2 - float((sizes * sizes).sum())
-    name = runner.pick_name(
+    name = backends.pick_name(
         opts.backend, ("reference", "dense", "tiled"), rows * cols.total, embeddings, "circle_loss", source=cols
     )
     weights = runner.share(opts.reduction, opts.grad_scale, cols, valid)

@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import parallel, runner
+from .. import backends, parallel, runner
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction
 from ..engine.proxies import Margin, Shard, auto_class_block
@@ -133,7 +133,7 @@ def sharded_margin(
     opts = (*opts[:3], block, k)
     ones = torch.ones(everyone.shape[0], dtype=scale.dtype, device=e.device)
     # the global rows' weights, as one process would form them: every rank returns the global value
-    weights = runner.share(reduction, "sum", runner.Source(e, 0, [everyone.shape[0]]), ones)
+    weights = runner.share(reduction, "sum", backends.Source(e, 0, [everyone.shape[0]]), ones)
     factor = parallel.grad_factor(grad_scale, group)
     sizes = parallel.row_counts(e.shape[0], e.device, group)
     share = grad_scale == "sum"

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, runner
+from .. import backends, checks, parallel, reference, runner
 from ..base import LossModule, reject_open_clip_keywords, shared_docs
 from ..checks import Example, Scalar, check_smoothing, class_ids, example_rows, no_matryoshka, warn_small_logit_scale
 from ..compiled import compiles
@@ -290,7 +290,7 @@ def _siglip(
         return texts.run(image_embeds, scale, problem, weights, opts.block_size, (bias,), backend=name)
 
     impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
-    name = runner.pick_name(
+    name = backends.pick_name(
         opts.backend, tuple(impls), b * texts.total, image_embeds, "siglip_loss", source=texts, kernel="softplus"
     )
     return impls[name]()

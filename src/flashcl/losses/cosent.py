@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
@@ -148,7 +148,7 @@ def _cosent(scores: Tensor, lam: Tensor, labels: Tensor, similarity: str, backen
     rank makes the same call."""
     pairs = parallel.columns((lam * scores).unsqueeze(1), "all_gather", opts.process_group)
     all_labels = pairs.gather(labels.unsqueeze(1)).squeeze(1)
-    loss = runner.pick(backend, _LOSSES, 0, scores, "cosent_loss", auto="tiled")(pairs.keys.squeeze(1), all_labels)
+    loss = backends.pick(backend, _LOSSES, 0, scores, "cosent_loss", auto="tiled")(pairs.keys.squeeze(1), all_labels)
     # one term that every rank holds alike: the mean over the ranks' terms is the loss
     return runner.reduce_total(loss, torch.ones((), device=loss.device), "mean", opts.grad_scale, pairs)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, Scalar, example_rows, scale_dtype
 from ..compiled import compiles
@@ -172,7 +172,7 @@ def _distill(
         return _direction(a, b, ta, tb, sc, tsc, opts.normalize, run, source.offset, source.rows_of_every_rank)
 
     impls = {"reference": formula, "dense": engine, "tiled": engine}
-    name = runner.pick_name(opts.backend, tuple(impls), q.shape[0] * cols.total, q, "distill_loss", source=cols)
+    name = backends.pick_name(opts.backend, tuple(impls), q.shape[0] * cols.total, q, "distill_loss", source=cols)
     one_way = impls[name]
     with autocast_off(q.device.type):
         rows = one_way(q, k, tq, tk)

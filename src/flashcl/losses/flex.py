@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..core import Tile, compute_dtype
@@ -312,7 +312,7 @@ def flex_block(n: int, dtype: torch.dtype) -> int:
     the inputs and their gradient at B = 65,536, D = 256, 4 MB tiles at 128 MB."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     if n * itemsize * 256 <= 16 * 2**20:
-        return runner.auto_block(n, n, dtype)
+        return backends.auto_block(n, n, dtype)
     return int(max(16, (4 * 2**20) // max(1, n * itemsize)))
 
 
@@ -350,7 +350,7 @@ def _tile(m: int, n: int, offset: int) -> Tile:
 
 def _direction(
     q: Tensor,
-    source: runner.Source,
+    source: backends.Source,
     rows: Dict[str, Tensor],
     cols: Dict[str, Tensor],
     scale: Tensor,
@@ -386,7 +386,7 @@ def _direction(
 
 def _statistics(
     q: Tensor,
-    source: runner.Source,
+    source: backends.Source,
     rows: Dict[str, Tensor],
     cols: Dict[str, Tensor],
     scale: Tensor,
@@ -690,7 +690,7 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
             row_base = sum(parallel.row_counts(q.shape[0], q.device, group)[: parallel.rank_of(group)])
         names = FLEX_BACKENDS + (("triton",) if backend == "triton" else ())
         # round the ring (strategy="ring") the runner picks the tiled backend, or refuses another
-        name = runner.pick_name(backend, names, q.shape[0] * source.total, q, "flex_loss", source=source)
+        name = backends.pick_name(backend, names, q.shape[0] * source.total, q, "flex_loss", source=source)
         if name == "triton":
             raise ValueError(
                 "flex_loss has no Triton kernel (the functions run on each tile in torch): use backend='tiled'"
@@ -875,7 +875,7 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
         learn_bias=learn_bias,
         set_means=set_means,
     )
-    name = runner.pick_name(backend, FLEX_BACKENDS, m * n, scores, "flex_loss (a given score matrix)")
+    name = backends.pick_name(backend, FLEX_BACKENDS, m * n, scores, "flex_loss (a given score matrix)")
     if reads_statistics(fns, row_data, col_data, scores, keys_too=own):
         stats = _score_statistics(scores, scale, row_data, col_data, head_args, name, block_size)
         row_data = {**row_data, **stats}
@@ -901,7 +901,7 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
     assert valid is not None
     if name != "tiled" and not per_row:
         out = torch.where(valid, out, torch.zeros_like(out)).sum()
-    return _reduce([(out, valid)], opts, runner.local(scores))
+    return _reduce([(out, valid)], opts, backends.local(scores))
 
 
 @torch.no_grad()
@@ -1053,7 +1053,7 @@ def _on_distance(fn: Fn, kind: PairSum) -> Fn:
     return lambda s, a, b: fn(kind.view(s), a, b)
 
 
-def _reduce(parts: Any, opts: checks.Options, source: runner.Source) -> Tensor:
+def _reduce(parts: Any, opts: checks.Options, source: backends.Source) -> Tensor:
     """The directions' rows reduced: per row (``"none"``; two directions: their average),
     or over every rank's counted rows (``"mean"``), or summed, each times the
     ``grad_scale`` factor; two directions weigh half each."""

@@ -8,13 +8,14 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, runner
+from .. import backends, checks, parallel, reference, runner
+from ..backends import Source
 from ..base import LossModule, shared_docs
 from ..checks import Example, Scalar, check_keys, example_rows, scale_dtype
 from ..compiled import compiles
 from ..core import Exclusions, Tile, compute_dtype
 from ..engine.engine import autocast_off
-from ..runner import Source, unit_rows
+from ..runner import unit_rows
 
 
 def _guide_mask(gq: Tensor, gk: Tensor, threshold: Tensor, diagonal: Optional[bool]) -> Callable[[Tile], Tensor]:
@@ -200,7 +201,7 @@ def _gist(
 
     # the guide's masks have no Triton kernel
     impls = {"reference": formula, "dense": engine, "tiled": engine}
-    name = runner.pick_name(opts.backend, tuple(impls), entries, anchor, "gist_loss", source=positives)
+    name = backends.pick_name(opts.backend, tuple(impls), entries, anchor, "gist_loss", source=positives)
     rows_of = impls[name]
     with autocast_off(anchor.device.type):
         rows = rows_of()
@@ -247,7 +248,7 @@ def gist_rows(
     dtype = compute_dtype(anchor.dtype)
 
     def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, diagonal: Optional[bool], offset: int = 0) -> Tensor:
-        cols = runner.Source(keys, offset, [keys.shape[0]]) if across is None else across(keys)
+        cols = backends.Source(keys, offset, [keys.shape[0]]) if across is None else across(keys)
         mask = _guide_mask(gq, cols.gather(gk), threshold, diagonal)
         return runner.row_lse(q, cols, scale, True, name, block_size, Exclusions(fn=mask))
 

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_rows
 from ..compiled import compiles
@@ -234,7 +234,7 @@ def koleo_loss(
             return _koleo_reference(x.to(dtype), others.to(dtype), offset, e, diagonal)
 
         impls = {"reference": reference, "dense": dense, "tiled": tiled}
-        rows = runner.pick(backend, impls, x.shape[0] * others.shape[0], x, "koleo_loss")()
+        rows = backends.pick(backend, impls, x.shape[0] * others.shape[0], x, "koleo_loss")()
         if reduction == "none":
             return rows
         total = rows.sum()

@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
@@ -155,7 +155,7 @@ def _margin(
     reduced over every rank's rows; ``k`` proxies per class."""
     b = embeddings.shape[0]
     group = opts.process_group
-    rows_of: runner.Source = runner.Source(embeddings, 0, [b])
+    rows_of: backends.Source = backends.Source(embeddings, 0, [b])
     if group is not None:
         rows_of = parallel.Columns(embeddings, 0, [b], False, group)
 
@@ -179,7 +179,7 @@ def _margin(
         "dense": formula(_dense_rows, TARGETS[target]),
         "tiled": tiled,
     }
-    return runner.pick(backend, impls, b * class_weights.shape[0], embeddings, "the margin losses", auto="tiled")()
+    return backends.pick(backend, impls, b * class_weights.shape[0], embeddings, "the margin losses", auto="tiled")()
 
 
 def _check_margin(margin: object, name: str) -> float:

@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, runner
+from .. import backends, checks, parallel, reference, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
@@ -96,7 +96,7 @@ def _pick(backend: str, entries: int) -> str:
     """The backend ``backend`` stands for at this many token scores (the runner's
     choice among MaxSim's: no Triton kernel)."""
     names = ("reference", "dense", "tiled")
-    return runner.pick_name(backend, names, entries, None, "MaxSim", min_tiled=AUTO_TILED_MIN_TOKEN_SCORES)
+    return backends.pick_name(backend, names, entries, None, "MaxSim", min_tiled=AUTO_TILED_MIN_TOKEN_SCORES)
 
 
 def _scores(
@@ -130,7 +130,7 @@ def _scores(
 
     impls = {"reference": formula, "dense": dense, "tiled": tiled}
     with autocast_off(query.device.type):
-        return runner.pick(backend, impls, entries, query, "MaxSim", min_tiled=AUTO_TILED_MIN_TOKEN_SCORES)()
+        return backends.pick(backend, impls, entries, query, "MaxSim", min_tiled=AUTO_TILED_MIN_TOKEN_SCORES)()
 
 
 def maxsim_scores(
@@ -318,7 +318,7 @@ def _maxsim(
                 return _cross_entropy(s, scale, qmask, normalize_scores, index)
 
             impls = {"reference": formula, "dense": scored, "tiled": scored}
-            rows = runner.pick(opts.backend, impls, 0, query, "MaxSim")()
+            rows = backends.pick(opts.backend, impls, 0, query, "MaxSim")()
     return runner.reduce(rows, torch.ones_like(rows), opts.reduction, opts.grad_scale, cols)
 
 

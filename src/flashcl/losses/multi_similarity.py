@@ -23,7 +23,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
@@ -359,7 +359,7 @@ def _multi_similarity(
     m = embeddings.shape[0]
     row_ids = ids[cols.offset : cols.offset + m]
     dtype = compute_dtype(embeddings.dtype)
-    name = runner.pick_name(
+    name = backends.pick_name(
         opts.backend, ("reference", "dense", "tiled"), m * cols.total, embeddings, "multi_similarity_loss", source=cols
     )
     valid = torch.ones(m, dtype=dtype, device=embeddings.device)

@@ -10,12 +10,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
+from ..backends import auto_block
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
 from ..engine.family_heads import JaccardHead, jaccard_row_weights
 from ..reference.families import multilabel_rows as _reference
-from ..runner import auto_block
 
 __all__ = ["multilabel_supcon"]
 
@@ -105,7 +105,7 @@ def _multilabel(
         return cols.run(flat, scale, problem, weights, opts.block_size, backend=name)
 
     impls = {"reference": formula, "dense": engine, "tiled": engine}
-    name = runner.pick_name(
+    name = backends.pick_name(
         opts.backend, tuple(impls), flat.shape[0] * cols.total, flat, "multi-label supcon_loss", source=cols
     )
     run = impls[name]

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, runner
+from .. import backends, checks, parallel, reference, runner
 from ..base import LossModule
 from ..checks import Example, example_rows
 from ..compiled import compiles
@@ -96,7 +96,7 @@ def neighbor_loss(
         raise ValueError("neighbor_loss needs n >= 2 when exclude_diagonal=True: the denominator would be empty")
     # the score matrix already exists: no Triton kernel (the tiled backend's only n x n allocation is the gradient)
     names = ("reference", "dense", "tiled")
-    name = runner.pick_name(backend, names, rows * n, scores, "neighbor_loss (a given score matrix)", auto="tiled")
+    name = backends.pick_name(backend, names, rows * n, scores, "neighbor_loss (a given score matrix)", auto="tiled")
     return _neighbor(scores, neighbors.long(), exclude_diagonal, name, opts)
 
 
@@ -104,7 +104,7 @@ def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, name: s
     """:func:`neighbor_loss`'s body, one process being a world of one: this rank's rows
     of the global score matrix (one process: the whole matrix)."""
     rows, n = scores.shape
-    source: runner.Source = runner.Source(scores, 0, [rows])
+    source: backends.Source = backends.Source(scores, 0, [rows])
     if opts.process_group is not None:
         sizes = parallel.row_counts(rows, scores.device, opts.process_group)
         if sum(sizes) != n:

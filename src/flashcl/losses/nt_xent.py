@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, reference, runner
+from .. import backends, checks, parallel, reference, runner
 from ..base import PML_ADAPTERS, LossModule, reject_pml_call, shared_docs
 from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
@@ -170,7 +170,7 @@ def _nt_xent(
 
         impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
         entries = z.shape[0] * cols.total
-        name = runner.pick_name(
+        name = backends.pick_name(
             opts.backend, tuple(impls), entries, z, f"nt_xent_loss(estimator={estimator!r})", source=cols, kernel=None
         )
         return impls[name]()

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
@@ -117,7 +117,7 @@ def _proxy_anchor(
     dtype = compute_dtype(embeddings.dtype)
     present = int((torch.bincount(every, minlength=c) > 0).sum())
     pos_weight = float(c) / max(present, 1)  # each proxy's term, so that their mean over the C proxies is the loss
-    name = runner.pick_name(
+    name = backends.pick_name(
         opts.backend,
         ("reference", "dense", "tiled"),
         rows.shape[0] * cols.total,

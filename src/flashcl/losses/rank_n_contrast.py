@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_rows
 from ..compiled import compiles
@@ -270,7 +270,7 @@ def _rank_n_contrast(flat: Tensor, y: Tensor, t: float, opts: checks.Options) ->
     if n < 2:
         raise ValueError("rank_n_contrast_loss needs at least 2 samples (views): an anchor needs a positive")
     dtype = compute_dtype(flat.dtype)
-    name = runner.pick_name(opts.backend, BACKENDS, m * n, flat, "rank_n_contrast_loss")
+    name = backends.pick_name(opts.backend, BACKENDS, m * n, flat, "rank_n_contrast_loss")
     per_anchor = 1.0 / (n - 1)
     q = flat.to(dtype)
     k = q if group is None else keys.to(dtype)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_rows
 from ..compiled import compiles
@@ -320,7 +320,7 @@ def distill_rows(
         return _weigh(_reference_rows(x, wc, inv_temp, teacher.reference(), pairs, teacher.normalize), own, r)
 
     impls = {"reference": reference, "dense": dense, "tiled": tiled}
-    return runner.pick(backend, impls, s * b * k, student, "the prototype losses")()
+    return backends.pick(backend, impls, s * b * k, student, "the prototype losses")()
 
 
 def _weigh(rows: Tensor, own: Tensor, r: Optional[Tensor]) -> Tensor:

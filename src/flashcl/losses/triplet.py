@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
@@ -206,7 +206,7 @@ def _triplet(
             return TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
 
         impls = {"reference": reference_rows, "dense": dense, "tiled": tiled}
-        out, counts = runner.pick(backend, impls, x.shape[0] * k.shape[0], x, "triplet_loss", auto="tiled")()
+        out, counts = backends.pick(backend, impls, x.shape[0] * k.shape[0], x, "triplet_loss", auto="tiled")()
         if opts.reduction == "none":
             return out
         total = out.sum()  # the tiled backend's reduced total is a scalar already

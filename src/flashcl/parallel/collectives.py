@@ -1,5 +1,5 @@
 """The collectives of the losses across processes and their column source
-(:class:`Columns`, a :class:`flashcl.runner.Source` over every rank); the public
+(:class:`Columns`, a :class:`flashcl.backends.Source` over every rank); the public
 face is :mod:`flashcl.distributed`."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import runner
+from .. import backends
+from ..backends import Source, auto_block, local
 from ..core import compute_dtype
 from ..engine import engine
 from ..engine.engine import Problem
 from ..engine.prototypes import RowsJoin
-from ..runner import Source, auto_block, local
 from .ring import RingDriver
 
 __all__ = [
@@ -199,7 +199,7 @@ def _global_count(n: Tensor, group: Any) -> Tensor:
 
 
 class Columns(Source):
-    """The candidates one rank scores its rows against (a :class:`flashcl.runner.Source`
+    """The candidates one rank scores its rows against (a :class:`flashcl.backends.Source`
     across processes): every rank's block, gathered (``ring=False``), or its own
     block, the others coming round the ring; ``shared`` keys at the end of rank 0's
     block."""
@@ -229,7 +229,7 @@ class Columns(Source):
         """``problem``'s losses of this rank's rows ``q`` against the global columns:
         backend ``backend`` on the gathered keys, or the ring driver (tiled)."""
         if not self.ring:
-            return runner.run_problem(q, self.keys, scale, problem, backend, weights, block_size, params)
+            return backends.run_problem(q, self.keys, scale, problem, backend, weights, block_size, params)
         ring = RingDriver(self.sizes, self.group)
         block = block_size or auto_block(q.shape[0], max(self.sizes), compute_dtype(q.dtype), self_contrast=True)
         return engine.run(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, params)

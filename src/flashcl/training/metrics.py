@@ -10,12 +10,13 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
+from ..backends import auto_block
 from ..base import DOCS, shared_docs
 from ..checks import check_keys
 from ..compiled import compiles
 from ..core import compute_dtype
-from ..runner import auto_block, unit_rows
+from ..runner import unit_rows
 
 __all__ = ["alignment", "uniformity", "retrieval"]
 
@@ -99,7 +100,7 @@ def uniformity(x: Tensor, t: float = 2.0, *, block_size: Optional[int] = None, p
         k, offset = parallel.all_gather_with_grad(k, process_group)
     scale = torch.ones((), dtype=xc.dtype, device=x.device)
     lse = runner.row_lse(
-        q, runner.Source(k, offset, [k.shape[0]]), scale, False, "tiled", block_size, exclude_self=True
+        q, backends.Source(k, offset, [k.shape[0]]), scale, False, "tiled", block_size, exclude_self=True
     )
     if process_group is not None:
         lse, _ = parallel.all_gather_with_grad(lse, process_group)
