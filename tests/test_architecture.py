@@ -138,6 +138,30 @@ def test_drop_ins_call_losses_not_the_engine() -> None:
     }, direct
 
 
+def _compares_backend(node: ast.AST) -> bool:
+    """``name == "reference"`` (also ``!=``, ``backend``, ``in (...)``): a branch on a backend."""
+    if not isinstance(node, ast.Compare) or len(node.comparators) != 1:
+        return False
+    left, right = node.left, node.comparators[0]
+    named = isinstance(left, ast.Name) and left.id in ("name", "backend")
+    values = [right] if isinstance(right, ast.Constant) else getattr(right, "elts", [])
+    backends = {"reference", "dense", "tiled", "triton"}
+    return named and any(isinstance(v, ast.Constant) and v.value in backends for v in values)
+
+
+def test_loss_modules_hand_their_backends_to_one_place() -> None:
+    # a family hands its problem and its oracle (backends.solve) or a table of its
+    # implementations (backends.pick) over; the modules that still branch on a backend
+    # name themselves, named here until they do
+    branching = {
+        _name(p)
+        for p in ROOT.joinpath("losses").glob("*.py")
+        if any(_compares_backend(n) for n in ast.walk(ast.parse(FILES[p])))
+    }
+    assert branching == {"flashcl.losses.flex", "flashcl.losses.multi_similarity", "flashcl.losses.neighbor"}
+    assert _compares_backend(ast.parse('name == "reference"').body[0].value)  # type: ignore[attr-defined]
+
+
 def test_at_most_15_modules_at_the_top() -> None:
     # (a module's length is a review question, not a failure: files go by concern, not by a count)
     top = sorted(p.name for p in ROOT.glob("*.py"))

@@ -232,12 +232,23 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         )
         out.append((loss.detach(), torch.autograd.grad(loss, [x, wt]), kept + lo))
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    # blocks of classes: the tiled backend alone, a clear error for another on every rank
+    try:
+        flashcl.cosface_loss(x, y[rows], wt, shard_classes=True, process_group=dist.group.WORLD, backend="dense")
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    with open(os.path.join(out_dir, f"refused{rank}.txt"), "w") as f:
+        f.write(refused)
     close_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_classes_equal_one_process_with_the_whole_weights(world: int, tmp_path) -> None:
     spawn(_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    for r in range(world):
+        refused = (tmp_path / f"refused{r}.txt").read_text()
+        assert "shard_classes=True" in refused and "backend='dense'" in refused and "'tiled'" in refused, refused
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     bounds = [sum(BATCHES[world][:r]) for r in range(world + 1)]
     for i, ((name, opts), layout) in enumerate([(case, layout) for layout in LAYOUTS[world] for case in CASES]):

@@ -53,6 +53,7 @@ __all__ = [
     "driver",
     "auto_block",
     "run_problem",
+    "solve",
 ]
 
 
@@ -338,3 +339,29 @@ def run_problem(
         m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, UpperPanels), device_type=q.device.type
     )
     return engine.run(q, k, scale, problem, chosen, reduce_weights, block, params)
+
+
+def solve(
+    q: Tensor,
+    source: Source,
+    scale: Tensor,
+    problem: Problem,
+    weights: ReduceWeights,
+    opts: Any,
+    family: str,
+    oracle: Callable[[], Tensor],
+    x: Optional[Tensor] = None,
+) -> Tensor:
+    """A family's problem (the rows ``q`` against ``source``) on the backend
+    ``opts.backend`` stands for among ``"reference"``, ``"dense"`` and ``"tiled"``
+    (:func:`pick_name`, from ``x``'s device and dtype, default ``q``'s): the family's
+    ``oracle`` (its per-row losses by per-anchor loops) for ``"reference"``, else the
+    engine (:meth:`Source.run`); ``weights``: a scalar reduction's ``(r, None)`` (None:
+    the per-row losses)."""
+    like = q if x is None else x
+    names = ("reference", "dense", "tiled")
+    name = pick_name(opts.backend, names, q.shape[0] * source.total, like, family, source=source)
+    if name == "reference":
+        rows = oracle()
+        return rows if weights is None else (weights[0] * rows).sum()
+    return source.run(q, scale, problem, weights, opts.block_size, backend=name)

@@ -213,18 +213,15 @@ def _circle(embeddings: Tensor, labels: Tensor, m: float, gamma: float, opts: ch
     valid = ((mine >= 2) & (mine < cols.total)).to(dtype)
     pos_pairs = float((sizes * (sizes - 1)).sum())
     neg_pairs = float(cols.total) ** 2 - float((sizes * sizes).sum())
-    name = backends.pick_name(
-        opts.backend, ("reference", "dense", "tiled"), rows * cols.total, embeddings, "circle_loss", source=cols
-    )
     weights = runner.share(opts.reduction, opts.grad_scale, cols, valid)
-    if name == "reference":
-        out = _reference_rows(embeddings.to(dtype), cols.keys.to(dtype), row_ids, ids, cols.offset, m, gamma)
-        out = out if weights is None else (weights * out).sum()
-    else:
-        head = CircleHead(row_ids, ids, True, cols.offset, m, gamma)
-        one = torch.ones((), dtype=dtype, device=embeddings.device)
-        pair = None if weights is None else (weights, None)
-        out = cols.run(embeddings, one, Problem(head, (), True, cols.offset), pair, opts.block_size, backend=name)
+    problem = Problem(CircleHead(row_ids, ids, True, cols.offset, m, gamma), (), True, cols.offset)
+    one = torch.ones((), dtype=dtype, device=embeddings.device)
+
+    def oracle() -> Tensor:
+        return _reference_rows(embeddings.to(dtype), cols.keys.to(dtype), row_ids, ids, cols.offset, m, gamma)
+
+    pair = None if weights is None else (weights, None)
+    out = backends.solve(embeddings, cols, one, problem, pair, opts, "circle_loss", oracle)
     return out * float(pos_pairs > 1 or neg_pairs > 1)
 
 

@@ -121,8 +121,8 @@ def _margin_loss(
             f"labels must be class indices in [0, {num_classes}), got {int(labels.min())}..{int(labels.max())}"
         )
     checks.check_choice(backend, "backend", MARGIN_BACKENDS)
-    if shard_classes and backend not in ("auto", "tiled"):
-        raise ValueError(f"shard_classes=True computes with the tiled backend (blocks of classes), got {backend!r}")
+    if shard_classes:  # blocks of classes: the tiled backend alone
+        backends.pick_name(backend, ("tiled",), 0, embeddings, f"{name} with shard_classes=True", auto="tiled")
     m = _check_margin(margin, name)
     checks.check_bool(easy, "easy_margin")
     opts = checks.Options(True, reduction, backend, block_size, process_group, strategy, grad_scale)

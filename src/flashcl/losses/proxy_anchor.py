@@ -117,25 +117,20 @@ def _proxy_anchor(
     dtype = compute_dtype(embeddings.dtype)
     present = int((torch.bincount(every, minlength=c) > 0).sum())
     pos_weight = float(c) / max(present, 1)  # each proxy's term, so that their mean over the C proxies is the loss
-    name = backends.pick_name(
-        opts.backend,
-        ("reference", "dense", "tiled"),
-        rows.shape[0] * cols.total,
-        embeddings,
-        "proxy_anchor_loss",
-        source=cols,
-    )
     valid = torch.ones(rows.shape[0], dtype=dtype, device=embeddings.device)
     weights = runner.share(opts.reduction, opts.grad_scale, cols, valid)
-    if name == "reference":
-        out = _reference_rows(rows.to(dtype), cols.keys.to(dtype), every, classes, margin, alpha)
-        return out if weights is None else (weights * out).sum()
     head = MultiSimilarityHead(
         classes, every, False, 0, alpha, alpha, margin, None, neg_base=-margin, weights=(pos_weight, 1.0)
     )
     one = torch.ones((), dtype=dtype, device=embeddings.device)
+
+    def oracle() -> Tensor:
+        return _reference_rows(rows.to(dtype), cols.keys.to(dtype), every, classes, margin, alpha)
+
     pair = None if weights is None else (weights, None)
-    return cols.run(rows, one, Problem(head, (), True, 0), pair, opts.block_size, backend=name)
+    return backends.solve(
+        rows, cols, one, Problem(head, (), True, 0), pair, opts, "proxy_anchor_loss", oracle, embeddings
+    )
 
 
 class ProxyAnchorLoss(LossModule):

@@ -32,7 +32,6 @@ from ..reference.families import rank_n_contrast_rows as reference_rows
 
 __all__ = ["rank_n_contrast_loss", "RankNContrastLoss"]
 
-BACKENDS = ("reference", "dense", "tiled")
 _INF = float("inf")
 
 
@@ -270,25 +269,29 @@ def _rank_n_contrast(flat: Tensor, y: Tensor, t: float, opts: checks.Options) ->
     if n < 2:
         raise ValueError("rank_n_contrast_loss needs at least 2 samples (views): an anchor needs a positive")
     dtype = compute_dtype(flat.dtype)
-    name = backends.pick_name(opts.backend, BACKENDS, m * n, flat, "rank_n_contrast_loss")
     per_anchor = 1.0 / (n - 1)
     q = flat.to(dtype)
     k = q if group is None else keys.to(dtype)
-    if name == "reference":
-        rows = reference_rows(q, k, y, ky, t, offset) * per_anchor
-    elif name == "dense":
-        rows = _dense_rows(q, k, y, ky, t, offset) * per_anchor
-    else:
+    source = parallel.reduction_over(group)
+
+    def reduced(rows: Tensor) -> Tensor:
+        if opts.reduction == "none":
+            return rows
+        return runner.reduce_total(rows.sum(), torch.tensor(float(m)), opts.reduction, opts.grad_scale, source)
+
+    def tiled() -> Tensor:
         block = opts.block_size or max(1, min(m, (1 << 18) // max(1, n)))
         # each anchor's mean over its positives, summed or over every rank's anchors (n of them)
-        source = parallel.reduction_over(group)
         weights = runner.share(opts.reduction, opts.grad_scale, source, q.new_full((m,), per_anchor), float(n))
         out = _RankNContrast.apply(q, k, y, ky, t, offset, block, weights, group is None)
         return out if weights is not None else out * per_anchor
-    if opts.reduction == "none":
-        return rows
-    source = parallel.reduction_over(group)
-    return runner.reduce_total(rows.sum(), torch.tensor(float(m)), opts.reduction, opts.grad_scale, source)
+
+    impls = {
+        "reference": lambda: reduced(reference_rows(q, k, y, ky, t, offset) * per_anchor),
+        "dense": lambda: reduced(_dense_rows(q, k, y, ky, t, offset) * per_anchor),
+        "tiled": tiled,
+    }
+    return backends.pick(opts.backend, impls, m * n, flat, "rank_n_contrast_loss")()
 
 
 class RankNContrastLoss(LossModule):

@@ -179,11 +179,7 @@ def _triplet(
     cols = parallel.columns(x, opts.strategy, group, own=True)
     k, yk, offset = cols.keys, cols.gather(labels), cols.offset
     if isinstance(cols, parallel.Columns) and cols.ring:
-        if backend not in ("auto", "tiled"):
-            raise ValueError(
-                f"backend={backend!r} with strategy='ring': the blocks travel round the ranks in row blocks of "
-                "distances; pass backend='auto' or 'tiled', or strategy='all_gather'"
-            )
+        backends.pick_name(backend, ("tiled",), 0, x, "triplet_loss", source=cols)  # the ring: tiled alone
         block = opts.block_size or auto_triplet_block(x.shape[0], max(cols.sizes))
         spec = (offset, mining, margin, soft, distance, block)
         rows, counts = _TripletRing.apply(x, labels, yk, spec, cols.sizes, group)
