@@ -184,7 +184,7 @@ def koleo_loss(
     on the L2-normalised rows (``F.normalize`` with ``eps``; the distance as
     ``nn.PairwiseDistance(2, eps)``), without the B x B products: the neighbours are
     found a tile at a time and the gradient formed a block of rows at a time (at B =
-    65,536 and D = 256: under 20 MB beyond the input). Equal to DINOv2's ``KoLeoLoss``,
+    65,536 and D = 256: about 25 MB beyond the input and its gradient). Equal to DINOv2's ``KoLeoLoss``,
     its rule for the self product included (-1 in the search: a row whose every other
     row is antipodal is its own neighbour); lightly's ``KoLeoLoss`` takes -2 there
     (``self_score=-2``) and equals it elsewhere. Second derivatives (``create_graph=True``) on every backend, on the
