@@ -158,7 +158,7 @@ def test_loss_modules_hand_their_backends_to_one_place() -> None:
         for p in ROOT.joinpath("losses").glob("*.py")
         if any(_compares_backend(n) for n in ast.walk(ast.parse(FILES[p])))
     }
-    assert branching == {"flashcl.losses.flex", "flashcl.losses.multi_similarity", "flashcl.losses.neighbor"}
+    assert branching == {"flashcl.losses.flex"}
     assert _compares_backend(ast.parse('name == "reference"').body[0].value)  # type: ignore[attr-defined]
 
 

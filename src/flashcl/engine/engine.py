@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .heads import Head, PivotHead, Tile, grad_weight, takes_in, value_weight
+from .heads import Head, PivotHead, ReportingHead, Tile, grad_weight, takes_in, value_weight
 from .positives import PositiveTerm, Rows, RowScaled, class_sums, raw_rows, rows_dtype
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "EngineFunction",
     "dense_values",
     "run",
+    "run_reported",
     "NORM_EPS",
     "finite_rows",
     "all_finite",
@@ -544,11 +545,17 @@ def _add_linear(
 
 
 def dense_values(
-    q: Tensor, k: Optional[Tensor], scale: Tensor, problem: Problem, params: Sequence[Tensor] = ()
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    problem: Problem,
+    params: Sequence[Tensor] = (),
+    reports: Optional[List[Tensor]] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-row (and per-column) losses by differentiable torch ops on the whole
     score matrix: the dense backend, and the second derivatives of the others.
-    ``params``: the head's learnable tensors (SigLIP's bias; a flex loss's)."""
+    ``params``: the head's learnable tensors (SigLIP's bias; a flex loss's);
+    ``reports``: a list that takes a :class:`~flashcl.engine.heads.ReportingHead`'s results."""
     dtype = compute_dtype(q.dtype)
     q = q.to(dtype)
     same = k is None
@@ -557,7 +564,12 @@ def dense_values(
         q = normalize_rows(q, NORM_EPS)
         k = q if same else normalize_rows(k, NORM_EPS)
     s = scores_product(q, k) * scale.to(dtype)
-    rows, cols = problem.head.dense(s, Tile(0, s.shape[0], 0, s.shape[1], problem.offset), tuple(params))
+    tile = Tile(0, s.shape[0], 0, s.shape[1], problem.offset)
+    if reports is not None and isinstance(problem.head, ReportingHead):
+        (rows, cols), found = problem.head.dense_reported(s, tile, tuple(params))
+        reports.extend(found)
+    else:
+        rows, cols = problem.head.dense(s, tile, tuple(params))
     for lin in problem.linears:
         rows, cols = _add_linear(rows, cols, lin, lin.dense(s if lin.target == "row" else s.T), 1.0, problem.head)
     return rows, cols
@@ -581,9 +593,10 @@ def dense_output(
     problem: Problem,
     reduce_weights: ReduceWeights,
     params: Sequence[Tensor] = (),
+    reports: Optional[List[Tensor]] = None,
 ) -> Tensor:
-    """What :class:`EngineFunction` returns, by :func:`dense_values`."""
-    rows, cols = dense_values(q, k, scale, problem, params)
+    """What :class:`EngineFunction` returns, by :func:`dense_values` (``reports``: see there)."""
+    rows, cols = dense_values(q, k, scale, problem, params, reports)
     return _output(rows, cols, reduce_weights)
 
 
@@ -763,7 +776,12 @@ class EngineFunction(FusedFunction):
             grads = (dq_in, dk_in, dscale, *head.param_grads(st, len(params)))
         inputs = (q_in, k_in, scale, *params) if needs_grad else (None,) * (3 + len(params))
         FusedFunction.setup(ctx, inputs, grads=grads, slots=(0, 1, 2, *range(7, 7 + len(params))))
-        return _output(rows, cols, reduce_weights)
+        out = _output(rows, cols, reduce_weights)
+        found = tuple(head.report(st)) if isinstance(head, ReportingHead) else ()
+        if found:  # its results beside the losses, without gradient
+            ctx.mark_non_differentiable(*found)
+            return (out, *found)  # type: ignore[return-value]
+        return out
 
     @classmethod
     def no_second_derivatives(cls, ctx: Any) -> Optional[str]:
@@ -876,6 +894,21 @@ def run(
     """The problem's losses: through ``driver`` (an :class:`EngineFunction`), or by
     the dense formula when ``driver`` is None; autocast off either way. ``params``:
     the head's learnable tensors, if it has any."""
+    return run_reported(q, k, scale, problem, driver, reduce_weights, block, params)[0]
+
+
+def run_reported(
+    q: Tensor,
+    k: Optional[Tensor],
+    scale: Tensor,
+    problem: Problem,
+    driver: Optional[Driver],
+    reduce_weights: ReduceWeights,
+    block: int,
+    params: Sequence[Tensor] = (),
+) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+    """:func:`run`'s losses and the results a :class:`~flashcl.engine.heads.ReportingHead`
+    reports beside them (none for another head)."""
     head_offset = getattr(problem.head, "offset", problem.offset)
     if head_offset != problem.offset:
         raise ValueError(
@@ -884,9 +917,11 @@ def run(
         )
     with autocast_off(q.device.type):
         if driver is None:
-            return dense_output(q, k, scale, problem, reduce_weights, params)
+            reports: List[Tensor] = []
+            return dense_output(q, k, scale, problem, reduce_weights, params, reports), tuple(reports)
         try:
-            return EngineFunction.apply(q, k, scale, problem, driver, reduce_weights, block, *params)
+            out = EngineFunction.apply(q, k, scale, problem, driver, reduce_weights, block, *params)
         except KernelFailure as failure:
             fallback = _fall_back(driver, failure)
-            return EngineFunction.apply(q, k, scale, problem, fallback, reduce_weights, block, *params)
+            out = EngineFunction.apply(q, k, scale, problem, fallback, reduce_weights, block, *params)
+        return (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())

@@ -48,6 +48,7 @@ from torch import Tensor
 from ..core import STATISTICS, View, tile_result
 from .heads import (
     PanelHead,
+    ReportingHead,
     SoftmaxHead,
     Tile,
     lse_inplace,
@@ -256,6 +257,8 @@ class _FlexState:
         self.coef: Optional[Tuple[Tensor, Tensor]] = None  # per row (c g e^{shift - L} or c g, a g)
         self.param_grads: List[Optional[Tensor]] = [None] * n_params
         self.stats: Any = None  # the anchors' statistics' accumulators, formed in a first pass
+        #: each row's validity once reduced (the rows a "mean" counts): :meth:`FlexHead.report`
+        self.valid: Optional[Tensor] = None
         # the pair sum: ``pos`` and ``row`` hold each row's sums of its positives' and its
         # negatives' terms, these their counts; ``scales`` each set's factor once counted
         self.pos_cnt, self.neg_cnt = vec(), vec()
@@ -360,7 +363,7 @@ class _Terms:
         return z.addcmul_(self.m, coef.unsqueeze(dim), value=-1.0)
 
 
-class FlexHead(PanelHead):
+class FlexHead(PanelHead, ReportingHead):
     """The flex loss as an engine head (see the module docstring).
 
     Args:
@@ -434,8 +437,6 @@ class FlexHead(PanelHead):
         self.symmetric_tiles = symmetric and sparsity is None and self.sets is None and self.pair_sum is None
         self.bias, self.learn_bias, self.captured = bias, learn_bias, captured
         self.n_params = int(learn_bias) + len(captured)
-        #: each row's validity once reduced: the rows a "mean" counts
-        self.valid_rows: Optional[Tensor] = None
         #: the anchors' statistics' own head (their first pass), or None
         self.counter: Optional[StatisticsHead] = None
         if inline_statistics:
@@ -611,13 +612,14 @@ class FlexHead(PanelHead):
             # (2 bound within the exponent range) exp(s) itself neither overflows nor
             # underflows, so the shift is 0 and the tile is exponentiated as it is
             shift = None if SoftmaxHead.usable_shift(bound, like.dtype) is None else 0.0
-        if self.kind in ("sigmoid", "pair_sum"):  # every row counts (none at all on a rank without anchors)
-            self.valid_rows = torch.ones(m, dtype=torch.bool, device=like.device)
         if self.sets is not None:  # two log-sum-exps per row: P in ``pos``, N in ``row``
             st = _FlexState(m, like, self.n_params, "softmax", None)
             st.pos.fill_(-_INF)
-            return st
-        return _FlexState(m, like, self.n_params, self.kind, shift)
+        else:
+            st = _FlexState(m, like, self.n_params, self.kind, shift)
+        if self.kind in ("sigmoid", "pair_sum"):  # every row counts (none at all on a rank without anchors)
+            st.valid = torch.ones(m, dtype=torch.bool, device=like.device)
+        return st
 
     # ------------------------------------------------------------------ the pair sum
     def _pair_terms(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
@@ -771,20 +773,20 @@ class FlexHead(PanelHead):
             self._publish(st.stats, slice(None))
             return
         if self.sets is not None:
-            self.valid_rows = self.sets.counted(st.pos, st.row)
+            st.valid = self.sets.counted(st.pos, st.row)
             return
         if self.pair_sum is not None:
             st.scales = self.pair_scales(st.pos_cnt, st.neg_cnt)
-            self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
+            st.valid = torch.ones_like(st.row, dtype=torch.bool)
             return
         if self.kind == "sigmoid":
-            self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
+            st.valid = torch.ones_like(st.row, dtype=torch.bool)
             return
         if st.summing:
             st.row = st.row.log().add_(st.shift)  # type: ignore[arg-type]
             st.summing = False
         c, a, valid = self._weights(self.positives, st.row, st.msum, st.cnt)
-        st.ca, self.valid_rows = (c, a), valid
+        st.ca, st.valid = (c, a), valid
 
     @staticmethod
     def _weights(positives: str, lse: Tensor, msum: Tensor, cnt: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -809,9 +811,9 @@ class FlexHead(PanelHead):
     def values(self, st: _FlexState) -> Tuple[Tensor, Optional[Tensor]]:
         if self.sets is not None:
             self.finish(st, self.passes - 1)
-            assert self.valid_rows is not None
+            assert st.valid is not None
             rows = self.sets.loss(st.pos, st.row)
-            return torch.where(self.valid_rows, rows, torch.zeros_like(rows)), None
+            return torch.where(st.valid, rows, torch.zeros_like(rows)), None
         if self.pair_sum is not None:
             if self.set_means is not None and not isinstance(st.scales[0], Tensor):  # not reduced (no rows)
                 self.finish(st, self.passes - 1)
@@ -847,10 +849,10 @@ class FlexHead(PanelHead):
     def _sets_coef(self, st: _FlexState, rows: slice, g_row: Tensor) -> None:
         """A two-set kind's per-row factors ``(f_P g, f_N g)`` and finite log-sum-exps for the
         gradient of ``rows`` (a row not counted: 0)."""
-        assert self.sets is not None and self.valid_rows is not None
+        assert self.sets is not None and st.valid is not None
         p, n = st.pos[rows], st.row[rows]
         dp, dn = self.sets.slopes(p, n)
-        keep = self.valid_rows[rows]
+        keep = st.valid[rows]
         zero = torch.zeros((), dtype=p.dtype, device=p.device)
         coef = (torch.where(keep, dp * g_row, zero), torch.where(keep, dn * g_row, zero))
         if st.coef is None or st.lse is None or st.lse_pos is None:
@@ -947,8 +949,8 @@ class FlexHead(PanelHead):
         if self.counter is not None:  # complete rows: their statistics, then their terms
             self.counter.reduce(s.clone(), tile, st.stats)
             self._publish(st.stats, rows)
-        if self.valid_rows is None:
-            self.valid_rows = torch.ones_like(st.row, dtype=torch.bool)
+        if st.valid is None:
+            st.valid = torch.ones_like(st.row, dtype=torch.bool)
         if self.compiled is not None:  # complete rows: their sums final here
             st.pos[rows], st.row[rows], st.pos_cnt[rows], st.neg_cnt[rows] = 0.0, 0.0, 0.0, 0.0
             if g_row is None and self.compiled.reduce(s, tile, st):
@@ -961,7 +963,7 @@ class FlexHead(PanelHead):
         if self.sets is not None:
             z, pos = self._sets_z(t, tile)
             self._add_sets(st, rows, z.clone(), pos)  # complete rows: final here
-            self.valid_rows[rows] = self.sets.counted(st.pos[rows], st.row[rows])
+            st.valid[rows] = self.sets.counted(st.pos[rows], st.row[rows])
             if g_row is None:
                 return None
             self._sets_coef(st, rows, g_row[rows])
@@ -994,7 +996,7 @@ class FlexHead(PanelHead):
             if st.ca is None:
                 st.ca = (torch.zeros_like(st.row), torch.zeros_like(st.row))
             st.ca[0][rows], st.ca[1][rows] = c, a
-            self.valid_rows[rows] = valid
+            st.valid[rows] = valid
             if g_row is None:
                 return None
             gr = g_row[rows]
@@ -1031,9 +1033,16 @@ class FlexHead(PanelHead):
             sp = torch.where(out, 0.0, sp)
         return out, t.m, logw, sp
 
-    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+    def report(self, st: _FlexState) -> Tuple[Tensor, ...]:
+        """Each row's validity once reduced: the rows a "mean" counts."""
+        return (torch.ones_like(st.row, dtype=torch.bool) if st.valid is None else st.valid,)
+
+    def dense_reported(
+        self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()
+    ) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tuple[Tensor, ...]]:
         """The losses from the whole score matrix by differentiable torch ops (the dense
-        backend; second derivatives); the captured tensors enter through ``score_mod``."""
+        backend; second derivatives), the captured tensors entering through
+        ``score_mod``, and each row's validity (:meth:`report`)."""
         if self.counter is not None:
             counted = self.counter.state(s.shape[0], s.shape[1], s, None)
             self.counter.reduce(s.detach().clone(), tile, counted)
@@ -1049,8 +1058,8 @@ class FlexHead(PanelHead):
             pos = m != 0
             p = _safe_logsumexp(torch.where(pos, z, -_INF), 1)
             n = _safe_logsumexp(torch.where(pos, -_INF, z), 1)
-            self.valid_rows = self.sets.counted(p.detach(), n.detach())
-            return torch.where(self.valid_rows, self.sets.loss(p, n), zero), None
+            valid = self.sets.counted(p.detach(), n.detach())
+            return (torch.where(valid, self.sets.loss(p, n), zero), None), (valid,)
         if self.pair_sum is not None:
             terms = sp if logw is None else sp * torch.exp(logw)
             pos, neg = ~out & (m != 0), ~out & (m == 0)
@@ -1059,9 +1068,8 @@ class FlexHead(PanelHead):
                 pos, neg = pos & nonzero, neg & nonzero
             w = torch.ones_like(terms) if logw is None else torch.exp(logw)
             a, b = self.pair_scales(torch.where(pos, w, zero).sum(1), torch.where(neg, w, zero).sum(1))
-            self.valid_rows = torch.ones(r, dtype=torch.bool, device=s.device)
             rows_loss = a * torch.where(pos, terms, zero).sum(1) + b * torch.where(neg, terms, zero).sum(1)
-            return rows_loss, None
+            return (rows_loss, None), (torch.ones(r, dtype=torch.bool, device=s.device),)
         if self.kind == "sigmoid":
             bias = params[0].to(s.dtype) if self.learn_bias and params else self.bias
             x = sp + bias
@@ -1069,8 +1077,7 @@ class FlexHead(PanelHead):
             if logw is not None:
                 terms = terms * torch.exp(logw)
             rows_loss = torch.where(out, zero, terms).sum(1)
-            self.valid_rows = torch.ones(r, dtype=torch.bool, device=s.device)
-            return rows_loss, None
+            return (rows_loss, None), (torch.ones(r, dtype=torch.bool, device=s.device),)
         if self.fns.modifies and bool((torch.isneginf(sp.detach()) & (m > 0)).any()):
             raise ValueError("score_mod returned -inf on a positive pair: a positive must stay in the denominator")
         z = sp if logw is None else sp + logw
@@ -1078,8 +1085,7 @@ class FlexHead(PanelHead):
         mp = torch.where(m == 0, zero, m * sp)  # a NaN weight stays NaN
         lse = _safe_logsumexp(z, 1)
         c_, a_, valid = self._weights(self.positives, lse.detach(), m.sum(1), (m != 0).sum(1).to(s.dtype))
-        self.valid_rows = valid
-        return torch.where(valid, c_ * torch.where(valid, lse, zero) - a_ * mp.sum(1), zero), None
+        return (torch.where(valid, c_ * torch.where(valid, lse, zero) - a_ * mp.sum(1), zero), None), (valid,)
 
 
 def _namespace(view: View) -> SimpleNamespace:
@@ -1312,13 +1318,17 @@ class StatisticsHead(FlexHead):
         pass
 
     def values(self, st: Any) -> Tuple[Tensor, Optional[Tensor]]:
-        self.valid_rows = torch.ones_like(st.pos_sum, dtype=torch.bool)
         return torch.zeros_like(st.pos_sum), None
 
-    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+    def report(self, st: Any) -> Tuple[Tensor, ...]:
+        return ()  # its results are the statistics (:meth:`statistics`)
+
+    def dense_reported(
+        self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()
+    ) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tuple[Tensor, ...]]:
         st = self.state(s.shape[0], s.shape[1], s, None)
         self.reduce(s.detach().clone(), tile, st)  # reduce may overwrite its tile
-        return self.values(st)
+        return self.values(st), ()
 
     def statistics(self) -> Dict[str, Tensor]:
         """The statistics of the last run's rows, by name (:data:`STATISTICS`)."""

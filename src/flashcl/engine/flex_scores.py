@@ -4,7 +4,7 @@ block handed to the head as the tiled driver hands it a block of computed scores
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -18,9 +18,10 @@ __all__ = ["FlexScores"]
 
 
 class FlexScores(FusedFunction):
-    """``apply(scores, scale, head, reduce_weights, block, *params)``: the flex head's
-    per-row losses (M,) of ``s = scale * scores`` (M, N), or, with ``reduce_weights``
-    (M,), ``sum r * rows`` with every gradient formed in the same visit."""
+    """``apply(scores, scale, head, reduce_weights, block, *params) -> (losses, valid)``:
+    the flex head's per-row losses (M,) of ``s = scale * scores`` (M, N), or, with
+    ``reduce_weights`` (M,), ``sum r * rows`` with every gradient formed in the same
+    visit; and each row's validity (:meth:`~flashcl.engine.flex.FlexHead.report`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -31,7 +32,7 @@ class FlexScores(FusedFunction):
         reduce_weights: Optional[Tensor],
         block: int,
         *params: Tensor,
-    ) -> Tensor:
+    ) -> Tuple[Tensor, Tensor]:
         dtype = compute_dtype(scores.dtype)
         m, n = scores.shape
         sc = float(scale)
@@ -54,7 +55,9 @@ class FlexScores(FusedFunction):
             grads = (grad, dscale, *head.param_grads(st, len(params)))
         inputs = (scores, scale, *params) if needs_grad else (None,) * (2 + len(params))
         FusedFunction.setup(ctx, inputs, grads=grads, slots=(0, 1, *range(5, 5 + len(params))))
-        return rows if reduce_weights is None else (reduce_weights * rows).sum()
+        (valid,) = head.report(st)
+        ctx.mark_non_differentiable(valid)
+        return (rows if reduce_weights is None else (reduce_weights * rows).sum()), valid
 
     @classmethod
     def dense(cls, ctx: Any, *inputs: Any) -> Tensor:

@@ -26,7 +26,8 @@ A head answers, for a tile ``s`` (rows ``tile.r0:tile.r1``, columns
 What only some drivers ask is a capability beside the core: :class:`KernelHead`
 (the Triton kernels), :class:`PanelHead` (the self-contrast driver's panels in one
 pass; without it the driver builds them from :meth:`Head.reduce` and
-:meth:`Head.grad`), :class:`PivotHead` (a positive term the head computes itself).
+:meth:`Head.grad`), :class:`PivotHead` (a positive term the head computes itself),
+:class:`ReportingHead` (results besides the losses, returned from its state).
 
 Tiles may be overwritten in place by every method (the drivers recompute
 scores when they need them again), so that no second buffer of a tile's size
@@ -61,6 +62,7 @@ __all__ = [
     "kernel_args",
     "reduce_panel",
     "grad_panel",
+    "ReportingHead",
     "takes_in",
     "value_weight",
     "grad_weight",
@@ -201,7 +203,8 @@ class Head:
 
     What only some drivers ask is a capability of its own: :class:`KernelHead` (the
     Triton kernels), :class:`PanelHead` (a head's own symmetric panels),
-    :class:`PivotHead` (a positive term the head computes itself).
+    :class:`PivotHead` (a positive term the head computes itself), :class:`ReportingHead`
+    (results besides the losses).
     """
 
     passes: int = 1
@@ -408,6 +411,26 @@ class PivotHead(Head):
         """The weight of the positive term of ``target`` in the gradient, once reduced,
         of the rows (or columns) ``rows``."""
         return weight[rows]
+
+
+class ReportingHead(Head):
+    """A head with results besides its losses (which rows a mean counts, how many pairs
+    were mined): formed in its state, returned by the engine beside the losses
+    (:func:`flashcl.engine.engine.run_reported`), never written on the head itself."""
+
+    def report(self, st: Any) -> Tuple[Tensor, ...]:
+        """The results, once the rows are reduced (tensors without gradient)."""
+        raise NotImplementedError
+
+    def dense_reported(
+        self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()
+    ) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tuple[Tensor, ...]]:
+        """:meth:`~Head.dense`'s losses and the results :meth:`report` gives, from the
+        whole score matrix."""
+        raise NotImplementedError
+
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+        return self.dense_reported(s, tile, params)[0]
 
 
 def takes_in(head: Head, target: str) -> bool:

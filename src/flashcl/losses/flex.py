@@ -379,9 +379,8 @@ def _direction(
         return (out if per_row else torch.where(valid, out, torch.zeros_like(out)).sum()), valid
     weights = None if per_row else (torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device), None)
     block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
-    out = source.run(q, scale, problem, weights, block, params, backend=name)
-    assert head.valid_rows is not None
-    return out, head.valid_rows
+    out, (valid,) = source.run_reported(q, scale, problem, weights, block, params, backend=name)
+    return out, valid
 
 
 def _statistics(
@@ -885,20 +884,18 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
     params: Tuple[Tensor, ...] = ((bias_t,) if learn_bias else ()) + captured  # type: ignore[assignment]
     per_row = opts.reduction == "none"
     with autocast_off(scores.device.type):
-        valid: Optional[Tensor] = None
         if name == "reference":
             sc = scale.to(dtype)
             spec = _spec(head_args, row_data, col_data)
             out, valid = flex_rows(lambda i: sc * scores[i : i + 1].to(dtype), m, n, spec, bias_t, scores)
         elif name == "dense":
             bias_param = (bias_t,) if learn_bias else ()
-            out, _ = head.dense(scale * scores.to(dtype), _tile(m, n, 0), bias_param + captured)  # type: ignore
+            s = scale * scores.to(dtype)
+            (out, _), (valid,) = head.dense_reported(s, _tile(m, n, 0), bias_param + captured)  # type: ignore
         else:
             weights = None if per_row else torch.ones(m, dtype=dtype, device=scores.device)
             block = block_size or flex_block(n, dtype)
-            out = FlexScores.apply(scores, scale, head, weights, block, *params)
-    valid = head.valid_rows if valid is None else valid
-    assert valid is not None
+            out, valid = FlexScores.apply(scores, scale, head, weights, block, *params)
     if name != "tiled" and not per_row:
         out = torch.where(valid, out, torch.zeros_like(out)).sum()
     return _reduce([(out, valid)], opts, backends.local(scores))

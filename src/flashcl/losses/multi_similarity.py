@@ -29,7 +29,7 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.heads import Head, softplus
+from ..engine.heads import ReportingHead, softplus
 from ..reference.families import multi_similarity_rows as _reference_rows
 
 __all__ = [
@@ -92,7 +92,7 @@ def row_counts(mask: Tensor, chunk: int = 4096) -> Tensor:
     return out
 
 
-class MultiSimilarityHead(Head):
+class MultiSimilarityHead(ReportingHead):
     """The Multi-Similarity loss as an engine head (see the module docstring).
 
     Each row's sums are shifted by its hardest pairs (the largest exponents of its mined
@@ -135,8 +135,6 @@ class MultiSimilarityHead(Head):
         self.neg_base = base if neg_base is None else neg_base
         #: each row's factors of its two terms (numbers or (M,) tensors): 1 / alpha, 1 / beta by default
         self.weights = (1.0 / alpha, 1.0 / beta) if weights is None else weights
-        #: the mined pairs' numbers (positive, negative) over this call's rows, once reduced
-        self.counts: Optional[Tuple[Tensor, Tensor]] = None
 
     # ------------------------------------------------------------------ a tile's pairs
     def _hardest(self, pairs: Pairs, neg: Tensor, rows: slice, st: _State) -> None:
@@ -208,7 +206,6 @@ class MultiSimilarityHead(Head):
         return lp, ln
 
     def values(self, st: _State) -> Tuple[Tensor, Optional[Tensor]]:
-        self.counts = (st.n_pos.sum(), st.n_neg.sum())
         lp, ln = self._logsums(st)
         wp, wn = self.weights
         return wp * softplus(lp) + wn * softplus(ln), None
@@ -256,9 +253,16 @@ class MultiSimilarityHead(Head):
         st.factors[0][rows], st.factors[1][rows] = sub.factors
         return self._grad_(s, mined, rows, st)
 
-    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+    def report(self, st: _State) -> Tuple[Tensor, ...]:
+        """The mined pairs' numbers (positive, negative) over this call's rows."""
+        return st.n_pos.sum(), st.n_neg.sum()
+
+    def dense_reported(
+        self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()
+    ) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tuple[Tensor, ...]]:
         """The rows by differentiable torch ops on the whole matrix (the dense backend and
-        second derivatives), the sets mined without gradient."""
+        second derivatives), the sets mined without gradient; the mined pairs' numbers
+        (:meth:`report`)."""
         with torch.no_grad():
             pos = self.row_ids[tile.r0 : tile.r1].unsqueeze(1) == self.col_ids[tile.c0 : tile.c1].unsqueeze(0)
             others = torch.ones_like(pos)
@@ -277,13 +281,13 @@ class MultiSimilarityHead(Head):
                 hard_neg = d.masked_fill(~neg, -_INF).amax(1, keepdim=True) if d.shape[1] else d[:, :0]
                 pos &= d < hard_neg + self.epsilon
                 neg &= d > hard_pos - self.epsilon
-        self.counts = (pos.sum().to(s.dtype), neg.sum().to(s.dtype))
+        counts = (pos.sum().to(s.dtype), neg.sum().to(s.dtype))
         xp = ((s - self.base) * -self.alpha).masked_fill(~pos, -_INF)
         xn = ((s - self.neg_base) * self.beta).masked_fill(~neg, -_INF)
         zero = s.new_zeros(s.shape[0], 1)  # log(1 + sum): a row without the set gives 0 (and no NaN gradient)
         wp, wn = self.weights
         rows = wp * torch.logsumexp(torch.cat([xp, zero], 1), 1)
-        return rows + wn * torch.logsumexp(torch.cat([xn, zero], 1), 1), None
+        return (rows + wn * torch.logsumexp(torch.cat([xn, zero], 1), 1), None), counts
 
 
 @shared_docs
@@ -359,24 +363,23 @@ def _multi_similarity(
     m = embeddings.shape[0]
     row_ids = ids[cols.offset : cols.offset + m]
     dtype = compute_dtype(embeddings.dtype)
-    name = backends.pick_name(
-        opts.backend, ("reference", "dense", "tiled"), m * cols.total, embeddings, "multi_similarity_loss", source=cols
-    )
     valid = torch.ones(m, dtype=dtype, device=embeddings.device)
     weights = runner.share(opts.reduction, opts.grad_scale, cols, valid)
-    if name == "reference":
+    head = MultiSimilarityHead(row_ids, ids, True, cols.offset, alpha, beta, base, eps)
+    scale = torch.ones((), dtype=dtype, device=embeddings.device)
+
+    def oracle() -> Tuple[Tensor, Tuple[Tensor, ...]]:
         hyper_ = (alpha, beta, base, math.nan if eps is None else eps)
         rows, n_pos, n_neg = _reference_rows(
             embeddings.to(dtype), cols.keys.to(dtype), row_ids, ids, cols.offset, True, hyper_
         )
-        out = rows if weights is None else (weights * rows).sum()
-    else:
-        head = MultiSimilarityHead(row_ids, ids, True, cols.offset, alpha, beta, base, eps)
-        scale = torch.ones((), dtype=dtype, device=embeddings.device)
-        pair = None if weights is None else (weights, None)
-        out = cols.run(embeddings, scale, Problem(head, (), True, cols.offset), pair, opts.block_size, backend=name)
-        assert head.counts is not None
-        n_pos, n_neg = head.counts
+        return rows, (n_pos, n_neg)
+
+    pair = None if weights is None else (weights, None)
+    problem = Problem(head, (), True, cols.offset)
+    out, (n_pos, n_neg) = backends.solve_reported(
+        embeddings, cols, scale, problem, pair, opts, "multi_similarity_loss", oracle
+    )
     # as pytorch-metric-learning: at most one mined pair of each kind in the global batch gives 0
     counts = torch.stack([n_pos, n_neg]).to(dtype)
     if cols.group is not None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -15,11 +15,6 @@ from ..compiled import compiles
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import autocast_off
 from ..engine.scores import TiledScores, auto_scores_block, dense_rows
-
-_SCORE_BACKENDS: Dict[str, Callable[[Tensor, CoreSpec], Tensor]] = {
-    "reference": reference.scores_loss,
-    "dense": dense_rows,
-}
 
 
 @compiles()
@@ -94,13 +89,10 @@ def neighbor_loss(
         raise ValueError(f"neighbors values must be column indices in [0, {n})")
     if exclude_diagonal and n < 2:
         raise ValueError("neighbor_loss needs n >= 2 when exclude_diagonal=True: the denominator would be empty")
-    # the score matrix already exists: no Triton kernel (the tiled backend's only n x n allocation is the gradient)
-    names = ("reference", "dense", "tiled")
-    name = backends.pick_name(backend, names, rows * n, scores, "neighbor_loss (a given score matrix)", auto="tiled")
-    return _neighbor(scores, neighbors.long(), exclude_diagonal, name, opts)
+    return _neighbor(scores, neighbors.long(), exclude_diagonal, opts)
 
 
-def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, name: str, opts: checks.Options) -> Tensor:
+def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, opts: checks.Options) -> Tensor:
     """:func:`neighbor_loss`'s body, one process being a world of one: this rank's rows
     of the global score matrix (one process: the whole matrix)."""
     rows, n = scores.shape
@@ -117,13 +109,24 @@ def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, name: s
     spec = CoreSpec(
         exclude_self=exclude_diagonal, index=neighbors, pos_mode="pairs", normalize=False, offset=source.offset
     )
-    with autocast_off(scores.device.type):
-        if name != "tiled":
-            losses = _SCORE_BACKENDS[name](scores, spec)
+
+    def by_rows(rows_of: Callable[[Tensor, CoreSpec], Tensor]) -> Callable[[], Tensor]:
+        def run() -> Tensor:
+            losses = rows_of(scores, spec)
             return runner.reduce(losses, torch.ones_like(losses), opts.reduction, opts.grad_scale, source)
+
+        return run
+
+    def tiled() -> Tensor:
         block = opts.block_size or auto_scores_block(n)
         ones = torch.ones(rows, dtype=compute_dtype(scores.dtype), device=scores.device)
         return TiledScores.apply(scores, spec, runner.share(opts.reduction, opts.grad_scale, source, ones), block)
+
+    # the score matrix already exists: no Triton kernel (the tiled backend's only n x n allocation is the gradient)
+    impls = {"reference": by_rows(reference.scores_loss), "dense": by_rows(dense_rows), "tiled": tiled}
+    family = "neighbor_loss (a given score matrix)"
+    with autocast_off(scores.device.type):
+        return backends.pick(opts.backend, impls, rows * n, scores, family, auto="tiled")()
 
 
 def sample_neighbors(

@@ -216,7 +216,7 @@ class Columns(Source):
                 x = torch.cat([x, shared.to(x.dtype)])
         return _gather_rows(x.detach(), self.sizes, self.group)
 
-    def run(
+    def run_reported(
         self,
         q: Tensor,
         scale: Tensor,
@@ -225,14 +225,15 @@ class Columns(Source):
         block_size: Optional[int],
         params: Sequence[Tensor] = (),
         backend: str = "tiled",
-    ) -> Tensor:
-        """``problem``'s losses of this rank's rows ``q`` against the global columns:
-        backend ``backend`` on the gathered keys, or the ring driver (tiled)."""
+    ) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        """``problem``'s losses of this rank's rows ``q`` against the global columns (and
+        what its head reports): backend ``backend`` on the gathered keys, or the ring
+        driver (tiled)."""
         if not self.ring:
-            return backends.run_problem(q, self.keys, scale, problem, backend, weights, block_size, params)
+            return backends.run_problem_reported(q, self.keys, scale, problem, backend, weights, block_size, params)
         ring = RingDriver(self.sizes, self.group)
         block = block_size or auto_block(q.shape[0], max(self.sizes), compute_dtype(q.dtype), self_contrast=True)
-        return engine.run(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, params)
+        return engine.run_reported(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, params)
 
     def count(self, n: Tensor) -> Tensor:
         return _global_count(n, self.group)
