@@ -1258,7 +1258,8 @@ class StatisticsHead(FlexHead):
     ``s`` before ``score_mod``, over the pairs ``positive`` names (the self pair left out)
     and the others (the self pair left out); ``exclude`` is not applied (the functions that
     read the statistics may be ``exclude`` itself). Every tile is visited (no block mask).
-    Its :meth:`values` are zeros; :meth:`statistics` gives the rows' statistics after a run:
+    Its :meth:`values` are zeros; it reports the rows' statistics (:meth:`report`, in the
+    order of :data:`~flashcl.core.STATISTICS`):
 
     * ``hardest_positive``: the lowest ``s`` among the positives (``+inf``: none);
     * ``hardest_negative``: the highest among the others (``-inf``: none);
@@ -1270,11 +1271,9 @@ class StatisticsHead(FlexHead):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**dict(kwargs, symmetric=False, sparsity=None))
         self.sets = None
-        self.result: Optional[_Statistics] = None
 
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _Statistics:  # type: ignore[override]
-        self.result = _Statistics(m, like)
-        return self.result
+        return _Statistics(m, like)
 
     def reduce(self, s: Tensor, tile: Tile, st: _Statistics, p: int = 0) -> None:  # type: ignore[override]
         rows = slice(tile.r0, tile.r1)
@@ -1321,19 +1320,16 @@ class StatisticsHead(FlexHead):
         return torch.zeros_like(st.pos_sum), None
 
     def report(self, st: Any) -> Tuple[Tensor, ...]:
-        return ()  # its results are the statistics (:meth:`statistics`)
+        """The rows' statistics, in the order of :data:`~flashcl.core.STATISTICS`."""
+        found = statistics_of(st, slice(None))
+        return tuple(found[name] for name in STATISTICS)
 
     def dense_reported(
         self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()
     ) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tuple[Tensor, ...]]:
         st = self.state(s.shape[0], s.shape[1], s, None)
         self.reduce(s.detach().clone(), tile, st)  # reduce may overwrite its tile
-        return self.values(st), ()
-
-    def statistics(self) -> Dict[str, Tensor]:
-        """The statistics of the last run's rows, by name (:data:`STATISTICS`)."""
-        assert self.result is not None, "the statistics pass has not run"
-        return statistics_of(self.result, slice(None))
+        return self.values(st), self.report(st)
 
 
 def statistics_of(st: _Statistics, rows: slice) -> Dict[str, Tensor]:

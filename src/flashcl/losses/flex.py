@@ -408,8 +408,8 @@ def _statistics(
             return flex_statistics(lambda i: sc * (qn[i : i + 1] @ kn.T), q.shape[0], kn.shape[0], spec, q)
         block = opts.block_size or flex_block(source.total, dtype)
         problem = Problem(head, (), opts.normalize, head.offset)
-        source.run(q.detach(), scale.detach(), problem, None, block, (), backend=name)
-    return head.statistics()
+        _, found = source.run_reported(q.detach(), scale.detach(), problem, None, block, (), backend=name)
+    return dict(zip(STATISTICS, found))
 
 
 def _captured(fns: FlexFunctions, rows: Dict[str, Tensor], cols: Dict[str, Tensor], like: Tensor) -> Tuple[Tensor, ...]:
@@ -924,7 +924,7 @@ def _score_statistics(
     for r0 in range(0, m, block):
         r1 = min(m, r0 + block)
         head.reduce(sc * scores[r0:r1].detach().to(dtype), Tile(r0, r1, 0, n, 0), st)
-    return head.statistics()
+    return dict(zip(STATISTICS, head.report(st)))
 
 
 def _kind(o: Dict[str, Any]) -> Any:
@@ -1121,8 +1121,7 @@ def flex_dense_mask(
     stats: Dict[str, Tensor] = {}
     if reads_statistics(fns, row_data, col_data, q, keys_too=own):
         counter = StatisticsHead(rows=row_data, cols=col_data, **args)
-        counter.dense(s, tile)
-        stats = counter.statistics()
+        stats = dict(zip(STATISTICS, counter.dense_reported(s, tile)[1]))
         row_data = {**row_data, **stats}
         col_data = {**col_data, **stats} if own else col_data
     head = FlexHead(rows=row_data, cols=col_data, **args)
