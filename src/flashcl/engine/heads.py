@@ -35,7 +35,7 @@ is needed on the common paths.
 
 Adding a loss whose nonlinear part is new = one :class:`Head` subclass
 (see CONTRIBUTING.md); the backends need no change, except the Triton kernels,
-which implement the heads named by :attr:`Head.kernel`.
+which implement the heads named by :attr:`KernelHead.kernel`.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def default_config(d: int, dtype: torch.dtype) -> Config:
     return Config(64, 64, block_k, block_do, 4, 2)
 
 
-#: the heads the kernels implement (``Head.kernel``), as the kernels' ``HEAD``
+#: the heads the kernels implement (``KernelHead.kernel``), as the kernels' ``HEAD``
 HEADS = {"softmax": 0, "softplus": 1}
 
 
@@ -177,7 +177,7 @@ def gradients(
 
 class TritonDriver(Driver):
     """The engine's driver on Triton kernels, for the heads they implement
-    (:attr:`~flashcl.engine.heads.Head.kernel` in :data:`HEADS`: the softmax and SigLIP's
+    (:attr:`~flashcl.engine.heads.KernelHead.kernel` in :data:`HEADS`: the softmax and SigLIP's
     softplus): the rows' (and CLIP's columns') reductions in one kernel, the
     gradients ``dQ^ = G K^`` and ``dK^ = G^T Q^`` in two, every tile rebuilt on
     chip from the embeddings and the saved reductions.
