@@ -368,7 +368,7 @@ def test_margin_head_on_the_engine_equals_its_dense_form(k: int) -> None:
     ``g (p_iy - 1)``."""
     from flashcl import engine
     from flashcl.engine.columns import ColumnBlocks
-    from flashcl.engine.proxies import MarginHead
+    from flashcl.losses.margin_blocks import MarginHead
 
     g = torch.Generator().manual_seed(21)
     e = torch.randn(9, 5, dtype=torch.float64, generator=g)

@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import backends, parallel, runner
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction
-from ..engine.proxies import Margin, Shard, auto_class_block
+from .margin_blocks import Margin, Shard, auto_class_block
 
 __all__ = ["sample_classes", "sharded_margin", "kept_labels"]
 
@@ -44,7 +44,7 @@ class _GroupShard(Shard):
 class _ShardedMargin(FusedFunction):
     """``apply(e, w, scale, labels, opts, weights, factor, sizes, group, share) -> rows``: the
     global rows' losses (every rank alike) of this rank's embeddings ``e`` and every
-    rank's, over every rank's class slice (a :class:`~flashcl.engine.proxies.MarginHead`
+    rank's, over every rank's class slice (a :class:`~flashcl.losses.margin_blocks.MarginHead`
     on :class:`~flashcl.engine.columns.ColumnBlocks` joined by a :class:`_GroupShard`);
     ``labels``: the global rows' classes in this slice's ``w`` (-1: another slice's).
     Backward: ``weights`` (the global rows' factors of a scalar loss, or None: the

@@ -15,8 +15,8 @@ from ..checks import Example, Scalar, example_rows, scale_dtype
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.family_heads import SoftTargetHead
 from ..runner import unit_rows
+from .family_heads import SoftTargetHead
 
 __all__ = ["distill_loss", "DistillLoss"]
 

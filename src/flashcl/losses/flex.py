@@ -30,12 +30,12 @@ from ..engine.flex import (
     reads_statistics,
     takes_scores,
 )
-from ..engine.flex_scores import FlexScores
 from ..engine.heads import softplus
 from ..engine.matryoshka import check_dims
 from ..engine.sparsity import BlockSparsity
 from ..reference.flex import FlexSpec, flex_rows, flex_statistics
 from .flex_blocks import BlockMask
+from .flex_scores import FlexScores
 
 __all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle", "FlexPairSum"]
 

@@ -3,7 +3,7 @@
 
 The class weights ``W`` (C, D) are visited in blocks of classes (the engine's
 :class:`~flashcl.engine.columns.ColumnBlocks` with a
-:class:`~flashcl.engine.proxies.MarginHead`): each block's cosines ``e^_i . w^_j``
+:class:`~flashcl.losses.margin_blocks.MarginHead`): each block's cosines ``e^_i . w^_j``
 (the block's weights normalised as it is formed, never a normalised copy of W) feed
 a running logsumexp per row; a second visit forms each block's gradient and writes
 its rows of ``dW``. The target logits ``s f(cos_y)`` are formed apart, in O(B D), by
@@ -24,9 +24,9 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..engine.proxies import TARGETS, Margin, TargetFn, auto_class_block, margin_rows, target_logits, target_rows
 from ..reference.families import margin_rows as margin_oracle_rows
 from .class_shards import kept_labels, sharded_margin
+from .margin_blocks import TARGETS, Margin, TargetFn, auto_class_block, margin_rows, target_logits, target_rows
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
 
@@ -48,7 +48,7 @@ def _dense_rows(
 
 class _MarginRows(FusedFunction):
     """``apply(e, w, scale, labels, opts, weights) -> rows``: per-row margin-softmax
-    losses over blocks of classes (:class:`~flashcl.engine.proxies.Margin`);
+    losses over blocks of classes (:class:`~flashcl.losses.margin_blocks.Margin`);
     ``weights``: each row's factor of a scalar loss, whose gradient is then formed in
     the forward pass (both visits)."""
 

@@ -15,7 +15,8 @@ from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.maxsim import (
+from ..parallel.ring import RingScores
+from .maxsim_scores import (
     CrossEntropyRows,
     MaxSimScores,
     PairedMaxSimScores,
@@ -24,7 +25,6 @@ from ..engine.maxsim import (
     paired_block,
     paired_scores,
 )
-from ..parallel.ring import RingScores
 
 __all__ = ["maxsim_scores", "maxsim_loss", "MaxSimLoss", "maxsim_distill_loss", "MaxSimDistillLoss"]
 

@@ -1,6 +1,6 @@
 """Multi-label SupCon: positives weighted by the Jaccard similarity of multi-hot label
 sets, formed tile by tile from the label rows (never B x B; the head:
-:class:`flashcl.engine.family_heads.JaccardHead`): the body of
+:class:`flashcl.losses.family_heads.JaccardHead`): the body of
 :func:`flashcl.supcon_loss` with (B, C) labels."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from .. import backends, checks, parallel, runner
 from ..backends import auto_block
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.family_heads import JaccardHead, jaccard_row_weights
 from ..reference.families import multilabel_rows as _reference
+from .family_heads import JaccardHead, jaccard_row_weights
 
 __all__ = ["multilabel_supcon"]
 

@@ -14,8 +14,8 @@ from ..checks import Example, Scalar, example_rows
 from ..compiled import compiles
 from ..core import CoreSpec, Exclusions, compute_dtype
 from ..engine.engine import Problem, autocast_off
-from ..engine.family_heads import DebiasedHead
 from ..runner import unit_rows
+from .family_heads import DebiasedHead
 
 
 @shared_docs

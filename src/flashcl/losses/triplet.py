@@ -39,7 +39,9 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import Tile, compute_dtype
 from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..engine.triplets import (
+from ..parallel.ring import RingDriver, ring_pass
+from ..reference.families import triplet_rows as _reference_rows
+from .triplet_rows import (
     ColumnMiner,
     TripletRows,
     auto_triplet_block,
@@ -48,8 +50,6 @@ from ..engine.triplets import (
     distances,
     grads_from,
 )
-from ..parallel.ring import RingDriver, ring_pass
-from ..reference.families import triplet_rows as _reference_rows
 
 __all__ = ["triplet_loss", "TripletLoss", "distances"]
 
@@ -214,7 +214,7 @@ class _TripletRing(FusedFunction):
     """``apply(x, yq, yk, spec, sizes, group) -> (rows, counts)``: the triplet losses of
     this rank's anchors ``x`` (labels ``yq``) against every rank's rows, the blocks
     passed round the ring (no rank holds more than its own rows and one visitor):
-    :class:`flashcl.engine.triplets.ColumnMiner` over the visiting blocks, once for
+    :class:`flashcl.losses.triplet_rows.ColumnMiner` over the visiting blocks, once for
     batch-hard, twice for batch-all and semi-hard (the positives' distances, then the
     negatives); ``yk``: every rank's labels. Backward passes the blocks again, each
     block's gradient travelling with it back to its owner."""

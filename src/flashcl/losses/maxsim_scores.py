@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .engine import FusedFunction
+from ..engine.engine import FusedFunction
 
 __all__ = ["MaxSimScores", "PairedMaxSimScores", "CrossEntropyRows", "dense_scores", "paired_scores", "auto_blocks"]
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from ..core import Tile, compute_dtype
-from .engine import FusedFunction
-from .heads import mask_self_
+from ..engine.engine import FusedFunction
+from ..engine.heads import mask_self_
 
 __all__ = [
     "distances",

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..core import Tile
-from .heads import Head, WorkBuffer, lse_inplace, mask_columns_, mask_self_, row_dot
+from ..engine.heads import Head, WorkBuffer, lse_inplace, mask_columns_, mask_self_, row_dot
 
 __all__ = ["DebiasedHead", "SoftTargetHead", "JaccardHead", "jaccard", "jaccard_row_weights"]
 

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .columns import ColumnBlocks
-from .engine import Problem, normalize_rows, visit_grads, visit_values
-from .heads import Head, Tile, lse_inplace, row_dot
+from ..engine.columns import ColumnBlocks
+from ..engine.engine import Problem, normalize_rows, visit_grads, visit_values
+from ..engine.heads import Head, Tile, lse_inplace, row_dot
 
 __all__ = [
     "TARGETS",

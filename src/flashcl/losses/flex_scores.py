@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .engine import FusedFunction
-from .flex import FlexHead
-from .heads import Tile
+from ..engine.engine import FusedFunction
+from ..engine.flex import FlexHead
+from ..engine.heads import Tile
 
 __all__ = ["FlexScores"]
 
