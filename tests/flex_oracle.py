@@ -159,7 +159,7 @@ def positives_forms(request: Any, monkeypatch: Any) -> None:
     """The flex head's two forms of binary positives, for a parametrized autouse fixture:
     ``"as_needed"`` (sparse while at most 1/16 of a tile is positive, the default) and
     ``"sparse"`` (always: the small tiles of the tests are otherwise mostly dense)."""
-    from flashcl.engine import flex
+    from flashcl.losses import flex_head as flex
 
     if request.param == "sparse":
         monkeypatch.setattr(flex, "SPARSE_POSITIVES_MAX_DENSITY", 1.0)

@@ -31,7 +31,7 @@ def _positives_form(request: Any, monkeypatch: Any) -> None:
     (reduce, then the gradient) instead of complete row blocks, as the ring and a block
     mask visit them."""
     if request.param == "tile passes":
-        monkeypatch.setattr(flashcl.engine.flex.FlexHead, "fuses_rows", False)
+        monkeypatch.setattr(flashcl.losses.flex_head.FlexHead, "fuses_rows", False)
         return
     flex_oracle.positives_forms(request, monkeypatch)
 

@@ -66,12 +66,12 @@ from .. import backends, checks, runner
 from ..base import peer_import_error
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import Problem
-from ..engine.flex import PairSets
 from ..engine.heads import Head, Tile, mask_columns_, softplus
 from ..engine.positives import Positives
 from ..losses.circle import circle_loss
 from ..losses.contrastive import contrastive_loss
 from ..losses.flex import FlexCircle, FlexMultiSimilarity, FlexPairSum, flex_loss
+from ..losses.flex_head import PairSets
 from ..losses.multi_similarity import multi_similarity_loss
 from ..losses.proxy_anchor import proxy_anchor_loss
 from .options import FlashclOptions

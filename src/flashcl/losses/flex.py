@@ -1,5 +1,5 @@
 """Your own contrastive loss as small functions of each pair, exact and O(batch):
-:func:`flex_loss` and :class:`FlexLoss`, on the flex head of :mod:`flashcl.engine.flex`
+:func:`flex_loss` and :class:`FlexLoss`, on the flex head of :mod:`flashcl.losses.flex_head`
 (the engine's drivers visit the tiles; the functions see each tile's anchors and keys)."""
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off, normalize_rows
-from ..engine.flex import (
+from ..engine.heads import softplus
+from ..engine.matryoshka import check_dims
+from ..engine.sparsity import BlockSparsity
+from ..reference.flex import FlexSpec, flex_rows, flex_statistics
+from .flex_blocks import BlockMask
+from .flex_head import (
     KINDS,
     POSITIVES,
     STATISTICS,
@@ -30,11 +35,6 @@ from ..engine.flex import (
     reads_statistics,
     takes_scores,
 )
-from ..engine.heads import softplus
-from ..engine.matryoshka import check_dims
-from ..engine.sparsity import BlockSparsity
-from ..reference.flex import FlexSpec, flex_rows, flex_statistics
-from .flex_blocks import BlockMask
 from .flex_scores import FlexScores
 
 __all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle", "FlexPairSum"]
@@ -394,7 +394,7 @@ def _statistics(
     opts: checks.Options,
 ) -> Dict[str, Tensor]:
     """The row statistics of the anchors ``q`` against ``source`` (a first visit of every
-    tile, without gradient), by name: :class:`flashcl.engine.flex.StatisticsHead`."""
+    tile, without gradient), by name: :class:`flashcl.losses.flex_head.StatisticsHead`."""
     head = StatisticsHead(rows=rows, cols=cols, **head_args)
     dtype = compute_dtype(q.dtype)
     with torch.no_grad():

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import Tensor
 
-from ..engine.flex import View, tile_result
+from .flex_head import View, tile_result
 
 __all__ = ["BlockMask", "flex_block_mask"]
 
@@ -153,7 +153,7 @@ def flex_block_mask(
         >>> mask.keep.shape
         torch.Size([8, 8])
     """
-    from ..engine.flex import takes_scores
+    from .flex_head import takes_scores
 
     if not callable(exclude):
         raise TypeError(f"exclude must be a function of (a, b), got {type(exclude).__name__}")

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction
-from ..engine.flex import FlexHead
 from ..engine.heads import Tile
+from .flex_head import FlexHead
 
 __all__ = ["FlexScores"]
 
@@ -21,7 +21,7 @@ class FlexScores(FusedFunction):
     """``apply(scores, scale, head, reduce_weights, block, *params) -> (losses, valid)``:
     the flex head's per-row losses (M,) of ``s = scale * scores`` (M, N), or, with
     ``reduce_weights`` (M,), ``sum r * rows`` with every gradient formed in the same
-    visit; and each row's validity (:meth:`~flashcl.engine.flex.FlexHead.report`)."""
+    visit; and each row's validity (:meth:`~flashcl.losses.flex_head.FlexHead.report`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]

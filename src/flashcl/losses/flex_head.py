@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..core import STATISTICS, View, tile_result
-from .heads import (
+from ..engine.heads import (
     PanelHead,
     ReportingHead,
     SoftmaxHead,
@@ -58,7 +58,7 @@ from .heads import (
     scratch,
     softplus,
 )
-from .sparsity import BlockSparsity
+from ..engine.sparsity import BlockSparsity
 
 __all__ = [
     "View",
