@@ -90,6 +90,11 @@ def _cases(data: Dict[str, Any], rows: slice, patches: slice, rank: int, world: 
                 f"koleo-{backend}",
                 lambda x, w, kw=kw, rows=rows, **g: flashcl.koleo_loss(x[0, rows], **kw, **g),
             ),
+            (  # above every product: each row is its own neighbour, at its global column (its gradient
+                # 0 in exact arithmetic: an eps of 0.1 keeps the rounding left of it small)
+                f"koleo-self-score-{backend}",
+                lambda x, w, kw=kw, rows=rows, **g: flashcl.koleo_loss(x[0, rows], eps=0.1, self_score=2.0, **kw, **g),
+            ),
         ]
     return out
 

@@ -5,6 +5,7 @@ rules (KoLeo's self product, a teacher whose logits take a gradient)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, List, Tuple
 
 import pytest
@@ -227,6 +228,25 @@ def test_koleo_self_product_rule_of_each_peer() -> None:
         got, want = flashcl.koleo_loss(a, self_score=-2.0, backend=backend), peer.KoLeoLoss()(e)
         assert_close(got, want, f"{backend}: self_score=-2", *TOL)
         assert_close(torch.autograd.grad(got, a)[0], torch.autograd.grad(want, e)[0], "its gradient", *TOL)
+
+
+@pytest.mark.parametrize("backend", ["reference", "dense", "tiled"])
+def test_koleo_self_score_above_every_product_makes_each_row_its_own_neighbour(backend: str) -> None:
+    """``self_score`` above every cosine: each row's neighbour is itself, at distance
+    ``|eps 1| = eps sqrt(D)`` (the formula's ``+ eps`` inside the norm): one sample, a batch
+    not a multiple of the block, half precision, the Module twin."""
+    eps, d = 1e-3, 5
+    want = -math.log(eps * math.sqrt(d) + eps)
+    for b in (1, 7):
+        x = torch.randn(b, d, dtype=F64, generator=torch.Generator().manual_seed(b))
+        got = flashcl.koleo_loss(x, eps=eps, self_score=2.0, backend=backend, block_size=3)
+        assert abs(float(got) - want) < 1e-9, (b, float(got), want)
+    module = flashcl.KoLeoLoss(eps=eps, self_score=2.0, backend=backend, block_size=3)
+    x = torch.randn(6, d, generator=torch.Generator().manual_seed(3))
+    assert float(module(x)) == pytest.approx(want, rel=1e-5)
+    assert float(flashcl.koleo_loss(x.bfloat16(), eps=eps, self_score=2.0, backend=backend)) == pytest.approx(
+        want, rel=1e-2
+    )
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "x", True, torch.tensor(-2.0, requires_grad=True)])
