@@ -122,6 +122,46 @@ def test_the_oracles_import_nothing_of_the_engine() -> None:
     assert _reach("flashcl.core") == set()
 
 
+def _writes_to_self(node: ast.AST) -> bool:
+    """An assignment to ``self.x``, ``self.x[...]`` or ``self.x.y`` (augmented too)."""
+    targets: List[ast.AST] = []
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    for target in targets:
+        for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+            while isinstance(t, (ast.Attribute, ast.Subscript)):
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    return True
+                t = t.value
+    return False
+
+
+def test_heads_return_results_through_their_state() -> None:
+    # a head is built once per call and may be run again (a second backward, the
+    # dense formula of a create-graph backward): what a run forms lives in the state
+    # it returns from ``state``, never on the head (a head's class: its name ends in
+    # "Head", or a base's does)
+    writing = set()
+    heads = 0
+    for path, text in FILES.items():
+        for cls in ast.walk(ast.parse(text)):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in cls.bases]
+            if not any(name.endswith("Head") for name in [cls.name, *bases]):
+                continue
+            heads += 1
+            for fn in cls.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name != "__init__":
+                    if any(_writes_to_self(n) for n in ast.walk(fn)):
+                        writing.add(f"{_name(path)}.{cls.name}.{fn.name}")
+    assert heads >= 15
+    assert writing == set()
+    assert _writes_to_self(ast.parse("self.rows[name][r] = v").body[0])
+
+
 def test_drop_ins_call_losses_not_the_engine() -> None:
     # a drop-in maps a peer's call onto flashcl's losses; the engine's heads, problems and
     # autograd Functions are the losses' business. The drop-ins still built on the engine

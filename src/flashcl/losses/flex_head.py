@@ -239,12 +239,16 @@ class _FlexState:
     """A flex head's accumulators: each row's logsumexp (or, with a fixed shift, its sum
     of ``exp(z - shift)`` until :meth:`FlexHead.finish`), the positives' score sum, weight
     sum and count (softmax); each row's loss sum (sigmoid); the gradients of the captured
-    tensors and the bias."""
+    tensors and the bias; the anchors' data the functions read (``fields``: with inline
+    statistics, a copy whose statistics are filled as they are formed)."""
 
-    def __init__(self, m: int, like: Tensor, n_params: int, kind: str, shift: Optional[float]) -> None:
+    def __init__(
+        self, m: int, like: Tensor, n_params: int, kind: str, shift: Optional[float], fields: Dict[str, Tensor]
+    ) -> None:
         def vec(fill: float = 0.0) -> Tensor:
             return like.new_full((m,), fill)
 
+        self.fields = fields
         self.shift = shift
         self.summing = shift is not None
         # the sigmoid kind's rows are sums of its pairs' terms; the softmax kind's logsumexps
@@ -439,39 +443,43 @@ class FlexHead(PanelHead, ReportingHead):
         self.n_params = int(learn_bias) + len(captured)
         #: the anchors' statistics' own head (their first pass), or None
         self.counter: Optional[StatisticsHead] = None
-        if inline_statistics:
-            self.rows = dict(rows)  # the statistics' fields are this head's, filled as they are formed
+        if inline_statistics:  # the statistics' fields are the state's, filled as they are formed
             self.passes = 2
             self.symmetric_tiles = False
             self.counter = StatisticsHead(
-                kind="softmax", positives="mean", fns=fns, rows=self.rows, cols=cols, row_base=row_base, own=own,
+                kind="softmax", positives="mean", fns=fns, rows=rows, cols=cols, row_base=row_base, own=own,
                 exclude_self=exclude_self, offset=offset,
             )  # fmt: skip
 
-    def _publish(self, st: Any, rows: slice) -> None:
+    @staticmethod
+    def _publish(st: _FlexState, rows: slice) -> None:
         """The statistics of ``rows`` (complete: every tile of theirs counted) as the
-        anchors' fields the functions read."""
-        for name, value in statistics_of(st, rows).items():
-            self.rows[name][rows] = value
+        anchors' fields the functions read (the state's)."""
+        for name, value in statistics_of(st.stats, rows).items():
+            st.fields[name][rows] = value
 
     # ------------------------------------------------------------------ a tile's terms
-    def _views(self, tile: Tile) -> Tuple[View, View]:
-        """The functions' ``(a, b)``: the tile's rows and columns, or, swapped, its columns
-        (the anchors, shaped (1, C, ...)) and its rows (the keys, (R, 1, ...))."""
+    def _views(self, tile: Tile, fields: Dict[str, Tensor]) -> Tuple[View, View]:
+        """The functions' ``(a, b)``: the tile's rows (their data ``fields``) and columns,
+        or, swapped, its columns (the anchors, shaped (1, C, ...)) and its rows (the keys,
+        (R, 1, ...))."""
         if self.swapped:
             a = View(self.cols, tile.c0, tile.c1, 0, "b", "the anchors' data (rows=)", "a")
-            b = View(self.rows, tile.r0, tile.r1, self.row_base, "a", "the keys' data (cols=)", "b")
+            b = View(fields, tile.r0, tile.r1, self.row_base, "a", "the keys' data (cols=)", "b")
             return a, b
-        a = View(self.rows, tile.r0, tile.r1, self.row_base, "a", "the anchors' data (rows=)", "a")
+        a = View(fields, tile.r0, tile.r1, self.row_base, "a", "the anchors' data (rows=)", "a")
         b = View(self.cols, tile.c0, tile.c1, 0, "b", "the keys' data (cols=)", "b")
         return a, b
 
-    def _terms(self, s: Tensor, tile: Tile, grad: bool = False, modify: bool = True) -> _Terms:
-        """The tile's terms (:class:`_Terms`), the functions called once each, checked;
-        ``grad``: with the graph of ``score_mod`` for the backward through it; ``modify``:
-        False leaves the scores as they are (the compiled tile functions modify them)."""
+    def _terms(
+        self, s: Tensor, tile: Tile, fields: Dict[str, Tensor], grad: bool = False, modify: bool = True
+    ) -> _Terms:
+        """The tile's terms (:class:`_Terms`), the functions called once each (the rows'
+        data ``fields``), checked; ``grad``: with the graph of ``score_mod`` for the
+        backward through it; ``modify``: False leaves the scores as they are (the compiled
+        tile functions modify them)."""
         r, c = s.shape
-        a, b = self._views(tile)
+        a, b = self._views(tile, fields)
         fns = self.fns
         excl = None
         if fns.exclude is not None:
@@ -598,14 +606,15 @@ class FlexHead(PanelHead, ReportingHead):
 
     # ------------------------------------------------------------------ reduction
     def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _FlexState:
-        st = self._state(m, n, like, bound)
+        fields = self.rows
+        if self.counter is not None:
+            fields = {**self.rows, **{name: like.new_zeros(m) for name in STATISTICS}}
+        st = self._state(m, like, bound, fields)
         if self.counter is not None:
             st.stats = self.counter.state(m, n, like, None)
-            for name in STATISTICS:
-                self.rows[name] = like.new_zeros(m)
         return st
 
-    def _state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _FlexState:
+    def _state(self, m: int, like: Tensor, bound: Optional[float], fields: Dict[str, Tensor]) -> _FlexState:
         shift = None
         if self.kind == "softmax" and not self.fns.modifies and self.fns.weight is None:
             # |z| <= |s| <= bound: one exp per entry. Where a fixed shift is usable at all
@@ -613,10 +622,10 @@ class FlexHead(PanelHead, ReportingHead):
             # underflows, so the shift is 0 and the tile is exponentiated as it is
             shift = None if SoftmaxHead.usable_shift(bound, like.dtype) is None else 0.0
         if self.sets is not None:  # two log-sum-exps per row: P in ``pos``, N in ``row``
-            st = _FlexState(m, like, self.n_params, "softmax", None)
+            st = _FlexState(m, like, self.n_params, "softmax", None, fields)
             st.pos.fill_(-_INF)
         else:
-            st = _FlexState(m, like, self.n_params, self.kind, shift)
+            st = _FlexState(m, like, self.n_params, self.kind, shift, fields)
         if self.kind in ("sigmoid", "pair_sum"):  # every row counts (none at all on a rank without anchors)
             st.valid = torch.ones(m, dtype=torch.bool, device=like.device)
         return st
@@ -727,7 +736,7 @@ class FlexHead(PanelHead, ReportingHead):
         rows = slice(tile.r0, tile.r1)
         if self.compiled is not None and self.compiled.reduce(s, tile, st):
             return
-        t = self._terms(s, tile)
+        t = self._terms(s, tile, st.fields)
         if self.sets is not None:
             self._add_sets(st, rows, *self._sets_z(t, tile))
             return
@@ -746,7 +755,7 @@ class FlexHead(PanelHead, ReportingHead):
         stands for below the diagonal (the functions called once)."""
         rows, b, right = slice(tile.r0, tile.r1), tile.r1 - tile.r0, tile.c1 > tile.r1
         below = slice(tile.r1, tile.c1)
-        t = self._terms(s, tile)
+        t = self._terms(s, tile, st.fields)
         if self.kind == "sigmoid":
             pair = self._pair_losses_(t, tile)
             st.row[rows] += pair.sum(1)
@@ -770,7 +779,7 @@ class FlexHead(PanelHead, ReportingHead):
 
     def finish(self, st: _FlexState, p: int = 0) -> None:
         if self.counter is not None and p == 0:
-            self._publish(st.stats, slice(None))
+            self._publish(st, slice(None))
             return
         if self.sets is not None:
             st.valid = self.sets.counted(st.pos, st.row)
@@ -915,7 +924,7 @@ class FlexHead(PanelHead, ReportingHead):
             g = self.compiled.grad(s, tile, st, st.g_row)
             if g is not None:
                 return s.copy_(g)
-        t = self._terms(s, tile, grad=self.fns.modifies)
+        t = self._terms(s, tile, st.fields, grad=self.fns.modifies)
         if self.sets is not None:
             g = self._sets_grad_(*self._sets_z(t, tile), st, rows)
         elif self.pair_sum is not None:
@@ -933,7 +942,7 @@ class FlexHead(PanelHead, ReportingHead):
         once."""
         assert st.g_row is not None
         rows, b, cols = slice(tile.r0, tile.r1), tile.r1 - tile.r0, slice(tile.r0, tile.c1)
-        t = self._terms(s, tile, grad=self.fns.modifies)
+        t = self._terms(s, tile, st.fields, grad=self.fns.modifies)
         if self.kind == "sigmoid":
             g = self._sigmoid_grad_(t, tile, st.g_row[rows], 1)
             g.add_(self._sigmoid_grad_(t, tile, st.g_row[cols], 0))
@@ -948,7 +957,7 @@ class FlexHead(PanelHead, ReportingHead):
         rows = slice(tile.r0, tile.r1)
         if self.counter is not None:  # complete rows: their statistics, then their terms
             self.counter.reduce(s.clone(), tile, st.stats)
-            self._publish(st.stats, rows)
+            self._publish(st, rows)
         if st.valid is None:
             st.valid = torch.ones_like(st.row, dtype=torch.bool)
         if self.compiled is not None:  # complete rows: their sums final here
@@ -959,7 +968,7 @@ class FlexHead(PanelHead, ReportingHead):
                 g = self.compiled.grad(s, tile, st, g_row, add_sums=True)
                 if g is not None:
                     return s.copy_(g)
-        t = self._terms(s, tile, grad=g_row is not None and self.fns.modifies)
+        t = self._terms(s, tile, st.fields, grad=g_row is not None and self.fns.modifies)
         if self.sets is not None:
             z, pos = self._sets_z(t, tile)
             self._add_sets(st, rows, z.clone(), pos)  # complete rows: final here
@@ -1011,16 +1020,18 @@ class FlexHead(PanelHead, ReportingHead):
 
     # ------------------------------------------------------------------ dense form
     def dense_terms(
-        self, s: Tensor, tile: Tile, guard: bool = False
+        self, s: Tensor, tile: Tile, guard: bool = False, fields: Optional[Dict[str, Tensor]] = None
     ) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
         """``(out, m, logw, s')`` of the whole matrix: the pairs out of every set (the self
         pair unless ``include_self``), the positives' weights, the log weights, the
         modified scores (differentiable in ``s``). ``guard``: the pairs out of every set
         enter the functions as constants and leave them (and the log weights) as 0, so
-        that nothing of theirs (a NaN, an infinite slope) reaches a gradient."""
+        that nothing of theirs (a NaN, an infinite slope) reaches a gradient; ``fields``:
+        the rows' data (default: the head's ``rows``)."""
         r, c = s.shape
-        a, b = self._views(tile)
-        t = self._terms(s.detach(), tile)
+        fields = self.rows if fields is None else fields
+        a, b = self._views(tile, fields)
+        t = self._terms(s.detach(), tile, fields)
         out = torch.zeros((r, c), dtype=torch.bool, device=s.device) if t.excl is None else t.excl.clone()
         if self.exclude_self:
             mask_self_(out, tile, True)  # type: ignore[arg-type]
@@ -1043,13 +1054,12 @@ class FlexHead(PanelHead, ReportingHead):
         """The losses from the whole score matrix by differentiable torch ops (the dense
         backend; second derivatives), the captured tensors entering through
         ``score_mod``, and each row's validity (:meth:`report`)."""
+        fields = self.rows
         if self.counter is not None:
             counted = self.counter.state(s.shape[0], s.shape[1], s, None)
             self.counter.reduce(s.detach().clone(), tile, counted)
-            for name in STATISTICS:
-                self.rows[name] = s.new_zeros(s.shape[0])
-            self._publish(counted, slice(None))
-        out, m, logw, sp = self.dense_terms(s, tile, guard=True)
+            fields = {**self.rows, **statistics_of(counted, slice(None))}
+        out, m, logw, sp = self.dense_terms(s, tile, guard=True, fields=fields)
         r = s.shape[0]
         zero = torch.zeros((), dtype=s.dtype, device=s.device)
         if self.sets is not None:
@@ -1176,17 +1186,17 @@ class CompiledPairs:
         self.head = head
         self.checked = False
 
-    def _inputs(self, s: Tensor, tile: Tile) -> Tuple[Any, ...]:
+    def _inputs(self, s: Tensor, tile: Tile, fields: Dict[str, Tensor]) -> Tuple[Any, ...]:
         head = self.head
         if not self.checked:  # the eager checks of every function's result, on one row
-            head._terms(s[:1].clone(), Tile(tile.r0, tile.r0 + 1, tile.c0, tile.c1, tile.offset))
+            head._terms(s[:1].clone(), Tile(tile.r0, tile.r0 + 1, tile.c0, tile.c1, tile.offset), fields)
             self.checked = True
-        t = head._terms(s, tile, modify=False)
+        t = head._terms(s, tile, fields, modify=False)
         play = torch.ones(s.shape, dtype=torch.bool, device=s.device)
         head._out_(play, t, tile, False)  # type: ignore[arg-type]
         member = t.m != 0
         w = None if t.logw is None else torch.exp(t.logw)
-        a, b = head._views(tile)
+        a, b = head._views(tile, fields)
         fns = head.fns
         return (
             s,
@@ -1215,7 +1225,7 @@ class CompiledPairs:
 
     def reduce(self, s: Tensor, tile: Tile, st: Any) -> bool:
         """The tile's sums and counts into the state; False where the eager head must."""
-        out = self._call("rows", *self._inputs(s, tile))
+        out = self._call("rows", *self._inputs(s, tile, st.fields))
         if out is None:
             return False
         self._add(st, slice(tile.r0, tile.r1), out)
@@ -1228,7 +1238,7 @@ class CompiledPairs:
         a, b = st.scales
         coef_pos = (g_row[rows] * a).to(s.dtype)
         coef_neg = (g_row[rows] * b).to(s.dtype)
-        out = self._call("grad", *self._inputs(s, tile), coef_pos, coef_neg)
+        out = self._call("grad", *self._inputs(s, tile, st.fields), coef_pos, coef_neg)
         if out is None:
             return None
         g, sums = out
@@ -1277,7 +1287,7 @@ class StatisticsHead(FlexHead):
 
     def reduce(self, s: Tensor, tile: Tile, st: _Statistics, p: int = 0) -> None:  # type: ignore[override]
         rows = slice(tile.r0, tile.r1)
-        a, b = self._views(tile)
+        a, b = self._views(tile, self.rows)
         raw = self._raw_positives(a, b, s)
         few = self._sparse_positives(raw, None, tile, s.dtype) if raw.dtype == torch.bool else None
         if few is not None:  # the positives' entries gathered; the rest is the tile with them at -inf
