@@ -191,14 +191,13 @@ def _compares_backend(node: ast.AST) -> bool:
 
 def test_loss_modules_hand_their_backends_to_one_place() -> None:
     # a family hands its problem and its oracle (backends.solve) or a table of its
-    # implementations (backends.pick) over; the modules that still branch on a backend
-    # name themselves, named here until they do
+    # implementations (backends.pick, flex's roads) over: none branches on a backend name
     branching = {
         _name(p)
         for p in ROOT.joinpath("losses").glob("*.py")
         if any(_compares_backend(n) for n in ast.walk(ast.parse(FILES[p])))
     }
-    assert branching == {"flashcl.losses.flex"}
+    assert branching == set()
     assert _compares_backend(ast.parse('name == "reference"').body[0].value)  # type: ignore[attr-defined]
 
 

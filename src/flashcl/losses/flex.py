@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -40,7 +40,6 @@ from .flex_scores import FlexScores
 __all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle", "FlexPairSum"]
 
 Fn = Optional[Callable[..., Any]]
-FLEX_BACKENDS = ("reference", "dense", "tiled")
 
 
 # ----------------------------------------------------------------------------- two-set kinds
@@ -271,7 +270,7 @@ def _probe(fns: FlexFunctions, rows: Dict[str, Tensor], cols: Dict[str, Tensor],
 # ----------------------------------------------------------------------------- the reference
 
 
-def _spec(head_args: Dict[str, Any], rows: Dict[str, Tensor], cols: Dict[str, Tensor]) -> FlexSpec:
+def _spec(head_args: Dict[str, Any]) -> FlexSpec:
     """The oracle's reading of a call (:class:`flashcl.reference.flex.FlexSpec`), from the
     call's options as the loss hands them to a head, not from the head."""
     kind = head_args["kind"]
@@ -282,8 +281,8 @@ def _spec(head_args: Dict[str, Any], rows: Dict[str, Tensor], cols: Dict[str, Te
         sets=kind if isinstance(kind, PairSets) else None,
         positives=head_args["positives"],
         set_means=head_args.get("set_means"),
-        rows=rows,
-        cols=cols,
+        rows=head_args["rows"],
+        cols=head_args["cols"],
         row_base=head_args.get("row_base", 0),
         own=head_args.get("own", False),
         exclude_self=head_args.get("exclude_self", False),
@@ -291,16 +290,6 @@ def _spec(head_args: Dict[str, Any], rows: Dict[str, Tensor], cols: Dict[str, Te
         swapped=head_args.get("swapped", False),
         join=head_args.get("join") or (lambda x: x),
     )
-
-
-def _reference_rows(
-    q: Tensor, k: Tensor, scale: Tensor, spec: FlexSpec, bias: Optional[Tensor]
-) -> Tuple[Tensor, Tensor]:
-    """The oracle's rows and the rows a "mean" counts, each anchor's scores against every key."""
-    rows, valid = flex_rows(lambda i: scale * (q[i : i + 1] @ k.T), q.shape[0], k.shape[0], spec, bias, q)
-    if q.shape[0] == 0:  # no anchors: the keys stay in the graph (a gathered key's backward is collective)
-        rows = (q @ k.T).sum(1)
-    return rows, valid
 
 
 def flex_block(n: int, dtype: torch.dtype) -> int:
@@ -345,71 +334,170 @@ def _tile(m: int, n: int, offset: int) -> Tile:
     return Tile(0, m, 0, n, offset)
 
 
+# ----------------------------------------------------------------------------- the backends
+
+Fields = Dict[str, Tensor]
+Params = Tuple[Tensor, ...]
+
+
+class _Oracle:
+    """The reference backend's road: the functions called one anchor at a time
+    (:mod:`flashcl.reference.flex`, which reads the call's options, never a head), on the
+    embeddings or on a given score matrix; the anchors' statistics a pass of their own."""
+
+    #: the anchors' statistics may be formed in a first pass of the losses' own visit
+    inline_statistics = False
+    #: a block mask's skipped tiles are never visited (else its promise is checked whole)
+    skips_tiles = False
+    #: the pair sum's tile functions may be compiled
+    compiles = False
+
+    @staticmethod
+    def _rows_and_keys(q: Tensor, source: backends.Source, normalize: bool) -> Tuple[Tensor, Tensor]:
+        dtype = compute_dtype(q.dtype)
+        qn, kn = q.to(dtype), (q if source.own else source.keys).to(dtype)
+        if normalize:
+            qn = normalize_rows(qn)
+            kn = qn if source.own else normalize_rows(kn)
+        return qn, kn
+
+    @torch.no_grad()
+    def statistics(self, q: Tensor, source: backends.Source, scale: Tensor, args: Dict, opts: Any) -> Fields:
+        """The row statistics of the anchors ``q`` against ``source``, by name."""
+        qn, kn = self._rows_and_keys(q.detach(), source, opts.normalize)
+        sc, spec = scale.detach().to(qn.dtype), _spec(args)
+        return flex_statistics(lambda i: sc * (qn[i : i + 1] @ kn.T), q.shape[0], kn.shape[0], spec, q)
+
+    def rows(
+        self, q: Tensor, source: backends.Source, scale: Tensor, args: Dict, params: Params, bias: Any, opts: Any
+    ) -> Tuple[Tensor, Tensor]:
+        """``(the per-row losses or, reduced, their sum, each row's validity)`` of the rows
+        ``q`` against ``source`` (``args``: the head's arguments, the data ``rows`` and
+        ``cols`` among them; ``bias``: the oracle's, ``params``: the engine's)."""
+        qn, kn = self._rows_and_keys(q, source, opts.normalize)
+        sc, spec = scale.to(qn.dtype), _spec(args)
+        with autocast_off(q.device.type):
+            out, valid = flex_rows(lambda i: sc * (qn[i : i + 1] @ kn.T), q.shape[0], kn.shape[0], spec, bias, q)
+        if q.shape[0] == 0:  # no anchors: the keys stay in the graph (a gathered key's backward is collective)
+            out = (qn @ kn.T).sum(1)
+        return _summed(out, valid, opts), valid
+
+    @torch.no_grad()
+    def score_statistics(self, scores: Tensor, scale: Tensor, args: Dict, block: Optional[int]) -> Fields:
+        """:meth:`statistics` on a given score matrix."""
+        sc = scale.detach().to(compute_dtype(scores.dtype))
+        spec = _spec(args)
+        m, n = scores.shape
+        return flex_statistics(lambda i: sc * scores[i : i + 1].detach().to(sc.dtype), m, n, spec, scores)
+
+    def score_rows(
+        self, scores: Tensor, scale: Tensor, args: Dict, params: Params, bias: Any, opts: Any
+    ) -> Tuple[Tensor, Tensor]:
+        """:meth:`rows` on a given score matrix."""
+        sc, spec = scale.to(compute_dtype(scores.dtype)), _spec(args)
+        m, n = scores.shape
+        out, valid = flex_rows(lambda i: sc * scores[i : i + 1].to(sc.dtype), m, n, spec, bias, scores)
+        return _summed(out, valid, opts), valid
+
+
+class _Engine:
+    """The engine's road, here its tiled backend (:class:`_Dense` its dense one): the flex
+    head on the engine's drivers (:meth:`flashcl.backends.Source.run_reported`), a given
+    score matrix a block of complete rows at a time
+    (:class:`~flashcl.losses.flex_scores.FlexScores`), the anchors' statistics a first pass
+    of the same head where they are the anchors' alone; a block mask's tiles skipped, the
+    pair sum's tile functions compiled."""
+
+    name = "tiled"
+    inline_statistics = True
+    skips_tiles = True
+    compiles = True
+
+    @torch.no_grad()
+    def statistics(self, q: Tensor, source: backends.Source, scale: Tensor, args: Dict, opts: Any) -> Fields:
+        head = StatisticsHead(**args)
+        block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
+        problem = Problem(head, (), opts.normalize, head.offset)
+        _, found = source.run_reported(q.detach(), scale.detach(), problem, None, block, (), backend=self.name)
+        return dict(zip(STATISTICS, found))
+
+    def rows(
+        self, q: Tensor, source: backends.Source, scale: Tensor, args: Dict, params: Params, bias: Any, opts: Any
+    ) -> Tuple[Tensor, Tensor]:
+        head = FlexHead(**args)
+        per_row = opts.reduction == "none"
+        weights = None if per_row else (torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device), None)
+        block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
+        problem = Problem(head, (), opts.normalize, head.offset)
+        out, (valid,) = source.run_reported(q, scale, problem, weights, block, params, backend=self.name)
+        return out, valid
+
+    @torch.no_grad()
+    def score_statistics(self, scores: Tensor, scale: Tensor, args: Dict, block: Optional[int]) -> Fields:
+        head = StatisticsHead(**args)
+        m, n = scores.shape
+        dtype = compute_dtype(scores.dtype)
+        sc = scale.detach().to(dtype)
+        st = head.state(m, n, sc, None)
+        block = block or flex_block(n, dtype)
+        for r0 in range(0, m, block):
+            r1 = min(m, r0 + block)
+            head.reduce(sc * scores[r0:r1].detach().to(dtype), Tile(r0, r1, 0, n, 0), st)
+        return dict(zip(STATISTICS, head.report(st)))
+
+    def score_rows(
+        self, scores: Tensor, scale: Tensor, args: Dict, params: Params, bias: Any, opts: Any
+    ) -> Tuple[Tensor, Tensor]:
+        m, n = scores.shape
+        dtype = compute_dtype(scores.dtype)
+        weights = None if opts.reduction == "none" else torch.ones(m, dtype=dtype, device=scores.device)
+        block = opts.block_size or flex_block(n, dtype)
+        head = FlexHead(**args)
+        return FlexScores.apply(scores, scale, head, weights, block, *params)
+
+
+class _Dense(_Engine):
+    """The engine's dense backend: the whole score matrix at once, a given one by the
+    head's differentiable dense form; a block mask's promise checked whole."""
+
+    name = "dense"
+    skips_tiles = False
+    compiles = False
+
+    def score_rows(
+        self, scores: Tensor, scale: Tensor, args: Dict, params: Params, bias: Any, opts: Any
+    ) -> Tuple[Tensor, Tensor]:
+        s = scale * scores.to(compute_dtype(scores.dtype))
+        head = FlexHead(**args)
+        (out, _), (valid,) = head.dense_reported(s, _tile(s.shape[0], s.shape[1], 0), params)
+        return _summed(out, valid, opts), valid
+
+
+_Road = Union[_Oracle, _Engine]
+
+#: the backends flex_loss computes with, each its road
+ROADS: Dict[str, _Road] = {"reference": _Oracle(), "dense": _Dense(), "tiled": _Engine()}
+FLEX_BACKENDS = tuple(ROADS)
+
+
+def _summed(out: Tensor, valid: Tensor, opts: Any) -> Tensor:
+    """Per-row losses (``reduction="none"``), or the sum of the valid rows'."""
+    return out if opts.reduction == "none" else torch.where(valid, out, torch.zeros_like(out)).sum()
+
+
 # ----------------------------------------------------------------------------- the body
 
 
 def _direction(
-    q: Tensor,
-    source: backends.Source,
-    rows: Dict[str, Tensor],
-    cols: Dict[str, Tensor],
-    scale: Tensor,
-    head_args: Dict[str, Any],
-    params: Tuple[Tensor, ...],
-    bias: Optional[Tensor],
-    name: str,
-    opts: checks.Options,
-    per_row: bool,
+    q: Tensor, source: backends.Source, scale: Tensor, args: Dict, params: Params, bias: Any, road: _Road, opts: Any
 ) -> Tuple[Tensor, Tensor]:
-    """One direction's rows: ``(the per-row losses or their sum, each row's validity)``
-    of the rows ``q`` (data ``rows``) against ``source`` (data ``cols``)."""
-    head = FlexHead(rows=rows, cols=cols, **head_args)
-    problem = Problem(head, (), opts.normalize, head.offset)
-    if head.sparsity is not None and name != "tiled":
-        _check_block_mask(q, q if source.own else source.keys, scale, head, opts.normalize)
-    if name == "reference":
-        keys = q if source.own else source.keys
-        dtype = compute_dtype(q.dtype)
-        qn, kn = q.to(dtype), keys.to(dtype)
-        if opts.normalize:
-            qn = normalize_rows(qn)
-            kn = qn if source.own else normalize_rows(kn)
-        with autocast_off(q.device.type):
-            out, valid = _reference_rows(qn, kn, scale.to(dtype), _spec(head_args, rows, cols), bias)
-        return (out if per_row else torch.where(valid, out, torch.zeros_like(out)).sum()), valid
-    weights = None if per_row else (torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device), None)
-    block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
-    out, (valid,) = source.run_reported(q, scale, problem, weights, block, params, backend=name)
-    return out, valid
-
-
-def _statistics(
-    q: Tensor,
-    source: backends.Source,
-    rows: Dict[str, Tensor],
-    cols: Dict[str, Tensor],
-    scale: Tensor,
-    head_args: Dict[str, Any],
-    name: str,
-    opts: checks.Options,
-) -> Dict[str, Tensor]:
-    """The row statistics of the anchors ``q`` against ``source`` (a first visit of every
-    tile, without gradient), by name: :class:`flashcl.losses.flex_head.StatisticsHead`."""
-    head = StatisticsHead(rows=rows, cols=cols, **head_args)
-    dtype = compute_dtype(q.dtype)
-    with torch.no_grad():
-        if name == "reference":
-            keys = q if source.own else source.keys
-            qn, kn = q.detach().to(dtype), keys.detach().to(dtype)
-            if opts.normalize:
-                qn, kn = normalize_rows(qn), normalize_rows(kn)
-            sc = scale.detach().to(dtype)
-            spec = _spec(head_args, rows, cols)
-            return flex_statistics(lambda i: sc * (qn[i : i + 1] @ kn.T), q.shape[0], kn.shape[0], spec, q)
-        block = opts.block_size or flex_block(source.total, dtype)
-        problem = Problem(head, (), opts.normalize, head.offset)
-        _, found = source.run_reported(q.detach(), scale.detach(), problem, None, block, (), backend=name)
-    return dict(zip(STATISTICS, found))
+    """One direction's rows on ``road``: ``(the per-row losses or their sum, each row's
+    validity)`` of the rows ``q`` against ``source`` (``args``: the head's arguments, the
+    rows' and columns' data among them); a block mask's promise checked where its tiles
+    are visited."""
+    if args["sparsity"] is not None and not road.skips_tiles:
+        _check_block_mask(q, q if source.own else source.keys, scale, FlexHead(**args), opts.normalize)
+    return road.rows(q, source, scale, args, params, bias, opts)
 
 
 def _captured(fns: FlexFunctions, rows: Dict[str, Tensor], cols: Dict[str, Tensor], like: Tensor) -> Tuple[Tensor, ...]:
@@ -687,13 +775,9 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
             row_base = 0
         else:
             row_base = sum(parallel.row_counts(q.shape[0], q.device, group)[: parallel.rank_of(group)])
-        names = FLEX_BACKENDS + (("triton",) if backend == "triton" else ())
-        # round the ring (strategy="ring") the runner picks the tiled backend, or refuses another
-        name = backends.pick_name(backend, names, q.shape[0] * source.total, q, "flex_loss", source=source)
-        if name == "triton":
-            raise ValueError(
-                "flex_loss has no Triton kernel (the functions run on each tile in torch): use backend='tiled'"
-            )
+        # round the ring (strategy="ring") the tiled backend, or a refusal of another
+        family = "flex_loss (its functions run on each tile in torch)"
+        road = ROADS[backends.pick_name(backend, FLEX_BACKENDS, q.shape[0] * source.total, q, family, source=source)]
         head_args: Dict[str, Any] = dict(
             kind=kind,
             positives=o["positives"],
@@ -715,23 +799,23 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
                 "the row statistics (hardest_negative, ...) are of the scores, which a distance of unnormalised rows "
                 "does not form: normalize=True, or a pair sum without them"
             )
-        if sides == ("a",) and name != "reference" and sparsity is None and not both_directions:
+        if sides == ("a",) and road.inline_statistics and sparsity is None and not both_directions:
             # the anchors' own: formed by the loss's head in a first pass (complete row blocks: on the
             # scores they hold); the fields here stand in for them where a function is probed
             dtype = compute_dtype(q.dtype)
             row_data = {**row_data, **{k: q.new_zeros(q.shape[0], dtype=dtype) for k in STATISTICS}}
             head_args["inline_statistics"] = True
         elif sides:
-            stats = _statistics(q, source, row_data, col_all, scale, head_args, name, opts)
+            stats = road.statistics(q, source, scale, dict(head_args, rows=row_data, cols=col_all), opts)
             row_data = {**row_data, **stats}
             if own:  # the keys are every rank's anchors: their statistics travel with them
                 col_all = {**col_all, **{k: source.gather(v) for k, v in stats.items()}}
         captured = _captured(fns, row_data, col_all, q)
         head_args["captured"] = captured
-        head_args["compiled"] = _compiles(o["compiled"], kind, captured, name, q.shape[0] * source.total)
+        head_args["compiled"] = _compiles(o["compiled"], kind, captured, road, q.shape[0] * source.total)
         all_params = params + captured
-        per_row = opts.reduction == "none"
-        out, valid = _direction(q, source, row_data, col_all, scale, head_args, all_params, bias_t, name, opts, per_row)
+        args = dict(head_args, rows=row_data, cols=col_all)
+        out, valid = _direction(q, source, scale, args, all_params, bias_t, road, opts)
         parts = [(out, valid)]
         if both_directions:
             # the column direction: the keys as anchors against every rank's queries, the functions still
@@ -745,11 +829,10 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
                 else sum(parallel.row_counts(keys.shape[0], q.device, group)[: parallel.rank_of(group)])
             )
             swapped = dict(
-                head_args, row_base=key_base, swapped=True, sparsity=None if sparsity is None else sparsity.transposed()
-            )
-            parts.append(
-                _direction(keys, back, col_data, q_all, scale, swapped, all_params, bias_t, name, opts, per_row)
-            )
+                args, rows=col_data, cols=q_all, row_base=key_base, swapped=True,
+                sparsity=None if sparsity is None else sparsity.transposed(),
+            )  # fmt: skip
+            parts.append(_direction(keys, back, scale, swapped, all_params, bias_t, road, opts))
         return _reduce(parts, opts, source)
 
 
@@ -862,7 +945,6 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
     kind, fns, scale, bias_t = _functions_and_scalars(o, own, scores)
     row_data = _check_data(rows, "rows", m, scores)
     col_data = row_data if own else _check_data(cols, "cols", n, scores)
-    dtype = compute_dtype(scores.dtype)
     learn_bias = bias_t is not None and bias_t.requires_grad
     head_args: Dict[str, Any] = dict(
         kind=kind,
@@ -874,57 +956,17 @@ def _flex_scores(o: Dict[str, Any]) -> Tensor:
         learn_bias=learn_bias,
         set_means=set_means,
     )
-    name = backends.pick_name(backend, FLEX_BACKENDS, m * n, scores, "flex_loss (a given score matrix)")
+    road = ROADS[backends.pick_name(backend, FLEX_BACKENDS, m * n, scores, "flex_loss (a given score matrix)")]
     if reads_statistics(fns, row_data, col_data, scores, keys_too=own):
-        stats = _score_statistics(scores, scale, row_data, col_data, head_args, name, block_size)
+        stats = road.score_statistics(scores, scale, dict(head_args, rows=row_data, cols=col_data), block_size)
         row_data = {**row_data, **stats}
         col_data = {**col_data, **stats} if own else col_data
     captured = _captured(fns, row_data, col_data, scores)
-    head = FlexHead(rows=row_data, cols=col_data, captured=captured, **head_args)
-    params: Tuple[Tensor, ...] = ((bias_t,) if learn_bias else ()) + captured  # type: ignore[assignment]
-    per_row = opts.reduction == "none"
+    args = dict(head_args, rows=row_data, cols=col_data, captured=captured)
+    params: Params = ((bias_t,) if learn_bias else ()) + captured  # type: ignore[assignment]
     with autocast_off(scores.device.type):
-        if name == "reference":
-            sc = scale.to(dtype)
-            spec = _spec(head_args, row_data, col_data)
-            out, valid = flex_rows(lambda i: sc * scores[i : i + 1].to(dtype), m, n, spec, bias_t, scores)
-        elif name == "dense":
-            bias_param = (bias_t,) if learn_bias else ()
-            s = scale * scores.to(dtype)
-            (out, _), (valid,) = head.dense_reported(s, _tile(m, n, 0), bias_param + captured)  # type: ignore
-        else:
-            weights = None if per_row else torch.ones(m, dtype=dtype, device=scores.device)
-            block = block_size or flex_block(n, dtype)
-            out, valid = FlexScores.apply(scores, scale, head, weights, block, *params)
-    if name != "tiled" and not per_row:
-        out = torch.where(valid, out, torch.zeros_like(out)).sum()
+        out, valid = road.score_rows(scores, scale, args, params, bias_t, opts)
     return _reduce([(out, valid)], opts, backends.local(scores))
-
-
-@torch.no_grad()
-def _score_statistics(
-    scores: Tensor,
-    scale: Tensor,
-    rows: Dict[str, Tensor],
-    cols: Dict[str, Tensor],
-    head_args: Dict[str, Any],
-    name: str,
-    block_size: Optional[int],
-) -> Dict[str, Tensor]:
-    """The row statistics on a given score matrix, a block of rows at a time (the
-    reference: one anchor at a time)."""
-    head = StatisticsHead(rows=rows, cols=cols, **head_args)
-    m, n = scores.shape
-    dtype = compute_dtype(scores.dtype)
-    sc = scale.detach().to(dtype)
-    if name == "reference":
-        return flex_statistics(lambda i: sc * scores[i : i + 1].to(dtype), m, n, _spec(head_args, rows, cols), scores)
-    st = head.state(m, n, sc, None)
-    block = block_size or flex_block(n, dtype)
-    for r0 in range(0, m, block):
-        r1 = min(m, r0 + block)
-        head.reduce(sc * scores[r0:r1].detach().to(dtype), Tile(r0, r1, 0, n, 0), st)
-    return dict(zip(STATISTICS, head.report(st)))
 
 
 def _kind(o: Dict[str, Any]) -> Any:
@@ -1028,11 +1070,11 @@ def _functions_and_scalars(o: Dict[str, Any], own: bool, like: Tensor) -> Tuple[
 COMPILE_FROM = 1 << 24
 
 
-def _compiles(given: Any, kind: Any, captured: Tuple[Tensor, ...], name: str, pairs: int) -> bool:
+def _compiles(given: Any, kind: Any, captured: Tuple[Tensor, ...], road: _Road, pairs: int) -> bool:
     """Whether the pair sum's tile functions are compiled (``compiled``: None, the rule)."""
     if given is not None:
         checks.check_bool(given, "compiled")
-    if not isinstance(kind, PairSum) or name != "tiled" or torch.compiler.is_compiling():
+    if not isinstance(kind, PairSum) or not road.compiles or torch.compiler.is_compiling():
         if given:
             raise ValueError("compiled=True takes kind='pair_sum' on the tiled backend")
         return False
