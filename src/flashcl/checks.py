@@ -33,6 +33,7 @@ __all__ = [
     "check_positive_scalar",
     "check_real_scalar",
     "check_block",
+    "check_dims",
     "same_device",
     "validate_pair",
     "validate_labelled",
@@ -325,3 +326,29 @@ def check_smoothing(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < 1.0):
         raise ValueError(f"label_smoothing must be a float in [0, 1), got {value!r}")
     return float(value)
+
+
+def check_dims(dims: object, weights: object, width: int) -> Tuple[List[int], List[float]]:
+    """The prefix widths, ascending, and their weights (default 1 each), checked."""
+    if isinstance(dims, (int, Tensor)) or not isinstance(dims, Sequence) or len(dims) == 0:
+        raise ValueError(f"matryoshka_dims must be a non-empty list of widths, got {dims!r}")
+    ds = list(dims)
+    for d in ds:
+        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= width:
+            raise ValueError(f"matryoshka_dims must be ints in [1, {width}] (the embedding width), got {dims!r}")
+    if len(set(ds)) != len(ds):
+        raise ValueError(f"matryoshka_dims must not repeat a width, got {dims!r}")
+    if weights is None:
+        ws = [1.0] * len(ds)
+    else:
+        if isinstance(weights, (int, float, Tensor)) or not isinstance(weights, Sequence) or len(weights) != len(ds):
+            raise ValueError(
+                f"matryoshka_weights must be a list with one weight per width ({len(ds)}), got {weights!r}"
+            )
+        ws = []
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ValueError(f"matryoshka_weights must be finite numbers, got {weights!r}")
+            ws.append(float(w))
+    order = sorted(range(len(ds)), key=lambda i: ds[i])
+    return [ds[i] for i in order], [ws[i] for i in order]

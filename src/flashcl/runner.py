@@ -187,7 +187,7 @@ def run(
     problem = problem_of(spec, m, n, dtype, pivots, source.group is not None, kernels=name == "triton")
     weights = _scalar_weights(spec, problem, m, opts, source, dtype, q.device, valid_weight)
     if widths is not None:
-        ds, ws = matryoshka.check_dims(widths[0], widths[1], q.shape[-1])
+        ds, ws = checks.check_dims(widths[0], widths[1], q.shape[-1])
         if name == "triton":
             raise ValueError(
                 "matryoshka_dims has no Triton kernel: use backend='tiled' (one pass over every width) or 'auto'"

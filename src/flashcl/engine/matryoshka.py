@@ -23,7 +23,6 @@ The positives (linear terms) are computed in embedding space per width.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,38 +32,12 @@ from ..core import compute_dtype
 from .engine import NORM_EPS, FusedFunction, Problem, autocast_off, finite_rows, normalize_rows
 from .heads import Tile
 
-__all__ = ["check_dims", "prefix_scales", "head_values", "linear_terms", "run_widths"]
+__all__ = ["prefix_scales", "head_values", "linear_terms", "run_widths"]
 
 
 #: Normalised widths up to this many coordinates are differentiated apart (see
 #: :func:`_grad_pass`).
 NARROW = 16
-
-
-def check_dims(dims: object, weights: object, width: int) -> Tuple[List[int], List[float]]:
-    """The prefix widths, ascending, and their weights (default 1 each), checked."""
-    if isinstance(dims, (int, Tensor)) or not isinstance(dims, Sequence) or len(dims) == 0:
-        raise ValueError(f"matryoshka_dims must be a non-empty list of widths, got {dims!r}")
-    ds = list(dims)
-    for d in ds:
-        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= width:
-            raise ValueError(f"matryoshka_dims must be ints in [1, {width}] (the embedding width), got {dims!r}")
-    if len(set(ds)) != len(ds):
-        raise ValueError(f"matryoshka_dims must not repeat a width, got {dims!r}")
-    if weights is None:
-        ws = [1.0] * len(ds)
-    else:
-        if isinstance(weights, (int, float, Tensor)) or not isinstance(weights, Sequence) or len(weights) != len(ds):
-            raise ValueError(
-                f"matryoshka_weights must be a list with one weight per width ({len(ds)}), got {weights!r}"
-            )
-        ws = []
-        for w in weights:
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-                raise ValueError(f"matryoshka_weights must be finite numbers, got {weights!r}")
-            ws.append(float(w))
-    order = sorted(range(len(ds)), key=lambda i: ds[i])
-    return [ds[i] for i in order], [ws[i] for i in order]
 
 
 def prefix_scales(x: Tensor, dims: List[int], normalize: bool) -> Tensor:

@@ -59,21 +59,17 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .. import backends, checks, runner
+from .. import checks, runner
 from ..base import peer_import_error
 from ..core import CoreSpec, compute_dtype
-from ..engine.engine import Problem
-from ..engine.heads import Head, Tile, mask_columns_, softplus
-from ..engine.positives import Positives
 from ..losses.circle import circle_loss
 from ..losses.contrastive import contrastive_loss
 from ..losses.flex import FlexCircle, FlexMultiSimilarity, FlexPairSum, flex_loss
-from ..losses.flex_head import PairSets
 from ..losses.multi_similarity import multi_similarity_loss
-from ..losses.proxy_anchor import proxy_anchor_loss
+from ..losses.pair_nt_xent import pair_nt_xent
+from ..losses.proxy_anchor import ProxyAnchorSets, proxy_anchor_loss
 from .options import FlashclOptions
 
 try:
@@ -154,22 +150,13 @@ class _Pairs:
         self.self_index = self_index  # each anchor's own slot in a queue (CrossBatchMemory), not the diagonal
         per_class = torch.bincount(self.col_ids, minlength=self.num_classes)
         same = int(per_class[self.row_ids].sum())
-        if self_index is not None:
-            own = self.positives().self_hits()
-            removed = int(own.sum())
+        if self_index is not None:  # the anchors whose own slot holds their label
+            own = self.col_ids[self_index.clamp_min(0)] == self.row_ids
+            removed = int((own & (self_index >= 0)).sum())
         else:
             removed = min(m, ref_labels.shape[0]) if self_pairs else 0
         self.positive_pairs = same - removed
         self.negative_pairs = m * ref_labels.shape[0] - same
-
-    def positives(self) -> Positives:
-        return Positives(
-            row_labels=self.row_ids,
-            col_labels=self.col_ids,
-            num_classes=self.num_classes,
-            self_pairs=self.self_pairs,
-            self_index=self.self_index,
-        )
 
     def pml_returns_zero(self) -> bool:
         """PML's loss is 0 without a positive or without a negative pair (and when
@@ -341,92 +328,6 @@ class SupConLoss(_Adapter, _pml_losses.SupConLoss):
         )
 
 
-class _PairState:
-    def __init__(self, m: int, like: Tensor) -> None:
-        self.lse_neg = like.new_full((m,), float("-inf"))  # pass 0: LSE over each anchor's negatives
-        self.loss = like.new_zeros(m)  # pass 1: sum_p softplus(L_a - s_ap)
-        self.sig = like.new_zeros(m)  # pass 1: sum_p sigmoid(L_a - s_ap)
-        self.g_row: Optional[Tensor] = None
-        self.g_col: Optional[Tensor] = None
-
-
-class PairNTXentHead(Head):
-    """PML's NT-Xent as a head of the tile engine: per anchor ``a``,
-    ``sum_{p in Pos(a)} softplus(L_a - s_ap)`` with ``L_a = LSE_{n: y_n != y_a} s_an``.
-
-    Two reduction passes (``L_a``, then the softplus and sigmoid sums), or one
-    visit of a tile of complete rows. ``dL/ds_ap = -sigmoid(L_a - s_ap)`` on the
-    positives and ``sigma_a * softmax_neg(a)_n`` on the negatives, ``sigma_a`` the
-    sum of the positives' sigmoids."""
-
-    passes = 2
-    fuses_rows = True
-
-    def __init__(self, pairs: _Pairs) -> None:
-        self.pairs = pairs
-        # labels on both sides, pairs symmetric in (a, p): the self-contrast driver may take it
-        self.symmetric_tiles = pairs.self_pairs and pairs.self_index is None
-
-    def _masks(self, tile: Tile) -> Tuple[Tensor, Tensor]:
-        same = self.pairs.row_ids[tile.r0 : tile.r1].unsqueeze(1) == self.pairs.col_ids[tile.c0 : tile.c1].unsqueeze(0)
-        pos = same.clone()
-        if self.pairs.self_index is not None:
-            mask_columns_(pos, tile, self.pairs.self_index, False)
-        elif self.pairs.self_pairs:
-            tile.self_diagonal(pos).fill_(False)
-        return pos, ~same
-
-    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _PairState:
-        return _PairState(m, like)
-
-    def _pass1(self, s: Tensor, pos: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """(softplus sum, sigmoid sum, z) over the tile's positives, given its rows' L_a."""
-        zero = torch.zeros((), dtype=s.dtype, device=s.device)
-        z = torch.where(pos, lse.unsqueeze(1) - s, zero)
-        return torch.where(pos, F.softplus(z), zero).sum(1), torch.where(pos, torch.sigmoid(z), zero).sum(1), z
-
-    def reduce(self, s: Tensor, tile: Tile, st: _PairState, p: int = 0) -> None:
-        pos, neg = self._masks(tile)
-        rows = slice(tile.r0, tile.r1)
-        if p == 0:
-            part = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1)
-            torch.logaddexp(st.lse_neg[rows], part, out=st.lse_neg[rows])
-            return
-        loss, sig, _ = self._pass1(s, pos, st.lse_neg[rows])
-        st.loss[rows] += loss
-        st.sig[rows] += sig
-
-    def values(self, st: _PairState) -> Tuple[Tensor, Optional[Tensor]]:
-        return st.loss, None
-
-    def _grad(self, s: Tensor, pos: Tensor, neg: Tensor, lse: Tensor, sig: Tensor, g: Tensor) -> Tensor:
-        zero = torch.zeros((), dtype=s.dtype, device=s.device)
-        z = torch.where(pos, lse.unsqueeze(1) - s, zero)
-        finite = torch.isfinite(lse).unsqueeze(1)  # an anchor without negatives: no softmax over them
-        soft = torch.where(neg & finite, torch.exp(s - torch.where(finite, lse.unsqueeze(1), zero)), zero)
-        return (soft * sig.unsqueeze(1) - torch.where(pos, torch.sigmoid(z), zero)) * g.unsqueeze(1)
-
-    def grad(self, s: Tensor, tile: Tile, st: _PairState, buf: Optional[Tensor] = None) -> Tensor:
-        assert st.g_row is not None
-        pos, neg = self._masks(tile)
-        rows = slice(tile.r0, tile.r1)
-        return self._grad(s, pos, neg, st.lse_neg[rows], st.sig[rows], st.g_row[rows])
-
-    def rows_fused(self, s: Tensor, tile: Tile, st: _PairState, g_row: Optional[Tensor]) -> Optional[Tensor]:
-        pos, neg = self._masks(tile)
-        rows = slice(tile.r0, tile.r1)
-        st.lse_neg[rows] = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1)
-        st.loss[rows], st.sig[rows], _ = self._pass1(s, pos, st.lse_neg[rows])
-        if g_row is None:
-            return None
-        return self._grad(s, pos, neg, st.lse_neg[rows], st.sig[rows], g_row[rows])
-
-    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
-        pos, neg = self._masks(tile)
-        lse = torch.logsumexp(s.masked_fill(~neg, float("-inf")), dim=1)
-        return self._pass1(s, pos, lse)[0], None
-
-
 class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
     """PML's ``NTXentLoss`` exactly (see the module docstring), in O(B D + block x B)
     memory.
@@ -466,19 +367,16 @@ class NTXentLoss(_Adapter, _pml_losses.NTXentLoss):
         return why
 
     def _loss_dict(self, emb: Tensor, ref: Tensor, pairs: _Pairs) -> Dict[str, Any]:
-        temperature = checks.check_positive_scalar(
-            self.temperature, "temperature", emb.device, compute_dtype(emb.dtype)
-        )
-        problem = Problem(PairNTXentHead(pairs), normalize=bool(self.distance.normalize_embeddings))
-        # the mean over the positive pairs
-        weights = torch.full(
-            (emb.shape[0],), 1.0 / pairs.positive_pairs, dtype=compute_dtype(emb.dtype), device=emb.device
-        )
-        entries = emb.shape[0] * ref.shape[0]
-        name = backends.pick_name(self.backend, backends.ENGINE_BACKENDS, entries, emb, "NTXentLoss", kernel=None)
-        keys, weighted = None if ref is emb else ref, (weights, None)
-        value = backends.run_problem(emb, keys, 1.0 / temperature, problem, name, weighted, self.block_size)
-        value = value.to(emb.dtype)
+        value = pair_nt_xent(
+            emb,
+            None if ref is emb else ref,
+            (pairs.row_ids, pairs.col_ids, pairs.self_pairs, pairs.self_index),
+            temperature=self.temperature,
+            normalize=bool(self.distance.normalize_embeddings),
+            weight=1.0 / pairs.positive_pairs,  # the mean over the positive pairs
+            backend=self.backend,
+            block_size=self.block_size,
+        ).to(emb.dtype)
         return {"loss": {"losses": value, "indices": None, "reduction_type": "already_reduced"}}
 
 
@@ -1250,7 +1148,7 @@ class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
         flex loss of the proxies against the rows, the shift as a denominator weight."""
         shift = _pml_lmu.convert_to_weights(indices_tuple, labels, dtype=emb.dtype) - 1
         present = int(torch.unique(labels).numel())
-        kind = _ProxyAnchorSets(float(self.alpha), float(self.margin), self.num_classes / max(present, 1))
+        kind = ProxyAnchorSets(float(self.alpha), float(self.margin), self.num_classes / max(present, 1))
         return flex_loss(
             self.proxies,
             emb,
@@ -1264,30 +1162,3 @@ class ProxyAnchorLoss(_PairSets, _pml_losses.ProxyAnchorLoss):
             backend=self.backend,
             block_size=self.block_size,
         )
-
-
-class _ProxyAnchorSets(PairSets):
-    """Proxy-Anchor's two sums of a proxy over the rows as a two-set kind: ``pos_factor
-    softplus(P) + softplus(N)`` with ``P`` over its class's rows of ``-alpha (s - margin)``,
-    ``N`` over the others of ``alpha (s + margin)`` (``pos_factor``: C over the classes
-    present, so that the mean over the proxies is PML's two divisors)."""
-
-    name = "proxy_anchor"
-
-    def __init__(self, alpha: float, margin: float, pos_factor: float) -> None:
-        self.alpha, self.margin, self.pos_factor = alpha, margin, pos_factor
-
-    def pos_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
-        return (s - self.margin) * -self.alpha
-
-    def neg_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
-        return (s + self.margin) * self.alpha
-
-    def loss(self, p: Tensor, n: Tensor) -> Tensor:
-        return self.pos_factor * softplus(p) + softplus(n)
-
-    def slopes(self, p: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
-        return self.pos_factor * torch.sigmoid(p), torch.sigmoid(n)
-
-    def counted(self, p: Tensor, n: Tensor) -> Tensor:
-        return torch.ones_like(p, dtype=torch.bool)

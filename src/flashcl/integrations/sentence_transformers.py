@@ -54,6 +54,7 @@ likely false negatives), every direction's term of row i whose similarity exceed
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import warnings
@@ -64,14 +65,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import backends, parallel
+from .. import backends, checks, parallel
 from ..base import peer_import_error
-from ..core import Exclusions, compute_dtype
-from ..engine import matryoshka
-from ..engine.engine import Problem
-from ..engine.heads import SoftmaxHead, Tile
+from ..core import Exclusions, Tile, compute_dtype
 from ..losses.flex import flex_loss
 from ..losses.gist import gist_loss
+from ..losses.info_nce import row_logsumexps
 from .options import FlashclOptions
 
 # the drop-ins over labels and scored pairs (SupCon, the batch triplets, CoSENT), importable from here too
@@ -159,32 +158,18 @@ def _mnrl(
     local_docs = docs[0]
     dtype = compute_dtype(queries.dtype)
     scale = torch.tensor(float(loss.scale), dtype=dtype, device=queries.device)
-    ones = torch.ones(b, dtype=dtype, device=queries.device)
     name = backends.pick_name(
         backend, backends.ENGINE_BACKENDS, b * d_all.shape[0], queries, "MultipleNegativesRankingLoss", kernel=None
     )
     widths: List[int] = []
     width_weights = None
     if dims is not None:
-        widths, ws = matryoshka.check_dims(dims, weights, queries.shape[1])
+        widths, ws = checks.check_dims(dims, weights, queries.shape[1])
         width_weights = torch.tensor(ws, dtype=dtype, device=queries.device)
 
-    def lse(q: Tensor, k: Tensor, head: SoftmaxHead, offset: int = 0) -> Tensor:
-        """(B,) the rows' logsumexp; (M, B) with widths."""
-        problem = Problem(head, (), normalize, offset)
-        if not widths:
-            return backends.run_problem(q, k, scale, problem, name, None, block_size)
-        qc, kc = q.to(dtype), k.to(dtype)
-        return matryoshka.head_values(
-            qc,
-            kc,
-            matryoshka.prefix_scales(qc, widths, True),
-            matryoshka.prefix_scales(kc, widths, True),
-            scale,
-            problem,
-            widths,
-            block_size,
-        )
+    lse = functools.partial(
+        row_logsumexps, scale=scale, normalize=normalize, backend=name, block_size=block_size, widths=widths
+    )
 
     boost = None
     if loss.hardness_mode is not None and loss.hardness_strength > 0:
@@ -194,18 +179,18 @@ def _mnrl(
         sides = (queries, local_docs, q_all, d_all)
         parts = _filtered_parts(loss, sides, offset, world_batch, normalize, widths, backend, block_size)
     else:
-        parts = [lse(queries, d_all, SoftmaxHead(ones, boost=boost))]
+        parts = [lse(queries, d_all, boost=boost)]
         if "query_to_query" in loss.directions:
-            parts.append(lse(queries, q_all, SoftmaxHead(ones, exclude_self=True, offset=offset), offset))
+            parts.append(lse(queries, q_all, exclude_self=True, offset=offset))
         if "doc_to_query" in loss.directions:
-            parts.append(lse(local_docs, q_all, SoftmaxHead(ones)))
+            parts.append(lse(local_docs, q_all))
         if "doc_to_doc" in loss.directions:
             own = (
                 offset
                 + torch.arange(b, device=queries.device).unsqueeze(1)
                 + world_batch * torch.arange(len(docs_all_list), device=queries.device).unsqueeze(0)
             )
-            parts.append(lse(local_docs, d_all, SoftmaxHead(ones, exclude=Exclusions(index=own))))
+            parts.append(lse(local_docs, d_all, exclude=Exclusions(index=own)))
     stacked = torch.stack(parts)
     log_z = torch.logsumexp(stacked, 0) if loss.partition_mode == "joint" else stacked.mean(0)
     q_c, d_c = queries.to(dtype), local_docs.to(dtype)

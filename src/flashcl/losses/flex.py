@@ -17,7 +17,6 @@ from ..checks import Example, example_labels, example_rows
 from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off, normalize_rows
 from ..engine.heads import softplus
-from ..engine.matryoshka import check_dims
 from ..engine.sparsity import BlockSparsity
 from ..reference.flex import FlexSpec, flex_rows, flex_statistics
 from .flex_blocks import BlockMask
@@ -689,7 +688,7 @@ def flex_loss(
     if dims is None:
         raise ValueError("matryoshka_weights needs matryoshka_dims")
     q_ = checks.check_float_tensor(q, "q", (2,), process_group is not None)
-    ds, ws = check_dims(dims, weights, q_.shape[-1])
+    ds, ws = checks.check_dims(dims, weights, q_.shape[-1])
     parts = []
     for d, w in zip(ds, ws):
         parts.append(w * _flex(dict(options, q=q_[:, :d], keys=None if keys is None else keys[:, :d])))

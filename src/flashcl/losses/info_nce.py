@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from .. import checks, parallel, runner
+from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, Scalar, check_keys, check_smoothing, class_ids, example_rows, no_matryoshka
 from ..compiled import compiles
 from ..core import CoreSpec, Exclusions, Tile, compute_dtype
+from ..engine import matryoshka
+from ..engine.engine import Problem
+from ..engine.heads import SoftmaxHead
 from ..runner import unit_rows
 
 
@@ -302,6 +305,55 @@ def smoothing_rows(
     if extra is not None:
         total, count = total + unit_rows(extra, normalize).sum(0), count + extra.shape[0]
     return scale.to(qn.dtype) * ((qn * kn[index]).sum(1) - qn @ (total / count))
+
+
+def row_logsumexps(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    *,
+    normalize: bool,
+    backend: str,
+    block_size: Optional[int] = None,
+    widths: Sequence[int] = (),
+    exclude_self: bool = False,
+    offset: int = 0,
+    exclude: Optional[Exclusions] = None,
+    boost: Optional[Tuple[float, Callable[[Tile], Tensor]]] = None,
+) -> Tensor:
+    """Each row's log-sum-exp of its scaled scores ``scale q k^T`` over its candidates: a
+    denominator of InfoNCE's kind, the positives' terms left to the caller (the
+    directions of sentence-transformers' MultipleNegativesRankingLoss).
+
+    Args:
+        q: (M, D) rows. k: (N, D) candidates. scale: 0-dim (1 / temperature).
+        normalize: L2-normalise the rows (each prefix width on its own).
+        backend: ``"dense"`` | ``"tiled"`` | ``"triton"`` (already resolved:
+            :func:`flashcl.backends.pick_name`). block_size: rows per block (None: picked).
+        widths: prefix widths (Matryoshka): every width's in one pass over the tiles.
+        exclude_self: candidate ``i + offset`` of row ``i`` left out. offset: its column.
+        exclude: further candidates left out (:class:`flashcl.core.Exclusions`).
+        boost: ``(f, fn)``: the candidates of ``fn(tile)`` (a bool mask) weigh ``exp(f s)``
+            more (a hardness penalty).
+
+    Shape:
+        - output: (M,), or (W, M) with ``widths``
+
+    Examples::
+
+        >>> q, k = torch.randn(4, 8), torch.randn(6, 8)
+        >>> row_logsumexps(q, k, torch.tensor(20.0), normalize=True, backend="dense").shape
+        torch.Size([4])
+    """
+    ones = torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
+    head = SoftmaxHead(ones, exclude_self=exclude_self, offset=offset, exclude=exclude, boost=boost)
+    problem = Problem(head, (), normalize, offset)
+    if not widths:
+        return backends.run_problem(q, k, scale, problem, backend, None, block_size)
+    dims = list(widths)
+    qc, kc = q.to(ones.dtype), k.to(ones.dtype)
+    aq, ak = matryoshka.prefix_scales(qc, dims, True), matryoshka.prefix_scales(kc, dims, True)
+    return matryoshka.head_values(qc, kc, aq, ak, scale, problem, dims, block_size)
 
 
 def _example_info_nce(g: torch.Generator) -> Example:

@@ -15,7 +15,7 @@ rank's.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -26,10 +26,12 @@ from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import Problem, autocast_off
+from ..engine.heads import softplus
 from ..reference.families import proxy_anchor_rows as _reference_rows
+from .flex_head import PairSets
 from .multi_similarity import MultiSimilarityHead
 
-__all__ = ["proxy_anchor_loss", "ProxyAnchorLoss"]
+__all__ = ["proxy_anchor_loss", "ProxyAnchorLoss", "ProxyAnchorSets"]
 
 
 @shared_docs
@@ -167,3 +169,30 @@ def _example_proxy_anchor(g: torch.Generator) -> Example:
 
 #: ``flashcl check``'s call of each loss of this module (:class:`flashcl.checks.Example`)
 EXAMPLES = {"proxy_anchor_loss": _example_proxy_anchor}
+
+
+class ProxyAnchorSets(PairSets):
+    """Proxy-Anchor's two sums of a proxy over the rows as a two-set kind: ``pos_factor
+    softplus(P) + softplus(N)`` with ``P`` over its class's rows of ``-alpha (s - margin)``,
+    ``N`` over the others of ``alpha (s + margin)`` (``pos_factor``: C over the classes
+    present, so that the mean over the proxies is PML's two divisors)."""
+
+    name = "proxy_anchor"
+
+    def __init__(self, alpha: float, margin: float, pos_factor: float) -> None:
+        self.alpha, self.margin, self.pos_factor = alpha, margin, pos_factor
+
+    def pos_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        return (s - self.margin) * -self.alpha
+
+    def neg_mod(self, s: Tensor, a: Any, b: Any) -> Tensor:
+        return (s + self.margin) * self.alpha
+
+    def loss(self, p: Tensor, n: Tensor) -> Tensor:
+        return self.pos_factor * softplus(p) + softplus(n)
+
+    def slopes(self, p: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
+        return self.pos_factor * torch.sigmoid(p), torch.sigmoid(n)
+
+    def counted(self, p: Tensor, n: Tensor) -> Tensor:
+        return torch.ones_like(p, dtype=torch.bool)
