@@ -17,7 +17,7 @@ from torch import Tensor
 
 from flashcl import backends, engine
 from flashcl.engine import Problem
-from flashcl.engine.heads import Head, Tile
+from flashcl.engine.heads import AutogradHead, Head, Tile
 from helpers import assert_close, close_group, spawn
 
 F64 = torch.float64
@@ -68,6 +68,17 @@ class SigmoidPairsHead(Head):
         return -F.logsigmoid(self._z(tile, s) * (s + self.bias)).sum(1), None
 
 
+class AutogradSigmoidPairsHead(AutogradHead):
+    """The same loss written as its forward alone: the gradient is autograd's."""
+
+    def __init__(self, labels: Tensor, col_labels: Tensor, bias: float, symmetric: bool = False) -> None:
+        self.labels, self.col_labels, self.bias = labels, col_labels, bias
+
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+        same = self.labels[tile.r0 : tile.r1].unsqueeze(1) == self.col_labels[tile.c0 : tile.c1].unsqueeze(0)
+        return -F.logsigmoid((same.to(s.dtype) * 2 - 1) * (s + self.bias)).sum(1), None
+
+
 def formula(q: Tensor, k: Tensor, labels: Tensor, col_labels: Tensor, scale: Tensor, bias: float) -> Tensor:
     """The same loss written out: pairs of normalised rows, one sigmoid each."""
     qn, kn = F.normalize(q, dim=1), F.normalize(k, dim=1)
@@ -89,7 +100,7 @@ def _data(m: int = 13, n: int = 11, seed: int = 0):
     )
 
 
-def _check(backend: str, self_contrast: bool, reduce: bool, block: int) -> None:
+def _check(backend: str, self_contrast: bool, reduce: bool, block: int, make: Any = SigmoidPairsHead) -> None:
     q, k, lq, lk = _data()
     if self_contrast:
         k, lk = q, lq
@@ -104,7 +115,7 @@ def _check(backend: str, self_contrast: bool, reduce: bool, block: int) -> None:
             rows = formula(qq, kk, lq, lk, sc, bias)
             out = (w * rows).sum() if reduce else rows
         else:
-            problem = Problem(SigmoidPairsHead(lq, lk, bias, symmetric=self_contrast))
+            problem = Problem(make(lq, lk, bias, symmetric=self_contrast))
             out = backends.run_problem(
                 qq, None if self_contrast else kk, sc, problem, backend, (w, None) if reduce else None, block
             )
@@ -126,6 +137,31 @@ def test_test_only_head_on_every_backend(backend: str, self_contrast: bool, redu
     """tiled takes the row-block driver for two sets and the upper-panel driver for
     self-contrast (built from the head's reduce and grad alone)."""
     _check(backend, self_contrast, reduce, block)
+
+
+@pytest.mark.parametrize("block", [1, 4, 100])
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("self_contrast", [False, True])
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_a_head_written_as_its_forward_alone(backend: str, self_contrast: bool, reduce: bool, block: int) -> None:
+    """An AutogradHead (its dense form alone) on blocks of complete rows: the values and
+    every gradient of the formula, reduced (the gradient in the forward's visit) or per
+    row (in the backward's)."""
+    _check(backend, self_contrast, reduce, block, AutogradSigmoidPairsHead)
+
+
+def test_a_head_written_as_its_forward_alone_refuses_part_of_its_rows() -> None:
+    """A tile of part of its rows' columns (the ring's, a panel's) is a ValueError."""
+    _, _, lq, lk = _data()
+    head = AutogradSigmoidPairsHead(lq, lk, -1.5)
+    st = head.state(13, 11, torch.zeros(1, dtype=F64), None)
+    for call in (lambda s, t: head.reduce(s, t, st), lambda s, t: head.rows_fused(s, t, st, torch.ones(13, dtype=F64))):
+        with pytest.raises(ValueError, match="complete rows"):
+            call(torch.zeros(2, 5, dtype=F64), Tile(0, 2, 3, 8))
+    head.reduce(torch.zeros(2, 11, dtype=F64), Tile(0, 2, 0, 11), st)  # complete rows: taken
+    same = (lq[:2].unsqueeze(1) == lk.unsqueeze(0)).sum(1).to(F64)
+    sp = F.softplus(torch.tensor([1.5, -1.5], dtype=F64))  # -log sigmoid(-1.5), -log sigmoid(1.5)
+    assert_close(st.rows[:2], same * sp[0] + (11 - same) * sp[1], "rows' losses", 1e-12, 1e-12)
 
 
 class FactoredSigmoidPairsHead(SigmoidPairsHead):

@@ -63,6 +63,8 @@ __all__ = [
     "reduce_panel",
     "grad_panel",
     "ReportingHead",
+    "AutogradHead",
+    "logsumexp_safe",
     "takes_in",
     "value_weight",
     "grad_weight",
@@ -431,6 +433,64 @@ class ReportingHead(Head):
 
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         return self.dense_reported(s, tile, params)[0]
+
+
+class _RowLosses:
+    """An :class:`AutogradHead`'s state: each row's loss, the columns' count."""
+
+    def __init__(self, m: int, n: int, like: Tensor) -> None:
+        self.rows, self.n = like.new_zeros(m), n
+        self.g_row: Optional[Tensor] = None
+        self.g_col: Optional[Tensor] = None
+
+
+class AutogradHead(Head):
+    """A head written as its forward alone: :meth:`~Head.dense` on a block of complete rows
+    (every column) gives their losses, and the block's gradient is autograd's through it,
+    as Liger-Kernel's chunked losses take each chunk's. The drivers that hand over complete
+    rows run it (row blocks, stripes); a tile of part of its rows' columns (the ring, the
+    symmetric panels) is a ValueError. No learnable tensors (``params``), no per-column
+    losses. A head whose hand-written gradient measured faster writes :class:`Head`'s
+    methods instead (:class:`SoftmaxHead`)."""
+
+    fuses_rows = True
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _RowLosses:
+        return _RowLosses(m, n, like)
+
+    def _check(self, tile: Tile, st: _RowLosses) -> slice:
+        if tile.c0 != 0 or tile.c1 != st.n:
+            raise ValueError(
+                f"{type(self).__name__} takes tiles of complete rows (the row blocks' driver): columns "
+                f"{tile.c0}:{tile.c1} of {st.n} (round the ring: strategy='all_gather')"
+            )
+        return slice(tile.r0, tile.r1)
+
+    def reduce(self, s: Tensor, tile: Tile, st: _RowLosses, p: int = 0) -> None:
+        st.rows[self._check(tile, st)] = self.dense(s, tile)[0]
+
+    def values(self, st: _RowLosses) -> Tuple[Tensor, Optional[Tensor]]:
+        return st.rows, None
+
+    def grad(self, s: Tensor, tile: Tile, st: _RowLosses, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.g_row is not None
+        return self._through(s, tile, st, st.g_row)
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _RowLosses, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        if g_row is None:
+            self.reduce(s, tile, st)
+            return None
+        return self._through(s, tile, st, g_row)
+
+    def _through(self, s: Tensor, tile: Tile, st: _RowLosses, g_row: Tensor) -> Tensor:
+        """The block's losses into the state, their gradient (weighted by ``g_row``) in ``s``."""
+        rows = self._check(tile, st)
+        with torch.enable_grad():
+            leaf = s.detach().requires_grad_(True)
+            out = self.dense(leaf, tile)[0]
+            (g,) = torch.autograd.grad(out, leaf, g_row[rows].to(out.dtype))
+        st.rows[rows] = out.detach()
+        return s.copy_(g)
 
 
 def takes_in(head: Head, target: str) -> bool:
@@ -835,19 +895,19 @@ class SoftmaxHead(KernelHead, PanelHead, PivotHead):
                 self._mask_(mask, tile, True)  # type: ignore[arg-type]
             lse_in = lse_in.masked_fill(mask, float("-inf"))
         c = self.row_weight[tile.r0 : tile.r1]
-        rows = c * _logsumexp(lse_in, 1)
-        cols = _logsumexp(s, 0) if self.has_columns else None
+        rows = c * logsumexp_safe(lse_in, 1)
+        cols = logsumexp_safe(s, 0) if self.has_columns else None
         if self.pivot is None:
             return rows, cols
         index, w = self.pivot[0][tile.r0 : tile.r1], self.pivot[1][tile.r0 : tile.r1]
         on = index >= 0
         p = s.gather(1, (index - tile.c0).clamp_min(0).unsqueeze(1)).squeeze(1)
-        rows = torch.where(on, c * softplus(_logsumexp(lse_in, 1) - p) + (c - w) * p, rows)
+        rows = torch.where(on, c * softplus(logsumexp_safe(lse_in, 1) - p) + (c - w) * p, rows)
         if self.col_pivot is not None:
             cin = s.masked_fill(pivots, float("-inf"))
             ci, cw = self.col_pivot
             pc = s.gather(0, ci.clamp_min(0).unsqueeze(0)).squeeze(0)
-            cols = torch.where(ci >= 0, softplus(_logsumexp(cin, 0) - pc) + (1 - cw) * pc, _logsumexp(s, 0))
+            cols = torch.where(ci >= 0, softplus(logsumexp_safe(cin, 0) - pc) + (1 - cw) * pc, logsumexp_safe(s, 0))
         return rows, cols
 
 
@@ -866,7 +926,7 @@ def softplus(t: Tensor) -> Tensor:
     return t.clamp_min(0) + torch.log1p(torch.exp(-t.abs()))
 
 
-def _logsumexp(t: Tensor, dim: int) -> Tensor:
+def logsumexp_safe(t: Tensor, dim: int) -> Tensor:
     """``torch.logsumexp`` whose gradient stays finite where every entry is ``-inf`` (the
     result -inf there, its gradient 0, not NaN)."""
     empty = torch.isneginf(t).all(dim, keepdim=True)

@@ -51,6 +51,7 @@ from ..engine.heads import (
     ReportingHead,
     SoftmaxHead,
     Tile,
+    logsumexp_safe,
     lse_inplace,
     mask_self_,
     row_dot,
@@ -1066,8 +1067,8 @@ class FlexHead(PanelHead, ReportingHead):
             z = torch.where(out, -_INF, sp if logw is None else sp + logw)
             z = z + 0.0 * m  # a NaN membership weight makes its set NaN
             pos = m != 0
-            p = _safe_logsumexp(torch.where(pos, z, -_INF), 1)
-            n = _safe_logsumexp(torch.where(pos, -_INF, z), 1)
+            p = logsumexp_safe(torch.where(pos, z, -_INF), 1)
+            n = logsumexp_safe(torch.where(pos, -_INF, z), 1)
             valid = self.sets.counted(p.detach(), n.detach())
             return (torch.where(valid, self.sets.loss(p, n), zero), None), (valid,)
         if self.pair_sum is not None:
@@ -1093,7 +1094,7 @@ class FlexHead(PanelHead, ReportingHead):
         z = sp if logw is None else sp + logw
         z = torch.where(out, torch.full((), float("-inf"), dtype=s.dtype, device=s.device), z)
         mp = torch.where(m == 0, zero, m * sp)  # a NaN weight stays NaN
-        lse = _safe_logsumexp(z, 1)
+        lse = logsumexp_safe(z, 1)
         c_, a_, valid = self._weights(self.positives, lse.detach(), m.sum(1), (m != 0).sum(1).to(s.dtype))
         return (torch.where(valid, c_ * torch.where(valid, lse, zero) - a_ * mp.sum(1), zero), None), (valid,)
 
@@ -1398,12 +1399,6 @@ def reads_statistics(
 def _exp_shifted_(z: Tensor, shift: float) -> Tensor:
     """In place: ``exp(z - shift)`` (one pass over the tile when the shift is 0)."""
     return z.exp_() if shift == 0.0 else z.sub_(shift).exp_()
-
-
-def _safe_logsumexp(t: Tensor, dim: int) -> Tensor:
-    """``torch.logsumexp`` whose gradient stays finite where every entry is ``-inf``."""
-    empty = torch.isneginf(t).all(dim, keepdim=True)
-    return torch.logsumexp(t.masked_fill(empty, 0.0), dim).masked_fill(empty.squeeze(dim), float("-inf"))
 
 
 def _add(grads: List[Optional[Tensor]], i: int, g: Tensor) -> None:
