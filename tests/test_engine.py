@@ -150,6 +150,24 @@ def test_a_head_written_as_its_forward_alone(backend: str, self_contrast: bool, 
     _check(backend, self_contrast, reduce, block, AutogradSigmoidPairsHead)
 
 
+def test_a_head_written_as_its_forward_alone_on_the_stripes() -> None:
+    """Half-precision rows take the stripes (complete rows too): the autograd head's value
+    and gradients equal the hand-written head's."""
+    q, k, lq, lk = _data()
+    results = []
+    for make in (AutogradSigmoidPairsHead, SigmoidPairsHead):
+        qq, kk = q.bfloat16().requires_grad_(True), k.bfloat16().requires_grad_(True)
+        sc = torch.tensor(3.0, requires_grad=True)
+        problem = Problem(make(lq, lk, -1.5, False))
+        assert type(backends.driver("tiled", problem, kk, "cpu", torch.bfloat16)).__name__ == "Stripes"
+        out = backends.run_problem(qq, kk, sc, problem, "tiled", (torch.linspace(0.5, 1.5, 13), None), 4)
+        results.append((out.detach(), torch.autograd.grad(out, [qq, kk, sc])))
+    (got, got_g), (exp, exp_g) = results
+    assert_close(got, exp, "loss", 1e-5, 1e-5)
+    for name, a, e in zip(("rows", "columns", "scale"), got_g, exp_g):
+        assert_close(a.float(), e.float(), f"{name}' gradient", 1e-2, 1e-2)
+
+
 def test_a_head_written_as_its_forward_alone_refuses_part_of_its_rows() -> None:
     """A tile of part of its rows' columns (the ring's, a panel's) is a ValueError."""
     _, _, lq, lk = _data()
