@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from flashcl.engine import prototypes
-from flashcl.engine.prototype_loss import prototype_cross_entropy
 from flashcl.engine.prototypes import (
     Prototypes,
     RowsJoin,
@@ -24,6 +23,7 @@ from flashcl.engine.prototypes import (
     softmax_targets,
     unit_rows,
 )
+from flashcl.losses.prototype_loss import prototype_cross_entropy
 from helpers import assert_close
 
 TOL = (1e-12, 1e-10)

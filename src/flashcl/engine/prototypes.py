@@ -1,7 +1,7 @@
 """Self-distillation over prototypes (DINO, iBOT, SwAV) without the rows x K logits:
 the prototypes, the teacher's target distributions over them and Sinkhorn-Knopp, every
 logit formed a block at a time; the cross-entropy against the student's softmax that
-takes them is :mod:`flashcl.engine.prototype_loss`'s, a head on the engine's row blocks.
+takes them is :mod:`flashcl.losses.prototype_loss`'s, a head on the engine's row blocks.
 The targets are formed by blocks of images, every prototype's (each distinct sum of
 teacher views' targets once per block); Sinkhorn-Knopp's scalings visit blocks of
 prototypes against every row.

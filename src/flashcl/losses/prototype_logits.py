@@ -1,7 +1,7 @@
 """The self-distillation family's losses on given logits (a projection head's output
 rather than embeddings against prototypes), which the lightly and DINOv2 drop-ins share: the
 cross-entropy of student views against paired teacher targets, in the form of
-:func:`flashcl.engine.prototype_loss.soft_cross_entropy` (no cancellation near collapse,
+:func:`flashcl.losses.prototype_loss.soft_cross_entropy` (no cancellation near collapse,
 nothing of the logits' size saved), the teacher's centred softmax a block of rows at a
 time, and Sinkhorn-Knopp in the log domain."""
 
@@ -16,8 +16,8 @@ from torch import Tensor
 
 from ..core import compute_dtype
 from ..engine.engine import FusedFunction
-from ..engine.prototype_loss import soft_cross_entropy, soft_gradient_rows_, soft_terms
 from ..parallel import rows_join
+from .prototype_loss import soft_cross_entropy, soft_gradient_rows_, soft_terms
 
 __all__ = [
     "PairedSoftCrossEntropy",

@@ -26,7 +26,6 @@ from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.prototype_loss import prototype_cross_entropy, soft_cross_entropy
 from ..engine.prototypes import (
     Blocks,
     Prototypes,
@@ -40,6 +39,7 @@ from ..engine.prototypes import (
     unit_rows,
 )
 from ..reference.families import self_distill_rows as _reference_rows
+from .prototype_loss import prototype_cross_entropy, soft_cross_entropy
 
 __all__ = ["dino_loss", "prototype_center", "DINOLoss", "load_center", "warn_if_swapped"]
 

@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 
 from ..core import compute_dtype
-from .engine import Problem, run
-from .heads import Head, Tile, row_dot, row_max
-from .prototypes import Blocks, Group
-from .tiled import RowBlocks
+from ..engine.engine import Problem, run
+from ..engine.heads import Head, Tile, row_dot, row_max
+from ..engine.prototypes import Blocks, Group
+from ..engine.tiled import RowBlocks
 
 __all__ = [
     "soft_cross_entropy",
