@@ -73,7 +73,6 @@ __all__ = [
     "share_count",
     "reduce_total",
     "run_core",
-    "matryoshka_core",
     "problem_of",
     "row_lse",
     "sigmoid_problem",
@@ -315,21 +314,6 @@ def run_core(
     source = local(q, own=True) if k is None else local(k)
     widths = None if matryoshka_dims is None else (matryoshka_dims, matryoshka_weights)
     return run(q, source, scale, spec, opts, widths=widths)
-
-
-def matryoshka_core(
-    q: Tensor,
-    k: Optional[Tensor],
-    scale: Tensor,
-    spec: CoreSpec,
-    dims: Sequence[int],
-    weights: Optional[Sequence[float]] = None,
-    reduction: str = "mean",
-    backend: str = "auto",
-    block_size: Optional[int] = None,
-) -> Tensor:
-    """:func:`run_core` at every prefix width ``dims`` (Matryoshka)."""
-    return run_core(q, k, scale, spec, reduction, backend, block_size, dims, weights)
 
 
 def row_lse(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List
 
 Row = Dict[str, Any]
 
@@ -351,10 +351,3 @@ def plot(rows: List[Row], out_dir: str) -> List[str]:
         plt.close(fig)
         paths.append(path)
     return paths
-
-
-def first_ok(rows: List[Row], **match: Any) -> Optional[Row]:
-    for r in rows:
-        if r.get("status") == "ok" and all(r.get(k) == v or r["params"].get(k) == v for k, v in match.items()):
-            return r
-    return None

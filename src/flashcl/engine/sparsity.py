@@ -54,8 +54,3 @@ class BlockSparsity:
     def transposed(self) -> BlockSparsity:
         """The same tiles seen from the columns (the (N, M) matrix)."""
         return BlockSparsity(self.keep.T, self.block, self.n, self.m)
-
-    @property
-    def fraction(self) -> float:
-        """The fraction of the tiles that are visited."""
-        return float(self.keep.float().mean()) if self.keep.numel() else 0.0

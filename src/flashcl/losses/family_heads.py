@@ -15,7 +15,7 @@ from torch import Tensor
 from ..core import Tile
 from ..engine.heads import Head, WorkBuffer, lse_inplace, mask_columns_, mask_self_, row_dot
 
-__all__ = ["DebiasedHead", "SoftTargetHead", "JaccardHead", "jaccard", "jaccard_row_weights"]
+__all__ = ["DebiasedHead", "SoftTargetHead", "JaccardHead", "jaccard_row_weights"]
 
 
 class _DebiasedState:
@@ -257,13 +257,6 @@ class SoftTargetHead(Head):
         return (-cross if self.own_is_teacher else torch.logsumexp(s, dim=1) - cross), None
 
 
-def jaccard(yq: Tensor, yk: Tensor) -> Tensor:
-    """``|y_i & y_j| / |y_i | y_j|`` of multi-hot rows (0 where both sets are empty)."""
-    inter = yq @ yk.T
-    union = yq.sum(1, keepdim=True) + yk.sum(1).unsqueeze(0) - inter
-    return torch.where(union > 0, inter / union.clamp_min(1), torch.zeros_like(inter))
-
-
 def _weights(
     yq: Tensor,
     yk: Tensor,
@@ -280,7 +273,7 @@ def _weights(
     rows, cols = slice(tile.r0, tile.r1), slice(tile.c0, tile.c1)
     inter = torch.mm(yq[rows], yk[cols].T, out=out)
     union = torch.add(nq[rows].unsqueeze(1), nk[cols].unsqueeze(0), out=work)
-    # both sets empty: inter = 0 = union, and J = 0 / 1 = 0 (jaccard's convention)
+    # both sets empty: inter = 0 = union, and J = 0 / 1 = 0 (the Jaccard similarity's convention)
     w = inter.div_(union.sub_(inter).clamp_min_(1.0))
     w.masked_fill_(w <= threshold, 0.0)
     mask_self_(w, tile, 0.0)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -1403,8 +1403,3 @@ def _exp_shifted_(z: Tensor, shift: float) -> Tensor:
 
 def _add(grads: List[Optional[Tensor]], i: int, g: Tensor) -> None:
     grads[i] = g.detach().clone() if grads[i] is None else grads[i] + g.detach()  # type: ignore[operator]
-
-
-def stack_fields(fields: Sequence[Dict[str, Tensor]]) -> Dict[str, Tensor]:
-    """Several data dicts of the same fields, joined along the samples."""
-    return {k: torch.cat([f[k] for f in fields]) for k in fields[0]} if fields else {}

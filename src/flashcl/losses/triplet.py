@@ -61,10 +61,6 @@ TRIPLET_BACKENDS = ("auto", "reference", "dense", "tiled")
 # ---------------------------------------------------------------- backends
 
 
-def _value(t: Tensor) -> float:
-    return float(t.detach())
-
-
 # ---------------------------------------------------------------- public
 
 
