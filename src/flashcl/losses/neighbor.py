@@ -14,7 +14,7 @@ from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.scores import TiledScores, auto_scores_block, dense_rows
+from .neighbor_scores import TiledScores, auto_scores_block, dense_rows
 
 
 @compiles()

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from ..core import CoreSpec, Tile, compute_dtype
-from .engine import FusedFunction
-from .heads import mask_self_
-from .positives import row_weights, self_mask
+from ..engine.engine import FusedFunction
+from ..engine.heads import mask_self_
+from ..engine.positives import row_weights, self_mask
 
 __all__ = ["TiledScores", "auto_scores_block", "dense_rows", "dense_output"]
 
