@@ -412,23 +412,26 @@ class _Engine:
     skips_tiles = True
     compiles = True
 
-    @torch.no_grad()
-    def statistics(self, q: Tensor, source: backends.Source, scale: Tensor, args: Dict, opts: Any) -> Fields:
-        head = StatisticsHead(**args)
+    def _run(
+        self, q: Tensor, source: backends.Source, head: FlexHead, scale: Tensor, weights: Any, params: Params, opts: Any
+    ) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        """``head`` on the rows ``q`` against ``source`` on this road's backend: its losses
+        and what it reports."""
         block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
         problem = Problem(head, (), opts.normalize, head.offset)
-        _, found = source.run_reported(q.detach(), scale.detach(), problem, None, block, (), backend=self.name)
+        return source.run_reported(q, scale, problem, weights, block, params, backend=self.name)
+
+    @torch.no_grad()
+    def statistics(self, q: Tensor, source: backends.Source, scale: Tensor, args: Dict, opts: Any) -> Fields:
+        _, found = self._run(q.detach(), source, StatisticsHead(**args), scale.detach(), None, (), opts)
         return dict(zip(STATISTICS, found))
 
     def rows(
         self, q: Tensor, source: backends.Source, scale: Tensor, args: Dict, params: Params, bias: Any, opts: Any
     ) -> Tuple[Tensor, Tensor]:
-        head = FlexHead(**args)
         per_row = opts.reduction == "none"
         weights = None if per_row else (torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device), None)
-        block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
-        problem = Problem(head, (), opts.normalize, head.offset)
-        out, (valid,) = source.run_reported(q, scale, problem, weights, block, params, backend=self.name)
+        out, (valid,) = self._run(q, source, FlexHead(**args), scale, weights, params, opts)
         return out, valid
 
     @torch.no_grad()

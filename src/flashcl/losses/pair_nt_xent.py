@@ -146,7 +146,7 @@ def pair_nt_xent(
     dtype = compute_dtype(q.dtype)
     scale = 1.0 / checks.check_positive_scalar(temperature, "temperature", q.device, dtype)
     entries = q.shape[0] * (q.shape[0] if keys is None else keys.shape[0])
-    name = backends.pick_name(backend, backends.ENGINE_BACKENDS, entries, q, "NTXentLoss", kernel=None)
+    name = backends.pick_name(backend, ("dense", "tiled"), entries, q, "NTXentLoss", kernel=None)
     weights = (torch.full((q.shape[0],), float(weight), dtype=dtype, device=q.device), None)
     problem = Problem(PairNTXentHead(pairs), normalize=normalize)
     return backends.run_problem(q, keys, scale, problem, name, weights, block_size)
