@@ -16,6 +16,7 @@ from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..core import Tile, compute_dtype
 from ..engine.engine import Problem, autocast_off, normalize_rows
+from ..engine.given import run_given
 from ..engine.heads import softplus
 from ..engine.sparsity import BlockSparsity
 from ..reference.flex import FlexSpec, flex_rows, flex_statistics
@@ -34,7 +35,6 @@ from .flex_head import (
     reads_statistics,
     takes_scores,
 )
-from .flex_scores import FlexScores
 
 __all__ = ["flex_loss", "FlexLoss", "flex_dense_mask", "FlexMultiSimilarity", "FlexCircle", "FlexPairSum"]
 
@@ -403,7 +403,7 @@ class _Engine:
     """The engine's road, here its tiled backend (:class:`_Dense` its dense one): the flex
     head on the engine's drivers (:meth:`flashcl.backends.Source.run_reported`), a given
     score matrix a block of complete rows at a time
-    (:class:`~flashcl.losses.flex_scores.FlexScores`), the anchors' statistics a first pass
+    (:func:`~flashcl.engine.given.run_given`), the anchors' statistics a first pass
     of the same head where they are the anchors' alone; a block mask's tiles skipped, the
     pair sum's tile functions compiled."""
 
@@ -436,16 +436,9 @@ class _Engine:
 
     @torch.no_grad()
     def score_statistics(self, scores: Tensor, scale: Tensor, args: Dict, block: Optional[int]) -> Fields:
-        head = StatisticsHead(**args)
-        m, n = scores.shape
-        dtype = compute_dtype(scores.dtype)
-        sc = scale.detach().to(dtype)
-        st = head.state(m, n, sc, None)
-        block = block or flex_block(n, dtype)
-        for r0 in range(0, m, block):
-            r1 = min(m, r0 + block)
-            head.reduce(sc * scores[r0:r1].detach().to(dtype), Tile(r0, r1, 0, n, 0), st)
-        return dict(zip(STATISTICS, head.report(st)))
+        block = block or flex_block(scores.shape[1], compute_dtype(scores.dtype))
+        _, found = run_given(scores.detach(), scale.detach(), StatisticsHead(**args), None, block)
+        return dict(zip(STATISTICS, found))
 
     def score_rows(
         self, scores: Tensor, scale: Tensor, args: Dict, params: Params, bias: Any, opts: Any
@@ -454,8 +447,8 @@ class _Engine:
         dtype = compute_dtype(scores.dtype)
         weights = None if opts.reduction == "none" else torch.ones(m, dtype=dtype, device=scores.device)
         block = opts.block_size or flex_block(n, dtype)
-        head = FlexHead(**args)
-        return FlexScores.apply(scores, scale, head, weights, block, *params)
+        out, (valid,) = run_given(scores, scale, FlexHead(**args), weights, block, params)
+        return out, valid
 
 
 class _Dense(_Engine):

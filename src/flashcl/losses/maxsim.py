@@ -17,10 +17,10 @@ from ..core import compute_dtype
 from ..engine.engine import autocast_off
 from ..parallel.ring import RingScores
 from .maxsim_scores import (
-    CrossEntropyRows,
     MaxSimScores,
     PairedMaxSimScores,
     auto_blocks,
+    cross_entropy_rows,
     dense_scores,
     paired_block,
     paired_scores,
@@ -326,7 +326,7 @@ def _cross_entropy(s: Tensor, scale: Tensor, qmask: Tensor, normalize_scores: bo
     """Each query's cross-entropy over its MaxSim scores ``s`` (scaled; normalised by its
     real tokens with ``normalize_scores``) with document ``index``."""
     f = scale.to(s.dtype).expand(s.shape[0])
-    return CrossEntropyRows.apply(s, f / qmask.sum(1) if normalize_scores else f, index)
+    return cross_entropy_rows(s, f / qmask.sum(1) if normalize_scores else f, index)
 
 
 class MaxSimLoss(LossModule):

@@ -18,10 +18,20 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..core import compute_dtype
+from ..core import Tile, compute_dtype
 from ..engine.engine import FusedFunction
+from ..engine.given import run_given
+from ..engine.heads import Head
 
-__all__ = ["MaxSimScores", "PairedMaxSimScores", "CrossEntropyRows", "dense_scores", "paired_scores", "auto_blocks"]
+__all__ = [
+    "MaxSimScores",
+    "PairedMaxSimScores",
+    "CrossEntropyHead",
+    "cross_entropy_rows",
+    "dense_scores",
+    "paired_scores",
+    "auto_blocks",
+]
 
 #: bytes of one tile of token scores (a block of query tokens x a block of document tokens)
 TILE_BYTES = 8 * 2**20
@@ -212,45 +222,79 @@ class PairedMaxSimScores(FusedFunction):
         return dq, dd
 
 
-#: rows per chunk of :class:`CrossEntropyRows`
+#: rows per block of :class:`CrossEntropyHead`
 CE_ROWS = 256
 
 
-class CrossEntropyRows(FusedFunction):
-    """``apply(s, f, index) -> rows``: ``LSE_j f_i s_ij - f_i s_i index[i]`` for (B, N)
-    scores ``s`` and per-row factors ``f`` (an inverse temperature, over a query's
-    token count for normalised scores), chunk by chunk of rows: no B x N tensor beyond
-    the scores and, in the backward pass, their gradient."""
+class _CrossEntropyState:
+    """Each row's log-sum-exp and target score, the factors' gradient, the upstream one."""
 
-    @staticmethod
-    def forward(ctx: Any, s: Tensor, f: Tensor, index: Tensor) -> Tensor:  # type: ignore[override]
-        rows = torch.empty(s.shape[0], dtype=s.dtype, device=s.device)
-        lse = torch.empty_like(rows)
-        for r0 in range(0, s.shape[0], CE_ROWS):
-            z = s[r0 : r0 + CE_ROWS] * f[r0 : r0 + CE_ROWS].unsqueeze(1)
-            lse[r0 : r0 + CE_ROWS] = torch.logsumexp(z, dim=1)
-            rows[r0 : r0 + CE_ROWS] = lse[r0 : r0 + CE_ROWS] - z.gather(1, index[r0 : r0 + CE_ROWS].unsqueeze(1))[:, 0]
-        CrossEntropyRows.setup(ctx, (s, f), (index, lse))
-        return rows
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.lse, self.target, self.df = like.new_empty(m), like.new_empty(m), like.new_zeros(m)
+        self.g_row: Optional[Tensor] = None
 
-    @classmethod
-    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
-        s, f = inputs
-        index = ctx.saved_tensors[2]
-        z = s * f.unsqueeze(1)
-        return torch.logsumexp(z, dim=1) - z.gather(1, index.unsqueeze(1))[:, 0]
 
-    @classmethod
-    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
-        s, f, index, lse = saved
-        ds = torch.empty_like(s) if ctx.needs_input_grad[0] else None
-        df = torch.empty_like(f) if ctx.needs_input_grad[1] else None
-        for r0 in range(0, s.shape[0], CE_ROWS):
-            c = slice(r0, r0 + CE_ROWS)
-            p = (s[c] * f[c].unsqueeze(1)).sub_(lse[c].unsqueeze(1)).exp_()  # softmax_j
-            if df is not None:  # d row / d f_i = sum_j p_ij s_ij - s_i index[i]
-                df[c] = grad_out[c] * ((p * s[c]).sum(1) - s[c].gather(1, index[c].unsqueeze(1))[:, 0])
-            if ds is not None:
-                p.scatter_add_(1, index[c].unsqueeze(1), torch.full_like(p[:, :1], -1.0))
-                ds[c] = p.mul_((grad_out[c] * f[c]).unsqueeze(1))
-        return ds, df
+class CrossEntropyHead(Head):
+    """``LSE_j f_i s_ij - f_i s_i index[i]`` on blocks of complete rows of given (B, N)
+    scores ``s`` (:func:`~flashcl.engine.given.run_given`), ``f`` (B,) per-row factors
+    (an inverse temperature, over a query's token count for normalised scores): the
+    head's learnable tensor where it requires a gradient (``params=(f,)``)."""
+
+    fuses_rows = True
+
+    def __init__(self, f: Tensor, index: Tensor) -> None:
+        self.f, self.index, self.learns = f.detach(), index, f.requires_grad
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _CrossEntropyState:
+        return _CrossEntropyState(m, like)
+
+    def _scaled_(self, s: Tensor, tile: Tile, grad: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+        """In place, ``z = f s``; and, for a gradient, a copy of ``s`` where ``f`` learns (its gradient reads it)."""
+        raw = s.clone() if grad and self.learns else None
+        return s.mul_(self.f[tile.r0 : tile.r1].to(s.dtype).unsqueeze(1)), raw
+
+    def _grad_(self, z: Tensor, raw: Optional[Tensor], tile: Tile, st: _CrossEntropyState, g: Tensor) -> Tensor:
+        """In place, the rows' softmax ``p`` of ``z``, then ``dL/ds = g f (p - onehot)``;
+        with a learnable ``f``, ``dL/df = g (sum_j p_ij s_ij - s_i index[i])`` into the state."""
+        rows = slice(tile.r0, tile.r1)
+        idx = self.index[rows].unsqueeze(1)
+        p = z.sub_(st.lse[rows].unsqueeze(1)).exp_()
+        if raw is not None:
+            st.df[rows] = g * ((p * raw).sum(1) - raw.gather(1, idx)[:, 0])
+        p.scatter_add_(1, idx, torch.full_like(p[:, :1], -1.0))
+        return p.mul_((g * self.f[rows].to(p.dtype)).unsqueeze(1))
+
+    def rows_fused(self, s: Tensor, tile: Tile, st: _CrossEntropyState, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        rows = slice(tile.r0, tile.r1)
+        z, raw = self._scaled_(s, tile, g_row is not None)
+        st.lse[rows] = torch.logsumexp(z, dim=1)
+        st.target[rows] = z.gather(1, self.index[rows].unsqueeze(1))[:, 0]
+        return None if g_row is None else self._grad_(z, raw, tile, st, g_row[rows])
+
+    def reduce(self, s: Tensor, tile: Tile, st: _CrossEntropyState, p: int = 0) -> None:
+        self.rows_fused(s, tile, st, None)
+
+    def values(self, st: _CrossEntropyState) -> Tuple[Tensor, Optional[Tensor]]:
+        return st.lse - st.target, None
+
+    def grad(self, s: Tensor, tile: Tile, st: _CrossEntropyState, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.g_row is not None
+        z, raw = self._scaled_(s, tile)
+        return self._grad_(z, raw, tile, st, st.g_row[tile.r0 : tile.r1])
+
+    def param_grads(self, st: _CrossEntropyState, n: int) -> Tuple[Optional[Tensor], ...]:
+        return (st.df,) * n
+
+    def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
+        f = params[0] if params else self.f
+        z = s * f.to(s.dtype).unsqueeze(1)
+        return torch.logsumexp(z, dim=1) - z.gather(1, self.index.unsqueeze(1))[:, 0], None
+
+
+def cross_entropy_rows(s: Tensor, f: Tensor, index: Tensor) -> Tensor:
+    """Each row's ``LSE_j f_i s_ij - f_i s_i index[i]`` (:class:`CrossEntropyHead`) for
+    (B, N) scores ``s``, a block of rows at a time: no B x N tensor beyond the scores
+    and, in the backward pass, their gradient."""
+    one = torch.ones((), dtype=s.dtype, device=s.device)
+    params = (f,) if f.requires_grad else ()
+    return run_given(s, one, CrossEntropyHead(f, index), None, CE_ROWS, params)[0]

@@ -14,7 +14,8 @@ from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import CoreSpec, compute_dtype
 from ..engine.engine import autocast_off
-from .neighbor_scores import TiledScores, auto_scores_block, dense_rows
+from ..engine.given import run_given
+from .neighbor_scores import NeighborHead, auto_scores_block, dense_rows
 
 
 @compiles()
@@ -119,8 +120,9 @@ def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, opts: c
 
     def tiled() -> Tensor:
         block = opts.block_size or auto_scores_block(n)
-        ones = torch.ones(rows, dtype=compute_dtype(scores.dtype), device=scores.device)
-        return TiledScores.apply(scores, spec, runner.share(opts.reduction, opts.grad_scale, source, ones), block)
+        one = torch.ones((), dtype=compute_dtype(scores.dtype), device=scores.device)
+        weights = runner.share(opts.reduction, opts.grad_scale, source, one.expand(rows))
+        return run_given(scores, one, NeighborHead(spec), weights, block)[0]
 
     # the score matrix already exists: no Triton kernel (the tiled backend's only n x n allocation is the gradient)
     impls = {"reference": by_rows(reference.scores_loss), "dense": by_rows(dense_rows), "tiled": tiled}

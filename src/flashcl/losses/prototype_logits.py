@@ -8,19 +8,19 @@ time, and Sinkhorn-Knopp in the log domain."""
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..core import compute_dtype
-from ..engine.engine import FusedFunction
+from ..engine.given import run_given
+from ..engine.prototypes import Blocks
 from ..parallel import rows_join
-from .prototype_loss import soft_cross_entropy, soft_gradient_rows_, soft_terms
+from .prototype_loss import SoftCrossEntropyHead, soft_cross_entropy
 
 __all__ = [
-    "PairedSoftCrossEntropy",
     "paired_dense",
     "paired_rows",
     "chunks",
@@ -28,61 +28,6 @@ __all__ = [
     "float32_value",
     "sinkhorn_codes",
 ]
-
-
-class PairedSoftCrossEntropy(FusedFunction):
-    """``apply(inv_temp, pairs, targets, *views) -> (S, B)``: each student view's rows'
-    cross-entropy ``-sum_k p_k log_softmax_k(s / tau)`` summed over its paired teacher
-    views' probabilities (``targets``: T tensors (B, K), no gradient), in the form of
-    :func:`flashcl.engine.prototypes.soft_cross_entropy` (two non-negative terms: a
-    tiny loss keeps its precision). Saved: the logits (the inputs) and four numbers per
-    row; the backward forms ``(mass softmax - sum p) / tau`` a block of rows at a time.
-    With ``create_graph=True`` the gradient comes from the differentiable formula."""
-
-    @staticmethod
-    def forward(ctx: Any, inv_temp: float, pairs: List[List[int]], targets: List[Tensor], *views: Tensor) -> Tensor:  # type: ignore[override]
-        dtype = compute_dtype(views[0].dtype)
-        stats: List[Tensor] = []
-        out = []
-        for s, view in enumerate(views):
-            top, rest, mass, cross = (view.new_zeros(view.shape[0], dtype=dtype) for _ in range(4))
-            idx = torch.zeros(view.shape[0], dtype=torch.long, device=view.device)
-            for r in chunks(view):  # the scaled logits a block of rows at a time
-                z = view[r].detach().to(dtype) * inv_temp
-                top[r], idx[r] = z.max(1)
-                d = z.sub_(top[r].unsqueeze(1))
-                mass[r], cross[r] = soft_terms(d, [targets[t][r] for t in pairs[s]])
-                e = d.exp_()
-                e.scatter_(1, idx[r].unsqueeze(1), 0.0)
-                rest[r] = e.sum(1)
-            stats.extend((top, idx, rest, mass))
-            out.append(mass * torch.log1p(rest) + cross)
-        FusedFunction.setup(ctx, views, stats, slots=range(3, 3 + len(views)))
-        ctx.inv_temp, ctx.pairs, ctx.targets, ctx.n = inv_temp, pairs, targets, len(views)
-        return torch.stack(out)
-
-    @classmethod
-    def dense(cls, ctx: Any, *views: Tensor) -> Tensor:
-        return paired_dense(ctx.inv_temp, ctx.pairs, ctx.targets, views)
-
-    @classmethod
-    def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
-        views, stats = saved[: ctx.n], saved[ctx.n :]
-        needs = ctx.needs_input_grad[3:]
-        grads: List[Optional[Tensor]] = []
-        for s, view in enumerate(views):
-            if not needs[s]:
-                grads.append(None)
-                continue
-            top, idx, rest, mass = stats[4 * s : 4 * s + 4]
-            g = torch.empty(view.shape, dtype=top.dtype, device=view.device)
-            for r in chunks(view):  # the gradient's own buffer, a block of rows at a time
-                gz = torch.mul(view[r].detach(), ctx.inv_temp, out=g[r])
-                targets = [ctx.targets[t][r] for t in ctx.pairs[s]]
-                soft_gradient_rows_(gz, targets, top[r], idx[r], rest[r], mass[r])
-                gz.mul_(grad[s][r].to(gz.dtype).unsqueeze(-1) * ctx.inv_temp)
-            grads.append(g)
-        return grads
 
 
 def paired_dense(inv_temp: float, pairs: List[List[int]], targets: Sequence[Tensor], views: Sequence[Tensor]) -> Tensor:
@@ -97,13 +42,30 @@ def paired_dense(inv_temp: float, pairs: List[List[int]], targets: Sequence[Tens
 
 
 def paired_rows(inv_temp: float, pairs: List[List[int]], targets: List[Tensor], views: Sequence[Tensor]) -> Tensor:
-    """Each student view's rows' cross-entropy against its paired teacher views' targets:
-    by :class:`PairedSoftCrossEntropy`, or, where a target takes a gradient (the
-    teacher's logits require it, as lightly then backpropagates into them), by the
-    differentiable formula."""
+    """Each student view's rows' cross-entropy ``-sum_k p_k log_softmax_k(s / tau)``
+    summed over its paired teacher views' probabilities (``targets``: T tensors (B, K);
+    ``pairs[s]``: those of view ``s``), (S, B): a
+    :class:`~flashcl.losses.prototype_loss.SoftCrossEntropyHead` on the engine's
+    given-matrix road (:func:`~flashcl.engine.given.run_given`: nothing of the logits'
+    size saved but the logits, the backward a block of rows at a time), or, where a
+    target takes a gradient (the teacher's logits require it, as lightly then
+    backpropagates into them), the differentiable formula."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in targets):
         return paired_dense(inv_temp, pairs, targets, views)
-    return PairedSoftCrossEntropy.apply(inv_temp, pairs, targets, *views)
+    out = []
+    for view, paired in zip(views, pairs):
+        own = [targets[t] for t in paired]
+
+        def rows(r0: int, r1: int, dst: Tensor, own: List[Tensor] = own) -> Tensor:
+            dst.copy_(own[0][r0:r1])
+            for p in own[1:]:
+                dst.add_(p[r0:r1])
+            return dst
+
+        head = SoftCrossEntropyHead(Blocks(None, rows, view.shape[0]))
+        scale = torch.tensor(inv_temp, dtype=torch.float64, device=view.device)
+        out.append(run_given(view, scale, head, None, max(1, (1 << 20) // max(1, view.shape[-1])))[0])  # 4 MB blocks
+    return torch.stack(out)
 
 
 def chunks(x: Tensor, entries: int = 1 << 20) -> List[slice]:
