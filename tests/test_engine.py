@@ -402,3 +402,81 @@ def test_row_max_is_max_by_runs(dtype: torch.dtype) -> None:
             assert idx.dtype == torch.long and torch.equal(t.gather(1, idx.unsqueeze(1)).squeeze(1), want)
         if m > 2:
             assert int(row_max(s, width)[1][2]) == n - 1
+
+
+def _given_formula(s: Tensor, lq: Tensor, lk: Tensor, scale: Tensor, bias: float) -> Tensor:
+    """The test's loss on a given score matrix, written out: one sigmoid per pair."""
+    z = torch.where(lq.unsqueeze(1) == lk.unsqueeze(0), 1.0, -1.0).to(s.dtype)
+    return torch.log1p(torch.exp(-z * (scale * s + bias))).sum(1)
+
+
+GIVEN_HEADS = [
+    (SigmoidPairsHead, True),
+    (SigmoidPairsHead, False),
+    (FactoredSigmoidPairsHead, True),
+    (FactoredSigmoidPairsHead, False),
+    (AutogradSigmoidPairsHead, True),  # an AutogradHead always reduces complete rows at once
+]
+
+
+@pytest.mark.parametrize("block", [1, 4, 100])
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize(
+    "make,fused", GIVEN_HEADS, ids=["hand", "hand-passes", "factored", "factored-passes", "autograd"]
+)
+def test_a_head_on_a_given_score_matrix(make: Any, fused: bool, reduce: bool, block: int) -> None:
+    """``run_given``: any head on blocks of complete rows of ``scale * scores`` (its rows
+    reduced and their gradient formed at once, or its passes then a gradient visit),
+    equal to the formula in value and in the gradients of the scores and the scale,
+    reduced (the gradient in the forward's visit) or per row; the scores untouched."""
+    from flashcl.engine.given import run_given
+
+    _, _, lq, lk = _data()
+    s0 = torch.randn(13, 11, generator=torch.Generator().manual_seed(3), dtype=F64)
+    w = torch.linspace(0.5, 1.5, 13, dtype=F64)
+    head = make(lq, lk, -1.5, False)
+    head.fuses_rows = fused
+    results = []
+    for impl in ("flashcl", "formula"):
+        s = s0.clone().requires_grad_(True)
+        sc = torch.tensor(3.0, dtype=F64, requires_grad=True)
+        if impl == "formula":
+            rows = _given_formula(s, lq, lk, sc, -1.5)
+            out = (w * rows).sum() if reduce else rows
+        else:
+            out, found = run_given(s, sc, head, w if reduce else None, block)
+            assert found == () and torch.equal(s.detach(), s0)
+        loss = out if reduce else (out * w).sum()
+        results.append((out.detach(), torch.autograd.grad(loss * 1.3, [s, sc])))
+    (got, got_g), (exp, exp_g) = results
+    assert_close(got, exp, "loss", 1e-10, 1e-10)
+    for name, a, e in zip(("scores", "scale"), got_g, exp_g):
+        assert_close(a, e, f"{name}' gradient", 1e-10, 1e-10)
+
+
+def test_a_head_on_a_given_score_matrix_in_half_precision_and_twice_differentiated() -> None:
+    """bfloat16 scores (the blocks formed in a float32 buffer, the gradient in the scores'
+    dtype), a scale without a gradient (none formed for it), and second derivatives
+    through the head's dense form."""
+    from flashcl.engine.given import run_given
+
+    _, _, lq, lk = _data()
+    s0 = torch.randn(13, 11, generator=torch.Generator().manual_seed(4))
+    sc = torch.tensor(3.0)
+    s = s0.bfloat16().requires_grad_(True)
+    out, _ = run_given(s, sc, SigmoidPairsHead(lq, lk, -1.5, False), torch.ones(13), 4)
+    (g,) = torch.autograd.grad(out, [s])
+    ref = s0.bfloat16().float().requires_grad_(True)
+    want = _given_formula(ref, lq, lk, sc, -1.5).sum()
+    (g_want,) = torch.autograd.grad(want, [ref])
+    assert g.dtype == torch.bfloat16
+    assert_close(out, want, "loss", 1e-5, 1e-5)
+    assert_close(g.float(), g_want, "scores' gradient", 1e-2, 1e-2)
+    s = s0.double().requires_grad_(True)
+    out, _ = run_given(s, sc.double(), SigmoidPairsHead(lq, lk, -1.5, False), torch.ones(13, dtype=F64), 4)
+    (g,) = torch.autograd.grad(out, [s], create_graph=True)
+    (h,) = torch.autograd.grad((g * g).sum(), [s])
+    ref = s0.double().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(_given_formula(ref, lq, lk, sc.double(), -1.5).sum(), [ref], create_graph=True)
+    (h_ref,) = torch.autograd.grad((g_ref * g_ref).sum(), [ref])
+    assert_close(h, h_ref, "second derivative", 1e-10, 1e-10)

@@ -47,7 +47,12 @@ class _RowBlocks:
             r1 = min(r0 + self.block, m)
             s = self.grad[r0:r1] if self.buf is None else self.buf[: r1 - r0]  # type: ignore[index]
             src = self.scores[r0:r1]
-            s.copy_(src) if self.scale == 1.0 else torch.mul(src, self.scale, out=s)
+            if self.scale == 1.0:
+                s.copy_(src)
+            elif src.dtype == s.dtype:
+                torch.mul(src, self.scale, out=s)
+            else:  # the product in the compute dtype, not in the scores' (half precision)
+                s.copy_(src).mul_(self.scale)
             yield Tile(r0, r1, 0, n, 0), s
 
     def take(self, g: Tensor, tile: Tile, head: Head, st: Any) -> None:

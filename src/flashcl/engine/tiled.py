@@ -20,7 +20,7 @@ gradient's tile is scaled so before its GEMMs, ``dk`` accumulated as
 ``diag(1/|k|) dK`` and rescaled at the end.
 
 Self-contrast (SupCon, NT-Xent) takes :mod:`flashcl.engine.panels` instead; a given
-score matrix (the neighbour loss) :mod:`flashcl.losses.neighbor_scores`.
+score matrix (the neighbour loss) :mod:`flashcl.engine.given`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ __all__ = [
 
 
 def paired_dense(inv_temp: float, pairs: List[List[int]], targets: Sequence[Tensor], views: Sequence[Tensor]) -> Tensor:
-    """:class:`PairedSoftCrossEntropy`'s rows by differentiable torch ops (its second
+    """:func:`paired_rows`' rows by differentiable torch ops (its second
     derivatives; a teacher whose logits take a gradient, as lightly's)."""
     dtype = compute_dtype(views[0].dtype)
     out = []
