@@ -225,6 +225,19 @@ def test_backends_are_resolved_in_one_module() -> None:
     assert _calls(lambda n: _called(n, "driver") and len(n.args) >= 3) == {"flashcl.backends"}
 
 
+def test_drivers_are_built_in_one_place() -> None:
+    # a family hands over its backend's name (backends.driver) or its tile layout
+    # (backends.layout_driver); the distributed column source builds the ring's driver
+    classes = [n for text in FILES.values() for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)]
+    drivers, grew = {"Driver"}, True
+    while grew:  # every subclass, at any depth
+        found = {c.name for c in classes if any(getattr(b, "id", getattr(b, "attr", "")) in drivers for b in c.bases)}
+        grew, drivers = not found <= drivers, drivers | found
+    assert {"RowBlocks", "ColumnBlocks", "UpperPanels", "Stripes", "RingDriver", "TritonDriver"} <= drivers
+    built = _calls(lambda n: any(_called(n, name) for name in drivers - {"Driver"}))
+    assert built == {"flashcl.backends", "flashcl.parallel.collectives"}, built
+
+
 def _compares_reduction(node: ast.AST) -> bool:
     """``reduction == "mean"`` / ``"sum"`` (also ``!=``, ``opts.reduction``): a
     reduction formed by hand; ``"none"`` (the shape of a per-row output) is not."""

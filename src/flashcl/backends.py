@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .core import compute_dtype
 from .engine import engine
+from .engine.columns import ColumnBlocks
 from .engine.engine import Driver, Problem, ReduceWeights
 from .engine.panels import UpperPanels
 from .engine.stripes import Stripes
@@ -284,6 +285,23 @@ def _stripes(device_type: str, dtype: torch.dtype, self_contrast: bool = False) 
     in bfloat16 at 8,192: 1.5 s against the stripes' 2.6 s)."""
     half = dtype in (torch.float16, torch.bfloat16)
     return half and (device_type == "cuda" or not self_contrast)
+
+
+#: the tiled backend's drivers for a family of one tile layout, by the layout's name (data the
+#: family hands over): ``"lazy rows"``, row blocks that never copy the normalised rows (a K x D
+#: table of prototypes); ``"columns"``, blocks of columns against every row in two visits (a
+#: margin softmax's classes)
+LAYOUTS: Mapping[str, Callable[[str], Driver]] = {
+    "lazy rows": lambda device_type: RowBlocks(device_type, lazy=True),
+    "columns": ColumnBlocks,
+}
+
+
+def layout_driver(layout: str, device_type: str) -> Driver:
+    """The driver of the tiled backend's ``layout`` (:data:`LAYOUTS`) on ``device_type``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"no tile layout {layout!r} (the tiled backend's are {', '.join(LAYOUTS)})")
+    return LAYOUTS[layout](device_type)
 
 
 def driver(

@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import backends
 from ..core import compute_dtype
-from ..engine.columns import ColumnBlocks
 from ..engine.engine import Problem, normalize_rows, visit_grads, visit_values
 from ..engine.heads import Head, Tile, lse_inplace, row_dot
 
@@ -248,18 +248,20 @@ class Margin:
         self.block = block * k
         self.st: Any = None
 
+    def _driver(self, e: Tensor, w: Tensor) -> Any:
+        """Blocks of classes against every row (the tiled backend's column layout)."""
+        return backends.layout_driver("columns", e.device.type)
+
     def values(self, e: Tensor, w: Tensor, scale: Tensor) -> Tensor:
         """Each row's loss (the head's state kept for :meth:`grads`)."""
-        rows, self.st = visit_values(e, w, scale, self.problem, ColumnBlocks(e.device.type), self.block)
+        rows, self.st = visit_values(e, w, scale, self.problem, self._driver(e, w), self.block)
         return rows
 
     def grads(self, e: Tensor, w: Tensor, scale: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """The gradients of ``sum_i g_i rows_i``: ``e``'s and ``w``'s (this slice's
         classes' part), and the scale's: per row with ``scale_rows`` (their sum is the
         scale's), else the sum."""
-        de, dw, tiles, du = visit_grads(
-            e, w, scale, self.problem, ColumnBlocks(e.device.type), self.block, self.st, g, 1
-        )
+        de, dw, tiles, du = visit_grads(e, w, scale, self.problem, self._driver(e, w), self.block, self.st, g, 1)
         assert de is not None and dw is not None and tiles is not None and du is not None
         with torch.enable_grad():  # the target logits' part, through their formula: into the target rows alone
             leaves = [e.detach()[self.own].requires_grad_(True), w.detach()[self.rows_y].requires_grad_(True)]

@@ -19,11 +19,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .. import backends
 from ..core import compute_dtype
 from ..engine.engine import Problem, run
 from ..engine.heads import Head, Tile, row_dot, row_max
 from ..engine.prototypes import Blocks, Group
-from ..engine.tiled import RowBlocks
 
 __all__ = [
     "soft_cross_entropy",
@@ -278,7 +278,7 @@ def prototype_cross_entropy(
         reduce = (r.to(compute_dtype(x.dtype)), None)
     scale = torch.tensor(inv_temp, dtype=compute_dtype(x.dtype), device=x.device)
     problem = Problem(SoftCrossEntropyHead(targets), normalize=normalize)
-    out = run(rows, w, scale, problem, RowBlocks(x.device.type, lazy=True), reduce, n * views)
+    out = run(rows, w, scale, problem, backends.layout_driver("lazy rows", x.device.type), reduce, n * views)
     return out if weights is not None or views == 1 else out.view(b, views).T.reshape(-1)
 
 
