@@ -25,7 +25,7 @@ from .heads import Head, ReportingHead, Tile
 __all__ = ["GivenScores", "run_given"]
 
 
-class _RowBlocks:
+class _GivenRows:
     """The blocks of complete rows of ``s = scale * scores`` (in the compute dtype), and,
     with ``grad``, their gradients gathered into one tensor of the scores' shape and
     dtype. A block is formed in that gradient's own rows where the dtypes allow (no
@@ -97,9 +97,9 @@ class GivenScores(FusedFunction):
         fused = reduce_weights is not None and needs_grad
         sc, dscale = float(scale), ctx.needs_input_grad[1]
         st = head.state(m, n, scores.new_empty(0, dtype=compute_dtype(scores.dtype)), None)
-        grads: Optional[_RowBlocks] = None
+        grads: Optional[_GivenRows] = None
         if head.fuses_rows:  # each block's reductions and, with a gradient to come, its gradient at once
-            blocks = grads = _RowBlocks(scores, sc, block, fused, dscale)
+            blocks = grads = _GivenRows(scores, sc, block, fused, dscale)
             for tile, s in blocks:
                 g = head.rows_fused(s, tile, st, reduce_weights if fused else None)
                 if fused:
@@ -107,7 +107,7 @@ class GivenScores(FusedFunction):
                     blocks.take(g, tile, head, st)
         else:
             for p in range(head.passes):
-                for tile, s in _RowBlocks(scores, sc, block, False, False):
+                for tile, s in _GivenRows(scores, sc, block, False, False):
                     head.reduce(s, tile, st, p)
                 head.finish(st, p)
             if fused:
@@ -146,11 +146,11 @@ class GivenScores(FusedFunction):
 
 def _grad_visit(
     scores: Tensor, scale: float, block: int, head: Head, st: Any, g_row: Tensor, dscale: bool
-) -> _RowBlocks:
+) -> _GivenRows:
     """The gradient's visit (after the reductions): every block's ``head.grad`` for the
-    upstream gradients ``g_row``, gathered in the returned blocks' :attr:`_RowBlocks.grad`."""
+    upstream gradients ``g_row``, gathered in the returned blocks' :attr:`_GivenRows.grad`."""
     head.begin_grad(st, g_row, None)
-    blocks = _RowBlocks(scores, scale, block, True, dscale)
+    blocks = _GivenRows(scores, scale, block, True, dscale)
     for tile, s in blocks:
         blocks.take(head.grad(s, tile, st), tile, head, st)
     head.release(st)
