@@ -133,6 +133,32 @@ def test_neighbor_loss_ignores_an_excluded_nan(value: float, reduction: str) -> 
         assert_close(grad, ref_grad, f"{backend}/{dtype}: grad", tol, tol)
 
 
+def test_neighbor_loss_on_infinite_and_far_apart_scores_as_torch_logsumexp() -> None:
+    """Rows whose denominator is empty of finite terms (every other column at -inf), with
+    a +inf term, or with its other terms 2e4 below the diagonal: the tiled backend's
+    values are the dense formula's (``torch.logsumexp``'s: -inf, +inf, finite), and where
+    they are finite, so are the gradients, equal to it."""
+    scores = torch.randn(6, 6, generator=torch.Generator().manual_seed(5), dtype=F64)
+    scores[1] = -float("inf")  # the excluded diagonal finite: an empty denominator
+    scores[1, 1] = 0.0
+    scores[2, 4] = float("inf")
+    scores[5] = -1e4  # far below its diagonal: the rows' masked maximum is the shift
+    scores[5, 5] = 1e4
+    nb = (torch.arange(6) + 1).remainder(6).unsqueeze(1)
+    results = {}
+    for backend in ("dense", "tiled"):
+        x = scores.clone().requires_grad_(True)
+        loss = flashcl.neighbor_loss(x, nb, backend=backend, reduction="none")
+        loss[[0, 3, 4, 5]].sum().backward()
+        results[backend] = (loss.detach(), x.grad)
+    (loss, grad), (want, want_grad) = results["tiled"], results["dense"]
+    assert torch.equal(torch.isnan(loss), torch.isnan(want)) and bool(torch.isposinf(loss[2]))
+    finite = [0, 3, 4, 5]
+    assert_close(loss[finite], want[finite], "finite rows' losses", 1e-12, 1e-12)
+    assert torch.isfinite(grad[finite]).all()
+    assert_close(grad[finite], want_grad[finite], "finite rows' gradients", 1e-12, 1e-12)
+
+
 # ----------------------------------------------------------------------------- scalars
 
 
