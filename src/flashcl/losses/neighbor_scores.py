@@ -48,7 +48,10 @@ class NeighborHead(Head):
         loss_i = c_i * LSE_{j != i} s_ij - a_i * sum_t s_{i, index[i, t]}
 
     A hand-written gradient: the masked softmax times ``c_i`` with ``-a_i`` scattered at
-    each sampled column, formed in the tile itself."""
+    each sampled column, formed in the tile itself. Kept for its measure against the same
+    head as its dense form alone (an :class:`~flashcl.engine.heads.AutogradHead`), n =
+    20,000, k = 2, float32, forward and backward on the 2-core CPU: 0.9-1.0 s with 0-8 MB
+    beyond the gradient, against 2.2-2.7 s with 140-170 MB."""
 
     fuses_rows = True
 
