@@ -440,3 +440,26 @@ def test_a_swapped_student_and_teacher_is_warned_about() -> None:
         flashcl.dino_loss(x, y, w)
         ours.DINOLoss(7)(t, s)
         ours.DINOLoss(7)(s, s)
+
+
+@needs_lightly
+@pytest.mark.parametrize("loss", ["dino", "swav"])
+def test_a_student_view_with_no_paired_teacher_view_equals_lightly(loss: str) -> None:
+    """lightly's DINOLoss with one teacher view and three student views (student view 0 is
+    paired with no teacher view: the same index) and SwaVLoss with one high-resolution view
+    (paired with none): the value and every gradient of lightly's, the unpaired view's
+    gradient 0 (lightly's SwAV leaves it None: unused)."""
+    teacher = [torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(9))]
+    results = []
+    for mod in (ours, peer):
+        views = [torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        views = [v.requires_grad_() for v in views]
+        if loss == "dino":
+            value = mod.DINOLoss(output_dim=16)(teacher, views)
+        else:
+            value = mod.SwaVLoss()(views[:1], views[1:])
+        value.backward()
+        results.append([value.detach(), *[torch.zeros_like(v) if v.grad is None else v.grad for v in views]])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert_close(a, b, f"{loss}: {'value' if i == 0 else f'view {i - 1} gradient'}", 1e-12, 1e-12)
+    assert float(results[0][1].abs().max()) == 0.0

@@ -62,7 +62,10 @@ def paired_rows(inv_temp: float, pairs: List[List[int]], targets: List[Tensor], 
                 dst.add_(p[r0:r1])
             return dst
 
-        head = SoftCrossEntropyHead(Blocks(None, rows, view.shape[0]))
+        # a view with no paired teacher view (lightly's DINO with one teacher view): no target,
+        # its rows' losses 0 and their gradient 0
+        nothing = Blocks(None, None, view.shape[0], groups=lambda i0, i1, scratch: [([0], None)])
+        head = SoftCrossEntropyHead(Blocks(None, rows, view.shape[0]) if own else nothing)
         scale = torch.tensor(inv_temp, dtype=torch.float64, device=view.device)
         out.append(run_given(view, scale, head, None, max(1, (1 << 20) // max(1, view.shape[-1])))[0])  # 4 MB blocks
     return torch.stack(out)
