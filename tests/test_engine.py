@@ -287,6 +287,15 @@ def test_drivers_chosen() -> None:
     assert backends.driver("dense", Problem(head), k, "cpu") is None
 
 
+def test_a_layout_is_a_driver_of_the_tiled_backend() -> None:
+    """A family of one tile layout names it; an unknown layout is a ValueError that lists them."""
+    assert type(backends.layout_driver("columns", "cpu")).__name__ == "ColumnBlocks"
+    rows = backends.layout_driver("lazy rows", "cpu")
+    assert type(rows).__name__ == "RowBlocks" and rows.lazy
+    with pytest.raises(ValueError, match="lazy rows, columns"):
+        backends.layout_driver("diagonal", "cpu")
+
+
 def test_second_derivatives_of_the_head() -> None:
     q, k, lq, lk = _data()
     out = []
