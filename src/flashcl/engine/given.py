@@ -31,8 +31,8 @@ class _GivenRows:
     dtype. A block is formed in that gradient's own rows where the dtypes allow (no
     second buffer); ``dscale``: ``dL/dscale`` accumulated too."""
 
-    def __init__(self, scores: Tensor, scale: float, block: int, grad: bool, dscale: bool) -> None:
-        self.scores, self.scale = scores.detach(), scale
+    def __init__(self, scores: Tensor, scale: float, block: int, offset: int, grad: bool, dscale: bool) -> None:
+        self.scores, self.scale, self.offset = scores.detach(), scale, offset
         dtype = compute_dtype(scores.dtype)
         m, n = scores.shape
         self.block = max(1, min(block, m))
@@ -53,7 +53,7 @@ class _GivenRows:
                 torch.mul(src, self.scale, out=s)
             else:  # the product in the compute dtype, not in the scores' (half precision)
                 s.copy_(src).mul_(self.scale)
-            yield Tile(r0, r1, 0, n, 0), s
+            yield Tile(r0, r1, 0, n, self.offset), s
 
     def take(self, g: Tensor, tile: Tile, head: Head, st: Any) -> None:
         """A block's ``dL/ds`` (the head's, possibly the block itself; times its rows'
@@ -74,8 +74,9 @@ class _GivenRows:
 
 
 class GivenScores(FusedFunction):
-    """``apply(scores, scale, head, reduce_weights, block, *params)``: the head's per-row
-    losses (M,) of ``s = scale * scores`` (M, N), ``block`` rows at a time, or, with
+    """``apply(scores, scale, head, reduce_weights, block, offset, *params)``: the head's
+    per-row losses (M,) of ``s = scale * scores`` (M, N), ``block`` rows at a time (row
+    ``i``'s own column ``i + offset``, as the tiles say), or, with
     ``reduce_weights`` (M,), the scalar ``sum r * rows`` with every gradient formed in the
     same visit; then what a :class:`~flashcl.engine.heads.ReportingHead` reports
     (non-differentiable). ``params``: the head's learnable tensors. Its backward's rules
@@ -90,16 +91,17 @@ class GivenScores(FusedFunction):
         head: Head,
         reduce_weights: Optional[Tensor],
         block: int,
+        offset: int,
         *params: Tensor,
     ) -> Any:
         m, n = scores.shape
-        needs_grad = any(ctx.needs_input_grad[:2]) or any(ctx.needs_input_grad[5:])
+        needs_grad = any(ctx.needs_input_grad[:2]) or any(ctx.needs_input_grad[6:])
         fused = reduce_weights is not None and needs_grad
         sc, dscale = float(scale), ctx.needs_input_grad[1]
         st = head.state(m, n, scores.new_empty(0, dtype=compute_dtype(scores.dtype)), None)
         grads: Optional[_GivenRows] = None
         if head.fuses_rows:  # each block's reductions and, with a gradient to come, its gradient at once
-            blocks = grads = _GivenRows(scores, sc, block, fused, dscale)
+            blocks = grads = _GivenRows(scores, sc, block, offset, fused, dscale)
             for tile, s in blocks:
                 g = head.rows_fused(s, tile, st, reduce_weights if fused else None)
                 if fused:
@@ -107,18 +109,18 @@ class GivenScores(FusedFunction):
                     blocks.take(g, tile, head, st)
         else:
             for p in range(head.passes):
-                for tile, s in _GivenRows(scores, sc, block, False, False):
+                for tile, s in _GivenRows(scores, sc, block, offset, False, False):
                     head.reduce(s, tile, st, p)
                 head.finish(st, p)
             if fused:
                 assert reduce_weights is not None
-                grads = _grad_visit(scores, sc, block, head, st, reduce_weights, dscale)
+                grads = _grad_visit(_GivenRows(scores, sc, block, offset, True, dscale), head, st, reduce_weights)
         head.release(st)
         rows, _ = head.values(st)
-        ctx.head, ctx.st, ctx.block, ctx.reduce_weights = head, st, block, reduce_weights
+        ctx.head, ctx.st, ctx.block, ctx.offset, ctx.reduce_weights = head, st, block, offset, reduce_weights
         done = (grads.grad, grads.dscale, *head.param_grads(st, len(params))) if fused and grads is not None else None
         inputs = (scores, scale, *params) if needs_grad else (None,) * (2 + len(params))
-        FusedFunction.setup(ctx, inputs, grads=done, slots=(0, 1, *range(5, 5 + len(params))))
+        FusedFunction.setup(ctx, inputs, grads=done, slots=(0, 1, *range(6, 6 + len(params))))
         out = rows if reduce_weights is None else (reduce_weights * rows).sum()
         found = tuple(head.report(st)) if isinstance(head, ReportingHead) else ()
         if found:
@@ -131,7 +133,7 @@ class GivenScores(FusedFunction):
         scores, scale, *params = inputs
         dtype = compute_dtype(scores.dtype)
         m, n = scores.shape
-        rows, _ = ctx.head.dense(scale.to(dtype) * scores.to(dtype), Tile(0, m, 0, n, 0), tuple(params))
+        rows, _ = ctx.head.dense(scale.to(dtype) * scores.to(dtype), Tile(0, m, 0, n, ctx.offset), tuple(params))
         return rows if ctx.reduce_weights is None else (ctx.reduce_weights * rows).sum()
 
     @classmethod
@@ -140,20 +142,18 @@ class GivenScores(FusedFunction):
         head, st = ctx.head, ctx.st
         dtype = compute_dtype(scores.dtype)
         g_row = ctx.reduce_weights * grad_out if ctx.reduce_weights is not None else grad_out.to(dtype)
-        blocks = _grad_visit(scores, float(scale), ctx.block, head, st, g_row, ctx.needs_input_grad[1])
+        blocks = _GivenRows(scores, float(scale), ctx.block, ctx.offset, True, ctx.needs_input_grad[1])
+        _grad_visit(blocks, head, st, g_row)
+        head.release(st)
         return (blocks.grad, blocks.dscale, *head.param_grads(st, ctx.n_inputs - 2))
 
 
-def _grad_visit(
-    scores: Tensor, scale: float, block: int, head: Head, st: Any, g_row: Tensor, dscale: bool
-) -> _GivenRows:
+def _grad_visit(blocks: _GivenRows, head: Head, st: Any, g_row: Tensor) -> _GivenRows:
     """The gradient's visit (after the reductions): every block's ``head.grad`` for the
-    upstream gradients ``g_row``, gathered in the returned blocks' :attr:`_GivenRows.grad`."""
+    upstream gradients ``g_row``, gathered in ``blocks``' :attr:`_GivenRows.grad`."""
     head.begin_grad(st, g_row, None)
-    blocks = _GivenRows(scores, scale, block, True, dscale)
     for tile, s in blocks:
         blocks.take(head.grad(s, tile, st), tile, head, st)
-    head.release(st)
     return blocks
 
 
@@ -164,11 +164,13 @@ def run_given(
     reduce_weights: Optional[Tensor],
     block: int,
     params: Sequence[Tensor] = (),
+    offset: int = 0,
 ) -> Tuple[Tensor, Tuple[Tensor, ...]]:
     """``head``'s losses on the given ``scores`` (M, N) scaled by ``scale`` (a 0-d tensor):
     per row (M,), or ``sum r * rows`` for ``reduce_weights=r``; and what a
     :class:`~flashcl.engine.heads.ReportingHead` reports beside them (none for another
-    head). Autocast off."""
+    head). ``offset``: the column of row 0's own entry (its rows' slice of a wider matrix
+    across processes). Autocast off."""
     with autocast_off(scores.device.type):
-        out = GivenScores.apply(scores, scale, head, reduce_weights, block, *params)
+        out = GivenScores.apply(scores, scale, head, reduce_weights, block, offset, *params)
     return (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())

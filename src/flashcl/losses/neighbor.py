@@ -122,7 +122,7 @@ def _neighbor(scores: Tensor, neighbors: Tensor, exclude_diagonal: bool, opts: c
         block = opts.block_size or auto_scores_block(n)
         one = torch.ones((), dtype=compute_dtype(scores.dtype), device=scores.device)
         weights = runner.share(opts.reduction, opts.grad_scale, source, one.expand(rows))
-        return run_given(scores, one, NeighborHead(spec), weights, block)[0]
+        return run_given(scores, one, NeighborHead(spec), weights, block, offset=spec.offset)[0]
 
     # the score matrix already exists: no Triton kernel (the tiled backend's only n x n allocation is the gradient)
     impls = {"reference": by_rows(reference.scores_loss), "dense": by_rows(dense_rows), "tiled": tiled}

@@ -43,7 +43,7 @@ class _NeighborState:
 
 class NeighborHead(Head):
     """The core's head on complete rows of a given score matrix, its positives sampled
-    columns (``spec.index``, (M, k), repeats allowed)::
+    columns (``spec.index``, (M, k), repeats allowed; the tiles' offset is ``spec.offset``)::
 
         loss_i = c_i * LSE_{j != i} s_ij - a_i * sum_t s_{i, index[i, t]}
 
@@ -68,7 +68,7 @@ class NeighborHead(Head):
         the shift the rows' masked maxima, so that nothing overflows and the largest term
         is 1); the rows' log-sum-exp into the state; returns their sums (rows, 1)."""
         if self.spec.exclude_self:
-            mask_self_(s, Tile(tile.r0, tile.r1, tile.c0, tile.c1, self.spec.offset), float("-inf"))
+            mask_self_(s, tile, float("-inf"))
         mx = s.amax(1, keepdim=True)
         mx.masked_fill_(mx.abs() == float("inf"), 0.0)  # as torch.logsumexp: a row of -inf, or one with +inf
         total = s.sub_(mx).exp_().sum(1, keepdim=True)
@@ -103,7 +103,7 @@ class NeighborHead(Head):
         rows = slice(tile.r0, tile.r1)
         s.sub_(st.lse[rows].unsqueeze(1))
         if self.spec.exclude_self:
-            mask_self_(s, Tile(tile.r0, tile.r1, tile.c0, tile.c1, self.spec.offset), float("-inf"))
+            mask_self_(s, tile, float("-inf"))
         g = st.g_row[rows]
         return self._grad_(s.exp_(), tile, st, (g * st.c[rows]).unsqueeze(1), g)
 

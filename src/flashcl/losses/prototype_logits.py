@@ -24,6 +24,7 @@ __all__ = [
     "paired_dense",
     "paired_rows",
     "chunks",
+    "chunk_rows",
     "softmax_targets",
     "float32_value",
     "sinkhorn_codes",
@@ -67,13 +68,18 @@ def paired_rows(inv_temp: float, pairs: List[List[int]], targets: List[Tensor], 
         nothing = Blocks(None, None, view.shape[0], groups=lambda i0, i1, scratch: [([0], None)])
         head = SoftCrossEntropyHead(Blocks(None, rows, view.shape[0]) if own else nothing)
         scale = torch.tensor(inv_temp, dtype=torch.float64, device=view.device)
-        out.append(run_given(view, scale, head, None, max(1, (1 << 20) // max(1, view.shape[-1])))[0])  # 4 MB blocks
+        out.append(run_given(view, scale, head, None, chunk_rows(view))[0])
     return torch.stack(out)
 
 
+def chunk_rows(x: Tensor, entries: int = 1 << 20) -> int:
+    """Rows of ``x`` per block of about ``entries`` entries (4 MB in float32)."""
+    return max(1, entries // max(1, x.shape[-1]))
+
+
 def chunks(x: Tensor, entries: int = 1 << 20) -> List[slice]:
-    """Blocks of ``x``'s rows of about ``entries`` entries (4 MB in float32)."""
-    step = max(1, entries // max(1, x.shape[-1]))
+    """Blocks of ``x``'s rows of about ``entries`` entries (:func:`chunk_rows`)."""
+    step = chunk_rows(x, entries)
     return [slice(r, min(r + step, x.shape[0])) for r in range(0, x.shape[0], step)]
 
 
