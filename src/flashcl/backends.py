@@ -401,14 +401,15 @@ def solve(
     family: str,
     oracle: Callable[[], Tensor],
     x: Optional[Tensor] = None,
+    auto: Optional[str] = None,
 ) -> Tensor:
     """A family's problem (the rows ``q`` against ``source``) on the backend
     ``opts.backend`` stands for among ``"reference"``, ``"dense"`` and ``"tiled"``
     (:func:`pick_name`, from ``x``'s device and dtype, default ``q``'s): the family's
     ``oracle`` (its per-row losses by per-anchor loops) for ``"reference"``, else the
     engine (:meth:`Source.run`); ``weights``: a scalar reduction's ``(r, None)`` (None:
-    the per-row losses)."""
-    return solve_reported(q, source, scale, problem, weights, opts, family, lambda: (oracle(), ()), x)[0]
+    the per-row losses); ``auto``: the family's fixed choice for ``"auto"``, if it has one."""
+    return solve_reported(q, source, scale, problem, weights, opts, family, lambda: (oracle(), ()), x, auto)[0]
 
 
 def solve_reported(
@@ -421,13 +422,14 @@ def solve_reported(
     family: str,
     oracle: Callable[[], Tuple[Tensor, Tuple[Tensor, ...]]],
     x: Optional[Tensor] = None,
+    auto: Optional[str] = None,
 ) -> Tuple[Tensor, Tuple[Tensor, ...]]:
     """:func:`solve` with what the problem's head reports beside its losses
     (:class:`~flashcl.engine.heads.ReportingHead`), the oracle returning the same
     results from its loops: ``(per-row losses, results)``."""
     like = q if x is None else x
     names = ("reference", "dense", "tiled")
-    name = pick_name(opts.backend, names, q.shape[0] * source.total, like, family, source=source)
+    name = pick_name(opts.backend, names, q.shape[0] * source.total, like, family, auto, source=source)
     if name == "reference":
         rows, found = oracle()
         return (rows if weights is None else (weights[0] * rows).sum()), found

@@ -27,41 +27,26 @@ distance (sentence-transformers' masked formulas).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from dataclasses import replace
+from typing import Any, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
-from ..core import Tile, compute_dtype
-from ..engine.engine import FusedFunction, autocast_off, normalize_rows
-from ..parallel.ring import RingDriver, ring_pass
+from ..core import compute_dtype
+from ..engine.engine import Problem, autocast_off, normalize_rows
 from ..reference.families import triplet_rows as _reference_rows
-from .triplet_rows import (
-    ColumnMiner,
-    TripletRows,
-    auto_triplet_block,
-    block_distances,
-    dense_rows,
-    distances,
-    grads_from,
-)
+from .triplet_rows import TripletHead, auto_triplet_block, lifted
 
-__all__ = ["triplet_loss", "TripletLoss", "distances"]
+__all__ = ["triplet_loss", "TripletLoss"]
 
 MININGS = ("all", "hard", "semi-hard")
 DISTANCES = ("euclidean", "squared", "cosine")
 TRIPLET_BACKENDS = ("auto", "reference", "dense", "tiled")
-
-
-# ---------------------------------------------------------------- backends
-
-
-# ---------------------------------------------------------------- public
 
 
 @shared_docs
@@ -146,7 +131,7 @@ def triplet_loss(
         x = embeddings.to(compute_dtype(embeddings.dtype))
         if normalize or distance == "cosine":
             x = normalize_rows(x)
-        return _triplet(x, labels, mining, m, soft_margin, distance, backend, opts)
+        return _triplet(x, labels, mining, m, soft_margin, distance, opts)
 
 
 def _check_margin(margin: object) -> float:
@@ -165,121 +150,30 @@ def _triplet(
     margin: float,
     soft: bool,
     distance: str,
-    backend: str,
     opts: checks.Options,
 ) -> Tensor:
     """The body, one process being a world of one: this rank's anchors against every
-    rank's samples (gathered with their gradient); the mean's divisor counted over
-    every rank."""
-    group = opts.process_group
-    cols = parallel.columns(x, opts.strategy, group, own=True)
-    k, yk, offset = cols.keys, cols.gather(labels), cols.offset
-    if isinstance(cols, parallel.Columns) and cols.ring:
-        backends.pick_name(backend, ("tiled",), 0, x, "triplet_loss", source=cols)  # the ring: tiled alone
-        block = opts.block_size or auto_triplet_block(x.shape[0], max(cols.sizes))
-        spec = (offset, mining, margin, soft, distance, block)
-        rows, counts = _TripletRing.apply(x, labels, yk, spec, cols.sizes, group)
-        if opts.reduction == "none":
-            return rows
-        total = rows.sum()
-    else:
+    rank's samples (gathered with their gradient, or round the ring), a
+    :class:`~flashcl.losses.triplet_rows.TripletHead` on the engine; the mean's divisor
+    counted over every rank."""
+    q, k = lifted(x, distance)
+    cols = parallel.columns(k, opts.strategy, opts.process_group, own=distance == "cosine")
+    yk, offset, width = cols.gather(labels), cols.offset, x.shape[1]
+    head = TripletHead(labels, yk, offset, mining, margin, soft, distance)
+    one = torch.ones((), dtype=x.dtype, device=x.device)
+    weights = None if opts.reduction == "none" else (one.expand(x.shape[0]), None)
+    block = opts.block_size or auto_triplet_block(x.shape[0], cols.total)
 
-        def reference_rows() -> Tuple[Tensor, Optional[Tensor]]:
-            return _reference_rows(x, labels, mining, margin, soft, distance, k, yk, offset)
+    def oracle() -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        rows, counts = _reference_rows(x, labels, mining, margin, soft, distance, cols.keys[:, :width], yk, offset)
+        return rows, (counts,)
 
-        def dense() -> Tuple[Tensor, Optional[Tensor]]:
-            return dense_rows(x, k, labels, yk, offset, mining, margin, soft, distance)
-
-        def tiled() -> Tuple[Tensor, Optional[Tensor]]:
-            block = opts.block_size or auto_triplet_block(x.shape[0], k.shape[0])
-            if opts.reduction == "none":
-                return TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, None, block)[0], None
-            ones = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-            return TripletRows.apply(x, k, labels, yk, offset, mining, margin, soft, distance, ones, block)
-
-        impls = {"reference": reference_rows, "dense": dense, "tiled": tiled}
-        out, counts = backends.pick(backend, impls, x.shape[0] * k.shape[0], x, "triplet_loss", auto="tiled")()
-        if opts.reduction == "none":
-            return out
-        total = out.sum()  # the tiled backend's reduced total is a scalar already
-        assert counts is not None
-    return runner.reduce_total(total, counts.sum(), opts.reduction, opts.grad_scale, cols)
-
-
-class _TripletRing(FusedFunction):
-    """``apply(x, yq, yk, spec, sizes, group) -> (rows, counts)``: the triplet losses of
-    this rank's anchors ``x`` (labels ``yq``) against every rank's rows, the blocks
-    passed round the ring (no rank holds more than its own rows and one visitor):
-    :class:`flashcl.losses.triplet_rows.ColumnMiner` over the visiting blocks, once for
-    batch-hard, twice for batch-all and semi-hard (the positives' distances, then the
-    negatives); ``yk``: every rank's labels. Backward passes the blocks again, each
-    block's gradient travelling with it back to its owner."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, yq: Tensor, yk: Tensor, spec: Tuple[Any, ...], sizes: List[int], group: Any
-    ) -> Tuple[Tensor, Tensor]:
-        offset, mining, margin, soft, distance, _ = spec
-        xd = x.detach()
-        miner = ColumnMiner(yq, yk, offset, mining, margin, soft, xd.dtype)
-        for step in range(miner.passes):
-            _round(xd, spec, sizes, group, lambda d, slope, tile, kb, travel, s=step: miner.visit(s, d, tile))
-            miner.end_pass(step)
-        rows, counts = miner.finish()
-        FusedFunction.setup(ctx, (x,))
-        ctx.miner, ctx.spec, ctx.sizes, ctx.group = miner, spec, sizes, group
-        ctx.mark_non_differentiable(counts)
-        return rows, counts
-
-    @classmethod
-    def no_second_derivatives(cls, ctx: Any) -> Optional[str]:
-        return RingDriver.no_second_derivatives
-
-    @classmethod
-    def recompute(cls, ctx: Any, grad: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
-        (x,) = saved
-        xd, distance = x.detach(), ctx.spec[4]
-        dq = torch.zeros_like(xd)
-        weights = grad.to(xd.dtype)
-
-        def visit(d: Tensor, slope: Optional[Tensor], tile: Tile, kb: Tensor, travel: Optional[Tensor]) -> None:
-            assert travel is not None
-            g = ctx.miner.grad(d, tile, weights)
-            grads_from(g, slope, xd[tile.r0 : tile.r1], kb, distance, dq[tile.r0 : tile.r1], travel)
-
-        travel = _round(xd, ctx.spec, ctx.sizes, ctx.group, visit, with_gradient=True)
-        return (dq + travel,)
-
-
-def _round(
-    x: Tensor, spec: Tuple[Any, ...], sizes: List[int], group: Any, visit: Any, with_gradient: bool = False
-) -> Tensor:
-    """Every rank's block of rows round the ring, this rank's first: ``visit(d, slope,
-    tile, block, travel)`` for each row block of this rank's anchors against it
-    (``travel``: the block's gradient accumulator, ``with_gradient``, which goes on
-    with it and arrives back home: returned)."""
-    offset, _, _, _, distance, block = spec
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    starts = [sum(sizes[:i]) for i in range(world)]
-    m, width = x.shape
-    xn = (x * x).sum(1)
-    kb, travel = x, torch.zeros_like(x)
-    for step in range(world):
-        owner = (rank - step) % world
-        if sizes[owner]:
-            kn = (kb * kb).sum(1)
-            for r0 in range(0, m, block):
-                r1 = min(r0 + block, m)
-                tile = Tile(r0, r1, starts[owner], starts[owner] + sizes[owner], offset)
-                d, slope = block_distances(x[r0:r1], kb, xn[r0:r1], kn, distance, tile, with_gradient)
-                visit(d, slope, tile, kb, travel if with_gradient else None)
-        if step < world - 1 or with_gradient:  # the gradient's last pass takes it home
-            shape = (sizes[(owner - 1) % world], width)
-            if with_gradient:
-                kb, travel = ring_pass([kb, travel], [shape, shape], group)
-            else:
-                (kb,) = ring_pass([kb], [shape], group)
-    return travel
+    problem = Problem(head, (), False, offset)
+    opts = replace(opts, block_size=block)
+    out, (counts,) = backends.solve_reported(q, cols, one, problem, weights, opts, "triplet_loss", oracle, x, "tiled")
+    if opts.reduction == "none":
+        return out
+    return runner.reduce_total(out, counts.sum(), opts.reduction, opts.grad_scale, cols)
 
 
 class TripletLoss(LossModule):

@@ -1,55 +1,21 @@
-"""Triplet losses' rows in blocks of distances, for :mod:`flashcl.losses.triplet`: the
+"""The triplet losses' head on the engine's tiles, for :mod:`flashcl.losses.triplet`: the
 per-row losses of a block of complete rows (batch-all through sorted negatives and
-prefix sums, batch-hard, semi-hard), the tiled backend's row blocks
-(:class:`TripletRows`), and :class:`ColumnMiner`: the same mining over column blocks
-that arrive one at a time (the ring strategy's visiting blocks), with per-anchor
-state of O(rows x positives)."""
+prefix sums, batch-hard, semi-hard), :class:`TripletHead` on the scores of
+:func:`lifted` rows, and :class:`ColumnMiner`: the same mining over column blocks that
+arrive one at a time (the ring strategy's visiting blocks), with per-anchor state of
+O(rows x positives)."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..core import Tile, compute_dtype
-from ..engine.engine import FusedFunction
-from ..engine.heads import mask_self_
+from ..core import Tile
+from ..engine.heads import ReportingHead, mask_self_
 
-__all__ = [
-    "distances",
-    "rows_of",
-    "dense_rows",
-    "auto_triplet_block",
-    "grads_from",
-    "block_distances",
-    "TripletRows",
-    "ColumnMiner",
-]
-
-
-def distances(q: Tensor, k: Tensor, distance: str, offset: int = 0) -> Tensor:
-    """The distances of the rows ``q`` to the rows ``k`` as sentence-transformers forms
-    them: ``|q|^2 - 2 q.k + |k|^2`` clamped at 0 (``"squared"``), its square root
-    (``"euclidean"``, gradient 0 at a zero distance) or ``1 - q.k`` (``"cosine"``:
-    rows already unit); ``q``'s own column (row ``r`` at column ``r + offset``) 0.
-    Differentiable."""
-    dot = q @ k.T
-    if distance == "cosine":
-        d = 1.0 - dot
-    else:
-        sq = ((k * k).sum(1).unsqueeze(0) - 2.0 * dot) + (q * q).sum(1).unsqueeze(1)
-        sq = sq.clamp_min(0.0)
-        if distance == "squared":
-            d = sq
-        else:
-            zero = sq == 0
-            d = torch.where(zero, torch.zeros_like(sq), torch.sqrt(torch.where(zero, torch.ones_like(sq), sq)))
-    own = torch.arange(q.shape[0], device=q.device) + offset
-    inside = own < k.shape[0]
-    eye = torch.zeros_like(d, dtype=torch.bool)
-    eye[torch.arange(q.shape[0], device=q.device)[inside], own[inside]] = True
-    return d.masked_fill(eye, 0.0)
+__all__ = ["rows_of", "auto_triplet_block", "lifted", "TripletHead", "ColumnMiner"]
 
 
 # ---------------------------------------------------------------- per-row losses
@@ -158,138 +124,142 @@ def rows_of(
     return _semi_hard_rows(d, pos, neg, margin, soft, want_grad)
 
 
-def dense_rows(
-    q: Tensor, k: Tensor, yq: Tensor, yk: Tensor, offset: int, mining: str, margin: float, soft: bool, distance: str
-) -> Tuple[Tensor, Tensor]:
-    """Per-anchor losses and counts on the whole distance matrix (differentiable)."""
-    d = distances(q, k, distance, offset)
-    pos, neg = _masks(yq, yk, Tile(0, q.shape[0], 0, k.shape[0], offset))
-    rows, count, _ = rows_of(d, pos, neg, mining, margin, soft, want_grad=False)
-    return rows, count
-
-
 def auto_triplet_block(m: int, n: int) -> int:
     """Rows per block: about 2^20 distances (a block's sorts, searches and prefix
     sums hold about ten arrays of its size)."""
     return max(1, min(m, (1 << 20) // max(1, n)))
 
 
-def grads_from(
-    g: Tensor, slope: Optional[Tensor], qb: Tensor, k: Tensor, distance: str, dq_rows: Tensor, dk: Tensor
-) -> None:
-    """Accumulates ``d/dq`` (this block's rows) and ``d/dk`` from ``g = d loss / d d``;
-    ``slope``: ``d d / d sq`` for the distances of ``sq = |q|^2 - 2 q.k + |k|^2``."""
-    if distance == "cosine":  # d = 1 - q.k
-        dq_rows.addmm_(g, k, alpha=-1.0)
-        dk.addmm_(g.T, qb, alpha=-1.0)
-        return
-    assert slope is not None
-    h = g.mul_(slope)
-    # d/dq = 2 (rowsum(h) q - h k), d/dk = 2 (colsum(h) k - h^T q)
-    dq_rows.add_(qb * h.sum(1, keepdim=True), alpha=2.0).addmm_(h, k, alpha=-2.0)
-    dk.add_(k * h.sum(0).unsqueeze(1), alpha=2.0).addmm_(h.T, qb, alpha=-2.0)
-
-
-def block_distances(
-    qb: Tensor, kb: Tensor, qn: Tensor, kn: Tensor, distance: str, tile: Tile, want_slope: bool
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """The distances of the rows ``qb`` (squared norms ``qn``) to the rows ``kb`` (``kn``),
-    the anchors' own columns (``tile``) 0, as :func:`distances` forms them, and with
-    ``want_slope`` ``d d / d sq`` for :func:`grads_from` (None for the cosine distance)."""
-    dot = qb @ kb.T
-    slope: Optional[Tensor] = None
+def lifted(x: Tensor, distance: str) -> Tuple[Tensor, Tensor]:
+    """The rows the engine scores for ``distance``, ``(anchors, candidates)``: for the
+    squared and Euclidean distances ``[-2 x, |x|^2, 1]`` and ``[x, 1, |x|^2]``, whose
+    products are the squared distances ``|x_i|^2 - 2 x_i . x_j + |x_j|^2`` (the norms'
+    gradient, ``2 x_i sum_j dL/d sq_ij``, is autograd's through the two last
+    coordinates), zero columns after them; for the cosine distance ``x`` itself
+    (``d = 1 - s``). Differentiable."""
     if distance == "cosine":
-        d = dot.neg_().add_(1.0)
-    else:
-        sq = dot.mul_(-2.0).add_(kn.unsqueeze(0)).add_(qn.unsqueeze(1))
-        if distance == "squared":  # the clamped entries (rounding below 0) have no gradient
-            slope = (sq >= 0).to(sq.dtype) if want_slope else None
-            d = sq.clamp_min_(0.0)
+        return x, x
+    norms = (x * x).sum(1, keepdim=True)
+    ones = torch.ones_like(norms)
+    # zero columns up to a multiple of 8: D = 256 lifted to 258 made the CPU's score GEMMs 1.4x slower
+    pad = x.new_zeros(x.shape[0], -(x.shape[1] + 2) % 8)
+    return torch.cat([-2.0 * x, norms, ones, pad], 1), torch.cat([x, ones, norms, pad], 1)
+
+
+class _TripletState:
+    """A :class:`TripletHead`'s state: the rows' losses and counts; over column blocks,
+    the :class:`ColumnMiner` that collects them."""
+
+    def __init__(self, m: int, like: Tensor) -> None:
+        self.rows = like.new_zeros(m)
+        self.counts = torch.zeros(m, dtype=torch.long, device=like.device)
+        self.dtype = like.dtype
+        self.miner: Optional[ColumnMiner] = None
+        self.g_row: Optional[Tensor] = None
+
+
+class TripletHead(ReportingHead):
+    """The triplet losses on the engine's tiles of :func:`lifted` rows' scores (the
+    squared distances, or the cosine similarities), reporting each row's count (what
+    the mean divides by). A block of complete rows (the row-block driver) is mined at
+    once by :func:`rows_of`, its gradient formed in the same visit; column blocks that
+    arrive one at a time (the distributed ring) go to a :class:`ColumnMiner`, once for
+    batch-hard, twice for batch-all and semi-hard.
+
+    Args:
+        yq: (M,) the anchors' labels. yk: (N,) every column's label.
+        offset: the column of anchor 0 (its own column, excluded).
+        mining, margin, soft: as :func:`rows_of`.
+        distance: ``"euclidean"`` | ``"squared"`` | ``"cosine"``.
+    """
+
+    fuses_rows = True
+
+    def __init__(
+        self, yq: Tensor, yk: Tensor, offset: int, mining: str, margin: float, soft: bool, distance: str
+    ) -> None:
+        self.yq, self.yk, self.offset, self.distance = yq, yk, offset, distance
+        self.mining, self.margin, self.soft = mining, margin, soft
+        self.passes = 1 if mining == "hard" else 2
+
+    def state(self, m: int, n: int, like: Tensor, bound: Optional[float]) -> _TripletState:
+        return _TripletState(m, like)
+
+    def _distances(self, s: Tensor, tile: Tile, want_slope: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """In place: the distances of the tile's scores, the self entries 0, and with
+        ``want_slope`` ``d d / d s`` (None for the cosine distance: -1)."""
+        slope: Optional[Tensor] = None
+        if self.distance == "cosine":
+            d = s.neg_().add_(1.0)
+        elif self.distance == "squared":  # the clamped entries (rounding below 0) have no gradient
+            slope = (s >= 0).to(s.dtype) if want_slope else None
+            d = s.clamp_min_(0.0)
         else:  # d = sqrt(sq): 1 / (2 d), 0 at a zero distance
-            d = sq.clamp_min_(0.0).sqrt_()
+            d = s.clamp_min_(0.0).sqrt_()
             if want_slope:
                 slope = torch.where(d > 0, 0.5 / d.clamp_min(torch.finfo(d.dtype).tiny), torch.zeros_like(d))
-    mask_self_(d, tile, 0.0)
-    return d, slope
+        mask_self_(d, tile, 0.0)
+        return d, slope
 
+    def _mine(self, d: Tensor, tile: Tile, want_grad: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        pos, neg = _masks(self.yq, self.yk, tile)
+        return rows_of(d, pos, neg, self.mining, self.margin, self.soft, want_grad)
 
-class TripletRows(FusedFunction):
-    """The rows' triplet losses in row blocks of distances, with their gradient
-    formed in the same visit for a scalar loss (``weights``: each row's factor).
+    def _score_grad(self, g: Tensor, slope: Optional[Tensor]) -> Tensor:
+        """``dL/ds`` from ``g = dL/dd``."""
+        return g.neg_() if slope is None else g.mul_(slope)
 
-    ``apply(q, k, yq, yk, offset, mining, margin, soft, distance, weights, block)``
-    returns (per-row losses, per-row counts); with ``weights``, the first is their
-    weighted sum. q's rows are k's from ``offset`` on (the self column)."""
+    def rows_fused(self, s: Tensor, tile: Tile, st: _TripletState, g_row: Optional[Tensor]) -> Optional[Tensor]:
+        d, slope = self._distances(s, tile, g_row is not None)
+        st.rows[tile.r0 : tile.r1], st.counts[tile.r0 : tile.r1], g = self._mine(d, tile, g_row is not None)
+        if g is None or g_row is None:
+            return None
+        mask_self_(g, tile, 0.0)
+        return self._score_grad(g.mul_(g_row[tile.r0 : tile.r1].unsqueeze(1)), slope)
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        yq: Tensor,
-        yk: Tensor,
-        offset: int,
-        mining: str,
-        margin: float,
-        soft: bool,
-        distance: str,
-        weights: Optional[Tensor],
-        block: int,
-    ) -> Tuple[Tensor, Tensor]:
-        needs = ctx.needs_input_grad[:2]
-        fused = weights is not None and any(needs)
-        ctx.opts = (offset, mining, margin, soft, distance, block)
-        ctx.weights = weights
-        rows, counts, grads = _visit(q, k, yq, yk, ctx.opts, weights if fused else None)
-        FusedFunction.setup(ctx, (q, k), (yq, yk), grads=grads)
-        ctx.mark_non_differentiable(counts)
-        return (rows if weights is None else (weights * rows).sum()), counts
+    def _miner(self, st: _TripletState) -> ColumnMiner:
+        if st.miner is None:
+            st.miner = ColumnMiner(self.yq, self.yk, self.offset, self.mining, self.margin, self.soft, st.dtype)
+        return st.miner
 
-    @classmethod
-    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
-        q, k = inputs
-        yq, yk = ctx.saved_tensors[2:]
-        offset, mining, margin, soft, distance, _ = ctx.opts
-        rows, _ = dense_rows(q, k, yq, yk, offset, mining, margin, soft, distance)
-        return rows if ctx.weights is None else (ctx.weights * rows).sum()
+    def reduce(self, s: Tensor, tile: Tile, st: _TripletState, p: int = 0) -> None:
+        self._miner(st).visit(p, self._distances(s, tile, False)[0], tile)
 
-    @classmethod
-    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Sequence[Any]) -> Sequence[Optional[Tensor]]:
-        q, k, yq, yk = saved
-        g = grad_out.to(compute_dtype(q.dtype))
-        weights = g if ctx.weights is None else ctx.weights * g
-        _, _, grads = _visit(q, k, yq, yk, ctx.opts, weights)
-        assert grads is not None
-        return grads
+    def finish(self, st: _TripletState, p: int = 0) -> None:
+        miner = self._miner(st)
+        miner.end_pass(p)
+        if p == self.passes - 1:
+            st.rows, st.counts = miner.finish()
 
+    def values(self, st: _TripletState) -> Tuple[Tensor, Optional[Tensor]]:
+        return st.rows, None
 
-def _visit(
-    q: Tensor, k: Tensor, yq: Tensor, yk: Tensor, opts: Tuple[Any, ...], weights: Optional[Tensor]
-) -> Tuple[Tensor, Tensor, Optional[List[Tensor]]]:
-    """Every row block: losses, counts and, with ``weights``, the weighted gradients."""
-    offset, mining, margin, soft, distance, block = opts
-    dtype = compute_dtype(q.dtype)
-    qc, kc = q.detach().to(dtype), k.detach().to(dtype)
-    m, n = qc.shape[0], kc.shape[0]
-    rows = qc.new_empty(m)
-    counts = torch.empty(m, dtype=torch.long, device=q.device)
-    dq = torch.zeros_like(qc) if weights is not None else None
-    dk = torch.zeros_like(kc) if weights is not None else None
-    qn = (qc * qc).sum(1)
-    kn = (kc * kc).sum(1)
-    for r0 in range(0, m, block):
-        r1 = min(r0 + block, m)
-        qb = qc[r0:r1]
-        tile = Tile(r0, r1, 0, n, offset)
-        d, slope = block_distances(qb, kc, qn[r0:r1], kn, distance, tile, weights is not None)
-        pos, neg = _masks(yq, yk, tile)
-        r, c, g = rows_of(d, pos, neg, mining, margin, soft, want_grad=weights is not None)
-        rows[r0:r1], counts[r0:r1] = r, c
-        if g is not None:
-            assert weights is not None and dq is not None and dk is not None
-            mask_self_(g, tile, 0.0)
-            grads_from(g.mul_(weights[r0:r1].unsqueeze(1)), slope, qb, kc, distance, dq[r0:r1], dk)
-    return rows, counts, None if dq is None else [dq, dk]  # type: ignore[list-item]
+    def report(self, st: _TripletState) -> Tuple[Tensor, ...]:
+        return (st.counts,)
+
+    def grad(self, s: Tensor, tile: Tile, st: _TripletState, buf: Optional[Tensor] = None) -> Tensor:
+        assert st.g_row is not None
+        if st.miner is None:  # a block of complete rows, mined again
+            g = self.rows_fused(s, tile, st, st.g_row)
+            assert g is not None
+            return g
+        d, slope = self._distances(s, tile, True)
+        return self._score_grad(st.miner.grad(d, tile, st.g_row), slope)
+
+    def dense_reported(
+        self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()
+    ) -> Tuple[Tuple[Tensor, Optional[Tensor]], Tuple[Tensor, ...]]:
+        if self.distance == "cosine":
+            d = 1.0 - s
+        else:
+            d = s.clamp_min(0.0)
+            if self.distance == "euclidean":  # gradient 0 at a zero distance
+                zero = d == 0
+                d = torch.where(zero, torch.zeros_like(d), torch.sqrt(torch.where(zero, torch.ones_like(d), d)))
+        eye = torch.zeros_like(d, dtype=torch.bool)
+        mask_self_(eye, tile, True)
+        rows, count, _ = self._mine(d.masked_fill(eye, 0.0), tile, False)
+        return (rows, None), (count,)
 
 
 # ---------------------------------------------------------------- column blocks
