@@ -1,7 +1,7 @@
 """flashcl.rank_n_contrast_loss against Rank-N-Contrast's formula (Zha et al. 2023, eq. 2),
 written out here as loops over each anchor's positives and their denominators, in float64:
 every backend and block size, views and single rows, labels of several dimensions with
-ties, every reduction, duplicate features; a second backward; 2 and 3 gloo processes
+ties, every reduction, duplicate features; a second backward, second derivatives; 2 and 3 gloo processes
 (uneven, a rank with none), both grad_scale conventions; bad arguments named."""
 
 from __future__ import annotations
@@ -114,9 +114,22 @@ def test_a_second_backward_and_inputs_untouched() -> None:
     second = torch.autograd.grad(loss, x)[0]
     assert_close(second, first, "second backward", *TOL)
     assert torch.equal(x.detach(), before)
-    with pytest.raises(RuntimeError, match="second derivatives"):
-        loss = flashcl.rank_n_contrast_loss(x, d["y"], backend="tiled")
-        torch.autograd.grad(torch.autograd.grad(loss, x, create_graph=True)[0].sum(), x)
+
+
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_second_derivatives_equal_the_formula(backend: str) -> None:
+    """A Hessian-vector product (create_graph=True): the formula's, by autograd through its loops."""
+    d = _data(4, b=6)
+    v = torch.randn(d["f"].shape, dtype=F64, generator=torch.Generator().manual_seed(5))
+    hvps = []
+    for loss_of in (
+        lambda z: flashcl.rank_n_contrast_loss(z, d["y"], temperature=0.7, backend=backend, block_size=4),
+        lambda z: rnc_formula(z, d["y"], 0.7).mean(),
+    ):
+        z = d["f"].clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(loss_of(z), z, create_graph=True)
+        hvps.append(torch.autograd.grad((g * v).sum(), z)[0])
+    assert_close(hvps[0], hvps[1], f"{backend}: Hessian-vector product", *TOL)
 
 
 @pytest.mark.parametrize(

@@ -474,16 +474,18 @@ class AutogradHead(Head):
 
     def grad(self, s: Tensor, tile: Tile, st: _RowLosses, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
-        return self._through(s, tile, st, st.g_row)
+        return self.block_grad(s, tile, st, st.g_row)
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _RowLosses, g_row: Optional[Tensor]) -> Optional[Tensor]:
         if g_row is None:
             self.reduce(s, tile, st)
             return None
-        return self._through(s, tile, st, g_row)
+        return self.block_grad(s, tile, st, g_row)
 
-    def _through(self, s: Tensor, tile: Tile, st: _RowLosses, g_row: Tensor) -> Tensor:
-        """The block's losses into the state, their gradient (weighted by ``g_row``) in ``s``."""
+    def block_grad(self, s: Tensor, tile: Tile, st: _RowLosses, g_row: Tensor) -> Tensor:
+        """The block's losses into the state, their gradient (weighted by ``g_row``) returned:
+        autograd's through :meth:`~Head.dense`, or a subclass's own, written out where it
+        measured faster."""
         rows = self._check(tile, st)
         with torch.enable_grad():
             leaf = s.detach().requires_grad_(True)

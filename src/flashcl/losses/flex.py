@@ -15,7 +15,7 @@ from .. import backends, checks, parallel, runner
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..core import Tile, compute_dtype
-from ..engine.engine import Problem, autocast_off, normalize_rows
+from ..engine.engine import Problem, autocast_off, normalize_rows, squared_distance_rows
 from ..engine.given import run_given
 from ..engine.heads import softplus
 from ..engine.sparsity import BlockSparsity
@@ -833,11 +833,10 @@ def _flex_eager(o: Dict[str, Any]) -> Tensor:
 
 def _squared_distances(o: Dict[str, Any]) -> Dict[str, Any]:
     """A pair sum on distances of unnormalised rows, lowered to one whose scores are the
-    squared distances: ``[x, |x|^2, 1] . [-2 y, 1, |y|^2] = |x - y|^2`` (the matrix-product
-    form torch.cdist takes, in float32 for half inputs), the rows' norms differentiated by
-    autograd through the two lowered matrices. Self-contrast becomes the anchors against
-    their lowered twins, each self pair left out by its global position (``a.index ==
-    b.index``), the anchors' data the keys' too."""
+    squared distances (:func:`~flashcl.engine.engine.squared_distance_rows`, in float32 for
+    half inputs). Self-contrast becomes the anchors against their lowered twins, each self
+    pair left out by its global position (``a.index == b.index``), the anchors' data the
+    keys' too."""
     q, keys = o["q"], o["keys"]
     empty = o["process_group"] is not None
     q = checks.check_float_tensor(q, "q", (2,), empty)
@@ -860,16 +859,10 @@ def _squared_distances(o: Dict[str, Any]) -> Dict[str, Any]:
         )
     dtype = compute_dtype(q.dtype)
     x, y = q.to(dtype), (q if own else keys).to(dtype)
-    ones_x, ones_y = x.new_ones(x.shape[0], 1), y.new_ones(y.shape[0], 1)
     lowered = copy.copy(o["kind"])
     lowered.squared_scores = True
-    out = dict(
-        o,
-        q=torch.cat([x, x.pow(2).sum(1, keepdim=True), ones_x], 1),
-        keys=torch.cat([-2.0 * y, ones_y, y.pow(2).sum(1, keepdim=True)], 1),
-        kind=lowered,
-        lowered=True,
-    )
+    anchors, candidates = squared_distance_rows(x, y)
+    out = dict(o, q=anchors, keys=candidates, kind=lowered, lowered=True)
     if own:
         out.update(cols=o["rows"], exclude=_self_pairs_out(exclude), shared_keys=False, symmetric=False)
     return out

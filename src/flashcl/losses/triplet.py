@@ -38,9 +38,9 @@ from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
-from ..engine.engine import Problem, autocast_off, normalize_rows
+from ..engine.engine import Problem, autocast_off, normalize_rows, squared_distance_rows
 from ..reference.families import triplet_rows as _reference_rows
-from .triplet_rows import TripletHead, auto_triplet_block, lifted
+from .triplet_rows import TripletHead, auto_triplet_block
 
 __all__ = ["triplet_loss", "TripletLoss"]
 
@@ -156,7 +156,7 @@ def _triplet(
     rank's samples (gathered with their gradient, or round the ring), a
     :class:`~flashcl.losses.triplet_rows.TripletHead` on the engine; the mean's divisor
     counted over every rank."""
-    q, k = lifted(x, distance)
+    q, k = (x, x) if distance == "cosine" else squared_distance_rows(x)
     cols = parallel.columns(k, opts.strategy, opts.process_group, own=distance == "cosine")
     yk, offset, width = cols.gather(labels), cols.offset, x.shape[1]
     head = TripletHead(labels, yk, offset, mining, margin, soft, distance)

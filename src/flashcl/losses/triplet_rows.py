@@ -1,7 +1,7 @@
 """The triplet losses' head on the engine's tiles, for :mod:`flashcl.losses.triplet`: the
 per-row losses of a block of complete rows (batch-all through sorted negatives and
 prefix sums, batch-hard, semi-hard), :class:`TripletHead` on the scores of
-:func:`lifted` rows, and :class:`ColumnMiner`: the same mining over column blocks that
+:func:`~flashcl.engine.engine.squared_distance_rows`, and :class:`ColumnMiner`: the same mining over column blocks that
 arrive one at a time (the ring strategy's visiting blocks), with per-anchor state of
 O(rows x positives)."""
 
@@ -15,7 +15,7 @@ from torch import Tensor
 from ..core import Tile
 from ..engine.heads import ReportingHead, mask_self_
 
-__all__ = ["rows_of", "auto_triplet_block", "lifted", "TripletHead", "ColumnMiner"]
+__all__ = ["rows_of", "auto_triplet_block", "TripletHead", "ColumnMiner"]
 
 
 # ---------------------------------------------------------------- per-row losses
@@ -130,22 +130,6 @@ def auto_triplet_block(m: int, n: int) -> int:
     return max(1, min(m, (1 << 20) // max(1, n)))
 
 
-def lifted(x: Tensor, distance: str) -> Tuple[Tensor, Tensor]:
-    """The rows the engine scores for ``distance``, ``(anchors, candidates)``: for the
-    squared and Euclidean distances ``[-2 x, |x|^2, 1]`` and ``[x, 1, |x|^2]``, whose
-    products are the squared distances ``|x_i|^2 - 2 x_i . x_j + |x_j|^2`` (the norms'
-    gradient, ``2 x_i sum_j dL/d sq_ij``, is autograd's through the two last
-    coordinates), zero columns after them; for the cosine distance ``x`` itself
-    (``d = 1 - s``). Differentiable."""
-    if distance == "cosine":
-        return x, x
-    norms = (x * x).sum(1, keepdim=True)
-    ones = torch.ones_like(norms)
-    # zero columns up to a multiple of 8: D = 256 lifted to 258 made the CPU's score GEMMs 1.4x slower
-    pad = x.new_zeros(x.shape[0], -(x.shape[1] + 2) % 8)
-    return torch.cat([-2.0 * x, norms, ones, pad], 1), torch.cat([x, ones, norms, pad], 1)
-
-
 class _TripletState:
     """A :class:`TripletHead`'s state: the rows' losses and counts; over column blocks,
     the :class:`ColumnMiner` that collects them."""
@@ -159,8 +143,9 @@ class _TripletState:
 
 
 class TripletHead(ReportingHead):
-    """The triplet losses on the engine's tiles of :func:`lifted` rows' scores (the
-    squared distances, or the cosine similarities), reporting each row's count (what
+    """The triplet losses on the engine's tiles of squared distances
+    (:func:`~flashcl.engine.engine.squared_distance_rows`), or of cosine similarities for
+    the cosine distance (``d = 1 - s``), reporting each row's count (what
     the mean divides by). A block of complete rows (the row-block driver) is mined at
     once by :func:`rows_of`, its gradient formed in the same visit; column blocks that
     arrive one at a time (the distributed ring) go to a :class:`ColumnMiner`, once for
