@@ -13,7 +13,7 @@ block)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -23,60 +23,15 @@ from ..base import LossModule, shared_docs
 from ..checks import Example, example_labels, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
-from ..engine.engine import FusedFunction, autocast_off, normalize_rows
+from ..engine import engine
+from ..engine.engine import Driver, Problem, autocast_off
 from ..reference.families import margin_rows as margin_oracle_rows
 from .class_shards import kept_labels, sharded_margin
-from .margin_blocks import TARGETS, Margin, TargetFn, auto_class_block, margin_rows, target_logits, target_rows
+from .margin_blocks import TARGETS, MarginHead, auto_class_block, target_logits, target_rows
 
 __all__ = ["cosface_loss", "arcface_loss", "CosFaceLoss", "ArcFaceLoss"]
 
 MARGIN_BACKENDS = ("auto", "reference", "dense", "tiled")
-
-
-def _dense_rows(
-    e: Tensor, w: Tensor, labels: Tensor, target: TargetFn, margin: float, scale: Tensor, easy: bool, k: int = 1
-) -> Tensor:
-    """Per-row losses on the B x C logits (differentiable): the dense backend and
-    the second-derivative path. ``k`` proxies per class: a class's cosine is its
-    closest proxy's."""
-    own, rows_y = target_rows(e, w, labels, k)
-    u = torch.zeros_like(labels, dtype=e.dtype).index_put(
-        (own,), target_logits(e[own], w[rows_y], scale, target, margin, easy)
-    )
-    return margin_rows((normalize_rows(e) @ normalize_rows(w).T) * scale, labels, u, k)
-
-
-class _MarginRows(FusedFunction):
-    """``apply(e, w, scale, labels, opts, weights) -> rows``: per-row margin-softmax
-    losses over blocks of classes (:class:`~flashcl.losses.margin_blocks.Margin`);
-    ``weights``: each row's factor of a scalar loss, whose gradient is then formed in
-    the forward pass (both visits)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, e: Tensor, w: Tensor, scale: Tensor, labels: Tensor, opts: Tuple[Any, ...], weights: Optional[Tensor]
-    ) -> Tensor:
-        ctx.margin, ctx.opts, ctx.weights = Margin(e, w, scale, labels, opts), opts, weights
-        rows = ctx.margin.values(e, w, scale)
-        grads = None
-        if weights is not None and any(ctx.needs_input_grad[:3]):
-            grads = ctx.margin.grads(e, w, scale, weights)
-        FusedFunction.setup(ctx, (e, w, scale), (labels,), grads=grads)
-        return rows if weights is None else (weights * rows).sum()
-
-    @classmethod
-    def dense(cls, ctx: Any, *inputs: Any) -> Tensor:
-        e, w, scale = inputs
-        labels = ctx.saved_tensors[3]
-        name, margin, easy, _, k = ctx.opts
-        rows = _dense_rows(e, w, labels, TARGETS[name], margin, scale, easy, k)
-        return rows if ctx.weights is None else (ctx.weights * rows).sum()
-
-    @classmethod
-    def recompute(cls, ctx: Any, grad_out: Tensor, saved: Any) -> Any:
-        e, w, scale, _ = saved
-        g = grad_out.to(compute_dtype(e.dtype))
-        return ctx.margin.grads(e, w, scale, g if ctx.weights is None else ctx.weights * g)
 
 
 def _margin_loss(
@@ -159,26 +114,31 @@ def _margin(
     if group is not None:
         rows_of = parallel.Columns(embeddings, 0, [b], False, group)
 
-    def formula(fn: Any, given: Any) -> Any:
+    def reference() -> Tensor:
+        e, w = embeddings.to(scale.dtype), class_weights.to(scale.dtype)
+        out = margin_oracle_rows(e, w, labels, target, margin, scale, easy, k)
+        return runner.reduce(out, torch.ones_like(out), opts.reduction, opts.grad_scale, rows_of)
+
+    def on_engine(driver: Optional[Driver]) -> Callable[[], Tensor]:
+        """The rows on ``driver`` (None: the dense formula): a :class:`MarginHead` over the
+        classes, each row's target logit ``u_i`` (its own formula, O(B D)) the head's
+        learnable tensor, differentiated by autograd through it."""
+
         def rows() -> Tensor:
-            e, w = embeddings.to(scale.dtype), class_weights.to(scale.dtype)
-            out = fn(e, w, labels, given, margin, scale, easy, k)
-            return runner.reduce(out, torch.ones_like(out), opts.reduction, opts.grad_scale, rows_of)
+            own, rows_y = target_rows(embeddings, class_weights, labels, k)
+            t = target_logits(embeddings[own], class_weights[rows_y], scale, TARGETS[target], margin, easy)
+            u = t.new_zeros(b).index_put((own,), t)
+            head = MarginHead(labels, u.detach(), k, float(scale))
+            ones = torch.ones(b, dtype=scale.dtype, device=embeddings.device)
+            weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
+            block = k * (opts.block_size or auto_class_block(b, class_weights.shape[0] // k, k))
+            pair = None if weights is None else (weights, None)
+            return engine.run(embeddings, class_weights, scale, Problem(head), driver, pair, block, (u,))
 
         return rows
 
-    def tiled() -> Tensor:
-        block = opts.block_size or auto_class_block(b, class_weights.shape[0] // k, k)
-        ones = torch.ones(b, dtype=scale.dtype, device=embeddings.device)
-        weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
-        return _MarginRows.apply(embeddings, class_weights, scale, labels, (target, margin, easy, block, k), weights)
-
-    # the oracle takes the target's name (its own formulas), the dense rows the engine's target function
-    impls = {
-        "reference": formula(margin_oracle_rows, target),
-        "dense": formula(_dense_rows, TARGETS[target]),
-        "tiled": tiled,
-    }
+    tiled = backends.layout_driver("columns", embeddings.device.type)  # blocks of classes against every row
+    impls = {"reference": reference, "dense": on_engine(None), "tiled": on_engine(tiled)}
     return backends.pick(backend, impls, b * class_weights.shape[0], embeddings, "the margin losses", auto="tiled")()
 
 
