@@ -1,4 +1,4 @@
-"""The engine's self-distillation over prototypes (engine/prototypes.py), one process,
+"""The engine's self-distillation over prototypes (losses/prototype_targets.py), one process,
 float64, against the formulas as DINOv2 writes them on the whole rows x K logits:
 Sinkhorn-Knopp (its order of normalisations, 0 to 5 iterations) and the centred
 softmax targets, the cross-entropy with the student's log-softmax, every gradient of
@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashcl.engine import prototypes
-from flashcl.engine.prototypes import (
+from flashcl.losses import prototype_targets as prototypes
+from flashcl.losses.prototype_loss import prototype_cross_entropy
+from flashcl.losses.prototype_targets import (
     Prototypes,
     RowsJoin,
     logit_sums,
@@ -23,7 +24,6 @@ from flashcl.engine.prototypes import (
     softmax_targets,
     unit_rows,
 )
-from flashcl.losses.prototype_loss import prototype_cross_entropy
 from helpers import assert_close
 
 TOL = (1e-12, 1e-10)
@@ -311,7 +311,7 @@ def test_crop_pairs_by_paired_targets_equal_lightly(block: int) -> None:
     """Two global teacher views, two global and two local student views: each student
     view's cross-entropy against the sum of the other crops' teacher targets is
     lightly's DINOLoss (values, every student view's and the prototypes' gradients)."""
-    from flashcl.engine.prototypes import paired_targets
+    from flashcl.losses.prototype_targets import paired_targets
 
     g = torch.Generator().manual_seed(9)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import flashcl
 
-from ..engine.prototypes import auto_prototype_block
+from ..losses.prototype_targets import auto_prototype_block
 from . import peers
 from .workloads import NotInstalled, Step, case_device, case_generator, stepper, sync
 

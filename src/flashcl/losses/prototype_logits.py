@@ -16,9 +16,8 @@ from torch import Tensor
 
 from ..core import compute_dtype
 from ..engine.given import run_given
-from ..engine.prototypes import Blocks
-from ..parallel import rows_join
 from .prototype_loss import SoftCrossEntropyHead, soft_cross_entropy
+from .prototype_targets import Blocks, rows_join
 
 __all__ = [
     "paired_dense",

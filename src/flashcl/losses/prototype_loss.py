@@ -1,7 +1,7 @@
 """The cross-entropy between a teacher's soft targets over K prototypes and the
 student's softmax over them (DINO, iBOT, SwAV), the rows x K logits formed a block at a
 time: :func:`prototype_cross_entropy`, a :class:`SoftCrossEntropyHead` on the engine's row
-blocks, on the targets of :mod:`flashcl.engine.prototypes`.
+blocks, on the targets of :mod:`flashcl.losses.prototype_targets`.
 
 Each row's loss and its logits' gradient are formed without cancellation
 (:func:`soft_cross_entropy`): with ``m`` the row's largest logit,
@@ -23,7 +23,7 @@ from .. import backends
 from ..core import compute_dtype
 from ..engine.engine import Problem, run
 from ..engine.heads import Head, Tile, row_dot, row_max
-from ..engine.prototypes import Blocks, Group
+from .prototype_targets import Blocks, Group
 
 __all__ = [
     "soft_cross_entropy",
@@ -126,7 +126,7 @@ def soft_gradient_rows_(
 
 class SoftCrossEntropyHead(Head):
     """Each row's cross-entropy ``-sum_k p_k log_softmax_k(s)`` against a teacher's
-    targets (:class:`~flashcl.engine.prototypes.Blocks`, no gradient), formed as
+    targets (:class:`~flashcl.losses.prototype_targets.Blocks`, no gradient), formed as
     :func:`soft_cross_entropy` forms it (two non-negative terms; no cancellation near
     collapse), on tiles of complete rows (:class:`~flashcl.engine.tiled.RowBlocks`).
     The rows of ``targets.views`` stacked views come interleaved, image by image (row
@@ -253,7 +253,7 @@ def prototype_cross_entropy(
     """Each row's cross-entropy between its targets and the softmax of ``x^ . w^_k *
     inv_temp`` over the prototypes (``^``: L2-normalised with ``normalize``), (B,) in the
     compute dtype; with ``weights`` (B,), the scalar ``sum_b weights_b loss_b``.
-    ``targets``: :class:`~flashcl.engine.prototypes.Blocks` (no gradient), for
+    ``targets``: :class:`~flashcl.losses.prototype_targets.Blocks` (no gradient), for
     ``targets.views`` stacked views of ``b`` images (view ``s``: rows ``s b .. (s + 1)
     b``).
 

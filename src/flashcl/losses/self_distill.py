@@ -6,7 +6,7 @@ Each student row (a crop's class token, a masked patch token) is scored against 
 prototypes (the head's last layer, a weight-normalised ``Linear(D, K)``); the teacher's
 rows against the teacher's prototypes give the targets (a centred, sharpened softmax,
 or Sinkhorn-Knopp); the loss is the cross-entropy between the two distributions over
-K. The prototypes are visited a block at a time (:mod:`flashcl.engine.prototypes`), as
+K. The prototypes are visited a block at a time (:mod:`flashcl.losses.prototype_targets`), as
 the margin losses visit class blocks: with K = 65,536 and 16,384 rows one logits tensor
 would be 4.3 GB in float32; here memory beyond the inputs and their gradients is
 O((B + K) + B x block)."""
@@ -26,20 +26,21 @@ from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
-from ..engine.prototypes import (
+from ..reference.families import self_distill_rows as _reference_rows
+from .prototype_loss import prototype_cross_entropy, soft_cross_entropy
+from .prototype_targets import (
     Blocks,
     Prototypes,
     RowsJoin,
     auto_prototype_block,
     logit_sums,
     paired_targets,
+    rows_join,
     scaled_targets,
     sinkhorn_scalings,
     softmax_targets,
     unit_rows,
 )
-from ..reference.families import self_distill_rows as _reference_rows
-from .prototype_loss import prototype_cross_entropy, soft_cross_entropy
 
 __all__ = ["dino_loss", "prototype_center", "DINOLoss", "load_center", "warn_if_swapped"]
 
@@ -477,7 +478,7 @@ def dino_loss(
     plan = pairing(s, y.shape[0], ("cross" if s > 1 else "all") if pairs == "auto" else pairs)
     dtype = compute_dtype(x.dtype)
     with autocast_off(x.device.type), torch.no_grad():
-        join = parallel.rows_join(process_group, x.device)
+        join = rows_join(process_group, x.device)
         teacher_side = Teacher(
             y.detach().to(dtype), w_t.detach().to(dtype), 1.0 / tt, targets, c, iterations, True, normalize, b, join
         )
@@ -523,7 +524,7 @@ def prototype_center(
     checks.check_bool(normalize, "normalize")
     dtype = compute_dtype(y.dtype)
     rows = unit_rows(y.reshape(-1, y.shape[-1]).to(dtype), normalize)[0]
-    join = parallel.rows_join(process_group, y.device)
+    join = rows_join(process_group, y.device)
     sums = join.sum(logit_sums(rows, Prototypes(w_t.detach().to(dtype), normalize)))
     return sums / join.total_rows(rows.shape[0])
 

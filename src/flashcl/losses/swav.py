@@ -8,12 +8,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .. import checks, parallel
+from .. import checks
 from ..base import LossModule, shared_docs
 from ..checks import Example, example_rows
 from ..compiled import compiles
 from ..core import compute_dtype
 from ..engine.engine import autocast_off
+from .prototype_targets import rows_join
 from .self_distill import (
     Teacher,
     check_count,
@@ -111,7 +112,7 @@ def swav_loss(
             raise ValueError(f"queue must be (high_resolution = {h}, Q, {d}), got {tuple(q.shape)}")
         codes = torch.cat([codes, q.detach().to(dtype)], dim=1)
     plan = pairing(v, h, "cross")
-    join = parallel.rows_join(process_group, x.device)
+    join = rows_join(process_group, x.device)
     teacher = Teacher(codes, w.detach().to(dtype), 1.0 / eps, "sinkhorn", None, iterations, False, normalize, b, join)
     count = sum(map(len, plan)) * b
     with autocast_off(x.device.type):

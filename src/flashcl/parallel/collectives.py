@@ -17,7 +17,6 @@ from ..backends import Source, auto_block, local
 from ..core import compute_dtype
 from ..engine import engine
 from ..engine.engine import Problem
-from ..engine.prototypes import RowsJoin
 from .ring import RingDriver
 
 __all__ = [
@@ -35,7 +34,6 @@ __all__ = [
     "replicated",
     "reduction_over",
     "Columns",
-    "rows_join",
 ]
 
 
@@ -335,32 +333,3 @@ def global_max(value: int, device: torch.device, group: Any) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t)
-
-
-class _GroupRows(RowsJoin):
-    """The sums over the rows of Sinkhorn-Knopp (and the center's) over every rank of
-    a process group: each an all-reduce of a vector, as DINOv2's ``dist.all_reduce``
-    of ``sum_Q`` and of the prototypes' sums; uneven batches count their rows."""
-
-    collective = True
-
-    def __init__(self, group: Any, device: torch.device) -> None:
-        self.group, self.device = group, device
-
-    def lse(self, x: Tensor) -> Tensor:
-        top = max_across(x, self.group)
-        safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        return safe + sum_across(torch.exp(x - safe), self.group).log()
-
-    def total_rows(self, b: int) -> int:
-        return sum(_sizes(b, self.device, self.group))
-
-    def sum(self, x: Tensor) -> Tensor:
-        return sum_across(x, self.group)
-
-
-def rows_join(group: Any, device: torch.device) -> RowsJoin:
-    """How one rank's rows meet the other ranks' in the prototype losses' sums over the
-    rows (:class:`flashcl.engine.prototypes.RowsJoin`): over ``group``'s ranks (their
-    collectives on ``device``), or one process for None."""
-    return RowsJoin() if group is None else _GroupRows(group, device)

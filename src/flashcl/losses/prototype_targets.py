@@ -19,20 +19,23 @@ the state is O(B + K): each iteration is one pass over the prototypes' blocks (t
 prototypes' sums over the rows are complete in a block of all rows; the rows' sums
 over the prototypes accumulate across blocks).
 
-This module is the engine's part: the sums over the rows meet the other ranks' through
-a :class:`RowsJoin` (``flashcl.parallel`` has the one for a process group); the public
-losses (:mod:`flashcl.losses.self_distill`) and the drop-ins build on it.
+The sums over the rows meet the other ranks' through a :class:`RowsJoin`
+(:func:`rows_join`); the public losses (:mod:`flashcl.losses.self_distill`) and the
+drop-ins build on this module.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from .. import parallel
+
 __all__ = [
+    "rows_join",
     "Prototypes",
     "RowsJoin",
     "unit_rows",
@@ -117,6 +120,35 @@ class RowsJoin:
     def sum(self, x: Tensor) -> Tensor:
         """``x`` (sums over this rank's rows) summed over the ranks."""
         return x
+
+
+class _GroupRows(RowsJoin):
+    """The sums over the rows of Sinkhorn-Knopp (and the center's) over every rank of
+    a process group: each an all-reduce of a vector, as DINOv2's ``dist.all_reduce``
+    of ``sum_Q`` and of the prototypes' sums; uneven batches count their rows."""
+
+    collective = True
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group, self.device = group, device
+
+    def lse(self, x: Tensor) -> Tensor:
+        top = parallel.max_across(x, self.group)
+        safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        return safe + parallel.sum_across(torch.exp(x - safe), self.group).log()
+
+    def total_rows(self, b: int) -> int:
+        return sum(parallel.row_counts(b, self.device, self.group))
+
+    def sum(self, x: Tensor) -> Tensor:
+        return parallel.sum_across(x, self.group)
+
+
+def rows_join(group: Any, device: torch.device) -> RowsJoin:
+    """How one rank's rows meet the other ranks' in the prototype losses' sums over the
+    rows (:class:`RowsJoin`): over ``group``'s ranks (their
+    collectives on ``device``), or one process for None."""
+    return RowsJoin() if group is None else _GroupRows(group, device)
 
 
 def sinkhorn_scalings(
