@@ -221,8 +221,10 @@ def target_logits(e: Tensor, wy: Tensor, scale: Tensor, target: TargetFn, margin
 
 
 class Margin:
-    """One call's margin softmax on the engine: the target logits (O(B D), apart) and
-    a :class:`MarginHead` over blocks of ``block`` classes
+    """One call's margin softmax visited by hand (the classes sharded across processes,
+    :mod:`flashcl.losses.class_shards`, whose backward joins the ranks; one process calls
+    the engine's ``run`` with a :class:`MarginHead` instead): the target logits (O(B D),
+    apart) and the head over blocks of ``block`` classes
     (:class:`~flashcl.engine.columns.ColumnBlocks`). ``opts``: ``(target, margin,
     easy, block, k)``; ``shard`` joins the slices of the classes held by other
     processes; ``scale_rows``: each row's part of the scale's gradient is kept."""
