@@ -474,25 +474,29 @@ class AutogradHead(Head):
 
     def grad(self, s: Tensor, tile: Tile, st: _RowLosses, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
-        return self.block_grad(s, tile, st, st.g_row)
+        return self._through(s, tile, st, st.g_row)
 
     def rows_fused(self, s: Tensor, tile: Tile, st: _RowLosses, g_row: Optional[Tensor]) -> Optional[Tensor]:
         if g_row is None:
             self.reduce(s, tile, st)
             return None
-        return self.block_grad(s, tile, st, g_row)
+        return self._through(s, tile, st, g_row)
 
-    def block_grad(self, s: Tensor, tile: Tile, st: _RowLosses, g_row: Tensor) -> Tensor:
-        """The block's losses into the state, their gradient (weighted by ``g_row``) returned:
-        autograd's through :meth:`~Head.dense`, or a subclass's own, written out where it
-        measured faster."""
+    def _through(self, s: Tensor, tile: Tile, st: _RowLosses, g_row: Tensor) -> Tensor:
+        """The block's losses into the state, their gradient returned."""
         rows = self._check(tile, st)
+        st.rows[rows], g = self.block_grad(s, tile, g_row[rows])
+        return g
+
+    def block_grad(self, s: Tensor, tile: Tile, g_row: Tensor) -> Tuple[Tensor, Tensor]:
+        """A block of complete rows' losses (without gradient) and ``dL/ds`` for their
+        upstream gradients ``g_row`` (the block's rows'): autograd's through
+        :meth:`~Head.dense`; a subclass whose own gradient measured faster overrides it."""
         with torch.enable_grad():
             leaf = s.detach().requires_grad_(True)
             out = self.dense(leaf, tile)[0]
-            (g,) = torch.autograd.grad(out, leaf, g_row[rows].to(out.dtype))
-        st.rows[rows] = out.detach()
-        return s.copy_(g)
+            (g,) = torch.autograd.grad(out, leaf, g_row.to(out.dtype))
+        return out.detach(), s.copy_(g)
 
 
 def takes_in(head: Head, target: str) -> bool:

@@ -34,8 +34,7 @@ class _GroupShard(Shard):
         self.group = group
 
     def lse(self, part: Tensor) -> Tensor:
-        top = parallel.max_across(part, self.group)
-        return top + parallel.sum_across(torch.exp(part - top), self.group).log()
+        return parallel.logsumexp_across(part, self.group)
 
     def targets(self, t: Tensor) -> Tensor:
         return parallel.sum_across(t, self.group)

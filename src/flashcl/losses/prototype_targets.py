@@ -133,9 +133,7 @@ class _GroupRows(RowsJoin):
         self.group, self.device = group, device
 
     def lse(self, x: Tensor) -> Tensor:
-        top = parallel.max_across(x, self.group)
-        safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        return safe + parallel.sum_across(torch.exp(x - safe), self.group).log()
+        return parallel.logsumexp_across(x, self.group)
 
     def total_rows(self, b: int) -> int:
         return sum(parallel.row_counts(b, self.device, self.group))

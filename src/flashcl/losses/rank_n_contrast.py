@@ -98,7 +98,8 @@ class RankNContrastHead(AutogradHead):
         self.yq, self.yk, self.t, self.offset, self.norms = yq, yk, t, offset, norms
 
     def _block(self, s: Tensor, tile: Tile, g_row: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """(the distances, the rows' losses, with ``g_row`` their weighted ``dL / d distance``)."""
+        """(the distances, the rows' losses, with ``g_row`` (the block's rows' upstream
+        gradients) their weighted ``dL/ds``, ``s = -d / t``)."""
         # a squared distance within the rounding of its product form, 8 eps (|x_i|^2 + |x_j|^2),
         # is a duplicate's: distance 0, subgradient 0, as the published differences' norm gives
         # (1 / sqrt of the rounding would scale the cancelling terms of its gradient)
@@ -108,19 +109,17 @@ class RankNContrastHead(AutogradHead):
         own = torch.arange(tile.r0, tile.r1, device=s.device) + (tile.offset - tile.c0)
         own = torch.where((own >= 0) & (own < s.shape[1]), own, torch.full_like(own, -1))
         ld = _label_distances(self.yq[tile.r0 : tile.r1], self.yk[tile.c0 : tile.c1])
-        weights = None if g_row is None else g_row[tile.r0 : tile.r1]
-        return (dist, *_rows_and_slopes(dist / -self.t, ld, own, weights))
+        return (dist, *_rows_and_slopes(dist / -self.t, ld, own, g_row))
 
     def dense(self, s: Tensor, tile: Tile, params: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, Optional[Tensor]]:
         return self._block(s, tile, None)[1], None
 
-    def block_grad(self, s: Tensor, tile: Tile, st: Any, g_row: Tensor) -> Tensor:
+    def block_grad(self, s: Tensor, tile: Tile, g_row: Tensor) -> Tuple[Tensor, Tensor]:
         dist, rows, g = self._block(s, tile, g_row)
         assert g is not None
-        st.rows[self._check(tile, st)] = rows
         # d s / d sq = -1 / (2 t d): 0 where d is 0
         tiny = torch.finfo(dist.dtype).tiny
-        return torch.where(dist > 0, g / (dist.clamp_min(tiny) * (-2.0 * self.t)), torch.zeros_like(g))
+        return rows, torch.where(dist > 0, g / (dist.clamp_min(tiny) * (-2.0 * self.t)), torch.zeros_like(g))
 
 
 @shared_docs

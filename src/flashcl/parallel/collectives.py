@@ -26,6 +26,7 @@ __all__ = [
     "row_counts",
     "sum_across",
     "max_across",
+    "logsumexp_across",
     "gather_plain",
     "global_max",
     "grad_factor",
@@ -319,6 +320,14 @@ def max_across(x: Tensor, group: Any) -> Tensor:
     x = x.detach().clone()
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
+
+
+def logsumexp_across(x: Tensor, group: Any) -> Tensor:
+    """The elementwise log-sum-exp over ranks of ``x`` (each rank's own log-sum-exps of its
+    part), shifted by their largest (0 where that is infinite: every part empty); no gradient."""
+    top = max_across(x, group)
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return safe + sum_across(torch.exp(x - safe), group).log()
 
 
 def gather_plain(x: Tensor, group: Any) -> Tensor:
