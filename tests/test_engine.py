@@ -116,7 +116,7 @@ def _check(backend: str, self_contrast: bool, reduce: bool, block: int, make: An
             out = (w * rows).sum() if reduce else rows
         else:
             problem = Problem(make(lq, lk, bias, symmetric=self_contrast))
-            out = backends.run_problem(
+            out, _ = backends.run_problem(
                 qq, None if self_contrast else kk, sc, problem, backend, (w, None) if reduce else None, block
             )
         loss = out if reduce else (out * w).sum()
@@ -160,7 +160,7 @@ def test_a_head_written_as_its_forward_alone_on_the_stripes() -> None:
         sc = torch.tensor(3.0, requires_grad=True)
         problem = Problem(make(lq, lk, -1.5, False))
         assert type(backends.driver("tiled", problem, kk, "cpu", torch.bfloat16)).__name__ == "Stripes"
-        out = backends.run_problem(qq, kk, sc, problem, "tiled", (torch.linspace(0.5, 1.5, 13), None), 4)
+        out, _ = backends.run_problem(qq, kk, sc, problem, "tiled", (torch.linspace(0.5, 1.5, 13), None), 4)
         results.append((out.detach(), torch.autograd.grad(out, [qq, kk, sc])))
     (got, got_g), (exp, exp_g) = results
     assert_close(got, exp, "loss", 1e-5, 1e-5)
@@ -219,7 +219,7 @@ def _driver_against_formula(
             rows = formula(qq, kk, lq, lk, sc, -1.5)
             out = (w * rows).sum() if reduce else rows
         else:
-            out = engine.run(qq, kk, sc, Problem(head), driver, (w, None) if reduce else None, block)
+            out = engine.run(qq, kk, sc, Problem(head), driver, (w, None) if reduce else None, block)[0]
             assert torch.equal(qq.detach(), q) and torch.equal(kk.detach(), k)
         loss = out if reduce else (out * w).sum()
         results.append((out.detach(), torch.autograd.grad(loss * 1.3, [qq, kk, sc])))
@@ -301,7 +301,7 @@ def test_second_derivatives_of_the_head() -> None:
     out = []
     for backend in ("dense", "tiled"):
         qq = q.clone().requires_grad_(True)
-        loss = backends.run_problem(
+        loss, _ = backends.run_problem(
             qq,
             k,
             torch.tensor(2.0, dtype=F64),
@@ -342,7 +342,7 @@ def _ring_worker(rank: int, world: int, out_dir: str) -> None:
     sc = torch.tensor(3.0, dtype=F64, requires_grad=True)
     ring = RingDriver([5, 6], None)
     head = SigmoidPairsHead(lq[rows_at[rank] : rows_at[rank + 1]], lk, -1.5, False)
-    rows = engine.run(q_local, k_local, sc, Problem(head), ring, None, 4)
+    rows = engine.run(q_local, k_local, sc, Problem(head), ring, None, 4)[0]
     grads = torch.autograd.grad(rows.sum(), [q_local, k_local, sc])
     torch.save((rows.detach(), [g.detach() for g in grads]), os.path.join(out_dir, f"rank{rank}.pt"))
     close_group()

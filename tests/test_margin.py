@@ -382,7 +382,7 @@ def test_margin_head_on_the_engine_equals_its_dense_form(k: int) -> None:
         scale = torch.tensor(6.0, dtype=torch.float64, requires_grad=True)
         u = u0.clone().requires_grad_(True)
         problem = engine.Problem(MarginHead(y, u0, k, 6.0))
-        rows = engine.run(leaves[0], leaves[1], scale, problem, driver, None, 2 * k, (u,))
+        rows = engine.run(leaves[0], leaves[1], scale, problem, driver, None, 2 * k, (u,))[0]
         out.append((rows.detach(), torch.autograd.grad((rows * up).sum(), [*leaves, scale, u])))
     (got, got_g), (want, want_g) = out
     assert_close(got, want, "rows", 1e-12, 1e-10)

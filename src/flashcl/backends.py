@@ -54,9 +54,7 @@ __all__ = [
     "driver",
     "auto_block",
     "run_problem",
-    "run_problem_reported",
     "solve",
-    "solve_reported",
 ]
 
 
@@ -117,24 +115,12 @@ class Source:
         block_size: Optional[int],
         params: Sequence[Tensor] = (),
         backend: str = "tiled",
-    ) -> Tensor:
-        """``problem``'s losses of the rows ``q`` against these columns on ``backend``."""
-        return self.run_reported(q, scale, problem, weights, block_size, params, backend)[0]
-
-    def run_reported(
-        self,
-        q: Tensor,
-        scale: Tensor,
-        problem: Problem,
-        weights: Any,
-        block_size: Optional[int],
-        params: Sequence[Tensor] = (),
-        backend: str = "tiled",
     ) -> Tuple[Tensor, Tuple[Tensor, ...]]:
-        """:meth:`run`'s losses and the results its head reports
-        (:class:`~flashcl.engine.heads.ReportingHead`; none for another)."""
+        """``problem``'s losses of the rows ``q`` against these columns on ``backend``, and
+        the results its head reports (:class:`~flashcl.engine.heads.ReportingHead`; none
+        for another)."""
         k = None if self.own else self.keys
-        return run_problem_reported(q, k, scale, problem, backend, weights, block_size, params)
+        return run_problem(q, k, scale, problem, backend, weights, block_size, params)
 
     def count(self, n: Tensor) -> Tensor:
         """``n`` summed over the ranks (a world of one: ``n``)."""
@@ -363,56 +349,20 @@ def run_problem(
     reduce_weights: ReduceWeights,
     block_size: Optional[int],
     params: Sequence[Tensor] = (),
-) -> Tensor:
-    """:func:`flashcl.engine.run` with backend ``name``'s driver; ``block_size=None``
-    picks the rows per block (:func:`auto_block`); ``params``: the
-    head's learnable tensors, if it has any."""
-    return run_problem_reported(q, k, scale, problem, name, reduce_weights, block_size, params)[0]
-
-
-def run_problem_reported(
-    q: Tensor,
-    k: Optional[Tensor],
-    scale: Tensor,
-    problem: Problem,
-    name: str,
-    reduce_weights: ReduceWeights,
-    block_size: Optional[int],
-    params: Sequence[Tensor] = (),
 ) -> Tuple[Tensor, Tuple[Tensor, ...]]:
-    """:func:`run_problem`'s losses and the results its head reports
-    (:func:`flashcl.engine.engine.run_reported`)."""
+    """:func:`flashcl.engine.run` with backend ``name``'s driver: the losses and what
+    the head reports; ``block_size=None`` picks the rows per block (:func:`auto_block`);
+    ``params``: the head's learnable tensors, if it has any."""
     m = q.shape[0]
     n = m if k is None else k.shape[0]
     chosen = driver(name, problem, k, q.device.type, q.dtype)
     block = block_size or auto_block(
         m, n, compute_dtype(q.dtype), self_contrast=isinstance(chosen, UpperPanels), device_type=q.device.type
     )
-    return engine.run_reported(q, k, scale, problem, chosen, reduce_weights, block, params)
+    return engine.run(q, k, scale, problem, chosen, reduce_weights, block, params)
 
 
 def solve(
-    q: Tensor,
-    source: Source,
-    scale: Tensor,
-    problem: Problem,
-    weights: ReduceWeights,
-    opts: Any,
-    family: str,
-    oracle: Callable[[], Tensor],
-    x: Optional[Tensor] = None,
-    auto: Optional[str] = None,
-) -> Tensor:
-    """A family's problem (the rows ``q`` against ``source``) on the backend
-    ``opts.backend`` stands for among ``"reference"``, ``"dense"`` and ``"tiled"``
-    (:func:`pick_name`, from ``x``'s device and dtype, default ``q``'s): the family's
-    ``oracle`` (its per-row losses by per-anchor loops) for ``"reference"``, else the
-    engine (:meth:`Source.run`); ``weights``: a scalar reduction's ``(r, None)`` (None:
-    the per-row losses); ``auto``: the family's fixed choice for ``"auto"``, if it has one."""
-    return solve_reported(q, source, scale, problem, weights, opts, family, lambda: (oracle(), ()), x, auto)[0]
-
-
-def solve_reported(
     q: Tensor,
     source: Source,
     scale: Tensor,
@@ -424,13 +374,19 @@ def solve_reported(
     x: Optional[Tensor] = None,
     auto: Optional[str] = None,
 ) -> Tuple[Tensor, Tuple[Tensor, ...]]:
-    """:func:`solve` with what the problem's head reports beside its losses
-    (:class:`~flashcl.engine.heads.ReportingHead`), the oracle returning the same
-    results from its loops: ``(per-row losses, results)``."""
+    """A family's problem (the rows ``q`` against ``source``) on the backend
+    ``opts.backend`` stands for among ``"reference"``, ``"dense"`` and ``"tiled"``
+    (:func:`pick_name`, from ``x``'s device and dtype, default ``q``'s): the family's
+    ``oracle`` (its per-row losses by per-anchor loops, and what the head reports, as
+    its loops find them) for ``"reference"``, else the engine (:meth:`Source.run`).
+    ``weights``: a scalar reduction's ``(r, None)`` (None: the per-row losses);
+    ``auto``: the family's fixed choice for ``"auto"``, if it has one. Returns the
+    losses and the results a :class:`~flashcl.engine.heads.ReportingHead` reports
+    (none for another)."""
     like = q if x is None else x
     names = ("reference", "dense", "tiled")
     name = pick_name(opts.backend, names, q.shape[0] * source.total, like, family, auto, source=source)
     if name == "reference":
         rows, found = oracle()
         return (rows if weights is None else (weights[0] * rows).sum()), found
-    return source.run_reported(q, scale, problem, weights, opts.block_size, backend=name)
+    return source.run(q, scale, problem, weights, opts.block_size, backend=name)

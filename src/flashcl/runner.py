@@ -197,7 +197,7 @@ def run(
         return torch.stack(parts).sum(0)
     col: Optional[Tensor] = None
     if name != "reference":
-        out = source.run(q, scale, problem, weights, opts.block_size, backend=name)
+        out = source.run(q, scale, problem, weights, opts.block_size, backend=name)[0]
         if weights is not None or not spec.both_directions:
             return out
         row, col = out[:m], out[m:]
@@ -331,7 +331,7 @@ def row_lse(
     of a loss composed of several candidate sets, on backend ``name``."""
     ones = torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
     head = SoftmaxHead(ones, exclude_self=exclude_self, offset=source.offset, exclude=exclude)
-    return source.run(q, scale, Problem(head, (), normalize, source.offset), None, block_size, backend=name)
+    return source.run(q, scale, Problem(head, (), normalize, source.offset), None, block_size, backend=name)[0]
 
 
 def sigmoid_problem(

@@ -51,7 +51,6 @@ __all__ = [
     "EngineFunction",
     "dense_values",
     "run",
-    "run_reported",
     "NORM_EPS",
     "finite_rows",
     "all_finite",
@@ -907,25 +906,11 @@ def run(
     reduce_weights: ReduceWeights,
     block: int,
     params: Sequence[Tensor] = (),
-) -> Tensor:
-    """The problem's losses: through ``driver`` (an :class:`EngineFunction`), or by
-    the dense formula when ``driver`` is None; autocast off either way. ``params``:
-    the head's learnable tensors, if it has any."""
-    return run_reported(q, k, scale, problem, driver, reduce_weights, block, params)[0]
-
-
-def run_reported(
-    q: Tensor,
-    k: Optional[Tensor],
-    scale: Tensor,
-    problem: Problem,
-    driver: Optional[Driver],
-    reduce_weights: ReduceWeights,
-    block: int,
-    params: Sequence[Tensor] = (),
 ) -> Tuple[Tensor, Tuple[Tensor, ...]]:
-    """:func:`run`'s losses and the results a :class:`~flashcl.engine.heads.ReportingHead`
-    reports beside them (none for another head)."""
+    """The problem's losses, through ``driver`` (an :class:`EngineFunction`) or by the
+    dense formula when ``driver`` is None (autocast off either way), and the results a
+    :class:`~flashcl.engine.heads.ReportingHead` reports beside them (none for another
+    head). ``params``: the head's learnable tensors, if it has any."""
     head_offset = getattr(problem.head, "offset", problem.offset)
     if head_offset != problem.offset:
         raise ValueError(

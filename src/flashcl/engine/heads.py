@@ -418,7 +418,7 @@ class PivotHead(Head):
 class ReportingHead(Head):
     """A head with results besides its losses (which rows a mean counts, how many pairs
     were mined): formed in its state, returned by the engine beside the losses
-    (:func:`flashcl.engine.engine.run_reported`), never written on the head itself."""
+    (:func:`flashcl.engine.engine.run`), never written on the head itself."""
 
     def report(self, st: Any) -> Tuple[Tensor, ...]:
         """The results, once the rows are reduced (tensors without gradient)."""

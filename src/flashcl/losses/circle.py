@@ -217,11 +217,11 @@ def _circle(embeddings: Tensor, labels: Tensor, m: float, gamma: float, opts: ch
     problem = Problem(CircleHead(row_ids, ids, True, cols.offset, m, gamma), (), True, cols.offset)
     one = torch.ones((), dtype=dtype, device=embeddings.device)
 
-    def oracle() -> Tensor:
-        return _reference_rows(embeddings.to(dtype), cols.keys.to(dtype), row_ids, ids, cols.offset, m, gamma)
+    def oracle() -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        return _reference_rows(embeddings.to(dtype), cols.keys.to(dtype), row_ids, ids, cols.offset, m, gamma), ()
 
     pair = None if weights is None else (weights, None)
-    out = backends.solve(embeddings, cols, one, problem, pair, opts, "circle_loss", oracle)
+    out, _ = backends.solve(embeddings, cols, one, problem, pair, opts, "circle_loss", oracle)
     return out * float(pos_pairs > 1 or neg_pairs > 1)
 
 

@@ -287,7 +287,7 @@ def _siglip(
             col_labels=all_labels,
         )
         weights = None if r is None else (r, None)
-        return texts.run(image_embeds, scale, problem, weights, opts.block_size, (bias,), backend=name)
+        return texts.run(image_embeds, scale, problem, weights, opts.block_size, (bias,), backend=name)[0]
 
     impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
     name = backends.pick_name(

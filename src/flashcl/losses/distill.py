@@ -167,7 +167,7 @@ def _distill(
 
         def run(x: Tensor, y: Tensor, s: Tensor, problem: Problem) -> Tensor:
             ys = source if y is b else parallel.columns(y, opts.strategy, group)
-            return ys.run(x, s, problem, None, opts.block_size, backend=name)
+            return ys.run(x, s, problem, None, opts.block_size, backend=name)[0]
 
         return _direction(a, b, ta, tb, sc, tsc, opts.normalize, run, source.offset, source.rows_of_every_rank)
 

@@ -401,7 +401,7 @@ class _Oracle:
 
 class _Engine:
     """The engine's road, here its tiled backend (:class:`_Dense` its dense one): the flex
-    head on the engine's drivers (:meth:`flashcl.backends.Source.run_reported`), a given
+    head on the engine's drivers (:meth:`flashcl.backends.Source.run`), a given
     score matrix a block of complete rows at a time
     (:func:`~flashcl.engine.given.run_given`), the anchors' statistics a first pass
     of the same head where they are the anchors' alone; a block mask's tiles skipped, the
@@ -419,7 +419,7 @@ class _Engine:
         and what it reports."""
         block = opts.block_size or flex_block(source.total, compute_dtype(q.dtype))
         problem = Problem(head, (), opts.normalize, head.offset)
-        return source.run_reported(q, scale, problem, weights, block, params, backend=self.name)
+        return source.run(q, scale, problem, weights, block, params, backend=self.name)
 
     @torch.no_grad()
     def statistics(self, q: Tensor, source: backends.Source, scale: Tensor, args: Dict, opts: Any) -> Fields:

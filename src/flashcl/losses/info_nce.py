@@ -349,7 +349,7 @@ def row_logsumexps(
     head = SoftmaxHead(ones, exclude_self=exclude_self, offset=offset, exclude=exclude, boost=boost)
     problem = Problem(head, (), normalize, offset)
     if not widths:
-        return backends.run_problem(q, k, scale, problem, backend, None, block_size)
+        return backends.run_problem(q, k, scale, problem, backend, None, block_size)[0]
     dims = list(widths)
     qc, kc = q.to(ones.dtype), k.to(ones.dtype)
     aq, ak = matryoshka.prefix_scales(qc, dims, True), matryoshka.prefix_scales(kc, dims, True)

@@ -133,7 +133,7 @@ def _margin(
             weights = runner.share(opts.reduction, opts.grad_scale, rows_of, ones)
             block = k * (opts.block_size or auto_class_block(b, class_weights.shape[0] // k, k))
             pair = None if weights is None else (weights, None)
-            return engine.run(embeddings, class_weights, scale, Problem(head), driver, pair, block, (u,))
+            return engine.run(embeddings, class_weights, scale, Problem(head), driver, pair, block, (u,))[0]
 
         return rows
 

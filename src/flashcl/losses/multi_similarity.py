@@ -377,9 +377,7 @@ def _multi_similarity(
 
     pair = None if weights is None else (weights, None)
     problem = Problem(head, (), True, cols.offset)
-    out, (n_pos, n_neg) = backends.solve_reported(
-        embeddings, cols, scale, problem, pair, opts, "multi_similarity_loss", oracle
-    )
+    out, (n_pos, n_neg) = backends.solve(embeddings, cols, scale, problem, pair, opts, "multi_similarity_loss", oracle)
     # as pytorch-metric-learning: at most one mined pair of each kind in the global batch gives 0
     counts = torch.stack([n_pos, n_neg]).to(dtype)
     if cols.group is not None:

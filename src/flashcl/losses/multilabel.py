@@ -102,7 +102,7 @@ def _multilabel(
         r = runner.share(opts.reduction, opts.grad_scale, cols, valid)
         weights = None if r is None else (r, None)
         problem = Problem(head, (), opts.normalize, cols.offset)
-        return cols.run(flat, scale, problem, weights, opts.block_size, backend=name)
+        return cols.run(flat, scale, problem, weights, opts.block_size, backend=name)[0]
 
     impls = {"reference": formula, "dense": engine, "tiled": engine}
     name = backends.pick_name(

@@ -166,7 +166,7 @@ def _nt_xent(
             r = runner.share(opts.reduction, opts.grad_scale, cols, torch.ones(2 * n, dtype=dtype, device=z.device))
             weights = None if r is None else (r, None)
             problem = Problem(head, (), opts.normalize, cols.offset)
-            return cols.run(z, scale, problem, weights, opts.block_size, backend=name)
+            return cols.run(z, scale, problem, weights, opts.block_size, backend=name)[0]
 
         impls = {"reference": formula, "dense": engine, "tiled": engine, "triton": engine}
         entries = z.shape[0] * cols.total

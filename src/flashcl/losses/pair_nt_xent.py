@@ -149,4 +149,4 @@ def pair_nt_xent(
     name = backends.pick_name(backend, ("dense", "tiled"), entries, q, "NTXentLoss", kernel=None)
     weights = (torch.full((q.shape[0],), float(weight), dtype=dtype, device=q.device), None)
     problem = Problem(PairNTXentHead(pairs), normalize=normalize)
-    return backends.run_problem(q, keys, scale, problem, name, weights, block_size)
+    return backends.run_problem(q, keys, scale, problem, name, weights, block_size)[0]

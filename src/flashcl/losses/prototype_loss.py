@@ -278,7 +278,7 @@ def prototype_cross_entropy(
         reduce = (r.to(compute_dtype(x.dtype)), None)
     scale = torch.tensor(inv_temp, dtype=compute_dtype(x.dtype), device=x.device)
     problem = Problem(SoftCrossEntropyHead(targets), normalize=normalize)
-    out = run(rows, w, scale, problem, backends.layout_driver("lazy rows", x.device.type), reduce, n * views)
+    out, _ = run(rows, w, scale, problem, backends.layout_driver("lazy rows", x.device.type), reduce, n * views)
     return out if weights is not None or views == 1 else out.view(b, views).T.reshape(-1)
 
 

@@ -126,13 +126,13 @@ def _proxy_anchor(
     )
     one = torch.ones((), dtype=dtype, device=embeddings.device)
 
-    def oracle() -> Tensor:
-        return _reference_rows(rows.to(dtype), cols.keys.to(dtype), every, classes, margin, alpha)
+    def oracle() -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        return _reference_rows(rows.to(dtype), cols.keys.to(dtype), every, classes, margin, alpha), ()
 
     pair = None if weights is None else (weights, None)
     return backends.solve(
         rows, cols, one, Problem(head, (), True, 0), pair, opts, "proxy_anchor_loss", oracle, embeddings
-    )
+    )[0]
 
 
 class ProxyAnchorLoss(LossModule):

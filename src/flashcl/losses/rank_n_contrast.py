@@ -213,15 +213,15 @@ def _rank_n_contrast(flat: Tensor, y: Tensor, t: float, opts: checks.Options) ->
     weights = runner.share(opts.reduction, opts.grad_scale, cols, x.new_full((m,), per_anchor), float(n))
     block = opts.block_size or max(1, min(m, (1 << 18) // max(1, n)))
 
-    def oracle() -> Tensor:
-        return reference_rows(x, cols.keys[:, :width], y, ky, t, cols.offset)
+    def oracle() -> Tuple[Tensor, Tuple[Tensor, ...]]:
+        return reference_rows(x, cols.keys[:, :width], y, ky, t, cols.offset), ()
 
     norms = (x.detach() * x.detach()).sum(1)
     head = RankNContrastHead(y, ky, t, cols.offset, (norms, cols.gather(norms)))
     problem = Problem(head, (), False, cols.offset)
     one = torch.ones((), dtype=x.dtype, device=x.device)
     pair = None if weights is None else (weights, None)
-    out = backends.solve(
+    out, _ = backends.solve(
         q, cols, one, problem, pair, replace(opts, block_size=block), "rank_n_contrast_loss", oracle, x
     )
     return out if weights is not None else out * per_anchor

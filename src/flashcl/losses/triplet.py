@@ -170,7 +170,7 @@ def _triplet(
 
     problem = Problem(head, (), False, offset)
     opts = replace(opts, block_size=block)
-    out, (counts,) = backends.solve_reported(q, cols, one, problem, weights, opts, "triplet_loss", oracle, x, "tiled")
+    out, (counts,) = backends.solve(q, cols, one, problem, weights, opts, "triplet_loss", oracle, x, "tiled")
     if opts.reduction == "none":
         return out
     return runner.reduce_total(out, counts.sum(), opts.reduction, opts.grad_scale, cols)

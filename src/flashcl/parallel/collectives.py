@@ -215,7 +215,7 @@ class Columns(Source):
                 x = torch.cat([x, shared.to(x.dtype)])
         return _gather_rows(x.detach(), self.sizes, self.group)
 
-    def run_reported(
+    def run(
         self,
         q: Tensor,
         scale: Tensor,
@@ -229,10 +229,10 @@ class Columns(Source):
         what its head reports): backend ``backend`` on the gathered keys, or the ring
         driver (tiled)."""
         if not self.ring:
-            return backends.run_problem_reported(q, self.keys, scale, problem, backend, weights, block_size, params)
+            return backends.run_problem(q, self.keys, scale, problem, backend, weights, block_size, params)
         ring = RingDriver(self.sizes, self.group)
         block = block_size or auto_block(q.shape[0], max(self.sizes), compute_dtype(q.dtype), self_contrast=True)
-        return engine.run_reported(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, params)
+        return engine.run(q, self.keys, scale, ring.local_problem(problem), ring, weights, block, params)
 
     def count(self, n: Tensor) -> Tensor:
         return _global_count(n, self.group)
