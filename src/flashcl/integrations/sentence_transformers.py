@@ -65,7 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import backends, checks, parallel
+from .. import checks, parallel
 from ..base import peer_import_error
 from ..core import Exclusions, Tile, compute_dtype
 from ..losses.flex import flex_loss
@@ -158,9 +158,6 @@ def _mnrl(
     local_docs = docs[0]
     dtype = compute_dtype(queries.dtype)
     scale = torch.tensor(float(loss.scale), dtype=dtype, device=queries.device)
-    name = backends.pick_name(
-        backend, backends.ENGINE_BACKENDS, b * d_all.shape[0], queries, "MultipleNegativesRankingLoss", kernel=None
-    )
     widths: List[int] = []
     width_weights = None
     if dims is not None:
@@ -168,7 +165,7 @@ def _mnrl(
         width_weights = torch.tensor(ws, dtype=dtype, device=queries.device)
 
     lse = functools.partial(
-        row_logsumexps, scale=scale, normalize=normalize, backend=name, block_size=block_size, widths=widths
+        row_logsumexps, scale=scale, normalize=normalize, backend=backend, block_size=block_size, widths=widths
     )
 
     boost = None
@@ -576,9 +573,6 @@ def _gist_gathered(
     if not (0.0 < float(loss.temperature) < float("inf")):
         raise ValueError(f"temperature must be a positive finite float, got {loss.temperature!r}")
     scale = torch.tensor(1.0 / float(loss.temperature), dtype=scale_dtype(anchor), device=anchor.device)
-    b = anchor.shape[0]
-    entries = b * (p_all.shape[0] * (1 + int(loss.contrast_positives)) + b * int(loss.contrast_anchors))
-    name = backends.pick_name(loss.backend, backends.ENGINE_BACKENDS, entries, anchor, "GISTEmbedLoss", kernel=None)
     rows = gist_rows(
         anchor,
         positive,
@@ -589,7 +583,7 @@ def _gist_gathered(
         loss.margin_strategy == "relative",
         bool(loss.contrast_anchors),
         bool(loss.contrast_positives),
-        "dense" if name == "reference" else name,  # the per-row oracle has no gathered form
+        "dense" if loss.backend == "reference" else loss.backend,  # the per-row oracle has no gathered form
         loss.block_size,
         gathered=Gathered(p_all, n_all, gp_all, gn_all, offset),
     )

@@ -230,17 +230,25 @@ def gist_rows(
     relative: bool,
     contrast_anchors: bool,
     contrast_positives: bool,
-    name: str,
+    backend: str,
     block_size: Optional[int],
     across: Optional[Callable[[Tensor], Source]] = None,
     gathered: Optional[Gathered] = None,
 ) -> Tensor:
-    """GIST's per-anchor losses (backend ``name``), each a logsumexp over tiles per
+    """GIST's per-anchor losses on ``backend`` (``"dense"`` or ``"tiled"``; ``"auto"``
+    chooses on the anchors and the candidates given), each a logsumexp over tiles per
     candidate set; with ``across`` (``keys -> their global columns``), the
     candidates are the global batch's (across processes; the guide's embeddings,
     without gradient, gathered). With ``gathered``, the positive and negative
     candidates (and their guides) are those rows, gathered by the caller, and the
     anchors are this process's only (sentence-transformers' ``gather_across_devices``)."""
+    p_all, n_all, offset = positive, negative, 0
+    if gathered is not None:
+        p_all, n_all, offset = gathered.positive, gathered.negative, gathered.offset
+    b = anchor.shape[0]
+    cands = p_all.shape[0] * (1 + int(contrast_positives)) + b * int(contrast_anchors)
+    entries = b * (cands + (0 if n_all is None else n_all.shape[0]))
+    backend = backends.pick_name(backend, ("dense", "tiled"), entries, anchor, "gist_rows", kernel=None)
     ga, gp = unit_rows(guides[0], True), unit_rows(guides[1], True)
     gn = None if negative is None else unit_rows(guides[2], True)
     g_pos = (ga * gp).sum(1)
@@ -250,11 +258,10 @@ def gist_rows(
     def part(q: Tensor, keys: Tensor, gq: Tensor, gk: Tensor, diagonal: Optional[bool], offset: int = 0) -> Tensor:
         cols = backends.Source(keys, offset, [keys.shape[0]]) if across is None else across(keys)
         mask = _guide_mask(gq, cols.gather(gk), threshold, diagonal)
-        return runner.row_lse(q, cols, scale, True, name, block_size, Exclusions(fn=mask))
+        return runner.row_lse(q, cols, scale, True, backend, block_size, Exclusions(fn=mask))
 
-    p_all, n_all, gp_all, gn_all, offset = positive, negative, gp, gn, 0
+    gp_all, gn_all = gp, gn
     if gathered is not None:
-        p_all, n_all, offset = gathered.positive, gathered.negative, gathered.offset
         gp_all = unit_rows(gathered.guide_positive, True)
         gn_all = None if gathered.guide_negative is None else unit_rows(gathered.guide_negative, True)
     lse = part(anchor, p_all, ga, gp_all, False, offset)  # the positive kept

@@ -313,7 +313,7 @@ def row_logsumexps(
     scale: Tensor,
     *,
     normalize: bool,
-    backend: str,
+    backend: str = "auto",
     block_size: Optional[int] = None,
     widths: Sequence[int] = (),
     exclude_self: bool = False,
@@ -328,8 +328,9 @@ def row_logsumexps(
     Args:
         q: (M, D) rows. k: (N, D) candidates. scale: 0-dim (1 / temperature).
         normalize: L2-normalise the rows (each prefix width on its own).
-        backend: ``"dense"`` | ``"tiled"`` | ``"triton"`` (already resolved:
-            :func:`flashcl.backends.pick_name`). block_size: rows per block (None: picked).
+        backend: ``"auto"`` (from the M N scores) | ``"dense"`` | ``"tiled"`` | ``"triton"``
+            (without ``widths``: they take one pass over the tiles). block_size: rows per block
+            (None: picked).
         widths: prefix widths (Matryoshka): every width's in one pass over the tiles.
         exclude_self: candidate ``i + offset`` of row ``i`` left out. offset: its column.
         exclude: further candidates left out (:class:`flashcl.core.Exclusions`).
@@ -342,14 +343,17 @@ def row_logsumexps(
     Examples::
 
         >>> q, k = torch.randn(4, 8), torch.randn(6, 8)
-        >>> row_logsumexps(q, k, torch.tensor(20.0), normalize=True, backend="dense").shape
+        >>> row_logsumexps(q, k, torch.tensor(20.0), normalize=True).shape
         torch.Size([4])
     """
     ones = torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
     head = SoftmaxHead(ones, exclude_self=exclude_self, offset=offset, exclude=exclude, boost=boost)
     problem = Problem(head, (), normalize, offset)
     if not widths:
-        return backends.run_problem(q, k, scale, problem, backend, None, block_size)[0]
+        name = backends.pick_name(
+            backend, backends.ENGINE_BACKENDS, q.shape[0] * k.shape[0], q, "row_logsumexps", kernel=None
+        )
+        return backends.run_problem(q, k, scale, problem, name, None, block_size)[0]
     dims = list(widths)
     qc, kc = q.to(ones.dtype), k.to(ones.dtype)
     aq, ak = matryoshka.prefix_scales(qc, dims, True), matryoshka.prefix_scales(kc, dims, True)
