@@ -56,6 +56,8 @@ for name, path in json.loads(sys.argv[1]):
         with contextlib.redirect_stdout(out):
             runpy.run_path(path, run_name="__main__")
         results[name] = [True, out.getvalue(), ""]
+    except SystemExit as e:  # as a process of its own would end: 0 or None is success
+        results[name] = [e.code in (0, None), out.getvalue(), f"SystemExit({e.code!r})"]
     except BaseException:
         results[name] = [False, out.getvalue(), traceback.format_exc()]
 with open(sys.argv[2], "w") as f:
