@@ -50,6 +50,20 @@ def _words(values: Sequence[float]) -> str:
     return ", ".join(f"{v:g}" for v in values)
 
 
+def _show(value: Any) -> str:
+    """An option as the printed call writes it: short, and exactly the value called with."""
+    if isinstance(value, float) and float(f"{value:g}") == value:
+        return f"{value:g}"
+    return repr(value)
+
+
+def _call(fn: Callable[..., Tensor], inputs: Sequence[Tuple[str, Any]], **options: Any) -> Candidate:
+    """``fn`` on ``inputs`` (each as the printed call writes it, and its value) with the
+    keyword ``options``: the call printed and the call made from the same values."""
+    written = [w for w, _ in inputs] + [f"{k}={_show(v)}" for k, v in options.items()]
+    return f"flashcl.{fn.__name__}({', '.join(written)})", functools.partial(fn, *(v for _, v in inputs), **options)
+
+
 def _namer(inputs: Sequence[Any], names: Optional[Sequence[str]]) -> Namer:
     """The name of each input in the user's function (``names``, by position), else the
     family's own word for it."""
@@ -90,9 +104,7 @@ def _neighbor(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[s
         for nb, how in drawn:
             for excl in (True, False):
                 for red in ("sum", "mean"):
-                    call = f"flashcl.neighbor_loss({scores}, {how}, exclude_diagonal={excl}, reduction='{red}')"
-                    fn = functools.partial(neighbor_loss, x, nb, exclude_diagonal=excl, reduction=red)
-                    out.append((call, fn))
+                    out.append(_call(neighbor_loss, [(scores, x), (how, nb)], exclude_diagonal=excl, reduction=red))
     words = (
         "neighbor_loss with k = 1..5 neighbours drawn by random.randrange or torch.randint, diagonal "
         "excluded or not, sum or mean"
@@ -112,17 +124,13 @@ def _supcon(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
     if pair is None:
         return None
     e, y = pair
-    ne, ny = name(e, "embeddings"), name(y, "labels")
+    inputs = [(name(e, "embeddings"), e), (name(y, "labels"), y)]
     out: List[Candidate] = []
     for t in _TEMPERATURES:
         for pos, inc in [(p, i) for p in ("mean", "sum") for i in (False, True)] + [("lse", False)]:
             for red in ("mean", "sum"):
-                call = (
-                    f"flashcl.supcon_loss({ne}, {ny}, temperature={t}, positives='{pos}', "
-                    f"include_self={inc}, reduction='{red}')"
-                )
-                fn = functools.partial(supcon_loss, e, y, temperature=t, positives=pos, include_self=inc, reduction=red)
-                out.append((call, fn))
+                options = dict(temperature=t, positives=pos, include_self=inc, reduction=red)
+                out.append(_call(supcon_loss, inputs, **options))
     words = (
         f"supcon_loss at temperatures {_words(_TEMPERATURES)}, positives mean / sum (include_self or not) / lse "
         "(SupCon's L_in), mean / sum"
@@ -138,20 +146,14 @@ def _contrastive(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tupl
     if pair is None:
         return None
     e, y = pair
-    ne, ny = name(e, "embeddings"), name(y, "labels")
+    inputs = [(name(e, "embeddings"), e), (name(y, "labels"), y)]
     out: List[Candidate] = []
     for m in _PAIR_MARGINS:
         for distance in ("euclidean", "squared"):
             for normalize in (True, False):
                 for red in ("mean_nonzero", "mean", "sum"):
-                    call = (
-                        f"flashcl.contrastive_loss({ne}, {ny}, neg_margin={m:g}, distance='{distance}', "
-                        f"normalize={normalize}, reduction='{red}')"
-                    )
-                    fn = functools.partial(
-                        contrastive_loss, e, y, neg_margin=m, distance=distance, normalize=normalize, reduction=red
-                    )
-                    out.append((call, fn))
+                    options = dict(neg_margin=m, distance=distance, normalize=normalize, reduction=red)
+                    out.append(_call(contrastive_loss, inputs, **options))
     words = (
         f"contrastive_loss (pytorch-metric-learning's ContrastiveLoss) at margins {_words(_PAIR_MARGINS)}, "
         "euclidean / squared distances, normalised or not, the mean over non-zero terms / mean / sum"
@@ -170,12 +172,11 @@ def _rank_n_contrast(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[
         return None
     if f.dim() == 2 and y.dim() == 2 and y.shape[1] == f.shape[1]:
         return None  # two towers of one width, not features and targets
-    nf, ny = name(f, "features"), name(y, "labels")
+    inputs = [(name(f, "features"), f), (name(y, "labels"), y)]
     out: List[Candidate] = []
     for t in _RNC_TEMPERATURES:
         for red in ("mean", "sum"):
-            call = f"flashcl.rank_n_contrast_loss({nf}, {ny}, temperature={t:g}, reduction='{red}')"
-            out.append((call, functools.partial(rank_n_contrast_loss, f, y, temperature=t, reduction=red)))
+            out.append(_call(rank_n_contrast_loss, inputs, temperature=t, reduction=red))
     return f"rank_n_contrast_loss at temperatures {_words(_RNC_TEMPERATURES)}, mean / sum", out
 
 
@@ -184,31 +185,19 @@ def _triplet(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[st
     if pair is None:
         return None
     e, y = pair
-    ne, ny = name(e, "embeddings"), name(y, "labels")
+    inputs = [(name(e, "embeddings"), e), (name(y, "labels"), y)]
     out: List[Candidate] = []
-    settings = [(m, mining, False) for m in _TRIPLET_MARGINS for mining in ("all", "hard", "semi-hard")]
-    settings += [(0.0, mining, True) for mining in ("hard", "semi-hard")]
-    for margin, mining, soft in settings:
+    # the soft margin printed only where it is taken
+    settings: List[Dict[str, Any]] = [
+        dict(margin=m, mining=mining) for m in _TRIPLET_MARGINS for mining in ("all", "hard", "semi-hard")
+    ]
+    settings += [dict(margin=0.0, mining=mining, soft_margin=True) for mining in ("hard", "semi-hard")]
+    for setting in settings:
         for distance in ("euclidean", "squared", "cosine"):
             for normalize in (False, True):
                 for red in ("mean", "sum"):
-                    call = (
-                        f"flashcl.triplet_loss({ne}, {ny}, margin={margin:g}, mining='{mining}'"
-                        + (", soft_margin=True" if soft else "")
-                        + f", distance='{distance}', normalize={normalize}, reduction='{red}')"
-                    )
-                    fn = functools.partial(
-                        triplet_loss,
-                        e,
-                        y,
-                        margin=margin,
-                        mining=mining,
-                        soft_margin=soft,
-                        distance=distance,
-                        normalize=normalize,
-                        reduction=red,
-                    )
-                    out.append((call, fn))
+                    options = dict(setting, distance=distance, normalize=normalize, reduction=red)
+                    out.append(_call(triplet_loss, inputs, **options))
     words = (
         f"triplet_loss batch-all / batch-hard / semi-hard at margins {_words(_TRIPLET_MARGINS)} (and the soft "
         "margin), euclidean / squared / cosine distances, normalised or not, mean / sum"
@@ -227,7 +216,7 @@ def _margin(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
     if e.shape[0] != y.shape[0]:
         return None
     weights = []
-    ne, ny, nw = name(e, "embeddings"), name(y, "labels"), name(w, "class_weights")
+    nw = name(w, "class_weights")
     if w.shape[1] == e.shape[1]:
         weights.append((nw, w))
     if w.shape[0] == e.shape[1]:
@@ -235,25 +224,15 @@ def _margin(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
     if not weights:
         return None
     out: List[Candidate] = []
-    for written, cw in weights:
+    for weight in weights:
+        inputs = [(name(e, "embeddings"), e), (name(y, "labels"), y), weight]
         for scale in _MARGIN_SCALES:
             for red in ("mean", "sum"):
                 for m in _COSFACE_MARGINS:
-                    call = (
-                        f"flashcl.cosface_loss({ne}, {ny}, {written}, margin={m}, scale={scale:g}, reduction='{red}')"
-                    )
-                    fn = functools.partial(cosface_loss, e, y, cw, margin=m, scale=scale, reduction=red)
-                    out.append((call, fn))
+                    out.append(_call(cosface_loss, inputs, margin=m, scale=scale, reduction=red))
                 for m in _ARCFACE_MARGINS:
                     for easy in (False, True):
-                        call = (
-                            f"flashcl.arcface_loss({ne}, {ny}, {written}, margin={m}, scale={scale:g}, "
-                            f"easy_margin={easy}, reduction='{red}')"
-                        )
-                        fn = functools.partial(
-                            arcface_loss, e, y, cw, margin=m, scale=scale, easy_margin=easy, reduction=red
-                        )
-                        out.append((call, fn))
+                        out.append(_call(arcface_loss, inputs, margin=m, scale=scale, easy_margin=easy, reduction=red))
     words = (
         f"cosface_loss at margins {_words(_COSFACE_MARGINS)} and arcface_loss at margins "
         f"{_words(_ARCFACE_MARGINS)} (radians, easy_margin or not), scales {_words(_MARGIN_SCALES)}, the class "
@@ -267,28 +246,12 @@ def _two_towers(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple
     if not (len(floats) == 2 and all(f.dim() == 2 for f in floats) and not ints):
         return None
     a, b = floats
-    na, nb = name(a, "z1"), name(b, "z2")
     out: List[Candidate] = []
     for t in _TEMPERATURES:
         if a.shape == b.shape:
-            out.append(
-                (
-                    f"flashcl.nt_xent_loss({na}, {nb}, temperature={t})",
-                    functools.partial(nt_xent_loss, a, b, temperature=t),
-                )
-            )
-            out.append(
-                (
-                    f"flashcl.clip_loss({name(a, 'image')}, {name(b, 'text')}, logit_scale={1 / t:g})",
-                    functools.partial(clip_loss, a, b, 1 / t),
-                )
-            )
-        out.append(
-            (
-                f"flashcl.info_nce_loss({name(a, 'query')}, {name(b, 'keys')}, temperature={t})",
-                functools.partial(info_nce_loss, a, b, temperature=t),
-            )
-        )
+            out.append(_call(nt_xent_loss, [(name(a, "z1"), a), (name(b, "z2"), b)], temperature=t))
+            out.append(_call(clip_loss, [(name(a, "image"), a), (name(b, "text"), b)], logit_scale=1 / t))
+        out.append(_call(info_nce_loss, [(name(a, "query"), a), (name(b, "keys"), b)], temperature=t))
     temps = _words(_TEMPERATURES)
     words = (
         f"nt_xent_loss and clip_loss (logit_scale = 1 / t) at temperatures t = {temps}; " if a.shape == b.shape else ""
@@ -308,14 +271,11 @@ def _cosent(inputs: Sequence[Any], seed: int, name: Namer) -> Optional[Tuple[str
     y = scores[0]
     if y.shape[0] != a.shape[0]:
         return None
+    inputs = [(name(a, "a"), a), (name(b, "b"), b), (name(y, "scores"), y)]
     out: List[Candidate] = []
     for scale in _COSENT_SCALES:
         for similarity in ("cosine", "angle"):
-            call = (
-                f"flashcl.cosent_loss({name(a, 'a')}, {name(b, 'b')}, {name(y, 'scores')}, scale={scale:g}, "
-                f"similarity='{similarity}')"
-            )
-            out.append((call, functools.partial(cosent_loss, a, b, y, scale=scale, similarity=similarity)))
+            out.append(_call(cosent_loss, inputs, scale=scale, similarity=similarity))
     return f"cosent_loss at scales {_words(_COSENT_SCALES)}, cosine or AnglE's angle similarity", out
 
 
