@@ -359,6 +359,10 @@ GIST_GATHER_CONFIGS: List[Dict[str, Any]] = [
     {"columns": 3, "margin": 0.05, "margin_strategy": "relative", "contrast_anchors": False},
     {"columns": 4, "temperature": 0.05, "contrast_positives": False},
     {"columns": 3, "margin": 0.1},
+    # the backends the gathered form takes: tiled blocks across the gathered candidates; the
+    # per-row oracle has no gathered form, so "reference" is the dense form
+    {"columns": 3, "backend": "tiled", "block_size": 3},
+    {"columns": 2, "backend": "reference"},
 ]
 
 
