@@ -44,14 +44,14 @@ path only. :mod:`flashcl.distributed` raises a clear error instead.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from . import checks, reference
 from .backends import ENGINE_BACKENDS, Source, local, pick_name
-from .core import CoreSpec, Exclusions, compute_dtype
+from .core import CoreSpec, Exclusions, Tile, compute_dtype
 from .engine import matryoshka
 from .engine.engine import Problem, autocast_off, normalize_rows
 from .engine.heads import KernelId, SoftmaxHead, SoftplusHead
@@ -325,12 +325,14 @@ def row_lse(
     block_size: Optional[int],
     exclude: Optional[Exclusions] = None,
     exclude_self: bool = False,
+    boost: Optional[Tuple[float, Callable[[Tile], Tensor]]] = None,
 ) -> Tensor:
     """Each row's logsumexp over the columns of ``source`` (``exclude``, and with
-    ``exclude_self`` each row's own column, left out), (M,), differentiable: one part
-    of a loss composed of several candidate sets, on backend ``name``."""
+    ``exclude_self`` each row's own column, left out; ``boost``: the softmax head's
+    hardness penalty), (M,), differentiable: one part of a loss composed of several
+    candidate sets, on backend ``name``."""
     ones = torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
-    head = SoftmaxHead(ones, exclude_self=exclude_self, offset=source.offset, exclude=exclude)
+    head = SoftmaxHead(ones, exclude_self=exclude_self, offset=source.offset, exclude=exclude, boost=boost)
     return source.run(q, scale, Problem(head, (), normalize, source.offset), None, block_size, backend=name)[0]
 
 

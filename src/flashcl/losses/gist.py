@@ -245,10 +245,11 @@ def gist_rows(
     p_all, n_all, offset = positive, negative, 0
     if gathered is not None:
         p_all, n_all, offset = gathered.positive, gathered.negative, gathered.offset
-    b = anchor.shape[0]
-    cands = p_all.shape[0] * (1 + int(contrast_positives)) + b * int(contrast_anchors)
-    entries = b * (cands + (0 if n_all is None else n_all.shape[0]))
-    backend = backends.pick_name(backend, ("dense", "tiled"), entries, anchor, "gist_rows", kernel=None)
+    if backend == "auto":  # :func:`gist_loss` chose on the global batch; a caller's gathered candidates here
+        b = anchor.shape[0]
+        cands = p_all.shape[0] * (1 + int(contrast_positives)) + b * int(contrast_anchors)
+        entries = b * (cands + (0 if n_all is None else n_all.shape[0]))
+        backend = backends.pick_name(backend, ("dense", "tiled"), entries, anchor, "gist_rows", kernel=None)
     ga, gp = unit_rows(guides[0], True), unit_rows(guides[1], True)
     gn = None if negative is None else unit_rows(guides[2], True)
     g_pos = (ga * gp).sum(1)

@@ -346,14 +346,14 @@ def row_logsumexps(
         >>> row_logsumexps(q, k, torch.tensor(20.0), normalize=True).shape
         torch.Size([4])
     """
+    if not widths:
+        entries = q.shape[0] * k.shape[0]
+        name = backends.pick_name(backend, backends.ENGINE_BACKENDS, entries, q, "row_logsumexps", kernel=None)
+        source = backends.Source(k, offset, [k.shape[0]])
+        return runner.row_lse(q, source, scale, normalize, name, block_size, exclude, exclude_self, boost)
     ones = torch.ones(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
     head = SoftmaxHead(ones, exclude_self=exclude_self, offset=offset, exclude=exclude, boost=boost)
     problem = Problem(head, (), normalize, offset)
-    if not widths:
-        name = backends.pick_name(
-            backend, backends.ENGINE_BACKENDS, q.shape[0] * k.shape[0], q, "row_logsumexps", kernel=None
-        )
-        return backends.run_problem(q, k, scale, problem, name, None, block_size)[0]
     dims = list(widths)
     qc, kc = q.to(ones.dtype), k.to(ones.dtype)
     aq, ak = matryoshka.prefix_scales(qc, dims, True), matryoshka.prefix_scales(kc, dims, True)
