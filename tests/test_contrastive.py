@@ -7,6 +7,7 @@ strategies and both grad_scale conventions, against one process on the concatena
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -396,7 +397,101 @@ def test_drop_in_says_where_pml_computes(kwargs: Dict[str, Any], match: str) -> 
     assert_close(got, losses.ContrastiveLoss(**kwargs)(d["x"], d["y"]), "value", *TOL)
 
 
+@pytest.mark.parametrize("towers", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "mean_nonzero", "sum", "none"])
+@pytest.mark.parametrize("backend,block", BACKENDS)
+def test_pair_sum_with_a_learnable_margin(backend: str, block: Any, reduction: str, towers: bool) -> None:
+    """A pair sum whose ``neg_mod`` captures a margin that learns, with denominator weights
+    and an exclusion, equals the formula written out over the whole distance matrix: value
+    and the gradients of the anchors, the keys and the margin."""
+    d = _data(4)
+    x, r = d["x"].clone().requires_grad_(True), d["r"].clone().requires_grad_(True)
+    y, ry = d["y"], (d["ry"] if towers else d["y"])
+    margin = torch.tensor(0.9, dtype=F64, requires_grad=True)
+    pos_mod = lambda t, a, b: (t - 0.1).relu().pow(2)  # noqa: E731
+    neg_mod = lambda t, a, b: 1.5 * (margin - t).relu().pow(2)  # noqa: E731
+    got = flashcl.flex_loss(
+        x, r if towers else None, rows={"y": y}, cols={"y": ry} if towers else None,
+        positive=lambda a, b: a.y == b.y, exclude=lambda a, b: (a.y + b.y) == 5,
+        weight=lambda a, b: torch.where(a.y == b.y, 0.5, 2.0), kind=flashcl.FlexPairSum(distance="euclidean"),
+        pos_mod=pos_mod, neg_mod=neg_mod, temperature=1.0, reduction=reduction, backend=backend, block_size=block,
+    )  # fmt: skip
+    xw, rw, mw = x.detach().clone().requires_grad_(True), r.detach().clone().requires_grad_(True), margin
+    z = torch.nn.functional.normalize(xw, dim=-1)
+    k = torch.nn.functional.normalize(rw, dim=-1) if towers else z
+    dist = torch.cdist(z, k)
+    play = (y[:, None] + ry[None, :]) != 5
+    if not towers:
+        play &= ~torch.eye(len(y), dtype=torch.bool)
+    same = y[:, None] == ry[None, :]
+    w = torch.where(same, 0.5, 2.0).to(F64)
+    tp, tn = w * pos_mod(dist, None, None), w * neg_mod(dist, None, None)
+    pos, neg = play & same, play & ~same
+    if reduction == "mean_nonzero":
+        pos, neg = pos & (tp > 0), neg & (tn > 0)
+    rows_p, rows_n = torch.where(pos, tp, 0.0).sum(1), torch.where(neg, tn, 0.0).sum(1)
+    if reduction in ("sum", "none"):
+        want = rows_p + rows_n if reduction == "none" else (rows_p + rows_n).sum()
+    else:
+        want = rows_p.sum() / torch.where(pos, w, 0.0).sum() + rows_n.sum() / torch.where(neg, w, 0.0).sum()
+    leaves, want_leaves = [x, margin] + ([r] if towers else []), [xw, mw] + ([rw] if towers else [])
+    grads = torch.autograd.grad(got.sum(), leaves)
+    want_grads = torch.autograd.grad(want.sum(), want_leaves)
+    assert_close(got, want, f"{backend}: value", *TOL)
+    for i, (a, e) in enumerate(zip(grads, want_grads)):
+        assert_close(a, e, f"{backend}: gradient {i}", *TOL)
+    assert float(grads[1].abs()) > 0  # the margin learns
+
+
+@pytest.mark.parametrize("backend,block", BACKENDS[1:])
+def test_a_nan_positive_weight_is_a_positive(backend: str, block: Any) -> None:
+    """The pair sum takes ``positive`` as membership (``m != 0``): a pair whose weight is NaN
+    enters its anchor's positives with its ``pos_mod`` term, on every backend as the
+    per-anchor oracle."""
+    d = _data(6)
+    v = torch.ones(len(d["y"]), dtype=F64)
+    v[2] = float("nan")
+    opts: Dict[str, Any] = dict(
+        rows={"y": d["y"], "v": v}, positive=lambda a, b: (a.y == b.y) * a.v * b.v,
+        kind=flashcl.FlexPairSum("euclidean"), pos_mod=lambda t, a, b: t, neg_mod=lambda t, a, b: (0.8 - t).relu(),
+        temperature=1.0, reduction="none",
+    )  # fmt: skip
+    want = flashcl.flex_loss(d["x"], backend="reference", **opts)
+    assert bool(torch.isfinite(want).all())
+    assert_close(flashcl.flex_loss(d["x"], backend=backend, block_size=block, **opts), want, backend, *TOL)
+
+
 # ----------------------------------------------------------------------------- the compiled tiles
+
+
+def test_a_compile_that_fails_falls_back_to_the_eager_tiles(monkeypatch: Any) -> None:
+    """A tile function that does not compile is computed eagerly, with one warning: the
+    eager tiles' value and gradient."""
+    from flashcl.losses import flex_head
+
+    def fails(name: str) -> Any:
+        raise RuntimeError(f"no compiler for {name}")
+
+    x = _data(5)["x"]
+    y = _data(5)["y"]
+    results = []
+    for compiled in (False, True):
+        xx = x.clone().requires_grad_(True)
+        with monkeypatch.context() as m:
+            m.setattr(flex_head, "_compiled", fails)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = flashcl.flex_loss(
+                    xx, rows={"y": y}, positive=lambda a, b: a.y == b.y, kind=flashcl.FlexPairSum("euclidean"),
+                    pos_mod=lambda t, a, b: t, neg_mod=lambda t, a, b: (0.8 - t).relu(), temperature=1.0,
+                    reduction="mean_nonzero", backend="tiled", block_size=5, compiled=compiled,
+                )  # fmt: skip
+                grad = torch.autograd.grad(loss, xx)[0]
+        said = [w for w in caught if "did not compile" in str(w.message)]
+        assert len(said) == (1 if compiled else 0), [str(w.message) for w in caught]
+        results.append((loss.detach(), grad))
+    assert_close(results[1][0], results[0][0], "value", *TOL)
+    assert_close(results[1][1], results[0][1], "gradient", *TOL)
 
 
 @pytest.mark.slow  # three compiles of the tile functions: about 30 s on 2 cores

@@ -430,8 +430,8 @@ class FlexHead(PanelHead, ReportingHead):
         #: terms over its pairs in play) or ``"mean_nonzero"`` (each set's terms above 0, over
         #: their count), the counts over every rank (``join``: their sum over the ranks)
         self.set_means, self.join = set_means, join or (lambda x: x)
-        #: the pair sum's tile functions compiled by ``torch.compile`` (:class:`CompiledPairs`)
-        self.compiled = CompiledPairs(self) if compiled and self.pair_sum is not None else None
+        #: the pair sum's tile work, eager or compiled by ``torch.compile`` (:class:`PairSumTiles`)
+        self.pairs = PairSumTiles(self, compiled) if self.pair_sum is not None else None
         if set_means is not None:
             self.fuses_rows = False  # the counts of every row come before any gradient
         self.positives, self.fns = positives, fns
@@ -477,8 +477,8 @@ class FlexHead(PanelHead, ReportingHead):
     ) -> _Terms:
         """The tile's terms (:class:`_Terms`), the functions called once each (the rows'
         data ``fields``), checked; ``grad``: with the graph of ``score_mod`` for the
-        backward through it; ``modify``: False leaves the scores as they are (the compiled
-        tile functions modify them)."""
+        backward through it; ``modify``: False leaves the scores as they are (the pair
+        sum's tile functions modify them)."""
         r, c = s.shape
         a, b = self._views(tile, fields)
         fns = self.fns
@@ -632,33 +632,6 @@ class FlexHead(PanelHead, ReportingHead):
         return st
 
     # ------------------------------------------------------------------ the pair sum
-    def _pair_terms(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        """The pair sum's ``(w s', positives, negatives, w)`` of a tile: each pair's weighted
-        term (0 out of play), the two sets' masks of the pairs in play (with
-        ``"mean_nonzero"``: their terms above 0), and the weights (None: 1)."""
-        w = None if t.logw is None else torch.exp(t.logw)
-        terms = t.sp if w is None else t.sp * w
-        play = torch.ones(terms.shape, dtype=torch.bool, device=terms.device)
-        self._out_(play, t, tile, False)  # type: ignore[arg-type]
-        pos = play & (t.m != 0)
-        neg = play & (t.m == 0)
-        if self.set_means == "mean_nonzero":  # a NaN term is counted (and makes its set NaN)
-            nonzero = (terms > 0) | terms.isnan()
-            pos, neg = pos & nonzero, neg & nonzero
-        zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
-        return torch.where(pos | neg, terms, zero), pos, neg, w
-
-    def _add_pair_sums(
-        self, st: _FlexState, rows: slice, terms: Tensor, pos: Tensor, neg: Tensor, w: Optional[Tensor]
-    ) -> None:
-        """The sets' sums of ``terms`` and their counts (their pairs' weights summed) into
-        the accumulators of ``rows``."""
-        zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
-        st.pos[rows] += torch.where(pos, terms, zero).sum(1)
-        st.row[rows] += torch.where(neg, terms, zero).sum(1)
-        st.pos_cnt[rows] += pos.sum(1).to(terms.dtype) if w is None else torch.where(pos, w, zero).sum(1)
-        st.neg_cnt[rows] += neg.sum(1).to(terms.dtype) if w is None else torch.where(neg, w, zero).sum(1)
-
     def pair_scales(self, pos_cnt: Tensor, neg_cnt: Tensor) -> Tuple[Any, Any]:
         """The pair sum's factor of each set from its rows' counts (their pairs' weights
         summed): 1 (the terms summed), or 1 / the set's count over every rank (0 for an
@@ -668,17 +641,6 @@ class FlexHead(PanelHead, ReportingHead):
         counts = self.join(torch.stack([pos_cnt.sum(), neg_cnt.sum()]))
         scales = torch.where(counts > 0, 1.0 / counts.clamp_min(1.0), torch.zeros_like(counts))
         return scales[0], scales[1]
-
-    def _pair_grad(self, t: _Terms, tile: Tile, st: _FlexState, g_row: Tensor, rows: slice) -> Tensor:
-        """``dL/ds'`` of the pair sum: the row's weight times its set's factor times ``w``."""
-        terms, pos, neg, _ = self._pair_terms(t, tile)
-        a, b = st.scales
-        g = g_row[rows].unsqueeze(1)
-        zero = torch.zeros((), dtype=terms.dtype, device=terms.device)
-        d = torch.where(pos, g * a, torch.where(neg, g * b, zero))
-        if t.logw is not None:
-            d = d * torch.exp(t.logw)
-        return torch.where(pos | neg, d, zero)
 
     def _sets_z(self, t: _Terms, tile: Tile) -> Tuple[Tensor, Any]:
         """A two-set kind's terms ``s' + log w`` (``-inf`` for the pairs out of both sets) and
@@ -734,15 +696,13 @@ class FlexHead(PanelHead, ReportingHead):
         if self.counter is not None and p == 0:  # the first pass: the statistics
             self.counter.reduce(s, tile, st.stats)
             return
-        rows = slice(tile.r0, tile.r1)
-        if self.compiled is not None and self.compiled.reduce(s, tile, st):
+        if self.pairs is not None:
+            self.pairs.reduce(s, tile, st)
             return
+        rows = slice(tile.r0, tile.r1)
         t = self._terms(s, tile, st.fields)
         if self.sets is not None:
             self._add_sets(st, rows, *self._sets_z(t, tile))
-            return
-        if self.pair_sum is not None:
-            self._add_pair_sums(st, rows, *self._pair_terms(t, tile))
             return
         if self.kind == "sigmoid":
             st.row[rows] += self._pair_losses_(t, tile).sum(1)
@@ -920,16 +880,12 @@ class FlexHead(PanelHead, ReportingHead):
 
     def grad(self, s: Tensor, tile: Tile, st: _FlexState, buf: Optional[Tensor] = None) -> Tensor:
         assert st.g_row is not None
+        if self.pairs is not None:
+            return s.copy_(self.pairs.grad(s, tile, st, st.g_row))
         rows = slice(tile.r0, tile.r1)
-        if self.compiled is not None:
-            g = self.compiled.grad(s, tile, st, st.g_row)
-            if g is not None:
-                return s.copy_(g)
         t = self._terms(s, tile, st.fields, grad=self.fns.modifies)
         if self.sets is not None:
             g = self._sets_grad_(*self._sets_z(t, tile), st, rows)
-        elif self.pair_sum is not None:
-            g = self._pair_grad(t, tile, st, st.g_row, rows)
         elif self.kind == "sigmoid":
             g = self._sigmoid_grad_(t, tile, st.g_row[rows], 1)
         else:
@@ -961,14 +917,12 @@ class FlexHead(PanelHead, ReportingHead):
             self._publish(st, rows)
         if st.valid is None:
             st.valid = torch.ones_like(st.row, dtype=torch.bool)
-        if self.compiled is not None:  # complete rows: their sums final here
+        if self.pairs is not None:  # the terms summed (no set's count): complete rows are final here
             st.pos[rows], st.row[rows], st.pos_cnt[rows], st.neg_cnt[rows] = 0.0, 0.0, 0.0, 0.0
-            if g_row is None and self.compiled.reduce(s, tile, st):
+            if g_row is None:
+                self.pairs.reduce(s, tile, st)
                 return None
-            if g_row is not None:
-                g = self.compiled.grad(s, tile, st, g_row, add_sums=True)
-                if g is not None:
-                    return s.copy_(g)
+            return s.copy_(self.pairs.grad(s, tile, st, g_row, add_sums=True))
         t = self._terms(s, tile, st.fields, grad=g_row is not None and self.fns.modifies)
         if self.sets is not None:
             z, pos = self._sets_z(t, tile)
@@ -978,12 +932,6 @@ class FlexHead(PanelHead, ReportingHead):
                 return None
             self._sets_coef(st, rows, g_row[rows])
             g = self._sets_grad_(z, pos, st, rows)
-        elif self.pair_sum is not None:  # the terms summed (no set's count): complete rows are final
-            st.pos[rows], st.row[rows], st.pos_cnt[rows], st.neg_cnt[rows] = 0.0, 0.0, 0.0, 0.0
-            self._add_pair_sums(st, rows, *self._pair_terms(t, tile))
-            if g_row is None:
-                return None
-            g = self._pair_grad(t, tile, st, g_row, rows)
         elif self.kind == "sigmoid":
             st.row[rows] = self._pair_losses_(t, tile).sum(1)
             if g_row is None:
@@ -1060,8 +1008,12 @@ class FlexHead(PanelHead, ReportingHead):
             counted = self.counter.state(s.shape[0], s.shape[1], s, None)
             self.counter.reduce(s.detach().clone(), tile, counted)
             fields = {**self.rows, **statistics_of(counted, slice(None))}
-        out, m, logw, sp = self.dense_terms(s, tile, guard=True, fields=fields)
         r = s.shape[0]
+        if self.pairs is not None:
+            pos_sum, neg_sum, pos_cnt, neg_cnt = _pair_sum_rows(*self.pairs.inputs(s, tile, fields))
+            a, b = self.pair_scales(pos_cnt, neg_cnt)
+            return (a * pos_sum + b * neg_sum, None), (torch.ones(r, dtype=torch.bool, device=s.device),)
+        out, m, logw, sp = self.dense_terms(s, tile, guard=True, fields=fields)
         zero = torch.zeros((), dtype=s.dtype, device=s.device)
         if self.sets is not None:
             z = torch.where(out, -_INF, sp if logw is None else sp + logw)
@@ -1071,16 +1023,6 @@ class FlexHead(PanelHead, ReportingHead):
             n = logsumexp_safe(torch.where(pos, -_INF, z), 1)
             valid = self.sets.counted(p.detach(), n.detach())
             return (torch.where(valid, self.sets.loss(p, n), zero), None), (valid,)
-        if self.pair_sum is not None:
-            terms = sp if logw is None else sp * torch.exp(logw)
-            pos, neg = ~out & (m != 0), ~out & (m == 0)
-            if self.set_means == "mean_nonzero":  # a NaN term is counted (and makes its set NaN)
-                nonzero = (terms.detach() > 0) | terms.detach().isnan()
-                pos, neg = pos & nonzero, neg & nonzero
-            w = torch.ones_like(terms) if logw is None else torch.exp(logw)
-            a, b = self.pair_scales(torch.where(pos, w, zero).sum(1), torch.where(neg, w, zero).sum(1))
-            rows_loss = a * torch.where(pos, terms, zero).sum(1) + b * torch.where(neg, terms, zero).sum(1)
-            return (rows_loss, None), (torch.ones(r, dtype=torch.bool, device=s.device),)
         if self.kind == "sigmoid":
             bias = params[0].to(s.dtype) if self.learn_bias and params else self.bias
             x = sp + bias
@@ -1174,78 +1116,88 @@ def _compiled(name: str) -> Any:
     return fn
 
 
-class CompiledPairs:
-    """The pair-sum kind's tile work (:func:`_pair_sum_rows`, :func:`_pair_sum_grad`)
-    compiled by ``torch.compile``, the user's functions fused into it (inductor: C++ on the
-    CPU, Triton on CUDA), as FlexAttention compiles ``score_mod``: the eager head's two
-    dozen passes over each tile become one or two loops. The masks and weights come from
-    the eager head (the functions that decide them run once per tile); every function's
-    result is checked eagerly on the first tile's first row. A compile that fails falls
-    back to the eager head, with one warning."""
+class PairSumTiles:
+    """The pair-sum kind's tile work: each row's sums and counts by one formula,
+    :func:`_pair_sum_rows`, whose gradient autograd takes (into the tensors the functions
+    capture too). Compiled (``compiled``), the formula and the user's functions are fused
+    by ``torch.compile`` (inductor: C++ on the CPU, Triton on CUDA), as FlexAttention
+    compiles ``score_mod``, the gradient by ``torch.func.grad`` (:func:`_pair_sum_grad`):
+    the eager tile's two dozen passes become one or two loops, every function's result
+    checked eagerly on the first tile's first row. A compile that fails falls back to the
+    eager tiles, with one warning. The masks and weights come from the head's terms (the
+    functions that decide them run once per tile)."""
 
-    def __init__(self, head: FlexHead) -> None:
-        self.head = head
-        self.checked = False
+    def __init__(self, head: FlexHead, compiled: bool) -> None:
+        self.head, self.compiled, self.checked = head, compiled, False
 
-    def _inputs(self, s: Tensor, tile: Tile, fields: Dict[str, Tensor]) -> Tuple[Any, ...]:
-        head = self.head
-        if not self.checked:  # the eager checks of every function's result, on one row
-            head._terms(s[:1].clone(), Tile(tile.r0, tile.r0 + 1, tile.c0, tile.c1, tile.offset), fields)
+    def inputs(self, s: Tensor, tile: Tile, fields: Dict[str, Tensor]) -> Tuple[Any, ...]:
+        """The arguments of :func:`_pair_sum_rows` for the tile ``s`` (its rows' data
+        ``fields``): the views and the functions as they are compiled, or, eager, each
+        function's result checked against the tile."""
+        head, fns, (r, c) = self.head, self.head.fns, s.shape
+        assert fns.pos_mod is not None and fns.neg_mod is not None
+        if self.compiled and not self.checked:  # the eager checks of every function's result, on one row
+            head._terms(s[:1].detach().clone(), Tile(tile.r0, tile.r0 + 1, tile.c0, tile.c1, tile.offset), fields)
             self.checked = True
         t = head._terms(s, tile, fields, modify=False)
-        play = torch.ones(s.shape, dtype=torch.bool, device=s.device)
-        head._out_(play, t, tile, False)  # type: ignore[arg-type]
-        member = t.m != 0
+        play = head._out_(torch.ones((r, c), dtype=torch.bool, device=s.device), t, tile, False)  # type: ignore
         w = None if t.logw is None else torch.exp(t.logw)
         a, b = head._views(tile, fields)
-        fns = head.fns
-        return (
-            s,
-            member,
-            play,
-            w,
-            _namespace(a),
-            _namespace(b),
-            fns.pos_mod,
-            fns.neg_mod,
-            head.set_means == "mean_nonzero",
-        )
+        nonzero = head.set_means == "mean_nonzero"
+        if self.compiled:
+            return s, t.m != 0, play, w, _namespace(a), _namespace(b), fns.pos_mod, fns.neg_mod, nonzero
 
-    def _call(self, name: str, *args: Any) -> Any:
+        def checked(fn: Fn, name: str) -> Fn:
+            return lambda x, a_, b_: tile_result(fn(x, a_, b_), name, r, c, x, "float")
+
+        return s, t.m != 0, play, w, a, b, checked(fns.pos_mod, "pos_mod"), checked(fns.neg_mod, "neg_mod"), nonzero
+
+    def _try_compiled(self, name: str, s: Tensor, tile: Tile, st: Any, *coefs: Tensor) -> Any:
+        """The compiled tile function's result, or None (eager: not compiled, or a compile
+        that failed)."""
+        if not self.compiled:
+            return None
         try:
-            return _compiled(name)(*args)
-        except Exception as e:  # noqa: BLE001 - any compile failure: the eager head computes it
+            return _compiled(name)(*self.inputs(s, tile, st.fields), *coefs)
+        except Exception as e:  # noqa: BLE001 - any compile failure: the eager tiles compute it
             warnings.warn(
                 f"flashcl: the pair sum's tile function did not compile ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:120]}); computing it eagerly",
                 RuntimeWarning,
                 stacklevel=4,
             )
-            self.head.compiled = None
+            self.compiled = False
             return None
 
-    def reduce(self, s: Tensor, tile: Tile, st: Any) -> bool:
-        """The tile's sums and counts into the state; False where the eager head must."""
-        out = self._call("rows", *self._inputs(s, tile, st.fields))
-        if out is None:
-            return False
-        self._add(st, slice(tile.r0, tile.r1), out)
-        return True
+    def reduce(self, s: Tensor, tile: Tile, st: Any) -> None:
+        """The tile's sums and counts into the state."""
+        sums = self._try_compiled("rows", s, tile, st)
+        if sums is None:
+            sums = _pair_sum_rows(*self.inputs(s, tile, st.fields))
+        self._add(st, slice(tile.r0, tile.r1), sums)
 
-    def grad(self, s: Tensor, tile: Tile, st: Any, g_row: Tensor, add_sums: bool = False) -> Optional[Tensor]:
-        """``dL/ds`` of the tile (each set's factor from the state's scales), with
-        ``add_sums`` the sums and counts into the state too; None where the eager head must."""
+    def grad(self, s: Tensor, tile: Tile, st: Any, g_row: Tensor, add_sums: bool = False) -> Tensor:
+        """``dL/ds`` of the tile (each set's factor from the state's scales), the captured
+        tensors' gradients into the state's, with ``add_sums`` the sums and counts too."""
         rows = slice(tile.r0, tile.r1)
         a, b = st.scales
-        coef_pos = (g_row[rows] * a).to(s.dtype)
-        coef_neg = (g_row[rows] * b).to(s.dtype)
-        out = self._call("grad", *self._inputs(s, tile, st.fields), coef_pos, coef_neg)
+        coef_pos, coef_neg = (g_row[rows] * a).to(s.dtype), (g_row[rows] * b).to(s.dtype)
+        out = self._try_compiled("grad", s, tile, st, coef_pos, coef_neg)
         if out is None:
-            return None
-        g, sums = out
+            captured = self.head.captured
+            with torch.enable_grad():
+                x = s.detach().requires_grad_(True)
+                sums = _pair_sum_rows(*self.inputs(x, tile, st.fields))
+                total = (sums[0] * coef_pos).sum() + (sums[1] * coef_neg).sum()
+            # functions that ignore the scores and capture nothing that learns: no gradient
+            g, *grads = torch.autograd.grad(total, [x, *captured], allow_unused=True) if total.grad_fn else [None]
+            for i, gp in enumerate(grads):
+                if gp is not None:
+                    _add(st.param_grads, i, gp)
+            out = torch.zeros_like(s) if g is None else g, tuple(v.detach() for v in sums)
         if add_sums:
-            self._add(st, rows, sums)
-        return g
+            self._add(st, rows, out[1])
+        return out[0]
 
     @staticmethod
     def _add(st: Any, rows: slice, sums: Tuple[Tensor, ...]) -> None:
