@@ -1140,7 +1140,8 @@ class PairSumTiles:
             head._terms(s[:1].detach().clone(), Tile(tile.r0, tile.r0 + 1, tile.c0, tile.c1, tile.offset), fields)
             self.checked = True
         t = head._terms(s, tile, fields, modify=False)
-        play = head._out_(torch.ones((r, c), dtype=torch.bool, device=s.device), t, tile, False)  # type: ignore
+        play = torch.ones((r, c), dtype=torch.bool, device=s.device)
+        head._out_(play, t, tile, False)  # type: ignore[arg-type]
         w = None if t.logw is None else torch.exp(t.logw)
         a, b = head._views(tile, fields)
         nonzero = head.set_means == "mean_nonzero"
