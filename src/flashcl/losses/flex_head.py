@@ -1052,36 +1052,24 @@ def _namespace(view: View) -> SimpleNamespace:
     return SimpleNamespace(**fields, index=view.index)
 
 
-def _pair_sum_terms(
-    s: Tensor, member: Tensor, play: Tensor, w: Optional[Tensor], a: Any, b: Any, pos_fn: Fn, neg_fn: Fn, nonzero: bool
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """The pair sum's terms of a tile (0 out of play; the pairs out of play enter the
-    functions as constants) and its two sets' masks."""
-    s_in = torch.where(play, s, s.detach())
-    t = torch.where(member, pos_fn(s_in, a, b), neg_fn(s_in, a, b))
-    if w is not None:
-        t = t * w
-    t = torch.where(play, t, torch.zeros((), dtype=s.dtype, device=s.device))
-    pos, neg = play & member, play & ~member
-    if nonzero:  # a NaN term is counted (and makes its set NaN)
-        kept = (t > 0) | t.isnan()
-        pos, neg = pos & kept, neg & kept
-    return t, pos, neg
-
-
 def _pair_sum_rows(
     s: Tensor, member: Tensor, play: Tensor, w: Optional[Tensor], a: Any, b: Any, pos_fn: Fn, neg_fn: Fn, nonzero: bool
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Each row's sums of its two sets' terms and the sets' counts (their weights summed)."""
-    t, pos, neg = _pair_sum_terms(s, member, play, w, a, b, pos_fn, neg_fn, nonzero)
+    """Each row's sums of its two sets' terms and the sets' counts (their weights summed):
+    ``pos_fn``'s terms on the positives (``member``) in play, ``neg_fn``'s on the others in
+    play (with ``nonzero``: the terms above 0 alone); where a gradient is taken, the pairs
+    out of play enter the functions as constants (no gradient of theirs: a NaN or an
+    infinite slope)."""
+    s_in = torch.where(play, s, s.detach()) if torch.is_grad_enabled() else s
     zero = torch.zeros((), dtype=s.dtype, device=s.device)
-    ones = torch.ones_like(t) if w is None else w
-    return (
-        torch.where(pos, t, zero).sum(1),
-        torch.where(neg, t, zero).sum(1),
-        torch.where(pos, ones, zero).sum(1),
-        torch.where(neg, ones, zero).sum(1),
-    )
+    sums, counts = [], []
+    for fn, members in ((pos_fn, play & member), (neg_fn, play & ~member)):
+        t = fn(s_in, a, b) if w is None else fn(s_in, a, b) * w
+        if nonzero:  # a NaN term is counted (and makes its set NaN)
+            members = members & ((t > 0) | t.isnan())
+        sums.append(torch.where(members, t, zero).sum(1))
+        counts.append(members.sum(1, dtype=s.dtype) if w is None else torch.where(members, w, zero).sum(1))
+    return sums[0], sums[1], counts[0], counts[1]
 
 
 def _pair_sum_grad(
