@@ -43,7 +43,9 @@ class _State:
 
 
 class CircleHead(Head):
-    """The Circle loss as an engine head (see the module docstring).
+    """The Circle loss as an engine head (see the module docstring). Its gradient is
+    written out: autograd through :meth:`dense` on each block of complete rows took
+    1.8-2.1x as long (B = 8,192, D = 256, 2-core CPU; ``scripts/written_out.py``).
 
     Args:
         row_ids, col_ids: the rows' and the columns' class ids (int64, global columns).

@@ -372,8 +372,8 @@ class FlexHead(PanelHead, ReportingHead):
     """The flex loss as an engine head (see the module docstring). The softmax, sigmoid
     and two-set kinds' gradient is written out: at B = 8,192, D = 256 on a 2-core CPU
     (tiled, float32), autograd through :meth:`dense_reported` on each block of complete
-    rows took 1.5-2.4x as long (``scripts/flex_written_out.py``); the pair sum's is
-    autograd's through its one formula (:class:`PairSumTiles`).
+    rows took 1.3-2.4x as long (``scripts/written_out.py``); the pair sum's is autograd's
+    through its one formula (:class:`PairSumTiles`).
 
     Args:
         kind: ``"softmax"`` | ``"sigmoid"`` | a two-set kind (:class:`PairSets`).
