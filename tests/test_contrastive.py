@@ -461,6 +461,22 @@ def test_a_nan_positive_weight_is_a_positive(backend: str, block: Any) -> None:
     assert_close(flashcl.flex_loss(d["x"], backend=backend, block_size=block, **opts), want, backend, *TOL)
 
 
+@pytest.mark.parametrize("backend,block", BACKENDS[2:])
+def test_functions_that_ignore_the_scores(backend: str, block: Any) -> None:
+    """A pair sum whose functions ignore the scores: the reference's value (each set's pairs
+    counted), and a gradient of 0."""
+    d = _data(7)
+    opts: Dict[str, Any] = dict(
+        rows={"y": d["y"]}, positive=lambda a, b: a.y == b.y, kind="pair_sum",
+        pos_mod=lambda t, a, b: torch.ones_like(t), neg_mod=lambda t, a, b: 2.0 * torch.ones_like(t), reduction="sum",
+    )  # fmt: skip
+    x = d["x"].clone().requires_grad_(True)
+    got = flashcl.flex_loss(x, backend=backend, block_size=block, **opts)
+    assert_close(got.detach(), flashcl.flex_loss(d["x"], backend="reference", **opts), backend, *TOL)
+    (grad,) = torch.autograd.grad(got, x)
+    assert_close(grad, torch.zeros_like(grad), f"{backend}: gradient", *TOL)
+
+
 # ----------------------------------------------------------------------------- the compiled tiles
 
 
