@@ -35,23 +35,29 @@ from flashcl.losses.pair_nt_xent import PairNTXentHead
 from flashcl.tools.procmem import reset_peak, status_mb
 
 
+def _through_dense(head: Any, s: torch.Tensor, tile: Any, g_rows: Optional[torch.Tensor]) -> Tuple[Any, ...]:
+    """A block's losses, what the head reports of it (None: a head that reports nothing) and,
+    with the block's upstream gradients, ``dL/ds`` by autograd through its dense form."""
+    with torch.enable_grad():
+        leaf = s.detach().requires_grad_(True)
+        if isinstance(head, ReportingHead):
+            (out, _), reported = head.dense_reported(leaf, tile)
+        else:
+            (out, _), reported = head.dense(leaf, tile), None
+        g = None if g_rows is None else torch.autograd.grad(out, leaf, g_rows.to(out.dtype))[0]
+    return out.detach(), reported, g
+
+
 def _autograd_methods(cls: type) -> Dict[str, Callable[..., Any]]:
-    """``rows_fused``, ``values`` (and ``report``) of ``cls`` by autograd through its dense form."""
+    """``cls``'s methods by autograd through its dense form: ``rows_fused``, ``values``,
+    ``report`` where it reports, and the backward's ``begin_grad`` and ``grad`` (a forward
+    without the upstream gradient); the head's own reductions never run."""
     written = {name: getattr(cls, name) for name in ("values", "report") if hasattr(cls, name)}
-    # the head's own reductions are not run: the backward of a forward without the upstream
-    # gradient is autograd's too
 
     def rows_fused(self: Any, s: torch.Tensor, tile: Any, st: Any, g_row: Optional[torch.Tensor]) -> Any:
-        rows = slice(tile.r0, tile.r1)
-        with torch.enable_grad():
-            leaf = s.detach().requires_grad_(True)
-            if isinstance(self, ReportingHead):
-                (out, _), reported = self.dense_reported(leaf, tile)
-            else:
-                (out, _), reported = self.dense(leaf, tile), None
-            g = None if g_row is None else torch.autograd.grad(out, leaf, g_row[rows].to(out.dtype))[0]
+        out, reported, g = _through_dense(self, s, tile, None if g_row is None else g_row[tile.r0 : tile.r1])
         # the state's blocks: (first row, the block's losses, what the head reports of it)
-        st.__dict__.setdefault("autograd_blocks", []).append((tile.r0, out.detach(), reported))
+        st.__dict__.setdefault("autograd_blocks", []).append((tile.r0, out, reported))
         return None if g is None else s.copy_(g)
 
     def values(self: Any, st: Any) -> Any:
@@ -69,11 +75,7 @@ def _autograd_methods(cls: type) -> Dict[str, Callable[..., Any]]:
         st.g_row = g_row
 
     def grad(self: Any, s: torch.Tensor, tile: Any, st: Any, buf: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """A block's gradient in the backward (a forward without the upstream gradient)."""
-        with torch.enable_grad():
-            leaf = s.detach().requires_grad_(True)
-            out = (self.dense_reported(leaf, tile)[0] if isinstance(self, ReportingHead) else self.dense(leaf, tile))[0]
-            return s.copy_(torch.autograd.grad(out, leaf, st.g_row[tile.r0 : tile.r1].to(out.dtype))[0])
+        return s.copy_(_through_dense(self, s, tile, st.g_row[tile.r0 : tile.r1])[2])
 
     out: Dict[str, Callable[..., Any]] = {
         "rows_fused": rows_fused,
