@@ -488,8 +488,8 @@ def test_a_compile_that_fails_falls_back_to_the_eager_tiles(monkeypatch: Any) ->
     def fails(name: str) -> Any:
         raise RuntimeError(f"no compiler for {name}")
 
-    x = _data(5)["x"]
-    y = _data(5)["y"]
+    d = _data(5)
+    x, y = d["x"], d["y"]
     results = []
     for compiled in (False, True):
         xx = x.clone().requires_grad_(True)
